@@ -1,0 +1,29 @@
+# Every target does its own set-up: a fresh clone needs only `make demo` or `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo bench clean
+
+$(STAMP): pyproject.toml
+	@scripts/setup_system.sh
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+bench: $(STAMP)
+	$(PY) scripts/bench_reshard.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

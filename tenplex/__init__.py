@@ -1,0 +1,46 @@
+"""tenplex: change the (DP, TP, PP) parallelism of a running training job.
+
+The public surface: layouts (:class:`ParallelConfig`), parallelizable tensor collections
+(:class:`PTC`, :class:`TensorSpec` and its partition specs), model builders
+(:func:`model_ptc`), the planner (:func:`plan`) and checkpoints (:func:`save`, :func:`load`).
+"""
+
+from .config import Coords, ParallelConfig
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    ConfigError,
+    LayoutError,
+    PlanError,
+    TenplexError,
+)
+from .models import PRESETS, ModelSpec, model_ptc, model_spec
+from .planner import Move, Plan, PlanStats, plan
+from .ptc import PTC, Replicated, Split, TensorSpec
+
+__all__ = [
+    "Coords",
+    "ParallelConfig",
+    "TenplexError",
+    "ConfigError",
+    "LayoutError",
+    "PlanError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "PRESETS",
+    "ModelSpec",
+    "model_ptc",
+    "model_spec",
+    "Move",
+    "Plan",
+    "PlanStats",
+    "plan",
+    "PTC",
+    "Replicated",
+    "Split",
+    "TensorSpec",
+]

@@ -1,0 +1,130 @@
+"""The (DP, TP, PP) layout of a job and Megatron's mapping between ranks and coordinates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .errors import ConfigError
+
+__all__ = ["Coords", "ParallelConfig"]
+
+
+class Coords(NamedTuple):
+    """Position of a rank in the layout: pipeline stage, data-parallel and tensor-parallel index."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """A (DP, TP, PP) layout.
+
+    Ranks follow Megatron's default order: the TP index varies fastest, then DP, then PP,
+    so ``rank = tp + TP * (dp + DP * pp)``. ``stages`` optionally pins the number of
+    transformer layers of each pipeline stage (uneven stages); by default layers are split
+    evenly, earlier stages taking one extra layer when the count does not divide.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    stages: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.stages is not None:
+            stages = tuple(self.stages)
+            object.__setattr__(self, "stages", stages)
+            if len(stages) != self.pp:
+                raise ConfigError(
+                    f"stages lists {len(stages)} layer counts but pp={self.pp}; give one count per stage"
+                )
+            if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in stages):
+                raise ConfigError(f"stages must be non-negative integers, got {stages}")
+
+    # -- sizes and rank arithmetic -------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ConfigError unless this layout uses exactly ``world_size`` ranks."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"layout {self} needs dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} "
+                f"ranks but the world size is {world_size}"
+            )
+
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank} is outside [0, {self.world_size}) for layout {self}")
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return Coords(pp=pp, dp=dp, tp=tp)
+
+    def rank(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp)):
+            if not 0 <= value < size:
+                raise ConfigError(f"{name}={value} is outside [0, {size}) for layout {self}")
+        return tp + self.tp * (dp + self.dp * pp)
+
+    # -- pipeline stages ------------------------------------------------------------------
+    def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
+        """Number of transformer layers on each stage."""
+        if self.stages is not None:
+            if sum(self.stages) != num_layers:
+                raise ConfigError(
+                    f"stages {'+'.join(map(str, self.stages))} = {sum(self.stages)} layers "
+                    f"but the model has {num_layers}"
+                )
+            return self.stages
+        if self.pp > num_layers:
+            raise ConfigError(
+                f"pp={self.pp} is larger than the model's {num_layers} layers; "
+                "every pipeline stage needs at least one layer"
+            )
+        base, extra = divmod(num_layers, self.pp)
+        return tuple(base + (1 if s < extra else 0) for s in range(self.pp))
+
+    def stage_of_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The pipeline stage of every layer, indexed by layer."""
+        out: list[int] = []
+        for stage, count in enumerate(self.layers_per_stage(num_layers)):
+            out.extend([stage] * count)
+        return tuple(out)
+
+    # -- text form --------------------------------------------------------------------------
+    def __str__(self) -> str:
+        text = f"dp={self.dp},tp={self.tp},pp={self.pp}"
+        if self.stages is not None:
+            text += ",stages=" + "+".join(map(str, self.stages))
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelConfig:
+        """Parse ``dp=2,tp=4,pp=2`` (any order; missing sizes default to 1; ``stages=3+5`` optional)."""
+        values: dict[str, object] = {}
+        for part in text.replace(" ", "").split(","):
+            if not part:
+                continue
+            key, sep, raw = part.partition("=")
+            if not sep or key not in ("dp", "tp", "pp", "stages"):
+                raise ConfigError(
+                    f"cannot parse layout {text!r}: expected comma-separated dp=N,tp=N,pp=N[,stages=A+B+..]"
+                )
+            if key in values:
+                raise ConfigError(f"cannot parse layout {text!r}: {key} given twice")
+            try:
+                values[key] = tuple(int(x) for x in raw.split("+")) if key == "stages" else int(raw)
+            except ValueError:
+                raise ConfigError(f"cannot parse layout {text!r}: {key}={raw!r} is not an integer") from None
+        if not values:
+            raise ConfigError(f"cannot parse layout {text!r}: expected dp=N,tp=N,pp=N")
+        return cls(**values)  # type: ignore[arg-type]

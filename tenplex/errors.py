@@ -1,0 +1,46 @@
+"""Exceptions raised by tenplex. Every message says what went wrong and how to fix it."""
+
+from __future__ import annotations
+
+__all__ = [
+    "TenplexError",
+    "ConfigError",
+    "LayoutError",
+    "PlanError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+]
+
+
+class TenplexError(Exception):
+    """Base class of every error tenplex raises on purpose."""
+
+
+class ConfigError(TenplexError, ValueError):
+    """A parallel configuration is malformed or does not match a world size."""
+
+
+class LayoutError(TenplexError, ValueError):
+    """A layout cannot exist for a model (e.g. TP does not divide the head count)."""
+
+
+class PlanError(TenplexError, ValueError):
+    """A repartitioning plan cannot be made (bad `alive` set, unknown tensors)."""
+
+
+class CheckpointError(TenplexError):
+    """Base class of checkpoint problems."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No (complete) checkpoint exists at the requested URL and step."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file is truncated or its bytes fail their checksum."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint describes another model than the one requested."""

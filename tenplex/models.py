@@ -1,0 +1,226 @@
+"""PTC builders for the GPT and Llama model families, and named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import LayoutError
+from .ptc import PTC, Placement, Replicated, Split, TensorSpec, dtype_from_str, dtype_to_str
+
+__all__ = ["ModelSpec", "PRESETS", "model_spec", "model_ptc", "optimizer_names"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Dimensions of a decoder-only transformer.
+
+    GPT: LayerNorm with bias, GELU MLP of ``ffn_hidden`` (default 4h), learned positions,
+    tied embedding by default. Llama: RMSNorm, SwiGLU MLP ([gate; up] fused), GQA with
+    ``kv_heads``, RoPE (no position table), untied LM head by default. The vocabulary is
+    padded to a multiple of ``vocab_pad * tp`` as Megatron does.
+    """
+
+    arch: str
+    num_layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    seq_len: int = 2048
+    tied_embeddings: bool | None = None
+    dtype: torch.dtype = torch.bfloat16
+    vocab_pad: int = 128
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("gpt", "llama"):
+            raise ValueError(f"arch must be 'gpt' or 'llama', got {self.arch!r}")
+        for name in ("num_layers", "hidden", "heads", "vocab", "seq_len", "vocab_pad"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"hidden={self.hidden} is not divisible by heads={self.heads} "
+                f"({self.hidden} % {self.heads} = {self.hidden % self.heads})"
+            )
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        assert self.kv_heads is not None
+        if self.kv_heads < 1 or self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if self.arch == "gpt" and self.kv_heads != self.heads:
+            raise ValueError("the GPT family has no grouped-query attention: kv_heads must equal heads")
+        if self.ffn_hidden is None:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        if self.tied_embeddings is None:
+            object.__setattr__(self, "tied_embeddings", self.arch == "gpt")
+        if isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", dtype_from_str(self.dtype))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def padded_vocab(self, tp: int) -> int:
+        unit = self.vocab_pad * tp
+        return -(-self.vocab // unit) * unit
+
+    def check_tp(self, tp: int) -> None:
+        """Raise LayoutError naming the constraint when ``tp`` cannot split this model."""
+        assert self.kv_heads is not None and self.ffn_hidden is not None
+        for what, value in (("heads", self.heads), ("kv_heads", self.kv_heads), ("ffn_hidden", self.ffn_hidden)):
+            if value % tp:
+                raise LayoutError(f"tp={tp} does not divide {what}={value} ({value} % {tp} = {value % tp})")
+
+    def num_params(self) -> int:
+        return sum(s.numel for s in self.param_specs())
+
+    def param_specs(self) -> list[TensorSpec]:
+        """The model's parameters (no optimizer state) as tensor specs."""
+        assert self.kv_heads is not None and self.ffn_hidden is not None
+        h, f, dt = self.hidden, self.ffn_hidden, self.dtype
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        vocab = Split(0, pad_multiple=self.vocab_pad)
+        gpt = self.arch == "gpt"
+        specs: list[TensorSpec] = []
+
+        def add(name: str, shape: tuple[int, ...], tp: Any, placement: Placement) -> None:
+            specs.append(TensorSpec(name, shape, dt, tp, placement))
+
+        add("embedding.word", (self.vocab, h), vocab, "both" if self.tied_embeddings else "first")
+        if gpt:
+            add("embedding.position", (self.seq_len, h), Replicated(), "first")
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            norm = ("ln1", "ln2") if gpt else ("attn_norm", "mlp_norm")
+            add(p + norm[0] + ".weight", (h,), Replicated(), i)
+            if gpt:
+                add(p + norm[0] + ".bias", (h,), Replicated(), i)
+            add(p + "attn.qkv.weight", (q + 2 * kv, h), Split(0, blocks=(q, kv, kv)), i)
+            if gpt:
+                add(p + "attn.qkv.bias", (q + 2 * kv,), Split(0, blocks=(q, kv, kv)), i)
+            add(p + "attn.proj.weight", (h, q), Split(1), i)
+            if gpt:
+                add(p + "attn.proj.bias", (h,), Replicated(), i)
+            add(p + norm[1] + ".weight", (h,), Replicated(), i)
+            if gpt:
+                add(p + norm[1] + ".bias", (h,), Replicated(), i)
+                add(p + "mlp.fc1.weight", (f, h), Split(0), i)
+                add(p + "mlp.fc1.bias", (f,), Split(0), i)
+                add(p + "mlp.fc2.weight", (h, f), Split(1), i)
+                add(p + "mlp.fc2.bias", (h,), Replicated(), i)
+            else:
+                add(p + "mlp.gate_up.weight", (2 * f, h), Split(0, blocks=(f, f)), i)
+                add(p + "mlp.down.weight", (h, f), Split(1), i)
+        add("final_norm.weight", (h,), Replicated(), "last")
+        if gpt:
+            add("final_norm.bias", (h,), Replicated(), "last")
+        if not self.tied_embeddings:
+            add("lm_head.weight", (self.vocab, h), vocab, "last")
+        return specs
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["dtype"] = dtype_to_str(self.dtype)
+        return d
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> ModelSpec:
+        return cls(**{**obj, "dtype": dtype_from_str(obj["dtype"])})
+
+
+OPTIMIZER_STATES = ("main", "exp_avg", "exp_avg_sq")
+
+
+def optimizer_names(param: str) -> dict[str, str]:
+    """Names of the optimizer-state tensors that follow parameter ``param``."""
+    return {state: f"optimizer.{state}.{param}" for state in OPTIMIZER_STATES}
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # A Llama small enough for CPU tests; layers, heads and KV heads allow TP and PP of 1, 2, 4.
+    # Byte-level vocabulary (256 bytes + 3 specials), padded under every TP > 0.
+    "tiny": dict(arch="llama", num_layers=4, hidden=64, heads=8, kv_heads=4, ffn_hidden=128,
+                 vocab=259, seq_len=64, dtype=torch.float32, vocab_pad=8),
+    # About 100M parameters (GPT-2 small sized), for benchmarks.
+    "gpt-100m": dict(arch="gpt", num_layers=12, hidden=768, heads=12, vocab=50257, seq_len=1024,
+                     dtype=torch.float32),
+    "gpt3-1.3b": dict(arch="gpt", num_layers=24, hidden=2048, heads=16, vocab=50257, seq_len=2048),
+    "gpt3-2.7b": dict(arch="gpt", num_layers=32, hidden=2560, heads=32, vocab=50257, seq_len=2048),
+    "gpt3-6.7b": dict(arch="gpt", num_layers=32, hidden=4096, heads=32, vocab=50257, seq_len=2048),
+    "gpt3-175b": dict(arch="gpt", num_layers=96, hidden=12288, heads=96, vocab=50257, seq_len=2048),
+    "llama3-8b": dict(arch="llama", num_layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
+                      vocab=128256, seq_len=8192),
+    "llama3-70b": dict(arch="llama", num_layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
+                       vocab=128256, seq_len=8192),
+}
+
+
+def model_spec(preset: str | None = None, **overrides: Any) -> ModelSpec:
+    """A ModelSpec from a preset name and/or keyword dimensions (keywords override the preset)."""
+    base: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown model preset {preset!r}; known: {', '.join(PRESETS)}")
+        base = dict(PRESETS[preset])
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    if "arch" not in base:
+        base["arch"] = "gpt"
+    missing = [k for k in ("num_layers", "hidden", "heads", "vocab") if k not in base]
+    if missing:
+        raise ValueError(f"model_ptc needs a preset or the dimensions {missing}")
+    return ModelSpec(**base)
+
+
+def model_ptc(
+    preset: str | None = None,
+    *,
+    arch: str | None = None,
+    num_layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn_hidden: int | None = None,
+    vocab: int | None = None,
+    seq_len: int | None = None,
+    tied_embeddings: bool | None = None,
+    dtype: torch.dtype | str | None = None,
+    vocab_pad: int | None = None,
+    optimizer: bool = True,
+    distributed_optimizer: bool = False,
+) -> PTC:
+    """The PTC of a GPT or Llama model, with Adam state unless ``optimizer=False``.
+
+    Optimizer state (``optimizer.main.*`` fp32 master copy when the model dtype is not fp32,
+    ``optimizer.exp_avg.*``, ``optimizer.exp_avg_sq.*``) follows each parameter's TP/PP
+    layout; with ``distributed_optimizer`` it is sharded across DP ranks as flat fragments.
+    The step counter is carried as the object ``optimizer.step``.
+    """
+    spec = model_spec(
+        preset, arch=arch, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+        ffn_hidden=ffn_hidden, vocab=vocab, seq_len=seq_len, tied_embeddings=tied_embeddings,
+        dtype=dtype, vocab_pad=vocab_pad,
+    )
+    params = spec.param_specs()
+    tensors = list(params)
+    if optimizer:
+        for p in params:
+            names = optimizer_names(p.name)
+            for state in OPTIMIZER_STATES:
+                if state == "main" and p.dtype == torch.float32:
+                    continue
+                tensors.append(dataclasses.replace(
+                    p, name=names[state], dtype=torch.float32, dp_sharded=distributed_optimizer))
+    meta = {
+        "model": spec.to_json(),
+        "preset": preset,
+        "tp_divides": {"heads": spec.heads, "kv_heads": spec.kv_heads, "ffn_hidden": spec.ffn_hidden},
+        "optimizer": optimizer,
+        "distributed_optimizer": distributed_optimizer,
+    }
+    return PTC(tensors, num_layers=spec.num_layers, objects=("optimizer.step",) if optimizer else (), meta=meta)

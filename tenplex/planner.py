@@ -1,0 +1,313 @@
+"""Minimal-movement repartitioning plans (pure: no I/O, no processes).
+
+A plan says, for every new rank and every tensor it holds, which pieces it needs and where
+each comes from: its own device (already there), an old rank on the same host, an old rank
+on another host, or persistent storage when every holder died. Overlaps are found per
+tensor by sorting the old layout's segments and binary-searching the new ones
+(``O((n + m) log n)``), never by comparing every chunk with every chunk.
+
+Rules, in order: use bytes already on the same device; otherwise read from a live holder on
+the same host; otherwise from any live holder; spread reads round-robin over all candidate
+holders (DP replicas, tied copies) so no source becomes a hot spot; storage only when no
+live copy exists. Moved bytes therefore always equal the lower bound (bytes a new rank needs
+that its device does not hold).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .config import ParallelConfig
+from .errors import PlanError
+from .ptc import PTC
+
+__all__ = ["LOCAL", "SAME_HOST", "CROSS_HOST", "STORAGE", "KIND_NAMES", "Move", "PlanStats", "Plan", "plan",
+           "intersect", "device_assignment"]
+
+log = logging.getLogger(__name__)
+
+LOCAL, SAME_HOST, CROSS_HOST, STORAGE = 0, 1, 2, 3
+KIND_NAMES = ("local", "same_host", "cross_host", "storage")
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One piece a new rank needs: ``length`` elements of ``tensor`` in canonical flat order.
+
+    ``dst_offset``: where it goes in the new rank's canonical flat shard. ``src_rank``: the old
+    rank that sends it (-1 for storage); ``src_offset``: where it sits in that rank's canonical
+    flat shard (the global offset ``start`` for storage).
+    """
+
+    new_rank: int
+    tensor: str
+    kind: str
+    src_rank: int
+    src_offset: int
+    dst_offset: int
+    start: int
+    length: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStats:
+    """Byte counts of a plan (padding excluded: zeros are recreated, never moved)."""
+
+    bytes_needed: int
+    bytes_local: int
+    bytes_same_host: int
+    bytes_cross_host: int
+    bytes_storage: int
+    bytes_lower_bound: int
+    max_send_bytes: int
+    max_recv_bytes: int
+    num_moves: int
+    plan_seconds: float
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes that reach a new rank from anywhere but its own device."""
+        return self.bytes_same_host + self.bytes_cross_host + self.bytes_storage
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d["bytes_moved"] = self.bytes_moved
+        return d
+
+
+def intersect(
+    q_start: np.ndarray, q_len: np.ndarray, c_start: np.ndarray, c_end: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Overlaps of query intervals with sorted, disjoint class intervals.
+
+    Returns ``(query_index, class_index, piece_start, piece_end)`` for every non-empty
+    overlap, queries in order. Cost is ``O((q + c) log c + overlaps)``.
+    """
+    q_end = q_start + q_len
+    i0 = np.searchsorted(c_start, q_start, side="right") - 1
+    i0 = np.maximum(i0, 0)
+    i1 = np.searchsorted(c_start, q_end, side="left")
+    counts = np.maximum(i1 - i0, 0)
+    qi = np.repeat(np.arange(len(q_start)), counts)
+    first = np.cumsum(counts) - counts
+    ci = i0[qi] + (np.arange(len(qi)) - first[qi])
+    ps = np.maximum(q_start[qi], c_start[ci])
+    pe = np.minimum(q_end[qi], c_end[ci])
+    keep = pe > ps
+    return qi[keep], ci[keep], ps[keep], pe[keep]
+
+
+def device_assignment(old: ParallelConfig, new: ParallelConfig, alive: Sequence[int] | None) -> np.ndarray:
+    """Device of every new rank: the i-th surviving device, then fresh devices numbered after the old ones."""
+    if alive is None:
+        alive = range(min(new.world_size, old.world_size))
+    alive_arr = np.asarray(list(alive), dtype=np.int64)
+    if len(np.unique(alive_arr)) != len(alive_arr):
+        raise PlanError(f"alive lists a rank twice: {sorted(alive_arr.tolist())}")
+    bad = alive_arr[(alive_arr < 0) | (alive_arr >= old.world_size)]
+    if len(bad):
+        raise PlanError(f"alive ranks {bad.tolist()} are outside the old world [0, {old.world_size})")
+    n = new.world_size
+    fresh = old.world_size + np.arange(max(0, n - len(alive_arr)), dtype=np.int64)
+    return np.concatenate([alive_arr[:n], fresh])
+
+
+class Plan:
+    """The repartitioning from ``old`` to ``new``, stored as numpy columns (one row per move)."""
+
+    _COLUMNS = ("new_rank", "tensor", "kind", "src_rank", "src_offset", "dst_offset", "start", "length", "nbytes")
+
+    def __init__(self, ptc: PTC, old: ParallelConfig, new: ParallelConfig, alive: tuple[int, ...],
+                 devices: np.ndarray, gpus_per_host: int, columns: dict[str, np.ndarray], stats: PlanStats):
+        self.ptc, self.old, self.new = ptc, old, new
+        self.alive = alive
+        self.devices = devices
+        self.gpus_per_host = gpus_per_host
+        self.tensor_names: tuple[str, ...] = tuple(ptc.tensors)
+        self.columns = columns
+        self.stats = stats
+        order = np.argsort(columns["new_rank"], kind="stable")
+        self._order = order
+        self._bounds = np.searchsorted(columns["new_rank"][order], np.arange(new.world_size + 1))
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return (f"Plan({self.old} -> {self.new}: {s.num_moves} moves, needed {s.bytes_needed / 2**20:.1f} MiB, "
+                f"moved {s.bytes_moved / 2**20:.1f} MiB)")
+
+    def moves(self, new_rank: int) -> list[Move]:
+        """Every piece ``new_rank`` needs, in tensor order."""
+        if not 0 <= new_rank < self.new.world_size:
+            raise PlanError(f"new rank {new_rank} is outside [0, {self.new.world_size})")
+        idx = self._order[self._bounds[new_rank] : self._bounds[new_rank + 1]]
+        c = self.columns
+        return [
+            Move(int(c["new_rank"][i]), self.tensor_names[c["tensor"][i]], KIND_NAMES[c["kind"][i]],
+                 int(c["src_rank"][i]), int(c["src_offset"][i]), int(c["dst_offset"][i]), int(c["start"][i]),
+                 int(c["length"][i]), int(c["nbytes"][i]))
+            for i in idx
+        ]
+
+    def device_of(self, new_rank: int) -> int:
+        return int(self.devices[new_rank])
+
+    def sent_bytes(self) -> np.ndarray:
+        """Bytes each old rank sends to peers (index = old rank)."""
+        c = self.columns
+        peer = (c["kind"] == SAME_HOST) | (c["kind"] == CROSS_HOST)
+        return np.bincount(c["src_rank"][peer], weights=c["nbytes"][peer], minlength=self.old.world_size)
+
+    def received_bytes(self) -> np.ndarray:
+        """Bytes each new rank receives from peers or storage (index = new rank)."""
+        c = self.columns
+        remote = c["kind"] != LOCAL
+        return np.bincount(c["new_rank"][remote], weights=c["nbytes"][remote], minlength=self.new.world_size)
+
+
+def plan(
+    ptc: PTC,
+    old_cfg: ParallelConfig,
+    new_cfg: ParallelConfig,
+    *,
+    alive: Sequence[int] | None = None,
+    gpus_per_host: int = 8,
+) -> Plan:
+    """Plan the move of ``ptc`` from layout ``old_cfg`` to ``new_cfg``.
+
+    ``alive``: old ranks whose devices survive (default: the first ``min(old, new)`` world
+    size devices); new rank i runs on the i-th of them, and on fresh devices beyond. Old
+    rank r ran on device r; device d sits on host ``d // gpus_per_host``.
+    """
+    t0 = time.perf_counter()
+    if gpus_per_host < 1:
+        raise PlanError(f"gpus_per_host must be >= 1, got {gpus_per_host}")
+    ptc.check(old_cfg)
+    ptc.check(new_cfg)
+    devices = device_assignment(old_cfg, new_cfg, alive)
+    alive_t = tuple(int(a) for a in (range(min(new_cfg.world_size, old_cfg.world_size)) if alive is None else alive))
+    alive_mask = np.zeros(old_cfg.world_size + 1, dtype=bool)  # last slot: "no holder" (-1)
+    alive_mask[list(alive_t)] = True
+    new_host = devices // gpus_per_host
+    old_host = np.append(np.arange(old_cfg.world_size) // gpus_per_host, -2)
+
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in Plan._COLUMNS}
+    served = np.zeros(old_cfg.world_size + 1, dtype=np.int64)  # remote requests per candidate set
+    for ti, (name, spec) in enumerate(ptc.tensors.items()):
+        old_t = ptc.holders(name, old_cfg)
+        new_t = ptc.holders(name, new_cfg)
+        if len(new_t) == 0:
+            continue
+        classes = _classes(name, old_t)
+        c_start, c_end, c_ranks, c_local = classes
+        qi, ci, ps, pe = intersect(new_t.start, new_t.length, c_start, c_end)
+        if int((pe - ps).sum()) != int(new_t.length.sum()):
+            raise PlanError(f"{name}: the old layout does not cover every element the new layout needs")
+        nr = new_t.rank[qi]
+        dev = devices[nr]
+        hr = c_ranks[ci]  # (P, k) holder ranks, -1 padded
+        live = alive_mask[hr]
+        is_local = live & (hr == dev[:, None])
+        same = live & (old_host[hr] == new_host[nr][:, None])
+        any_local = is_local.any(1)
+        any_same = same.any(1)
+        cand = np.where(any_local[:, None], is_local, np.where(any_same[:, None], same, live))
+        count = cand.sum(1)
+        # Round-robin over the candidates, continuing across tensors per candidate set (keyed
+        # by its first rank) so that repeated patterns do not keep hitting the same replicas.
+        remote = np.flatnonzero(~any_local & (count > 0))
+        rot = np.zeros(len(qi), dtype=np.int64)
+        if len(remote):
+            key = hr[remote, np.argmax(cand[remote], axis=1)]
+            order = np.argsort(key, kind="stable")
+            skey = key[order]
+            first = np.searchsorted(skey, skey, side="left")
+            rot[remote[order]] = served[skey] + (np.arange(len(skey)) - first)
+            served += np.bincount(key, minlength=len(served))
+        kth = rot % np.maximum(count, 1)
+        col = np.argmax(np.cumsum(cand, axis=1) > kth[:, None], axis=1)
+        rows = np.arange(len(qi))
+        src = np.where(count > 0, hr[rows, col], -1)
+        kind = np.where(any_local, LOCAL, np.where(count == 0, STORAGE, np.where(any_same, SAME_HOST, CROSS_HOST)))
+        delta = ps - c_start[ci]
+        src_off = np.where(count > 0, c_local[ci, col] + delta, ps)
+        length = pe - ps
+        parts["new_rank"].append(nr)
+        parts["tensor"].append(np.full(len(qi), ti, dtype=np.int32))
+        parts["kind"].append(kind.astype(np.int8))
+        parts["src_rank"].append(src)
+        parts["src_offset"].append(src_off)
+        parts["dst_offset"].append(new_t.local[qi] + (ps - new_t.start[qi]))
+        parts["start"].append(ps)
+        parts["length"].append(length)
+        parts["nbytes"].append(length * spec.itemsize)
+
+    columns = {k: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64)) for k, v in parts.items()}
+    for arr in columns.values():
+        arr.setflags(write=False)
+    stats = _stats(columns, old_cfg, new_cfg, time.perf_counter() - t0)
+    result = Plan(ptc, old_cfg, new_cfg, alive_t, devices, gpus_per_host, columns, stats)
+    log.info("planned %s -> %s in %.3fs: %d moves, %.1f MiB moved of %.1f MiB needed",
+             old_cfg, new_cfg, stats.plan_seconds, stats.num_moves, stats.bytes_moved / 2**20,
+             stats.bytes_needed / 2**20)
+    return result
+
+
+def _classes(name: str, table: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Group an old layout's segments into disjoint intervals with their holders.
+
+    Returns sorted starts, ends, a (classes, k) matrix of holder ranks (-1 padded) and the
+    matching matrix of offsets in the holders' local shards.
+    """
+    order = np.lexsort((table.rank, table.start))
+    start, length = table.start[order], table.length[order]
+    ranks, local = table.rank[order], table.local[order]
+    new_class = np.ones(len(start), dtype=bool)
+    new_class[1:] = start[1:] != start[:-1]
+    cid = np.cumsum(new_class) - 1
+    firsts = np.flatnonzero(new_class)
+    c_start, c_len = start[firsts], length[firsts]
+    if np.any(length != c_len[cid]):
+        raise PlanError(f"{name}: replicas of one piece disagree on its length; the layout spec is inconsistent")
+    c_end = c_start + c_len
+    if np.any(c_end[:-1] > c_start[1:]):
+        raise PlanError(f"{name}: pieces of the old layout overlap; the layout spec is inconsistent")
+    pos = np.arange(len(start)) - firsts[cid]
+    k = int(pos.max()) + 1 if len(pos) else 1
+    c_ranks = np.full((len(firsts) + 1, k), -1, dtype=np.int64)
+    c_local = np.zeros((len(firsts) + 1, k), dtype=np.int64)
+    c_ranks[cid, pos] = ranks
+    c_local[cid, pos] = local
+    return c_start, c_end, c_ranks[:-1], c_local[:-1]
+
+
+def _stats(c: dict[str, np.ndarray], old: ParallelConfig, new: ParallelConfig, seconds: float) -> PlanStats:
+    nbytes, kind = c["nbytes"], c["kind"]
+
+    def total(k: int) -> int:
+        return int(nbytes[kind == k].sum())
+
+    local = total(LOCAL)
+    needed = int(nbytes.sum())
+    peer = (kind == SAME_HOST) | (kind == CROSS_HOST)
+    sent = np.bincount(c["src_rank"][peer], weights=nbytes[peer], minlength=old.world_size) if peer.any() else [0]
+    remote = kind != LOCAL
+    recv = np.bincount(c["new_rank"][remote], weights=nbytes[remote], minlength=new.world_size) if remote.any() else [0]
+    return PlanStats(
+        bytes_needed=needed,
+        bytes_local=local,
+        bytes_same_host=total(SAME_HOST),
+        bytes_cross_host=total(CROSS_HOST),
+        bytes_storage=total(STORAGE),
+        bytes_lower_bound=needed - local,
+        max_send_bytes=int(np.max(sent)),
+        max_recv_bytes=int(np.max(recv)),
+        num_moves=len(nbytes),
+        plan_seconds=seconds,
+    )

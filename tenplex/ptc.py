@@ -1,0 +1,614 @@
+"""Parallelizable tensor collections: logical tensors plus how a (DP, TP, PP) layout partitions them.
+
+Every partitioning is reduced to one idea: 1-D intervals over the tensor's *canonical flat
+order*. The canonical order of a tensor moves its TP-split dimension to the front (a
+replicated tensor keeps its natural order) and flattens row-major. In that order
+
+* a TP shard is one contiguous interval (or one per fused block, plus zero padding for a
+  padded vocabulary), and
+* a DP fragment of the distributed optimizer is a contiguous range of the TP shard's
+  canonical flat order, so again at most one interval per block.
+
+A rank's piece of a tensor is therefore a short list of segments ``(local_offset,
+global_offset, length)`` where ``global_offset == -1`` marks zero padding. Planning,
+sharding, checkpoint layout and loading all work on these segments, never on N-d boxes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from .config import ParallelConfig
+from .errors import ConfigError, LayoutError
+
+__all__ = [
+    "Replicated",
+    "Split",
+    "TPSpec",
+    "Placement",
+    "TensorSpec",
+    "SegmentTable",
+    "PTC",
+    "dtype_from_str",
+    "dtype_to_str",
+]
+
+PAD = -1  # global offset of a zero-padding segment
+
+_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(_DTYPES)}")
+    return name
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(_DTYPES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Partition specs
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Replicated:
+    """Every TP rank holds the whole tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Split along ``dim`` across TP ranks.
+
+    ``blocks``: the dimension is a concatenation of blocks of these sizes (fused QKV under
+    GQA, SwiGLU [gate; up]); each block is split separately and a rank holds its part of
+    every block, in block order.
+    ``pad_multiple``: vocabulary padding; the dimension is padded with zero rows to a
+    multiple of ``pad_multiple * tp`` before splitting (padding is dropped on unshard).
+    """
+
+    dim: int = 0
+    blocks: tuple[int, ...] | None = None
+    pad_multiple: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dim < 0:
+            raise ValueError(f"Split.dim must be >= 0, got {self.dim}")
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
+            if not self.blocks or any(b <= 0 for b in self.blocks):
+                raise ValueError(f"Split.blocks must be positive sizes, got {self.blocks}")
+            if self.pad_multiple is not None:
+                raise ValueError("Split takes blocks or pad_multiple, not both")
+        if self.pad_multiple is not None and self.pad_multiple < 1:
+            raise ValueError(f"Split.pad_multiple must be >= 1, got {self.pad_multiple}")
+
+
+TPSpec = Union[Replicated, Split]
+
+# Pipeline placement: a layer index, or one of these words.
+Placement = Union[int, str]
+_PLACEMENT_WORDS = ("first", "last", "both", "all")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One logical tensor: name, global shape, dtype and how layouts partition it.
+
+    ``placement``: the transformer layer index it belongs to, ``"first"`` (embeddings),
+    ``"last"`` (final norm, LM head), ``"both"`` (tied embedding: first and last stage) or
+    ``"all"`` (every stage). ``dp_sharded``: the TP shard is split into equal flat fragments
+    across DP ranks (distributed optimizer / ZeRO-1), padded with zeros to a multiple of DP.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    tp: TPSpec = field(default_factory=Replicated)
+    placement: Placement = "all"
+    dp_sharded: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if not self.name:
+            raise ValueError("a tensor needs a non-empty name")
+        if any(s < 0 for s in self.shape):
+            raise ValueError(f"{self.name}: negative size in shape {self.shape}")
+        if isinstance(self.placement, bool) or not (
+            (isinstance(self.placement, int) and self.placement >= 0) or self.placement in _PLACEMENT_WORDS
+        ):
+            raise ValueError(
+                f"{self.name}: placement must be a layer index >= 0 or one of {_PLACEMENT_WORDS}, "
+                f"got {self.placement!r}"
+            )
+        if isinstance(self.tp, Split):
+            if self.tp.dim >= len(self.shape):
+                raise ValueError(f"{self.name}: split dim {self.tp.dim} but the tensor has {len(self.shape)} dims")
+            if self.tp.blocks is not None and sum(self.tp.blocks) != self.shape[self.tp.dim]:
+                raise ValueError(
+                    f"{self.name}: blocks {'+'.join(map(str, self.tp.blocks))} = {sum(self.tp.blocks)} "
+                    f"but dim {self.tp.dim} has size {self.shape[self.tp.dim]}"
+                )
+
+    # -- shape arithmetic ---------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def split_dim(self) -> int | None:
+        return self.tp.dim if isinstance(self.tp, Split) else None
+
+    def canonical_shape(self) -> tuple[int, ...]:
+        d = self.split_dim
+        if d is None:
+            return self.shape
+        return (self.shape[d],) + self.shape[:d] + self.shape[d + 1 :]
+
+    def to_canonical(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The global tensor as a contiguous 1-D tensor in canonical order."""
+        d = self.split_dim
+        t = tensor if d in (None, 0) else tensor.movedim(d, 0)
+        return t.contiguous().reshape(-1)
+
+    def from_canonical(self, flat: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """Inverse of ``to_canonical`` for a (local) tensor with ``rows`` along the split dim."""
+        d = self.split_dim
+        if d is None:
+            return flat.reshape(self.shape)
+        cshape = self.canonical_shape()
+        cshape = (cshape[0] if rows is None else rows,) + cshape[1:]
+        t = flat.reshape(cshape)
+        return t if d == 0 else t.movedim(0, d).contiguous()
+
+    def check_tp(self, tp: int) -> None:
+        """Raise LayoutError if ``tp`` cannot split this tensor."""
+        if not isinstance(self.tp, Split) or self.tp.pad_multiple is not None:
+            return
+        d = self.tp.dim
+        for size in self.tp.blocks or (self.shape[d],):
+            if size % tp:
+                what = "block" if self.tp.blocks else "dim"
+                raise LayoutError(
+                    f"tp={tp} does not divide {what} of size {size} along dim {d} of {self.name} "
+                    f"(shape {self.shape}): {size} % {tp} = {size % tp}"
+                )
+
+    def padded_rows(self, tp: int) -> int:
+        """Rows along the split dim after vocabulary padding (the dim itself without padding)."""
+        assert isinstance(self.tp, Split)
+        rows = self.shape[self.tp.dim]
+        if self.tp.pad_multiple is None:
+            return rows
+        unit = self.tp.pad_multiple * tp
+        return -(-rows // unit) * unit
+
+    def tp_segments(self, tp: int, t: int) -> list[tuple[int, int, int]]:
+        """Segments (local_off, global_off, length) of TP rank ``t``'s shard in canonical order."""
+        if not isinstance(self.tp, Split):
+            return [(0, 0, self.numel)]
+        self.check_tp(tp)
+        rows = self.shape[self.tp.dim]
+        row = self.numel // rows if rows else 0
+        pieces: list[tuple[int, int]] = []  # (global_off or PAD, length)
+        if self.tp.blocks is not None:
+            start = 0
+            for b in self.tp.blocks:
+                per = b // tp
+                pieces.append(((start + t * per) * row, per * row))
+                start += b
+        else:
+            per = self.padded_rows(tp) // tp
+            lo = t * per
+            real = max(0, min(lo + per, rows) - lo)
+            if real:
+                pieces.append((lo * row, real * row))
+            if per - real:
+                pieces.append((PAD, (per - real) * row))
+        out, local = [], 0
+        for g, n in pieces:
+            if n:
+                out.append((local, g, n))
+            local += n
+        return out
+
+    def local_rows(self, tp: int) -> int:
+        assert isinstance(self.tp, Split)
+        if self.tp.blocks is not None:
+            return sum(b // tp for b in self.tp.blocks)
+        return self.padded_rows(tp) // tp
+
+    def tp_local_numel(self, tp: int) -> int:
+        if not isinstance(self.tp, Split):
+            return self.numel
+        rows = self.shape[self.tp.dim]
+        row = self.numel // rows if rows else 0
+        return self.local_rows(tp) * row
+
+    def fragment_numel(self, cfg: ParallelConfig) -> int:
+        """Length of one DP fragment (distributed optimizer), padding included."""
+        return -(-self.tp_local_numel(cfg.tp) // cfg.dp)
+
+    def segments(self, cfg: ParallelConfig, tp_index: int, dp_index: int) -> list[tuple[int, int, int]]:
+        """Segments of the local shard held at (tp_index, dp_index) under ``cfg``."""
+        segs = self.tp_segments(cfg.tp, tp_index)
+        if not self.dp_sharded:
+            return segs
+        n = self.tp_local_numel(cfg.tp)
+        c = -(-n // cfg.dp)
+        f0, f1 = dp_index * c, (dp_index + 1) * c
+        out = []
+        for lo, g, ln in segs:
+            s, e = max(lo, f0), min(lo + ln, f1)
+            if e > s:
+                out.append((s - f0, PAD if g == PAD else g + (s - lo), e - s))
+        real_end = min(n, f1)
+        if f1 > max(real_end, f0):  # zero padding that makes every fragment the same length
+            start = max(real_end, f0)
+            out.append((start - f0, PAD, f1 - start))
+        return out
+
+    def local_shape(self, cfg: ParallelConfig) -> tuple[int, ...]:
+        """Natural shape of a rank's local shard (1-D for a DP-sharded tensor)."""
+        if self.dp_sharded:
+            return (self.fragment_numel(cfg),)
+        if not isinstance(self.tp, Split):
+            return self.shape
+        shape = list(self.shape)
+        shape[self.tp.dim] = self.local_rows(cfg.tp)
+        return tuple(shape)
+
+    # -- (de)serialisation ----------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        tp: dict[str, Any] = {"kind": "replicated"}
+        if isinstance(self.tp, Split):
+            tp = {"kind": "split", "dim": self.tp.dim}
+            if self.tp.blocks is not None:
+                tp["blocks"] = list(self.tp.blocks)
+            if self.tp.pad_multiple is not None:
+                tp["pad_multiple"] = self.tp.pad_multiple
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": dtype_to_str(self.dtype),
+            "tp": tp,
+            "placement": self.placement,
+            "dp_sharded": self.dp_sharded,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> TensorSpec:
+        tpj = obj["tp"]
+        tp: TPSpec = Replicated()
+        if tpj["kind"] == "split":
+            blocks = tpj.get("blocks")
+            tp = Split(dim=tpj["dim"], blocks=tuple(blocks) if blocks else None, pad_multiple=tpj.get("pad_multiple"))
+        return cls(
+            name=obj["name"],
+            shape=tuple(obj["shape"]),
+            dtype=dtype_from_str(obj["dtype"]),
+            tp=tp,
+            placement=obj["placement"],
+            dp_sharded=bool(obj["dp_sharded"]),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Segment tables: every holder of a tensor under a layout, as numpy columns
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SegmentTable:
+    """Segments of one tensor held by every rank of a layout (zero padding excluded).
+
+    Columns are numpy int64 arrays of equal length: ``rank``, ``local`` (offset in the
+    rank's canonical flat shard), ``start`` (global canonical offset), ``length``.
+    """
+
+    rank: np.ndarray
+    local: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+
+def _table(rows: list[tuple[int, int, int, int]]) -> SegmentTable:
+    arr = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    cols = [np.ascontiguousarray(arr[:, i]) for i in range(4)]
+    for c in cols:
+        c.setflags(write=False)
+    return SegmentTable(*cols)
+
+
+@lru_cache(maxsize=65536)
+def _holder_table(spec_key: tuple, stages: tuple[int, ...], cfg: ParallelConfig) -> SegmentTable:
+    spec = _spec_from_key(spec_key)
+    rows = []
+    for t in range(cfg.tp):
+        for d in range(cfg.dp):
+            segs = [s for s in spec.segments(cfg, t, d) if s[1] != PAD]
+            for stage in stages:
+                r = cfg.rank(pp=stage, dp=d, tp=t)
+                rows.extend((r, lo, g, ln) for lo, g, ln in segs)
+    return _table(rows)
+
+
+def _spec_key(spec: TensorSpec) -> tuple:
+    return (spec.shape, spec.dtype, spec.tp, spec.dp_sharded)
+
+
+def _spec_from_key(key: tuple) -> TensorSpec:
+    shape, dtype, tp, dp_sharded = key
+    return TensorSpec("_", shape, dtype, tp, "all", dp_sharded)
+
+
+# ---------------------------------------------------------------------------------------------
+# The collection
+# ---------------------------------------------------------------------------------------------
+class PTC:
+    """A parallelizable tensor collection: logical tensors, their partition specs, and the
+    names of small global objects (step counter, scheduler, data position) carried along.
+
+    >>> ptc = PTC([TensorSpec("w", (8, 4), tp=Split(0), placement=0)], num_layers=1)
+    >>> shards = ptc.shard({"w": torch.zeros(8, 4)}, ParallelConfig(tp=2))
+    """
+
+    def __init__(
+        self,
+        tensors: Iterable[TensorSpec],
+        *,
+        num_layers: int | None = None,
+        objects: Iterable[str] = (),
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        specs: dict[str, TensorSpec] = {}
+        for spec in tensors:
+            if spec.name in specs:
+                raise ValueError(f"tensor {spec.name!r} is listed twice in the PTC")
+            specs[spec.name] = spec
+        layers = [s.placement for s in specs.values() if isinstance(s.placement, int)]
+        inferred = max(layers) + 1 if layers else 0
+        if num_layers is None:
+            num_layers = inferred
+        elif num_layers < inferred:
+            raise ValueError(f"num_layers={num_layers} but a tensor belongs to layer {inferred - 1}")
+        self.tensors: Mapping[str, TensorSpec] = specs
+        self.num_layers: int = num_layers
+        self.objects: tuple[str, ...] = tuple(objects)
+        clash = set(self.objects) & set(specs)
+        if clash:
+            raise ValueError(f"names used both as tensor and object: {sorted(clash)}")
+        self.meta: dict[str, Any] = dict(meta or {})
+
+    # -- basic facts --------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __repr__(self) -> str:
+        return f"PTC({len(self.tensors)} tensors, {self.nbytes / 2**20:.1f} MiB, {self.num_layers} layers)"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.tensors.values())
+
+    def numel(self) -> int:
+        return sum(s.numel for s in self.tensors.values())
+
+    def check(self, cfg: ParallelConfig) -> None:
+        """Raise LayoutError/ConfigError if ``cfg`` cannot hold this collection."""
+        for what, value in self.meta.get("tp_divides", {}).items():
+            if value % cfg.tp:
+                raise LayoutError(f"tp={cfg.tp} does not divide {what}={value} ({value} % {cfg.tp} = {value % cfg.tp})")
+        if self.num_layers:
+            cfg.layers_per_stage(self.num_layers)
+        for spec in self.tensors.values():
+            spec.check_tp(cfg.tp)
+
+    def stages_of(self, name: str, cfg: ParallelConfig) -> tuple[int, ...]:
+        return self._stages(self.tensors[name].placement, cfg)
+
+    def _stages(self, placement: Placement, cfg: ParallelConfig) -> tuple[int, ...]:
+        if isinstance(placement, int):
+            return (_stage_map(cfg, self.num_layers)[placement],)
+        if placement == "first":
+            return (0,)
+        if placement == "last":
+            return (cfg.pp - 1,)
+        if placement == "both":
+            return (0,) if cfg.pp == 1 else (0, cfg.pp - 1)
+        return tuple(range(cfg.pp))
+
+    def holders(self, name: str, cfg: ParallelConfig) -> SegmentTable:
+        """Every (rank, segment) holding real (non-padding) bytes of ``name`` under ``cfg``."""
+        spec = self.tensors[name]
+        return _holder_table(_spec_key(spec), self.stages_of(name, cfg), cfg)
+
+    def rank_tensors(self, cfg: ParallelConfig, rank: int) -> list[str]:
+        """Names of the tensors rank ``rank`` holds under ``cfg``, in collection order."""
+        stage = cfg.coords(rank).pp
+        return [n for n, s in self.tensors.items() if stage in self._stages(s.placement, cfg)]
+
+    def segments(self, name: str, cfg: ParallelConfig, rank: int) -> list[tuple[int, int, int]]:
+        """Segments (local_off, global_off or -1 for padding, length) of ``rank``'s shard of ``name``."""
+        c = cfg.coords(rank)
+        return self.tensors[name].segments(cfg, c.tp, c.dp)
+
+    def local_shape(self, name: str, cfg: ParallelConfig) -> tuple[int, ...]:
+        return self.tensors[name].local_shape(cfg)
+
+    def rank_nbytes(self, cfg: ParallelConfig, rank: int) -> int:
+        """Bytes of real (non-padding) data that ``rank`` holds under ``cfg``."""
+        total = 0
+        for name in self.rank_tensors(cfg, rank):
+            spec = self.tensors[name]
+            total += spec.itemsize * sum(ln for _, g, ln in self.segments(name, cfg, rank) if g != PAD)
+        return total
+
+    # -- shard / unshard ------------------------------------------------------------------
+    def shard_tensor(self, name: str, cfg: ParallelConfig, rank: int, flat: torch.Tensor) -> torch.Tensor:
+        """Rank ``rank``'s local shard of ``name`` from the tensor's canonical flat global form."""
+        spec = self.tensors[name]
+        segs = self.segments(name, cfg, rank)
+        local = torch.zeros(sum(ln for _, _, ln in segs), dtype=spec.dtype)
+        for lo, g, ln in segs:
+            if g != PAD:
+                local[lo : lo + ln] = flat[g : g + ln]
+        return self.from_local_flat(name, cfg, local)
+
+    def from_local_flat(self, name: str, cfg: ParallelConfig, local: torch.Tensor) -> torch.Tensor:
+        """Reshape a canonical flat local shard into its natural local shape."""
+        spec = self.tensors[name]
+        if spec.dp_sharded or spec.split_dim is None:
+            return local.reshape(spec.local_shape(cfg))
+        return spec.from_canonical(local, rows=spec.local_rows(cfg.tp))
+
+    def to_local_flat(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """A local shard in canonical flat order (inverse of ``from_local_flat``)."""
+        spec = self.tensors[name]
+        if spec.dp_sharded or spec.split_dim in (None, 0):
+            return local.contiguous().reshape(-1)
+        return local.movedim(spec.split_dim, 0).contiguous().reshape(-1)
+
+    def shard(self, global_state: Mapping[str, Any], cfg: ParallelConfig) -> dict[int, dict[str, Any]]:
+        """Split global tensors into ``{rank: {name: local shard}}``; objects go to every rank."""
+        self.check(cfg)
+        missing = [n for n in self.tensors if n not in global_state]
+        if missing:
+            raise KeyError(f"global state lacks {len(missing)} tensors of the PTC, e.g. {missing[:3]}")
+        flats = {}
+        for name, spec in self.tensors.items():
+            t = global_state[name]
+            if tuple(t.shape) != spec.shape:
+                raise ValueError(f"{name}: global tensor has shape {tuple(t.shape)}, the PTC says {spec.shape}")
+            flats[name] = spec.to_canonical(t.to(spec.dtype))
+        out: dict[int, dict[str, Any]] = {}
+        for rank in range(cfg.world_size):
+            shard: dict[str, Any] = {
+                name: self.shard_tensor(name, cfg, rank, flats[name]) for name in self.rank_tensors(cfg, rank)
+            }
+            for obj in self.objects:
+                if obj in global_state:
+                    shard[obj] = global_state[obj]
+            out[rank] = shard
+        return out
+
+    def unshard(self, shards: Mapping[int, Mapping[str, Any]], cfg: ParallelConfig) -> dict[str, Any]:
+        """Rebuild the global tensors from every rank's shard (exact inverse of ``shard``)."""
+        self.check(cfg)
+        out: dict[str, Any] = {}
+        for name, spec in self.tensors.items():
+            flat = torch.empty(spec.numel, dtype=spec.dtype)
+            covered: list[tuple[int, int]] = []
+            for rank in sorted(shards):
+                if name not in shards[rank]:
+                    continue
+                local = self.to_local_flat(name, shards[rank][name])
+                for lo, g, ln in self.segments(name, cfg, rank):
+                    if g != PAD:
+                        flat[g : g + ln] = local[lo : lo + ln]
+                        covered.append((g, g + ln))
+            gap = _first_gap(covered, spec.numel)
+            if gap is not None:
+                raise ValueError(f"cannot unshard {name}: no rank holds elements from {gap} (canonical order)")
+            rows = spec.shape[spec.split_dim] if spec.split_dim is not None else None
+            out[name] = spec.from_canonical(flat, rows=rows)
+        for obj in self.objects:
+            for rank in sorted(shards):
+                if obj in shards[rank]:
+                    out[obj] = shards[rank][obj]
+                    break
+        return out
+
+    # -- identity and (de)serialisation --------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_layers": self.num_layers,
+            "objects": list(self.objects),
+            "meta": self.meta,
+            "tensors": [s.to_json() for s in self.tensors.values()],
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> PTC:
+        return cls(
+            (TensorSpec.from_json(t) for t in obj["tensors"]),
+            num_layers=obj["num_layers"],
+            objects=obj.get("objects", ()),
+            meta=obj.get("meta"),
+        )
+
+    def fingerprint(self) -> str:
+        """Hash of the tensors' names, shapes, dtypes and specs (not of meta)."""
+        body = json.dumps([s.to_json() for s in self.tensors.values()], sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def diff(self, other: PTC, limit: int = 3) -> list[str]:
+        """Human-readable differences to ``other`` (empty when the specs match)."""
+        out = []
+        mine, theirs = set(self.tensors), set(other.tensors)
+        if mine - theirs:
+            out.append(f"only in this model: {sorted(mine - theirs)[:limit]}")
+        if theirs - mine:
+            out.append(f"only in the other: {sorted(theirs - mine)[:limit]}")
+        for name in sorted(mine & theirs):
+            a, b = self.tensors[name].to_json(), other.tensors[name].to_json()
+            if a != b:
+                out.append(f"{name}: {a} != {b}")
+                if len(out) > limit:
+                    break
+        return out
+
+
+@lru_cache(maxsize=4096)
+def _stage_map(cfg: ParallelConfig, num_layers: int) -> tuple[int, ...]:
+    if num_layers == 0:
+        raise ConfigError("the PTC has no layers, so no tensor can belong to a layer")
+    return cfg.stage_of_layers(num_layers)
+
+
+def _first_gap(intervals: list[tuple[int, int]], n: int) -> tuple[int, int] | None:
+    pos = 0
+    for a, b in sorted(intervals):
+        if a > pos:
+            return (pos, a)
+        pos = max(pos, b)
+    return (pos, n) if pos < n else None
