@@ -27,7 +27,7 @@ from .config import ParallelConfig
 from .errors import PlanError
 from .ptc import PTC
 
-__all__ = ["LOCAL", "SAME_HOST", "CROSS_HOST", "STORAGE", "KIND_NAMES", "Move", "PlanStats", "Plan", "plan",
+__all__ = ["LOCAL", "SAME_HOST", "CROSS_HOST", "STORAGE", "KIND_NAMES", "Move", "PlanStats", "Plan", "plan", "holder_classes",
            "intersect", "device_assignment"]
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ def plan(
         new_t = ptc.holders(name, new_cfg)
         if len(new_t) == 0:
             continue
-        classes = _classes(name, old_t)
+        classes = holder_classes(name, old_t)
         c_start, c_end, c_ranks, c_local = classes
         qi, ci, ps, pe = intersect(new_t.start, new_t.length, c_start, c_end)
         if int((pe - ps).sum()) != int(new_t.length.sum()):
@@ -259,7 +259,7 @@ def plan(
     return result
 
 
-def _classes(name: str, table: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def holder_classes(name: str, table: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Group an old layout's segments into disjoint intervals with their holders.
 
     Returns sorted starts, ends, a (classes, k) matrix of holder ranks (-1 padded) and the

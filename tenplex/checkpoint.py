@@ -1,0 +1,502 @@
+"""Resharding checkpoints on any fsspec URL: safetensors data, JSON manifests, partial reads.
+
+Layout of a checkpoint (see docs/format.md)::
+
+    URL/step-000000000042/manifest.json          PTC spec, layout, step (rank 0)
+    URL/step-000000000042/objects.pt             small objects and `extra` (rank 0)
+    URL/step-000000000042/rank-00003.safetensors  the chunks rank 3 wrote
+    URL/step-000000000042/rank-00003.json         their index: offsets and CRC32s; written
+                                                  last, so its presence marks the part complete
+
+Every chunk is one interval of a tensor's canonical flat order (see ``tenplex.ptc``), stored
+as a 1-D safetensors tensor, so any piece a future layout needs is one contiguous byte
+range. Replicated intervals are written once, by the least-loaded of their holders. CRC32s
+cover fixed blocks of each chunk, so a load verifies exactly the blocks it reads.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import time
+import uuid
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import numpy as np
+import safetensors.torch
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from safetensors import safe_open
+
+from .config import ParallelConfig
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from .planner import holder_classes, intersect
+from .ptc import PAD, PTC
+
+__all__ = ["SaveResult", "LoadStats", "LoadResult", "StepInfo", "save", "load", "list_steps", "read_manifest",
+           "writer_assignment"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "tenplex-checkpoint"
+VERSION = 1
+_STEP_RE = re.compile(r"^step-(\d{12})$")
+_MIN_BLOCK, _MAX_BLOCK = 4096, 65536
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    step: int
+    rank: int
+    bytes_written: int
+    chunks: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStats:
+    """What a load read: ``bytes_read`` counts data bytes fetched (checksum blocks included),
+    ``metadata_bytes`` the JSON indexes and manifest; ``bytes_needed`` is the real (non-padding)
+    size of the loaded shard."""
+
+    bytes_needed: int
+    bytes_read: int
+    metadata_bytes: int
+    ranges: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    shard: dict[str, Any]
+    step: int
+    extra: Any
+    ptc: PTC
+    saved_layout: ParallelConfig
+    stats: LoadStats
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    step: int
+    complete: bool
+    layout: ParallelConfig | None
+    world_size: int | None
+    ranks_done: int
+    nbytes: int
+
+
+# ---------------------------------------------------------------------------------------------
+# paths and small I/O helpers
+# ---------------------------------------------------------------------------------------------
+def _fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    return fs, root.rstrip("/")
+
+
+def _step_dir(root: str, step: int) -> str:
+    return f"{root}/step-{step:012d}"
+
+
+def _rank_stem(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write ``data`` so that readers see the whole file or nothing."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    fs.mv(tmp, path)
+
+
+def _read_json(fs: fsspec.AbstractFileSystem, path: str) -> tuple[dict[str, Any], int]:
+    try:
+        raw = fs.cat_file(path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path} does not exist") from None
+    try:
+        return json.loads(raw), len(raw)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{path} is not valid JSON ({e}); the file is damaged") from None
+
+
+def _block_bytes(nbytes: int) -> int:
+    """Checksum block size of a chunk: about 1/32 of it, a power of two in [4 KiB, 64 KiB]."""
+    b = _MIN_BLOCK
+    while b < _MAX_BLOCK and b * 32 < nbytes:
+        b *= 2
+    return b
+
+
+def _crcs(buf: memoryview, block: int) -> list[int]:
+    return [zlib.crc32(buf[i : i + block]) for i in range(0, len(buf), block)]
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+# ---------------------------------------------------------------------------------------------
+# who writes what
+# ---------------------------------------------------------------------------------------------
+def writer_assignment(ptc: PTC, cfg: ParallelConfig) -> dict[int, list[tuple[str, int, int, int]]]:
+    """For every rank, the chunks it writes: ``(tensor, local_offset, start, length)``.
+
+    Each distinct interval is written once, by the holder (DP replica or tied copy) with the
+    fewest bytes assigned so far, so writes are balanced. Pure and deterministic: every rank
+    computes the same answer, and loaders use it to find chunks without listing files.
+    """
+    load = np.zeros(cfg.world_size + 1, dtype=np.float64)
+    load[-1] = np.inf
+    out: dict[int, list[tuple[str, int, int, int]]] = {r: [] for r in range(cfg.world_size)}
+    for name, spec in ptc.tensors.items():
+        table = ptc.holders(name, cfg)
+        if len(table) == 0:
+            continue
+        c_start, c_end, c_ranks, c_local = holder_classes(name, table)
+        for i in range(len(c_start)):
+            ranks = c_ranks[i]
+            col = int(np.argmin(load[ranks]))
+            w = int(ranks[col])
+            length = int(c_end[i] - c_start[i])
+            load[w] += length * spec.itemsize
+            out[w].append((name, int(c_local[i, col]), int(c_start[i]), length))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------------------------
+def save(
+    url: str,
+    ptc: PTC,
+    cfg: ParallelConfig,
+    rank: int,
+    shard: Mapping[str, Any],
+    *,
+    step: int,
+    extra: Any = None,
+    keep_last: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> SaveResult:
+    """Save rank ``rank``'s shard of ``ptc`` under layout ``cfg`` as part of checkpoint ``step``.
+
+    Every rank of the layout calls this with its own shard; the step becomes visible to
+    ``load`` only once every rank's part is complete. Rank 0 also writes the manifest, the
+    PTC's small objects and ``extra`` (any value ``torch.save`` can store with plain types
+    and tensors), and with ``keep_last=K`` removes steps older than the K newest complete ones.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    ptc.check(cfg)
+    cfg.coords(rank)
+    fs, root = _fs(url, storage_options)
+    sdir = _step_dir(root, step)
+    fs.makedirs(sdir, exist_ok=True)
+
+    expected = ptc.rank_tensors(cfg, rank)
+    missing = [n for n in expected if n not in shard]
+    if missing:
+        raise ValueError(f"rank {rank} under {cfg} must hold {len(expected)} tensors; the shard lacks {missing[:3]}")
+    flats: dict[str, torch.Tensor] = {}
+    for name in expected:
+        t = shard[name]
+        want = ptc.local_shape(name, cfg)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: rank {rank}'s shard has shape {tuple(t.shape)}, layout {cfg} needs {want}")
+        flats[name] = ptc.to_local_flat(name, t.detach().to("cpu", ptc.tensors[name].dtype))
+
+    chunks = writer_assignment(ptc, cfg)[rank]
+    tensors = {f"{name}@{start}": flats[name][lo : lo + ln].clone() for name, lo, start, ln in chunks}
+    data = safetensors.torch.save(tensors, metadata={"format": FORMAT, "step": str(step), "rank": str(rank)})
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    base = 8 + header_len
+    index_chunks = []
+    for name, _, start, ln in chunks:
+        key = f"{name}@{start}"
+        b0, b1 = header[key]["data_offsets"]
+        block = _block_bytes(b1 - b0)
+        crcs = _crcs(memoryview(data)[base + b0 : base + b1], block)
+        index_chunks.append({"tensor": name, "start": start, "length": ln, "offset": base + b0,
+                             "block": block, "crc32": "".join(f"{c:08x}" for c in crcs)})
+    stem = _rank_stem(rank)
+    data_path = f"{sdir}/{stem}.safetensors"
+    with fs.open(data_path, "wb") as f:
+        f.write(data)
+    written = len(data)
+    if rank == 0:
+        objects = {o: shard[o] for o in ptc.objects if o in shard}
+        buf = io.BytesIO()
+        torch.save({"objects": objects, "extra": extra}, buf)
+        _write_atomic(fs, f"{sdir}/objects.pt", buf.getvalue())
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "layout": str(cfg),
+                    "world_size": cfg.world_size, "fingerprint": ptc.fingerprint(), "ptc": ptc.to_json()}
+        mbytes = json.dumps(manifest).encode()
+        _write_atomic(fs, f"{sdir}/manifest.json", mbytes)
+        written += len(mbytes) + len(buf.getvalue())
+    index = {"format": FORMAT, "rank": rank, "file": f"{stem}.safetensors", "file_size": len(data),
+             "chunks": index_chunks}
+    ibytes = json.dumps(index).encode()
+    _write_atomic(fs, f"{sdir}/{stem}.json", ibytes)  # last: marks this part complete
+    written += len(ibytes)
+    if rank == 0 and keep_last is not None:
+        _prune(fs, root, keep_last)
+    result = SaveResult(step, rank, written, len(chunks), time.perf_counter() - t0)
+    log.debug("saved step %d rank %d: %d chunks, %d bytes in %.3fs", step, rank, len(chunks), written,
+              result.seconds)
+    return result
+
+
+def _prune(fs: fsspec.AbstractFileSystem, root: str, keep_last: int) -> None:
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    infos = _scan(fs, root)
+    complete = [i.step for i in infos if i.complete]
+    if len(complete) <= keep_last:
+        return
+    oldest_kept = sorted(complete)[-keep_last]
+    for info in infos:
+        if info.step < oldest_kept:
+            log.info("removing checkpoint step %d (keep_last=%d)", info.step, keep_last)
+            fs.rm(_step_dir(root, info.step), recursive=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# listing
+# ---------------------------------------------------------------------------------------------
+def _scan(fs: fsspec.AbstractFileSystem, root: str) -> list[StepInfo]:
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return []
+    out = []
+    for entry in entries:
+        m = _STEP_RE.match(entry.rstrip("/").rsplit("/", 1)[-1])
+        if not m:
+            continue
+        step = int(m.group(1))
+        files = fs.ls(entry, detail=True)
+        names = {f["name"].rstrip("/").rsplit("/", 1)[-1]: f for f in files}
+        done = sum(1 for n in names if re.fullmatch(r"rank-\d{5}\.json", n))
+        nbytes = sum(int(f.get("size") or 0) for n, f in names.items() if n.endswith(".safetensors"))
+        layout = world = None
+        complete = False
+        if "manifest.json" in names:
+            try:
+                manifest, _ = _read_json(fs, f"{entry.rstrip('/')}/manifest.json")
+                layout = ParallelConfig.parse(manifest["layout"])
+                world = int(manifest["world_size"])
+                complete = all(f"{_rank_stem(r)}.json" in names for r in range(world)) and "objects.pt" in names
+            except (CheckpointError, KeyError, ValueError):
+                complete = False
+        out.append(StepInfo(step, complete, layout, world, done, nbytes))
+    return sorted(out, key=lambda i: i.step)
+
+
+def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None) -> list[StepInfo]:
+    """Every step under ``url``, oldest first, with its layout and whether it is complete."""
+    fs, root = _fs(url, storage_options)
+    return _scan(fs, root)
+
+
+def _resolve_step(fs: fsspec.AbstractFileSystem, root: str, url: str, step: int | None) -> int:
+    infos = _scan(fs, root)
+    complete = [i.step for i in infos if i.complete]
+    if step is None:
+        if not complete:
+            extra = f" ({len(infos)} incomplete steps found)" if infos else ""
+            raise CheckpointNotFoundError(f"no complete checkpoint under {url}{extra}")
+        return complete[-1]
+    if step not in complete:
+        state = "is incomplete" if any(i.step == step for i in infos) else "does not exist"
+        raise CheckpointNotFoundError(
+            f"checkpoint step {step} under {url} {state}; complete steps: {complete or 'none'}"
+        )
+    return step
+
+
+def read_manifest(url: str, step: int | None = None, *,
+                  storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest of ``step`` (default: the latest complete step), with ``ptc`` as a PTC."""
+    fs, root = _fs(url, storage_options)
+    step = _resolve_step(fs, root, url, step)
+    manifest, _ = _read_json(fs, f"{_step_dir(root, step)}/manifest.json")
+    _check_format(manifest, url)
+    manifest["ptc"] = PTC.from_json(manifest["ptc"])
+    return manifest
+
+
+def _check_format(manifest: Mapping[str, Any], url: str) -> None:
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"{url} is not a tenplex checkpoint of version {VERSION} "
+            f"(format={manifest.get('format')!r}, version={manifest.get('version')!r})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------------
+class _Reader:
+    """Reads verified byte ranges of chunks: mmap slices for local files, ranged reads otherwise."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, sdir: str) -> None:
+        self.fs, self.sdir = fs, sdir
+        self.local = isinstance(fs, LocalFileSystem)
+        self.indexes: dict[int, dict[str, Any]] = {}
+        self.handles: dict[int, Any] = {}
+        self.bytes_read = 0
+        self.metadata_bytes = 0
+        self.ranges = 0
+
+    def index(self, rank: int) -> dict[str, Any]:
+        if rank not in self.indexes:
+            path = f"{self.sdir}/{_rank_stem(rank)}.json"
+            idx, n = _read_json(self.fs, path)
+            self.metadata_bytes += n
+            data_path = f"{self.sdir}/{idx['file']}"
+            try:
+                size = self.fs.size(data_path)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"{data_path} is missing although its index {path} exists") from None
+            if size != idx["file_size"]:
+                raise CheckpointCorruptError(
+                    f"{data_path} has {size} bytes but its index says {idx['file_size']}: the file is truncated "
+                    "or was overwritten; load an earlier step or re-save this one"
+                )
+            idx["by_key"] = {(c["tensor"], c["start"]): c for c in idx["chunks"]}
+            idx["path"] = data_path
+            self.indexes[rank] = idx
+        return self.indexes[rank]
+
+    def read(self, rank: int, name: str, chunk_start: int, a: int, b: int, dtype: torch.dtype,
+             itemsize: int) -> torch.Tensor:
+        """Elements [a, b) of the chunk of ``name`` starting at global offset ``chunk_start``."""
+        idx = self.index(rank)
+        try:
+            chunk = idx["by_key"][(name, chunk_start)]
+        except KeyError:
+            raise CheckpointCorruptError(
+                f"{idx['path']}: no chunk of {name} at offset {chunk_start}; the index does not match the manifest"
+            ) from None
+        block, nbytes = chunk["block"], chunk["length"] * itemsize
+        lo = (a * itemsize) // block * block
+        hi = min(-(-(b * itemsize) // block) * block, nbytes)
+        if self.local:
+            if rank not in self.handles:
+                self.handles[rank] = safe_open(idx["path"], framework="pt")
+            t = self.handles[rank].get_slice(f"{name}@{chunk_start}")[lo // itemsize : hi // itemsize]
+            raw = _as_bytes(t)
+        else:
+            raw = memoryview(self.fs.cat_file(idx["path"], start=chunk["offset"] + lo, end=chunk["offset"] + hi))
+        self.bytes_read += len(raw)
+        self.ranges += 1
+        if len(raw) != hi - lo:
+            raise CheckpointCorruptError(f"{idx['path']}: short read of {name} ({len(raw)} of {hi - lo} bytes)")
+        crcs = chunk["crc32"]
+        for i, off in enumerate(range(lo, hi, block)):
+            k = off // block
+            want = int(crcs[8 * k : 8 * k + 8], 16)
+            got = zlib.crc32(raw[off - lo : min(off - lo + block, hi - lo)])
+            if got != want:
+                raise CheckpointCorruptError(
+                    f"{idx['path']}: checksum mismatch in {name} bytes [{off}, {min(off + block, nbytes)}) of "
+                    f"the chunk at offset {chunk_start}: the file is corrupted; load an earlier step"
+                )
+        data = bytes(raw[a * itemsize - lo : b * itemsize - lo])
+        return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+
+    def close(self) -> None:
+        self.handles.clear()
+
+
+def load(
+    url: str,
+    cfg: ParallelConfig,
+    rank: int,
+    *,
+    step: int | None = None,
+    ptc: PTC | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> LoadResult:
+    """Load rank ``rank``'s shard under layout ``cfg`` from checkpoint ``step`` (default: latest complete).
+
+    Reads only the byte ranges this rank needs (rounded out to checksum blocks) and verifies
+    them. ``ptc``: the model the caller expects; a checkpoint of another model raises
+    CheckpointMismatchError. Nothing partial is returned: any error raises.
+    """
+    t0 = time.perf_counter()
+    fs, root = _fs(url, storage_options)
+    step = _resolve_step(fs, root, url, step)
+    sdir = _step_dir(root, step)
+    manifest, mbytes = _read_json(fs, f"{sdir}/manifest.json")
+    _check_format(manifest, url)
+    saved = PTC.from_json(manifest["ptc"])
+    if ptc is not None and ptc.fingerprint() != saved.fingerprint():
+        diff = "; ".join(ptc.diff(saved)) or "specs differ"
+        raise CheckpointMismatchError(
+            f"checkpoint {url} step {step} holds another model than the one requested: {diff}"
+        )
+    old = ParallelConfig.parse(manifest["layout"])
+    saved.check(cfg)
+    cfg.coords(rank)
+
+    writers = writer_assignment(saved, old)
+    reader = _Reader(fs, sdir)
+    reader.metadata_bytes += mbytes
+    # (tensor, start) -> writer rank, then per tensor the sorted chunk intervals
+    by_tensor: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    rows: dict[str, list[tuple[int, int, int]]] = {}
+    for w, chunks in writers.items():
+        for name, _, start, ln in chunks:
+            rows.setdefault(name, []).append((start, start + ln, w))
+    for name, r in rows.items():
+        arr = np.array(sorted(r), dtype=np.int64)
+        by_tensor[name] = (arr[:, 0], arr[:, 1], arr[:, 2])
+
+    shard: dict[str, Any] = {}
+    needed = 0
+    try:
+        for name in saved.rank_tensors(cfg, rank):
+            spec = saved.tensors[name]
+            segs = saved.segments(name, cfg, rank)
+            local = torch.zeros(sum(ln for _, _, ln in segs), dtype=spec.dtype)
+            real = [(lo, g, ln) for lo, g, ln in segs if g != PAD]
+            if real:
+                c_start, c_end, c_writer = by_tensor[name]
+                q_lo = np.array([s[0] for s in real], dtype=np.int64)
+                q_start = np.array([s[1] for s in real], dtype=np.int64)
+                q_len = np.array([s[2] for s in real], dtype=np.int64)
+                qi, ci, ps, pe = intersect(q_start, q_len, c_start, c_end)
+                if int((pe - ps).sum()) != int(q_len.sum()):
+                    raise CheckpointCorruptError(f"{name}: the checkpoint does not cover every element rank {rank} needs")
+                for q, c, s, e in zip(qi.tolist(), ci.tolist(), ps.tolist(), pe.tolist()):
+                    cs = int(c_start[c])
+                    piece = reader.read(int(c_writer[c]), name, cs, s - cs, e - cs, spec.dtype, spec.itemsize)
+                    dst = int(q_lo[q]) + (s - int(q_start[q]))
+                    local[dst : dst + (e - s)] = piece
+                needed += int(q_len.sum()) * spec.itemsize
+            shard[name] = saved.from_local_flat(name, cfg, local)
+        objects_raw = fs.cat_file(f"{sdir}/objects.pt")
+        reader.metadata_bytes += len(objects_raw)
+        try:
+            payload = torch.load(io.BytesIO(objects_raw), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+            raise CheckpointCorruptError(f"{sdir}/objects.pt cannot be read ({e}); the file is damaged") from None
+        shard.update(payload.get("objects", {}))
+        extra = payload.get("extra")
+    finally:
+        reader.close()
+    stats = LoadStats(needed, reader.bytes_read, reader.metadata_bytes, reader.ranges, time.perf_counter() - t0)
+    log.debug("loaded step %d rank %d under %s: read %d of %d bytes needed in %.3fs", step, rank, cfg,
+              stats.bytes_read, stats.bytes_needed, stats.seconds)
+    return LoadResult(shard, step, extra, saved, old, stats)
