@@ -5,6 +5,7 @@ The public surface: layouts (:class:`ParallelConfig`), parallelizable tensor col
 (:func:`model_ptc`), the planner (:func:`plan`) and checkpoints (:func:`save`, :func:`load`).
 """
 
+from .checkpoint import LoadResult, LoadStats, SaveResult, StepInfo, list_steps, load, read_manifest, save
 from .config import Coords, ParallelConfig
 from .errors import (
     CheckpointCorruptError,
@@ -19,8 +20,18 @@ from .errors import (
 from .models import PRESETS, ModelSpec, model_ptc, model_spec
 from .planner import Move, Plan, PlanStats, plan
 from .ptc import PTC, Replicated, Split, TensorSpec
+from .reshard import reshard
 
 __all__ = [
+    "save",
+    "load",
+    "list_steps",
+    "read_manifest",
+    "SaveResult",
+    "LoadResult",
+    "LoadStats",
+    "StepInfo",
+    "reshard",
     "Coords",
     "ParallelConfig",
     "TenplexError",
