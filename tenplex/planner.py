@@ -198,13 +198,16 @@ def plan(
     old_host = np.append(np.arange(old_cfg.world_size) // gpus_per_host, -2)
 
     parts: dict[str, list[np.ndarray]] = {k: [] for k in Plan._COLUMNS}
+    class_cache: dict[int, tuple[Any, tuple[np.ndarray, ...]]] = {}
     served = np.zeros(old_cfg.world_size + 1, dtype=np.int64)  # remote requests per candidate set
     for ti, (name, spec) in enumerate(ptc.tensors.items()):
         old_t = ptc.holders(name, old_cfg)
         new_t = ptc.holders(name, new_cfg)
         if len(new_t) == 0:
             continue
-        classes = holder_classes(name, old_t)
+        if id(old_t) not in class_cache:  # holder tables are shared by the layers of a stage
+            class_cache[id(old_t)] = (old_t, holder_classes(name, old_t))
+        classes = class_cache[id(old_t)][1]
         c_start, c_end, c_ranks, c_local = classes
         qi, ci, ps, pe = intersect(new_t.start, new_t.length, c_start, c_end)
         if int((pe - ps).sum()) != int(new_t.length.sum()):

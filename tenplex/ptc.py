@@ -161,7 +161,7 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
