@@ -1,0 +1,137 @@
+"""rescale(): what a worker calls at start-up, after torchrun's elastic agent (re)started it.
+
+It reads the latest complete checkpoint, takes the world size from the environment, picks a
+layout that is valid for the model and world size (memory-aware by default), plans the move
+from the saved layout, loads this rank's state reading only the bytes it needs, and returns
+the layout, the state and timings. With no checkpoint it says to start fresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checkpoint import LoadStats, list_steps, load, read_manifest
+from .config import ParallelConfig
+from .errors import CheckpointMismatchError, LayoutError
+from .planner import PlanStats, plan
+from .ptc import PTC
+
+__all__ = ["RescaleResult", "rescale", "env_world"]
+
+log = logging.getLogger(__name__)
+
+Chooser = Callable[[PTC, int, "ParallelConfig | None"], ParallelConfig]
+
+
+@dataclass(frozen=True)
+class RescaleResult:
+    """Outcome of ``rescale``: the layout to run, the step reached and this rank's state."""
+
+    cfg: ParallelConfig
+    rank: int
+    world_size: int
+    step: int
+    fresh: bool
+    shard: dict[str, Any] | None = None
+    extra: Any = None
+    previous: ParallelConfig | None = None
+    plan_stats: PlanStats | None = None
+    load_stats: LoadStats | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        if self.fresh:
+            return f"fresh start under {self.cfg} ({self.world_size} ranks)"
+        t = self.timings
+        parts = [f"resumed step {self.step}: {self.previous} -> {self.cfg} ({self.world_size} ranks)",
+                 f"choose {t.get('choose', 0):.3f}s plan {t.get('plan', 0):.3f}s load {t.get('load', 0):.3f}s"]
+        if self.load_stats:
+            parts.append(f"read {self.load_stats.bytes_read} B for {self.load_stats.bytes_needed} B needed")
+        return "; ".join(parts)
+
+
+def env_world() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) when run alone."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _default_chooser(layout_options: Mapping[str, Any]) -> Chooser:
+    def choose(ptc: PTC, world: int, previous: ParallelConfig | None) -> ParallelConfig:
+        from .layouts import choose_layout
+
+        model = ptc.meta.get("model")
+        if model is None:
+            raise LayoutError("the PTC has no model description (meta['model']); pass parallel= or choose=")
+        choice = choose_layout(ptc, world, current=previous, ptc=ptc, **dict(layout_options))
+        return choice.cfg
+
+    return choose
+
+
+def rescale(
+    url: str,
+    ptc: PTC,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    parallel: ParallelConfig | None = None,
+    choose: Chooser | None = None,
+    layout_options: Mapping[str, Any] | None = None,
+    gpus_per_host: int = 8,
+    storage_options: Mapping[str, Any] | None = None,
+) -> RescaleResult:
+    """Pick this worker's layout and load its state from the latest complete checkpoint.
+
+    ``parallel`` pins the layout; otherwise ``choose(ptc, world_size, previous_layout)``
+    picks it, by default ``tenplex.layouts.choose_layout`` with ``layout_options`` (global
+    batch, micro batch, sequence length, GPU memory). Raises CheckpointMismatchError for a
+    checkpoint of another model and LayoutError when no layout fits the world size.
+    """
+    env_rank, env_size = env_world()
+    rank = env_rank if rank is None else rank
+    world = env_size if world_size is None else world_size
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    steps = [s for s in list_steps(url, storage_options=storage_options) if s.complete]
+    timings["list"] = time.perf_counter() - t0
+    previous = None
+    if steps:
+        manifest = read_manifest(url, steps[-1].step, storage_options=storage_options)
+        saved: PTC = manifest["ptc"]
+        if saved.fingerprint() != ptc.fingerprint():
+            raise CheckpointMismatchError(
+                f"the checkpoint at {url} holds another model: {'; '.join(ptc.diff(saved)) or 'specs differ'}"
+            )
+        previous = ParallelConfig.parse(manifest["layout"])
+
+    t0 = time.perf_counter()
+    if parallel is not None:
+        cfg = parallel
+    else:
+        chooser = choose or _default_chooser(layout_options or {})
+        cfg = chooser(ptc, world, previous)
+    cfg.check_world_size(world)
+    ptc.check(cfg)
+    timings["choose"] = time.perf_counter() - t0
+
+    if not steps:
+        log.info("no checkpoint under %s: fresh start under %s", url, cfg)
+        return RescaleResult(cfg, rank, world, 0, True, timings=timings)
+
+    assert previous is not None
+    t0 = time.perf_counter()
+    # What a live reconfiguration would move if the first ranks kept their state in memory.
+    stats = plan(ptc, previous, cfg, gpus_per_host=gpus_per_host).stats
+    timings["plan"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res = load(url, cfg, rank, step=steps[-1].step, ptc=ptc, storage_options=storage_options)
+    timings["load"] = time.perf_counter() - t0
+    result = RescaleResult(cfg, rank, world, res.step, False, res.shard, res.extra, previous, stats, res.stats,
+                           timings)
+    log.info("%s", result.summary())
+    return result

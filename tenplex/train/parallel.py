@@ -1,0 +1,115 @@
+"""Process groups of a (DP, TP, PP) layout and the autograd-aware collectives of Megatron TP."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ParallelConfig
+
+__all__ = ["Groups", "init_distributed", "copy_to_tp", "reduce_from_tp", "all_reduce"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Groups:
+    """This rank's groups. ``None`` means a group of one (no communication needed)."""
+
+    cfg: ParallelConfig
+    rank: int
+    tp: Any
+    dp: Any
+    device: torch.device
+
+    @property
+    def coords(self):  # noqa: ANN201 - Coords
+        return self.cfg.coords(self.rank)
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of the peer with this rank's (dp, tp) on pipeline stage ``stage``."""
+        c = self.coords
+        return self.cfg.rank(pp=stage, dp=c.dp, tp=c.tp)
+
+
+def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
+    """Join the job's process group (torchrun's environment) and build TP and DP groups.
+
+    Without torchrun (no WORLD_SIZE) and a one-rank layout, runs without torch.distributed.
+    Uses nccl when CUDA is available, gloo otherwise.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.check_world_size(world)
+    use_cuda = torch.cuda.is_available() and os.environ.get("TENPLEX_DEVICE", "") != "cpu"
+    if world == 1 and not dist.is_initialized() and "MASTER_ADDR" not in os.environ:
+        device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+        return Groups(cfg, 0, None, None, device)
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    tp_group = dp_group = None
+    # every rank must create every group, in the same order
+    for pp in range(cfg.pp):
+        for dp in range(cfg.dp):
+            ranks = [cfg.rank(pp=pp, dp=dp, tp=t) for t in range(cfg.tp)]
+            g = dist.new_group(ranks) if cfg.tp > 1 else None
+            if rank in ranks:
+                tp_group = g
+    for pp in range(cfg.pp):
+        for tp in range(cfg.tp):
+            ranks = [cfg.rank(pp=pp, dp=d, tp=tp) for d in range(cfg.dp)]
+            g = dist.new_group(ranks) if cfg.dp > 1 else None
+            if rank in ranks:
+                dp_group = g
+    log.info("rank %d of %d: %s coords %s on %s", rank, world, cfg, cfg.coords(rank), device)
+    return Groups(cfg, rank, tp_group, dp_group, device)
+
+
+def all_reduce(t: torch.Tensor, group: Any, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce; a no-op for a group of one."""
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient backward (input of a column-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward, identity backward (output of a row-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x if group is None else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x if group is None else _ReduceFromTP.apply(x, group)

@@ -1,0 +1,365 @@
+"""The reference trainer: a Llama-style decoder under real DP x TP x PP, resumable under any layout.
+
+Run alone (``python -m tenplex.train --model tiny --steps 20``) or under torchrun. At start-up
+it calls ``tenplex.rescale``: the latest complete checkpoint is loaded under the layout chosen
+for the current world size, and training continues from the saved step and data position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import ParallelConfig
+from ..data.corpus import TokenCorpus, stdlib_corpus
+from ..data.partition import DataState, global_batch_ids, rank_batch_ids
+from ..elastic import RescaleResult, rescale
+from ..models import ModelSpec, model_ptc, optimizer_names
+from ..ptc import PTC
+from .model import StageModel, init_global_tensor
+from .parallel import Groups, all_reduce, init_distributed
+from .schedule import Op, one_f_one_b
+
+__all__ = ["TrainConfig", "Trainer", "trainer_ptc", "main", "parse_args"]
+
+log = logging.getLogger(__name__)
+
+DATA_OBJECT = "data"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = "tiny"
+    steps: int = 20
+    global_batch: int = 8
+    micro_batch: int = 2
+    seq_len: int | None = None
+    lr: float = 3e-3
+    warmup: int = 0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 1234
+    data: str | None = None
+    ckpt: str | None = None
+    ckpt_every: int = 0
+    keep_last: int = 3
+    parallel: str | None = None
+    distributed_optimizer: bool = False
+    log: str | None = None
+    gpus_per_host: int = 8
+    fail_at_step: int | None = None
+
+
+def trainer_ptc(model: str, *, distributed_optimizer: bool, seq_len: int | None = None) -> PTC:
+    """The PTC the trainer checkpoints: model parameters, Adam state (fp32), step and data state."""
+    base = model_ptc(model, seq_len=seq_len, distributed_optimizer=distributed_optimizer)
+    return PTC(base.tensors.values(), num_layers=base.num_layers, objects=base.objects + (DATA_OBJECT,),
+               meta=base.meta)
+
+
+class Trainer:
+    """One rank of the job: its stage model, its optimizer state and its slice of every batch."""
+
+    def __init__(self, tc: TrainConfig, ptc: PTC, groups: Groups, state: RescaleResult, corpus: TokenCorpus):
+        self.tc, self.ptc, self.g = tc, ptc, groups
+        self.cfg = groups.cfg
+        self.spec = ModelSpec.from_json(ptc.meta["model"])
+        self.corpus = corpus
+        dev = groups.device
+        names = ptc.rank_tensors(self.cfg, groups.rank)
+        self.param_names = [n for n in names if not n.startswith("optimizer.")]
+        shard = state.shard
+        if shard is None:  # fresh start: initialise through the PTC, the same for every layout
+            shard = {}
+            for n in names:
+                spec = ptc.tensors[n]
+                if n.startswith("optimizer."):
+                    shard[n] = torch.zeros(ptc.local_shape(n, self.cfg), dtype=spec.dtype)
+                else:
+                    flat = spec.to_canonical(init_global_tensor(ptc, n, tc.seed))
+                    shard[n] = ptc.shard_tensor(n, self.cfg, groups.rank, flat)
+            shard["optimizer.step"] = 0
+            shard[DATA_OBJECT] = DataState(corpus.num_samples, tc.global_batch, seed=tc.seed,
+                                           source=corpus.fingerprint()).to_json()
+        self.params = {n: shard[n].to(dev).requires_grad_(True) for n in self.param_names}
+        self.opt = {n: shard[n].to(dev) for n in names if n.startswith("optimizer.")}
+        self.step = int(shard["optimizer.step"])
+        self.data = DataState.from_json(dict(shard[DATA_OBJECT]))
+        if self.data.global_batch != tc.global_batch:
+            raise ValueError(f"the checkpoint was trained with global batch {self.data.global_batch}, "
+                             f"not {tc.global_batch}; keep the global batch when resuming")
+        if self.data.consumed != self.step * self.data.global_batch:
+            raise ValueError(f"data state says {self.data.consumed} samples consumed, step {self.step} implies "
+                             f"{self.step * self.data.global_batch}")
+        self.model = StageModel(self.spec, self.cfg, groups.rank, self.params, groups.tp).to(dev)
+        c = self.cfg.coords(groups.rank)
+        self.coords = c
+        per_dp = tc.global_batch // self.cfg.dp
+        if tc.global_batch % self.cfg.dp or per_dp % tc.micro_batch:
+            raise ValueError(f"global batch {tc.global_batch} must split into dp={self.cfg.dp} slices of whole "
+                             f"micro-batches of {tc.micro_batch}")
+        self.num_mb = per_dp // tc.micro_batch
+        self.schedule = one_f_one_b(self.cfg.pp, self.num_mb, c.pp)
+        self.bubble_hook: Any = None  # called as hook(op, work) while a stage waits for a peer
+
+    # -- one training step -------------------------------------------------------------------
+    def train_step(self) -> tuple[float, np.ndarray]:
+        tc, c = self.tc, self.coords
+        ids = rank_batch_ids(self.data, self.cfg.dp, c.dp)
+        batch = self.corpus.samples(ids).to(self.g.device)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        b = tc.micro_batch
+        scale = 1.0 / (self.num_mb * self.cfg.dp)
+        for p in self.params.values():
+            p.grad = None
+        stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        pending: list[Any] = []
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        prev, nxt = c.pp - 1, c.pp + 1
+        act_shape = (b, inputs.shape[1], self.spec.hidden)
+        dtype = self.spec.dtype
+        for op in self.schedule:
+            j = op.mb
+            if op.kind == "F":
+                if self.model.is_first:
+                    x_in = None
+                    out = self.model.forward(inputs[j * b : (j + 1) * b])
+                else:
+                    x_in = self._recv(op, act_shape, dtype, self.g.stage_rank(prev))
+                    x_in.requires_grad_(True)
+                    out = self.model.forward(x_in)
+                if self.model.is_last:
+                    loss = self.model.loss(out, targets[j * b : (j + 1) * b])
+                    loss_sum += loss.detach().double()
+                    out = loss * scale
+                else:
+                    pending.append(dist.isend(out.detach().contiguous(), self.g.stage_rank(nxt)))
+                stash[j] = (x_in, out)
+            else:
+                x_in, out = stash.pop(j)
+                if self.model.is_last:
+                    out.backward()
+                else:
+                    grad = self._recv(op, act_shape, dtype, self.g.stage_rank(nxt))
+                    torch.autograd.backward(out, grad)
+                if x_in is not None:
+                    pending.append(dist.isend(x_in.grad.contiguous(), self.g.stage_rank(prev)))
+        for w in pending:
+            w.wait()
+        self._sync_grads()
+        self._adamw()
+        # the global loss: last-stage, TP rank 0 ranks hold their DP slice's mean
+        total = torch.tensor([float(loss_sum) * scale if (self.model.is_last and c.tp == 0) else 0.0],
+                             dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        samples = global_batch_ids(self.data)
+        self.data = self.data.advance()
+        self.step += 1
+        return float(total.item()), samples
+
+    def _recv(self, op: Op, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.g.device)
+        work = dist.irecv(buf, src)
+        if self.bubble_hook is not None:
+            self.bubble_hook(op, work)
+        work.wait()
+        return buf
+
+    def _sync_grads(self) -> None:
+        """DP all-reduce (sum) of every gradient in one flat buffer."""
+        if self.g.dp is None:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params.values()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, self.g.dp)
+        off = 0
+        for p, g in zip(self.params.values(), grads):
+            n = g.numel()
+            p.grad = flat[off : off + n].view_as(p)
+            off += n
+
+    def _lr(self) -> float:
+        if self.tc.warmup and self.step < self.tc.warmup:
+            return self.tc.lr * (self.step + 1) / self.tc.warmup
+        return self.tc.lr
+
+    @torch.no_grad()
+    def _adamw(self) -> None:
+        """AdamW on the local shards; with the distributed optimizer each DP rank updates its
+        fragment of the flat canonical shard, then the fragments are all-gathered."""
+        tc = self.tc
+        t = self.step + 1
+        lr = self._lr()
+        bc1, bc2 = 1 - tc.beta1**t, 1 - tc.beta2**t
+        dist_opt = bool(self.ptc.meta.get("distributed_optimizer"))
+        for name, p in self.params.items():
+            names = optimizer_names(name)
+            m, v = self.opt[names["exp_avg"]], self.opt[names["exp_avg_sq"]]
+            wd = tc.weight_decay if p.dim() >= 2 else 0.0
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if dist_opt:
+                flat_p = self.ptc.to_local_flat(name, p.detach())
+                flat_g = self.ptc.to_local_flat(name, grad)
+                c = m.numel()
+                lo = self.coords.dp * c
+                n_real = max(0, min(c, flat_p.numel() - lo))
+                frag_p = torch.zeros(c, dtype=p.dtype, device=p.device)
+                frag_g = torch.zeros(c, dtype=p.dtype, device=p.device)
+                frag_p[:n_real] = flat_p[lo : lo + n_real]
+                frag_g[:n_real] = flat_g[lo : lo + n_real]
+                _adamw_update(frag_p, frag_g, m, v, lr, wd, tc, bc1, bc2)
+                frag_p[n_real:] = 0
+                parts = [torch.empty_like(frag_p) for _ in range(self.cfg.dp)]
+                if self.g.dp is not None:
+                    dist.all_gather(parts, frag_p, group=self.g.dp)
+                else:
+                    parts = [frag_p]
+                full = torch.cat(parts)[: flat_p.numel()]
+                p.copy_(self.ptc.from_local_flat(name, self.cfg, full))
+            else:
+                _adamw_update(p, grad, m, v, lr, wd, tc, bc1, bc2)
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def shard(self) -> dict[str, Any]:
+        out: dict[str, Any] = {n: p.detach().cpu() for n, p in self.params.items()}
+        out.update({n: t.cpu() for n, t in self.opt.items()})
+        out["optimizer.step"] = self.step
+        out[DATA_OBJECT] = self.data.to_json()
+        return out
+
+
+def _adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: float, wd: float,
+                  tc: TrainConfig, bc1: float, bc2: float) -> None:
+    if wd:
+        p.mul_(1 - lr * wd)
+    m.mul_(tc.beta1).add_(g, alpha=1 - tc.beta1)
+    v.mul_(tc.beta2).addcmul_(g, g, value=1 - tc.beta2)
+    denom = (v / bc2).sqrt_().add_(tc.eps)
+    p.addcdiv_(m, denom, value=-lr / bc1)
+
+
+# -- command line -------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    ap = argparse.ArgumentParser(prog="python -m tenplex.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="model preset (Llama family), e.g. tiny")
+    ap.add_argument("--steps", type=int, default=20, help="train until this global step, resuming if possible")
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--data", default=None, help="uint16 token file (default: the stdlib byte corpus)")
+    ap.add_argument("--ckpt", default=None, help="checkpoint URL (any fsspec URL)")
+    ap.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (and at the end)")
+    ap.add_argument("--keep-last", type=int, default=3)
+    ap.add_argument("--parallel", default=None, help="pin the layout, e.g. dp=2,tp=2,pp=1")
+    ap.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state across DP")
+    ap.add_argument("--gpus-per-host", type=int, default=8)
+    ap.add_argument("--log", default=None, help="rank 0 appends one JSON object per step here")
+    ap.add_argument("--fail-at-step", type=int, default=None,
+                    help="testing: every rank exits with an error after finishing this step (first run only)")
+    a = ap.parse_args(argv)
+    return TrainConfig(model=a.model, steps=a.steps, global_batch=a.global_batch, micro_batch=a.micro_batch,
+                       seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data, ckpt=a.ckpt,
+                       ckpt_every=a.ckpt_every, keep_last=a.keep_last, parallel=a.parallel,
+                       distributed_optimizer=a.distributed_optimizer, log=a.log, gpus_per_host=a.gpus_per_host,
+                       fail_at_step=a.fail_at_step)
+
+
+def run(tc: TrainConfig) -> int:
+    from ..checkpoint import save
+
+    ptc = trainer_ptc(tc.model, distributed_optimizer=tc.distributed_optimizer, seq_len=tc.seq_len)
+    spec = ModelSpec.from_json(ptc.meta["model"])
+    corpus = TokenCorpus(tc.data, spec.seq_len) if tc.data else stdlib_corpus(spec.seq_len)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    pinned = ParallelConfig.parse(tc.parallel) if tc.parallel else None
+    options = dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch, seq_len=spec.seq_len,
+                   gpus_per_host=tc.gpus_per_host, gpu_mem=_device_memory())
+    t_start = time.perf_counter()
+    if tc.ckpt:
+        state = rescale(tc.ckpt, ptc, rank=rank, world_size=world, parallel=pinned, layout_options=options,
+                        gpus_per_host=tc.gpus_per_host)
+    else:
+        from ..elastic import _default_chooser
+
+        cfg = pinned or _default_chooser(options)(ptc, world, None)
+        state = RescaleResult(cfg, rank, world, 0, True)
+    groups = init_distributed(state.cfg)
+    trainer = Trainer(tc, ptc, groups, state, corpus)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if rank == 0:
+        log.warning("%s", state.summary())
+        _emit(tc.log, {"event": "start", "step": trainer.step, "world_size": world, "layout": str(state.cfg),
+                       "previous": str(state.previous) if state.previous else None, "restart": restart,
+                       "timings": state.timings, "startup_s": time.perf_counter() - t_start,
+                       "bytes_read": state.load_stats.bytes_read if state.load_stats else 0,
+                       "bytes_needed": state.load_stats.bytes_needed if state.load_stats else 0,
+                       "plan_bytes_moved": state.plan_stats.bytes_moved if state.plan_stats else 0})
+    while trainer.step < tc.steps:
+        t0 = time.perf_counter()
+        loss, samples = trainer.train_step()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {trainer.step}")
+        if rank == 0:
+            _emit(tc.log, {"step": trainer.step, "loss": loss, "world_size": world, "dp": state.cfg.dp,
+                           "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
+                           "time_s": time.perf_counter() - t0, "restart": restart})
+        done = trainer.step >= tc.steps
+        if tc.ckpt and ((tc.ckpt_every and trainer.step % tc.ckpt_every == 0) or done):
+            save(tc.ckpt, ptc, state.cfg, groups.rank, trainer.shard(), step=trainer.step, keep_last=tc.keep_last)
+            if dist.is_initialized():
+                dist.barrier()
+        if tc.fail_at_step is not None and trainer.step == tc.fail_at_step and restart == 0:
+            log.error("rank %d: simulated failure after step %d", rank, trainer.step)
+            os._exit(17)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def _device_memory() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return 16 << 30
+
+
+def _emit(path: str | None, obj: dict[str, Any]) -> None:
+    line = json.dumps(obj)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    elif "loss" in obj:
+        print(f"step {obj['step']:>5}  loss {obj['loss']:.5f}  layout dp={obj['dp']},tp={obj['tp']},pp={obj['pp']}",
+              flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("TENPLEX_LOG", "WARNING"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
