@@ -196,11 +196,12 @@ def save(
     t0 = time.perf_counter()
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     ptc.check(cfg)
     cfg.coords(rank)
     fs, root = _fs(url, storage_options)
     sdir = _step_dir(root, step)
-    fs.makedirs(sdir, exist_ok=True)
 
     expected = ptc.rank_tensors(cfg, rank)
     missing = [n for n in expected if n not in shard]
@@ -214,6 +215,7 @@ def save(
             raise ValueError(f"{name}: rank {rank}'s shard has shape {tuple(t.shape)}, layout {cfg} needs {want}")
         flats[name] = ptc.to_local_flat(name, t.detach().to("cpu", ptc.tensors[name].dtype))
 
+    fs.makedirs(sdir, exist_ok=True)  # only once the shard is valid: no empty step dir on error
     chunks = writer_assignment(ptc, cfg)[rank]
     tensors = {f"{name}@{start}": flats[name][lo : lo + ln].clone() for name, lo, start, ln in chunks}
     data = safetensors.torch.save(tensors, metadata={"format": FORMAT, "step": str(step), "rank": str(rank)})

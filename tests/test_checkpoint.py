@@ -1,0 +1,799 @@
+"""Checkpoints on fsspec URLs: resharding round trips, bytes read, atomic steps, corruption.
+
+Every filesystem used here is either a fresh temporary directory or an in-memory store that
+is emptied before and after each test, so tests do not see each other's checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import uuid
+from collections import defaultdict
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tenplex import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    ParallelConfig,
+    model_ptc,
+)
+from tenplex.checkpoint import list_steps, load, read_manifest, save, writer_assignment
+
+KIB64 = 64 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# filesystems
+# ---------------------------------------------------------------------------------------------
+class CountingMemFS(MemoryFileSystem):
+    """An in-memory filesystem of its own (``countmem://``) that records every read.
+
+    ``reads`` holds ``(path, start, end, nbytes)`` for each ``cat_file`` and each ``read`` on a
+    file opened for reading, ``nbytes`` being the bytes actually returned.
+    """
+
+    protocol = "countmem"
+    store: dict = {}
+    pseudo_dirs = [""]
+    reads: list[tuple[str, int | None, int | None, int]] = []
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, str):
+            path = path.removeprefix("countmem://")
+        return super()._strip_protocol(path)
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        data = super().cat_file(path, start=start, end=end, **kwargs)
+        type(self).reads.append((self._strip_protocol(path), start, end, len(data)))
+        return data
+
+    async def _cat_file(self, path, start=None, end=None, **kwargs):  # pragma: no cover - sync fs
+        return self.cat_file(path, start=start, end=end, **kwargs)
+
+    def _open(self, path, mode="rb", **kwargs):
+        f = super()._open(path, mode=mode, **kwargs)
+        if mode != "rb":
+            return f
+        return _CountingFile(self._strip_protocol(path), f.getvalue())
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.store.clear()
+        cls.pseudo_dirs[:] = [""]
+        cls.reads.clear()
+
+
+class _CountingFile(MemoryFile):
+    def __init__(self, path, data):
+        super().__init__(None, path, data)
+
+    def read(self, n=-1):
+        start = self.tell()
+        data = super().read(n)
+        CountingMemFS.reads.append((self.path, start, start + len(data), len(data)))
+        return data
+
+
+fsspec.register_implementation("countmem", CountingMemFS, clobber=True)
+
+
+def _clear_memory() -> None:
+    mem = fsspec.filesystem("memory")
+    mem.store.clear()
+    mem.pseudo_dirs[:] = [""]
+    CountingMemFS.reset()
+
+
+@pytest.fixture(autouse=True)
+def clean_memory_filesystems():
+    _clear_memory()
+    yield
+    _clear_memory()
+
+
+@pytest.fixture(params=["local", "memory"])
+def url(request, tmp_path):
+    """A checkpoint URL on a local directory (given as file:// URL) or in memory."""
+    if request.param == "local":
+        return f"file://{tmp_path}/ckpt"
+    return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+
+
+def _fs_root(url: str):
+    return fsspec.core.url_to_fs(url)
+
+
+def _read_bytes(url: str, rel: str) -> bytes:
+    fs, root = _fs_root(url)
+    return fs.cat_file(f"{root}/{rel}")
+
+
+def _write_bytes(url: str, rel: str, data: bytes) -> None:
+    fs, root = _fs_root(url)
+    fs.pipe_file(f"{root}/{rel}", data)
+
+
+def _rm(url: str, rel: str) -> None:
+    fs, root = _fs_root(url)
+    fs.rm(f"{root}/{rel}")
+
+
+def _step(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# models, data, comparisons
+# ---------------------------------------------------------------------------------------------
+def random_bits(ptc, seed: int, step_value: int = 0) -> dict:
+    """Global state whose tensors hold arbitrary bit patterns (NaN payloads, infinities, -0.0),
+    so that any value conversion on the way would show up as a byte difference."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict = {}
+    for name, spec in ptc.tensors.items():
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[spec.itemsize]
+        info = torch.iinfo(bits)
+        raw = torch.randint(info.min, info.max, spec.shape, generator=g, dtype=torch.int64).to(bits)
+        out[name] = raw.view(spec.dtype)
+    for obj in ptc.objects:
+        out[obj] = step_value
+    return out
+
+
+def bits_of(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_shard_equal(got: dict, want: dict, where: str = "") -> None:
+    assert set(got) == set(want), f"{where}: keys differ: {sorted(set(got) ^ set(want))}"
+    for name, w in want.items():
+        g = got[name]
+        if isinstance(w, torch.Tensor):
+            assert isinstance(g, torch.Tensor), f"{where}: {name} is {type(g)}"
+            assert g.dtype == w.dtype, f"{where}: {name} dtype {g.dtype} != {w.dtype}"
+            assert tuple(g.shape) == tuple(w.shape), f"{where}: {name} shape {tuple(g.shape)} != {tuple(w.shape)}"
+            assert bits_of(g) == bits_of(w), f"{where}: {name} differs"
+        else:
+            assert g == w, f"{where}: object {name}: {g!r} != {w!r}"
+
+
+def save_all(url, ptc, cfg, glob, *, step, extra=None, ranks=None, keep_last=None, **kw):
+    shards = ptc.shard(glob, cfg)
+    results = {}
+    for r in ranks if ranks is not None else range(cfg.world_size):
+        results[r] = save(url, ptc, cfg, r, shards[r], step=step, extra=extra, keep_last=keep_last, **kw)
+    return shards, results
+
+
+def tiny_ptc(**kw):
+    args = dict(arch="llama", num_layers=4, hidden=16, heads=8, kv_heads=4, ffn_hidden=16, vocab=37,
+                vocab_pad=2, seq_len=8, dtype=torch.float32)
+    args.update(kw)
+    return model_ptc(**args)
+
+
+def data_file_sizes(url: str, step: int) -> dict[int, int]:
+    """Bytes of tensor data (header excluded) in every rank's safetensors file."""
+    fs, root = _fs_root(url)
+    out = {}
+    for path in fs.ls(f"{root}/{_step(step)}", detail=False):
+        m = re.search(r"rank-(\d{5})\.safetensors$", path)
+        if m:
+            raw = fs.cat_file(path)
+            header_len = int.from_bytes(raw[:8], "little")
+            out[int(m.group(1))] = len(raw) - 8 - header_len
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. round trips A -> B
+# ---------------------------------------------------------------------------------------------
+@st.composite
+def model_and_layouts(draw):
+    arch = draw(st.sampled_from(["gpt", "llama"]))
+    heads = draw(st.sampled_from([2, 4]))
+    kv_heads = heads if arch == "gpt" else draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]))
+    head_dim = draw(st.sampled_from([2, 4]))
+    ffn = draw(st.sampled_from([4, 8, 12]))
+    num_layers = draw(st.integers(1, 4))
+    kwargs = dict(
+        arch=arch, num_layers=num_layers, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads,
+        ffn_hidden=ffn, vocab=draw(st.integers(3, 40)), vocab_pad=draw(st.integers(1, 4)), seq_len=8,
+        tied_embeddings=draw(st.booleans()), dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        distributed_optimizer=draw(st.booleans()),
+    )
+    ptc = model_ptc(**kwargs)
+    tps = [t for t in (1, 2, 4) if heads % t == 0 and kv_heads % t == 0 and ffn % t == 0]
+
+    def layout():
+        tp = draw(st.sampled_from(tps))
+        pp = draw(st.integers(1, min(num_layers, 8 // tp, 3)))
+        dp = draw(st.integers(1, max(1, 8 // (tp * pp))))
+        stages = None
+        if pp > 1 and draw(st.booleans()):
+            cuts = sorted(draw(st.lists(st.integers(0, num_layers), min_size=pp - 1, max_size=pp - 1)))
+            bounds = [0, *cuts, num_layers]
+            stages = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+        return ParallelConfig(dp=dp, tp=tp, pp=pp, stages=stages)
+
+    return kwargs, ptc, layout(), layout(), draw(st.integers(0, 2**31 - 1))
+
+
+def _round_trip(url, ptc, a, b, seed):
+    glob = random_bits(ptc, seed, step_value=seed % 1000)
+    extra = {"seed": seed, "layout": str(a), "rng": torch.arange(3), "nested": [1, (2, "x")]}
+    shards_a, results = save_all(url, ptc, a, glob, step=seed % 50, extra=extra)
+    assert sum(r.chunks for r in results.values()) > 0
+    want = ptc.shard(glob, b)
+    for r in range(b.world_size):
+        res = load(url, b, r, ptc=ptc)
+        assert res.step == seed % 50
+        assert res.saved_layout == a
+        assert res.ptc.fingerprint() == ptc.fingerprint()
+        assert_shard_equal(res.shard, want[r], f"{a} -> {b} rank {r}")
+        assert res.shard["optimizer.step"] == seed % 1000
+        assert res.extra["seed"] == seed and res.extra["layout"] == str(a)
+        assert res.extra["nested"] == [1, (2, "x")]
+        assert torch.equal(res.extra["rng"], torch.arange(3))
+        assert res.stats.bytes_needed == ptc.rank_nbytes(b, r)
+        assert res.stats.bytes_read >= res.stats.bytes_needed
+    # and back again: the loaded B shards unshard to the original global tensors
+    back = ptc.unshard({r: load(url, b, r).shard for r in range(b.world_size)}, b)
+    for name in ptc.tensors:
+        assert bits_of(back[name]) == bits_of(glob[name]), name
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_and_layouts())
+def test_round_trip_local(case):
+    _, ptc, a, b, seed = case
+    with tempfile.TemporaryDirectory() as d:
+        _round_trip(os.path.join(d, "ckpt"), ptc, a, b, seed)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_and_layouts())
+def test_round_trip_memory(case):
+    _, ptc, a, b, seed = case
+    try:
+        _round_trip(f"memory://rt-{uuid.uuid4().hex[:8]}", ptc, a, b, seed)
+    finally:
+        _clear_memory()
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        (ParallelConfig(tp=2), ParallelConfig(tp=4)),
+        (ParallelConfig(dp=2, tp=4, pp=2), ParallelConfig(dp=1, tp=1, pp=1)),
+        (ParallelConfig(pp=3, stages=(1, 0, 3)), ParallelConfig(dp=2, pp=2, stages=(3, 1))),
+        (ParallelConfig(dp=4), ParallelConfig(dp=3, tp=2)),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dist", [False, True], ids=["adam", "distopt"])
+def test_round_trip_fixed_layouts(url, a, b, dist):
+    """Scale up, down, uneven stages (with an empty stage) and DP changes, bf16 with fp32 master."""
+    ptc = tiny_ptc(dtype=torch.bfloat16, distributed_optimizer=dist, tied_embeddings=True)
+    _round_trip(url, ptc, a, b, seed=1234)
+
+
+def test_rank_with_no_tensors_round_trips(url):
+    """A middle stage without layers holds nothing; it still saves a (empty) part and loads objects."""
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(pp=3, stages=(2, 0, 2))
+    glob = random_bits(ptc, 5, step_value=9)
+    assert ptc.rank_tensors(cfg, 1) == []
+    _, results = save_all(url, ptc, cfg, glob, step=3)
+    assert results[1].chunks == 0
+    res = load(url, cfg, 1)
+    assert res.shard == {"optimizer.step": 9}
+    assert res.stats.bytes_read == res.stats.bytes_needed == 0
+    assert_shard_equal(load(url, cfg, 2).shard, ptc.shard(glob, cfg)[2])
+
+
+def test_save_accepts_other_dtype_and_device_layout_of_shard(url):
+    """Shards are converted to the PTC dtype; a non-contiguous shard is saved by value."""
+    ptc = tiny_ptc(num_layers=1)
+    cfg = ParallelConfig(tp=2)
+    glob = random_bits(ptc, 2)
+    glob = {k: (v.nan_to_num(0.0, 0.0, 0.0) if isinstance(v, torch.Tensor) else v) for k, v in glob.items()}
+    shards = ptc.shard(glob, cfg)
+    for r in range(2):
+        shard = dict(shards[r])
+        w = shard["layers.0.attn.proj.weight"]  # (16, 8)
+        shard["layers.0.attn.proj.weight"] = w.t().contiguous().t()  # same values, transposed strides
+        assert not shard["layers.0.attn.proj.weight"].is_contiguous()
+        shard["final_norm.weight"] = shard["final_norm.weight"].double()
+        save(url, ptc, cfg, r, shard, step=1)
+    for r in range(2):
+        got = load(url, cfg, r).shard
+        assert got["final_norm.weight"].dtype == torch.float32
+        assert_shard_equal(got, shards[r])
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. bytes read
+# ---------------------------------------------------------------------------------------------
+def medium_ptc(**kw):
+    args = dict(arch="gpt", num_layers=4, hidden=256, heads=4, vocab=1000, seq_len=64, dtype=torch.float32)
+    args.update(kw)
+    return model_ptc(**args)
+
+
+def _data_reads(since: int = 0):
+    return [r for r in CountingMemFS.reads[since:] if r[0].endswith(".safetensors")]
+
+
+def _check_load_reads(url, ptc, cfg, glob, ratios: list[float]):
+    fs, root = _fs_root(url)
+    step = list_steps(url)[-1].step
+    sdir = f"{root}/{_step(step)}"
+    sizes = {p: fs.size(p) for p in fs.ls(sdir, detail=False) if p.endswith(".safetensors")}
+    want = ptc.shard(glob, cfg)
+    for r in range(cfg.world_size):
+        mark = len(CountingMemFS.reads)
+        res = load(url, cfg, r)
+        assert_shard_equal(res.shard, want[r], f"rank {r}")
+        st_ = res.stats
+        reads = _data_reads(mark)
+        # (a) the filesystem saw exactly the data bytes the loader reports
+        assert sum(n for *_, n in reads) == st_.bytes_read
+        assert len(reads) == st_.ranges
+        # (b) nothing missing, at most two partial checksum blocks of overhead per range
+        assert st_.bytes_needed == ptc.rank_nbytes(cfg, r)
+        assert st_.bytes_needed <= st_.bytes_read <= st_.bytes_needed + st_.ranges * 2 * KIB64
+        ratios.append(st_.bytes_read / st_.bytes_needed)
+        # (d) every read is a byte range of one chunk, never a whole file, and in total this
+        # rank reads less of each file than the file holds
+        per_file = defaultdict(int)
+        for path, start, end, n in reads:
+            assert start is not None and end is not None, f"unranged read of {path}"
+            assert n == end - start < sizes[path], f"read {n} bytes of {path} ({sizes[path]} bytes)"
+            per_file[path] += n
+        for path, n in per_file.items():
+            assert n < sizes[path], f"rank {r} read {n} of {sizes[path]} bytes of {path}"
+        # metadata is accounted separately and is small next to the data
+        meta = sum(n for p, _, _, n in CountingMemFS.reads[mark:] if not p.endswith(".safetensors"))
+        assert meta >= st_.metadata_bytes > 0
+
+
+def test_bytes_read_tp2_to_tp4_medium_model():
+    ptc = medium_ptc()
+    assert len(ptc) > 100 and ptc.nbytes > 30 * 2**20
+    url = "countmem://medium"
+    glob = random_bits(ptc, 11)
+    a, b = ParallelConfig(tp=2), ParallelConfig(tp=4)
+    save_all(url, ptc, a, glob, step=1)
+    CountingMemFS.reads.clear()
+    ratios: list[float] = []
+    _check_load_reads(url, ptc, b, glob, ratios)
+    # (c) a TP 2 -> 4 load reads less than 10% more than it needs
+    assert len(ratios) == 4 and max(ratios) < 1.1, ratios
+
+
+def test_bytes_read_pp_only_touches_needed_files():
+    """Under PP, a new stage reads only the files of old ranks holding its layers."""
+    ptc = tiny_ptc(hidden=64, ffn_hidden=128, tied_embeddings=False)
+    url = "countmem://pp"
+    glob = random_bits(ptc, 3)
+    save_all(url, ptc, ParallelConfig(pp=2), glob, step=7)
+    CountingMemFS.reads.clear()
+    new = ParallelConfig(pp=4)
+    res = load(url, new, 0)  # embedding + layer 0: all on old stage 0 = old rank 0
+    touched = {p.rsplit("/", 1)[-1] for p, *_ in _data_reads()}
+    assert touched == {"rank-00000.safetensors"}
+    assert_shard_equal(res.shard, ptc.shard(glob, new)[0])
+    CountingMemFS.reads.clear()
+    res = load(url, new, 3)  # layer 3, final norm, lm head: all on old rank 1
+    assert {p.rsplit("/", 1)[-1] for p, *_ in _data_reads()} == {"rank-00001.safetensors"}
+    assert res.stats.bytes_read <= res.stats.bytes_needed + res.stats.ranges * 2 * KIB64
+    ratios: list[float] = []
+    _check_load_reads(url, ptc, ParallelConfig(tp=2, pp=2, stages=(1, 3)), glob, ratios)
+
+
+def test_dp_replicas_written_once_and_balanced():
+    """(e) dp=4 replicas: every byte written once, spread evenly; loads still read ~ what they need."""
+    ptc = medium_ptc()
+    url = "countmem://dp"
+    glob = random_bits(ptc, 4)
+    cfg = ParallelConfig(dp=4)
+    _, results = save_all(url, ptc, cfg, glob, step=2)
+    sizes = data_file_sizes(url, 2)
+    assert sorted(sizes) == [0, 1, 2, 3]
+    assert sum(sizes.values()) == ptc.nbytes  # not 4x: each replicated interval written once
+    per_rank = np.array([sizes[r] for r in range(4)], dtype=float)
+    assert per_rank.max() / per_rank.mean() < 1.5, per_rank
+    assert all(res.chunks > 0 for res in results.values())
+    # files are the data plus a header; bytes_written counts at least the file
+    fs, root = _fs_root(url)
+    for r, res in results.items():
+        assert res.bytes_written >= fs.size(f"{root}/{_step(2)}/rank-{r:05d}.safetensors") > sizes[r]
+    # the writer assignment covers every byte once and matches what was written
+    assignment = writer_assignment(ptc, cfg)
+    for r in range(4):
+        nbytes = sum(ln * ptc.tensors[name].itemsize for name, _, _, ln in assignment[r])
+        assert nbytes == sizes[r]
+    CountingMemFS.reads.clear()
+    ratios: list[float] = []
+    _check_load_reads(url, ptc, ParallelConfig(tp=2), glob, ratios)
+    assert max(ratios) < 1.1, ratios
+
+
+def test_tied_and_dp_sharded_state_written_once():
+    """Tied embeddings on first and last stage and distributed-optimizer fragments: no byte twice."""
+    ptc = tiny_ptc(arch="gpt", hidden=32, heads=4, kv_heads=None, ffn_hidden=None, tied_embeddings=True,
+                   dtype=torch.bfloat16, distributed_optimizer=True)
+    url = "countmem://tied"
+    cfg = ParallelConfig(dp=3, tp=2, pp=2)
+    glob = random_bits(ptc, 8)
+    save_all(url, ptc, cfg, glob, step=0)
+    sizes = data_file_sizes(url, 0)
+    assert len(sizes) == cfg.world_size
+    assert sum(sizes.values()) == ptc.nbytes
+    ratios: list[float] = []
+    _check_load_reads(url, ptc, ParallelConfig(dp=2, tp=4), glob, ratios)
+
+
+def test_local_load_reads_partial_ranges(tmp_path):
+    """On local files the loader reads mmap slices; its own count still stays near what it needs."""
+    ptc = medium_ptc(num_layers=2)
+    url = str(tmp_path / "ckpt")
+    glob = random_bits(ptc, 6)
+    save_all(url, ptc, ParallelConfig(tp=2), glob, step=1)
+    file_bytes = sum(data_file_sizes(url, 1).values())
+    b = ParallelConfig(tp=4)
+    for r in range(4):
+        res = load(url, b, r)
+        assert_shard_equal(res.shard, ptc.shard(glob, b)[r])
+        s = res.stats
+        assert s.bytes_needed <= s.bytes_read <= s.bytes_needed + s.ranges * 2 * KIB64
+        assert s.bytes_read / s.bytes_needed < 1.1
+        assert s.bytes_read < 0.3 * file_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. atomicity and steps
+# ---------------------------------------------------------------------------------------------
+CFG2 = ParallelConfig(tp=2, pp=2)
+
+
+def test_latest_complete_step_and_interrupted_save(url):
+    ptc = tiny_ptc()
+    g = {s: random_bits(ptc, s, step_value=s) for s in (1, 2, 3)}
+    save_all(url, ptc, CFG2, g[1], step=1, extra="one")
+    save_all(url, ptc, CFG2, g[2], step=2, extra="two")
+    # step 3: rank 2 dies before saving
+    save_all(url, ptc, CFG2, g[3], step=3, extra="three", ranks=[0, 1, 3])
+    infos = list_steps(url)
+    assert [(i.step, i.complete, i.ranks_done) for i in infos] == [(1, True, 4), (2, True, 4), (3, False, 3)]
+    assert all(i.layout == CFG2 and i.world_size == 4 for i in infos)
+    fs, root = _fs_root(url)
+    for i in infos:
+        files = [p for p in fs.ls(f"{root}/{_step(i.step)}", detail=False) if p.endswith(".safetensors")]
+        assert i.nbytes == sum(fs.size(p) for p in files) > 0
+    res = load(url, CFG2, 0)
+    assert res.step == 2 and res.extra == "two" and res.shard["optimizer.step"] == 2
+    assert_shard_equal(res.shard, ptc.shard(g[2], CFG2)[0])
+    with pytest.raises(CheckpointNotFoundError, match=r"step 3 .* is incomplete"):
+        load(url, CFG2, 0, step=3)
+    with pytest.raises(CheckpointNotFoundError, match=r"step 99 .* does not exist"):
+        load(url, CFG2, 0, step=99)
+    with pytest.raises(CheckpointNotFoundError):
+        read_manifest(url, step=3)
+    # explicit older step still loads
+    res1 = load(url, ParallelConfig(dp=2), 1, step=1)
+    assert res1.step == 1 and res1.extra == "one"
+    assert_shard_equal(res1.shard, ptc.shard(g[1], ParallelConfig(dp=2))[1])
+    assert read_manifest(url)["step"] == 2
+    # the missing rank finishes: step 3 becomes the latest
+    save(url, ptc, CFG2, 2, ptc.shard(g[3], CFG2)[2], step=3, extra="three")
+    assert list_steps(url)[-1].complete
+    assert load(url, CFG2, 0).step == 3
+
+
+def test_deleted_rank_index_makes_step_incomplete(url):
+    ptc = tiny_ptc()
+    save_all(url, ptc, CFG2, random_bits(ptc, 1, 1), step=10)
+    save_all(url, ptc, CFG2, random_bits(ptc, 2, 2), step=20)
+    _rm(url, f"{_step(20)}/rank-00003.json")
+    infos = {i.step: i for i in list_steps(url)}
+    assert infos[10].complete and not infos[20].complete and infos[20].ranks_done == 3
+    assert load(url, CFG2, 3).step == 10
+    with pytest.raises(CheckpointNotFoundError, match="incomplete"):
+        load(url, CFG2, 3, step=20)
+
+
+def test_missing_manifest_or_objects_makes_step_incomplete(url):
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(tp=2)
+    save_all(url, ptc, cfg, random_bits(ptc, 1, 1), step=1)
+    save_all(url, ptc, cfg, random_bits(ptc, 2, 2), step=2)
+    save_all(url, ptc, cfg, random_bits(ptc, 3, 3), step=3)
+    _rm(url, f"{_step(3)}/manifest.json")
+    _rm(url, f"{_step(2)}/objects.pt")
+    infos = list_steps(url)
+    assert [i.complete for i in infos] == [True, False, False]
+    assert infos[2].layout is None and infos[2].world_size is None
+    res = load(url, cfg, 1)
+    assert res.step == 1 and res.shard["optimizer.step"] == 1
+
+
+def test_incomplete_newer_step_never_shadows_previous(url):
+    """While the ranks of step 2 save one by one, load() keeps returning step 1."""
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(dp=2, tp=2)
+    g1, g2 = random_bits(ptc, 1, 1), random_bits(ptc, 2, 2)
+    save_all(url, ptc, cfg, g1, step=1)
+    shards2 = ptc.shard(g2, cfg)
+    for i, r in enumerate([3, 0, 2, 1]):  # rank 0 (manifest) neither first nor last
+        assert load(url, cfg, 0).step == 1
+        assert list_steps(url)[-1].step == (1 if i == 0 else 2)
+        save(url, ptc, cfg, r, shards2[r], step=2)
+    res = load(url, cfg, 0)
+    assert res.step == 2
+    assert_shard_equal(res.shard, shards2[0])
+
+
+def test_no_checkpoint_at_url(url):
+    with pytest.raises(CheckpointNotFoundError, match="no complete checkpoint"):
+        load(url, ParallelConfig(), 0)
+    assert list_steps(url) == []
+    with pytest.raises(CheckpointNotFoundError):
+        read_manifest(url)
+
+
+def test_only_incomplete_steps_raise_not_found(url):
+    ptc = tiny_ptc()
+    save_all(url, ptc, CFG2, random_bits(ptc, 1), step=5, ranks=[0, 1, 2])
+    with pytest.raises(CheckpointNotFoundError, match="1 incomplete"):
+        load(url, CFG2, 0)
+
+
+def test_keep_last_leaves_newest_steps(url):
+    ptc = tiny_ptc(num_layers=2)
+    cfg = ParallelConfig(tp=2)
+    for step in (100, 200, 300, 400):
+        # rank 0 saves last, so it prunes once the step is complete
+        save_all(url, ptc, cfg, random_bits(ptc, step, step), step=step, keep_last=2, ranks=[1, 0])
+    infos = list_steps(url)
+    assert [(i.step, i.complete) for i in infos] == [(300, True), (400, True)]
+    res = load(url, cfg, 1)
+    assert res.step == 400 and res.shard["optimizer.step"] == 400
+    assert load(url, cfg, 0, step=300).shard["optimizer.step"] == 300
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        load(url, cfg, 0, step=200)
+
+
+def test_keep_last_never_removes_the_last_good_step_during_a_save(url):
+    """When rank 0 saves first, the new step is not complete yet, so rank 0 keeps the K newest
+    complete steps besides it: a crash during the save still leaves K good steps."""
+    ptc = tiny_ptc(num_layers=2)
+    cfg = ParallelConfig(tp=2)
+    for step in (1, 2, 3, 4):
+        save_all(url, ptc, cfg, random_bits(ptc, step, step), step=step, keep_last=2, ranks=[0, 1])
+    infos = list_steps(url)
+    assert all(i.complete for i in infos)
+    assert {3, 4} <= {i.step for i in infos} <= {2, 3, 4}  # at most one extra step while rank 0 prunes
+    # a save of step 5 whose rank 1 never finishes: the two newest good steps must survive
+    save_all(url, ptc, cfg, random_bits(ptc, 5, 5), step=5, keep_last=2, ranks=[0])
+    infos = {i.step: i.complete for i in list_steps(url)}
+    assert infos[3] and infos[4] and not infos[5] and 1 not in infos and 2 not in infos
+    res = load(url, cfg, 0)
+    assert res.step == 4 and res.shard["optimizer.step"] == 4
+    assert load(url, cfg, 1, step=3).shard["optimizer.step"] == 3
+    # keep_last=1 with a complete step
+    save_all(url, ptc, cfg, random_bits(ptc, 6, 6), step=6, keep_last=1, ranks=[1, 0])
+    assert [i.step for i in list_steps(url)] == [6]
+
+
+def test_bad_keep_last_and_step(url):
+    ptc = tiny_ptc(num_layers=1)
+    cfg = ParallelConfig()
+    shard = ptc.shard(random_bits(ptc, 0), cfg)[0]
+    with pytest.raises(ValueError, match="keep_last"):
+        save(url, ptc, cfg, 0, shard, step=1, keep_last=0)
+    # rejected before anything is written
+    assert list_steps(url) == []
+    for bad in (-1, 1.5, "3"):
+        with pytest.raises(ValueError, match="step"):
+            save(url, ptc, cfg, 0, shard, step=bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. corruption and mismatches
+# ---------------------------------------------------------------------------------------------
+def _chunk(url, step, rank, tensor):
+    idx = json.loads(_read_bytes(url, f"{_step(step)}/rank-{rank:05d}.json"))
+    chunks = [c for c in idx["chunks"] if c["tensor"] == tensor]
+    assert chunks, f"rank {rank} wrote no chunk of {tensor}"
+    return idx, chunks[0]
+
+
+def _no_result(fn, exc, match):
+    """Call fn expecting ``exc``; return the exception (nothing is returned on error)."""
+    result = None
+    with pytest.raises(exc, match=match) as info:
+        result = fn()
+    assert result is None
+    return info.value
+
+
+def test_truncated_data_file(url):
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(tp=2)
+    save_all(url, ptc, cfg, random_bits(ptc, 1), step=1)
+    rel = f"{_step(1)}/rank-00001.safetensors"
+    raw = _read_bytes(url, rel)
+    _write_bytes(url, rel, raw[: len(raw) - 100])
+    err = _no_result(lambda: load(url, cfg, 1), CheckpointCorruptError, "truncated")
+    assert "rank-00001.safetensors" in str(err)
+    # the truncated file still makes the step "complete" by its markers, so there is no silent
+    # fallback: the caller learns of the damage
+    assert list_steps(url)[-1].complete
+
+
+def test_missing_data_file_with_index(url):
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(tp=2)
+    save_all(url, ptc, cfg, random_bits(ptc, 1), step=1)
+    _rm(url, f"{_step(1)}/rank-00000.safetensors")
+    _no_result(lambda: load(url, cfg, 0), CheckpointCorruptError, "missing")
+
+
+def test_flipped_byte_fails_checksum_only_where_read(url):
+    ptc = tiny_ptc(hidden=64, ffn_hidden=128)
+    cfg = ParallelConfig(tp=2)
+    glob = random_bits(ptc, 1)
+    save_all(url, ptc, cfg, glob, step=1)
+    # a weight split by TP: rank 1's chunk is needed by new rank 1 only
+    name = "layers.2.mlp.down.weight"
+    _, chunk = _chunk(url, 1, 1, name)
+    rel = f"{_step(1)}/rank-00001.safetensors"
+    raw = bytearray(_read_bytes(url, rel))
+    pos = chunk["offset"] + chunk["length"] * 4 // 2
+    raw[pos] ^= 0x5A
+    _write_bytes(url, rel, bytes(raw))
+    err = _no_result(lambda: load(url, cfg, 1), CheckpointCorruptError, "checksum")
+    assert name in str(err)
+    # rank 0 never reads the damaged block and loads fine
+    assert_shard_equal(load(url, cfg, 0).shard, ptc.shard(glob, cfg)[0])
+    # a layout that needs the damaged bytes from a smaller piece also detects it
+    _no_result(lambda: load(url, ParallelConfig(tp=4), 3), CheckpointCorruptError, "checksum")
+
+
+def test_flipped_byte_in_block_read_only_partly_is_detected(url):
+    """The loader verifies whole checksum blocks even when it needs only a few elements of one."""
+    ptc = tiny_ptc(hidden=64, ffn_hidden=128)
+    save_all(url, ptc, ParallelConfig(), random_bits(ptc, 2), step=1)
+    name = "layers.0.mlp.gate_up.weight"  # (256, 64) fp32 = 64 KiB: blocks of 4 KiB
+    _, chunk = _chunk(url, 1, 0, name)
+    assert chunk["block"] == 4096
+    rel = f"{_step(1)}/rank-00000.safetensors"
+    raw = bytearray(_read_bytes(url, rel))
+    # new TP=2 rank 0 needs the first half of gate and of up (block-aligned), rank 1 the second
+    # halves; corrupt the very last byte of gate's first half, which rank 0 needs
+    raw[chunk["offset"] + 128 * 64 * 4 // 2 - 1] ^= 1
+    _write_bytes(url, rel, bytes(raw))
+    _no_result(lambda: load(url, ParallelConfig(tp=2), 0), CheckpointCorruptError, "checksum")
+    load(url, ParallelConfig(tp=2), 1)  # does not touch that block
+
+
+def test_garbage_manifest(url):
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(tp=2)
+    save_all(url, ptc, cfg, random_bits(ptc, 1, 1), step=1)
+    save_all(url, ptc, cfg, random_bits(ptc, 2, 2), step=2)
+    _write_bytes(url, f"{_step(2)}/manifest.json", b'{"format": "tenplex-checkpoint", "vers')
+    infos = list_steps(url)
+    assert [(i.step, i.complete) for i in infos] == [(1, True), (2, False)]
+    # an unreadable step is never loaded: the latest readable one is
+    res = load(url, cfg, 0)
+    assert res.step == 1 and res.shard["optimizer.step"] == 1
+    _no_result(lambda: load(url, cfg, 0, step=2), CheckpointError, "step 2")
+    # with nothing else to fall back on, load raises
+    _rm(url, f"{_step(1)}/manifest.json")
+    _no_result(lambda: load(url, cfg, 0), CheckpointError, "no complete checkpoint")
+
+
+def test_not_a_tenplex_manifest(url):
+    ptc = tiny_ptc()
+    cfg = ParallelConfig()
+    save_all(url, ptc, cfg, random_bits(ptc, 1), step=1)
+    m = json.loads(_read_bytes(url, f"{_step(1)}/manifest.json"))
+    m["version"] = 99
+    _write_bytes(url, f"{_step(1)}/manifest.json", json.dumps(m).encode())
+    _no_result(lambda: load(url, cfg, 0), CheckpointError, "version")
+
+
+def test_garbage_rank_index_and_objects(url):
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(tp=2)
+    save_all(url, ptc, cfg, random_bits(ptc, 1), step=1)
+    _write_bytes(url, f"{_step(1)}/rank-00001.json", b"\x00\x01garbage")
+    _no_result(lambda: load(url, cfg, 1), CheckpointCorruptError, "not valid JSON")
+    save_all(url, ptc, cfg, random_bits(ptc, 2), step=2)
+    _write_bytes(url, f"{_step(2)}/objects.pt", b"not a torch file")
+    _no_result(lambda: load(url, cfg, 0, step=2), CheckpointCorruptError, "objects.pt")
+
+
+def test_manifest_of_another_model(url):
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(tp=2)
+    save_all(url, ptc, cfg, random_bits(ptc, 1), step=1)
+    for other in (tiny_ptc(hidden=32), tiny_ptc(dtype=torch.bfloat16), tiny_ptc(num_layers=3),
+                  tiny_ptc(distributed_optimizer=True)):
+        err = _no_result(lambda: load(url, cfg, 0, ptc=other), CheckpointMismatchError, "another model")
+        assert "step 1" in str(err)
+    # the same model rebuilt from scratch matches
+    assert load(url, cfg, 0, ptc=tiny_ptc()).step == 1
+
+
+def test_layout_the_model_cannot_take(url):
+    ptc = tiny_ptc()
+    save_all(url, ptc, ParallelConfig(tp=2), random_bits(ptc, 1), step=1)
+    with pytest.raises(ValueError, match="tp=3"):
+        load(url, ParallelConfig(tp=3), 0)
+    with pytest.raises(ValueError, match="rank 4"):
+        load(url, ParallelConfig(tp=2, dp=2), 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. shard validation on save
+# ---------------------------------------------------------------------------------------------
+def _rank_files(url, step):
+    fs, root = _fs_root(url)
+    try:
+        names = [p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/{_step(step)}", detail=False)]
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith("rank-") or n in ("manifest.json", "objects.pt"))
+
+
+def test_save_rejects_wrong_shape(url):
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(tp=2)
+    shard = dict(ptc.shard(random_bits(ptc, 1), cfg)[1])
+    shard["layers.1.attn.proj.weight"] = torch.zeros(16, 16)  # full tensor instead of (16, 8)
+    with pytest.raises(ValueError, match=r"layers\.1\.attn\.proj\.weight.*\(16, 16\).*\(16, 8\)"):
+        save(url, ptc, cfg, 1, shard, step=1)
+    assert _rank_files(url, 1) == []
+    assert list_steps(url) == []  # no phantom step left behind
+
+
+def test_save_rejects_missing_tensor(url):
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(pp=2)
+    shard = dict(ptc.shard(random_bits(ptc, 1), cfg)[1])
+    del shard["final_norm.weight"]
+    with pytest.raises(ValueError, match=r"lacks.*final_norm\.weight"):
+        save(url, ptc, cfg, 1, shard, step=1)
+    assert _rank_files(url, 1) == []
+    assert list_steps(url) == []  # no phantom step left behind
+    # a shard of the wrong stage lacks that stage's tensors too
+    with pytest.raises(ValueError, match="lacks"):
+        save(url, ptc, cfg, 1, ptc.shard(random_bits(ptc, 1), cfg)[0], step=1)
+
+
+def test_save_rejects_bad_rank_and_layout(url):
+    ptc = tiny_ptc()
+    shard = ptc.shard(random_bits(ptc, 1), ParallelConfig())[0]
+    with pytest.raises(ValueError, match="rank 2"):
+        save(url, ptc, ParallelConfig(tp=2), 2, shard, step=1)
+    with pytest.raises(ValueError, match="tp=8"):
+        save(url, ptc, ParallelConfig(tp=8), 0, shard, step=1)
+    assert _rank_files(url, 1) == []
+    assert list_steps(url) == []  # no phantom step left behind
