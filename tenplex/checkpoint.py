@@ -2,11 +2,14 @@
 
 Layout of a checkpoint (see docs/format.md)::
 
-    URL/step-000000000042/manifest.json          PTC spec, layout, step (rank 0)
-    URL/step-000000000042/objects.pt             small objects and `extra` (rank 0)
-    URL/step-000000000042/rank-00003.safetensors  the chunks rank 3 wrote
-    URL/step-000000000042/rank-00003.json         their index: offsets and CRC32s; written
-                                                  last, so its presence marks the part complete
+    URL/step-000000000042-<id>/manifest.json          PTC spec, layout, step (rank 0)
+    URL/step-000000000042-<id>/objects.pt             small objects and `extra` (rank 0)
+    URL/step-000000000042-<id>/rank-00003.safetensors  the chunks rank 3 wrote
+    URL/step-000000000042-<id>/rank-00003.json         their index: offsets and CRC32s; written
+                                                       last, so its presence marks the part complete
+
+``<id>`` names the save attempt (8 hex digits), so parts of an interrupted attempt are never
+mixed with a later save of the same step.
 
 Every chunk is one interval of a tensor's canonical flat order (see ``tenplex.ptc``), stored
 as a 1-D safetensors tensor, so any piece a future layout needs is one contiguous byte
@@ -16,8 +19,10 @@ cover fixed blocks of each chunk, so a load verifies exactly the blocks it reads
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
 import logging
 import re
 import time
@@ -40,13 +45,13 @@ from .planner import holder_classes, intersect
 from .ptc import PAD, PTC
 
 __all__ = ["SaveResult", "LoadStats", "LoadResult", "StepInfo", "save", "load", "list_steps", "read_manifest",
-           "writer_assignment"]
+           "writer_assignment", "default_save_id"]
 
 log = logging.getLogger(__name__)
 
 FORMAT = "tenplex-checkpoint"
 VERSION = 1
-_STEP_RE = re.compile(r"^step-(\d{12})$")
+_STEP_RE = re.compile(r"^step-(\d{12})-([0-9a-f]{8})$")
 _MIN_BLOCK, _MAX_BLOCK = 4096, 65536
 
 
@@ -84,12 +89,17 @@ class LoadResult:
 
 @dataclass(frozen=True, slots=True)
 class StepInfo:
+    """One save attempt of a step: ``path`` is its directory, ``save_id`` tells attempts apart."""
+
     step: int
     complete: bool
     layout: ParallelConfig | None
     world_size: int | None
     ranks_done: int
     nbytes: int
+    save_id: str = ""
+    path: str = ""
+    created: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,8 +110,19 @@ def _fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[fsspec.Abs
     return fs, root.rstrip("/")
 
 
-def _step_dir(root: str, step: int) -> str:
-    return f"{root}/step-{step:012d}"
+def _step_dir(root: str, step: int, save_id: str) -> str:
+    return f"{root}/step-{step:012d}-{save_id}"
+
+
+def default_save_id(cfg: ParallelConfig, ptc: PTC) -> str:
+    """An id every rank of one save attempt derives alike, without talking to the others.
+
+    It changes with torchrun's run id and restart count and with the layout, so the parts
+    of an interrupted attempt are never mixed with a later save of the same step.
+    """
+    key = "|".join((os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                    str(cfg), ptc.fingerprint()))
+    return hashlib.sha1(key.encode()).hexdigest()[:8]
 
 
 def _rank_stem(rank: int) -> str:
@@ -184,6 +205,7 @@ def save(
     step: int,
     extra: Any = None,
     keep_last: int | None = None,
+    save_id: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> SaveResult:
     """Save rank ``rank``'s shard of ``ptc`` under layout ``cfg`` as part of checkpoint ``step``.
@@ -192,6 +214,8 @@ def save(
     ``load`` only once every rank's part is complete. Rank 0 also writes the manifest, the
     PTC's small objects and ``extra`` (any value ``torch.save`` can store with plain types
     and tensors), and with ``keep_last=K`` removes steps older than the K newest complete ones.
+    ``save_id`` (8 hex digits) names this save attempt; every rank must pass the same one.
+    The default (``default_save_id``) differs between torchrun restarts and layouts.
     """
     t0 = time.perf_counter()
     if not isinstance(step, int) or step < 0:
@@ -201,7 +225,10 @@ def save(
     ptc.check(cfg)
     cfg.coords(rank)
     fs, root = _fs(url, storage_options)
-    sdir = _step_dir(root, step)
+    save_id = save_id or default_save_id(cfg, ptc)
+    if not re.fullmatch(r"[0-9a-f]{8}", save_id):
+        raise ValueError(f"save_id must be 8 lowercase hex digits, got {save_id!r}")
+    sdir = _step_dir(root, step, save_id)
 
     expected = ptc.rank_tensors(cfg, rank)
     missing = [n for n in expected if n not in shard]
@@ -241,7 +268,8 @@ def save(
         torch.save({"objects": objects, "extra": extra}, buf)
         _write_atomic(fs, f"{sdir}/objects.pt", buf.getvalue())
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "layout": str(cfg),
-                    "world_size": cfg.world_size, "fingerprint": ptc.fingerprint(), "ptc": ptc.to_json()}
+                    "world_size": cfg.world_size, "save_id": save_id, "created": time.time(),
+                    "fingerprint": ptc.fingerprint(), "ptc": ptc.to_json()}
         mbytes = json.dumps(manifest).encode()
         _write_atomic(fs, f"{sdir}/manifest.json", mbytes)
         written += len(mbytes) + len(buf.getvalue())
@@ -262,14 +290,14 @@ def _prune(fs: fsspec.AbstractFileSystem, root: str, keep_last: int) -> None:
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     infos = _scan(fs, root)
-    complete = [i.step for i in infos if i.complete]
+    complete = sorted({i.step for i in infos if i.complete})
     if len(complete) <= keep_last:
         return
-    oldest_kept = sorted(complete)[-keep_last]
+    oldest_kept = complete[-keep_last]
     for info in infos:
         if info.step < oldest_kept:
             log.info("removing checkpoint step %d (keep_last=%d)", info.step, keep_last)
-            fs.rm(_step_dir(root, info.step), recursive=True)
+            fs.rm(info.path, recursive=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,23 +313,26 @@ def _scan(fs: fsspec.AbstractFileSystem, root: str) -> list[StepInfo]:
         m = _STEP_RE.match(entry.rstrip("/").rsplit("/", 1)[-1])
         if not m:
             continue
-        step = int(m.group(1))
+        step, sid = int(m.group(1)), m.group(2)
         files = fs.ls(entry, detail=True)
         names = {f["name"].rstrip("/").rsplit("/", 1)[-1]: f for f in files}
         done = sum(1 for n in names if re.fullmatch(r"rank-\d{5}\.json", n))
         nbytes = sum(int(f.get("size") or 0) for n, f in names.items() if n.endswith(".safetensors"))
         layout = world = None
         complete = False
+        created = 0.0
         if "manifest.json" in names:
             try:
                 manifest, _ = _read_json(fs, f"{entry.rstrip('/')}/manifest.json")
                 layout = ParallelConfig.parse(manifest["layout"])
                 world = int(manifest["world_size"])
+                created = float(manifest.get("created", 0.0))
                 complete = all(f"{_rank_stem(r)}.json" in names for r in range(world)) and "objects.pt" in names
             except (CheckpointError, KeyError, ValueError):
                 complete = False
-        out.append(StepInfo(step, complete, layout, world, done, nbytes))
-    return sorted(out, key=lambda i: i.step)
+        out.append(StepInfo(step, complete, layout, world, done, nbytes, sid, entry.rstrip("/"), created))
+    # attempts of one step: the newest complete one sorts last
+    return sorted(out, key=lambda i: (i.step, i.complete, i.created))
 
 
 def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None) -> list[StepInfo]:
@@ -310,28 +341,29 @@ def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None) ->
     return _scan(fs, root)
 
 
-def _resolve_step(fs: fsspec.AbstractFileSystem, root: str, url: str, step: int | None) -> int:
+def _resolve_step(fs: fsspec.AbstractFileSystem, root: str, url: str, step: int | None) -> StepInfo:
+    """The save attempt to read: the newest complete attempt of ``step`` (default: of the latest step)."""
     infos = _scan(fs, root)
     complete = [i.step for i in infos if i.complete]
     if step is None:
         if not complete:
             extra = f" ({len(infos)} incomplete steps found)" if infos else ""
             raise CheckpointNotFoundError(f"no complete checkpoint under {url}{extra}")
-        return complete[-1]
+        step = complete[-1]
     if step not in complete:
         state = "is incomplete" if any(i.step == step for i in infos) else "does not exist"
         raise CheckpointNotFoundError(
-            f"checkpoint step {step} under {url} {state}; complete steps: {complete or 'none'}"
+            f"checkpoint step {step} under {url} {state}; complete steps: {sorted(set(complete)) or 'none'}"
         )
-    return step
+    return [i for i in infos if i.step == step and i.complete][-1]
 
 
 def read_manifest(url: str, step: int | None = None, *,
                   storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The manifest of ``step`` (default: the latest complete step), with ``ptc`` as a PTC."""
     fs, root = _fs(url, storage_options)
-    step = _resolve_step(fs, root, url, step)
-    manifest, _ = _read_json(fs, f"{_step_dir(root, step)}/manifest.json")
+    info = _resolve_step(fs, root, url, step)
+    manifest, _ = _read_json(fs, f"{info.path}/manifest.json")
     _check_format(manifest, url)
     manifest["ptc"] = PTC.from_json(manifest["ptc"])
     return manifest
@@ -438,8 +470,8 @@ def load(
     """
     t0 = time.perf_counter()
     fs, root = _fs(url, storage_options)
-    step = _resolve_step(fs, root, url, step)
-    sdir = _step_dir(root, step)
+    info = _resolve_step(fs, root, url, step)
+    step, sdir = info.step, info.path
     manifest, mbytes = _read_json(fs, f"{sdir}/manifest.json")
     _check_format(manifest, url)
     saved = PTC.from_json(manifest["ptc"])

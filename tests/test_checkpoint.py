@@ -118,21 +118,35 @@ def _fs_root(url: str):
 
 def _read_bytes(url: str, rel: str) -> bytes:
     fs, root = _fs_root(url)
-    return fs.cat_file(f"{root}/{rel}")
+    return fs.cat_file(_resolve(fs, root, rel))
 
 
 def _write_bytes(url: str, rel: str, data: bytes) -> None:
     fs, root = _fs_root(url)
-    fs.pipe_file(f"{root}/{rel}", data)
+    fs.pipe_file(_resolve(fs, root, rel), data)
 
 
 def _rm(url: str, rel: str) -> None:
     fs, root = _fs_root(url)
-    fs.rm(f"{root}/{rel}")
+    fs.rm(_resolve(fs, root, rel))
 
 
 def _step(step: int) -> str:
-    return f"step-{step:012d}"
+    """Glob of a step's save-attempt directories (``step-<12 digits>-<save id>``)."""
+    return f"step-{step:012d}-*"
+
+
+def _sdir(fs, root: str, step: int) -> str:
+    """The single save-attempt directory of ``step`` under ``root``."""
+    found = fs.glob(f"{root}/{_step(step)}")
+    assert len(found) == 1, found
+    return found[0].rstrip("/")
+
+
+def _resolve(fs, root: str, rel: str) -> str:
+    head, _, tail = rel.partition("/")
+    step = int(head.split("-")[1])
+    return f"{_sdir(fs, root, step)}/{tail}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +203,7 @@ def data_file_sizes(url: str, step: int) -> dict[int, int]:
     """Bytes of tensor data (header excluded) in every rank's safetensors file."""
     fs, root = _fs_root(url)
     out = {}
-    for path in fs.ls(f"{root}/{_step(step)}", detail=False):
+    for path in fs.ls(_sdir(fs, root, step), detail=False):
         m = re.search(r"rank-(\d{5})\.safetensors$", path)
         if m:
             raw = fs.cat_file(path)
@@ -341,7 +355,7 @@ def _data_reads(since: int = 0):
 def _check_load_reads(url, ptc, cfg, glob, ratios: list[float]):
     fs, root = _fs_root(url)
     step = list_steps(url)[-1].step
-    sdir = f"{root}/{_step(step)}"
+    sdir = _sdir(fs, root, step)
     sizes = {p: fs.size(p) for p in fs.ls(sdir, detail=False) if p.endswith(".safetensors")}
     want = ptc.shard(glob, cfg)
     for r in range(cfg.world_size):
@@ -421,7 +435,7 @@ def test_dp_replicas_written_once_and_balanced():
     # files are the data plus a header; bytes_written counts at least the file
     fs, root = _fs_root(url)
     for r, res in results.items():
-        assert res.bytes_written >= fs.size(f"{root}/{_step(2)}/rank-{r:05d}.safetensors") > sizes[r]
+        assert res.bytes_written >= fs.size(f"{_sdir(fs, root, 2)}/rank-{r:05d}.safetensors") > sizes[r]
     # the writer assignment covers every byte once and matches what was written
     assignment = writer_assignment(ptc, cfg)
     for r in range(4):
@@ -483,7 +497,7 @@ def test_latest_complete_step_and_interrupted_save(url):
     assert all(i.layout == CFG2 and i.world_size == 4 for i in infos)
     fs, root = _fs_root(url)
     for i in infos:
-        files = [p for p in fs.ls(f"{root}/{_step(i.step)}", detail=False) if p.endswith(".safetensors")]
+        files = [p for p in fs.ls(_sdir(fs, root, i.step), detail=False) if p.endswith(".safetensors")]
         assert i.nbytes == sum(fs.size(p) for p in files) > 0
     res = load(url, CFG2, 0)
     assert res.step == 2 and res.extra == "two" and res.shard["optimizer.step"] == 2
@@ -756,10 +770,10 @@ def test_layout_the_model_cannot_take(url):
 # ---------------------------------------------------------------------------------------------
 def _rank_files(url, step):
     fs, root = _fs_root(url)
-    try:
-        names = [p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/{_step(step)}", detail=False)]
-    except FileNotFoundError:
+    dirs = fs.glob(f"{root}/{_step(step)}")
+    if not dirs:
         return []
+    names = [p.rsplit("/", 1)[-1] for d in dirs for p in fs.ls(d, detail=False)]
     return sorted(n for n in names if n.startswith("rank-") or n in ("manifest.json", "objects.pt"))
 
 
@@ -797,3 +811,35 @@ def test_save_rejects_bad_rank_and_layout(url):
         save(url, ptc, ParallelConfig(tp=8), 0, shard, step=1)
     assert _rank_files(url, 1) == []
     assert list_steps(url) == []  # no phantom step left behind
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. save attempts: an interrupted save of step N never mixes with a later save of step N
+# ---------------------------------------------------------------------------------------------
+def test_resave_after_restart_does_not_mix_attempts(url, monkeypatch):
+    ptc = tiny_ptc()
+    old_cfg, new_cfg = ParallelConfig(tp=2), ParallelConfig(dp=2)
+    stale = random_bits(ptc, 1, step_value=5)
+    fresh = random_bits(ptc, 2, step_value=5)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    save(url, ptc, old_cfg, 1, ptc.shard(stale, old_cfg)[1], step=5)  # rank 0 never finishes
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    shards = ptc.shard(fresh, new_cfg)
+    for r in range(new_cfg.world_size):
+        save(url, ptc, new_cfg, r, shards[r], step=5)
+    infos = [i for i in list_steps(url) if i.step == 5]
+    assert len(infos) == 2 and [i.complete for i in infos] == [False, True]
+    assert infos[0].save_id != infos[1].save_id
+    want = ptc.shard(fresh, old_cfg)
+    for r in range(old_cfg.world_size):
+        assert_shard_equal(load(url, old_cfg, r).shard, want[r], f"rank {r}")
+
+
+def test_explicit_save_id_is_validated(url):
+    ptc = tiny_ptc()
+    cfg = ParallelConfig()
+    shard = ptc.shard(random_bits(ptc, 1), cfg)[0]
+    with pytest.raises(ValueError, match="save_id"):
+        save(url, ptc, cfg, 0, shard, step=1, save_id="not-hex!")
+    save(url, ptc, cfg, 0, shard, step=1, save_id="0123abcd")
+    assert [i.save_id for i in list_steps(url)] == ["0123abcd"]
