@@ -7,10 +7,10 @@ tensor by sorting the old layout's segments and binary-searching the new ones
 (``O((n + m) log n)``), never by comparing every chunk with every chunk.
 
 Rules, in order: use bytes already on the same device; otherwise read from a live holder on
-the same host; otherwise from any live holder; spread reads round-robin over all candidate
-holders (DP replicas, tied copies) so no source becomes a hot spot; storage only when no
-live copy exists. Moved bytes therefore always equal the lower bound (bytes a new rank needs
-that its device does not hold).
+the same host; otherwise from any live holder; spread reads over all candidate holders
+(DP replicas, tied copies) by the bytes each has been asked to send so far, so no source
+becomes a hot spot; storage only when no live copy exists. Moved bytes therefore always
+equal the lower bound (bytes a new rank needs that its device does not hold).
 """
 
 from __future__ import annotations
@@ -199,7 +199,8 @@ def plan(
 
     parts: dict[str, list[np.ndarray]] = {k: [] for k in Plan._COLUMNS}
     class_cache: dict[int, tuple[Any, tuple[np.ndarray, ...]]] = {}
-    served = np.zeros(old_cfg.world_size + 1, dtype=np.int64)  # remote requests per candidate set
+    sent = np.zeros(old_cfg.world_size + 1, dtype=np.float64)  # bytes each old rank sends so far
+    set_hash = np.random.default_rng(0).integers(1, 2**63, old_cfg.world_size + 1, dtype=np.uint64)
     for ti, (name, spec) in enumerate(ptc.tensors.items()):
         old_t = ptc.holders(name, old_cfg)
         new_t = ptc.holders(name, new_cfg)
@@ -222,19 +223,29 @@ def plan(
         any_same = same.any(1)
         cand = np.where(any_local[:, None], is_local, np.where(any_same[:, None], same, live))
         count = cand.sum(1)
-        # Round-robin over the candidates, continuing across tensors per candidate set (keyed
-        # by its first rank) so that repeated patterns do not keep hitting the same replicas.
+        # Spread remote reads by bytes, not by count (a count rotation lets a repeating pattern
+        # of big and small tensors pile the big ones on one replica): pieces with the same
+        # candidate set take its candidates in turn, least-loaded first, loads carried across tensors.
+        col = np.argmax(cand, axis=1)
         remote = np.flatnonzero(~any_local & (count > 0))
-        rot = np.zeros(len(qi), dtype=np.int64)
         if len(remote):
-            key = hr[remote, np.argmax(cand[remote], axis=1)]
+            rcand, rranks = cand[remote], hr[remote]
+            key = np.where(rcand, set_hash[rranks], np.uint64(0)).sum(1)  # identifies the candidate set
             order = np.argsort(key, kind="stable")
             skey = key[order]
             first = np.searchsorted(skey, skey, side="left")
-            rot[remote[order]] = served[skey] + (np.arange(len(skey)) - first)
-            served += np.bincount(key, minlength=len(served))
-        kth = rot % np.maximum(count, 1)
-        col = np.argmax(np.cumsum(cand, axis=1) > kth[:, None], axis=1)
+            idx = np.arange(len(order))
+            is_head = first == idx
+            heads = order[is_head]  # one piece per candidate set
+            by_load = np.argsort(np.where(rcand[heads], sent[rranks[heads]], np.inf), axis=1, kind="stable")
+            ranked = rranks[heads][np.arange(len(heads))[:, None], by_load]  # candidates, least-loaded first
+            group = np.empty(len(remote), dtype=np.int64)
+            group[order] = np.cumsum(is_head) - 1
+            pos = np.empty(len(remote), dtype=np.int64)
+            pos[order] = idx - first
+            chosen = ranked[group, pos % count[remote]]
+            col[remote] = np.argmax(rranks == chosen[:, None], axis=1)
+            sent += np.bincount(chosen, weights=(pe - ps)[remote] * spec.itemsize, minlength=len(sent))
         rows = np.arange(len(qi))
         src = np.where(count > 0, hr[rows, col], -1)
         kind = np.where(any_local, LOCAL, np.where(count == 0, STORAGE, np.where(any_same, SAME_HOST, CROSS_HOST)))
