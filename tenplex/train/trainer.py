@@ -268,7 +268,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ap.add_argument("--ckpt", default=None, help="checkpoint URL (any fsspec URL)")
     ap.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (and at the end)")
     ap.add_argument("--keep-last", type=int, default=3)
-    ap.add_argument("--parallel", default=None, help="pin the layout, e.g. dp=2,tp=2,pp=1")
+    ap.add_argument("--parallel", default=None,
+                    help="pin the layout, e.g. dp=2,tp=2,pp=1; several separated by '/' pin one per world size "
+                         "(world sizes not listed are chosen by rescale)")
     ap.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state across DP")
     ap.add_argument("--gpus-per-host", type=int, default=8)
     ap.add_argument("--log", default=None, help="rank 0 appends one JSON object per step here")
@@ -290,7 +292,11 @@ def run(tc: TrainConfig) -> int:
     corpus = TokenCorpus(tc.data, spec.seq_len) if tc.data else stdlib_corpus(spec.seq_len)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    pinned = ParallelConfig.parse(tc.parallel) if tc.parallel else None
+    pinned = _pinned_layout(tc.parallel, world)
+    if os.environ.get("TENPLEX_PID_DIR"):  # lets a simulated node failure kill this worker by pid
+        with open(os.path.join(os.environ["TENPLEX_PID_DIR"], f"local-{os.environ.get('LOCAL_RANK', '0')}.pid"),
+                  "w") as f:
+            f.write(str(os.getpid()))
     options = dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch, seq_len=spec.seq_len,
                    gpus_per_host=tc.gpus_per_host, gpu_mem=_device_memory())
     t_start = time.perf_counter()
@@ -334,6 +340,18 @@ def run(tc: TrainConfig) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _pinned_layout(text: str | None, world: int) -> ParallelConfig | None:
+    """The layout pinned for this world size: ``--parallel`` lists one or more layouts separated
+    by '/'; the one whose size matches is used, other world sizes are left to the chooser."""
+    if not text:
+        return None
+    layouts = [ParallelConfig.parse(t) for t in text.split("/") if t.strip()]
+    matching = [c for c in layouts if c.world_size == world]
+    if not matching:
+        log.warning("no pinned layout (%s) has world size %d: rescale chooses one", text, world)
+    return matching[0] if matching else None
 
 
 def _device_memory() -> int:

@@ -1,0 +1,127 @@
+"""Simulated multi-node elastic jobs on one machine: a standalone rendezvous store and torchrun agents.
+
+Each agent is one "node". The rendezvous store runs in its own process so that killing any
+agent (a node failure) leaves it alive; agents connect to it with ``is_host=false``. Workers
+write their pid to ``pid_dir`` so a node failure can kill its workers too (they are not in the
+agent's process group).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["free_port", "RendezvousStore", "Agent"]
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RendezvousStore:
+    """A TCPStore server in a child process, outliving the agents that use it."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        code = (
+            "import sys, time, torch.distributed as d\n"
+            f"s = d.TCPStore('127.0.0.1', {self.port}, is_master=True, wait_for_workers=False)\n"
+            "print('ready', flush=True)\n"
+            "while True: time.sleep(3600)\n"
+        )
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if line.strip() != "ready":
+            self.stop()
+            raise RuntimeError(f"the rendezvous store on port {self.port} did not start")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+class Agent:
+    """``torchrun`` for one simulated node: ``nproc`` workers running ``python -m tenplex.train``."""
+
+    def __init__(self, name: str, endpoint: str, train_args: Sequence[str], *, nproc: int, min_nodes: int,
+                 max_nodes: int, pid_dir: str, log_path: str, max_restarts: int = 3, run_id: str = "tenplex",
+                 env: dict[str, str] | None = None) -> None:
+        self.name, self.pid_dir = name, Path(pid_dir) / name
+        self.pid_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={min_nodes}:{max_nodes}",
+               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+               f"--rdzv-id={run_id}", "--rdzv-conf=is_host=false,last_call_timeout=5,join_timeout=120",
+               f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", "tenplex.train", "--",
+               *train_args]
+        full_env = {**os.environ, **(env or {}), "TENPLEX_PID_DIR": str(self.pid_dir), "OMP_NUM_THREADS": "1"}
+        self.log_file = open(log_path, "w")  # noqa: SIM115 - closed in wait/kill
+        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+
+    def worker_pids(self) -> list[int]:
+        pids = []
+        for f in self.pid_dir.glob("*.pid"):
+            try:
+                pids.append(int(f.read_text()))
+            except (OSError, ValueError):
+                continue
+        return pids
+
+    def kill(self) -> None:
+        """A node failure: SIGKILL the agent and every worker it started."""
+        targets = [self.proc.pid, *self.worker_pids()]
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(timeout=30)
+        self.log_file.close()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is not None:
+                self.log_file.close()
+
+    def stop(self) -> None:
+        """Kill whatever is left (clean-up on any exit path)."""
+        if self.proc.poll() is None:
+            self.kill()
+        for pid in self.worker_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:  # noqa: ANN001
+    """Poll ``predicate()`` until it is true or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
