@@ -17,6 +17,8 @@ from .errors import (
     PlanError,
     TenplexError,
 )
+from .layouts import Hardware, LayoutChoice, choose_layout, rank_layouts, valid_layouts
+from .memory import MemoryEstimate, StageMemory, estimate_memory
 from .models import PRESETS, ModelSpec, model_ptc, model_spec
 from .planner import Move, Plan, PlanStats, plan
 from .ptc import PTC, Replicated, Split, TensorSpec
@@ -54,4 +56,12 @@ __all__ = [
     "Replicated",
     "Split",
     "TensorSpec",
+    "estimate_memory",
+    "MemoryEstimate",
+    "StageMemory",
+    "choose_layout",
+    "rank_layouts",
+    "valid_layouts",
+    "LayoutChoice",
+    "Hardware",
 ]

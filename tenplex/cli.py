@@ -44,6 +44,94 @@ def _layout(text: str) -> ParallelConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _size(text: str) -> int:
+    from .memory import parse_size
+
+    try:
+        return parse_size(text)
+    except TenplexError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from .memory import estimate_memory
+
+    cfg = args.layout or ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp)
+    est = estimate_memory(args.model, cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, cp=args.cp,
+                          distributed_optimizer=not args.no_distributed_optimizer,
+                          num_microbatches=args.num_microbatches, precision=args.precision)
+    limit = args.mem_fraction * args.gpu_mem
+    if args.json:
+        out = est.to_json()
+        out["gpu_mem"] = args.gpu_mem
+        out["mem_fraction"] = args.mem_fraction
+        out["fits"] = est.fits(args.gpu_mem, args.mem_fraction)
+        for s in out["stages"]:
+            s["fraction"] = s["total_bytes"] / args.gpu_mem
+            s["feasible"] = s["total_bytes"] <= limit
+        print(json.dumps(out))
+        return 0
+    print(f"{args.model}: {cfg}, cp={args.cp}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
+          f"{est.num_microbatches} micro-batches, {args.precision}, "
+          f"{'distributed' if not args.no_distributed_optimizer else 'replicated'} optimizer; "
+          f"GPU {human_bytes(args.gpu_mem)}, limit {args.mem_fraction:.0%}")
+    head = ("stage", "layers", "params", "weights", "grads", "optimizer", "activations", "total", "of GPU", "fits")
+    print("  " + f"{head[0]:>5} {head[1]:>6} {head[2]:>14} " + " ".join(f"{h:>12}" for h in head[3:8])
+          + f" {head[8]:>7} {head[9]:>5}")
+    for s in est.stages:
+        cells = (s.param_bytes, s.grad_bytes, s.optimizer_bytes, s.activation_bytes, s.total_bytes)
+        print("  " + f"{s.stage:>5} {s.layers:>6} {s.params:>14,} " + " ".join(f"{human_bytes(c):>12}" for c in cells)
+              + f" {s.total_bytes / args.gpu_mem:>7.0%} {'yes' if s.total_bytes <= limit else 'NO':>5}")
+    first = est.stages[0]
+    print(f"  activations per layer and micro-batch: {human_bytes(first.activation_bytes_per_layer)}; "
+          f"peak {human_bytes(est.peak_bytes)} on stage {est.peak_stage}: "
+          f"{'fits' if est.fits(args.gpu_mem, args.mem_fraction) else 'does NOT fit'}")
+    return 0
+
+
+def _cmd_configs(args: argparse.Namespace) -> int:
+    from .layouts import Hardware, rank_layouts
+
+    hw = Hardware(flops=args.flops, intra_host_bw=args.intra_host_bw, inter_host_bw=args.inter_host_bw)
+    choices = rank_layouts(args.model, args.gpus, gpu_mem=args.gpu_mem, global_batch=args.global_batch,
+                           seq_len=args.seq_len, micro_batch=args.micro_batch, gpus_per_host=args.gpus_per_host,
+                           cp=args.cp, distributed_optimizer=not args.no_distributed_optimizer,
+                           precision=args.precision, current=args.from_, horizon_steps=args.horizon_steps,
+                           hardware=hw)
+    feasible = [c for c in choices if c.feasible]
+    if args.json:
+        out = {"model": args.model, "gpus": args.gpus, "gpu_mem": args.gpu_mem, "global_batch": args.global_batch,
+               "seq_len": args.seq_len, "micro_batch": args.micro_batch, "cp": args.cp,
+               "from": str(args.from_) if args.from_ else None,
+               "best": str(feasible[0].cfg) if feasible else None,
+               "layouts": [c.to_json() for c in choices]}
+        print(json.dumps(out))
+        return 0 if feasible else 1
+    print(f"{args.model} on {args.gpus} GPUs ({args.gpus_per_host} per host, {human_bytes(args.gpu_mem)} each), "
+          f"global batch {args.global_batch}, seq {args.seq_len}, micro-batch {args.micro_batch}"
+          + (f", from {args.from_}" if args.from_ else ""))
+    if feasible:
+        moved = args.from_ is not None
+        print(f"  {'#':>3} {'layout':<22} {'step':>9} {'tokens/s':>12} {'peak':>12} {'of GPU':>7}"
+              + (f" {'moved':>12} {'cross-host':>12} {'reconfig':>9}" if moved else ""))
+        for i, c in enumerate(feasible, 1):
+            assert c.step_seconds is not None and c.tokens_per_second is not None and c.peak_bytes is not None
+            line = (f"  {i:>3} {str(c.cfg):<22} {c.step_seconds:>8.3f}s {c.tokens_per_second:>12,.0f} "
+                    f"{human_bytes(c.peak_bytes):>12} {c.peak_bytes / args.gpu_mem:>7.0%}")
+            if moved:
+                line += (f" {human_bytes(c.bytes_moved or 0):>12} {human_bytes(c.bytes_cross_host or 0):>12} "
+                         f"{c.reconfig_seconds or 0:>8.2f}s")
+            print(line)
+    else:
+        print("  no layout fits")
+    rejected = [c for c in choices if not c.feasible]
+    if rejected:
+        print("  rejected:")
+        for c in rejected:
+            print(f"      {str(c.cfg):<22} {c.reason}")
+    return 0 if feasible else 1
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .models import model_ptc
     from .planner import plan
@@ -137,6 +225,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded across DP")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("estimate", help="estimate per-GPU memory of every pipeline stage of a layout")
+    p.add_argument("--model", required=True, help="model preset, e.g. llama3-8b")
+    p.add_argument("--layout", type=_layout, default=None, metavar="LAYOUT",
+                   help="dp=..,tp=..,pp=..[,stages=A+B] (instead of --dp/--tp/--pp; allows uneven stages)")
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--micro-batch", type=int, required=True)
+    p.add_argument("--num-microbatches", type=int, default=None, help="micro-batches per step (default: pp)")
+    p.add_argument("--gpu-mem", type=_size, default=_size("80GiB"), help="GPU memory, e.g. 80GiB, 80GB (default 80GiB)")
+    p.add_argument("--mem-fraction", type=float, default=0.8, help="usable fraction of GPU memory (default 0.8)")
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--no-distributed-optimizer", action="store_true", help="optimizer state replicated across DP")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_estimate)
+
+    p = sub.add_parser("configs",
+                       help="list the layouts of N GPUs: ranked by estimated speed, rejected ones with the reason")
+    p.add_argument("--model", required=True, help="model preset, e.g. llama3-70b")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu-mem", type=_size, required=True, help="GPU memory, e.g. 80GiB, 80GB")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--micro-batch", type=int, required=True)
+    p.add_argument("--gpus-per-host", type=int, default=8)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--from", dest="from_", type=_layout, default=None, metavar="LAYOUT",
+                   help="current layout: also plan the move of the state to each candidate")
+    p.add_argument("--horizon-steps", type=int, default=1000, help="steps over which a move's cost is amortised")
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--no-distributed-optimizer", action="store_true", help="optimizer state replicated across DP")
+    p.add_argument("--flops", type=float, default=400e12, help="effective FLOP/s per GPU")
+    p.add_argument("--intra-host-bw", type=float, default=300e9, help="bytes/s within a host")
+    p.add_argument("--inter-host-bw", type=float, default=50e9, help="bytes/s between hosts, per GPU")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_configs)
 
     p = sub.add_parser("inspect", help="list a checkpoint's steps, layouts, completeness and tensors")
     p.add_argument("url", help="checkpoint URL (local path, memory://, s3://, ...)")

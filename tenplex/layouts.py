@@ -1,0 +1,371 @@
+"""Which (DP, TP, PP) layout to run on a given number of GPUs: enumerate, check memory, rank.
+
+Every factorisation ``dp * tp * pp * cp == gpus`` is a candidate. Candidates the model or the
+batch cannot take are rejected with the reason; the rest get a memory estimate
+(:func:`tenplex.memory.estimate_memory`) and are rejected when a stage needs more than 80 %
+of the GPU's memory. Feasible layouts are ranked by a simple throughput model (compute
+inflated by the 1F1B bubble, plus TP and DP communication) plus, when the job is being
+reconfigured from a current layout, the time to move its state amortised over
+``horizon_steps``. Pure arithmetic apart from calling the planner; see docs/memory.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from .config import ParallelConfig
+from .errors import ConfigError, LayoutError
+from .memory import GiB, PRECISIONS, MemoryEstimate, estimate_memory, parse_size, resolve_model
+from .models import ModelSpec, model_ptc
+from .planner import CROSS_HOST, SAME_HOST, STORAGE, Plan, plan
+from .ptc import PTC
+
+__all__ = ["Hardware", "LayoutChoice", "valid_layouts", "rank_layouts", "choose_layout", "divisors", "step_time",
+           "reconfig_time"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """Constants of the throughput model, per GPU.
+
+    ``flops``: effective (achieved, not peak) dense bf16 FLOP/s; ``intra_host_bw``: NVLink
+    bytes/s; ``inter_host_bw``: network bytes/s; ``storage_bw``: bytes/s one GPU reads from
+    persistent storage when a piece has no live holder.
+    """
+
+    flops: float = 400e12
+    intra_host_bw: float = 300e9
+    inter_host_bw: float = 50e9
+    storage_bw: float = 5e9
+
+    def __post_init__(self) -> None:
+        for name in ("flops", "intra_host_bw", "inter_host_bw", "storage_bw"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"Hardware.{name} must be positive, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutChoice:
+    """One candidate layout: its memory estimate, whether it fits and, if so, what it costs.
+
+    ``reason`` says why an infeasible layout was rejected (None when feasible). Times are in
+    seconds; ``bytes_moved`` / ``bytes_cross_host`` / ``reconfig_seconds`` describe the move
+    from the current layout (None without one, or for infeasible layouts).
+    """
+
+    cfg: ParallelConfig
+    estimate: MemoryEstimate | None
+    feasible: bool
+    reason: str | None = None
+    step_seconds: float | None = None
+    tokens_per_second: float | None = None
+    bytes_moved: int | None = None
+    bytes_cross_host: int | None = None
+    reconfig_seconds: float | None = None
+    score: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.feasible == (self.reason is not None):
+            raise ValueError(f"{self.cfg}: feasible={self.feasible} but reason={self.reason!r}; "
+                             "exactly the infeasible choices carry a reason")
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return None if self.estimate is None else self.estimate.peak_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layout": str(self.cfg),
+            "dp": self.cfg.dp,
+            "tp": self.cfg.tp,
+            "pp": self.cfg.pp,
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "step_seconds": self.step_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "peak_bytes": self.peak_bytes,
+            "peak_stage": None if self.estimate is None else self.estimate.peak_stage,
+            "bytes_moved": self.bytes_moved,
+            "bytes_cross_host": self.bytes_cross_host,
+            "reconfig_seconds": self.reconfig_seconds,
+            "score": self.score,
+        }
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of ``n`` in increasing order."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_common(gpus: int, global_batch: int, micro_batch: int, gpus_per_host: int) -> None:
+    for name, value in (("gpus", gpus), ("global_batch", global_batch), ("micro_batch", micro_batch),
+                        ("gpus_per_host", gpus_per_host)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _structural_reason(spec: ModelSpec, cfg: ParallelConfig, *, global_batch: int, micro_batch: int,
+                       gpus_per_host: int) -> str | None:
+    """Why ``cfg`` cannot run the model or the batch at all (None if it can); memory is checked later."""
+    assert spec.kv_heads is not None and spec.ffn_hidden is not None
+    tp, pp, dp = cfg.tp, cfg.pp, cfg.dp
+    for what, value in (("heads", spec.heads), ("kv_heads", spec.kv_heads), ("ffn_hidden", spec.ffn_hidden)):
+        if value % tp:
+            return f"tp={tp} does not divide {what}={value} ({value} % {tp} = {value % tp})"
+    if tp > gpus_per_host:
+        return f"tp={tp} spans hosts of {gpus_per_host} GPUs (TP must stay within a host)"
+    if cfg.stages is not None:
+        if sum(cfg.stages) != spec.num_layers:
+            return (f"stages {'+'.join(map(str, cfg.stages))} = {sum(cfg.stages)} layers "
+                    f"but the model has {spec.num_layers}")
+    elif pp > spec.num_layers:
+        return f"pp={pp} is more than the model's {spec.num_layers} layers"
+    if global_batch % (dp * micro_batch):
+        return f"global batch {global_batch} not divisible by dp*micro_batch={dp}*{micro_batch}={dp * micro_batch}"
+    return None
+
+
+def _candidates(spec: ModelSpec, gpus: int, *, global_batch: int, micro_batch: int,
+                gpus_per_host: int) -> Iterator[tuple[ParallelConfig, str | None]]:
+    """Every (dp, tp, pp) with dp*tp*pp == gpus, by tp then pp, with the reason it cannot run (None if it can)."""
+    for tp in divisors(gpus):
+        for pp in divisors(gpus // tp):
+            cfg = ParallelConfig(dp=gpus // (tp * pp), tp=tp, pp=pp)
+            yield cfg, _structural_reason(spec, cfg, global_batch=global_batch, micro_batch=micro_batch,
+                                          gpus_per_host=gpus_per_host)
+
+
+def valid_layouts(
+    model: ModelSpec | str | PTC,
+    gpus: int,
+    *,
+    global_batch: int,
+    micro_batch: int,
+    gpus_per_host: int = 8,
+) -> list[ParallelConfig]:
+    """Every layout of ``gpus`` GPUs the model and batch allow (memory not checked), by tp then pp.
+
+    Valid: dp*tp*pp == gpus; tp divides heads, kv_heads and ffn_hidden and is at most a
+    host's GPUs; pp at most the number of layers; global_batch divisible by dp*micro_batch.
+    """
+    spec = resolve_model(model)
+    _check_common(gpus, global_batch, micro_batch, gpus_per_host)
+    return [cfg for cfg, reason in _candidates(spec, gpus, global_batch=global_batch, micro_batch=micro_batch,
+                                                gpus_per_host=gpus_per_host) if reason is None]
+
+
+def _dp_spans_hosts(cfg: ParallelConfig, cp: int, gpus_per_host: int) -> bool:
+    """True when some data-parallel group (ranks ordered tp-cp-dp-pp) has ranks on two hosts."""
+    t, d = cfg.tp, cfg.dp * cp  # gradients are reduced over DP x CP
+    for pp in range(cfg.pp):
+        base = pp * t * d
+        for tp in range(t):
+            ranks = base + tp + t * np.arange(d)
+            if ranks[0] // gpus_per_host != ranks[-1] // gpus_per_host:
+                return True
+    return False
+
+
+def step_time(
+    spec: ModelSpec,
+    est: MemoryEstimate,
+    *,
+    global_batch: int,
+    gpus_per_host: int,
+    hardware: Hardware,
+) -> tuple[float, dict[str, float]]:
+    """Estimated seconds per training step of ``est``'s layout and the terms that make it up.
+
+    compute = 6 N tokens / (gpus flops); TP = per micro-batch and layer, sequence parallelism
+    all-gathers and reduce-scatters an (s/c) x b x h activation 4 times forward and 4 times
+    backward, each moving (t-1)/t of it, over NVLink. Both run inside the pipeline, so both
+    are divided by (1 - bubble), bubble = (p-1)/(m+p-1). The DP gradient all-reduce
+    2(d-1)/d x gradient bytes of the most loaded stage then runs over the network when the DP
+    group spans hosts, else over NVLink.
+    """
+    cfg, cp = est.cfg, est.cp
+    t, p, d = cfg.tp, cfg.pp, cfg.dp
+    m = global_batch // (d * est.micro_batch)
+    gpus = cfg.world_size * cp
+    tokens = global_batch * est.seq_len
+    compute = 6 * spec.num_params() * tokens / (gpus * hardware.flops)
+    act_bytes = PRECISIONS[est.precision][3]
+    layers = max(s.layers for s in est.stages)
+    tp_bytes = 8 * (t - 1) / t * (est.seq_len / cp) * est.micro_batch * spec.hidden * act_bytes
+    tp_comm = layers * m * tp_bytes / hardware.intra_host_bw
+    bubble = (p - 1) / (m + p - 1)
+    pipeline = (compute + tp_comm) / (1 - bubble)
+    ranks = d * cp
+    grad = max(s.grad_bytes for s in est.stages)
+    bw = hardware.inter_host_bw if _dp_spans_hosts(cfg, cp, gpus_per_host) else hardware.intra_host_bw
+    dp_comm = 2 * (ranks - 1) / ranks * grad / bw
+    terms = {"compute": compute, "tp_comm": tp_comm, "bubble": bubble, "dp_comm": dp_comm}
+    return pipeline + dp_comm, terms
+
+
+def reconfig_time(moves: Plan, hardware: Hardware) -> float:
+    """Seconds to carry out a plan: the slowest new rank's bytes over its links (ranks receive in parallel)."""
+    c = moves.columns
+    n = moves.new.world_size
+    total = np.zeros(n)
+    for kind, bw in ((SAME_HOST, hardware.intra_host_bw), (CROSS_HOST, hardware.inter_host_bw),
+                     (STORAGE, hardware.storage_bw)):
+        sel = c["kind"] == kind
+        if sel.any():
+            total += np.bincount(c["new_rank"][sel], weights=c["nbytes"][sel], minlength=n) / bw
+    return float(total.max()) if n else 0.0
+
+
+def _size_text(n: float, digits: str = ".1f") -> str:
+    """92.1 GiB, 3.0 MiB: the largest binary unit that keeps the number at least 1."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:{digits}} {unit}"
+    return f"{n:.0f} B"
+
+
+def _memory_reason(est: MemoryEstimate, gpu_mem: int, fraction: float) -> str | None:
+    if est.fits(gpu_mem, fraction):
+        return None
+    i = est.peak_stage
+    need = est.stages[i].total_bytes
+    return (f"stage {i} needs {_size_text(need)} = {100 * need / gpu_mem:.0f}% of {_size_text(gpu_mem, '.4g')} "
+            f"> {100 * fraction:.0f}%")
+
+
+def rank_layouts(
+    model: ModelSpec | str | PTC,
+    gpus: int,
+    *,
+    gpu_mem: int | str,
+    global_batch: int,
+    seq_len: int,
+    micro_batch: int,
+    gpus_per_host: int = 8,
+    cp: int = 1,
+    distributed_optimizer: bool = True,
+    precision: str = "bf16",
+    mem_fraction: float = 0.8,
+    current: ParallelConfig | None = None,
+    ptc: PTC | None = None,
+    alive: list[int] | tuple[int, ...] | None = None,
+    horizon_steps: int = 1000,
+    hardware: Hardware = Hardware(),
+    only: list[ParallelConfig] | None = None,
+) -> list[LayoutChoice]:
+    """Every candidate layout of ``gpus`` GPUs: feasible ones best first, then the rejected ones.
+
+    Feasible ones are sorted by ``step_seconds + reconfig_seconds / horizon_steps``; the
+    reconfiguration cost is planned from ``current`` with ``ptc`` (built from the model, with
+    Adam state, when not given) and ``alive``. Rejected ones keep the enumeration order (tp,
+    then pp) and say why in ``reason``. ``gpu_mem``: bytes or a size such as ``"80GiB"``.
+    ``only``: evaluate these layouts (e.g. with uneven stages) instead of enumerating.
+    """
+    spec = resolve_model(model)
+    _check_common(gpus, global_batch, micro_batch, gpus_per_host)
+    mem = parse_size(gpu_mem)
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"cp must be a positive integer, got {cp!r}")
+    if gpus % cp:
+        raise LayoutError(f"cp={cp} does not divide {gpus} GPUs ({gpus} % {cp} = {gpus % cp})")
+    if not 0 < mem_fraction <= 1:
+        raise ConfigError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
+    if horizon_steps < 1:
+        raise ConfigError(f"horizon_steps must be >= 1, got {horizon_steps}")
+    if current is not None and ptc is None:
+        ptc = model if isinstance(model, PTC) else model_ptc(
+            **{f: getattr(spec, f) for f in spec.__dataclass_fields__},
+            optimizer=True, distributed_optimizer=distributed_optimizer)
+    if only is None:
+        candidates = list(_candidates(spec, gpus // cp, global_batch=global_batch, micro_batch=micro_batch,
+                                      gpus_per_host=gpus_per_host))
+    else:
+        candidates = []
+        for cfg in only:
+            if cfg.world_size * cp != gpus:
+                raise ConfigError(f"layout {cfg} with cp={cp} needs dp*tp*pp*cp = {cfg.world_size}*{cp} = "
+                                  f"{cfg.world_size * cp} GPUs but there are {gpus}")
+            candidates.append((cfg, _structural_reason(spec, cfg, global_batch=global_batch, micro_batch=micro_batch,
+                                                       gpus_per_host=gpus_per_host)))
+
+    feasible: list[LayoutChoice] = []
+    rejected: list[LayoutChoice] = []
+    for cfg, reason in candidates:
+        if reason is not None:
+            rejected.append(LayoutChoice(cfg, None, False, reason))
+            continue
+        m = global_batch // (cfg.dp * micro_batch)
+        est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=micro_batch, cp=cp,
+                              distributed_optimizer=distributed_optimizer, num_microbatches=m,
+                              precision=precision, gpus_per_host=gpus_per_host)
+        step, _ = step_time(spec, est, global_batch=global_batch, gpus_per_host=gpus_per_host, hardware=hardware)
+        tps = global_batch * seq_len / step
+        reason = _memory_reason(est, mem, mem_fraction)
+        if reason is not None:
+            rejected.append(LayoutChoice(cfg, est, False, reason, step, tps))
+            continue
+        choice = LayoutChoice(cfg, est, True, None, step, tps, score=step)
+        if current is not None:
+            assert ptc is not None
+            moves = plan(ptc, current, cfg, alive=alive, gpus_per_host=gpus_per_host)
+            seconds = reconfig_time(moves, hardware)
+            choice = replace(choice, bytes_moved=moves.stats.bytes_moved, bytes_cross_host=moves.stats.bytes_cross_host,
+                             reconfig_seconds=seconds, score=step + seconds / horizon_steps)
+        feasible.append(choice)
+    feasible.sort(key=lambda c: (c.score, c.cfg.tp, c.cfg.pp))
+    log.info("%d GPUs: %d feasible layouts of %d candidates%s", gpus, len(feasible), len(candidates),
+             f", best {feasible[0].cfg}" if feasible else "")
+    return feasible + rejected
+
+
+def choose_layout(
+    model: ModelSpec | str | PTC,
+    gpus: int,
+    *,
+    pin: ParallelConfig | None = None,
+    rank: Callable[[list[LayoutChoice]], list[LayoutChoice]] | None = None,
+    **options: Any,
+) -> LayoutChoice:
+    """The best feasible layout of ``gpus`` GPUs (``options`` as for :func:`rank_layouts`).
+
+    ``pin`` forces a layout: it is checked like any candidate (world size, model, batch,
+    memory) and returned, or rejected with LayoutError. ``rank`` reorders (or filters) the
+    feasible choices, best first, e.g. to prefer layouts that move fewer bytes. Raises
+    LayoutError listing every rejection when nothing fits.
+    """
+    if pin is not None:
+        (choice,) = rank_layouts(model, gpus, only=[pin], **options)
+        if not choice.feasible:
+            raise LayoutError(f"pinned layout {pin} cannot run: {choice.reason}")
+        return choice
+    choices = rank_layouts(model, gpus, **options)
+    feasible = [c for c in choices if c.feasible]
+    if not feasible:
+        reasons = "; ".join(f"{c.cfg}: {c.reason}" for c in choices)
+        raise LayoutError(f"no layout of {gpus} GPUs fits {_name(model)}: {reasons}")
+    if rank is not None:
+        feasible = list(rank(list(feasible)))
+        if not feasible:
+            raise LayoutError("the rank function returned no layout")
+        bad = [c for c in feasible if not isinstance(c, LayoutChoice) or not c.feasible]
+        if bad:
+            raise LayoutError(f"the rank function returned something other than a feasible LayoutChoice: {bad[0]!r}")
+    best = feasible[0]
+    log.info("chose %s for %d GPUs: %.3f s/step, peak %.1f GiB", best.cfg, gpus, best.step_seconds or 0.0,
+             (best.peak_bytes or 0) / GiB)
+    return best
+
+
+def _name(model: object) -> str:
+    if isinstance(model, str):
+        return model
+    spec = resolve_model(model)  # type: ignore[arg-type]
+    return f"{spec.arch} L={spec.num_layers} h={spec.hidden}"
