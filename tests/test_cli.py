@@ -81,8 +81,8 @@ def test_console_script_and_module_entry() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_demo_runs_and_verifies() -> None:
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py")], capture_output=True, text=True,
+def test_reshard_example_runs_and_verifies() -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "reshard_example.py")], capture_output=True, text=True,
                          timeout=280)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "correctness: OK" in res.stdout

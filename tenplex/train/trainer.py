@@ -34,6 +34,7 @@ from .schedule import Op, one_f_one_b
 __all__ = ["TrainConfig", "Trainer", "trainer_ptc", "main", "parse_args"]
 
 log = logging.getLogger(__name__)
+PROCESS_START = time.time()  # close to when this worker process started (after the torch import)
 
 DATA_OBJECT = "data"
 
@@ -310,14 +311,20 @@ def run(tc: TrainConfig) -> int:
         state = RescaleResult(cfg, rank, world, 0, True)
     groups = init_distributed(state.cfg)
     trainer = Trainer(tc, ptc, groups, state, corpus)
+    read = torch.tensor([state.load_stats.bytes_read if state.load_stats else 0,
+                         state.load_stats.bytes_needed if state.load_stats else 0], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(read)  # bytes every rank read from the checkpoint, for the start record
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank == 0:
         log.warning("%s", state.summary())
         _emit(tc.log, {"event": "start", "step": trainer.step, "world_size": world, "layout": str(state.cfg),
                        "previous": str(state.previous) if state.previous else None, "restart": restart,
                        "timings": state.timings, "startup_s": time.perf_counter() - t_start,
+                       "process_start": PROCESS_START, "wall": time.time(),
                        "bytes_read": state.load_stats.bytes_read if state.load_stats else 0,
                        "bytes_needed": state.load_stats.bytes_needed if state.load_stats else 0,
+                       "bytes_read_all": int(read[0]), "bytes_needed_all": int(read[1]),
                        "plan_bytes_moved": state.plan_stats.bytes_moved if state.plan_stats else 0})
     while trainer.step < tc.steps:
         t0 = time.perf_counter()
@@ -327,7 +334,7 @@ def run(tc: TrainConfig) -> int:
         if rank == 0:
             _emit(tc.log, {"step": trainer.step, "loss": loss, "world_size": world, "dp": state.cfg.dp,
                            "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
-                           "time_s": time.perf_counter() - t0, "restart": restart})
+                           "time_s": time.perf_counter() - t0, "restart": restart, "wall": time.time()})
         done = trainer.step >= tc.steps
         if tc.ckpt and ((tc.ckpt_every and trainer.step % tc.ckpt_every == 0) or done):
             save(tc.ckpt, ptc, state.cfg, groups.rank, trainer.shard(), step=trainer.step, keep_last=tc.keep_last)
