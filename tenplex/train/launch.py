@@ -67,10 +67,14 @@ class Agent:
         self.pid_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={min_nodes}:{max_nodes}",
                f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-               f"--rdzv-id={run_id}", "--rdzv-conf=is_host=false,last_call_timeout=5,join_timeout=120",
+               f"--rdzv-id={run_id}", "--rdzv-conf=is_host=false,last_call_timeout=3,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3",
                f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", "tenplex.train", "--",
                *train_args]
-        full_env = {**os.environ, **(env or {}), "TENPLEX_PID_DIR": str(self.pid_dir), "OMP_NUM_THREADS": "1"}
+        # Workers bootstrap from a per-round prefix of the rendezvous store rather than a TCP
+        # store shared across rounds by the rank-0 agent: after a node failure, keys left by
+        # the previous round's workers would otherwise send gloo to dead peers until timeout.
+        full_env = {**os.environ, **(env or {}), "TENPLEX_PID_DIR": str(self.pid_dir), "OMP_NUM_THREADS": "1",
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         self.log_file = open(log_path, "w")  # noqa: SIM115 - closed in wait/kill
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
