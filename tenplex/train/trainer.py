@@ -62,6 +62,7 @@ class TrainConfig:
     log: str | None = None
     gpus_per_host: int = 8
     fail_at_step: int | None = None
+    measure_memory: str | None = None
 
 
 def trainer_ptc(model: str, *, distributed_optimizer: bool, seq_len: int | None = None) -> PTC:
@@ -275,6 +276,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ap.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state across DP")
     ap.add_argument("--gpus-per-host", type=int, default=8)
     ap.add_argument("--log", default=None, help="rank 0 appends one JSON object per step here")
+    ap.add_argument("--measure-memory", default=None, metavar="DIR",
+                    help="measure this rank's peak memory during the second step into DIR/rank-N.json")
     ap.add_argument("--fail-at-step", type=int, default=None,
                     help="testing: every rank exits with an error after finishing this step (first run only)")
     a = ap.parse_args(argv)
@@ -282,7 +285,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                        seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data, ckpt=a.ckpt,
                        ckpt_every=a.ckpt_every, keep_last=a.keep_last, parallel=a.parallel,
                        distributed_optimizer=a.distributed_optimizer, log=a.log, gpus_per_host=a.gpus_per_host,
-                       fail_at_step=a.fail_at_step)
+                       fail_at_step=a.fail_at_step, measure_memory=a.measure_memory)
 
 
 def run(tc: TrainConfig) -> int:
@@ -326,9 +329,13 @@ def run(tc: TrainConfig) -> int:
                        "bytes_needed": state.load_stats.bytes_needed if state.load_stats else 0,
                        "bytes_read_all": int(read[0]), "bytes_needed_all": int(read[1]),
                        "plan_bytes_moved": state.plan_stats.bytes_moved if state.plan_stats else 0})
+    first_step = trainer.step
     while trainer.step < tc.steps:
         t0 = time.perf_counter()
-        loss, samples = trainer.train_step()
+        if tc.measure_memory and trainer.step == first_step + 1:
+            loss, samples = measure_step_memory(trainer, tc.measure_memory)
+        else:
+            loss, samples = trainer.train_step()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {trainer.step}")
         if rank == 0:
@@ -347,6 +354,52 @@ def run(tc: TrainConfig) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def measure_step_memory(trainer: Trainer, out_dir: str) -> tuple[float, np.ndarray]:
+    """Run one step and record this rank's peak memory in ``out_dir/rank-N.json``.
+
+    CUDA: the caching allocator's peak (``max_memory_allocated``). CPU: PyTorch's memory
+    profiler, which reports every allocation and free of the CPU allocator: peak = bytes of the
+    tensors alive when the step starts (parameters, gradients, optimizer state)
+    plus the highest running total of allocations minus frees during the step.
+    """
+    dev = trainer.g.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        loss, samples = trainer.train_step()
+        torch.cuda.synchronize(dev)
+        peak, method = torch.cuda.max_memory_allocated(dev), "cuda max_memory_allocated"
+    else:
+        from torch.profiler import ProfilerActivity, profile
+
+        from torch._C._profiler import _EventType
+
+        state = sum(p.numel() * p.element_size() for p in trainer.params.values())
+        state += sum(p.grad.numel() * p.grad.element_size() for p in trainer.params.values() if p.grad is not None)
+        state += sum(t.numel() * t.element_size() for t in trainer.opt.values())
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss, samples = trainer.train_step()
+        events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:  # every allocation (+) and free (-) the CPU allocator reported, in time order
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.typed[0] == _EventType.Allocation:
+                events.append((node.start_time_ns, node.typed[1].alloc_size))
+        live = top = 0
+        for _, size in sorted(events):
+            live += size
+            top = max(top, live)
+        base, peak, method = state, state + top, "cpu torch.profiler allocation events"
+    c = trainer.coords
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rank-{trainer.g.rank:05d}.json"), "w") as f:
+        json.dump({"rank": trainer.g.rank, "pp": c.pp, "dp": c.dp, "tp": c.tp, "layout": str(trainer.cfg),
+                   "state_bytes": base, "peak_bytes": peak, "method": method,
+                   "num_microbatches": trainer.num_mb}, f)
+    return loss, samples
 
 
 def _pinned_layout(text: str | None, world: int) -> ParallelConfig | None:
