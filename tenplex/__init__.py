@@ -7,6 +7,7 @@ The public surface: layouts (:class:`ParallelConfig`), parallelizable tensor col
 
 from .checkpoint import LoadResult, LoadStats, SaveResult, StepInfo, list_steps, load, read_manifest, save
 from .config import Coords, ParallelConfig
+from .elastic import RescaleResult, rescale
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -25,6 +26,8 @@ from .ptc import PTC, Replicated, Split, TensorSpec
 from .reshard import reshard
 
 __all__ = [
+    "rescale",
+    "RescaleResult",
     "save",
     "load",
     "list_steps",

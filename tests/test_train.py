@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tenplex import ParallelConfig
 from tenplex.train.launch import Agent, RendezvousStore, free_port, wait_for
 
 STEPS = 14
@@ -136,3 +137,55 @@ def test_elastic_node_failure_two_agents(tmp_path: Path, reference: dict[int, di
         rel = abs(steps[step]["loss"] - ref["loss"]) / abs(ref["loss"])
         assert rel <= REL_TOL, f"step {step}: rel {rel:.2e}"
         assert steps[step]["samples"] == ref["samples"]
+
+
+# -- rescale() on its own: fresh start, resume, and its errors --------------------------------
+def _options() -> dict:
+    return dict(global_batch=8, micro_batch=2, seq_len=64, gpu_mem="16GiB", precision="fp32",
+                distributed_optimizer=False)
+
+
+def test_rescale_fresh_then_resume_under_chosen_layout(tmp_path: Path) -> None:
+    import torch
+
+    import tenplex
+    from tenplex.train import trainer_ptc
+
+    ptc = trainer_ptc("tiny", distributed_optimizer=False)
+    fresh = tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=4, layout_options=_options())
+    assert fresh.fresh and fresh.shard is None and fresh.cfg.world_size == 4
+    cfg = ParallelConfig(dp=1, tp=2, pp=2)
+    g = {n: torch.randn(s.shape) for n, s in ptc.tensors.items()}
+    g.update({"optimizer.step": 3, "data": {"consumed": 24}})
+    shards = ptc.shard(g, cfg)
+    for r in range(cfg.world_size):
+        tenplex.save(str(tmp_path), ptc, cfg, r, shards[r], step=3)
+    res = tenplex.rescale(str(tmp_path), ptc, rank=1, world_size=2, layout_options=_options())
+    assert not res.fresh and res.step == 3 and res.previous == cfg and res.cfg.world_size == 2
+    want = ptc.shard(g, res.cfg)[1]
+    assert all(torch.equal(res.shard[n], want[n]) for n in ptc.rank_tensors(res.cfg, 1))
+    assert res.shard["optimizer.step"] == 3 and res.shard["data"] == {"consumed": 24}
+    assert res.load_stats.bytes_read >= res.load_stats.bytes_needed > 0
+    assert set(res.timings) >= {"list", "choose", "plan", "load"}
+    pinned = tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=2, parallel=ParallelConfig(tp=2))
+    assert pinned.cfg == ParallelConfig(tp=2)
+
+
+def test_rescale_errors(tmp_path: Path) -> None:
+    import torch
+
+    import tenplex
+    from tenplex.train import trainer_ptc
+
+    ptc = trainer_ptc("tiny", distributed_optimizer=False)
+    cfg = ParallelConfig()
+    g = {n: torch.zeros(s.shape) for n, s in ptc.tensors.items()}
+    tenplex.save(str(tmp_path), ptc, cfg, 0, ptc.shard(g, cfg)[0], step=1)
+    other = trainer_ptc("llama-small", distributed_optimizer=False)
+    with pytest.raises(tenplex.CheckpointMismatchError, match="another model"):
+        tenplex.rescale(str(tmp_path), other, rank=0, world_size=1, layout_options=_options())
+    # 5 GPUs: tp=5 does not divide 8 heads, pp=5 exceeds 4 layers, dp=5 does not divide a batch of 8
+    with pytest.raises(tenplex.LayoutError):
+        tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=5, layout_options=_options())
+    with pytest.raises(tenplex.ConfigError, match="world size is 2"):
+        tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=2, parallel=ParallelConfig(tp=4))

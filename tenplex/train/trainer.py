@@ -302,7 +302,9 @@ def run(tc: TrainConfig) -> int:
                   "w") as f:
             f.write(str(os.getpid()))
     options = dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch, seq_len=spec.seq_len,
-                   gpus_per_host=tc.gpus_per_host, gpu_mem=_device_memory())
+                   gpus_per_host=tc.gpus_per_host, gpu_mem=_device_memory(),
+                   distributed_optimizer=tc.distributed_optimizer,
+                   precision="fp32" if spec.dtype == torch.float32 else "bf16")
     t_start = time.perf_counter()
     if tc.ckpt:
         state = rescale(tc.ckpt, ptc, rank=rank, world_size=world, parallel=pinned, layout_options=options,
