@@ -62,6 +62,7 @@ class SaveResult:
     bytes_written: int
     chunks: int
     seconds: float
+    path: str = ""  # the save attempt's directory
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +281,7 @@ def save(
     written += len(ibytes)
     if rank == 0 and keep_last is not None:
         _prune(fs, root, keep_last)
-    result = SaveResult(step, rank, written, len(chunks), time.perf_counter() - t0)
+    result = SaveResult(step, rank, written, len(chunks), time.perf_counter() - t0, sdir)
     log.debug("saved step %d rank %d: %d chunks, %d bytes in %.3fs", step, rank, len(chunks), written,
               result.seconds)
     return result
@@ -484,53 +485,67 @@ def load(
     saved.check(cfg)
     cfg.coords(rank)
 
-    writers = writer_assignment(saved, old)
     reader = _Reader(fs, sdir)
     reader.metadata_bytes += mbytes
-    # (tensor, start) -> writer rank, then per tensor the sorted chunk intervals
-    by_tensor: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    rows: dict[str, list[tuple[int, int, int]]] = {}
-    for w, chunks in writers.items():
-        for name, _, start, ln in chunks:
-            rows.setdefault(name, []).append((start, start + ln, w))
-    for name, r in rows.items():
-        arr = np.array(sorted(r), dtype=np.int64)
-        by_tensor[name] = (arr[:, 0], arr[:, 1], arr[:, 2])
-
-    shard: dict[str, Any] = {}
-    needed = 0
     try:
-        for name in saved.rank_tensors(cfg, rank):
-            spec = saved.tensors[name]
-            segs = saved.segments(name, cfg, rank)
-            local = torch.zeros(sum(ln for _, _, ln in segs), dtype=spec.dtype)
-            real = [(lo, g, ln) for lo, g, ln in segs if g != PAD]
-            if real:
-                c_start, c_end, c_writer = by_tensor[name]
-                q_lo = np.array([s[0] for s in real], dtype=np.int64)
-                q_start = np.array([s[1] for s in real], dtype=np.int64)
-                q_len = np.array([s[2] for s in real], dtype=np.int64)
-                qi, ci, ps, pe = intersect(q_start, q_len, c_start, c_end)
-                if int((pe - ps).sum()) != int(q_len.sum()):
-                    raise CheckpointCorruptError(f"{name}: the checkpoint does not cover every element rank {rank} needs")
-                for q, c, s, e in zip(qi.tolist(), ci.tolist(), ps.tolist(), pe.tolist()):
-                    cs = int(c_start[c])
-                    piece = reader.read(int(c_writer[c]), name, cs, s - cs, e - cs, spec.dtype, spec.itemsize)
-                    dst = int(q_lo[q]) + (s - int(q_start[q]))
-                    local[dst : dst + (e - s)] = piece
-                needed += int(q_len.sum()) * spec.itemsize
-            shard[name] = saved.from_local_flat(name, cfg, local)
-        objects_raw = fs.cat_file(f"{sdir}/objects.pt")
-        reader.metadata_bytes += len(objects_raw)
-        try:
-            payload = torch.load(io.BytesIO(objects_raw), weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
-            raise CheckpointCorruptError(f"{sdir}/objects.pt cannot be read ({e}); the file is damaged") from None
-        shard.update(payload.get("objects", {}))
-        extra = payload.get("extra")
+        shard, needed = read_shard(saved, old, cfg, rank, reader)
+        objects, extra = read_objects(fs, sdir, reader)
+        shard.update(objects)
     finally:
         reader.close()
     stats = LoadStats(needed, reader.bytes_read, reader.metadata_bytes, reader.ranges, time.perf_counter() - t0)
     log.debug("loaded step %d rank %d under %s: read %d of %d bytes needed in %.3fs", step, rank, cfg,
               stats.bytes_read, stats.bytes_needed, stats.seconds)
     return LoadResult(shard, step, extra, saved, old, stats)
+
+
+def read_shard(saved: PTC, old: ParallelConfig, cfg: ParallelConfig, rank: int, reader: Any) -> tuple[dict[str, Any], int]:
+    """Rank ``rank``'s tensors under ``cfg`` from chunks written under ``old``, via ``reader``.
+
+    ``reader.read(writer_rank, tensor, chunk_start, a, b, dtype, itemsize)`` returns elements
+    [a, b) of a chunk; which file (or tier) it comes from is the reader's business.
+    Returns the shard and the real (non-padding) bytes it needed.
+    """
+    writers = writer_assignment(saved, old)
+    rows: dict[str, list[tuple[int, int, int]]] = {}
+    for w, chunks in writers.items():
+        for name, _, start, ln in chunks:
+            rows.setdefault(name, []).append((start, start + ln, w))
+    by_tensor: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for name, r in rows.items():
+        arr = np.array(sorted(r), dtype=np.int64)
+        by_tensor[name] = (arr[:, 0], arr[:, 1], arr[:, 2])
+    shard: dict[str, Any] = {}
+    needed = 0
+    for name in saved.rank_tensors(cfg, rank):
+        spec = saved.tensors[name]
+        segs = saved.segments(name, cfg, rank)
+        local = torch.zeros(sum(ln for _, _, ln in segs), dtype=spec.dtype)
+        real = [(lo, g, ln) for lo, g, ln in segs if g != PAD]
+        if real:
+            c_start, c_end, c_writer = by_tensor[name]
+            q_lo = np.array([s[0] for s in real], dtype=np.int64)
+            q_start = np.array([s[1] for s in real], dtype=np.int64)
+            q_len = np.array([s[2] for s in real], dtype=np.int64)
+            qi, ci, ps, pe = intersect(q_start, q_len, c_start, c_end)
+            if int((pe - ps).sum()) != int(q_len.sum()):
+                raise CheckpointCorruptError(f"{name}: the checkpoint does not cover every element rank {rank} needs")
+            for q, c, s, e in zip(qi.tolist(), ci.tolist(), ps.tolist(), pe.tolist()):
+                cs = int(c_start[c])
+                piece = reader.read(int(c_writer[c]), name, cs, s - cs, e - cs, spec.dtype, spec.itemsize)
+                dst = int(q_lo[q]) + (s - int(q_start[q]))
+                local[dst : dst + (e - s)] = piece
+            needed += int(q_len.sum()) * spec.itemsize
+        shard[name] = saved.from_local_flat(name, cfg, local)
+    return shard, needed
+
+
+def read_objects(fs: fsspec.AbstractFileSystem, sdir: str, reader: Any) -> tuple[dict[str, Any], Any]:
+    """The small objects and ``extra`` rank 0 saved in ``sdir``."""
+    raw = fs.cat_file(f"{sdir}/objects.pt")
+    reader.metadata_bytes += len(raw)
+    try:
+        payload = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointCorruptError(f"{sdir}/objects.pt cannot be read ({e}); the file is damaged") from None
+    return dict(payload.get("objects", {})), payload.get("extra")

@@ -271,7 +271,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("store", help="the per-host tensor store")
+    store_sub = p.add_subparsers(dest="store_command", required=True)
+    q = store_sub.add_parser("serve", help="serve a host's snapshots to its peers over HTTP (byte ranges)")
+    q.add_argument("--root", default="/dev/shm/tenplex-store", help="directory (default on tmpfs)")
+    q.add_argument("--listen", default="127.0.0.1:7700", help="HOST:PORT")
+    q.add_argument("--token", default=None, help="shared token (required beyond loopback; or TENPLEX_STORE_TOKEN)")
+    q.add_argument("--peers", default="", help="comma-separated URLs of all host stores (replication ring)")
+    q.add_argument("--replicas", type=int, default=1, help="copies of each snapshot on the next hosts of the ring")
+    q.add_argument("--keep-last", type=int, default=2, help="steps kept")
+    q.set_defaults(func=_cmd_store_serve)
     return parser
+
+
+def _cmd_store_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from .store import serve
+
+    serve(args.root, args.listen, token=args.token or os.environ.get("TENPLEX_STORE_TOKEN"),
+          peers=[u for u in args.peers.split(",") if u], replicas=args.replicas, keep_last=args.keep_last)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

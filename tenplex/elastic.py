@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ class RescaleResult:
     plan_stats: PlanStats | None = None
     load_stats: LoadStats | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)  # "local", "peer", "storage"
 
     def summary(self) -> str:
         if self.fresh:
@@ -84,6 +85,7 @@ def rescale(
     layout_options: Mapping[str, Any] | None = None,
     gpus_per_host: int = 8,
     storage_options: Mapping[str, Any] | None = None,
+    tiers: Sequence[Any] | None = None,
 ) -> RescaleResult:
     """Pick this worker's layout and load its state from the latest complete checkpoint.
 
@@ -91,17 +93,37 @@ def rescale(
     picks it, by default ``tenplex.layouts.choose_layout`` with ``layout_options`` (global
     batch, micro batch, sequence length, GPU memory). Raises CheckpointMismatchError for a
     checkpoint of another model and LayoutError when no layout fits the world size.
+
+    ``tiers`` (``tenplex.store.Tier``, cheapest first: this host's store, peer stores,
+    persistent storage) switches to tiered recovery: the newest step whose parts all exist in
+    some tier is loaded, each part from the cheapest tier holding an intact copy; ``url`` is
+    then only used when ``tiers`` is empty.
     """
     env_rank, env_size = env_world()
     rank = env_rank if rank is None else rank
     world = env_size if world_size is None else world_size
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    steps = [s for s in list_steps(url, storage_options=storage_options) if s.complete]
+    if tiers:
+        from .store.recovery import _attempts, usable_steps
+
+        usable = usable_steps(tiers)
+        steps = [u[0] for u in usable]
+    else:
+        steps = [s.step for s in list_steps(url, storage_options=storage_options) if s.complete]
     timings["list"] = time.perf_counter() - t0
     previous = None
     if steps:
-        manifest = read_manifest(url, steps[-1].step, storage_options=storage_options)
+        if tiers:
+            from .checkpoint import _read_json
+
+            step_, sid, _ = usable[-1]
+            attempt = next(a for a in _attempts(tiers) if a.step == step_ and a.save_id == sid)
+            tier = next(t for t in tiers if t.name in attempt.meta_tiers)
+            manifest, _ = _read_json(tier.fs()[0], f"{attempt.dirs[tier.name]}/manifest.json")
+            manifest["ptc"] = PTC.from_json(manifest["ptc"])
+        else:
+            manifest = read_manifest(url, steps[-1], storage_options=storage_options)
         saved: PTC = manifest["ptc"]
         if saved.fingerprint() != ptc.fingerprint():
             raise CheckpointMismatchError(
@@ -129,9 +151,17 @@ def rescale(
     stats = plan(ptc, previous, cfg, gpus_per_host=gpus_per_host).stats
     timings["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    res = load(url, cfg, rank, step=steps[-1].step, ptc=ptc, storage_options=storage_options)
+    by_kind: dict[str, int] = {}
+    if tiers:
+        from .store.recovery import load_tiered
+
+        tiered = load_tiered(tiers, cfg, rank, ptc=ptc, step=steps[-1])
+        res, by_kind = tiered.result, tiered.bytes_by_kind
+    else:
+        res = load(url, cfg, rank, step=steps[-1], ptc=ptc, storage_options=storage_options)
+        by_kind = {"storage": res.stats.bytes_read}
     timings["load"] = time.perf_counter() - t0
     result = RescaleResult(cfg, rank, world, res.step, False, res.shard, res.extra, previous, stats, res.stats,
-                           timings)
+                           timings, by_kind)
     log.info("%s", result.summary())
     return result

@@ -129,3 +129,64 @@ def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:  # noqa:
             return True
         time.sleep(interval)
     return False
+
+
+class StoreProcess:
+    """``tenplex store serve`` for one simulated host, on its own loopback port."""
+
+    def __init__(self, root: str, port: int, peers: Sequence[str], *, replicas: int = 1, keep_last: int = 2,
+                 log_path: str | None = None) -> None:
+        self.root, self.port = root, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_file = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tenplex", "store", "serve", "--root", root, "--listen", f"127.0.0.1:{port}",
+             "--peers", ",".join(peers), "--replicas", str(replicas), "--keep-last", str(keep_last)],
+            stdout=subprocess.PIPE, stderr=self.log_file, text=True, start_new_session=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if "serving" not in line:
+            self.stop()
+            raise RuntimeError(f"the store on port {port} did not start")
+
+    def env(self, all_urls: Sequence[str]) -> dict[str, str]:
+        """What a worker on this host needs to snapshot and recover."""
+        return {"TENPLEX_STORE_ROOT": self.root, "TENPLEX_STORE_URL": self.url, "TENPLEX_STORES": ",".join(all_urls)}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.log_file.close()
+
+
+class SimulatedHost:
+    """A host: its store process and a torchrun agent whose workers snapshot into that store."""
+
+    def __init__(self, name: str, store: StoreProcess, agent: Agent) -> None:
+        self.name, self.store, self.agent = name, store, agent
+
+    def kill(self) -> None:
+        """A host failure: its workers, its agent and its store die at once."""
+        self.agent.kill()
+        self.store.stop()
+
+    def stop(self) -> None:
+        self.agent.stop()
+        self.store.stop()
+
+
+def start_hosts(n: int, work: str, train_args: Sequence[str], *, nproc: int, endpoint: str, run_id: str,
+                replicas: int = 1, env: dict[str, str] | None = None) -> list[SimulatedHost]:
+    """``n`` simulated hosts sharing one rendezvous: stores first (they know each other), then agents."""
+    ports = [free_port() for _ in range(n)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    hosts = []
+    for i in range(n):
+        root = os.path.join(work, f"host{i}", "store")
+        os.makedirs(root, exist_ok=True)
+        store = StoreProcess(root, ports[i], urls, replicas=replicas, log_path=os.path.join(work, f"store{i}.log"))
+        agent = Agent(f"host{i}", endpoint, train_args, nproc=nproc, min_nodes=1, max_nodes=n,
+                      pid_dir=os.path.join(work, "pids"), log_path=os.path.join(work, f"host{i}.log"), run_id=run_id,
+                      env={**(env or {}), **store.env(urls)})
+        hosts.append(SimulatedHost(f"host{i}", store, agent))
+    return hosts

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,9 @@ class TrainConfig:
     gpus_per_host: int = 8
     fail_at_step: int | None = None
     measure_memory: str | None = None
+    store: str | None = None
+    snapshot_every: int = 0
+    replicas: int = 1
 
 
 def trainer_ptc(model: str, *, distributed_optimizer: bool, seq_len: int | None = None) -> PTC:
@@ -237,8 +241,9 @@ class Trainer:
 
     # -- checkpoint ---------------------------------------------------------------------------
     def shard(self) -> dict[str, Any]:
-        out: dict[str, Any] = {n: p.detach().cpu() for n, p in self.params.items()}
-        out.update({n: t.cpu() for n, t in self.opt.items()})
+        """A copy of this rank's state (copied: background writers must not see later updates)."""
+        out: dict[str, Any] = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
+        out.update({n: t.to("cpu", copy=True) for n, t in self.opt.items()})
         out["optimizer.step"] = self.step
         out[DATA_OBJECT] = self.data.to_json()
         return out
@@ -276,6 +281,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ap.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state across DP")
     ap.add_argument("--gpus-per-host", type=int, default=8)
     ap.add_argument("--log", default=None, help="rank 0 appends one JSON object per step here")
+    ap.add_argument("--store", default=None, metavar="auto|DIR",
+                    help="host tensor store for snapshots: 'auto' takes TENPLEX_STORE_ROOT/URL and TENPLEX_STORES "
+                         "from the launcher; a directory works without a store server (single host)")
+    ap.add_argument("--snapshot-every", type=int, default=0, help="snapshot to the host store every K steps")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="replicas the host stores keep of each snapshot (set on `tenplex store serve`)")
     ap.add_argument("--measure-memory", default=None, metavar="DIR",
                     help="measure this rank's peak memory during the second step into DIR/rank-N.json")
     ap.add_argument("--fail-at-step", type=int, default=None,
@@ -285,7 +296,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                        seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data, ckpt=a.ckpt,
                        ckpt_every=a.ckpt_every, keep_last=a.keep_last, parallel=a.parallel,
                        distributed_optimizer=a.distributed_optimizer, log=a.log, gpus_per_host=a.gpus_per_host,
-                       fail_at_step=a.fail_at_step, measure_memory=a.measure_memory)
+                       fail_at_step=a.fail_at_step, measure_memory=a.measure_memory, store=a.store,
+                       snapshot_every=a.snapshot_every, replicas=a.replicas)
 
 
 def run(tc: TrainConfig) -> int:
@@ -306,9 +318,16 @@ def run(tc: TrainConfig) -> int:
                    distributed_optimizer=tc.distributed_optimizer,
                    precision="fp32" if spec.dtype == torch.float32 else "bf16")
     t_start = time.perf_counter()
-    if tc.ckpt:
-        state = rescale(tc.ckpt, ptc, rank=rank, world_size=world, parallel=pinned, layout_options=options,
-                        gpus_per_host=tc.gpus_per_host)
+    store = _host_store(tc.store)
+    tiers = None
+    if store is not None:
+        from ..store import recovery_tiers
+
+        urls = [u for u in os.environ.get("TENPLEX_STORES", "").split(",") if u]
+        tiers = recovery_tiers(store, urls, tc.ckpt, token=store.token)
+    if tc.ckpt or tiers:
+        state = rescale(tc.ckpt or "", ptc, rank=rank, world_size=world, parallel=pinned, layout_options=options,
+                        gpus_per_host=tc.gpus_per_host, tiers=tiers)
     else:
         from ..elastic import _default_chooser
 
@@ -330,8 +349,10 @@ def run(tc: TrainConfig) -> int:
                        "bytes_read": state.load_stats.bytes_read if state.load_stats else 0,
                        "bytes_needed": state.load_stats.bytes_needed if state.load_stats else 0,
                        "bytes_read_all": int(read[0]), "bytes_needed_all": int(read[1]),
-                       "plan_bytes_moved": state.plan_stats.bytes_moved if state.plan_stats else 0})
+                       "plan_bytes_moved": state.plan_stats.bytes_moved if state.plan_stats else 0,
+                       "bytes_by_tier": state.bytes_by_tier})
     first_step = trainer.step
+    writer: threading.Thread | None = None
     while trainer.step < tc.steps:
         t0 = time.perf_counter()
         if tc.measure_memory and trainer.step == first_step + 1:
@@ -345,17 +366,41 @@ def run(tc: TrainConfig) -> int:
                            "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
                            "time_s": time.perf_counter() - t0, "restart": restart, "wall": time.time()})
         done = trainer.step >= tc.steps
+        if store is not None and tc.snapshot_every and trainer.step % tc.snapshot_every == 0:
+            store.snapshot(ptc, state.cfg, groups.rank, trainer.shard(), step=trainer.step,
+                           replicate=bool(store.url))
         if tc.ckpt and ((tc.ckpt_every and trainer.step % tc.ckpt_every == 0) or done):
-            save(tc.ckpt, ptc, state.cfg, groups.rank, trainer.shard(), step=trainer.step, keep_last=tc.keep_last)
-            if dist.is_initialized():
-                dist.barrier()
+            # persistent checkpoints run in the background: training waits only for the copy
+            shard = trainer.shard()
+            if writer is not None:
+                writer.join()
+            writer = threading.Thread(target=save, args=(tc.ckpt, ptc, state.cfg, groups.rank, shard),
+                                      kwargs={"step": trainer.step, "keep_last": tc.keep_last}, daemon=True)
+            writer.start()
         if tc.fail_at_step is not None and trainer.step == tc.fail_at_step and restart == 0:
+            if writer is not None:  # deterministic for tests: the pending checkpoint lands first
+                writer.join()
             log.error("rank %d: simulated failure after step %d", rank, trainer.step)
             os._exit(17)
+    if writer is not None:
+        writer.join()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _host_store(spec: str | None) -> Any:
+    if not spec:
+        return None
+    from ..store import HostStore
+
+    if spec == "auto":
+        store = HostStore.from_env()
+        if store is None:
+            raise ValueError("--store auto needs TENPLEX_STORE_ROOT and TENPLEX_STORE_URL (set by the launcher)")
+        return store
+    return HostStore(spec, "")
 
 
 def measure_step_memory(trainer: Trainer, out_dir: str) -> tuple[float, np.ndarray]:
