@@ -189,3 +189,39 @@ def test_rescale_errors(tmp_path: Path) -> None:
         tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=5, layout_options=_options())
     with pytest.raises(tenplex.ConfigError, match="world size is 2"):
         tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=2, parallel=ParallelConfig(tp=4))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_host_failure_recovers_from_host_stores(tmp_path: Path, reference: dict[int, dict]) -> None:
+    """Two hosts (store + agent + 2 workers each), snapshots every 2 steps, one replica, no
+    persistent checkpoint before the end: killing a host's store, agent and workers, the survivor
+    resumes from its own store (holding the dead host's replicas) and matches the reference."""
+    from tenplex.train.launch import start_hosts
+
+    log = tmp_path / "log.jsonl"
+    args = [*COMMON, "--parallel", "dp=1,tp=2,pp=2", "--ckpt", str(tmp_path / "ckpt"), "--ckpt-every", "1000",
+            "--store", "auto", "--snapshot-every", "2", "--log", str(log)]
+    rdzv = RendezvousStore()
+    hosts = start_hosts(2, str(tmp_path), args, nproc=2, endpoint=rdzv.endpoint, run_id=f"h{free_port()}")
+    try:
+        def four_worker_steps() -> int:
+            if not log.exists():
+                return 0
+            return max([s for s, o in read_log(log)[0].items() if o["world_size"] == 4] or [0])
+
+        assert wait_for(lambda: four_worker_steps() >= 5, 240), "the 4-worker job did not train"
+        hosts[1].kill()
+        assert hosts[0].agent.wait(timeout=400) == 0, (tmp_path / "host0.log").read_text()[-4000:]
+    finally:
+        for h in hosts:
+            h.stop()
+        rdzv.stop()
+    steps, starts = read_log(log)
+    resume = starts[-1]
+    assert resume["world_size"] == 2 and resume["step"] >= 4 and resume["step"] % 2 == 0
+    assert resume["bytes_by_tier"].get("storage", 0) == 0 and resume["bytes_by_tier"]["local"] > 0
+    for step, ref in reference.items():
+        rel = abs(steps[step]["loss"] - ref["loss"]) / abs(ref["loss"])
+        assert rel <= REL_TOL, f"step {step}: rel {rel:.2e}"
+        assert steps[step]["samples"] == ref["samples"]
