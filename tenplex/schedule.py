@@ -1,0 +1,985 @@
+"""Traffic-engineered transfer schedules for a plan (TE-CCL style; pure: no I/O).
+
+A :class:`~tenplex.planner.Plan` says which pieces every new rank needs; this module decides
+*how* they travel over a :class:`~tenplex.topology.Topology`: from which live replica (any
+alive old holder of the interval, a super-source), along which links, through which host
+memories (store-and-forward), in which epoch, and with one transmission serving several new
+ranks that need the same piece (multicast). Pieces are aggregated into *commodities* (same
+candidate sources, same destinations) and split into chunks, so a GPT-3 plan of 10^5 moves
+becomes a few hundred commodities and a few thousand chunks.
+
+Methods (see docs/schedule.md):
+
+- ``milp``: time-expanded MILP over route options (TE-CCL with copy), integer chunks; small
+  instances only.
+- ``lp``: the LP of the fluid limit (min-congestion multicast routing with source choice over
+  the same route options, solved by HiGHS), rounded to chunks and list-scheduled in epochs.
+- ``greedy``: load-aware source choice on shortest-path trees, list-scheduled in epochs.
+- ``auto``: greedy first (the fallback), then lp, then milp when small, within ``time_limit``;
+  the best by simulated completion wins.
+
+Also: :func:`simulate` (completion of a schedule), :func:`naive_completion` (every transfer at
+once on its shortest path, max-min fair sharing), :func:`lower_bound` (cut bound with best
+source choice and multicast) and :meth:`Schedule.rounds` (the transfer order for a transport).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import PlanError
+from .planner import LOCAL, STORAGE, Plan, holder_classes
+from .topology import Topology
+
+__all__ = ["Commodity", "Demands", "Transfer", "Schedule", "schedule", "demands", "simulate", "naive_completion",
+           "lower_bound", "validate", "METHODS"]
+
+log = logging.getLogger(__name__)
+
+METHODS = ("auto", "milp", "lp", "greedy")
+_MAX_CHUNKS = 20000
+_TARGET_CHUNKS = 3000
+_TARGET_EPOCHS = 128
+_MILP_MAX_VARS = 20000
+
+
+@dataclass(frozen=True, slots=True)
+class Commodity:
+    """Pieces with the same candidate sources and the same destinations, moved as one flow."""
+
+    sources: tuple[str, ...]
+    dests: tuple[str, ...]
+    nbytes: int
+    pieces: np.ndarray  # indices into Demands.piece_* columns, in byte order
+
+
+@dataclass(frozen=True, slots=True)
+class Demands:
+    """A plan's non-local moves, grouped into pieces (one interval, all its destinations) and commodities."""
+
+    commodities: tuple[Commodity, ...]
+    piece_tensor: np.ndarray
+    piece_start: np.ndarray
+    piece_length: np.ndarray
+    piece_nbytes: np.ndarray
+    piece_rows: tuple[np.ndarray, ...]  # plan rows (moves) served by each piece
+    bytes_moved: int  # sum over moves (a multicast piece counted once per destination)
+
+    @property
+    def bytes_unique(self) -> int:
+        return int(self.piece_nbytes.sum())
+
+    @classmethod
+    def of(cls, flows: list[tuple[tuple[str, ...], tuple[str, ...], int]]) -> Demands:
+        """Demands without a plan: ``(candidate source nodes, destination nodes, bytes)`` per flow
+        (flow i is tensor i, one byte per element)."""
+        coms = []
+        for i, (srcs, dsts, nb) in enumerate(flows):
+            if nb <= 0 or not srcs or not dsts:
+                raise PlanError(f"flow {i} needs sources, destinations and positive bytes, got {srcs}, {dsts}, {nb}")
+            if set(srcs) & set(dsts):
+                raise PlanError(f"flow {i}: a destination is also a source ({sorted(set(srcs) & set(dsts))})")
+            coms.append(Commodity(tuple(srcs), tuple(dsts), int(nb), np.array([i])))
+        n = len(flows)
+        nb_arr = np.array([f[2] for f in flows], dtype=np.int64)
+        return cls(tuple(coms), np.arange(n), np.zeros(n, dtype=np.int64), nb_arr.copy(), nb_arr,
+                   tuple(np.zeros(0, dtype=np.int64) for _ in range(n)),
+                   int(sum(f[2] * len(f[1]) for f in flows)))
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One hop of one chunk: ``nbytes`` of ``tensor`` elements ``[start, start + length)`` over ``src -> dst``.
+
+    ``round``: the epoch the hop starts in. ``src_rank``: the old rank sending it when ``src``
+    is its GPU (-1 for host memory, storage or relays). ``new_ranks``: the new ranks on
+    ``dst`` that keep the piece (empty when ``dst`` only forwards it).
+    """
+
+    round: int
+    src: str
+    dst: str
+    tensor: str
+    start: int
+    length: int
+    nbytes: int
+    chunk: int
+    src_rank: int
+    new_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Chunks assigned to links per epoch.
+
+    Hop columns (one row per chunk and link): ``hop_chunk``, ``hop_link``, ``hop_parent``
+    (the hop that brought the chunk to this link's tail, -1 at a source), ``hop_first`` /
+    ``hop_last`` (epochs the chunk is on the link), ``hop_arrival`` (first epoch it can leave
+    the link's head). Slice columns (``slice_hop``, ``slice_epoch``, ``slice_nbytes``): bytes
+    a hop sends in each epoch. A chunk is ``chunk_nbytes`` bytes of commodity
+    ``chunk_commodity`` starting at byte ``chunk_offset`` of the commodity's pieces.
+    """
+
+    plan: Plan | None
+    topology: Topology
+    demands: Demands
+    method: str
+    tau: float
+    chunk_bytes: int
+    chunk_commodity: np.ndarray
+    chunk_offset: np.ndarray
+    chunk_nbytes: np.ndarray
+    hop_chunk: np.ndarray
+    hop_link: np.ndarray
+    hop_parent: np.ndarray
+    hop_first: np.ndarray
+    hop_last: np.ndarray
+    hop_arrival: np.ndarray
+    slice_hop: np.ndarray
+    slice_epoch: np.ndarray
+    slice_nbytes: np.ndarray
+    solve_seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_epochs(self) -> int:
+        return int(self.hop_arrival.max()) if len(self.hop_arrival) else 0
+
+    @property
+    def makespan_s(self) -> float:
+        """Completion in whole epochs (``num_epochs * tau``)."""
+        return self.num_epochs * self.tau
+
+    @property
+    def completion_s(self) -> float:
+        """Completion when every link runs its chunks as soon as possible in schedule order (:func:`simulate`)."""
+        return simulate(self)
+
+    def __repr__(self) -> str:
+        return (f"Schedule({self.method}: {len(self.chunk_nbytes)} chunks of <= {self.chunk_bytes} B, "
+                f"{len(self.hop_chunk)} hops, {self.num_epochs} epochs of {self.tau * 1e3:.3f} ms)")
+
+    def rounds(self) -> list[list[Transfer]]:
+        """The hops grouped by starting epoch, epochs in order (empty ones skipped).
+
+        A transport runs the rounds one after another; inside a round it may run every
+        transfer at once. A transfer's data is at its ``src`` before its round starts.
+        """
+        d = self.demands
+        names = self.plan.tensor_names if self.plan is not None else ()
+        itemsize = np.where(d.piece_length > 0, d.piece_nbytes // np.maximum(d.piece_length, 1), 1)
+        starts = [np.concatenate([[0], np.cumsum(d.piece_nbytes[c.pieces])]) for c in d.commodities]
+        dev_ranks: dict[str, list[int]] = {}
+        if self.plan is not None:
+            for r, dev in enumerate(self.plan.devices):
+                dev_ranks.setdefault(f"gpu{int(dev)}", []).append(r)
+        by_epoch: dict[int, list[Transfer]] = {}
+        lk = self.topology.links
+        order = np.lexsort((self.hop_chunk, self.hop_first))
+        for h in order:
+            c = int(self.hop_chunk[h])
+            k = int(self.chunk_commodity[c])
+            com = d.commodities[k]
+            a = int(self.chunk_offset[c])
+            b = a + int(self.chunk_nbytes[c])
+            link = lk[int(self.hop_link[h])]
+            src_rank = -1
+            if self.hop_parent[h] < 0 and link.src.startswith("gpu"):
+                src_rank = int(link.src[3:])
+            keep = tuple(dev_ranks.get(link.dst, ())) if link.dst in com.dests else ()
+            pre = starts[k]
+            i0 = int(np.searchsorted(pre, a, side="right")) - 1
+            while i0 < len(com.pieces) and pre[i0] < b:
+                p = int(com.pieces[i0])
+                lo, hi = max(a, int(pre[i0])), min(b, int(pre[i0 + 1]))
+                sz = int(itemsize[p])
+                if hi > lo:
+                    tensor = names[int(d.piece_tensor[p])] if names else str(int(d.piece_tensor[p]))
+                    by_epoch.setdefault(int(self.hop_first[h]), []).append(Transfer(
+                        int(self.hop_first[h]), link.src, link.dst, tensor,
+                        int(d.piece_start[p]) + (lo - int(pre[i0])) // sz, (hi - lo) // sz, hi - lo, c, src_rank,
+                        tuple(r for r in keep if self._rank_needs(r, p))))
+                i0 += 1
+        return [by_epoch[e] for e in sorted(by_epoch)]
+
+    def _rank_needs(self, new_rank: int, piece: int) -> bool:
+        if self.plan is None:
+            return True
+        return bool(np.any(self.plan.columns["new_rank"][self.demands.piece_rows[piece]] == new_rank))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"method": self.method, "tau_s": self.tau, "chunk_bytes": self.chunk_bytes,
+                "chunks": len(self.chunk_nbytes), "hops": len(self.hop_chunk), "epochs": self.num_epochs,
+                "commodities": len(self.demands.commodities), "solve_s": self.solve_seconds, **self.info}
+
+
+# -- demands ------------------------------------------------------------------------------
+
+def _hashes(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 2**63, n, dtype=np.uint64)
+
+
+def demands(plan: Plan, topology: Topology) -> Demands:
+    """Group a plan's non-local moves into pieces and commodities (candidate sources: every live holder)."""
+    c = plan.columns
+    rows = np.flatnonzero(c["kind"] != LOCAL)
+    old_w = plan.old.world_size
+    alive = np.zeros(old_w + 1, dtype=bool)
+    alive[list(plan.alive)] = True
+    node_names = [topology.gpu(r) if r < old_w and alive[r] else "" for r in range(old_w)]
+    nn = old_w + 2  # old ranks, storage, padding
+    src_hash = _hashes(nn, 1)
+    src_hash[-1] = 0
+    storage_id = old_w
+    if not len(rows):
+        return Demands((), *(np.zeros(0, dtype=np.int64) for _ in range(4)), (), 0)
+    if np.any(c["kind"][rows] == STORAGE):
+        node_names.append(topology.storage())
+    else:
+        node_names.append("")
+    tens = c["tensor"][rows]
+    order = np.argsort(tens, kind="stable")
+    rows = rows[order]
+    tens = tens[order]
+    cand_key = np.zeros(len(rows), dtype=np.uint64)
+    cand_rep: dict[int, tuple[str, ...]] = {}
+    bounds = np.flatnonzero(np.diff(tens)) + 1
+    cache: dict[int, Any] = {}
+    for seg in np.split(np.arange(len(rows)), bounds):
+        ti = int(tens[seg[0]])
+        name = plan.tensor_names[ti]
+        r = rows[seg]
+        table = plan.ptc.holders(name, plan.old)
+        if id(table) not in cache:
+            cache[id(table)] = (table, holder_classes(name, table))
+        c_start, _, c_ranks, _ = cache[id(table)][1]
+        ci = np.searchsorted(c_start, c["start"][r], side="right") - 1
+        hr = c_ranks[np.maximum(ci, 0)]
+        live = alive[hr] & (hr >= 0)
+        storage = c["kind"][r] == STORAGE
+        ids = np.where(live, hr, nn - 1)
+        ids[storage, 0] = storage_id
+        ids[storage, 1:] = nn - 1
+        key = src_hash[ids].sum(1)
+        cand_key[seg] = key
+        uk, first = np.unique(key, return_index=True)
+        for kk, f in zip(uk.tolist(), first.tolist()):
+            if kk not in cand_rep:
+                cand_rep[kk] = tuple(sorted(node_names[i] for i in ids[f] if i != nn - 1))
+    # pieces: same tensor interval (one transmission can serve all its destinations)
+    start, length = c["start"][rows], c["length"][rows]
+    porder = np.lexsort((length, start, tens))
+    rows, tens, start, length, cand_key = rows[porder], tens[porder], start[porder], length[porder], cand_key[porder]
+    new_piece = np.ones(len(rows), dtype=bool)
+    new_piece[1:] = (tens[1:] != tens[:-1]) | (start[1:] != start[:-1]) | (length[1:] != length[:-1])
+    pfirst = np.flatnonzero(new_piece)
+    dev = plan.devices[c["new_rank"][rows]]
+    dst_hash = _hashes(int(dev.max()) + 1, 2)
+    pdst = np.add.reduceat(dst_hash[dev], pfirst)
+    pkey = cand_key[pfirst]
+    com_keys = np.stack([pkey, pdst], axis=1)
+    uniq, inv = np.unique(com_keys, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    pnbytes = c["nbytes"][rows[pfirst]]
+    piece_rows = tuple(np.split(rows, pfirst[1:]))
+    dev_split = np.split(dev, pfirst[1:])
+    corder = np.argsort(inv, kind="stable")
+    cb = np.flatnonzero(np.diff(inv[corder])) + 1
+    commodities = []
+    for grp in np.split(corder, cb):
+        p0 = int(grp[0])
+        srcs = cand_rep[int(pkey[p0])]
+        if not srcs:
+            raise PlanError(f"piece of {plan.tensor_names[int(tens[pfirst[p0]])]} has no live holder and is not "
+                            "read from storage; the plan and its alive set disagree")
+        dests = tuple(sorted(topology.gpu(int(x)) for x in dev_split[p0]))
+        commodities.append(Commodity(srcs, dests, int(pnbytes[grp].sum()), grp))
+    commodities.sort(key=lambda k: (-k.nbytes, k.sources, k.dests))
+    return Demands(tuple(commodities), tens[pfirst], start[pfirst], length[pfirst], pnbytes, piece_rows,
+                   int(c["nbytes"][rows].sum()))
+
+
+# -- routes ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    """A way to deliver a commodity's chunk to some of its destinations from one source."""
+
+    commodity: int
+    source: str
+    paths: dict[str, tuple[str, ...]]  # destination -> node path
+    links: np.ndarray  # distinct links used
+    hop_link: np.ndarray
+    hop_parent: np.ndarray
+    dest_hop: dict[str, int]
+
+
+def _merge(topology: Topology, paths: list[tuple[str, ...]]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """Merge node paths into a forest of hops (shared prefixes carry one copy)."""
+    hop_of: dict[tuple[str, ...], int] = {}
+    links: list[int] = []
+    parents: list[int] = []
+    dest_hop: dict[str, int] = {}
+    for path in paths:
+        parent = -1
+        for i in range(1, len(path)):
+            key = path[: i + 1]
+            h = hop_of.get(key)
+            if h is None:
+                h = hop_of[key] = len(links)
+                links.append(topology.link_index[(path[i - 1], path[i])])
+                parents.append(parent)
+            parent = h
+        dest_hop[path[-1]] = parent
+    return np.asarray(links, dtype=np.int64), np.asarray(parents, dtype=np.int64), dest_hop
+
+
+def _option(topology: Topology, k: int, source: str, paths: dict[str, tuple[str, ...]]) -> _Option:
+    hl, hp, dh = _merge(topology, list(paths.values()))
+    return _Option(k, source, paths, np.unique(hl), hl, hp, dh)
+
+
+def _alt_path(topology: Topology, s: str, d: str, first: tuple[str, ...], ref: float) -> tuple[str, ...] | None:
+    import networkx as nx
+
+    used = set(zip(first, first[1:]))
+    try:
+        p = nx.dijkstra_path(topology.graph, s, d, weight=lambda u, v, a: (a["latency"] + ref / a["bandwidth"])
+                             * (20.0 if (u, v) in used else 1.0))
+    except nx.NetworkXNoPath:
+        return None
+    return tuple(p) if tuple(p) != first else None
+
+
+def _options(topology: Topology, dem: Demands, ref: float, alt: bool) -> list[list[_Option]]:
+    """Route options per commodity: per source a shortest-path tree to all destinations; with several
+    destinations also per (source, destination) paths; with ``alt`` a second, link-avoiding path."""
+    out: list[list[_Option]] = []
+    for k, com in enumerate(dem.commodities):
+        opts = []
+        for s in com.sources:
+            _, sp = topology.shortest_paths(s, ref)
+            missing = [d for d in com.dests if d not in sp]
+            if missing:
+                raise PlanError(f"the topology has no path from {s} to {missing[0]}")
+            opts.append(_option(topology, k, s, {d: tuple(sp[d]) for d in com.dests}))
+            for d in com.dests:
+                if len(com.dests) > 1:
+                    opts.append(_option(topology, k, s, {d: tuple(sp[d])}))
+                if alt:
+                    p = _alt_path(topology, s, d, tuple(sp[d]), ref)
+                    if p is not None:
+                        opts.append(_option(topology, k, s, {d: p}))
+        out.append(opts)
+    return out
+
+
+# -- list scheduling in the time-expanded network --------------------------------------------
+
+class _Timeline:
+    """Bytes used per (link, epoch); chunks take the earliest free capacity, spilling into later epochs."""
+
+    def __init__(self, cap: np.ndarray, horizon: int) -> None:
+        self.cap = cap
+        self.used = np.zeros((len(cap), max(horizon, 16)))
+        self.first_free = np.zeros(len(cap), dtype=np.int64)
+
+    def place(self, e: int, ready: int, nbytes: float, slices: list[tuple[int, float]]) -> tuple[int, int]:
+        cap = self.cap[e]
+        t = max(ready, int(self.first_free[e]))
+        row = self.used[e]
+        first = -1
+        left = float(nbytes)
+        while True:
+            if t >= row.shape[0]:
+                self.used = np.concatenate([self.used, np.zeros_like(self.used)], axis=1)
+                row = self.used[e]
+            free = cap - row[t]
+            if free > cap * 1e-9:
+                take = min(free, left)
+                row[t] += take
+                left -= take
+                slices.append((t, take))
+                if first < 0:
+                    first = t
+                if left <= max(1e-9 * nbytes, 1e-12):
+                    break
+            t += 1
+        while self.first_free[e] < row.shape[0] and cap - row[self.first_free[e]] <= cap * 1e-9:
+            self.first_free[e] += 1
+        return first, t
+
+
+def _list_schedule(topology: Topology, dem: Demands, routes: list[tuple[int, np.ndarray, np.ndarray]],
+                   chunk_com: np.ndarray, chunk_off: np.ndarray, chunk_nb: np.ndarray, order: np.ndarray,
+                   tau: float, horizon: int) -> dict[str, np.ndarray]:
+    """Place chunks (in ``order``) hop by hop at the earliest epoch with capacity after they arrive."""
+    cap = topology.bandwidth * tau
+    lat_ep = np.rint(topology.latency / tau).astype(np.int64)
+    tl = _Timeline(cap, horizon)
+    H: dict[str, list[int]] = {k: [] for k in ("chunk", "link", "parent", "first", "last", "arrival")}
+    S: dict[str, list[Any]] = {"hop": [], "epoch": [], "nbytes": []}
+    hop_id = np.zeros(len(chunk_nb), dtype=np.int64)
+    for c in order:
+        _, hl, hp = routes[c]
+        base = len(H["chunk"])
+        hop_id[c] = base
+        arrival = [0] * len(hl)
+        nb = float(chunk_nb[c])
+        for i in range(len(hl)):
+            e = int(hl[i])
+            p = int(hp[i])
+            ready = arrival[p] if p >= 0 else 0
+            slices: list[tuple[int, float]] = []
+            first, last = tl.place(e, ready, nb, slices)
+            arrival[i] = last + 1 + int(lat_ep[e])
+            H["chunk"].append(int(c))
+            H["link"].append(e)
+            H["parent"].append(base + p if p >= 0 else -1)
+            H["first"].append(first)
+            H["last"].append(last)
+            H["arrival"].append(arrival[i])
+            for t, b in slices:
+                S["hop"].append(base + i)
+                S["epoch"].append(t)
+                S["nbytes"].append(b)
+    out = {f"hop_{k}": np.asarray(v, dtype=np.int64) for k, v in H.items()}
+    out["slice_hop"] = np.asarray(S["hop"], dtype=np.int64)
+    out["slice_epoch"] = np.asarray(S["epoch"], dtype=np.int64)
+    out["slice_nbytes"] = np.asarray(S["nbytes"], dtype=np.float64)
+    return out
+
+
+def _chunks(dem: Demands, chunk_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Split every commodity into chunks: (commodity, byte offset, bytes, index within commodity)."""
+    com, off, nb, idx = [], [], [], []
+    for k, c in enumerate(dem.commodities):
+        n = max(1, -(-c.nbytes // chunk_bytes))
+        o = np.arange(n, dtype=np.int64) * chunk_bytes
+        com.append(np.full(n, k, dtype=np.int64))
+        off.append(o)
+        nb.append(np.minimum(chunk_bytes, c.nbytes - o))
+        idx.append(np.arange(n, dtype=np.int64))
+    cat = (lambda x: np.concatenate(x) if x else np.zeros(0, dtype=np.int64))
+    return cat(com), cat(off), cat(nb), cat(idx)
+
+
+def _spread(counts: list[int]) -> list[int]:
+    """Interleave option indices in proportion to their counts: [2, 1] -> [0, 1, 0]."""
+    keys = [((i + 0.5) / c, o) for o, c in enumerate(counts) for i in range(c)]
+    keys.sort()
+    return [o for _, o in keys]
+
+
+def _largest_remainder(weights: np.ndarray, n: int) -> list[int]:
+    w = np.maximum(np.asarray(weights, dtype=np.float64), 0)
+    if n <= 0:
+        return [0] * len(w)
+    if w.sum() <= 0:
+        w = np.ones(len(w))
+    q = w / w.sum() * n
+    base = np.floor(q).astype(np.int64)
+    rest = n - int(base.sum())
+    if rest > 0:
+        base[np.argsort(-(q - base), kind="stable")[:rest]] += 1
+    return base.tolist()
+
+
+# -- solvers ----------------------------------------------------------------------------------
+
+def _static_lp(topology: Topology, dem: Demands, opts: list[list[_Option]], time_limit: float) -> np.ndarray | None:
+    """Fluid LP: min T s.t. every link's bytes / bandwidth <= T; every (commodity, destination) covered.
+
+    Returns the fraction of each commodity sent on each option (flattened), or None.
+    """
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    flat = [o for os_ in opts for o in os_]
+    nv = len(flat) + 1
+    rows, cols, vals = [], [], []
+    bw = topology.bandwidth
+    cost = np.zeros(nv)
+    cost[-1] = 1.0
+    total = sum(c.nbytes / bw.max() for c in dem.commodities) or 1.0
+    cov_row: dict[tuple[int, str], int] = {}
+    nl = len(bw)
+    for j, o in enumerate(flat):
+        v = dem.commodities[o.commodity].nbytes
+        rows.extend(o.links.tolist())
+        cols.extend([j] * len(o.links))
+        vals.extend((v / bw[o.links]).tolist())
+        cost[j] = 1e-3 * float((v / bw[o.links]).sum()) / total
+        for d in o.paths:
+            r = cov_row.setdefault((o.commodity, d), nl + len(cov_row))
+            rows.append(r)
+            cols.append(j)
+            vals.append(-1.0)
+    rows.extend(range(nl))
+    cols.extend([nv - 1] * nl)
+    vals.extend([-1.0] * nl)
+    nr = nl + len(cov_row)
+    a = coo_matrix((vals, (rows, cols)), shape=(nr, nv)).tocsr()
+    b = np.concatenate([np.zeros(nl), -np.ones(len(cov_row))])
+    bounds = [(0, 1)] * (nv - 1) + [(0, None)]
+    res = linprog(cost, A_ub=a, b_ub=b, bounds=bounds, method="highs",
+                  options={"time_limit": max(time_limit, 0.01), "presolve": True})
+    if res.status != 0 or res.x is None:
+        log.info("fluid LP did not solve (%s)", res.message)
+        return None
+    log.info("fluid LP: %d options, T = %.4f s", nv - 1, res.x[-1])
+    return res.x[:-1]
+
+
+def _assign_lp(dem: Demands, opts: list[list[_Option]], frac: np.ndarray, chunk_com: np.ndarray,
+               chunk_idx: np.ndarray, topology: Topology) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Round LP fractions to a route per chunk (a forest from one or several sources)."""
+    routes: list[Any] = [None] * len(chunk_com)
+    counts = np.bincount(chunk_com, minlength=len(dem.commodities))
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    pos = 0
+    cache: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+    for k, com in enumerate(dem.commodities):
+        os_ = opts[k]
+        f = frac[pos : pos + len(os_)]
+        pos += len(os_)
+        c0, n = int(starts[k]), int(counts[k])
+        full = [i for i, o in enumerate(os_) if len(o.paths) == len(com.dests)]
+        ft = float(sum(f[i] for i in full))
+        m_full = min(n, int(round(min(ft, 1.0) * n))) if len(com.dests) > 1 else n
+        seq_full = _spread(_largest_remainder(f[full], m_full)) if m_full else []
+        rest = n - m_full
+        per_dest: dict[str, list[int]] = {}
+        if rest:
+            for d in com.dests:
+                cand = [i for i, o in enumerate(os_) if d in o.paths and i not in full]
+                w = np.array([f[i] for i in cand])
+                if not cand or w.sum() <= 1e-12:
+                    cand = [i for i in full] or cand
+                    w = np.array([f[i] for i in cand])
+                per_dest[d] = [cand[j] for j in _spread(_largest_remainder(w, rest))]
+        for j in range(n):
+            if j < m_full:
+                key: tuple[int, ...] = (full[seq_full[j]],)
+            else:
+                key = tuple(per_dest[d][j - m_full] for d in com.dests)
+            hit = cache.get((k, *key))
+            if hit is None:
+                if len(key) == 1:
+                    o = os_[key[0]]
+                    hit = (o.hop_link, o.hop_parent)
+                else:
+                    hl, hp, _ = _merge(topology, [os_[i].paths[d] for i, d in zip(key, com.dests)])
+                    hit = (hl, hp)
+                cache[(k, *key)] = hit
+            routes[c0 + j] = (k, hit[0], hit[1])
+    return routes
+
+
+def _assign_greedy(dem: Demands, opts: list[list[_Option]], chunk_com: np.ndarray, chunk_nb: np.ndarray,
+                   order: np.ndarray, topology: Topology) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Per chunk, the source whose shortest-path tree has the lowest resulting link load."""
+    load = np.zeros(len(topology.bandwidth))
+    bw = topology.bandwidth
+    trees = [[o for o in os_ if len(o.paths) == len(dem.commodities[k].dests)] for k, os_ in enumerate(opts)]
+    routes: list[Any] = [None] * len(chunk_com)
+    for c in order:
+        k = int(chunk_com[c])
+        b = float(chunk_nb[c])
+        best = min(trees[k], key=lambda o: float(((load[o.links] + b) / bw[o.links]).max()))
+        load[best.links] += b
+        routes[c] = (k, best.hop_link, best.hop_parent)
+    return routes
+
+
+def _milp(topology: Topology, dem: Demands, opts: list[list[_Option]], chunk_com: np.ndarray,
+          chunk_nb: np.ndarray, chunk_bytes: int, horizon_s: float, time_limit: float) -> dict[str, Any] | None:
+    """Time-expanded MILP over route options: x[k, option, t] integer chunks leaving in epoch t.
+
+    Epoch: the time the slowest used link needs for one chunk; per-link capacity
+    floor(bandwidth * tau / chunk) chunks per epoch; a hop takes one epoch plus its latency in
+    epochs. Objective: the sum over destinations of delivery epochs (deliver early).
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    used = np.unique(np.concatenate([o.links for os_ in opts for o in os_]))
+    bw = topology.bandwidth
+    tau = chunk_bytes / float(bw[used].min())
+    cap = np.floor(bw * tau / chunk_bytes + 1e-9)
+    lat_ep = np.rint(topology.latency / tau).astype(np.int64)
+    n_k = np.bincount(chunk_com, minlength=len(dem.commodities))
+    offs = []
+    for os_ in opts:
+        row = []
+        for o in os_:
+            off = np.zeros(len(o.hop_link), dtype=np.int64)
+            for i, p in enumerate(o.hop_parent):
+                off[i] = 0 if p < 0 else off[p] + 1 + lat_ep[o.hop_link[p]]
+            arr = {d: int(off[h] + 1 + lat_ep[o.hop_link[h]]) for d, h in o.dest_hop.items()}
+            row.append((off, arr))
+        offs.append(row)
+    max_arr = max(max(a.values()) for row in offs for _, a in row)
+    horizon = int(math.ceil(horizon_s / tau)) + max_arr + 1
+    nvars = sum(max(0, horizon - max(a.values())) for row in offs for _, a in row)
+    if nvars > _MILP_MAX_VARS or nvars == 0:
+        log.info("MILP skipped: %d variables (limit %d)", nvars, _MILP_MAX_VARS)
+        return None
+    var: list[tuple[int, int, int]] = []
+    rows, cols, vals, cost = [], [], [], []
+    cov: dict[tuple[int, str], int] = {}
+    nl = len(bw)
+    for k, os_ in enumerate(opts):
+        for oi, o in enumerate(os_):
+            off, arr = offs[k][oi]
+            for t in range(horizon - max(arr.values())):
+                j = len(var)
+                var.append((k, oi, t))
+                rows.extend((o.hop_link * horizon + t + off).tolist())
+                cols.extend([j] * len(off))
+                vals.extend([1.0] * len(off))
+                cost.append(sum(t + a for a in arr.values()) + 1e-3 * len(off))
+                for d in o.paths:
+                    r = cov.setdefault((k, d), nl * horizon + len(cov))
+                    rows.append(r)
+                    cols.append(j)
+                    vals.append(1.0)
+    nr = nl * horizon + len(cov)
+    a = coo_matrix((vals, (rows, cols)), shape=(nr, len(var))).tocsr()
+    ub = np.concatenate([np.repeat(cap, horizon), np.full(len(cov), np.inf)])
+    lb = np.concatenate([np.zeros(nl * horizon), [float(n_k[k]) for (k, _) in cov]])
+    ub_x = np.array([float(n_k[k]) for k, _, _ in var])
+    res = milp(np.asarray(cost), constraints=LinearConstraint(a, lb, ub), integrality=np.ones(len(var)),
+               bounds=Bounds(0, ub_x), options={"time_limit": max(time_limit, 0.01), "mip_rel_gap": 1e-4})
+    if res.x is None:
+        log.info("MILP found no solution (%s)", res.message)
+        return None
+    x = np.rint(res.x).astype(np.int64)
+    # chunk i of commodity k, destination d, takes the i-th instance covering d: full-coverage
+    # instances first in one canonical order (so a multicast instance serves the same chunk everywhere).
+    inst: dict[int, list[tuple[int, int, int]]] = {}
+    for j in np.flatnonzero(x):
+        k, oi, t = var[j]
+        for m in range(int(x[j])):
+            inst.setdefault(k, []).append((oi, t, m))
+    chunk_first = np.flatnonzero(np.r_[True, chunk_com[1:] != chunk_com[:-1]])
+    H: dict[str, list[int]] = {kk: [] for kk in ("chunk", "link", "parent", "first", "last", "arrival")}
+    S: dict[str, list[Any]] = {"hop": [], "epoch": [], "nbytes": []}
+    for k, com in enumerate(dem.commodities):
+        os_ = opts[k]
+        full = sorted(i for i in inst.get(k, []) if len(os_[i[0]].paths) == len(com.dests))
+        part = sorted((i for i in inst.get(k, []) if len(os_[i[0]].paths) < len(com.dests)), key=lambda i: i[1])
+        lists = {d: full + [i for i in part if d in os_[i[0]].paths] for d in com.dests}
+        for ci in range(int(n_k[k])):
+            c = int(chunk_first[k]) + ci
+            seen: dict[tuple[int, int, int, int], int] = {}
+            for d in com.dests:
+                oi, t, m = lists[d][ci]
+                o = os_[oi]
+                off, _ = offs[k][oi]
+                h = o.dest_hop[d]
+                chain = []
+                while h >= 0:
+                    chain.append(h)
+                    h = int(o.hop_parent[h])
+                parent = -1
+                for h in reversed(chain):
+                    key = (oi, t, m, h)
+                    if key not in seen:
+                        e = int(o.hop_link[h])
+                        ep = t + int(off[h])
+                        seen[key] = len(H["chunk"])
+                        H["chunk"].append(c)
+                        H["link"].append(e)
+                        H["parent"].append(parent)
+                        H["first"].append(ep)
+                        H["last"].append(ep)
+                        H["arrival"].append(ep + 1 + int(lat_ep[e]))
+                        S["hop"].append(seen[key])
+                        S["epoch"].append(ep)
+                        S["nbytes"].append(float(chunk_nb[c]))
+                    parent = seen[key]
+    out: dict[str, Any] = {f"hop_{kk}": np.asarray(v, dtype=np.int64) for kk, v in H.items()}
+    out["slice_hop"] = np.asarray(S["hop"], dtype=np.int64)
+    out["slice_epoch"] = np.asarray(S["epoch"], dtype=np.int64)
+    out["slice_nbytes"] = np.asarray(S["nbytes"], dtype=np.float64)
+    out["tau"] = tau
+    log.info("MILP: %d variables, %d rows, status %s, objective %.1f", len(var), nr, res.status, res.fun)
+    return out
+
+
+# -- public entry point -------------------------------------------------------------------------
+
+def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", time_limit: float = 10.0,
+             chunk_bytes: int | None = None, epochs: int = _TARGET_EPOCHS,
+             dem: Demands | None = None) -> Schedule:
+    """Schedule a plan's transfers (or bare :class:`Demands`) over ``topology``.
+
+    Returns within about ``time_limit`` seconds: the greedy schedule is built first, the
+    solvers get what time remains. ``chunk_bytes``: size pieces are split into (default: total
+    bytes / 3000 as a power of two, at least 4 KiB). ``epochs``: target number of epochs of the
+    list-scheduled methods. ``dem``: demands computed before by :func:`demands`.
+    """
+    if isinstance(plan, Demands):
+        dem, plan = plan, None
+    if method not in METHODS:
+        raise PlanError(f"unknown schedule method {method!r}: use one of {', '.join(METHODS)}")
+    if time_limit <= 0:
+        raise PlanError(f"time_limit must be positive, got {time_limit}")
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit
+    if dem is None:
+        assert plan is not None
+        dem = demands(plan, topology)
+    return _schedule_demands(plan, topology, dem, method, t0, deadline, chunk_bytes, epochs)
+
+
+def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, method: str, t0: float,
+                      deadline: float, chunk_bytes: int | None, epochs: int) -> Schedule:
+    total = dem.bytes_unique
+    if chunk_bytes is None:
+        chunk_bytes = max(4096, 1 << max(0, math.ceil(math.log2(max(total, 1) / _TARGET_CHUNKS))))
+    if chunk_bytes < 1:
+        raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    n_chunks = sum(max(1, -(-c.nbytes // chunk_bytes)) for c in dem.commodities)
+    if n_chunks > _MAX_CHUNKS:
+        new = 1 << math.ceil(math.log2(total / _MAX_CHUNKS + 1))
+        log.warning("chunk_bytes=%d gives %d chunks (> %d); using %d", chunk_bytes, n_chunks, _MAX_CHUNKS, new)
+        chunk_bytes = new
+    chunk_com, chunk_off, chunk_nb, chunk_idx = _chunks(dem, chunk_bytes)
+    empty = np.zeros(0, dtype=np.int64)
+    if not len(chunk_com):
+        cols = {f"hop_{k}": empty for k in ("chunk", "link", "parent", "first", "last", "arrival")}
+        return Schedule(plan, topology, dem, method, 1.0, chunk_bytes, empty, empty, empty, **cols,
+                        slice_hop=empty, slice_epoch=empty, slice_nbytes=np.zeros(0),
+                        solve_seconds=time.perf_counter() - t0, info={"lower_bound_s": 0.0})
+    ref = float(chunk_bytes)
+    small = len(dem.commodities) * max(len(c.sources) for c in dem.commodities) <= 64
+    opts = _options(topology, dem, ref, alt=small)
+    lb = lower_bound(dem, topology)
+    # order: every commodity spread evenly over time (fluid rates), ties by commodity
+    key = (chunk_idx + 0.5) / np.bincount(chunk_com)[chunk_com]
+    order = np.lexsort((chunk_com, key))
+    candidates: list[tuple[float, str, dict[str, Any], float]] = []
+    tau = max(lb, 1e-9) / max(epochs, 1)
+
+    def finish(name: str, arrays: dict[str, Any], tau_: float) -> None:
+        s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
+                     **{k: v for k, v in arrays.items() if k != "tau"})
+        candidates.append((simulate(s), name, arrays, tau_))
+
+    # greedy: always (the fallback)
+    routes = _assign_greedy(dem, opts, chunk_com, chunk_nb, order, topology)
+    finish("greedy", _list_schedule(topology, dem, routes, chunk_com, chunk_off, chunk_nb, order, tau, 2 * epochs),
+           tau)
+    lp_t = None
+    at_bound = method == "auto" and candidates[0][0] <= 1.01 * lb + _path_latency(topology, dem)
+    if method in ("auto", "lp", "milp") and not at_bound and time.perf_counter() < deadline:
+        frac = _static_lp(topology, dem, opts, deadline - time.perf_counter())
+        if frac is not None and time.perf_counter() < deadline:
+            routes = _assign_lp(dem, opts, frac, chunk_com, chunk_idx, topology)
+            arr = _list_schedule(topology, dem, routes, chunk_com, chunk_off, chunk_nb, order, tau, 2 * epochs)
+            if time.perf_counter() < deadline:
+                finish("lp", arr, tau)
+                lp_t = candidates[-1][0]
+    if method in ("auto", "milp") and not at_bound and time.perf_counter() < deadline:
+        horizon = 1.5 * min(c[0] for c in candidates)
+        arr = _milp(topology, dem, opts, chunk_com, chunk_nb, chunk_bytes, horizon, deadline - time.perf_counter())
+        if arr is not None:
+            finish("milp", arr, float(arr["tau"]))
+    if method != "auto":
+        wanted = [c for c in candidates if c[1] == method]
+        if not wanted:
+            log.warning("method %s gave no schedule in time; falling back to %s", method, candidates[-1][1])
+        pick = wanted[0] if wanted else min(candidates, key=lambda c: c[0])
+    else:
+        pick = min(candidates, key=lambda c: (c[0], -len(c[1])))
+    comp, name, arrays, tau_ = pick
+    info = {"lower_bound_s": lb, "candidates": {c[1]: c[0] for c in candidates}}
+    if lp_t is not None:
+        info["lp_s"] = lp_t
+    s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
+                 **{k: v for k, v in arrays.items() if k != "tau"}, solve_seconds=time.perf_counter() - t0,
+                 info=info)
+    log.info("scheduled %d chunks with %s in %.3fs: %.4fs (lower bound %.4fs)", len(chunk_com), name,
+             s.solve_seconds, comp, lb)
+    return s
+
+
+def _path_latency(topology: Topology, dem: Demands) -> float:
+    """Longest latency of any destination's nearest source (a schedule cannot beat it)."""
+    worst = 0.0
+    for c in dem.commodities:
+        for d in c.dests:
+            best = math.inf
+            for s in c.sources:
+                _, sp = topology.shortest_paths(s)
+                if d in sp:
+                    best = min(best, float(topology.latency[topology.path_links(sp[d])].sum()))
+            worst = max(worst, best if best < math.inf else 0.0)
+    return worst
+
+
+# -- evaluation -------------------------------------------------------------------------------
+
+def simulate(s: Schedule) -> float:
+    """Seconds until the last chunk reaches its last destination when every link sends its chunks
+    in the schedule's order (by starting epoch), each as soon as it has arrived and the link is free."""
+    if not len(s.hop_chunk):
+        return 0.0
+    bw, lat = s.topology.bandwidth, s.topology.latency
+    order = np.lexsort((np.arange(len(s.hop_first)), s.hop_first))
+    free = np.zeros(len(bw))
+    ready = np.zeros(len(s.hop_chunk))
+    nb = s.chunk_nbytes[s.hop_chunk].astype(np.float64)
+    end = 0.0
+    hop_link, hop_parent = s.hop_link.tolist(), s.hop_parent.tolist()
+    freel = free.tolist()
+    bwl, latl, nbl = bw.tolist(), lat.tolist(), nb.tolist()
+    readyl = ready.tolist()
+    for h in order.tolist():
+        e = hop_link[h]
+        p = hop_parent[h]
+        start = max(freel[e], readyl[p] if p >= 0 else 0.0)
+        fin = start + nbl[h] / bwl[e]
+        freel[e] = fin
+        readyl[h] = fin + latl[e]
+        if readyl[h] > end:
+            end = readyl[h]
+    return end
+
+
+def validate(s: Schedule) -> None:
+    """Raise PlanError unless: per (link, epoch) bytes <= bandwidth * tau; a hop starts only after
+    its chunk arrived at the link's tail; every chunk reaches every destination of its commodity."""
+    topo, d = s.topology, s.demands
+    cap = topo.bandwidth * s.tau
+    if len(s.slice_hop):
+        key = s.hop_link[s.slice_hop] * (int(s.slice_epoch.max()) + 1) + s.slice_epoch
+        uk, inv = np.unique(key, return_inverse=True)
+        sums = np.bincount(inv.reshape(-1), weights=s.slice_nbytes)
+        links = uk // (int(s.slice_epoch.max()) + 1)
+        bad = np.flatnonzero(sums > cap[links] * (1 + 1e-6) + 1e-6)
+        if len(bad):
+            i = bad[0]
+            raise PlanError(f"link {topo.links[links[i]].src}->{topo.links[links[i]].dst} carries {sums[i]:.0f} B in "
+                            f"epoch {uk[i] % (int(s.slice_epoch.max()) + 1)} > capacity {cap[links[i]]:.0f} B")
+        per_hop = np.bincount(s.slice_hop, weights=s.slice_nbytes, minlength=len(s.hop_chunk))
+        want = s.chunk_nbytes[s.hop_chunk]
+        if not np.allclose(per_hop, want, rtol=1e-6, atol=1e-6):
+            h = int(np.flatnonzero(~np.isclose(per_hop, want, rtol=1e-6, atol=1e-6))[0])
+            raise PlanError(f"hop {h} sends {per_hop[h]:.0f} B of a {want[h]} B chunk")
+        if np.any(s.slice_epoch < s.hop_first[s.slice_hop]) or np.any(s.slice_epoch > s.hop_last[s.slice_hop]):
+            raise PlanError("a slice lies outside its hop's epochs")
+    for h in range(len(s.hop_chunk)):
+        p = int(s.hop_parent[h])
+        lk = topo.links[int(s.hop_link[h])]
+        com = d.commodities[int(s.chunk_commodity[int(s.hop_chunk[h])])]
+        if p < 0:
+            if lk.src not in com.sources:
+                raise PlanError(f"hop {h} leaves {lk.src}, which does not hold the chunk (sources {com.sources})")
+        else:
+            if int(s.hop_chunk[p]) != int(s.hop_chunk[h]) or topo.links[int(s.hop_link[p])].dst != lk.src:
+                raise PlanError(f"hop {h} does not continue its parent hop {p}")
+            if s.hop_first[h] < s.hop_arrival[p]:
+                raise PlanError(f"hop {h} leaves {lk.src} in epoch {s.hop_first[h]} before the chunk arrives "
+                                f"(epoch {s.hop_arrival[p]})")
+    reached: dict[int, set[str]] = {}
+    for h in range(len(s.hop_chunk)):
+        reached.setdefault(int(s.hop_chunk[h]), set()).add(topo.links[int(s.hop_link[h])].dst)
+    for c in range(len(s.chunk_commodity)):
+        com = d.commodities[int(s.chunk_commodity[c])]
+        missing = set(com.dests) - reached.get(c, set())
+        if missing:
+            raise PlanError(f"chunk {c} never reaches {sorted(missing)}")
+
+
+def lower_bound(dem: Demands, topology: Topology) -> float:
+    """Cut bound in seconds: for each GPU, each host (its nodes) and storage, the bytes that must
+    cross into (out of) it divided by the bandwidth entering (leaving) it. A piece counts once per
+    cut (multicast) and only when no candidate source (any live replica) is on the other side."""
+    groups: dict[str, set[str]] = {}
+    for n, a in topology.graph.nodes(data=True):
+        if a["kind"] in ("gpu", "storage"):
+            groups[f"node:{n}"] = {n}
+        if a.get("host") is not None:
+            groups.setdefault(f"host:{a['host']}", set()).add(n)
+    best = 0.0
+    for cut in groups.values():
+        inn = out = 0
+        for c in dem.commodities:
+            src_in = [s in cut for s in c.sources]
+            if not any(src_in) and any(d in cut for d in c.dests):
+                inn += c.nbytes
+            if all(src_in) and any(d not in cut for d in c.dests):
+                out += c.nbytes
+        if inn:
+            best = max(best, inn / topology.cut_bandwidth(cut, incoming=True))
+        if out:
+            best = max(best, out / topology.cut_bandwidth(cut, incoming=False))
+    return best
+
+
+def naive_completion(plan: Plan, topology: Topology) -> float:
+    """Every transfer starts at once from the plan's chosen source on its shortest path; links are
+    shared max-min fairly (progressive filling), one flow per (source, destination) pair."""
+    c = plan.columns
+    rows = np.flatnonzero(c["kind"] != LOCAL)
+    if not len(rows):
+        return 0.0
+    src = c["src_rank"][rows]
+    dst = plan.devices[c["new_rank"][rows]]
+    storage_key = -1
+    pair = np.stack([np.where(c["kind"][rows] == STORAGE, storage_key, src), dst], axis=1)
+    up, inv = np.unique(pair, axis=0, return_inverse=True)
+    nbytes = np.bincount(inv.reshape(-1), weights=c["nbytes"][rows])
+    paths, lat = [], []
+    for s, d in up.tolist():
+        sn = topology.storage() if s == storage_key else topology.gpu(s)
+        _, sp = topology.shortest_paths(sn)
+        p = topology.path_links(sp[topology.gpu(d)])
+        paths.append(p)
+        lat.append(float(topology.latency[p].sum()))
+    return _maxmin_completion(paths, nbytes, topology.bandwidth, np.asarray(lat))
+
+
+def _maxmin_completion(paths: list[list[int]], nbytes: np.ndarray, bw: np.ndarray, lat: np.ndarray) -> float:
+    used = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in paths]))
+    col = {int(e): i for i, e in enumerate(used)}
+    a = np.zeros((len(paths), len(used)), dtype=np.float64)
+    for f, p in enumerate(paths):
+        a[f, [col[int(e)] for e in p]] = 1.0
+    cap = bw[used]
+    left = nbytes.astype(np.float64).copy()
+    active = left > 0
+    now = 0.0
+    done = np.zeros(len(paths))
+    while active.any():
+        rate = np.zeros(len(paths))
+        frozen = ~active
+        capleft = cap.copy()
+        while not frozen.all():
+            n = a[~frozen].sum(0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                share = np.where(n > 0, capleft / n, np.inf)
+            inc = float(share.min())
+            rate[~frozen] += inc
+            capleft -= inc * n
+            sat = (n > 0) & (capleft <= cap * 1e-9)
+            frozen |= (a[:, sat].sum(1) > 0)
+        with np.errstate(divide="ignore"):
+            t_left = np.where(active, left / np.maximum(rate, 1e-300), np.inf)
+        dt = float(t_left.min())
+        now += dt
+        left[active] -= rate[active] * dt
+        fin = active & (t_left <= dt * (1 + 1e-9))
+        done[fin] = now
+        left[fin] = 0
+        active &= ~fin
+    return float(np.max(done + lat))
