@@ -150,6 +150,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # A Llama of about 8M parameters whose activations dominate, for memory measurements on CPU.
     "llama-small": dict(arch="llama", num_layers=4, hidden=256, heads=8, kv_heads=4, ffn_hidden=688,
                         vocab=259, seq_len=256, dtype=torch.float32, vocab_pad=8),
+    # A Llama of about 100M parameters (byte-level vocabulary), for recovery benchmarks.
+    "llama-100m": dict(arch="llama", num_layers=12, hidden=768, heads=12, kv_heads=4, ffn_hidden=3072,
+                       vocab=259, seq_len=128, dtype=torch.float32, vocab_pad=8),
     # About 100M parameters (GPT-2 small sized), for benchmarks.
     "gpt-100m": dict(arch="gpt", num_layers=12, hidden=768, heads=12, vocab=50257, seq_len=1024,
                      dtype=torch.float32),

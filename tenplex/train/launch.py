@@ -176,15 +176,19 @@ class SimulatedHost:
 
 
 def start_hosts(n: int, work: str, train_args: Sequence[str], *, nproc: int, endpoint: str, run_id: str,
-                replicas: int = 1, env: dict[str, str] | None = None) -> list[SimulatedHost]:
-    """``n`` simulated hosts sharing one rendezvous: stores first (they know each other), then agents."""
+                replicas: int = 1, env: dict[str, str] | None = None, store_dir: str | None = None,
+                keep_last: int = 2) -> list[SimulatedHost]:
+    """``n`` simulated hosts sharing one rendezvous: stores first (they know each other), then agents.
+
+    Store roots go under ``store_dir`` (e.g. a tmpfs such as /dev/shm), default ``work``."""
     ports = [free_port() for _ in range(n)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     hosts = []
     for i in range(n):
-        root = os.path.join(work, f"host{i}", "store")
+        root = os.path.join(store_dir or work, f"host{i}", "store")
         os.makedirs(root, exist_ok=True)
-        store = StoreProcess(root, ports[i], urls, replicas=replicas, log_path=os.path.join(work, f"store{i}.log"))
+        store = StoreProcess(root, ports[i], urls, replicas=replicas, keep_last=keep_last,
+                             log_path=os.path.join(work, f"store{i}.log"))
         agent = Agent(f"host{i}", endpoint, train_args, nproc=nproc, min_nodes=1, max_nodes=n,
                       pid_dir=os.path.join(work, "pids"), log_path=os.path.join(work, f"host{i}.log"), run_id=run_id,
                       env={**(env or {}), **store.env(urls)})

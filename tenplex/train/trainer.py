@@ -335,8 +335,10 @@ def run(tc: TrainConfig) -> int:
         state = RescaleResult(cfg, rank, world, 0, True)
     groups = init_distributed(state.cfg)
     trainer = Trainer(tc, ptc, groups, state, corpus)
+    tiers = ("local", "peer", "storage")
     read = torch.tensor([state.load_stats.bytes_read if state.load_stats else 0,
-                         state.load_stats.bytes_needed if state.load_stats else 0], dtype=torch.float64)
+                         state.load_stats.bytes_needed if state.load_stats else 0,
+                         *(state.bytes_by_tier.get(t, 0) for t in tiers)], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(read)  # bytes every rank read from the checkpoint, for the start record
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -350,7 +352,8 @@ def run(tc: TrainConfig) -> int:
                        "bytes_needed": state.load_stats.bytes_needed if state.load_stats else 0,
                        "bytes_read_all": int(read[0]), "bytes_needed_all": int(read[1]),
                        "plan_bytes_moved": state.plan_stats.bytes_moved if state.plan_stats else 0,
-                       "bytes_by_tier": state.bytes_by_tier})
+                       "bytes_by_tier": state.bytes_by_tier,
+                       "bytes_by_tier_all": {t: int(read[2 + i]) for i, t in enumerate(tiers)}})
     first_step = trainer.step
     writer: threading.Thread | None = None
     while trainer.step < tc.steps:
