@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 METHODS = ("auto", "milp", "lp", "greedy")
 _MAX_CHUNKS = 20000
-_TARGET_CHUNKS = 3000
+_TARGET_CHUNKS = 2000
 _TARGET_EPOCHS = 128
 _MILP_MAX_VARS = 20000
 
@@ -385,34 +385,39 @@ def _options(topology: Topology, dem: Demands, ref: float, alt: bool) -> list[li
 class _Timeline:
     """Bytes used per (link, epoch); chunks take the earliest free capacity, spilling into later epochs."""
 
-    def __init__(self, cap: np.ndarray, horizon: int) -> None:
-        self.cap = cap
-        self.used = np.zeros((len(cap), max(horizon, 16)))
-        self.first_free = np.zeros(len(cap), dtype=np.int64)
+    def __init__(self, cap: np.ndarray) -> None:
+        self.cap = cap.tolist()
+        self.used: list[list[float]] = [[] for _ in self.cap]
+        self.first_free = [0] * len(self.cap)
 
     def place(self, e: int, ready: int, nbytes: float, slices: list[tuple[int, float]]) -> tuple[int, int]:
         cap = self.cap[e]
-        t = max(ready, int(self.first_free[e]))
+        eps = cap * 1e-9
         row = self.used[e]
+        t = max(ready, self.first_free[e])
+        if len(row) <= t:
+            row.extend([0.0] * (t + 1 - len(row)))
         first = -1
         left = float(nbytes)
+        tol = max(1e-9 * left, 1e-12)
         while True:
-            if t >= row.shape[0]:
-                self.used = np.concatenate([self.used, np.zeros_like(self.used)], axis=1)
-                row = self.used[e]
+            if t >= len(row):
+                row.append(0.0)
             free = cap - row[t]
-            if free > cap * 1e-9:
-                take = min(free, left)
+            if free > eps:
+                take = free if free < left else left
                 row[t] += take
                 left -= take
                 slices.append((t, take))
                 if first < 0:
                     first = t
-                if left <= max(1e-9 * nbytes, 1e-12):
+                if left <= tol:
                     break
             t += 1
-        while self.first_free[e] < row.shape[0] and cap - row[self.first_free[e]] <= cap * 1e-9:
-            self.first_free[e] += 1
+        ff = self.first_free[e]
+        while ff < len(row) and cap - row[ff] <= eps:
+            ff += 1
+        self.first_free[e] = ff
         return first, t
 
 
@@ -421,24 +426,25 @@ def _list_schedule(topology: Topology, dem: Demands, routes: list[tuple[int, np.
                    tau: float, horizon: int) -> dict[str, np.ndarray]:
     """Place chunks (in ``order``) hop by hop at the earliest epoch with capacity after they arrive."""
     cap = topology.bandwidth * tau
-    lat_ep = np.rint(topology.latency / tau).astype(np.int64)
-    tl = _Timeline(cap, horizon)
+    lat_ep = np.rint(topology.latency / tau).astype(np.int64).tolist()
+    tl = _Timeline(cap)
     H: dict[str, list[int]] = {k: [] for k in ("chunk", "link", "parent", "first", "last", "arrival")}
     S: dict[str, list[Any]] = {"hop": [], "epoch": [], "nbytes": []}
     hop_id = np.zeros(len(chunk_nb), dtype=np.int64)
     for c in order:
-        _, hl, hp = routes[c]
+        _, hl_a, hp_a = routes[c]
+        hl, hp = hl_a.tolist(), hp_a.tolist()
         base = len(H["chunk"])
         hop_id[c] = base
         arrival = [0] * len(hl)
         nb = float(chunk_nb[c])
         for i in range(len(hl)):
-            e = int(hl[i])
-            p = int(hp[i])
+            e = hl[i]
+            p = hp[i]
             ready = arrival[p] if p >= 0 else 0
             slices: list[tuple[int, float]] = []
             first, last = tl.place(e, ready, nb, slices)
-            arrival[i] = last + 1 + int(lat_ep[e])
+            arrival[i] = last + 1 + lat_ep[e]
             H["chunk"].append(int(c))
             H["link"].append(e)
             H["parent"].append(base + p if p >= 0 else -1)
@@ -926,24 +932,32 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
     return best
 
 
-def naive_completion(plan: Plan, topology: Topology) -> float:
-    """Every transfer starts at once from the plan's chosen source on its shortest path; links are
+def naive_completion(plan: Plan | Demands, topology: Topology) -> float:
+    """Every transfer starts at once on its shortest path from a fixed source (the plan's choice;
+    for bare demands the first candidate), one copy per destination (no multicast); links are
     shared max-min fairly (progressive filling), one flow per (source, destination) pair."""
-    c = plan.columns
-    rows = np.flatnonzero(c["kind"] != LOCAL)
-    if not len(rows):
+    if isinstance(plan, Demands):
+        pairs: dict[tuple[str, str], float] = {}
+        for c in plan.commodities:
+            for d in c.dests:
+                pairs[(c.sources[0], d)] = pairs.get((c.sources[0], d), 0.0) + c.nbytes
+        names, nbytes = list(pairs), np.array(list(pairs.values()))
+    else:
+        c = plan.columns
+        rows = np.flatnonzero(c["kind"] != LOCAL)
+        if not len(rows):
+            return 0.0
+        src = np.where(c["kind"][rows] == STORAGE, -1, c["src_rank"][rows])
+        dst = plan.devices[c["new_rank"][rows]]
+        up, inv = np.unique(np.stack([src, dst], axis=1), axis=0, return_inverse=True)
+        nbytes = np.bincount(inv.reshape(-1), weights=c["nbytes"][rows])
+        names = [(topology.storage() if s_ == -1 else topology.gpu(s_), topology.gpu(d_)) for s_, d_ in up.tolist()]
+    if not names:
         return 0.0
-    src = c["src_rank"][rows]
-    dst = plan.devices[c["new_rank"][rows]]
-    storage_key = -1
-    pair = np.stack([np.where(c["kind"][rows] == STORAGE, storage_key, src), dst], axis=1)
-    up, inv = np.unique(pair, axis=0, return_inverse=True)
-    nbytes = np.bincount(inv.reshape(-1), weights=c["nbytes"][rows])
     paths, lat = [], []
-    for s, d in up.tolist():
-        sn = topology.storage() if s == storage_key else topology.gpu(s)
+    for sn, dn in names:
         _, sp = topology.shortest_paths(sn)
-        p = topology.path_links(sp[topology.gpu(d)])
+        p = topology.path_links(sp[dn])
         paths.append(p)
         lat.append(float(topology.latency[p].sum()))
     return _maxmin_completion(paths, nbytes, topology.bandwidth, np.asarray(lat))

@@ -1,0 +1,216 @@
+"""Transfer schedules: hand-checked optima, validity, multicast, replica choice, fallback in time."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import networkx as nx
+import numpy as np
+import pytest
+
+import tenplex
+from tenplex import ParallelConfig, PlanError
+from tenplex.cli import main
+from tenplex.schedule import Demands, demands, lower_bound, naive_completion, schedule, simulate, validate
+from tenplex.topology import Topology
+
+MB = 10**6
+
+
+def chain_topology(links: list[tuple[str, str, float]]) -> Topology:
+    """Directed links (bandwidth in bytes/s, no latency) between GPUs g*/gpu* and relay nodes."""
+    g = nx.DiGraph()
+    for u, v, b in links:
+        for n in (u, v):
+            if n not in g:
+                if n.startswith("gpu"):
+                    g.add_node(n, kind="gpu", device=int(n[3:]), host=int(n[3:]))
+                else:
+                    g.add_node(n, kind="switch", host=None)
+        g.add_edge(u, v, bandwidth=b, latency=0.0)
+    return Topology(g, 1)
+
+
+@pytest.mark.parametrize("method", ["greedy", "lp", "milp", "auto"])
+def test_one_link_two_chunks(method: str) -> None:
+    t = chain_topology([("gpu0", "gpu1", 1e9)])
+    d = Demands.of([(("gpu0",), ("gpu1",), 2 * MB)])
+    s = schedule(d, t, method=method, chunk_bytes=MB)
+    validate(s)
+    assert len(s.chunk_nbytes) == 2
+    assert s.completion_s == pytest.approx(2e-3)  # 2 MB over 1 GB/s
+    assert lower_bound(d, t) == pytest.approx(2e-3)
+    if method == "milp":
+        assert s.method == "milp" and s.num_epochs == 2  # one chunk per epoch, back to back
+
+
+def test_two_disjoint_paths() -> None:
+    t = chain_topology([("gpu0", "a", 1e9), ("a", "gpu1", 1e9), ("gpu0", "b", 1e9), ("b", "gpu1", 1e9)])
+    d = Demands.of([(("gpu0",), ("gpu1",), 4 * MB)])
+    # one path, 4 chunks store-and-forward over 2 hops: 5 ms; two paths, 2 chunks each: 3 ms
+    for method in ("greedy", "lp", "milp"):
+        s = schedule(d, t, method=method, chunk_bytes=MB)
+        validate(s)
+        assert s.method == method
+        assert s.completion_s == pytest.approx(3e-3), method
+        assert len({int(x) for x in s.hop_link[s.hop_parent < 0]}) == 2  # both paths used
+    assert schedule(d, t, chunk_bytes=MB).completion_s == pytest.approx(3e-3)  # auto picks the best
+
+
+def test_multicast_saves_nic_bandwidth() -> None:
+    t = Topology.from_spec("hosts=2,gpus=2,pcie=100GB/s,mem=100GB/s,nic=10GB/s,nvlink=0,pcie_lat=0,"
+                           "mem_lat=0,nic_lat=0")
+    v = 100 * MB
+    d = Demands.of([(("gpu0",), ("gpu2", "gpu3"), v)])
+    nic = 10e9
+    naive = naive_completion(d, t)
+    assert naive == pytest.approx(2 * v / nic, rel=1e-6)  # two copies share the NIC
+    for method in ("greedy", "lp", "milp"):
+        s = schedule(d, t, method=method, chunk_bytes=4 * MB)
+        validate(s)
+        up = t.link_index[("nic0", "switch")]
+        assert s.slice_nbytes[s.hop_link[s.slice_hop] == up].sum() == pytest.approx(v)  # sent once
+        assert v / nic <= s.completion_s <= 1.1 * v / nic, method
+    assert lower_bound(d, t) == pytest.approx(v / nic)
+
+
+def test_replica_choice_avoids_congested_nic() -> None:
+    t = Topology.from_spec("hosts=4,gpus=1,pcie=100GB/s,mem=100GB/s,nic=10GB/s,nvlink=0,pcie_lat=0,"
+                           "mem_lat=0,nic_lat=0")
+    v = 100 * MB
+    # A: only gpu0 holds it. B: gpu0 and gpu1 hold it; taking gpu0 would load its NIC twice.
+    d = Demands.of([(("gpu0",), ("gpu2",), v), (("gpu0", "gpu1"), ("gpu3",), v)])
+    assert naive_completion(d, t) == pytest.approx(2 * v / 10e9, rel=1e-6)
+    assert lower_bound(d, t) == pytest.approx(v / 10e9)
+    for method in ("greedy", "lp", "milp"):
+        s = schedule(d, t, method=method, chunk_bytes=4 * MB)
+        validate(s)
+        roots = s.hop_parent < 0
+        b_chunks = s.chunk_commodity[s.hop_chunk[roots]] == [k for k, c in enumerate(s.demands.commodities)
+                                                              if len(c.sources) == 2][0]
+        senders = {t.links[int(e)].src for e in s.hop_link[roots][b_chunks]}
+        assert senders == {"gpu1"}, method
+        assert s.completion_s <= 1.1 * v / 10e9, method
+
+
+def small_plan() -> tenplex.Plan:
+    ptc = tenplex.model_ptc("tiny", optimizer=True, distributed_optimizer=True)
+    return tenplex.plan(ptc, ParallelConfig(2, 2, 2), ParallelConfig(1, 2, 2), alive=[0, 1, 2, 3, 5, 7],
+                        gpus_per_host=2)
+
+
+@pytest.mark.parametrize("method", ["greedy", "lp", "milp", "auto"])
+def test_plan_schedule_is_valid_and_delivers_every_move(method: str) -> None:
+    p = small_plan()
+    t = Topology.from_spec("hosts=4,gpus=2")
+    s = schedule(p, t, method=method, time_limit=20)
+    validate(s)
+    comp = s.completion_s
+    assert comp >= lower_bound(s.demands, t) * (1 - 1e-9)
+    assert comp == simulate(s)
+    # the rounds deliver to every new rank exactly the bytes the plan says it receives from elsewhere
+    got = np.zeros(p.new.world_size)
+    covered: dict[int, list[tuple[str, int, int]]] = {}
+    for r, rnd in enumerate(s.rounds()):
+        assert rnd and all(x.round == rnd[0].round for x in rnd)
+        for x in rnd:
+            for nr in x.new_ranks:
+                got[nr] += x.nbytes
+                covered.setdefault(nr, []).append((x.tensor, x.start, x.length))
+    assert np.array_equal(got, p.received_bytes())
+    for nr in range(p.new.world_size):
+        want = sorted((m.tensor, m.start, m.length) for m in p.moves(nr) if m.kind != "local")
+        have = sorted(covered.get(nr, []))
+        merged: list[tuple[str, int, int]] = []
+        for tn, st, ln in have:  # chunks may cut a move into consecutive parts
+            if merged and merged[-1][0] == tn and merged[-1][1] + merged[-1][2] == st and not any(
+                    w[:2] == (tn, st) for w in want):
+                merged[-1] = (tn, merged[-1][1], merged[-1][2] + ln)
+            else:
+                merged.append((tn, st, ln))
+        assert merged == want, nr
+
+
+def test_super_sources_are_live_holders() -> None:
+    p = small_plan()
+    t = Topology.from_spec("hosts=4,gpus=2")
+    d = demands(p, t)
+    alive = {f"gpu{r}" for r in p.alive}
+    c = p.columns
+    for k in d.commodities:
+        for piece in k.pieces:
+            rows = d.piece_rows[int(piece)]
+            for r in rows:
+                if c["kind"][r] == tenplex.planner.STORAGE:
+                    assert k.sources == ("storage",)
+                else:
+                    assert f"gpu{int(c['src_rank'][r])}" in k.sources  # the plan's choice is a candidate
+            assert set(k.sources) <= alive | {"storage"}
+    assert d.bytes_moved == p.stats.bytes_moved
+
+
+def test_validate_rejects_broken_schedules() -> None:
+    t = chain_topology([("gpu0", "a", 1e9), ("a", "gpu1", 1e9)])
+    d = Demands.of([(("gpu0",), ("gpu1",), 2 * MB)])
+    s = schedule(d, t, method="milp", chunk_bytes=MB)
+    validate(s)
+    early = s.hop_first.copy()
+    child = int(np.flatnonzero(s.hop_parent >= 0)[0])
+    early[child] = 0
+    with pytest.raises(PlanError, match="before the chunk arrives"):
+        validate(dataclasses.replace(s, hop_first=early))
+    crowded = s.slice_epoch.copy()
+    crowded[:] = 0
+    with pytest.raises(PlanError, match="capacity|outside"):
+        validate(dataclasses.replace(s, slice_epoch=crowded))
+    with pytest.raises(PlanError, match="never reaches"):
+        keep = s.hop_link == t.link_index[("gpu0", "a")]
+        idx = np.flatnonzero(keep)
+        validate(dataclasses.replace(s, hop_chunk=s.hop_chunk[idx], hop_link=s.hop_link[idx],
+                                     hop_parent=s.hop_parent[idx], hop_first=s.hop_first[idx],
+                                     hop_last=s.hop_last[idx], hop_arrival=s.hop_arrival[idx],
+                                     slice_hop=np.arange(len(idx)), slice_epoch=s.hop_first[idx],
+                                     slice_nbytes=s.chunk_nbytes[s.hop_chunk[idx]].astype(float)))
+
+
+def test_errors() -> None:
+    t = chain_topology([("gpu0", "gpu1", 1e9)])
+    d = Demands.of([(("gpu0",), ("gpu1",), MB)])
+    with pytest.raises(PlanError, match="unknown schedule method"):
+        schedule(d, t, method="magic")
+    with pytest.raises(PlanError, match="time_limit"):
+        schedule(d, t, time_limit=0)
+    with pytest.raises(PlanError, match="also a source"):
+        Demands.of([(("gpu0",), ("gpu0",), MB)])
+
+
+@pytest.mark.timeout(120)
+def test_fallback_returns_in_time_on_a_large_instance() -> None:
+    ptc = tenplex.model_ptc("gpt3-2.7b", optimizer=True, distributed_optimizer=True)
+    p = tenplex.plan(ptc, ParallelConfig(dp=8, tp=4, pp=2), ParallelConfig(dp=6, tp=4, pp=2), alive=range(64))
+    t = Topology.from_spec("hosts=8,gpus=8")
+    assert p.stats.num_moves > 50_000
+    t0 = time.perf_counter()
+    s = schedule(p, t, method="milp", time_limit=3.0, chunk_bytes=2**16)  # tiny chunks: capped, MILP too big
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 3.0 + 2.0  # demands + greedy always finish; solvers only get the time left
+    assert s.method in ("lp", "greedy")
+    assert len(s.chunk_nbytes) <= 20_000
+    lb = lower_bound(s.demands, t)
+    assert lb <= s.completion_s <= 1.1 * lb
+    assert s.completion_s < naive_completion(p, t)
+
+
+def test_cli_schedule_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schedule", "--model", "tiny", "--from", "dp=2,tp=2,pp=2", "--to", "dp=1,tp=2,pp=2",
+                 "--topology", "hosts=4,gpus=2,nvlink=300GB/s,pcie=32GB/s,nic=50GB/s", "--alive", "0-3,5,7",
+                 "--gpus-per-host", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("completion_s", "naive_s", "lower_bound_s", "solve_s", "method", "rounds"):
+        assert key in out
+    assert out["lower_bound_s"] <= out["completion_s"] * (1 + 1e-9)
+    assert main(["schedule", "--model", "tiny", "--from", "dp=2,tp=2,pp=2", "--to", "dp=1,tp=2,pp=2",
+                 "--topology", "hosts=4,gpus=2", "--gpus-per-host", "2"]) == 0
+    assert "completion" in capsys.readouterr().out
