@@ -24,6 +24,8 @@ from .models import PRESETS, ModelSpec, model_ptc, model_spec
 from .planner import Move, Plan, PlanStats, plan
 from .ptc import PTC, Replicated, Split, TensorSpec
 from .reshard import reshard
+from .schedule import Schedule, Transfer, schedule
+from .topology import Topology
 
 __all__ = [
     "rescale",
@@ -37,6 +39,10 @@ __all__ = [
     "LoadStats",
     "StepInfo",
     "reshard",
+    "schedule",
+    "Schedule",
+    "Transfer",
+    "Topology",
     "Coords",
     "ParallelConfig",
     "TenplexError",

@@ -163,6 +163,41 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from .models import model_ptc
+    from .planner import plan
+    from .schedule import lower_bound, naive_completion, schedule
+    from .topology import Topology
+
+    topo = Topology.from_json(args.topology) if args.topology.endswith(".json") else Topology.from_spec(args.topology)
+    ptc = model_ptc(args.model, optimizer=not args.no_optimizer, distributed_optimizer=args.distributed_optimizer)
+    gph = args.gpus_per_host or topo.gpus_per_host
+    result = plan(ptc, args.from_, args.to, alive=args.alive, gpus_per_host=gph)
+    s = schedule(result, topo, method=args.method, time_limit=args.time_limit, chunk_bytes=args.chunk_bytes)
+    completion, naive, lb = s.completion_s, naive_completion(result, topo), lower_bound(s.demands, topo)
+    rounds = s.num_epochs
+    if args.json:
+        out = {"model": args.model, "from": str(args.from_), "to": str(args.to), "topology": topo.name,
+               "completion_s": completion, "naive_s": naive, "lower_bound_s": lb, "solve_s": s.solve_seconds,
+               "method": s.method, "rounds": rounds, "bytes_moved": result.stats.bytes_moved,
+               "bytes_sent_once": s.demands.bytes_unique, **{k: v for k, v in s.to_json().items()
+                                                           if k not in ("method", "solve_s", "lower_bound_s")}}
+        print(json.dumps(out))
+        return 0
+    print(f"{args.model}: {args.from_} -> {args.to} on {topo!r}")
+    print(f"  {'moved':<26} {human_bytes(result.stats.bytes_moved):>12} "
+          f"({human_bytes(s.demands.bytes_unique)} distinct, multicast)")
+    print(f"  {'commodities / chunks':<26} {len(s.demands.commodities):>5} / {len(s.chunk_nbytes)} of "
+          f"{human_bytes(s.chunk_bytes)}")
+    print(f"  {'method':<26} {s.method:>12}")
+    print(f"  {'completion':<26} {completion * 1e3:>10.2f}ms  ({rounds} rounds of {s.tau * 1e3:.3f} ms)")
+    print(f"  {'naive (all at once)':<26} {naive * 1e3:>10.2f}ms  ({naive / completion:.2f}x)" if completion else
+          f"  {'naive (all at once)':<26} {naive * 1e3:>10.2f}ms")
+    print(f"  {'lower bound':<26} {lb * 1e3:>10.2f}ms" + (f"  (completion {completion / lb:.3f}x)" if lb else ""))
+    print(f"  {'solve time':<26} {s.solve_seconds * 1e3:>10.2f}ms")
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .checkpoint import list_steps, read_manifest
 
@@ -264,6 +299,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-host-bw", type=float, default=50e9, help="bytes/s between hosts, per GPU")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_configs)
+
+    p = sub.add_parser("schedule", help="schedule a plan's transfers over a cluster topology (TE-CCL style)")
+    p.add_argument("--model", required=True, help="model preset, e.g. gpt3-2.7b")
+    p.add_argument("--from", dest="from_", required=True, type=_layout, metavar="LAYOUT", help="dp=..,tp=..,pp=..")
+    p.add_argument("--to", required=True, type=_layout, metavar="LAYOUT", help="dp=..,tp=..,pp=..")
+    p.add_argument("--topology", required=True,
+                   help="spec (hosts=4,gpus=8,nvlink=300GB/s,pcie=32GB/s,nic=50GB/s) or a .json file")
+    p.add_argument("--alive", type=parse_ranks, default=None,
+                   help="old ranks whose devices survive, e.g. 0-5,8 (default: the first new-world-size)")
+    p.add_argument("--method", choices=("auto", "milp", "lp", "greedy"), default="auto")
+    p.add_argument("--time-limit", type=float, default=10.0, help="seconds the scheduler may take (default 10)")
+    p.add_argument("--chunk-bytes", type=_size, default=None, help="chunk size, e.g. 16MiB (default: automatic)")
+    p.add_argument("--gpus-per-host", type=int, default=None, help="default: the topology's")
+    p.add_argument("--no-optimizer", action="store_true", help="parameters only, no Adam state")
+    p.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded across DP")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_schedule)
 
     p = sub.add_parser("inspect", help="list a checkpoint's steps, layouts, completeness and tensors")
     p.add_argument("url", help="checkpoint URL (local path, memory://, s3://, ...)")

@@ -907,9 +907,13 @@ def validate(s: Schedule) -> None:
 
 
 def lower_bound(dem: Demands, topology: Topology) -> float:
-    """Cut bound in seconds: for each GPU, each host (its nodes) and storage, the bytes that must
-    cross into (out of) it divided by the bandwidth entering (leaving) it. A piece counts once per
-    cut (multicast) and only when no candidate source (any live replica) is on the other side."""
+    """Seconds no schedule can beat: the larger of a cut bound and a latency bound.
+
+    Cut bound: for each GPU, each host (its nodes) and storage, the bytes that must cross into
+    (out of) it divided by the bandwidth entering (leaving) it. A piece counts once per cut
+    (multicast) and only when no candidate source (any live replica) is on the other side.
+    Latency bound: the largest, over destinations, of the latency from the nearest source.
+    """
     groups: dict[str, set[str]] = {}
     for n, a in topology.graph.nodes(data=True):
         if a["kind"] in ("gpu", "storage"):
@@ -929,7 +933,7 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
             best = max(best, inn / topology.cut_bandwidth(cut, incoming=True))
         if out:
             best = max(best, out / topology.cut_bandwidth(cut, incoming=False))
-    return best
+    return max(best, _path_latency(topology, dem))
 
 
 def naive_completion(plan: Plan | Demands, topology: Topology) -> float:
