@@ -334,7 +334,104 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--replicas", type=int, default=1, help="copies of each snapshot on the next hosts of the ring")
     q.add_argument("--keep-last", type=int, default=2, help="steps kept")
     q.set_defaults(func=_cmd_store_serve)
+    _add_data_parsers(sub)
     return parser
+
+
+def _add_data_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("data", help="dataset indexes (samples as byte ranges in files)")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    q = data_sub.add_parser("index", help="index the samples of files (local paths or fsspec URLs)")
+    q.add_argument("out", help="index file to write (.npz), local path or URL")
+    q.add_argument("files", nargs="+", help="source files, in this order")
+    kind = q.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--record-bytes", type=int, default=None, metavar="N", help="fixed-size records of N bytes")
+    kind.add_argument("--jsonl", action="store_true", help="one sample per non-empty line (newline included)")
+    kind.add_argument("--tokens", action="store_true",
+                      help="token files cut into non-overlapping sequences of --seq-len tokens")
+    q.add_argument("--seq-len", type=int, default=None, help="tokens per sample (with --tokens)")
+    q.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16", help="token dtype (with --tokens)")
+    q.add_argument("--json", action="store_true", help="print one JSON object")
+    q.set_defaults(func=_cmd_data_index)
+
+    p = sub.add_parser("mount", help="mount a dataset index as per-DP-rank files (FUSE, read-only)")
+    p.add_argument("index", help="index written by `tenplex data index`")
+    p.add_argument("mountpoint", help="an existing empty directory")
+    p.add_argument("--dp", type=int, required=True, help="data-parallel size")
+    p.add_argument("--progress", type=int, default=0, help="samples consumed globally (default 0)")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per step (default: dp)")
+    order = p.add_mutually_exclusive_group()
+    order.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    order.add_argument("--no-shuffle", action="store_true", help="index order in every epoch")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="show samples up to the end of this many epochs (default: through the current epoch)")
+    p.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
+    p.add_argument("--debug", action="store_true", help="libfuse debug output")
+    p.set_defaults(func=_cmd_mount)
+
+    p = sub.add_parser("remount", help="re-shard a running mount in place (new DP size and progress)")
+    p.add_argument("mountpoint")
+    p.add_argument("--dp", type=int, default=None, help="new data-parallel size")
+    p.add_argument("--progress", type=int, default=None, help="samples consumed globally")
+    p.add_argument("--global-batch", type=int, default=None, help="new global batch (default: unchanged)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_remount)
+
+
+def _cmd_data_index(args: argparse.Namespace) -> int:
+    from .data.index import build_index
+
+    kind = "records" if args.record_bytes is not None else "jsonl" if args.jsonl else "tokens"
+    index = build_index(args.files, kind=kind, record_bytes=args.record_bytes, seq_len=args.seq_len,
+                        dtype=args.dtype)
+    index.save(args.out)
+    if args.json:
+        print(json.dumps({"out": args.out, "kind": kind, "num_samples": index.num_samples,
+                          "files": len(index.files), "bytes": index.nbytes, "checksum": index.checksum}))
+    else:
+        print(f"{args.out}: {index.num_samples} samples ({kind}), {human_bytes(index.nbytes)} in "
+              f"{len(index.files)} file(s)")
+    return 0
+
+
+def _cmd_mount(args: argparse.Namespace) -> int:
+    import os
+
+    from .vfs.fuse import check_fuse, check_mountpoint, mount, spawn_mount
+    from .vfs.tree import Layout
+
+    layout = Layout(dp=args.dp, progress=args.progress, global_batch=args.global_batch or args.dp,
+                    seed=args.seed, shuffle=not args.no_shuffle, num_epochs=args.epochs)
+    if args.foreground:
+        mount(args.index, args.mountpoint, layout, debug=args.debug)
+        return 0
+    # check what we can here, so errors are printed by this process; the child serves the mount
+    from .data.index import load_index
+
+    check_mountpoint(args.mountpoint)
+    check_fuse()
+    load_index(args.index)
+    argv = ["mount", args.index, os.path.abspath(args.mountpoint), "--dp", str(args.dp), "--progress",
+            str(args.progress), "--global-batch", str(layout.global_batch)]
+    argv += ["--no-shuffle"] if args.no_shuffle else ["--seed", str(args.seed)]
+    if args.epochs is not None:
+        argv += ["--epochs", str(args.epochs)]
+    pid = spawn_mount(argv, args.mountpoint)
+    print(f"mounted {args.index} at {os.path.abspath(args.mountpoint)} (pid {pid}); "
+          f"unmount with fusermount3 -u {args.mountpoint}")
+    return 0
+
+
+def _cmd_remount(args: argparse.Namespace) -> int:
+    from .vfs.control import remount
+
+    st = remount(args.mountpoint, dp=args.dp, progress=args.progress, global_batch=args.global_batch)
+    if args.json:
+        print(json.dumps(st))
+    else:
+        print(f"{args.mountpoint}: generation {st['generation']}, dp={st['dp']}, progress={st['progress']}, "
+              f"global batch {st['global_batch']}")
+    return 0
 
 
 def _cmd_store_serve(args: argparse.Namespace) -> int:

@@ -1,6 +1,33 @@
 """Dataset state: corpora, sample order and partitioning across data-parallel ranks."""
 
 from .corpus import TokenCorpus, stdlib_corpus
-from .partition import DataState, global_batch_ids, rank_batch_ids, sample_order
+from .index import (
+    DataIndex,
+    DataIndexError,
+    IndexNotFoundError,
+    SourceChangedError,
+    SourceFile,
+    SourceReader,
+    SourceReadError,
+    build_index,
+    load_index,
+)
+from .partition import (
+    DataState,
+    global_batch_ids,
+    ids_at,
+    rank_batch_ids,
+    rank_positions,
+    remaining_ids,
+    sample_order,
+    stream_end,
+)
+from .view import LineFile, RankReader, RankView, rank_view
 
-__all__ = ["TokenCorpus", "stdlib_corpus", "DataState", "sample_order", "global_batch_ids", "rank_batch_ids"]
+__all__ = [
+    "TokenCorpus", "stdlib_corpus", "DataState", "sample_order", "global_batch_ids", "rank_batch_ids",
+    "stream_end", "rank_positions", "ids_at", "remaining_ids",
+    "DataIndex", "SourceFile", "SourceReader", "build_index", "load_index",
+    "DataIndexError", "IndexNotFoundError", "SourceChangedError", "SourceReadError",
+    "LineFile", "RankView", "RankReader", "rank_view",
+]

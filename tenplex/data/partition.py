@@ -16,7 +16,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DataState", "sample_order", "global_batch_ids", "rank_batch_ids"]
+__all__ = [
+    "DataState", "sample_order", "global_batch_ids", "rank_batch_ids", "stream_end", "rank_positions", "ids_at",
+    "remaining_ids",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +81,90 @@ def global_batch_ids(state: DataState) -> np.ndarray:
 
 def rank_batch_ids(state: DataState, dp: int, dp_rank: int) -> np.ndarray:
     """DP rank ``dp_rank``'s contiguous slice of the next global batch."""
-    if state.global_batch % dp:
-        raise ValueError(
-            f"global batch {state.global_batch} is not divisible by dp={dp} "
-            f"({state.global_batch} % {dp} = {state.global_batch % dp})"
-        )
+    _check_dp(state.global_batch, dp)
     per = state.global_batch // dp
     return global_batch_ids(state)[dp_rank * per : (dp_rank + 1) * per]
+
+
+# ---------------------------------------------------------------------------------------------
+# Remaining samples of a DP rank (the view a mount or a reader shows)
+#
+# Bound: a view starting at progress ``P`` ends at an absolute position ``end``. By default
+# (``num_epochs=None``) ``end`` is the end of the global batch that holds the last sample of
+# the epoch containing ``P``, so the view is whole global batches (the last one may reach into
+# the next epoch, exactly as the trainer's batches do). With ``num_epochs=E`` the stream ends
+# at ``E * num_samples``; when that is not a multiple of the global batch the final batch is
+# partial and split contiguously across the DP ranks as evenly as possible, the first
+# ``r % dp`` ranks taking one sample more (``numpy.array_split``). Nothing is dropped, so the
+# union over ranks is exactly positions ``[P, end)``.
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_dp(global_batch: int, dp: int, dp_rank: int | None = None) -> None:
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    if global_batch % dp:
+        raise ValueError(
+            f"global batch {global_batch} is not divisible by dp={dp} "
+            f"({global_batch} % {dp} = {global_batch % dp}): choose a dp that divides it or change --global-batch"
+        )
+    if dp_rank is not None and not 0 <= dp_rank < dp:
+        raise ValueError(f"dp_rank must be in [0, {dp}), got {dp_rank}")
+
+
+def stream_end(num_samples: int, global_batch: int, consumed: int, num_epochs: int | None = None) -> int:
+    """Absolute position (samples consumed globally) where a view starting at ``consumed`` ends."""
+    if num_samples < 1 or global_batch < 1 or consumed < 0:
+        raise ValueError(f"bad stream: num_samples={num_samples}, global_batch={global_batch}, consumed={consumed}")
+    if num_epochs is not None:
+        if num_epochs < 0:
+            raise ValueError(f"num_epochs must be >= 0, got {num_epochs}")
+        return max(consumed, num_epochs * num_samples)
+    epoch_end = (consumed // num_samples + 1) * num_samples
+    return consumed + -(-(epoch_end - consumed) // global_batch) * global_batch
+
+
+def rank_positions(consumed: int, end: int, global_batch: int, dp: int, dp_rank: int) -> np.ndarray:
+    """Global positions in ``[consumed, end)`` that DP rank ``dp_rank`` takes, in consumption order."""
+    _check_dp(global_batch, dp, dp_rank)
+    if end < consumed:
+        raise ValueError(f"end {end} is before the progress {consumed}")
+    per = global_batch // dp
+    full, rem = divmod(end - consumed, global_batch)
+    starts = consumed + np.arange(full, dtype=np.int64) * global_batch + dp_rank * per
+    out = (starts[:, None] + np.arange(per, dtype=np.int64)[None, :]).ravel()
+    if rem:
+        q, r = divmod(rem, dp)
+        lo = consumed + full * global_batch + dp_rank * q + min(dp_rank, r)
+        out = np.concatenate([out, np.arange(lo, lo + q + (dp_rank < r), dtype=np.int64)])
+    return out
+
+
+def ids_at(positions: np.ndarray, num_samples: int, seed: int, shuffle: bool = True) -> np.ndarray:
+    """Sample ids at the given global positions of the order (any epochs)."""
+    pos = np.asarray(positions, dtype=np.int64)
+    epochs, offsets = np.divmod(pos, num_samples)
+    if not shuffle or pos.size == 0:
+        return offsets
+    out = np.empty_like(pos)
+    lo, hi = int(epochs.min()), int(epochs.max())
+    if lo == hi:
+        out[:] = sample_order(num_samples, seed, lo, True)[offsets]
+        return out
+    for e in range(lo, hi + 1):
+        mask = epochs == e
+        if mask.any():
+            out[mask] = sample_order(num_samples, seed, e, True)[offsets[mask]]
+    return out
+
+
+def remaining_ids(state: DataState, dp: int, dp_rank: int, *, num_epochs: int | None = None,
+                  end: int | None = None) -> np.ndarray:
+    """Sample ids DP rank ``dp_rank`` of ``dp`` consumes from ``state.consumed`` on, in order.
+
+    The view ends at ``end`` (an absolute position) or at :func:`stream_end`'s bound.
+    """
+    if end is None:
+        end = stream_end(state.num_samples, state.global_batch, state.consumed, num_epochs)
+    pos = rank_positions(state.consumed, end, state.global_batch, dp, dp_rank)
+    return ids_at(pos, state.num_samples, state.seed, state.shuffle)

@@ -1,0 +1,179 @@
+"""A DP rank's remaining samples as byte files, without FUSE.
+
+:class:`RankView` is what ``rank-<i>/`` of a mount shows: ``samples.bin`` (the rank's
+remaining samples concatenated in consumption order), ``ids.txt`` (one sample id per line)
+and ``offsets.txt`` (the byte offset of each sample in ``samples.bin``, one per line, then
+the total size). All three are generated lazily by byte range: a read maps to samples by
+binary search over prefix sums, so nothing is materialised whole.
+
+:class:`RankReader` is the trainer's entry point: given an index, a :class:`DataState`, ``dp``
+and ``dp_rank`` it yields the bytes of the rank's next batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+
+from .index import DataIndex, SourceReader
+from .partition import DataState, rank_batch_ids, remaining_ids
+
+__all__ = ["LineFile", "RankView", "RankReader", "rank_view", "decimal_widths"]
+
+log = logging.getLogger(__name__)
+
+
+def decimal_widths(values: np.ndarray) -> np.ndarray:
+    """Number of decimal digits of each non-negative int64 value."""
+    v = np.asarray(values, dtype=np.int64)
+    width = np.ones(v.shape, dtype=np.int64)
+    p = 10
+    for _ in range(18):
+        big = v >= p
+        if not big.any():
+            break
+        width += big
+        p *= 10
+    return width
+
+
+class LineFile:
+    """A text file of one decimal integer per line, generated lazily by byte range."""
+
+    __slots__ = ("values", "_cum")
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = np.asarray(values, dtype=np.int64)
+        self._cum = np.zeros(len(self.values) + 1, dtype=np.int64)
+        np.cumsum(decimal_widths(self.values) + 1, out=self._cum[1:])
+
+    @property
+    def size(self) -> int:
+        return int(self._cum[-1])
+
+    def read(self, offset: int, size: int) -> bytes:
+        end = min(offset + size, self.size)
+        if offset >= end:
+            return b""
+        first = int(np.searchsorted(self._cum, offset, side="right")) - 1
+        last = int(np.searchsorted(self._cum, end, side="left"))
+        text = "".join(f"{v}\n" for v in self.values[first:last].tolist()).encode()
+        base = int(self._cum[first])
+        return text[offset - base : end - base]
+
+
+class RankView:
+    """The bytes of the samples ``ids`` concatenated in order, read from an index's sources."""
+
+    __slots__ = ("index", "reader", "ids", "cum", "_fid", "_off", "_len", "_ids_file", "_offsets_file")
+
+    def __init__(self, index: DataIndex, reader: SourceReader, ids: np.ndarray) -> None:
+        self.index = index
+        self.reader = reader
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self._fid, self._off, self._len = index.sample_ranges(self.ids)
+        self.cum = np.zeros(len(self.ids) + 1, dtype=np.int64)
+        np.cumsum(self._len, out=self.cum[1:])
+        self._ids_file: LineFile | None = None
+        self._offsets_file: LineFile | None = None
+
+    @property
+    def size(self) -> int:
+        """Size of ``samples.bin``."""
+        return int(self.cum[-1])
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.ids)
+
+    @property
+    def ids_file(self) -> LineFile:
+        if self._ids_file is None:
+            self._ids_file = LineFile(self.ids)
+        return self._ids_file
+
+    @property
+    def offsets_file(self) -> LineFile:
+        if self._offsets_file is None:
+            self._offsets_file = LineFile(self.cum)
+        return self._offsets_file
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Bytes ``[offset, offset + size)`` of ``samples.bin`` (short at the end)."""
+        end = min(offset + size, self.size)
+        if offset >= end:
+            return b""
+        cum = self.cum
+        i = int(np.searchsorted(cum, offset, side="right")) - 1
+        j = int(np.searchsorted(cum, end, side="left"))
+        fid, off, ln = self._fid, self._off, self._len
+        parts: list[bytes] = []
+        # coalesce consecutive samples that are adjacent in the same source file into one read
+        k = i
+        cur_f = int(fid[k])
+        cur_start = int(off[k]) + (offset - int(cum[k]))
+        cur_end = int(off[k]) + min(int(ln[k]), end - int(cum[k]))
+        k += 1
+        while k < j:
+            f, o = int(fid[k]), int(off[k])
+            take = min(int(ln[k]), end - int(cum[k]))
+            if f == cur_f and o == cur_end:
+                cur_end += take
+            else:
+                parts.append(self.reader.read(cur_f, cur_start, cur_end - cur_start))
+                cur_f, cur_start, cur_end = f, o, o + take
+            k += 1
+        parts.append(self.reader.read(cur_f, cur_start, cur_end - cur_start))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def sample(self, k: int) -> bytes:
+        """Bytes of the ``k``-th sample of the view."""
+        return self.read(int(self.cum[k]), int(self.cum[k + 1] - self.cum[k]))
+
+    def __iter__(self) -> Iterator[bytes]:
+        for k in range(len(self.ids)):
+            yield self.sample(k)
+
+
+def rank_view(index: DataIndex, reader: SourceReader, state: DataState, dp: int, dp_rank: int, *,
+              num_epochs: int | None = None, end: int | None = None) -> RankView:
+    """The view of DP rank ``dp_rank``'s remaining samples (exactly a mount's ``rank-<i>/``)."""
+    if state.num_samples != index.num_samples:
+        raise ValueError(f"the data state has {state.num_samples} samples but the index {index.num_samples}: "
+                         "use the index the job was started with")
+    return RankView(index, reader, remaining_ids(state, dp, dp_rank, num_epochs=num_epochs, end=end))
+
+
+class RankReader:
+    """A trainer rank's batches: ``next_batch()`` returns its slice of the next global batch as bytes.
+
+    ``state`` is advanced by one global batch per call (every rank advances the same state).
+    """
+
+    def __init__(self, index: DataIndex, state: DataState, dp: int, dp_rank: int,
+                 reader: SourceReader | None = None) -> None:
+        if state.num_samples != index.num_samples:
+            raise ValueError(f"the data state has {state.num_samples} samples but the index {index.num_samples}: "
+                             "use the index the job was started with")
+        self.index = index
+        self.state = state
+        self.dp = dp
+        self.dp_rank = dp_rank
+        self.reader = reader or SourceReader(index.files)
+
+    def batch_ids(self) -> np.ndarray:
+        return rank_batch_ids(self.state, self.dp, self.dp_rank)
+
+    def next_batch(self) -> list[bytes]:
+        """The bytes of each sample of this rank's part of the next global batch; advances the state."""
+        ids = self.batch_ids()
+        fid, off, ln = self.index.sample_ranges(ids)
+        out = [self.reader.read(int(f), int(o), int(n)) for f, o, n in zip(fid, off, ln)]
+        self.state = self.state.advance()
+        return out
+
+    def __iter__(self) -> Iterator[list[bytes]]:
+        while True:
+            yield self.next_batch()

@@ -1,0 +1,182 @@
+"""Thin FUSE adapter (mfusepy over libfuse3) around :class:`~tenplex.vfs.tree.DatasetTree`.
+
+The mount is read-only, multithreaded and uses the kernel page cache (``kernel_cache``):
+safe because every generation's files are immutable. Reads that hit a missing or shrunk
+source return EIO (logged) and the mount stays up. SIGTERM / SIGINT end libfuse's loop,
+which unmounts; the control socket is removed on the way out.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..data.index import DataIndexError, SourceReadError, load_index
+from .control import ControlServer, socket_path
+from .tree import FILE, DatasetTree, Layout, VfsError
+
+__all__ = ["mount", "spawn_mount", "check_fuse", "check_mountpoint", "unmount", "FUSE_LIBRARY"]
+
+log = logging.getLogger(__name__)
+FUSE_LIBRARY = "fuse3"
+
+
+def _mfusepy() -> Any:
+    """Import mfusepy bound to libfuse3 (it reads FUSE_LIBRARY_NAME at import)."""
+    os.environ.setdefault("FUSE_LIBRARY_NAME", FUSE_LIBRARY)
+    try:
+        import mfusepy
+    except (OSError, ImportError) as e:
+        raise VfsError(f"FUSE is not available ({e}): install libfuse3 (Debian: apt-get install fuse3, or run "
+                       "scripts/setup_system.sh) and the Python package mfusepy") from None
+    return mfusepy
+
+
+def check_fuse() -> None:
+    """Raise :class:`VfsError` with a fix when this machine cannot mount FUSE file systems."""
+    if not os.path.exists("/dev/fuse"):
+        raise VfsError("/dev/fuse does not exist: load the fuse kernel module (modprobe fuse) or, in a container, "
+                       "run with --device /dev/fuse --cap-add SYS_ADMIN")
+    if os.geteuid() != 0 and shutil.which("fusermount3") is None:
+        raise VfsError("fusermount3 is not installed: install the Debian package fuse3 (scripts/setup_system.sh)")
+    _mfusepy()
+
+
+def check_mountpoint(mountpoint: str) -> str:
+    """The mountpoint's absolute path, after checking that a mount can go there."""
+    path = os.path.abspath(mountpoint)
+    if not os.path.exists(path):
+        raise VfsError(f"mountpoint {path} does not exist: create it first (mkdir -p {path})")
+    if not os.path.isdir(path):
+        raise VfsError(f"mountpoint {path} is not a directory: pass an empty directory")
+    if os.path.ismount(path):
+        raise VfsError(f"{path} is already a mount point: unmount it first (fusermount3 -u {path})")
+    return path
+
+
+class FuseOps:
+    """mfusepy operations: translate calls into :class:`DatasetTree` calls and errnos."""
+
+    use_ns = True
+
+    def __init__(self, tree: DatasetTree, mfusepy: Any) -> None:
+        self.tree = tree
+        self._err = mfusepy.FuseOSError
+
+    def _node(self, path: str) -> Any:
+        node = self.tree.lookup(path)
+        if node is None:
+            raise self._err(errno.ENOENT)
+        return node
+
+    def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
+        return self._node(path).attrs()
+
+    def readdir(self, path: str, fh: int) -> list[str]:
+        node = self._node(path)
+        if node.kind != "dir":
+            raise self._err(errno.ENOTDIR)
+        return [".", "..", *node.entries]
+
+    def readlink(self, path: str) -> str:
+        node = self._node(path)
+        if node.kind != "link":
+            raise self._err(errno.EINVAL)
+        return node.target
+
+    def open(self, path: str, flags: int) -> int:
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            raise self._err(errno.EROFS)
+        node = self._node(path)
+        if node.kind != FILE:
+            raise self._err(errno.EISDIR)
+        try:
+            return self.tree.open(path)
+        except FileNotFoundError:
+            raise self._err(errno.ENOENT) from None
+
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        try:
+            return self.tree.read_handle(fh, offset, size)
+        except SourceReadError as e:
+            log.error("read %s [%d, +%d): %s -> EIO", path, offset, size, e.strerror)
+            raise self._err(errno.EIO) from None
+        except FileNotFoundError:
+            raise self._err(errno.EBADF) from None
+
+    def release(self, path: str, fh: int) -> int:
+        self.tree.release(fh)
+        return 0
+
+    def statfs(self, path: str) -> dict[str, int]:
+        return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 0, "f_bfree": 0, "f_bavail": 0, "f_namemax": 255}
+
+    def access(self, path: str, amode: int) -> int:
+        self._node(path)
+        if amode & os.W_OK:
+            raise self._err(errno.EROFS)
+        return 0
+
+
+def mount(index_url: str, mountpoint: str, layout: Layout, *, keep: int = 4, debug: bool = False,
+          ready: Any = None) -> None:
+    """Mount ``index_url`` at ``mountpoint`` in the foreground until unmounted or signalled."""
+    mp = check_mountpoint(mountpoint)
+    check_fuse()
+    mfusepy = _mfusepy()
+    try:
+        index = load_index(index_url)
+    except DataIndexError as e:
+        raise VfsError(str(e)) from None
+    ctl_path = socket_path(mp)
+    tree = DatasetTree(index, layout, keep=keep, extra={"index": index_url, "control": ctl_path})
+    control = ControlServer(tree, ctl_path).start()
+    # the mount's own `mfusepy` class needs the Operations base for its introspection
+    ops = type("TenplexFS", (FuseOps, mfusepy.Operations), {})(tree, mfusepy)
+    log.info("mounting %s at %s: %d samples, dp=%d, progress=%d", index_url, mp, index.num_samples, layout.dp,
+             layout.progress)
+    try:
+        mfusepy.FUSE(ops, mp, foreground=True, nothreads=False, ro=True, kernel_cache=True, fsname="tenplex",
+                     subtype="tenplex", debug=debug)
+    except RuntimeError as e:
+        raise VfsError(f"could not mount at {mp} (libfuse error {e}): see the messages above; is /dev/fuse usable "
+                       "and are you root or is fusermount3 installed?") from None
+    finally:
+        control.close()
+        tree.reader.close()
+        log.info("unmounted %s", mp)
+
+
+def unmount(mountpoint: str, *, lazy: bool = True, timeout: float = 10.0) -> None:
+    """Unmount with ``fusermount3 -u [-z]``."""
+    cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), mountpoint]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode and os.path.ismount(mountpoint):
+        raise VfsError(f"could not unmount {mountpoint}: {res.stderr.strip()}")
+
+
+def spawn_mount(argv: Sequence[str], mountpoint: str, *, timeout: float = 60.0, log_path: str | None = None) -> int:
+    """Run ``tenplex mount ... --foreground`` detached; wait until mounted. Returns the child's pid."""
+    log_path = log_path or socket_path(mountpoint)[: -len(".sock")] + ".log"
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "tenplex", *argv, "--foreground"], stdin=subprocess.DEVNULL,
+                                stdout=logf, stderr=logf, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.ismount(mountpoint) and os.path.exists(socket_path(mountpoint)):
+            return proc.pid
+        rc = proc.poll()
+        if rc is not None:
+            with open(log_path, errors="replace") as f:
+                tail = f.read()[-2000:]
+            raise VfsError(f"the mount process exited with status {rc}:\n{tail.strip()}")
+        time.sleep(0.05)
+    proc.terminate()
+    raise VfsError(f"{mountpoint} was not mounted within {timeout:.0f} s; see {log_path}")
