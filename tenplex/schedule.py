@@ -25,6 +25,7 @@ source choice and multicast) and :meth:`Schedule.rounds` (the transfer order for
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -47,6 +48,7 @@ _MAX_CHUNKS = 20000
 _TARGET_CHUNKS = 2000
 _TARGET_EPOCHS = 128
 _MILP_MAX_VARS = 20000
+_GOOD_ENOUGH = 1.03  # auto stops at the greedy schedule when it is this close to the lower bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +70,13 @@ class Demands:
     piece_start: np.ndarray
     piece_length: np.ndarray
     piece_nbytes: np.ndarray
-    piece_rows: tuple[np.ndarray, ...]  # plan rows (moves) served by each piece
+    piece_row_ptr: np.ndarray  # rows[piece_row_ptr[p]:piece_row_ptr[p + 1]]: plan rows (moves) piece p serves
+    rows: np.ndarray
     bytes_moved: int  # sum over moves (a multicast piece counted once per destination)
+
+    def rows_of(self, piece: int) -> np.ndarray:
+        """Plan rows (moves) that piece ``piece`` serves."""
+        return self.rows[self.piece_row_ptr[piece] : self.piece_row_ptr[piece + 1]]
 
     @property
     def bytes_unique(self) -> int:
@@ -89,7 +96,7 @@ class Demands:
         n = len(flows)
         nb_arr = np.array([f[2] for f in flows], dtype=np.int64)
         return cls(tuple(coms), np.arange(n), np.zeros(n, dtype=np.int64), nb_arr.copy(), nb_arr,
-                   tuple(np.zeros(0, dtype=np.int64) for _ in range(n)),
+                   np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64),
                    int(sum(f[2] * len(f[1]) for f in flows)))
 
 
@@ -211,7 +218,7 @@ class Schedule:
     def _rank_needs(self, new_rank: int, piece: int) -> bool:
         if self.plan is None:
             return True
-        return bool(np.any(self.plan.columns["new_rank"][self.demands.piece_rows[piece]] == new_rank))
+        return bool(np.any(self.plan.columns["new_rank"][self.demands.rows_of(piece)] == new_rank))
 
     def to_json(self) -> dict[str, Any]:
         return {"method": self.method, "tau_s": self.tau, "chunk_bytes": self.chunk_bytes,
@@ -232,76 +239,75 @@ def demands(plan: Plan, topology: Topology) -> Demands:
     old_w = plan.old.world_size
     alive = np.zeros(old_w + 1, dtype=bool)
     alive[list(plan.alive)] = True
-    node_names = [topology.gpu(r) if r < old_w and alive[r] else "" for r in range(old_w)]
-    nn = old_w + 2  # old ranks, storage, padding
-    src_hash = _hashes(nn, 1)
-    src_hash[-1] = 0
-    storage_id = old_w
     if not len(rows):
-        return Demands((), *(np.zeros(0, dtype=np.int64) for _ in range(4)), (), 0)
-    if np.any(c["kind"][rows] == STORAGE):
-        node_names.append(topology.storage())
-    else:
-        node_names.append("")
+        z = np.zeros(0, dtype=np.int64)
+        return Demands((), z, z, z, z, np.zeros(1, dtype=np.int64), z, 0)
+    node_names = [topology.gpu(r) if alive[r] else "" for r in range(old_w)]
+    node_names.append(topology.storage() if np.any(c["kind"][rows] == STORAGE) else "")
+    nn = old_w + 2  # old ranks, storage, padding
+    storage_id, pad = old_w, nn - 1
+    src_hash = _hashes(nn, 1)
+    src_hash[pad] = 0
     tens = c["tensor"][rows]
     order = np.argsort(tens, kind="stable")
-    rows = rows[order]
-    tens = tens[order]
-    cand_key = np.zeros(len(rows), dtype=np.uint64)
-    cand_rep: dict[int, tuple[str, ...]] = {}
+    rows, tens = rows[order], tens[order]
     bounds = np.flatnonzero(np.diff(tens)) + 1
+    starts = np.concatenate([[0], bounds, [len(rows)]])
+    ids_parts: list[np.ndarray] = []
     cache: dict[int, Any] = {}
-    for seg in np.split(np.arange(len(rows)), bounds):
-        ti = int(tens[seg[0]])
-        name = plan.tensor_names[ti]
-        r = rows[seg]
+    kmax = 1
+    row_start, row_kind = c["start"][rows], c["kind"][rows]
+    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        name = plan.tensor_names[int(tens[a])]
         table = plan.ptc.holders(name, plan.old)
-        if id(table) not in cache:
-            cache[id(table)] = (table, holder_classes(name, table))
-        c_start, _, c_ranks, _ = cache[id(table)][1]
-        ci = np.searchsorted(c_start, c["start"][r], side="right") - 1
+        hit = cache.get(id(table))
+        if hit is None:
+            hit = cache[id(table)] = (table, holder_classes(name, table))
+        c_start, _, c_ranks, _ = hit[1]
+        ci = np.searchsorted(c_start, row_start[a:b], side="right") - 1
         hr = c_ranks[np.maximum(ci, 0)]
-        live = alive[hr] & (hr >= 0)
-        storage = c["kind"][r] == STORAGE
-        ids = np.where(live, hr, nn - 1)
-        ids[storage, 0] = storage_id
-        ids[storage, 1:] = nn - 1
-        key = src_hash[ids].sum(1)
-        cand_key[seg] = key
-        uk, first = np.unique(key, return_index=True)
-        for kk, f in zip(uk.tolist(), first.tolist()):
-            if kk not in cand_rep:
-                cand_rep[kk] = tuple(sorted(node_names[i] for i in ids[f] if i != nn - 1))
+        ids = np.where((hr >= 0) & alive[hr], hr, pad)
+        ids[row_kind[a:b] == STORAGE] = pad
+        ids[row_kind[a:b] == STORAGE, 0] = storage_id
+        ids_parts.append(ids)
+        kmax = max(kmax, ids.shape[1])
+    ids_all = np.full((len(rows), kmax), pad, dtype=np.int64)
+    pos = 0
+    for ids in ids_parts:
+        ids_all[pos : pos + len(ids), : ids.shape[1]] = ids
+        pos += len(ids)
+    cand_key = src_hash[ids_all].sum(1)
     # pieces: same tensor interval (one transmission can serve all its destinations)
     start, length = c["start"][rows], c["length"][rows]
     porder = np.lexsort((length, start, tens))
-    rows, tens, start, length, cand_key = rows[porder], tens[porder], start[porder], length[porder], cand_key[porder]
+    rows, tens, start, length = rows[porder], tens[porder], start[porder], length[porder]
+    cand_key, ids_all = cand_key[porder], ids_all[porder]
     new_piece = np.ones(len(rows), dtype=bool)
     new_piece[1:] = (tens[1:] != tens[:-1]) | (start[1:] != start[:-1]) | (length[1:] != length[:-1])
     pfirst = np.flatnonzero(new_piece)
+    ptr = np.concatenate([pfirst, [len(rows)]])
     dev = plan.devices[c["new_rank"][rows]]
     dst_hash = _hashes(int(dev.max()) + 1, 2)
     pdst = np.add.reduceat(dst_hash[dev], pfirst)
     pkey = cand_key[pfirst]
-    com_keys = np.stack([pkey, pdst], axis=1)
-    uniq, inv = np.unique(com_keys, axis=0, return_inverse=True)
+    uniq, first, inv = np.unique(np.stack([pkey, pdst], axis=1), axis=0, return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
     pnbytes = c["nbytes"][rows[pfirst]]
-    piece_rows = tuple(np.split(rows, pfirst[1:]))
-    dev_split = np.split(dev, pfirst[1:])
     corder = np.argsort(inv, kind="stable")
-    cb = np.flatnonzero(np.diff(inv[corder])) + 1
+    cb = np.concatenate([[0], np.flatnonzero(np.diff(inv[corder])) + 1, [len(corder)]])
     commodities = []
-    for grp in np.split(corder, cb):
+    for g0, g1 in zip(cb[:-1].tolist(), cb[1:].tolist()):
+        grp = corder[g0:g1]
         p0 = int(grp[0])
-        srcs = cand_rep[int(pkey[p0])]
+        r0 = int(pfirst[p0])
+        srcs = tuple(sorted(node_names[i] for i in ids_all[r0].tolist() if i != pad))
         if not srcs:
-            raise PlanError(f"piece of {plan.tensor_names[int(tens[pfirst[p0]])]} has no live holder and is not "
-                            "read from storage; the plan and its alive set disagree")
-        dests = tuple(sorted(topology.gpu(int(x)) for x in dev_split[p0]))
+            raise PlanError(f"a piece of {plan.tensor_names[int(tens[r0])]} has no live holder and is not read "
+                            "from storage; the plan and its alive set disagree")
+        dests = tuple(sorted(topology.gpu(int(x)) for x in dev[ptr[p0] : ptr[p0 + 1]]))
         commodities.append(Commodity(srcs, dests, int(pnbytes[grp].sum()), grp))
     commodities.sort(key=lambda k: (-k.nbytes, k.sources, k.dests))
-    return Demands(tuple(commodities), tens[pfirst], start[pfirst], length[pfirst], pnbytes, piece_rows,
+    return Demands(tuple(commodities), tens[pfirst], start[pfirst], length[pfirst], pnbytes, ptr, rows,
                    int(c["nbytes"][rows].sum()))
 
 
@@ -357,10 +363,11 @@ def _alt_path(topology: Topology, s: str, d: str, first: tuple[str, ...], ref: f
     return tuple(p) if tuple(p) != first else None
 
 
-def _options(topology: Topology, dem: Demands, ref: float, alt: bool) -> list[list[_Option]]:
+def _options(topology: Topology, dem: Demands, ref: float, alt: bool, trees_only: bool = False) -> list[list[_Option]]:
     """Route options per commodity: per source a shortest-path tree to all destinations; with several
     destinations also per (source, destination) paths; with ``alt`` a second, link-avoiding path."""
     out: list[list[_Option]] = []
+    memo: dict[tuple[str, tuple[str, ...]], _Option] = {}
     for k, com in enumerate(dem.commodities):
         opts = []
         for s in com.sources:
@@ -368,7 +375,12 @@ def _options(topology: Topology, dem: Demands, ref: float, alt: bool) -> list[li
             missing = [d for d in com.dests if d not in sp]
             if missing:
                 raise PlanError(f"the topology has no path from {s} to {missing[0]}")
-            opts.append(_option(topology, k, s, {d: tuple(sp[d]) for d in com.dests}))
+            tree = memo.get((s, com.dests))
+            if tree is None:
+                tree = memo[(s, com.dests)] = _option(topology, k, s, {d: tuple(sp[d]) for d in com.dests})
+            opts.append(dataclasses.replace(tree, commodity=k))
+            if trees_only:
+                continue
             for d in com.dests:
                 if len(com.dests) > 1:
                     opts.append(_option(topology, k, s, {d: tuple(sp[d])}))
@@ -618,6 +630,10 @@ def _milp(topology: Topology, dem: Demands, opts: list[list[_Option]], chunk_com
     used = np.unique(np.concatenate([o.links for os_ in opts for o in os_]))
     bw = topology.bandwidth
     tau = chunk_bytes / float(bw[used].min())
+    if sum(len(os_) for os_ in opts) * horizon_s / tau > 2 * _MILP_MAX_VARS:
+        log.info("MILP skipped: about %.0f variables (limit %d)", sum(len(os_) for os_ in opts) * horizon_s / tau,
+                 _MILP_MAX_VARS)
+        return None
     cap = np.floor(bw * tau / chunk_bytes + 1e-9)
     lat_ep = np.rint(topology.latency / tau).astype(np.int64)
     n_k = np.bincount(chunk_com, minlength=len(dem.commodities))
@@ -767,7 +783,7 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
                         solve_seconds=time.perf_counter() - t0, info={"lower_bound_s": 0.0})
     ref = float(chunk_bytes)
     small = len(dem.commodities) * max(len(c.sources) for c in dem.commodities) <= 64
-    opts = _options(topology, dem, ref, alt=small)
+    opts = _options(topology, dem, ref, alt=small, trees_only=not small)
     lb = lower_bound(dem, topology)
     # order: every commodity spread evenly over time (fluid rates), ties by commodity
     key = (chunk_idx + 0.5) / np.bincount(chunk_com)[chunk_com]
@@ -785,8 +801,10 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
     finish("greedy", _list_schedule(topology, dem, routes, chunk_com, chunk_off, chunk_nb, order, tau, 2 * epochs),
            tau)
     lp_t = None
-    at_bound = method == "auto" and candidates[0][0] <= 1.01 * lb + _path_latency(topology, dem)
+    at_bound = method == "auto" and candidates[0][0] <= _GOOD_ENOUGH * lb
     if method in ("auto", "lp", "milp") and not at_bound and time.perf_counter() < deadline:
+        if not small:
+            opts = _options(topology, dem, ref, alt=False)
         frac = _static_lp(topology, dem, opts, deadline - time.perf_counter())
         if frac is not None and time.perf_counter() < deadline:
             routes = _assign_lp(dem, opts, frac, chunk_com, chunk_idx, topology)
@@ -821,13 +839,17 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
 def _path_latency(topology: Topology, dem: Demands) -> float:
     """Longest latency of any destination's nearest source (a schedule cannot beat it)."""
     worst = 0.0
+    memo: dict[tuple[str, str], float] = {}
+    lat = topology.latency
     for c in dem.commodities:
         for d in c.dests:
             best = math.inf
             for s in c.sources:
-                _, sp = topology.shortest_paths(s)
-                if d in sp:
-                    best = min(best, float(topology.latency[topology.path_links(sp[d])].sum()))
+                v = memo.get((s, d))
+                if v is None:
+                    _, sp = topology.shortest_paths(s)
+                    v = memo[(s, d)] = float(lat[topology.path_links(sp[d])].sum()) if d in sp else math.inf
+                best = min(best, v)
             worst = max(worst, best if best < math.inf else 0.0)
     return worst
 
@@ -907,32 +929,56 @@ def validate(s: Schedule) -> None:
 
 
 def lower_bound(dem: Demands, topology: Topology) -> float:
-    """Seconds no schedule can beat: the larger of a cut bound and a latency bound.
+    """Seconds no schedule can beat: the largest of a cut bound and a latency bound.
 
-    Cut bound: for each GPU, each host (its nodes) and storage, the bytes that must cross into
-    (out of) it divided by the bandwidth entering (leaving) it. A piece counts once per cut
-    (multicast) and only when no candidate source (any live replica) is on the other side.
-    Latency bound: the largest, over destinations, of the latency from the nearest source.
+    Cut bound: for each GPU, storage, and every union of hosts (all unions up to 10 hosts, else
+    single hosts and pairs), the bytes that must cross into (out of) the node set divided by
+    the bandwidth of the links entering (leaving) it. A piece counts once per cut (multicast)
+    and only when no candidate source (any live replica) is inside (for ingress) or some is
+    outside (for egress), so the best choice of sources is assumed. Latency bound: the largest,
+    over destinations, of the latency from the nearest source.
     """
-    groups: dict[str, set[str]] = {}
-    for n, a in topology.graph.nodes(data=True):
-        if a["kind"] in ("gpu", "storage"):
-            groups[f"node:{n}"] = {n}
-        if a.get("host") is not None:
-            groups.setdefault(f"host:{a['host']}", set()).add(n)
+    if not dem.commodities:
+        return 0.0
+    nodes = list(topology.graph.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
+    nc = len(dem.commodities)
+    src = np.zeros((nc, len(nodes)), dtype=bool)
+    dst = np.zeros((nc, len(nodes)), dtype=bool)
+    for k, c in enumerate(dem.commodities):
+        src[k, [idx[x] for x in c.sources]] = True
+        dst[k, [idx[x] for x in c.dests]] = True
+    nb = np.array([c.nbytes for c in dem.commodities], dtype=np.float64)
+    hosts = sorted({h for _, h in topology.graph.nodes(data="host") if h is not None})
+    host_nodes = {h: {n for n, hh in topology.graph.nodes(data="host") if hh == h} for h in hosts}
+    cuts: list[set[str]] = [{n} for n, kind in topology.graph.nodes(data="kind") if kind in ("gpu", "storage")]
+    if len(hosts) <= 10:
+        import itertools
+
+        for r in range(1, len(hosts)):
+            for combo in itertools.combinations(hosts, r):
+                cuts.append(set().union(*(host_nodes[h] for h in combo)))
+        if len(hosts) == 1:
+            cuts.append(host_nodes[hosts[0]])
+    else:
+        cuts.extend(host_nodes[h] | host_nodes[g] for h in hosts for g in hosts if h <= g)
+    src_n, dst_n = src.sum(1), dst.sum(1)
+    l_src = np.array([idx[lk.src] for lk in topology.links], dtype=np.int64)
+    l_dst = np.array([idx[lk.dst] for lk in topology.links], dtype=np.int64)
+    bw = topology.bandwidth
     best = 0.0
-    for cut in groups.values():
-        inn = out = 0
-        for c in dem.commodities:
-            src_in = [s in cut for s in c.sources]
-            if not any(src_in) and any(d in cut for d in c.dests):
-                inn += c.nbytes
-            if all(src_in) and any(d not in cut for d in c.dests):
-                out += c.nbytes
+    for cut in cuts:
+        m = np.zeros(len(nodes), dtype=bool)
+        m[[idx[x] for x in cut]] = True
+        bw_in = float(bw[~m[l_src] & m[l_dst]].sum())
+        bw_out = float(bw[m[l_src] & ~m[l_dst]].sum())
+        s_in, d_in = src[:, m].sum(1), dst[:, m].sum(1)
+        inn = float(nb[(s_in == 0) & (d_in > 0)].sum())
+        out = float(nb[(s_in == src_n) & (d_in < dst_n)].sum())
         if inn:
-            best = max(best, inn / topology.cut_bandwidth(cut, incoming=True))
+            best = max(best, inn / bw_in if bw_in else math.inf)
         if out:
-            best = max(best, out / topology.cut_bandwidth(cut, incoming=False))
+            best = max(best, out / bw_out if bw_out else math.inf)
     return max(best, _path_latency(topology, dem))
 
 

@@ -141,7 +141,7 @@ def test_super_sources_are_live_holders() -> None:
     c = p.columns
     for k in d.commodities:
         for piece in k.pieces:
-            rows = d.piece_rows[int(piece)]
+            rows = d.rows_of(int(piece))
             for r in rows:
                 if c["kind"][r] == tenplex.planner.STORAGE:
                     assert k.sources == ("storage",)
