@@ -616,27 +616,17 @@ def _assign_greedy(dem: Demands, opts: list[list[_Option]], chunk_com: np.ndarra
     return routes
 
 
-def _milp(topology: Topology, dem: Demands, opts: list[list[_Option]], chunk_com: np.ndarray,
-          chunk_nb: np.ndarray, chunk_bytes: int, horizon_s: float, time_limit: float) -> dict[str, Any] | None:
-    """Time-expanded MILP over route options: x[k, option, t] integer chunks leaving in epoch t.
+def _te_setup(topology: Topology, opts: list[list[_Option]], chunk_bytes: int) -> tuple[float, np.ndarray, np.ndarray, list[list[tuple[np.ndarray, dict[str, int]]]]]:
+    """Epoch length, per-link capacity (chunks per epoch), latency (epochs) and every option's hop offsets.
 
-    Epoch: the time the slowest used link needs for one chunk; per-link capacity
-    floor(bandwidth * tau / chunk) chunks per epoch; a hop takes one epoch plus its latency in
-    epochs. Objective: the sum over destinations of delivery epochs (deliver early).
+    Epoch: the time the slowest used link needs for one chunk; capacity floor(bandwidth * tau /
+    chunk); a hop takes one epoch plus its latency in epochs (store-and-forward).
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
     used = np.unique(np.concatenate([o.links for os_ in opts for o in os_]))
     bw = topology.bandwidth
     tau = chunk_bytes / float(bw[used].min())
-    if sum(len(os_) for os_ in opts) * horizon_s / tau > 2 * _MILP_MAX_VARS:
-        log.info("MILP skipped: about %.0f variables (limit %d)", sum(len(os_) for os_ in opts) * horizon_s / tau,
-                 _MILP_MAX_VARS)
-        return None
     cap = np.floor(bw * tau / chunk_bytes + 1e-9)
     lat_ep = np.rint(topology.latency / tau).astype(np.int64)
-    n_k = np.bincount(chunk_com, minlength=len(dem.commodities))
     offs = []
     for os_ in opts:
         row = []
@@ -647,50 +637,79 @@ def _milp(topology: Topology, dem: Demands, opts: list[list[_Option]], chunk_com
             arr = {d: int(off[h] + 1 + lat_ep[o.hop_link[h]]) for d, h in o.dest_hop.items()}
             row.append((off, arr))
         offs.append(row)
-    max_arr = max(max(a.values()) for row in offs for _, a in row)
-    horizon = int(math.ceil(horizon_s / tau)) + max_arr + 1
-    nvars = sum(max(0, horizon - max(a.values())) for row in offs for _, a in row)
-    if nvars > _MILP_MAX_VARS or nvars == 0:
-        log.info("MILP skipped: %d variables (limit %d)", nvars, _MILP_MAX_VARS)
-        return None
+    return tau, cap, lat_ep, offs
+
+
+def _te_solve(opts: list[list[_Option]], offs: list[list[tuple[np.ndarray, dict[str, int]]]], cap: np.ndarray,
+              resv: np.ndarray, t0: int, t1: int, need: dict[tuple[int, str], int], exact: bool,
+              time_limit: float) -> list[tuple[int, int, int, int]] | None:
+    """One MILP over start epochs [t0, t1): x[k, option, t] chunks; capacity minus reservations ``resv``.
+
+    ``exact``: every (commodity, destination) gets exactly ``need`` chunks (single shot, objective
+    the sum of delivery epochs); otherwise at most ``need`` (a round: deliver as much as possible,
+    early first). Returns (commodity, option, epoch, count) or None.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    nl, horizon = resv.shape
     var: list[tuple[int, int, int]] = []
     rows, cols, vals, cost = [], [], [], []
     cov: dict[tuple[int, str], int] = {}
-    nl = len(bw)
+    big = 10.0 * horizon
     for k, os_ in enumerate(opts):
         for oi, o in enumerate(os_):
+            if any(need.get((k, d), 0) <= 0 for d in o.paths):
+                continue
             off, arr = offs[k][oi]
-            for t in range(horizon - max(arr.values())):
+            last = max(arr.values())
+            for t in range(t0, min(t1, horizon - last)):
                 j = len(var)
                 var.append((k, oi, t))
                 rows.extend((o.hop_link * horizon + t + off).tolist())
                 cols.extend([j] * len(off))
                 vals.extend([1.0] * len(off))
-                cost.append(sum(t + a for a in arr.values()) + 1e-3 * len(off))
+                cost.append(sum(t + a - (0 if exact else big) for a in arr.values()) + 1e-3 * len(off))
                 for d in o.paths:
                     r = cov.setdefault((k, d), nl * horizon + len(cov))
                     rows.append(r)
                     cols.append(j)
                     vals.append(1.0)
+    if not var or len(var) > _MILP_MAX_VARS:
+        log.info("MILP round skipped: %d variables (limit %d)", len(var), _MILP_MAX_VARS)
+        return None
     nr = nl * horizon + len(cov)
     a = coo_matrix((vals, (rows, cols)), shape=(nr, len(var))).tocsr()
-    ub = np.concatenate([np.repeat(cap, horizon), np.full(len(cov), np.inf)])
-    lb = np.concatenate([np.zeros(nl * horizon), [float(n_k[k]) for (k, _) in cov]])
-    ub_x = np.array([float(n_k[k]) for k, _, _ in var])
-    res = milp(np.asarray(cost), constraints=LinearConstraint(a, lb, ub), integrality=np.ones(len(var)),
-               bounds=Bounds(0, ub_x), options={"time_limit": max(time_limit, 0.01), "mip_rel_gap": 1e-4})
+    want = np.array([float(need[kd]) for kd in cov])
+    ub = np.concatenate([np.maximum(np.repeat(cap, horizon) - resv.reshape(-1), 0), want])
+    lb = np.concatenate([np.zeros(nl * horizon), want if exact else np.zeros(len(cov))])
+    keep = np.flatnonzero(a.getnnz(axis=1))  # rows no variable touches
+    ub_x = np.array([float(min(need[(k, d)] for d in opts[k][oi].paths)) for k, oi, _ in var])
+    res = milp(np.asarray(cost), constraints=LinearConstraint(a[keep], lb[keep], ub[keep]),
+               integrality=np.ones(len(var)), bounds=Bounds(0, ub_x),
+               options={"time_limit": max(time_limit, 0.01), "mip_rel_gap": 1e-4})
     if res.x is None:
         log.info("MILP found no solution (%s)", res.message)
         return None
     x = np.rint(res.x).astype(np.int64)
-    # chunk i of commodity k, destination d, takes the i-th instance covering d: full-coverage
-    # instances first in one canonical order (so a multicast instance serves the same chunk everywhere).
+    log.info("MILP epochs [%d, %d): %d variables, %d rows, status %s", t0, t1, len(var), len(keep), res.status)
+    return [(*var[j], int(x[j])) for j in np.flatnonzero(x)]
+
+
+def _te_extract(dem: Demands, opts: list[list[_Option]], offs: list[list[tuple[np.ndarray, dict[str, int]]]],
+                lat_ep: np.ndarray, sends: list[tuple[int, int, int, int]], chunk_com: np.ndarray,
+                chunk_nb: np.ndarray) -> dict[str, Any]:
+    """Chunk-level hops from (commodity, option, epoch, count) sends.
+
+    Chunk i of commodity k, destination d, takes the i-th send instance covering d: full-coverage
+    instances first in one canonical order, so a multicast instance serves the same chunk everywhere.
+    """
+    n_k = np.bincount(chunk_com, minlength=len(dem.commodities))
     inst: dict[int, list[tuple[int, int, int]]] = {}
-    for j in np.flatnonzero(x):
-        k, oi, t = var[j]
-        for m in range(int(x[j])):
+    for k, oi, t, cnt in sends:
+        for m in range(cnt):
             inst.setdefault(k, []).append((oi, t, m))
-    chunk_first = np.flatnonzero(np.r_[True, chunk_com[1:] != chunk_com[:-1]])
+    chunk_first = np.concatenate([[0], np.cumsum(n_k)[:-1]])
     H: dict[str, list[int]] = {kk: [] for kk in ("chunk", "link", "parent", "first", "last", "arrival")}
     S: dict[str, list[Any]] = {"hop": [], "epoch": [], "nbytes": []}
     for k, com in enumerate(dem.commodities):
@@ -731,8 +750,50 @@ def _milp(topology: Topology, dem: Demands, opts: list[list[_Option]], chunk_com
     out["slice_hop"] = np.asarray(S["hop"], dtype=np.int64)
     out["slice_epoch"] = np.asarray(S["epoch"], dtype=np.int64)
     out["slice_nbytes"] = np.asarray(S["nbytes"], dtype=np.float64)
+    return out
+
+
+def _milp(topology: Topology, dem: Demands, opts: list[list[_Option]], chunk_com: np.ndarray,
+          chunk_nb: np.ndarray, chunk_bytes: int, horizon_s: float, deadline: float,
+          window: int = 6) -> dict[str, Any] | None:
+    """Time-expanded MILP over route options (TE-CCL with copy): x[k, option, t] integer chunks
+    leaving in epoch t. Small instances in one shot (objective: sum of delivery epochs); larger
+    ones in rounds of ``window`` epochs, each delivering as much as it can, the links its chunks
+    will still use in later epochs reserved (the buffers carried forward)."""
+    tau, cap, lat_ep, offs = _te_setup(topology, opts, chunk_bytes)
+    n_k = np.bincount(chunk_com, minlength=len(dem.commodities))
+    need = {(k, d): int(n_k[k]) for k, c in enumerate(dem.commodities) for d in c.dests}
+    max_arr = max(max(a.values()) for row in offs for _, a in row)
+    horizon = int(math.ceil(horizon_s / tau)) + max_arr + 1
+    n_opts = sum(len(os_) for os_ in opts)
+    sends: list[tuple[int, int, int, int]] | None
+    if n_opts * horizon <= _MILP_MAX_VARS:
+        resv = np.zeros((len(cap), horizon))
+        sends = _te_solve(opts, offs, cap, resv, 0, horizon, need, True, deadline - time.perf_counter())
+    elif n_opts * window <= _MILP_MAX_VARS:
+        resv = np.zeros((len(cap), horizon))
+        sends = []
+        t0 = 0
+        while any(v > 0 for v in need.values()):
+            if time.perf_counter() >= deadline or t0 + max_arr >= horizon:
+                log.info("MILP rounds stopped at epoch %d with %d chunk deliveries left", t0, sum(need.values()))
+                return None
+            got = _te_solve(opts, offs, cap, resv, t0, t0 + window, need, False, deadline - time.perf_counter())
+            for k, oi, t, cnt in got or []:
+                o = opts[k][oi]
+                off, _ = offs[k][oi]
+                np.add.at(resv, (o.hop_link, t + off), cnt)
+                for d in o.paths:
+                    need[(k, d)] -= cnt
+            sends.extend(got or [])
+            t0 += window
+    else:
+        log.info("MILP skipped: %d options x %d epochs", n_opts, horizon)
+        return None
+    if sends is None:
+        return None
+    out = _te_extract(dem, opts, offs, lat_ep, sends, chunk_com, chunk_nb)
     out["tau"] = tau
-    log.info("MILP: %d variables, %d rows, status %s, objective %.1f", len(var), nr, res.status, res.fun)
     return out
 
 
@@ -814,14 +875,14 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
                 lp_t = candidates[-1][0]
     if method in ("auto", "milp") and not at_bound and time.perf_counter() < deadline:
         horizon = 1.5 * min(c[0] for c in candidates)
-        arr = _milp(topology, dem, opts, chunk_com, chunk_nb, chunk_bytes, horizon, deadline - time.perf_counter())
+        arr = _milp(topology, dem, opts, chunk_com, chunk_nb, chunk_bytes, horizon, deadline)
         if arr is not None:
             finish("milp", arr, float(arr["tau"]))
     if method != "auto":
         wanted = [c for c in candidates if c[1] == method]
-        if not wanted:
-            log.warning("method %s gave no schedule in time; falling back to %s", method, candidates[-1][1])
         pick = wanted[0] if wanted else min(candidates, key=lambda c: c[0])
+        if not wanted:
+            log.warning("method %s gave no schedule in time; falling back to %s", method, pick[1])
     else:
         pick = min(candidates, key=lambda c: (c[0], -len(c[1])))
     comp, name, arrays, tau_ = pick

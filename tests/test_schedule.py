@@ -214,3 +214,13 @@ def test_cli_schedule_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schedule", "--model", "tiny", "--from", "dp=2,tp=2,pp=2", "--to", "dp=1,tp=2,pp=2",
                  "--topology", "hosts=4,gpus=2", "--gpus-per-host", "2"]) == 0
     assert "completion" in capsys.readouterr().out
+
+
+def test_milp_in_rounds_is_valid() -> None:
+    p = small_plan()
+    t = Topology.from_spec("hosts=4,gpus=2")
+    # 4 KiB chunks: too many epochs for one MILP, so it is solved in rounds of a few epochs
+    s = schedule(p, t, method="milp", chunk_bytes=4096, time_limit=30)
+    assert s.method == "milp"
+    validate(s)
+    assert s.completion_s <= 1.05 * schedule(p, t, method="greedy", chunk_bytes=4096).completion_s
