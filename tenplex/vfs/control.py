@@ -55,6 +55,8 @@ def handle_request(tree: DatasetTree, req: dict[str, Any]) -> dict[str, Any]:
 class _Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         line = self.rfile.readline(1 << 16)
+        if not line.strip():
+            return  # a liveness probe: connected and closed
         try:
             req = json.loads(line)
             if not isinstance(req, dict):
@@ -62,7 +64,10 @@ class _Handler(socketserver.StreamRequestHandler):
             resp = handle_request(self.server.tree, req)  # type: ignore[attr-defined]
         except ValueError as e:
             resp = {"ok": False, "error": f"bad request: {e}"}
-        self.wfile.write((json.dumps(resp) + "\n").encode())
+        try:
+            self.wfile.write((json.dumps(resp) + "\n").encode())
+        except OSError as e:
+            log.warning("control client went away before the answer: %s", e)
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

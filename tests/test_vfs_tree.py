@@ -1,0 +1,141 @@
+"""The pure VFS tree and the control protocol, without mounting."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+from conftest import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_data_index import write_jsonl
+
+from tenplex.data import DataState, build_index, remaining_ids
+from tenplex.vfs import DatasetTree, Layout, VfsError, gen_name, mount_status, remount
+from tenplex.vfs.control import ControlServer, handle_request, socket_path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):  # type: ignore[no-untyped-def]
+    d = tmp_path_factory.mktemp("tree")
+    a, b = str(d / "a.jsonl"), str(d / "b.jsonl")
+    samples = write_jsonl(a, 40, 1) + write_jsonl(b, 33, 2)
+    return build_index([a, b], kind="jsonl"), samples
+
+
+def _read_all(tree: DatasetTree, path: str) -> bytes:
+    node = tree.lookup(path)
+    assert node is not None and node.kind == "file"
+    return tree.read(path, 0, node.size)
+
+
+def _resolve(tree: DatasetTree, path: str) -> str:
+    parts = path.strip("/").split("/")
+    node = tree.lookup("/" + parts[0])
+    assert node is not None
+    head = node.target if node.kind == "link" else parts[0]
+    return "/" + "/".join([head, *parts[1:]])
+
+
+def test_layout_and_contents(data) -> None:  # type: ignore[no-untyped-def]
+    index, samples = data
+    tree = DatasetTree(index, Layout(dp=2, progress=6, global_batch=4, seed=3))
+    root = tree.lookup("/")
+    assert root is not None and root.entries == ("job.json", "rank-000", "rank-001", gen_name(1))
+    link = tree.lookup("/rank-001")
+    assert link is not None and link.kind == "link" and link.target == "gen-000001/rank-001"
+    assert stat.S_ISLNK(link.attrs()["st_mode"])
+    job = json.loads(_read_all(tree, _resolve(tree, "/job.json")))
+    assert job["generation"] == 1 and job["dp"] == 2 and job["progress"] == 6 and job["seed"] == 3
+    assert job["num_samples"] == 73 and job["global_batch"] == 4 and job["shuffle"] is True
+    state = DataState(num_samples=73, global_batch=4, seed=3, consumed=6)
+    for r in range(2):
+        ids = remaining_ids(state, 2, r)
+        base = f"/gen-000001/rank-{r:03d}"
+        assert tree.lookup(base).entries == ("samples.bin", "ids.txt", "offsets.txt")  # type: ignore[union-attr]
+        assert _read_all(tree, f"{base}/ids.txt").decode().split() == [str(i) for i in ids]
+        blob = _read_all(tree, f"{base}/samples.bin")
+        assert blob == b"".join(samples[i] for i in ids)
+        offs = [int(x) for x in _read_all(tree, f"{base}/offsets.txt").split()]
+        assert offs[-1] == len(blob) and [blob[offs[k]:offs[k + 1]] for k in range(len(ids))] == [
+            samples[i] for i in ids]
+        node = tree.lookup(f"{base}/samples.bin")
+        assert node is not None and node.attrs()["st_size"] == len(blob) and node.attrs()["st_mode"] & 0o222 == 0
+
+
+def test_paths_outside_the_tree(data) -> None:  # type: ignore[no-untyped-def]
+    index, _ = data
+    tree = DatasetTree(index, Layout(dp=2, progress=0, global_batch=2))
+    for p in ("/..", "/../etc/passwd", "/rank-000/../../x", "/gen-000001/../..", "/rank-002", "/rank-2",
+              "/rank-0000", "/gen-1", "/gen-000009", "/gen-000001/rank-000/x", "/gen-000001/rank-005/ids.txt",
+              "/job.json/x", "/gen-000001/job.json/x", "/etc", "/rank-000/samples.bin"):
+        assert tree.lookup(p) is None, p
+    with pytest.raises(FileNotFoundError):
+        tree.open("/gen-000001/rank-000")
+
+
+@settings(max_examples=examples(40))
+@given(st.integers(1, 5), st.integers(0, 200), st.integers(1, 4), st.booleans(), st.data())
+def test_union_over_ranks(data, dp: int, progress: int, per: int, shuffle: bool, d: st.DataObject) -> None:  # type: ignore[no-untyped-def]
+    index, samples = data
+    tree = DatasetTree(index, Layout(dp=dp, progress=progress, global_batch=dp * per, shuffle=shuffle, seed=1))
+    gen = tree.current
+    got = [np.array(_read_all(tree, f"/gen-000001/rank-{r:03d}/ids.txt").split(), dtype=np.int64) for r in range(dp)]
+    assert sum(map(len, got)) == gen.end - progress
+    r = d.draw(st.integers(0, dp - 1))
+    path = f"/gen-000001/rank-{r:03d}/samples.bin"
+    size = tree.lookup(path).size  # type: ignore[union-attr]
+    off = d.draw(st.integers(0, size))
+    n = d.draw(st.integers(0, 500))
+    assert tree.read(path, off, n) == b"".join(samples[i] for i in got[r])[off:off + n]
+
+
+def test_reshard_pins_open_handles(data) -> None:  # type: ignore[no-untyped-def]
+    index, samples = data
+    tree = DatasetTree(index, Layout(dp=3, progress=0, global_batch=6), keep=1)
+    fh = tree.open(_resolve(tree, "/rank-002/samples.bin"))
+    old = tree.read_handle(fh, 0, 1 << 20)
+    gen = tree.reshard(dp=2, progress=12)
+    assert gen.number == 2 and tree.lookup("/rank-002") is None
+    assert tree.lookup("/rank-001").target == "gen-000002/rank-001"  # type: ignore[union-attr]
+    assert tree.generations() == [1, 2]  # gen 1 pinned by the handle although keep=1
+    assert tree.read_handle(fh, 0, 1 << 20) == old
+    new = _read_all(tree, _resolve(tree, "/rank-001/samples.bin"))
+    ids = remaining_ids(DataState(73, 6, 0, True, 12), 2, 1)
+    assert new == b"".join(samples[i] for i in ids)
+    tree.release(fh)
+    assert tree.generations() == [2] and tree.lookup("/gen-000001") is None
+    with pytest.raises(VfsError, match="not divisible by dp=4"):
+        tree.reshard(dp=4)
+    with pytest.raises(VfsError, match="progress must be >= 0"):
+        tree.reshard(progress=-1)
+    assert tree.current.number == 2
+
+
+def test_control_protocol(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    index, _ = data
+    tree = DatasetTree(index, Layout(dp=2, progress=0, global_batch=4))
+    assert handle_request(tree, {"op": "status"})["generation"] == 1
+    assert handle_request(tree, {"op": "bogus"})["ok"] is False
+    assert "not divisible" in handle_request(tree, {"op": "reshard", "dp": 3})["error"]
+    os.environ["TENPLEX_RUNTIME_DIR"] = str(tmp_path)
+    try:
+        mp = str(tmp_path / "mnt")
+        server = ControlServer(tree, socket_path(mp)).start()
+        try:
+            st_ = remount(mp, dp=4, progress=8)
+            assert st_["generation"] == 2 and st_["dp"] == 4 and tree.current.layout.progress == 8
+            assert mount_status(mp)["generation"] == 2
+            with pytest.raises(VfsError, match="refused.*not divisible"):
+                remount(mp, dp=3)
+            with pytest.raises(VfsError, match="already serves"):
+                ControlServer(tree, socket_path(mp))
+        finally:
+            server.close()
+        with pytest.raises(VfsError, match="no tenplex mount serves"):
+            remount(mp, dp=2)
+    finally:
+        del os.environ["TENPLEX_RUNTIME_DIR"]
