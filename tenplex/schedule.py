@@ -48,6 +48,7 @@ _MAX_CHUNKS = 20000
 _TARGET_CHUNKS = 2000
 _TARGET_EPOCHS = 128
 _MILP_MAX_VARS = 20000
+_MILP_ROUNDS_MAX = 200_000  # option x epoch pairs beyond which even rounds take too long
 _GOOD_ENOUGH = 1.03  # auto stops at the greedy schedule when it is this close to the lower bound
 
 
@@ -770,7 +771,7 @@ def _milp(topology: Topology, dem: Demands, opts: list[list[_Option]], chunk_com
     if n_opts * horizon <= _MILP_MAX_VARS:
         resv = np.zeros((len(cap), horizon))
         sends = _te_solve(opts, offs, cap, resv, 0, horizon, need, True, deadline - time.perf_counter())
-    elif n_opts * window <= _MILP_MAX_VARS:
+    elif n_opts * window <= _MILP_MAX_VARS and n_opts * horizon <= _MILP_ROUNDS_MAX:
         resv = np.zeros((len(cap), horizon))
         sends = []
         t0 = 0
@@ -873,6 +874,7 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
             if time.perf_counter() < deadline:
                 finish("lp", arr, tau)
                 lp_t = candidates[-1][0]
+    at_bound = at_bound or (method == "auto" and lp_t is not None and lp_t <= _GOOD_ENOUGH * lb)
     if method in ("auto", "milp") and not at_bound and time.perf_counter() < deadline:
         horizon = 1.5 * min(c[0] for c in candidates)
         arr = _milp(topology, dem, opts, chunk_com, chunk_nb, chunk_bytes, horizon, deadline)
