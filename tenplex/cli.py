@@ -366,6 +366,8 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--epochs", type=int, default=None,
                    help="show samples up to the end of this many epochs (default: through the current epoch)")
     p.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
+    p.add_argument("--read-ahead-kib", type=int, default=1024,
+                   help="kernel read-ahead of the mount (KiB; needs root; 0 keeps libfuse's 128)")
     p.add_argument("--debug", action="store_true", help="libfuse debug output")
     p.set_defaults(func=_cmd_mount)
 
@@ -403,7 +405,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     layout = Layout(dp=args.dp, progress=args.progress, global_batch=args.global_batch or args.dp,
                     seed=args.seed, shuffle=not args.no_shuffle, num_epochs=args.epochs)
     if args.foreground:
-        mount(args.index, args.mountpoint, layout, debug=args.debug)
+        mount(args.index, args.mountpoint, layout, debug=args.debug, read_ahead_kib=args.read_ahead_kib)
         return 0
     # check what we can here, so errors are printed by this process; the child serves the mount
     from .data.index import load_index
@@ -416,6 +418,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     argv += ["--no-shuffle"] if args.no_shuffle else ["--seed", str(args.seed)]
     if args.epochs is not None:
         argv += ["--epochs", str(args.epochs)]
+    argv += ["--read-ahead-kib", str(args.read_ahead_kib)]
     pid = spawn_mount(argv, args.mountpoint)
     print(f"mounted {args.index} at {os.path.abspath(args.mountpoint)} (pid {pid}); "
           f"unmount with fusermount3 -u {args.mountpoint}")

@@ -356,6 +356,28 @@ class SourceReader:
             )
         return data
 
+    def read_into(self, fid: int, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with the bytes at ``offset`` of source ``fid`` (``os.preadv`` for local files)."""
+        length = len(buf)
+        if fid in self._remote:
+            buf[:] = self.read(fid, offset, length)
+            return
+        fd = self._fd(fid)
+        got = 0
+        try:
+            while got < length:
+                n = os.preadv(fd, [buf[got:]], offset + got)
+                if not n:
+                    break
+                got += n
+        except OSError as e:
+            raise SourceReadError(f"cannot read {self.files[fid].url}: {e.strerror}") from e
+        if got != length:
+            raise SourceReadError(
+                f"source {self.files[fid].url} is shorter than indexed: wanted [{offset}, {offset + length}), got "
+                f"{got} bytes (indexed size {self.files[fid].size}); rebuild the index with `tenplex data index`"
+            )
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():

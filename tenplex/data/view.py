@@ -100,33 +100,49 @@ class RankView:
             self._offsets_file = LineFile(self.cum)
         return self._offsets_file
 
+    def _groups(self, offset: int, end: int) -> tuple[list[int], list[int], list[int]]:
+        """Source reads (file, start, stop) covering ``[offset, end)``: adjacent samples coalesced."""
+        cum = self.cum
+        i = int(np.searchsorted(cum, offset, side="right")) - 1
+        j = int(np.searchsorted(cum, end, side="left"))
+        f = self._fid[i:j]
+        s = self._off[i:j].copy()
+        e = s + self._len[i:j]
+        s[0] += offset - int(cum[i])
+        e[-1] -= int(cum[j]) - end
+        if j - i == 1:
+            return [int(f[0])], [int(s[0])], [int(e[0])]
+        brk = np.flatnonzero((f[1:] != f[:-1]) | (s[1:] != e[:-1])) + 1
+        first = np.concatenate([np.zeros(1, np.int64), brk])
+        last = np.concatenate([brk, np.array([j - i], np.int64)]) - 1
+        return f[first].tolist(), s[first].tolist(), e[last].tolist()
+
     def read(self, offset: int, size: int) -> bytes:
         """Bytes ``[offset, offset + size)`` of ``samples.bin`` (short at the end)."""
         end = min(offset + size, self.size)
         if offset >= end:
             return b""
-        cum = self.cum
-        i = int(np.searchsorted(cum, offset, side="right")) - 1
-        j = int(np.searchsorted(cum, end, side="left"))
-        fid, off, ln = self._fid, self._off, self._len
-        parts: list[bytes] = []
-        # coalesce consecutive samples that are adjacent in the same source file into one read
-        k = i
-        cur_f = int(fid[k])
-        cur_start = int(off[k]) + (offset - int(cum[k]))
-        cur_end = int(off[k]) + min(int(ln[k]), end - int(cum[k]))
-        k += 1
-        while k < j:
-            f, o = int(fid[k]), int(off[k])
-            take = min(int(ln[k]), end - int(cum[k]))
-            if f == cur_f and o == cur_end:
-                cur_end += take
-            else:
-                parts.append(self.reader.read(cur_f, cur_start, cur_end - cur_start))
-                cur_f, cur_start, cur_end = f, o, o + take
-            k += 1
-        parts.append(self.reader.read(cur_f, cur_start, cur_end - cur_start))
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        fs, ss, es = self._groups(offset, end)
+        if len(fs) == 1:
+            return self.reader.read(fs[0], ss[0], es[0] - ss[0])
+        buf = bytearray(end - offset)
+        self._fill(memoryview(buf), fs, ss, es)
+        return bytes(buf)
+
+    def read_into(self, offset: int, buf: memoryview) -> int:
+        """Read ``[offset, offset + len(buf))`` into ``buf`` (no intermediate copies); returns the count."""
+        end = min(offset + len(buf), self.size)
+        if offset >= end:
+            return 0
+        self._fill(buf, *self._groups(offset, end))
+        return end - offset
+
+    def _fill(self, buf: memoryview, fs: list[int], ss: list[int], es: list[int]) -> None:
+        pos = 0
+        read_into = self.reader.read_into
+        for f, a, b in zip(fs, ss, es):
+            read_into(f, a, buf[pos : pos + b - a])
+            pos += b - a
 
     def sample(self, k: int) -> bytes:
         """Bytes of the ``k``-th sample of the view."""

@@ -8,12 +8,14 @@ which unmounts; the control socket is removed on the way out.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -103,10 +105,16 @@ class FuseOps:
             raise self._err(errno.ENOENT) from None
 
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        buf = bytearray(size)
+        n = self.read_into(fh, offset, memoryview(buf))
+        return bytes(buf[:n])
+
+    def read_into(self, fh: int, offset: int, buf: memoryview) -> int:
+        """Fill libfuse's reply buffer directly (see :func:`_fuse_class`)."""
         try:
-            return self.tree.read_handle(fh, offset, size)
+            return self.tree.read_handle_into(fh, offset, buf)
         except SourceReadError as e:
-            log.error("read %s [%d, +%d): %s -> EIO", path, offset, size, e.strerror)
+            log.error("read of handle %d [%d, +%d): %s -> EIO", fh, offset, len(buf), e.strerror)
             raise self._err(errno.EIO) from None
         except FileNotFoundError:
             raise self._err(errno.EBADF) from None
@@ -125,8 +133,41 @@ class FuseOps:
         return 0
 
 
+def _fuse_class(mfusepy: Any) -> Any:
+    """mfusepy.FUSE whose read callback writes into libfuse's buffer (no bytes objects, no memmove)."""
+
+    class ZeroCopyFUSE(mfusepy.FUSE):  # type: ignore[misc, name-defined]
+        def read(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
+            addr = ctypes.cast(buf, ctypes.c_void_p).value
+            view = memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+            return self.operations.read_into(fip.contents.fh, offset, view)
+
+    return ZeroCopyFUSE
+
+
+def _raise_readahead(mountpoint: str, kib: int, timeout: float = 30.0) -> None:
+    """Best effort: let the kernel send reads of up to ``kib`` KiB (the FUSE bdi's read_ahead_kb; needs root).
+
+    libfuse caps read-ahead at 128 KiB, so sequential readers would otherwise cost one
+    callback per 128 KiB; the kernel still limits a request to the mount's max_pages (1 MiB).
+    """
+    deadline = time.monotonic() + timeout
+    while not os.path.ismount(mountpoint):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
+    dev = os.stat(mountpoint).st_dev
+    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(kib))
+        log.info("read-ahead of %s: %d KiB", mountpoint, kib)
+    except OSError as e:
+        log.info("could not raise the read-ahead of %s (%s); reads stay at 128 KiB", mountpoint, e)
+
+
 def mount(index_url: str, mountpoint: str, layout: Layout, *, keep: int = 4, debug: bool = False,
-          ready: Any = None) -> None:
+          read_ahead_kib: int = 1024) -> None:
     """Mount ``index_url`` at ``mountpoint`` in the foreground until unmounted or signalled."""
     mp = check_mountpoint(mountpoint)
     check_fuse()
@@ -142,8 +183,10 @@ def mount(index_url: str, mountpoint: str, layout: Layout, *, keep: int = 4, deb
     ops = type("TenplexFS", (FuseOps, mfusepy.Operations), {})(tree, mfusepy)
     log.info("mounting %s at %s: %d samples, dp=%d, progress=%d", index_url, mp, index.num_samples, layout.dp,
              layout.progress)
+    if read_ahead_kib:
+        threading.Thread(target=_raise_readahead, args=(mp, read_ahead_kib), daemon=True).start()
     try:
-        mfusepy.FUSE(ops, mp, foreground=True, nothreads=False, ro=True, kernel_cache=True, fsname="tenplex",
+        _fuse_class(mfusepy)(ops, mp, foreground=True, nothreads=False, ro=True, kernel_cache=True, fsname="tenplex",
                      subtype="tenplex", debug=debug)
     except RuntimeError as e:
         raise VfsError(f"could not mount at {mp} (libfuse error {e}): see the messages above; is /dev/fuse usable "

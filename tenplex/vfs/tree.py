@@ -274,6 +274,18 @@ class DatasetTree:
             raise FileNotFoundError(f"no open file handle {fh}") from None
         return content.read(offset, size)
 
+    def read_handle_into(self, fh: int, offset: int, buf: memoryview) -> int:
+        """Read into ``buf`` (a FUSE reply buffer) from an open handle; returns the byte count."""
+        try:
+            _, content = self._handles[fh]
+        except KeyError:
+            raise FileNotFoundError(f"no open file handle {fh}") from None
+        if isinstance(content, RankView):
+            return content.read_into(offset, buf)
+        data = content.read(offset, len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
     def release(self, fh: int) -> None:
         with self._lock:
             entry = self._handles.pop(fh, None)
