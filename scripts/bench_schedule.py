@@ -79,7 +79,8 @@ def plot(rows: list[dict], path: Path) -> None:
     x = range(len(rows))
     w = 0.27
     ax = axes[0]
-    ax.bar([i - w for i in x], [r["auto"]["completion_s"] / r["lower_bound_s"] for r in rows], w, label="schedule (auto)")
+    ax.bar([i - w for i in x], [r["auto"]["completion_s"] / r["lower_bound_s"] for r in rows], w,
+           label="schedule (auto)")
     ax.bar(list(x), [r["greedy"]["completion_s"] / r["lower_bound_s"] for r in rows], w, label="greedy only")
     ax.bar([i + w for i in x], [r["naive_s"] / r["lower_bound_s"] for r in rows], w, label="naive (all at once, fair)")
     ax.axhline(1.1, color="k", ls="--", lw=0.8, label="1.1x lower bound")

@@ -249,22 +249,31 @@ def demands(plan: Plan, topology: Topology) -> Demands:
     storage_id, pad = old_w, nn - 1
     src_hash = _hashes(nn, 1)
     src_hash[pad] = 0
+    # tensors whose old holder tables are the same object (the layers of a stage) are handled together
+    tens_all = c["tensor"][rows]
+    table_of: dict[int, int] = {}
+    tables: list[Any] = []
+    tid = np.zeros(len(plan.tensor_names), dtype=np.int64)
+    for ti in np.unique(tens_all).tolist():
+        table = plan.ptc.holders(plan.tensor_names[ti], plan.old)
+        j = table_of.get(id(table))
+        if j is None:
+            j = table_of[id(table)] = len(tables)
+            tables.append((plan.tensor_names[ti], table))
+        tid[ti] = j
+    grp = tid[tens_all]
+    order = np.argsort(grp, kind="stable")
+    rows = rows[order]
     tens = c["tensor"][rows]
-    order = np.argsort(tens, kind="stable")
-    rows, tens = rows[order], tens[order]
-    bounds = np.flatnonzero(np.diff(tens)) + 1
+    grp = grp[order]
+    bounds = np.flatnonzero(np.diff(grp)) + 1
     starts = np.concatenate([[0], bounds, [len(rows)]])
     ids_parts: list[np.ndarray] = []
-    cache: dict[int, Any] = {}
     kmax = 1
     row_start, row_kind = c["start"][rows], c["kind"][rows]
     for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
-        name = plan.tensor_names[int(tens[a])]
-        table = plan.ptc.holders(name, plan.old)
-        hit = cache.get(id(table))
-        if hit is None:
-            hit = cache[id(table)] = (table, holder_classes(name, table))
-        c_start, _, c_ranks, _ = hit[1]
+        name, table = tables[int(grp[a])]
+        c_start, _, c_ranks, _ = holder_classes(name, table)
         ci = np.searchsorted(c_start, row_start[a:b], side="right") - 1
         hr = c_ranks[np.maximum(ci, 0)]
         ids = np.where((hr >= 0) & alive[hr], hr, pad)
@@ -617,7 +626,11 @@ def _assign_greedy(dem: Demands, opts: list[list[_Option]], chunk_com: np.ndarra
     return routes
 
 
-def _te_setup(topology: Topology, opts: list[list[_Option]], chunk_bytes: int) -> tuple[float, np.ndarray, np.ndarray, list[list[tuple[np.ndarray, dict[str, int]]]]]:
+_Offsets = list[list[tuple[np.ndarray, dict[str, int]]]]  # per commodity, per option: hop offsets, arrivals
+
+
+def _te_setup(topology: Topology, opts: list[list[_Option]],
+              chunk_bytes: int) -> tuple[float, np.ndarray, np.ndarray, _Offsets]:
     """Epoch length, per-link capacity (chunks per epoch), latency (epochs) and every option's hop offsets.
 
     Epoch: the time the slowest used link needs for one chunk; capacity floor(bandwidth * tau /
@@ -641,7 +654,7 @@ def _te_setup(topology: Topology, opts: list[list[_Option]], chunk_bytes: int) -
     return tau, cap, lat_ep, offs
 
 
-def _te_solve(opts: list[list[_Option]], offs: list[list[tuple[np.ndarray, dict[str, int]]]], cap: np.ndarray,
+def _te_solve(opts: list[list[_Option]], offs: _Offsets, cap: np.ndarray,
               resv: np.ndarray, t0: int, t1: int, need: dict[tuple[int, str], int], exact: bool,
               time_limit: float) -> list[tuple[int, int, int, int]] | None:
     """One MILP over start epochs [t0, t1): x[k, option, t] chunks; capacity minus reservations ``resv``.
@@ -697,7 +710,7 @@ def _te_solve(opts: list[list[_Option]], offs: list[list[tuple[np.ndarray, dict[
     return [(*var[j], int(x[j])) for j in np.flatnonzero(x)]
 
 
-def _te_extract(dem: Demands, opts: list[list[_Option]], offs: list[list[tuple[np.ndarray, dict[str, int]]]],
+def _te_extract(dem: Demands, opts: list[list[_Option]], offs: _Offsets,
                 lat_ep: np.ndarray, sends: list[tuple[int, int, int, int]], chunk_com: np.ndarray,
                 chunk_nb: np.ndarray) -> dict[str, Any]:
     """Chunk-level hops from (commodity, option, epoch, count) sends.
@@ -806,9 +819,10 @@ def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", 
     """Schedule a plan's transfers (or bare :class:`Demands`) over ``topology``.
 
     Returns within about ``time_limit`` seconds: the greedy schedule is built first, the
-    solvers get what time remains. ``chunk_bytes``: size pieces are split into (default: total
-    bytes / 3000 as a power of two, at least 4 KiB). ``epochs``: target number of epochs of the
-    list-scheduled methods. ``dem``: demands computed before by :func:`demands`.
+    solvers get what time remains. ``chunk_bytes``: size pieces are split into (default:
+    total bytes / 2000 as a power of two, at least 4 KiB; fewer chunks under a limit below
+    0.5 s). ``epochs``: target number of epochs of the list-scheduled methods. ``dem``:
+    demands computed before by :func:`demands`.
     """
     if isinstance(plan, Demands):
         dem, plan = plan, None
@@ -827,8 +841,9 @@ def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", 
 def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, method: str, t0: float,
                       deadline: float, chunk_bytes: int | None, epochs: int) -> Schedule:
     total = dem.bytes_unique
-    if chunk_bytes is None:
-        chunk_bytes = max(4096, 1 << max(0, math.ceil(math.log2(max(total, 1) / _TARGET_CHUNKS))))
+    if chunk_bytes is None:  # fewer chunks when the time limit is short (list scheduling is ~50 us a chunk)
+        target = min(_TARGET_CHUNKS, max(200, int((deadline - time.perf_counter()) * 4000)))
+        chunk_bytes = max(4096, 1 << max(0, math.ceil(math.log2(max(total, 1) / target))))
     if chunk_bytes < 1:
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
     n_chunks = sum(max(1, -(-c.nbytes // chunk_bytes)) for c in dem.commodities)

@@ -60,7 +60,8 @@ def parse_bandwidth(text: str | float | int) -> float:
     elif core in _BW_MULT:
         mult = _BW_MULT[core]
     else:
-        raise ConfigError(f"cannot parse bandwidth {text!r}: unknown unit {unit!r} (use B/s, KB/s .. TB/s, GiB/s, Gb/s)")
+        raise ConfigError(f"cannot parse bandwidth {text!r}: unknown unit {unit!r} "
+                          "(use B/s, KB/s .. TB/s, GiB/s, Gb/s)")
     out = value * mult / (8 if bits else 1)
     if out <= 0:
         raise ConfigError(f"a bandwidth must be positive, got {text!r}")
