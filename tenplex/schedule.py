@@ -404,84 +404,79 @@ def _options(topology: Topology, dem: Demands, ref: float, alt: bool, trees_only
 
 # -- list scheduling in the time-expanded network --------------------------------------------
 
-class _Timeline:
-    """Bytes used per (link, epoch); chunks take the earliest free capacity, spilling into later epochs."""
-
-    def __init__(self, cap: np.ndarray) -> None:
-        self.cap = cap.tolist()
-        self.used: list[list[float]] = [[] for _ in self.cap]
-        self.first_free = [0] * len(self.cap)
-
-    def place(self, e: int, ready: int, nbytes: float, slices: list[tuple[int, float]]) -> tuple[int, int]:
-        cap = self.cap[e]
-        eps = cap * 1e-9
-        row = self.used[e]
-        t = max(ready, self.first_free[e])
-        if len(row) <= t:
-            row.extend([0.0] * (t + 1 - len(row)))
-        first = -1
-        left = float(nbytes)
-        tol = max(1e-9 * left, 1e-12)
-        while True:
-            if t >= len(row):
-                row.append(0.0)
-            free = cap - row[t]
-            if free > eps:
-                take = free if free < left else left
-                row[t] += take
-                left -= take
-                slices.append((t, take))
-                if first < 0:
-                    first = t
-                if left <= tol:
-                    break
-            t += 1
-        ff = self.first_free[e]
-        while ff < len(row) and cap - row[ff] <= eps:
-            ff += 1
-        self.first_free[e] = ff
-        return first, t
-
-
 def _list_schedule(topology: Topology, dem: Demands, routes: list[tuple[int, np.ndarray, np.ndarray]],
                    chunk_com: np.ndarray, chunk_off: np.ndarray, chunk_nb: np.ndarray, order: np.ndarray,
                    tau: float, horizon: int) -> dict[str, np.ndarray]:
-    """Place chunks (in ``order``) hop by hop at the earliest epoch with capacity after they arrive."""
-    cap = topology.bandwidth * tau
+    """Place chunks (in ``order``) hop by hop at the earliest epoch with free capacity after they
+    arrive at the link's tail, spilling into later epochs when a chunk does not fit in one."""
+    cap = (topology.bandwidth * tau).tolist()
+    eps = [x * 1e-9 for x in cap]
     lat_ep = np.rint(topology.latency / tau).astype(np.int64).tolist()
-    tl = _Timeline(cap)
-    H: dict[str, list[int]] = {k: [] for k in ("chunk", "link", "parent", "first", "last", "arrival")}
-    S: dict[str, list[Any]] = {"hop": [], "epoch": [], "nbytes": []}
-    hop_id = np.zeros(len(chunk_nb), dtype=np.int64)
-    for c in order:
+    used: list[list[float]] = [[0.0] * horizon for _ in cap]
+    first_free = [0] * len(cap)
+    h_chunk: list[int] = []
+    h_link: list[int] = []
+    h_parent: list[int] = []
+    h_first: list[int] = []
+    h_last: list[int] = []
+    h_arr: list[int] = []
+    s_hop: list[int] = []
+    s_epoch: list[int] = []
+    s_nb: list[float] = []
+    as_list: dict[int, tuple[list[int], list[int]]] = {}
+    nbl = chunk_nb.astype(np.float64).tolist()
+    for c in order.tolist():
         _, hl_a, hp_a = routes[c]
-        hl, hp = hl_a.tolist(), hp_a.tolist()
-        base = len(H["chunk"])
-        hop_id[c] = base
-        arrival = [0] * len(hl)
-        nb = float(chunk_nb[c])
-        for i in range(len(hl)):
-            e = hl[i]
+        hit = as_list.get(id(hl_a))
+        if hit is None:
+            hit = as_list[id(hl_a)] = (hl_a.tolist(), hp_a.tolist())
+        hl, hp = hit
+        base = len(h_chunk)
+        arrival: list[int] = []
+        nb = nbl[c]
+        tol = max(1e-9 * nb, 1e-12)
+        for i, e in enumerate(hl):
             p = hp[i]
-            ready = arrival[p] if p >= 0 else 0
-            slices: list[tuple[int, float]] = []
-            first, last = tl.place(e, ready, nb, slices)
-            arrival[i] = last + 1 + lat_ep[e]
-            H["chunk"].append(int(c))
-            H["link"].append(e)
-            H["parent"].append(base + p if p >= 0 else -1)
-            H["first"].append(first)
-            H["last"].append(last)
-            H["arrival"].append(arrival[i])
-            for t, b in slices:
-                S["hop"].append(base + i)
-                S["epoch"].append(t)
-                S["nbytes"].append(b)
-    out = {f"hop_{k}": np.asarray(v, dtype=np.int64) for k, v in H.items()}
-    out["slice_hop"] = np.asarray(S["hop"], dtype=np.int64)
-    out["slice_epoch"] = np.asarray(S["epoch"], dtype=np.int64)
-    out["slice_nbytes"] = np.asarray(S["nbytes"], dtype=np.float64)
-    return out
+            row, capv, ep = used[e], cap[e], eps[e]
+            t = first_free[e]
+            if p >= 0 and arrival[p] > t:
+                t = arrival[p]
+            if len(row) <= t:
+                row.extend([0.0] * (t + 1 - len(row)))
+            first = -1
+            left = nb
+            while True:
+                if t >= len(row):
+                    row.extend([0.0] * len(row))
+                free = capv - row[t]
+                if free > ep:
+                    take = free if free < left else left
+                    row[t] += take
+                    left -= take
+                    s_hop.append(base + i)
+                    s_epoch.append(t)
+                    s_nb.append(take)
+                    if first < 0:
+                        first = t
+                    if left <= tol:
+                        break
+                t += 1
+            ff = first_free[e]
+            while ff < len(row) and capv - row[ff] <= ep:
+                ff += 1
+            first_free[e] = ff
+            arr = t + 1 + lat_ep[e]
+            arrival.append(arr)
+            h_chunk.append(c)
+            h_link.append(e)
+            h_parent.append(base + p if p >= 0 else -1)
+            h_first.append(first)
+            h_last.append(t)
+            h_arr.append(arr)
+    i64 = (lambda x: np.asarray(x, dtype=np.int64))
+    return {"hop_chunk": i64(h_chunk), "hop_link": i64(h_link), "hop_parent": i64(h_parent),
+            "hop_first": i64(h_first), "hop_last": i64(h_last), "hop_arrival": i64(h_arr),
+            "slice_hop": i64(s_hop), "slice_epoch": i64(s_epoch), "slice_nbytes": np.asarray(s_nb, dtype=np.float64)}
 
 
 def _chunks(dem: Demands, chunk_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

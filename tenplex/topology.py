@@ -114,8 +114,7 @@ class Topology:
     bandwidth: np.ndarray = field(init=False, repr=False, compare=False)
     latency: np.ndarray = field(init=False, repr=False, compare=False)
     _gpu: dict[int, str] = field(init=False, repr=False, compare=False)
-    _sp_cache: dict[tuple[str, float], tuple[dict[str, float], dict[str, list[str]]]] = field(
-        init=False, repr=False, compare=False)
+    _sp_cache: dict[tuple[str, float], Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.gpus_per_host < 1:
@@ -265,15 +264,33 @@ class Topology:
                 return str(n)
         raise ConfigError("the plan reads from storage but the topology has no node of kind 'storage'")
 
-    def shortest_paths(self, source: str, ref_bytes: float = 2**24) -> tuple[dict[str, float], dict[str, list[str]]]:
+    def shortest_paths(self, source: str, ref_bytes: float = 2**24) -> tuple[dict[str, float], _Paths]:
         """Fastest paths from ``source`` for a message of ``ref_bytes`` (weight: latency + bytes / bandwidth)."""
-        key = (source, ref_bytes)
+        key = (source, float(ref_bytes))
         hit = self._sp_cache.get(key)
         if hit is None:
-            hit = nx.single_source_dijkstra(
-                self.graph, source, weight=lambda u, v, d: d["latency"] + ref_bytes / d["bandwidth"])
-            self._sp_cache[key] = hit
+            hit = self._sp_cache[key] = self._dijkstra(source, float(ref_bytes))
         return hit
+
+    def _dijkstra(self, source: str, ref: float) -> tuple[dict[str, float], _Paths]:
+        from scipy.sparse import csr_matrix
+        from scipy.sparse.csgraph import dijkstra
+
+        mkey = ("__all__", ref)
+        hit = self._sp_cache.get(mkey)
+        if hit is None:
+            nodes = list(self.graph.nodes)
+            idx = {n: i for i, n in enumerate(nodes)}
+            u = [idx[lk.src] for lk in self.links]
+            v = [idx[lk.dst] for lk in self.links]
+            w = self.latency + ref / self.bandwidth
+            mat = csr_matrix((w, (u, v)), shape=(len(nodes), len(nodes)))
+            dist, pred = dijkstra(mat, directed=True, return_predecessors=True)
+            hit = self._sp_cache[mkey] = (nodes, idx, dist, pred)
+        nodes, idx, dist, pred = hit
+        i = idx[source]
+        dists = {n: float(dist[i, j]) for j, n in enumerate(nodes) if np.isfinite(dist[i, j])}
+        return dists, _Paths(nodes, idx, i, pred[i], dist[i])
 
     def path_links(self, path: list[str]) -> list[int]:
         """Link indices along a node path."""
@@ -288,6 +305,31 @@ class Topology:
             if not incoming and lk.src in nodes and lk.dst not in nodes:
                 total += lk.bandwidth
         return total
+
+
+class _Paths:
+    """Shortest paths from one source, rebuilt from the predecessor row on first use."""
+
+    __slots__ = ("_nodes", "_idx", "_src", "_pred", "_dist", "_memo")
+
+    def __init__(self, nodes: list[str], idx: dict[str, int], src: int, pred: np.ndarray, dist: np.ndarray) -> None:
+        self._nodes, self._idx, self._src, self._pred, self._dist = nodes, idx, src, pred, dist
+        self._memo: dict[str, list[str]] = {}
+
+    def __contains__(self, node: object) -> bool:
+        j = self._idx.get(node) if isinstance(node, str) else None
+        return j is not None and bool(np.isfinite(self._dist[j]))
+
+    def __getitem__(self, node: str) -> list[str]:
+        hit = self._memo.get(node)
+        if hit is None:
+            if node not in self:
+                raise KeyError(node)
+            path = [self._idx[node]]
+            while path[-1] != self._src:
+                path.append(int(self._pred[path[-1]]))
+            hit = self._memo[node] = [self._nodes[i] for i in reversed(path)]
+        return hit
 
 
 def _probe_worker(rank: int, port: int, nbytes: int, repeats: int, out: Any) -> None:
