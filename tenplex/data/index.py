@@ -378,6 +378,28 @@ class SourceReader:
                 f"{got} bytes (indexed size {self.files[fid].size}); rebuild the index with `tenplex data index`"
             )
 
+    def read_many_into(self, fids: list[int], starts: list[int], stops: list[int], buf: memoryview) -> None:
+        """Fill ``buf`` with the ranges ``[starts[k], stops[k])`` of sources ``fids[k]``, back to back."""
+        fds: dict[int, int] = {}
+        pos = 0
+        preadv = os.preadv
+        for f, a, b in zip(fids, starts, stops):
+            n = b - a
+            fd = fds.get(f)
+            if fd is None:
+                if f in self._remote:
+                    self.read_into(f, a, buf[pos : pos + n])
+                    pos += n
+                    continue
+                fd = fds[f] = self._fd(f)
+            try:
+                got = preadv(fd, [buf[pos : pos + n]], a)
+            except OSError as e:
+                raise SourceReadError(f"cannot read {self.files[f].url}: {e.strerror}") from e
+            if got != n:
+                self.read_into(f, a + got, buf[pos + got : pos + n])  # finishes a short read or raises
+            pos += n
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():

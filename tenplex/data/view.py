@@ -117,6 +117,13 @@ class RankView:
         last = np.concatenate([brk, np.array([j - i], np.int64)]) - 1
         return f[first].tolist(), s[first].tolist(), e[last].tolist()
 
+    def ranges(self, offset: int, size: int) -> tuple[list[int], list[int], list[int]]:
+        """Source ranges (file ids, starts, stops) holding ``[offset, offset + size)``, in order."""
+        end = min(offset + size, self.size)
+        if offset >= end:
+            return [], [], []
+        return self._groups(offset, end)
+
     def read(self, offset: int, size: int) -> bytes:
         """Bytes ``[offset, offset + size)`` of ``samples.bin`` (short at the end)."""
         end = min(offset + size, self.size)
@@ -138,11 +145,7 @@ class RankView:
         return end - offset
 
     def _fill(self, buf: memoryview, fs: list[int], ss: list[int], es: list[int]) -> None:
-        pos = 0
-        read_into = self.reader.read_into
-        for f, a, b in zip(fs, ss, es):
-            read_into(f, a, buf[pos : pos + b - a])
-            pos += b - a
+        self.reader.read_many_into(fs, ss, es, buf)
 
     def sample(self, k: int) -> bytes:
         """Bytes of the ``k``-th sample of the view."""
