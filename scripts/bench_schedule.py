@@ -34,6 +34,7 @@ CASES = [
     ("up 32->64 reshape", "dp=4,tp=4,pp=2", "dp=4,tp=8,pp=2", "all"),
 ]
 MODELS = ["gpt3-2.7b", "gpt3-6.7b"]
+REPEATS = 3
 
 
 def run_case(model: str, name: str, a: str, b: str, alive_kind: str, spec: str, time_limit: float) -> dict:
@@ -44,9 +45,11 @@ def run_case(model: str, name: str, a: str, b: str, alive_kind: str, spec: str, 
     alive = range(old.world_size) if alive_kind == "all" else range(new.world_size)
     ptc = tenplex.model_ptc(model, optimizer=True, distributed_optimizer=True)
     p = tenplex.plan(ptc, old, new, alive=alive, gpus_per_host=8)
-    t0 = time.perf_counter()
-    dem = demands(p, topo)
-    t_dem = time.perf_counter() - t0
+    t_dem = float("inf")
+    for _ in range(REPEATS):  # the machine may be shared: the fastest of a few runs
+        t0 = time.perf_counter()
+        dem = demands(p, topo)
+        t_dem = min(t_dem, time.perf_counter() - t0)
     lb = lower_bound(dem, topo)
     naive = naive_completion(p, topo)
     row = {"model": model, "case": name, "from": a, "to": b, "alive": alive_kind, "hosts": hosts,
@@ -55,9 +58,11 @@ def run_case(model: str, name: str, a: str, b: str, alive_kind: str, spec: str, 
            "bytes_storage": p.stats.bytes_storage, "commodities": len(dem.commodities),
            "lower_bound_s": lb, "naive_s": naive, "demands_s": t_dem}
     for method in ("auto", "greedy", "lp"):
-        t0 = time.perf_counter()
-        s = schedule(p, topo, method=method, time_limit=time_limit, dem=dem)
-        solve = time.perf_counter() - t0
+        solve = float("inf")
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            s = schedule(p, topo, method=method, time_limit=time_limit, dem=dem)
+            solve = min(solve, time.perf_counter() - t0)
         comp = s.completion_s
         row[method] = {"method": s.method, "completion_s": comp, "solve_s": solve + t_dem,
                        "chunks": len(s.chunk_nbytes), "chunk_bytes": s.chunk_bytes, "epochs": s.num_epochs}
@@ -114,7 +119,7 @@ def write_md(rows: list[dict], meta: dict, path: Path) -> None:
         " naive: every (source, destination) flow starts at once on its shortest path, links shared max-min "
         "fairly, no multicast, the planner's sources; lower bound: cut bound with the best choice of sources "
         "and multicast (see [schedule.md](schedule.md)). Solve time includes grouping the plan into demands, "
-        "not planning itself nor importing scipy.",
+        "not planning itself nor importing scipy; it is the fastest of 3 runs (the machine is shared).",
         "",
         "| model | case | alive | moved | distinct | commodities | chunks | lower bound | schedule | naive |"
         " schedule / LB | naive / schedule | method | solve | solve / transfer |",

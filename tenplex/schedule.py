@@ -605,17 +605,44 @@ def _assign_lp(dem: Demands, opts: list[list[_Option]], frac: np.ndarray, chunk_
     return routes
 
 
-def _assign_greedy(dem: Demands, opts: list[list[_Option]], chunk_com: np.ndarray, chunk_nb: np.ndarray,
+def _greedy_choices(dem: Demands, opts: list[list[_Option]], topology: Topology,
+                    ref: float) -> list[list[_Option]]:
+    """Per commodity, one route per candidate source: destinations with a candidate source on their
+    own host take it (the nearest one), the others the source's shortest-path tree."""
+    out: list[list[_Option]] = []
+    for k, com in enumerate(dem.commodities):
+        trees = [o for o in opts[k] if len(o.paths) == len(com.dests)]
+        local: dict[str, tuple[str, ...]] = {}
+        for d in com.dests:
+            h = topology.host_of(d)
+            near = [(topology.shortest_paths(s, ref)[0][d], s) for s in com.sources
+                    if h is not None and topology.host_of(s) == h]
+            if near:
+                local[d] = tuple(topology.shortest_paths(min(near)[1], ref)[1][d])
+        if not local or len(com.sources) == 1:
+            out.append(trees)
+            continue
+        rest = [d for d in com.dests if d not in local]
+        choices = []
+        for o in trees if rest else trees[:1]:
+            paths = {**{d: o.paths[d] for d in rest}, **local}
+            hl, hp, dh = _merge(topology, [paths[d] for d in com.dests])
+            choices.append(_Option(k, o.source, paths, np.unique(hl), hl, hp, dh))
+        out.append(choices)
+    return out
+
+
+def _assign_greedy(dem: Demands, choices: list[list[_Option]], chunk_com: np.ndarray, chunk_nb: np.ndarray,
                    order: np.ndarray, topology: Topology) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Per chunk, the source whose shortest-path tree has the lowest resulting link load."""
+    """Per chunk, the route (one per candidate source) with the lowest resulting link load."""
     load = np.zeros(len(topology.bandwidth))
     bw = topology.bandwidth
-    trees = [[o for o in os_ if len(o.paths) == len(dem.commodities[k].dests)] for k, os_ in enumerate(opts)]
     routes: list[Any] = [None] * len(chunk_com)
     for c in order:
         k = int(chunk_com[c])
         b = float(chunk_nb[c])
-        best = min(trees[k], key=lambda o: float(((load[o.links] + b) / bw[o.links]).max()))
+        cand = choices[k]
+        best = cand[0] if len(cand) == 1 else min(cand, key=lambda o: float(((load[o.links] + b) / bw[o.links]).max()))
         load[best.links] += b
         routes[c] = (k, best.hop_link, best.hop_parent)
     return routes
@@ -869,7 +896,7 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
         candidates.append((simulate(s), name, arrays, tau_))
 
     # greedy: always (the fallback)
-    routes = _assign_greedy(dem, opts, chunk_com, chunk_nb, order, topology)
+    routes = _assign_greedy(dem, _greedy_choices(dem, opts, topology, ref), chunk_com, chunk_nb, order, topology)
     finish("greedy", _list_schedule(topology, dem, routes, chunk_com, chunk_off, chunk_nb, order, tau, 2 * epochs),
            tau)
     lp_t = None
