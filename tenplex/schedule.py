@@ -1040,45 +1040,64 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
     """
     if not dem.commodities:
         return 0.0
+    import itertools
+
     nodes = list(topology.graph.nodes)
     idx = {n: i for i, n in enumerate(nodes)}
-    nc = len(dem.commodities)
-    src = np.zeros((nc, len(nodes)), dtype=bool)
-    dst = np.zeros((nc, len(nodes)), dtype=bool)
+    nc, nn = len(dem.commodities), len(nodes)
+    src = np.zeros((nc, nn), dtype=bool)
+    dst = np.zeros((nc, nn), dtype=bool)
     for k, c in enumerate(dem.commodities):
         src[k, [idx[x] for x in c.sources]] = True
         dst[k, [idx[x] for x in c.dests]] = True
     nb = np.array([c.nbytes for c in dem.commodities], dtype=np.float64)
-    hosts = sorted({h for _, h in topology.graph.nodes(data="host") if h is not None})
-    host_nodes = {h: {n for n, hh in topology.graph.nodes(data="host") if hh == h} for h in hosts}
-    cuts: list[set[str]] = [{n} for n, kind in topology.graph.nodes(data="kind") if kind in ("gpu", "storage")]
-    if len(hosts) <= 10:
-        import itertools
-
-        for r in range(1, len(hosts)):
-            for combo in itertools.combinations(hosts, r):
-                cuts.append(set().union(*(host_nodes[h] for h in combo)))
-        if len(hosts) == 1:
-            cuts.append(host_nodes[hosts[0]])
-    else:
-        cuts.extend(host_nodes[h] | host_nodes[g] for h in hosts for g in hosts if h <= g)
-    src_n, dst_n = src.sum(1), dst.sum(1)
+    bw = topology.bandwidth
     l_src = np.array([idx[lk.src] for lk in topology.links], dtype=np.int64)
     l_dst = np.array([idx[lk.dst] for lk in topology.links], dtype=np.int64)
-    bw = topology.bandwidth
     best = 0.0
-    for cut in cuts:
-        m = np.zeros(len(nodes), dtype=bool)
-        m[[idx[x] for x in cut]] = True
-        bw_in = float(bw[~m[l_src] & m[l_dst]].sum())
-        bw_out = float(bw[m[l_src] & ~m[l_dst]].sum())
-        s_in, d_in = src[:, m].sum(1), dst[:, m].sum(1)
-        inn = float(nb[(s_in == 0) & (d_in > 0)].sum())
-        out = float(nb[(s_in == src_n) & (d_in < dst_n)].sum())
-        if inn:
-            best = max(best, inn / bw_in if bw_in else math.inf)
-        if out:
-            best = max(best, out / bw_out if bw_out else math.inf)
+
+    def worst(inn: np.ndarray, out: np.ndarray, bw_in: np.ndarray, bw_out: np.ndarray) -> float:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            a = np.where(inn > 0, inn / bw_in, 0.0)
+            b = np.where(out > 0, out / bw_out, 0.0)
+        return float(max(a.max(initial=0.0), b.max(initial=0.0)))
+
+    # single GPUs and storage
+    single = np.array([idx[n] for n, kind in topology.graph.nodes(data="kind") if kind in ("gpu", "storage")])
+    if len(single):
+        s1, d1 = src[:, single], dst[:, single]
+        inn = (d1 & ~s1).T.astype(np.float64) @ nb
+        only = (src.sum(1) == 1)[:, None] & s1 & ((dst.sum(1)[:, None] - d1) > 0)
+        out = only.T.astype(np.float64) @ nb
+        bw_in = np.array([bw[(l_dst == j) & (l_src != j)].sum() for j in single])
+        bw_out = np.array([bw[(l_src == j) & (l_dst != j)].sum() for j in single])
+        best = max(best, worst(inn, out, bw_in, bw_out))
+    # unions of hosts (column H: nodes on no host, never inside a union)
+    hosts = sorted({h for _, h in topology.graph.nodes(data="host") if h is not None})
+    if hosts:
+        hpos = {h: i for i, h in enumerate(hosts)}
+        node_host = np.array([hpos.get(topology.host_of(n), len(hosts)) if topology.host_of(n) is not None
+                              else len(hosts) for n in nodes])
+        onehot = np.zeros((nn, len(hosts) + 1), dtype=np.float64)
+        onehot[np.arange(nn), node_host] = 1.0
+        sh, dh = (src @ onehot) > 0, (dst @ onehot) > 0
+        if len(hosts) <= 10:
+            sizes = range(1, len(hosts) + (len(hosts) == 1))  # a proper union (the whole cluster has no cut)
+            combos = [c for r in sizes for c in itertools.combinations(range(len(hosts)), r)]
+        else:
+            combos = [(a,) for a in range(len(hosts))] + list(itertools.combinations(range(len(hosts)), 2))
+        u = np.zeros((len(combos), len(hosts) + 1), dtype=bool)
+        for i, cmb in enumerate(combos):
+            u[i, list(cmb)] = True
+        uf = u.T.astype(np.float64)
+        s_in = sh.astype(np.float64) @ uf  # (commodities, unions): source hosts inside
+        d_in = dh.astype(np.float64) @ uf
+        s_cnt, d_cnt = sh.sum(1)[:, None], dh.sum(1)[:, None]
+        inn = ((s_in == 0) & (d_in > 0)).T.astype(np.float64) @ nb
+        out = ((s_in == s_cnt) & (d_in < d_cnt)).T.astype(np.float64) @ nb
+        lin = u[:, node_host[l_dst]] & ~u[:, node_host[l_src]]
+        lout = u[:, node_host[l_src]] & ~u[:, node_host[l_dst]]
+        best = max(best, worst(inn, out, lin.astype(np.float64) @ bw, lout.astype(np.float64) @ bw))
     return max(best, _path_latency(topology, dem))
 
 
