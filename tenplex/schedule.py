@@ -300,7 +300,9 @@ def demands(plan: Plan, topology: Topology) -> Demands:
     dst_hash = _hashes(int(dev.max()) + 1, 2)
     pdst = np.add.reduceat(dst_hash[dev], pfirst)
     pkey = cand_key[pfirst]
-    uniq, first, inv = np.unique(np.stack([pkey, pdst], axis=1), axis=0, return_index=True, return_inverse=True)
+    # one 64-bit key per (source set, destination set); both halves are sums of random 64-bit values
+    ckey = pkey * np.uint64(0x9E3779B97F4A7C15) + (pdst ^ (pdst >> np.uint64(29)))
+    _, inv = np.unique(ckey, return_inverse=True)
     inv = inv.reshape(-1)
     pnbytes = c["nbytes"][rows[pfirst]]
     corder = np.argsort(inv, kind="stable")
