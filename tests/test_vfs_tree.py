@@ -139,3 +139,17 @@ def test_control_protocol(data, tmp_path) -> None:  # type: ignore[no-untyped-de
             remount(mp, dp=2)
     finally:
         del os.environ["TENPLEX_RUNTIME_DIR"]
+
+
+def test_no_fuse_support_is_explained(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tenplex.vfs import fuse
+
+    real = os.path.exists
+    monkeypatch.setattr(fuse.os.path, "exists", lambda p: False if p == "/dev/fuse" else real(p))
+    with pytest.raises(VfsError, match="/dev/fuse does not exist: load the fuse kernel module"):
+        fuse.check_fuse()
+    monkeypatch.setattr(fuse.os.path, "exists", real)
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(VfsError, match="is not a directory"):
+        fuse.check_mountpoint(str(f))
