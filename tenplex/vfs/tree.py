@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import stat
 import threading
 import time
@@ -34,6 +35,7 @@ __all__ = ["Layout", "Generation", "Node", "DatasetTree", "VfsError", "gen_name"
 log = logging.getLogger(__name__)
 RANK_FILES = ("samples.bin", "ids.txt", "offsets.txt")
 DIR, FILE, LINK = "dir", "file", "link"
+_UID, _GID = os.getuid(), os.getgid()
 
 
 class VfsError(TenplexError, ValueError):
@@ -92,7 +94,7 @@ class Node:
     def attrs(self) -> dict[str, Any]:
         """``stat``-like attributes (read-only)."""
         ns = int(self.mtime * 1e9)
-        base = {"st_atime": ns, "st_mtime": ns, "st_ctime": ns, "st_uid": 0, "st_gid": 0}
+        base = {"st_atime": ns, "st_mtime": ns, "st_ctime": ns, "st_uid": _UID, "st_gid": _GID}
         if self.kind == DIR:
             return {**base, "st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2, "st_size": 0}
         if self.kind == LINK:
@@ -130,6 +132,10 @@ class Generation:
                                   self.layout.dp, rank, end=self.end)
                     self._views[rank] = v
         return v
+
+    def drop_views(self) -> None:
+        with self._lock:
+            self._views.clear()
 
     def file(self, rank: int, name: str) -> RankView | LineFile:
         v = self.view(rank)
@@ -188,10 +194,15 @@ class DatasetTree:
         return gen
 
     def _prune(self) -> None:
+        """Forget old unpinned generations; free the per-rank arrays of the others (rebuilt on demand)."""
         cur = self._current.number
         for g in list(self._gens):
-            if g <= cur - self.keep and not self._pins.get(g):
+            if g == cur or self._pins.get(g):
+                continue
+            if g <= cur - self.keep:
                 del self._gens[g]
+            else:
+                self._gens[g].drop_views()
 
     def generations(self) -> list[int]:
         with self._lock:
