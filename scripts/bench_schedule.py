@@ -134,7 +134,21 @@ def write_md(rows: list[dict], meta: dict, path: Path) -> None:
             f"{r['vs_lower_bound']:.3f} | {r['naive_vs_schedule']:.2f} | {a['method']} | "
             f"{a['solve_s'] * 1e3:.0f} ms | {r['solve_fraction']:.2f} |")
     worst = max(r["vs_lower_bound"] for r in rows)
-    lines += ["", f"Worst schedule / lower bound: {worst:.3f}. "
+    fast = sum(r["solve_fraction"] <= 0.1 for r in rows)
+    ahead = [r for r in rows if r["naive_vs_schedule"] >= 1.05]
+    lines += ["", "Against the issue's goals:", "",
+              f"- within 1.1x of the lower bound: {sum(r['vs_lower_bound'] <= 1.1 for r in rows)} of {len(rows)} "
+              f"cases (worst {worst:.3f}x);",
+              f"- ahead of naive where links are unevenly loaded: {len(ahead)} of {len(rows)} cases by "
+              f"{min((r['naive_vs_schedule'] for r in ahead), default=1):.2f}x to "
+              f"{max((r['naive_vs_schedule'] for r in ahead), default=1):.2f}x (scale-up: multicast of the "
+              "parameters to new DP replicas through host memory; scale-down: replica choice spreading NIC load); "
+              "the others are bound by one link whichever schedule runs (storage after a host loss; the "
+              "destination hosts' NICs in the reshape), so naive is already at the bound there;",
+              f"- solver under a tenth of the transfer time: {fast} of {len(rows)} cases; the rest take 0.1 to "
+              f"{max(r['solve_fraction'] for r in rows):.2f} of it (Python-bound grouping of the plan and list "
+              "scheduling, 30 to 150 ms on this machine, against transfers of 0.15 to 2 s).",
+              "", f"Worst schedule / lower bound: {worst:.3f}. "
               f"Naive / schedule ranges {min(r['naive_vs_schedule'] for r in rows):.2f} to "
               f"{max(r['naive_vs_schedule'] for r in rows):.2f}. Solve / transfer ranges "
               f"{min(r['solve_fraction'] for r in rows):.2f} to {max(r['solve_fraction'] for r in rows):.2f}.",
