@@ -216,7 +216,7 @@ def test_faults_give_eio_and_mount_stays_up(tmp_path, runtime) -> None:  # type:
     idx = str(tmp_path / "idx.npz")
     build_index([a, b], kind="records", record_bytes=rec).save(idx)
     m = str(tmp_path / "mnt")
-    with mounted(idx, m, "--dp", "1", "--no-shuffle", log=str(tmp_path / "log")):
+    with mounted(idx, m, "--dp", "1", "--no-shuffle", log=str(tmp_path / "log")) as proc:
         path = f"{m}/rank-000/samples.bin"
         assert os.stat(path).st_size == 2 * n * rec
         fd = os.open(path, os.O_RDONLY)
@@ -236,6 +236,9 @@ def test_faults_give_eio_and_mount_stays_up(tmp_path, runtime) -> None:  # type:
             os.close(fd)
         assert os.path.ismount(m) and json.loads(_read(f"{m}/job.json"))["dp"] == 1  # still up
         assert "EIO" in open(tmp_path / "log").read()  # logged
+        proc.send_signal(signal.SIGINT)  # Ctrl-C unmounts cleanly
+        _wait(lambda: not os.path.ismount(m), 20, "unmount after SIGINT")
+        assert proc.wait(timeout=20) == 0
 
 
 @pytest.mark.timeout(90)

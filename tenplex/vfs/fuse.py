@@ -71,6 +71,11 @@ class FuseOps:
     def __init__(self, tree: DatasetTree, mfusepy: Any) -> None:
         self.tree = tree
         self._err = mfusepy.FuseOSError
+        self.started = False
+
+    def init(self, path: str) -> None:
+        """libfuse is serving: a later non-zero exit status means a signal ended the loop, not a failure."""
+        self.started = True
 
     def _node(self, path: str) -> Any:
         node = self.tree.lookup(path)
@@ -105,6 +110,7 @@ class FuseOps:
             raise self._err(errno.ENOENT) from None
 
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        """Plain mfusepy read (its presence makes mfusepy wire the callback; ZeroCopyFUSE bypasses it)."""
         buf = bytearray(size)
         n = self.read_into(fh, offset, memoryview(buf))
         return bytes(buf[:n])
@@ -189,6 +195,9 @@ def mount(index_url: str, mountpoint: str, layout: Layout, *, keep: int = 4, deb
         _fuse_class(mfusepy)(ops, mp, foreground=True, nothreads=False, ro=True, kernel_cache=True, fsname="tenplex",
                      subtype="tenplex", debug=debug)
     except RuntimeError as e:
+        if ops.started:  # libfuse reports a loop ended by SIGTERM/SIGINT as status 8, after unmounting
+            log.info("stopped by a signal (libfuse status %s)", e)
+            return
         raise VfsError(f"could not mount at {mp} (libfuse error {e}): see the messages above; is /dev/fuse usable "
                        "and are you root or is fusermount3 installed?") from None
     finally:
