@@ -224,3 +224,13 @@ def test_milp_in_rounds_is_valid() -> None:
     assert s.method == "milp"
     validate(s)
     assert s.completion_s <= 1.05 * schedule(p, t, method="greedy", chunk_bytes=4096).completion_s
+
+
+def test_naive_is_max_min_fair() -> None:
+    t = chain_topology([("gpu0", "s", 1e9), ("s", "gpu1", 1e9), ("s", "gpu2", 0.25e9)])
+    d = Demands.of([(("gpu0",), ("gpu1",), 4 * MB), (("gpu0",), ("gpu2",), MB)])
+    # gpu2's flow is held to 0.25 GB/s by its last link, gpu1's gets the other 0.75 GB/s of the first
+    # link: after 4 ms both sent 1 and 3 MB; gpu1's last MB then runs at 1 GB/s
+    assert naive_completion(d, t) == pytest.approx(5e-3)
+    # the schedule stores and forwards whole chunks, the fluid baseline does not: one chunk of fill
+    assert schedule(d, t, chunk_bytes=MB // 4).completion_s <= 5e-3 + 2 * (MB // 4) / 1e9 + 1e-9
