@@ -52,7 +52,7 @@ _MILP_ROUNDS_MAX = 200_000  # option x epoch pairs beyond which even rounds take
 _GOOD_ENOUGH = 1.03  # auto stops at the greedy schedule when it is this close to the lower bound
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
 class Commodity:
     """Pieces with the same candidate sources and the same destinations, moved as one flow."""
 
@@ -62,7 +62,7 @@ class Commodity:
     pieces: np.ndarray  # indices into Demands.piece_* columns, in byte order
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
 class Demands:
     """A plan's non-local moves, grouped into pieces (one interval, all its destinations) and commodities."""
 
@@ -122,7 +122,7 @@ class Transfer:
     new_ranks: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
 class Schedule:
     """Chunks assigned to links per epoch.
 
@@ -325,7 +325,7 @@ def demands(plan: Plan, topology: Topology) -> Demands:
 
 # -- routes ---------------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
 class _Option:
     """A way to deliver a commodity's chunk to some of its destinations from one source."""
 
