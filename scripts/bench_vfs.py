@@ -133,6 +133,7 @@ def main() -> int:
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--random", type=int, default=2000, help="random per-sample reads")
+    ap.add_argument("--read-ahead-kib", type=int, default=None, help="passed to tenplex mount")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = ap.parse_args()
     info = machine()
@@ -156,7 +157,8 @@ def main() -> int:
     idx = os.path.join(work, "idx.npz")
     build_index(files, kind="records", record_bytes=rec).save(idx)
     log = open(os.path.join(work, "mount.log"), "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "tenplex", "mount", idx, mnt, "--dp", "1", "--foreground"],
+    proc = subprocess.Popen([sys.executable, "-m", "tenplex", "mount", idx, mnt, "--dp", "1", "--foreground",
+                             *(["--read-ahead-kib", str(args.read_ahead_kib)] if args.read_ahead_kib is not None else [])],
                             stdout=log, stderr=log)
     try:
         t0 = time.monotonic()
