@@ -18,6 +18,7 @@ from .errors import (
     PlanError,
     TenplexError,
 )
+from .interop import ImportResult, export_hf, import_checkpoint, import_dcp, import_hf
 from .layouts import Hardware, LayoutChoice, choose_layout, rank_layouts, valid_layouts
 from .memory import MemoryEstimate, StageMemory, estimate_memory
 from .models import PRESETS, ModelSpec, model_ptc, model_spec
@@ -73,4 +74,9 @@ __all__ = [
     "valid_layouts",
     "LayoutChoice",
     "Hardware",
+    "import_checkpoint",
+    "import_dcp",
+    "import_hf",
+    "export_hf",
+    "ImportResult",
 ]

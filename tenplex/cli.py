@@ -244,6 +244,39 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import(args: argparse.Namespace) -> int:
+    from .interop import import_checkpoint
+
+    hf_config = None
+    if args.hf_config:
+        with open(args.hf_config) as f:
+            hf_config = json.load(f)
+    kw: dict = {"layout": args.layout, "step": args.step}
+    fmt = args.format
+    if fmt == "auto":
+        from .interop import detect_format
+
+        fmt = detect_format(args.src)
+    if fmt == "dcp":
+        kw.update(model=args.model, hf_config=hf_config, strip_prefix=args.strip_prefix)
+    res = import_checkpoint(args.src, args.dst, fmt=fmt, **kw)
+    if args.json:
+        print(json.dumps({"format": res.source_format, "url": res.url, "layout": str(res.layout),
+                          "step": res.step, "tensors": res.tensors, "bytes_written": res.nbytes}))
+    else:
+        print(f"imported {args.src} ({res.source_format}, {res.tensors} tensors) into {res.url} "
+              f"step {res.step} under {res.layout}: {human_bytes(res.nbytes)} written")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .interop import export_hf
+
+    path = export_hf(args.src, args.dst, step=args.step)
+    print(f"exported {args.src} to {path} (Hugging Face safetensors, config.json beside it)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tenplex", description="Change the parallelism of a running training job.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -323,6 +356,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("import", help="import a DCP or Hugging Face (Llama, GPT-2) checkpoint as a tenplex checkpoint")
+    p.add_argument("src", help="DCP checkpoint directory, HF model directory or .safetensors file")
+    p.add_argument("dst", help="tenplex checkpoint URL to write")
+    p.add_argument("--format", choices=("auto", "dcp", "hf"), default="auto")
+    p.add_argument("--layout", type=_layout, default=ParallelConfig(), metavar="LAYOUT",
+                   help="layout to save under (default dp=1,tp=1,pp=1; loads under any layout)")
+    p.add_argument("--step", type=int, default=0, help="step number of the imported checkpoint (default 0)")
+    p.add_argument("--model", default=None,
+                   help="DCP: model preset whose tenplex-named tensors the checkpoint holds (e.g. tiny)")
+    p.add_argument("--hf-config", default=None, help="DCP: config.json of a checkpoint holding Hugging Face names")
+    p.add_argument("--strip-prefix", default="", help="DCP: prefix removed from every tensor name, e.g. model.")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_import)
+
+    p = sub.add_parser("export", help="export a tenplex GPT/Llama checkpoint as Hugging Face safetensors")
+    p.add_argument("src", help="tenplex checkpoint URL")
+    p.add_argument("dst", help="output .safetensors file, or a directory (model.safetensors + config.json)")
+    p.add_argument("--step", type=int, default=None, help="step to export (default: latest complete)")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("store", help="the per-host tensor store")
     store_sub = p.add_subparsers(dest="store_command", required=True)

@@ -1,0 +1,458 @@
+"""Import checkpoints users already have, and export back to Hugging Face format.
+
+* ``import_hf``: a Hugging Face Llama (``LlamaForCausalLM``) or GPT-2 (``GPT2LMHeadModel``)
+  checkpoint (``config.json`` plus ``*.safetensors``) becomes a tenplex checkpoint of the
+  matching ``model_ptc`` (parameters only), saved under a layout (default ``dp=1,tp=1,pp=1``)
+  and loadable under any layout.
+* ``import_dcp``: a ``torch.distributed.checkpoint`` directory (any sharding, DTensor or
+  plain tensors) becomes a tenplex checkpoint. Tensors named like tenplex's GPT/Llama
+  collections (``embedding.word``, ``layers.{i}.attn.qkv.weight``, ``optimizer.exp_avg.*``)
+  keep their TP/PP partitioning; Hugging Face names are mapped first; any other tensor is
+  imported replicated on every stage.
+* ``export_hf``: a tenplex GPT/Llama checkpoint back to one Hugging Face style
+  ``model.safetensors`` (plus ``config.json``).
+
+Name mapping (see docs/interop.md). Llama: ``model.embed_tokens`` -> ``embedding.word``;
+``model.layers.{i}.input_layernorm`` -> ``layers.{i}.attn_norm``; ``self_attn.{q,k,v}_proj``
+-> rows of ``attn.qkv`` ([q; k; v]); ``self_attn.o_proj`` -> ``attn.proj``;
+``post_attention_layernorm`` -> ``mlp_norm``; ``mlp.{gate,up}_proj`` -> ``mlp.gate_up``
+([gate; up]); ``mlp.down_proj`` -> ``mlp.down``; ``model.norm`` -> ``final_norm``;
+``lm_head`` -> ``lm_head``. HF's q/k rows are kept as they are: tenplex's trainer uses
+rotate-half RoPE like HF, so no rotary permutation is applied (Meta's original checkpoints
+interleave; convert those with HF's script first). GPT-2 (``transformer.`` prefix optional):
+``wte``/``wpe`` -> ``embedding.word``/``embedding.position``; ``h.{i}.ln_1``/``ln_2`` ->
+``layers.{i}.ln1``/``ln2``; Conv1D weights are stored (in, out) and are transposed:
+``attn.c_attn`` -> ``attn.qkv`` (already [q; k; v]), ``attn.c_proj`` -> ``attn.proj``,
+``mlp.c_fc`` -> ``mlp.fc1``, ``mlp.c_proj`` -> ``mlp.fc2``; ``ln_f`` -> ``final_norm``;
+``lm_head`` is tied to ``wte``. Every mapping is a reshuffle of whole rows or a transpose,
+so import followed by export returns the original tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import load, read_manifest, save
+from .config import ParallelConfig
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from .models import ModelSpec, model_ptc, optimizer_names
+from .ptc import PTC, TensorSpec
+
+__all__ = [
+    "ImportResult",
+    "hf_config_to_spec",
+    "hf_to_tenplex",
+    "tenplex_to_hf",
+    "spec_to_hf_config",
+    "read_hf_state",
+    "read_dcp_state",
+    "import_hf",
+    "import_dcp",
+    "import_checkpoint",
+    "export_hf",
+    "detect_format",
+]
+
+log = logging.getLogger(__name__)
+
+_IGNORED_HF = re.compile(r"(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
+
+
+@dataclass(frozen=True, slots=True)
+class ImportResult:
+    """What an import wrote: the collection, the layout it was saved under, the step, bytes."""
+
+    ptc: PTC
+    layout: ParallelConfig
+    step: int
+    url: str
+    source_format: str
+    tensors: int
+    nbytes: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face configs
+# ---------------------------------------------------------------------------------------------
+def hf_config_to_spec(config: Mapping[str, Any], dtype: torch.dtype, *, vocab_pad: int = 128) -> ModelSpec:
+    """The tenplex ModelSpec of a Hugging Face Llama or GPT-2 ``config.json``."""
+    mtype = config.get("model_type")
+    if mtype == "llama":
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise ConfigError("Llama checkpoints with attention or MLP biases have no tenplex equivalent")
+        return ModelSpec(
+            arch="llama", num_layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
+            heads=int(config["num_attention_heads"]),
+            kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+            ffn_hidden=int(config["intermediate_size"]), vocab=int(config["vocab_size"]),
+            seq_len=int(config.get("max_position_embeddings", 2048)),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)), dtype=dtype, vocab_pad=vocab_pad,
+        )
+    if mtype == "gpt2":
+        h = int(config["n_embd"])
+        return ModelSpec(
+            arch="gpt", num_layers=int(config["n_layer"]), hidden=h, heads=int(config["n_head"]),
+            ffn_hidden=int(config.get("n_inner") or 4 * h), vocab=int(config["vocab_size"]),
+            seq_len=int(config["n_positions"]), tied_embeddings=True, dtype=dtype, vocab_pad=vocab_pad,
+        )
+    raise ConfigError(f"unsupported Hugging Face model_type {mtype!r}: tenplex imports 'llama' and 'gpt2'")
+
+
+def spec_to_hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` for ``spec`` (the inverse of ``hf_config_to_spec``)."""
+    dtype = str(spec.dtype).removeprefix("torch.")
+    if spec.arch == "llama":
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec.hidden,
+            "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.kv_heads, "intermediate_size": spec.ffn_hidden,
+            "vocab_size": spec.vocab, "max_position_embeddings": spec.seq_len,
+            "tie_word_embeddings": bool(spec.tied_embeddings), "hidden_act": "silu", "rms_norm_eps": 1e-5,
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+        }
+    if not spec.tied_embeddings:
+        raise ConfigError("GPT-2 ties its LM head to the word embedding; this GPT has an untied head")
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": spec.hidden,
+        "n_layer": spec.num_layers, "n_head": spec.heads, "n_inner": spec.ffn_hidden, "vocab_size": spec.vocab,
+        "n_positions": spec.seq_len, "n_ctx": spec.seq_len, "activation_function": "gelu_new",
+        "tie_word_embeddings": True, "torch_dtype": dtype,
+    }
+
+
+def _infer_hf_config(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    raise ConfigError("the checkpoint has no config.json; tenplex needs it for the head counts "
+                      "(write one with the model's save_pretrained or by hand)")
+
+
+# ---------------------------------------------------------------------------------------------
+# name mapping
+# ---------------------------------------------------------------------------------------------
+def _take(state: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    try:
+        return state.pop(key)
+    except KeyError:
+        raise CheckpointError(f"the Hugging Face checkpoint lacks {key!r}") from None
+
+
+def hf_to_tenplex(state: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors of a Llama or GPT-2 model under tenplex names (see the module doc)."""
+    st = {k: v for k, v in state.items() if not _IGNORED_HF.search(k)}
+    out: dict[str, torch.Tensor] = {}
+    if spec.arch == "llama":
+        out["embedding.word"] = _take(st, "model.embed_tokens.weight")
+        for i in range(spec.num_layers):
+            p, q = f"model.layers.{i}.", f"layers.{i}."
+            out[q + "attn_norm.weight"] = _take(st, p + "input_layernorm.weight")
+            out[q + "attn.qkv.weight"] = torch.cat(
+                [_take(st, p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0)
+            out[q + "attn.proj.weight"] = _take(st, p + "self_attn.o_proj.weight")
+            out[q + "mlp_norm.weight"] = _take(st, p + "post_attention_layernorm.weight")
+            out[q + "mlp.gate_up.weight"] = torch.cat(
+                [_take(st, p + "mlp.gate_proj.weight"), _take(st, p + "mlp.up_proj.weight")], dim=0)
+            out[q + "mlp.down.weight"] = _take(st, p + "mlp.down_proj.weight")
+        out["final_norm.weight"] = _take(st, "model.norm.weight")
+        if spec.tied_embeddings:
+            st.pop("lm_head.weight", None)
+        else:
+            out["lm_head.weight"] = _take(st, "lm_head.weight")
+    else:
+        pre = "transformer." if any(k.startswith("transformer.") for k in st) else ""
+        out["embedding.word"] = _take(st, pre + "wte.weight")
+        out["embedding.position"] = _take(st, pre + "wpe.weight")
+        for i in range(spec.num_layers):
+            p, q = f"{pre}h.{i}.", f"layers.{i}."
+            for hf, tx in (("ln_1", "ln1"), ("ln_2", "ln2")):
+                out[q + tx + ".weight"] = _take(st, p + hf + ".weight")
+                out[q + tx + ".bias"] = _take(st, p + hf + ".bias")
+            for hf, tx in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
+                           ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
+                out[q + tx + ".weight"] = _take(st, p + hf + ".weight").t().contiguous()  # Conv1D: (in, out)
+                out[q + tx + ".bias"] = _take(st, p + hf + ".bias")
+        out["final_norm.weight"] = _take(st, pre + "ln_f.weight")
+        out["final_norm.bias"] = _take(st, pre + "ln_f.bias")
+        st.pop("lm_head.weight", None)  # tied to wte
+    if st:
+        raise CheckpointError(f"the Hugging Face checkpoint has {len(st)} tensors tenplex does not know, "
+                              f"e.g. {sorted(st)[:3]}")
+    return out
+
+
+def tenplex_to_hf(state: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Tenplex GPT/Llama parameters under Hugging Face names (inverse of ``hf_to_tenplex``)."""
+    out: dict[str, torch.Tensor] = {}
+    if spec.arch == "llama":
+        q_rows = spec.heads * spec.head_dim
+        kv_rows = (spec.kv_heads or spec.heads) * spec.head_dim
+        out["model.embed_tokens.weight"] = state["embedding.word"]
+        for i in range(spec.num_layers):
+            p, q = f"model.layers.{i}.", f"layers.{i}."
+            out[p + "input_layernorm.weight"] = state[q + "attn_norm.weight"]
+            qw, kw, vw = torch.split(state[q + "attn.qkv.weight"], [q_rows, kv_rows, kv_rows], dim=0)
+            out[p + "self_attn.q_proj.weight"] = qw.contiguous()
+            out[p + "self_attn.k_proj.weight"] = kw.contiguous()
+            out[p + "self_attn.v_proj.weight"] = vw.contiguous()
+            out[p + "self_attn.o_proj.weight"] = state[q + "attn.proj.weight"]
+            out[p + "post_attention_layernorm.weight"] = state[q + "mlp_norm.weight"]
+            g, u = torch.split(state[q + "mlp.gate_up.weight"], [spec.ffn_hidden, spec.ffn_hidden], dim=0)
+            out[p + "mlp.gate_proj.weight"] = g.contiguous()
+            out[p + "mlp.up_proj.weight"] = u.contiguous()
+            out[p + "mlp.down_proj.weight"] = state[q + "mlp.down.weight"]
+        out["model.norm.weight"] = state["final_norm.weight"]
+        if not spec.tied_embeddings:
+            out["lm_head.weight"] = state["lm_head.weight"]
+    else:
+        pre = "transformer."
+        out[pre + "wte.weight"] = state["embedding.word"]
+        out[pre + "wpe.weight"] = state["embedding.position"]
+        for i in range(spec.num_layers):
+            p, q = f"{pre}h.{i}.", f"layers.{i}."
+            for hf, tx in (("ln_1", "ln1"), ("ln_2", "ln2")):
+                out[p + hf + ".weight"] = state[q + tx + ".weight"]
+                out[p + hf + ".bias"] = state[q + tx + ".bias"]
+            for hf, tx in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
+                           ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
+                out[p + hf + ".weight"] = state[q + tx + ".weight"].t().contiguous()
+                out[p + hf + ".bias"] = state[q + tx + ".bias"]
+        out[pre + "ln_f.weight"] = state["final_norm.weight"]
+        out[pre + "ln_f.bias"] = state["final_norm.bias"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# reading sources
+# ---------------------------------------------------------------------------------------------
+def detect_format(src: str | Path) -> str:
+    """'dcp' for a directory with DCP's ``.metadata``, 'hf' for safetensors files."""
+    p = Path(src)
+    if p.is_dir() and (p / ".metadata").exists():
+        return "dcp"
+    if (p.is_file() and p.suffix == ".safetensors") or (p.is_dir() and any(p.glob("*.safetensors"))):
+        return "hf"
+    raise CheckpointNotFoundError(
+        f"{src} is neither a DCP checkpoint directory (with .metadata) nor a Hugging Face safetensors "
+        "checkpoint (a .safetensors file or a directory holding them)")
+
+
+def read_hf_state(src: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Every tensor of a Hugging Face safetensors checkpoint (all shards) and its config.json."""
+    from safetensors.torch import load_file
+
+    p = Path(src)
+    files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
+    if not files:
+        raise CheckpointNotFoundError(f"no .safetensors files in {src}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        part = load_file(str(f))
+        dup = set(part) & set(state)
+        if dup:
+            raise CheckpointError(f"{f} repeats tensors of another shard, e.g. {sorted(dup)[:3]}")
+        state.update(part)
+    cfg_path = (p.parent if p.is_file() else p) / "config.json"
+    config = json.loads(cfg_path.read_text()) if cfg_path.exists() else None
+    return state, config
+
+
+def read_dcp_state(src: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every tensor of a DCP checkpoint as a full (unsharded) tensor, and its non-tensor items.
+
+    Reads in this process without a process group (``no_dist``); whatever sharding the
+    checkpoint was saved with, the result holds the global tensors.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(src))
+    try:
+        md = reader.read_metadata()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{src} has no DCP .metadata file") from None
+    tensors: dict[str, torch.Tensor] = {}
+    objects: dict[str, Any] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            tensors[fqn] = torch.empty(item.size, dtype=item.properties.dtype)
+        elif isinstance(item, BytesStorageMetadata):
+            objects[fqn] = None
+    want: dict[str, Any] = {**tensors, **objects}
+    dcp.load(want, storage_reader=reader, no_dist=True)
+    return {k: want[k] for k in tensors}, {k: want[k] for k in objects}
+
+
+# ---------------------------------------------------------------------------------------------
+# building the collection and saving
+# ---------------------------------------------------------------------------------------------
+def _state_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    kinds = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(kinds) != 1:
+        raise ConfigError(f"the checkpoint mixes dtypes {sorted(map(str, kinds))}: pass dtype= to cast")
+    return kinds.pop()
+
+
+def _save_all(url: str, ptc: PTC, state: Mapping[str, Any], layout: ParallelConfig, step: int,
+              extra: Any) -> int:
+    """Shard the global state under ``layout`` and save every rank's part (in this process)."""
+    shards = ptc.shard(state, layout)
+    written = 0
+    for rank in range(layout.world_size):
+        written += save(url, ptc, layout, rank, shards[rank], step=step, extra=extra).bytes_written
+        shards[rank] = {}
+    return written
+
+
+def import_hf(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int = 0,
+              dtype: torch.dtype | None = None, vocab_pad: int = 128) -> ImportResult:
+    """Import a Hugging Face Llama or GPT-2 safetensors checkpoint as a tenplex checkpoint."""
+    layout = layout or ParallelConfig()
+    hf_state, config = read_hf_state(src)
+    if config is None:
+        _infer_hf_config(hf_state)
+    assert config is not None
+    dt = _state_dtype(hf_state, dtype)
+    spec = hf_config_to_spec(config, dt, vocab_pad=vocab_pad)
+    state = {k: v.to(dt) for k, v in hf_to_tenplex(hf_state, spec).items()}
+    ptc = _spec_ptc(spec, optimizer=False)
+    _check_shapes(ptc, state)
+    n = _save_all(url, ptc, state, layout, step, extra={"imported_from": "hf", "hf_config": config})
+    log.info("imported %s (%s, %d tensors) into %s under %s", src, config.get("model_type"), len(state), url, layout)
+    return ImportResult(ptc, layout, step, url, "hf", len(state), n)
+
+
+def _spec_ptc(spec: ModelSpec, *, optimizer: bool) -> PTC:
+    return model_ptc(arch=spec.arch, num_layers=spec.num_layers, hidden=spec.hidden, heads=spec.heads,
+                     kv_heads=spec.kv_heads, ffn_hidden=spec.ffn_hidden, vocab=spec.vocab, seq_len=spec.seq_len,
+                     tied_embeddings=spec.tied_embeddings, dtype=spec.dtype, vocab_pad=spec.vocab_pad,
+                     optimizer=optimizer)
+
+
+def _check_shapes(ptc: PTC, state: Mapping[str, torch.Tensor]) -> None:
+    for name, ts in ptc.tensors.items():
+        got = tuple(state[name].shape)
+        if got != ts.shape:
+            raise CheckpointError(f"{name}: the source tensor has shape {got}, the model config implies {ts.shape}")
+
+
+def _dcp_ptc(tensors: Mapping[str, torch.Tensor], spec: ModelSpec | None) -> PTC:
+    """The collection for DCP tensors: the model's PTC (with optimizer state when present)
+    plus every other tensor replicated on all stages."""
+    if spec is None:
+        specs = [TensorSpec(n, tuple(t.shape), t.dtype, placement="all") for n, t in tensors.items()]
+        return PTC(specs, meta={"imported_from": "dcp"})
+    params = _spec_ptc(spec, optimizer=False)
+    opt_names = [n for p in params for n in optimizer_names(p).values()
+                 if not (n.startswith("optimizer.main.") and spec.dtype == torch.float32)]
+    have = [n for n in opt_names if n in tensors]
+    if have and len(have) != len(opt_names):
+        missing = sorted(set(opt_names) - set(have))
+        raise CheckpointError(f"the DCP checkpoint has optimizer state for some parameters only; "
+                              f"missing e.g. {missing[:3]}")
+    base = _spec_ptc(spec, optimizer=bool(have))
+    missing = [n for n in base if n not in tensors]
+    if missing:
+        raise CheckpointError(f"the DCP checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[:3]}")
+    extras = [TensorSpec(n, tuple(t.shape), t.dtype, placement="all") for n, t in tensors.items() if n not in base]
+    if extras:
+        log.info("importing %d tensors outside the model replicated on every stage", len(extras))
+    return PTC(list(base.tensors.values()) + extras, num_layers=base.num_layers, objects=base.objects,
+               meta={**base.meta, "imported_from": "dcp"})
+
+
+def _looks_hf(names: Any) -> bool:
+    return any(n.startswith(("model.layers.", "model.embed_tokens", "transformer.h.", "transformer.wte")) for n in names)
+
+
+def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int = 0,
+               model: ModelSpec | str | None = None, hf_config: Mapping[str, Any] | None = None,
+               strip_prefix: str = "") -> ImportResult:
+    """Import a torch.distributed.checkpoint directory as a tenplex checkpoint.
+
+    ``model``: the ModelSpec (or preset name) whose tenplex-named tensors the checkpoint holds;
+    their TP/PP partitioning then applies under every layout. ``hf_config``: the checkpoint
+    holds Hugging Face names of this config (mapped as in ``import_hf``). Neither: every tensor
+    is imported replicated (loadable under any layout, but not TP-split).
+    ``strip_prefix`` is removed from every name first (e.g. ``"model."`` of a wrapped module).
+    """
+    from .models import model_spec
+
+    layout = layout or ParallelConfig()
+    tensors, objects = read_dcp_state(src)
+    if strip_prefix:
+        tensors = {k.removeprefix(strip_prefix): v for k, v in tensors.items()}
+    spec: ModelSpec | None
+    if hf_config is not None or _looks_hf(tensors):
+        if hf_config is None:
+            raise ConfigError("the DCP checkpoint holds Hugging Face names: pass the model's config.json (hf_config)")
+        spec = hf_config_to_spec(hf_config, _state_dtype(tensors, None))
+        tensors = hf_to_tenplex(tensors, spec)
+    else:
+        spec = model_spec(model) if isinstance(model, str) else model
+    ptc = _dcp_ptc(tensors, spec)
+    _check_shapes(ptc, tensors)
+    state: dict[str, Any] = {n: tensors[n].to(ptc.tensors[n].dtype) for n in ptc.tensors}
+    for o in ptc.objects:
+        if o in objects:
+            state[o] = objects[o]
+    extra = {"imported_from": "dcp", "objects": {k: v for k, v in objects.items() if k not in ptc.objects}}
+    n = _save_all(url, ptc, state, layout, step, extra=extra)
+    log.info("imported DCP checkpoint %s (%d tensors) into %s under %s", src, len(ptc), url, layout)
+    return ImportResult(ptc, layout, step, url, "dcp", len(ptc), n)
+
+
+def import_checkpoint(src: str | Path, url: str, *, fmt: str = "auto", **kw: Any) -> ImportResult:
+    """``import_dcp`` or ``import_hf``, chosen by ``fmt`` or by what ``src`` holds."""
+    fmt = detect_format(src) if fmt == "auto" else fmt
+    if fmt == "dcp":
+        return import_dcp(src, url, **kw)
+    if fmt == "hf":
+        kw.pop("model", None)
+        kw.pop("strip_prefix", None)
+        return import_hf(src, url, **kw)
+    raise ConfigError(f"unknown import format {fmt!r}: use auto, dcp or hf")
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------
+def load_global(url: str, *, step: int | None = None) -> tuple[PTC, dict[str, Any], int]:
+    """Every tensor of a tenplex checkpoint as a global (unsharded, unpadded) tensor."""
+    info = read_manifest(url, step)
+    ptc = info["ptc"]
+    one = ParallelConfig()
+    res = load(url, one, 0, step=info["step"])
+    return ptc, ptc.unshard({0: res.shard}, one), res.step
+
+
+def export_hf(url: str, out: str | Path, *, step: int | None = None) -> Path:
+    """Write a tenplex GPT/Llama checkpoint as Hugging Face safetensors (parameters only).
+
+    ``out`` ending in ``.safetensors`` is the file written (``config.json`` goes beside it);
+    otherwise ``out`` is a directory that receives ``model.safetensors`` and ``config.json``.
+    Returns the safetensors path.
+    """
+    from safetensors.torch import save_file
+
+    ptc, state, got_step = load_global(url, step=step)
+    mj = ptc.meta.get("model")
+    if not mj:
+        raise CheckpointError(f"{url} holds no GPT/Llama model description (meta.model); "
+                              "only model_ptc collections can be exported to Hugging Face format")
+    spec = ModelSpec.from_json(dict(mj))
+    hf = tenplex_to_hf(state, spec)
+    p = Path(out)
+    path = p if p.suffix == ".safetensors" else p / "model.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(path), metadata={"format": "pt"})
+    (path.parent / "config.json").write_text(json.dumps(spec_to_hf_config(spec), indent=2) + "\n")
+    log.info("exported %s step %d (%d tensors) to %s", url, got_step, len(hf), path)
+    return path
