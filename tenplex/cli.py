@@ -388,7 +388,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--keep-last", type=int, default=2, help="steps kept")
     q.set_defaults(func=_cmd_store_serve)
     _add_data_parsers(sub)
+
+    p = sub.add_parser("bench", help="built-in benchmarks")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    q = bench_sub.add_parser("bubbles", help="snapshot overhead: none vs blocking vs in pipeline bubbles "
+                             "(options: tenplex bench bubbles --help)", add_help=False)
+    q.set_defaults(func=_cmd_bench_bubbles)
     return parser
+
+
+def _cmd_bench_bubbles(args: argparse.Namespace) -> int:
+    from .train.bubble_bench import main as bench_main
+
+    return bench_main(args.rest)
 
 
 def _add_data_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -502,7 +514,10 @@ def _cmd_store_serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and getattr(args, "func", None) is not _cmd_bench_bubbles:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -120,6 +120,8 @@ class Trainer:
         self.num_mb = per_dp // tc.micro_batch
         self.schedule = one_f_one_b(self.cfg.pp, self.num_mb, c.pp)
         self.bubble_hook: Any = None  # called as hook(op, work) while a stage waits for a peer
+        self.snapshot_task: Any = None  # tenplex.bubbles.SnapshotTask: begin at step start, finish before the update
+        self.spans: list[Any] | None = None  # compute spans per op, when timelines are recorded
 
     # -- one training step -------------------------------------------------------------------
     def train_step(self) -> tuple[float, np.ndarray]:
@@ -137,14 +139,20 @@ class Trainer:
         prev, nxt = c.pp - 1, c.pp + 1
         act_shape = (b, inputs.shape[1], self.spec.hidden)
         dtype = self.spec.dtype
+        if self.bubble_hook is not None and hasattr(self.bubble_hook, "begin_iteration"):
+            self.bubble_hook.begin_iteration(self.step)
+        if self.snapshot_task is not None:  # the state after the previous step, copied in this step's bubbles
+            self.snapshot_task.begin(self.step, self.state_tensors())
         for op in self.schedule:
             j = op.mb
+            t_op = time.perf_counter()
             if op.kind == "F":
                 if self.model.is_first:
                     x_in = None
                     out = self.model.forward(inputs[j * b : (j + 1) * b])
                 else:
                     x_in = self._recv(op, act_shape, dtype, self.g.stage_rank(prev))
+                    t_op = time.perf_counter()  # compute starts once the activation is here
                     x_in.requires_grad_(True)
                     out = self.model.forward(x_in)
                 if self.model.is_last:
@@ -160,12 +168,24 @@ class Trainer:
                     out.backward()
                 else:
                     grad = self._recv(op, act_shape, dtype, self.g.stage_rank(nxt))
+                    t_op = time.perf_counter()
                     torch.autograd.backward(out, grad)
                 if x_in is not None:
                     pending.append(dist.isend(x_in.grad.contiguous(), self.g.stage_rank(prev)))
+            if self.spans is not None:
+                from ..bubbles import Span
+
+                self.spans.append(Span(self.step, op.kind, t_op, time.perf_counter(), f"{op.kind}{op.mb}"))
         for w in pending:
             w.wait()
         self._sync_grads()
+        if self.snapshot_task is not None:
+            t_fin = time.perf_counter()
+            self.snapshot_task.finish()  # buckets not copied in bubbles: the only blocking part
+            if self.spans is not None:
+                from ..bubbles import Span
+
+                self.spans.append(Span(self.step, "snapshot-blocking", t_fin, time.perf_counter()))
         self._adamw()
         # the global loss: last-stage, TP rank 0 ranks hold their DP slice's mean
         total = torch.tensor([float(loss_sum) * scale if (self.model.is_last and c.tp == 0) else 0.0],
@@ -181,8 +201,9 @@ class Trainer:
         buf = torch.empty(shape, dtype=dtype, device=self.g.device)
         work = dist.irecv(buf, src)
         if self.bubble_hook is not None:
-            self.bubble_hook(op, work)
-        work.wait()
+            self.bubble_hook(op, work)  # returns once the receive has completed
+        else:
+            work.wait()
         return buf
 
     def _sync_grads(self) -> None:
@@ -240,6 +261,12 @@ class Trainer:
                 _adamw_update(p, grad, m, v, lr, wd, tc, bc1, bc2)
 
     # -- checkpoint ---------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and optimizer state under their PTC names (not copied)."""
+        out = {n: p.detach() for n, p in self.params.items()}
+        out.update(self.opt)
+        return out
+
     def shard(self) -> dict[str, Any]:
         """A copy of this rank's state (copied: background writers must not see later updates)."""
         out: dict[str, Any] = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}

@@ -1,0 +1,135 @@
+"""Side tasks in pipeline bubbles: only inside waits, consistent snapshots, unchanged training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tenplex
+from tenplex.bubbles import BubbleRuntime, SnapshotTask
+from tenplex.train.launch import free_port
+from tenplex.train.schedule import Op
+
+
+class _Work:
+    """A receive that completes ``delay`` seconds after it was posted; like gloo, it reports
+    completion only once waited on."""
+
+    def __init__(self, delay: float) -> None:
+        self.t_done = time.perf_counter() + delay
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self.t_done - time.perf_counter()))
+
+
+class _Task:
+    name = "count"
+
+    def __init__(self, step_s: float, units: int) -> None:
+        self.step_s, self.left, self.calls = step_s, units, []
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        time.sleep(self.step_s)
+        self.calls.append((t0, time.perf_counter()))
+        self.left -= 1
+
+    def is_finished(self) -> bool:
+        return self.left <= 0
+
+
+def test_runtime_runs_tasks_only_inside_profiled_bubbles() -> None:
+    rt = BubbleRuntime(margin=1.2, profile_iterations=2)
+    task = _Task(step_s=0.002, units=10**6)
+    rt.register(task)
+    op = Op("F", 0, True)
+    for it in range(2):  # profiling: no task runs yet
+        rt.begin_iteration(it)
+        rt(op, _Work(0.03))
+    assert task.calls == []
+    late = []
+    for it in range(2, 6):
+        rt.begin_iteration(it)
+        t0 = time.perf_counter()
+        work = _Work(0.03)
+        rt(op, work)
+        late.append(time.perf_counter() - work.t_done)
+    waits = [(s.start, s.end) for s in rt.spans if s.kind == "wait"]
+    assert task.calls, "no side-task step ran in 30 ms bubbles"
+    for a, b in task.calls:  # every step lies inside a wait
+        assert any(w0 <= a and b <= w1 for w0, w1 in waits)
+    assert max(late) < 0.01  # the side task never held the stage far past its bubble
+    # a bubble shorter than a task step gets no task
+    short = BubbleRuntime(profile_iterations=1)
+    slow = _Task(step_s=0.05, units=5)
+    slow.expected_step_s = 0.05  # what the task says of itself before it has been measured
+    short.register(slow)
+    for it in range(3):
+        short(op, _Work(0.005))
+    assert slow.calls == []
+
+
+def test_snapshot_task_copies_exactly_and_double_buffers() -> None:
+    done = []
+    task = SnapshotTask(bucket_bytes=1000, on_complete=lambda step, snap: done.append((step, snap)))
+    state = {"a": torch.randn(100, 7), "b": torch.arange(50, dtype=torch.float32)}
+    task.begin(5, state)
+    for _ in range(2):
+        task.step()
+    assert not task.is_finished()
+    snap = task.finish()
+    assert task.bubble_bytes > 0 and task.blocking_bytes > 0
+    assert task.bubble_bytes + task.blocking_bytes == sum(t.numel() * 4 for t in state.values())
+    assert all(torch.equal(snap[n], state[n]) for n in state) and done[0][0] == 5
+    state["a"].add_(1.0)  # the next step changes the state; the first snapshot must not change
+    task.begin(6, state)
+    while not task.is_finished():
+        task.step()
+    snap2 = task.finish()
+    assert not torch.equal(done[0][1]["a"], snap2["a"])
+    assert torch.equal(snap2["a"], state["a"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bubble_snapshots_match_checkpoints_and_leave_losses_unchanged(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    store, out, ckpt, log = tmp_path / "store", tmp_path / "out", tmp_path / "ckpt", tmp_path / "log.jsonl"
+    common = ["--model", "tiny", "--global-batch", "8", "--micro-batch", "2"]
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    f"--master-port={free_port()}", "-m", "tenplex.train.bubble_bench", "--", "--worker", "--mode",
+                    "bubbles", "--layout", "dp=1,tp=1,pp=2", "--steps", "6", "--warmup", "1", "--store-dir", str(store),
+                    "--out", str(out), *common], check=True, capture_output=True, timeout=240, env=env)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    f"--master-port={free_port()}", "-m", "tenplex.train", "--", "--parallel", "dp=1,tp=1,pp=2",
+                    "--steps", "6", "--seed", "1234", "--lr", "3e-3", "--ckpt", str(ckpt), "--ckpt-every", "1",
+                    "--keep-last", "10", "--log", str(log), *common], check=True, capture_output=True, timeout=240,
+                   env=env)
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    plain = [json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line]
+    bubble_losses = next(r["losses"] for r in ranks if r["rank"] == 0)
+    assert bubble_losses == plain  # side tasks do not change training
+    assert ranks[0]["snapshots"] == 6 and sum(r["bubble_bytes"] for r in ranks) > 0
+    for r in ranks:  # side-task steps only inside waits
+        waits = [(a, b) for _, kind, a, b, _ in r["spans"] if kind == "wait"]
+        for _, kind, a, b, _ in r["spans"]:
+            if kind.startswith("task:"):
+                assert any(w0 <= a and b <= w1 for w0, w1 in waits)
+    cfg = tenplex.ParallelConfig(pp=2)
+    for step in (3, 5):  # snapshot "step s" = the state after s steps, equal to the checkpoint of step s
+        for rank in range(2):
+            snap = tenplex.load(str(store), cfg, rank, step=step).shard
+            ref = tenplex.load(str(ckpt), cfg, rank, step=step).shard
+            for name, t in ref.items():
+                if isinstance(t, torch.Tensor):
+                    assert torch.equal(snap[name], t), (step, rank, name)
