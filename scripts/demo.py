@@ -86,6 +86,8 @@ def main() -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     store = None
     agents: list[Agent] = []
+    mnt = work / "data-mount"
+    mounted = False
     try:
         print(f"[1/3] uninterrupted reference run: 1 process, {args.steps} steps ...", flush=True)
         t0 = time.time()
@@ -100,6 +102,21 @@ def main() -> int:
         log, ckpt = work / "elastic.jsonl", work / "ckpt"
         train = [*common, "--parallel", "dp=1,tp=2,pp=2", "--ckpt", str(ckpt), "--ckpt-every",
                  str(args.ckpt_every), "--log", str(log)]
+        if os.path.exists("/dev/fuse") and shutil.which("fusermount3"):
+            # the workers read their batches through the dataset VFS; rescale re-shards it in place
+            from tenplex.data.corpus import stdlib_corpus
+            from tenplex.models import PRESETS
+            from tenplex.train.batches import corpus_index
+
+            index_path, _ = corpus_index(stdlib_corpus(int(PRESETS["tiny"]["seq_len"])))
+            mnt.mkdir()
+            subprocess.run([sys.executable, "-m", "tenplex", "mount", index_path, str(mnt), "--dp", "1",
+                            "--global-batch", "8", "--seed", "7"], check=True, capture_output=True, timeout=120)
+            mounted = True
+            train += ["--data-mount", str(mnt)]
+            print(f"      batches come through a FUSE mount of the corpus index at {mnt}")
+        else:
+            print("      no FUSE here (/dev/fuse or fusermount3 missing): batches come from the index reader")
         store = RendezvousStore()
         run_id = f"demo{free_port()}"
         agents = [Agent(f"node{i}", store.endpoint, train, nproc=2, min_nodes=1, max_nodes=2,
@@ -153,6 +170,10 @@ def main() -> int:
               "between GPUs (the rest stays in place)")
         print(f"  losses            final {final[args.steps]['loss']:.5f} vs uninterrupted "
               f"{ref[args.steps]['loss']:.5f}; max relative difference over all {args.steps} steps {rel:.1e}")
+        if mounted:
+            job = json.loads((mnt / "job.json").read_text())
+            print(f"  dataset VFS       re-sharded in place: generation {job['generation']}, dp={job['dp']}, "
+                  f"progress {job['progress']} samples")
         print(f"  data order        {len(samples)} samples, {'identical to' if samples == ref_samples else 'DIFFERENT FROM'}"
               f" the uninterrupted run, {len(samples) - len(set(samples))} repeated")
         print(f"  wall time         {total_s:.0f}s for the elastic run")
@@ -167,6 +188,8 @@ def main() -> int:
     finally:
         for a in agents:
             a.stop()
+        if mounted:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, timeout=30)
         if store is not None:
             store.stop()
         if args.keep:

@@ -225,3 +225,33 @@ def test_host_failure_recovers_from_host_stores(tmp_path: Path, reference: dict[
         rel = abs(steps[step]["loss"] - ref["loss"]) / abs(ref["loss"])
         assert rel <= REL_TOL, f"step {step}: rel {rel:.2e}"
         assert steps[step]["samples"] == ref["samples"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not (os.path.exists("/dev/fuse") and __import__("shutil").which("fusermount3")),
+                    reason="needs /dev/fuse and fusermount3 (Debian fuse3) for a real mount")
+def test_trainer_reads_through_the_dataset_mount_and_reshards_it(tmp_path: Path,
+                                                                  reference: dict[int, dict]) -> None:
+    from tenplex.data.corpus import stdlib_corpus
+    from tenplex.train.batches import corpus_index
+
+    index_path, _ = corpus_index(stdlib_corpus(64))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run([sys.executable, "-m", "tenplex", "mount", index_path, str(mnt), "--dp", "2", "--global-batch",
+                    "8", "--seed", "7"], check=True, capture_output=True, timeout=120)
+    try:
+        log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+        run_torchrun(2, log, "--parallel", "dp=2,tp=1,pp=1", "--ckpt", str(ckpt), "--ckpt-every", "2",
+                     "--fail-at-step", "3", "--data-mount", str(mnt), expect_fail=True)
+        run_torchrun(2, log, "--parallel", "dp=1,tp=1,pp=2", "--ckpt", str(ckpt), "--ckpt-every", "2",
+                     "--data-mount", str(mnt))
+        job = json.loads((mnt / "job.json").read_text())
+        assert job["dp"] == 1 and job["progress"] == 2 * 8 and job["generation"] >= 2
+        steps, _ = read_log(log)
+        for step, ref in reference.items():
+            assert abs(steps[step]["loss"] - ref["loss"]) / ref["loss"] <= REL_TOL
+            assert steps[step]["samples"] == ref["samples"]
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, timeout=30)

@@ -65,6 +65,7 @@ class TrainConfig:
     fail_at_step: int | None = None
     measure_memory: str | None = None
     store: str | None = None
+    data_mount: str | None = None
     snapshot_every: int = 0
     replicas: int = 1
 
@@ -119,6 +120,19 @@ class Trainer:
                              f"micro-batches of {tc.micro_batch}")
         self.num_mb = per_dp // tc.micro_batch
         self.schedule = one_f_one_b(self.cfg.pp, self.num_mb, c.pp)
+        self.batches: Any
+        if tc.data_mount:
+            from .batches import MountBatches
+
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per host re-shards its mount
+                MountBatches.prepare(tc.data_mount, self.data, self.cfg.dp)
+            if dist.is_initialized():
+                dist.barrier()
+            self.batches = MountBatches(tc.data_mount, corpus)
+        else:
+            from .batches import IndexBatches
+
+            self.batches = IndexBatches(corpus)
         self.bubble_hook: Any = None  # called as hook(op, work) while a stage waits for a peer
         self.snapshot_task: Any = None  # tenplex.bubbles.SnapshotTask: begin at step start, finish before the update
         self.spans: list[Any] | None = None  # compute spans per op, when timelines are recorded
@@ -126,8 +140,7 @@ class Trainer:
     # -- one training step -------------------------------------------------------------------
     def train_step(self) -> tuple[float, np.ndarray]:
         tc, c = self.tc, self.coords
-        ids = rank_batch_ids(self.data, self.cfg.dp, c.dp)
-        batch = self.corpus.samples(ids).to(self.g.device)
+        batch = self.batches.batch(self.data, self.cfg.dp, c.dp).to(self.g.device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         b = tc.micro_batch
         scale = 1.0 / (self.num_mb * self.cfg.dp)
@@ -312,6 +325,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                     help="host tensor store for snapshots: 'auto' takes TENPLEX_STORE_ROOT/URL and TENPLEX_STORES "
                          "from the launcher; a directory works without a store server (single host)")
     ap.add_argument("--snapshot-every", type=int, default=0, help="snapshot to the host store every K steps")
+    ap.add_argument("--data-mount", default=None, metavar="DIR",
+                    help="read batches from a `tenplex mount` of the corpus index (re-sharded after a rescale); "
+                         "without it the same bytes come from the index reader")
     ap.add_argument("--replicas", type=int, default=1,
                     help="replicas the host stores keep of each snapshot (set on `tenplex store serve`)")
     ap.add_argument("--measure-memory", default=None, metavar="DIR",
@@ -324,7 +340,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                        ckpt_every=a.ckpt_every, keep_last=a.keep_last, parallel=a.parallel,
                        distributed_optimizer=a.distributed_optimizer, log=a.log, gpus_per_host=a.gpus_per_host,
                        fail_at_step=a.fail_at_step, measure_memory=a.measure_memory, store=a.store,
-                       snapshot_every=a.snapshot_every, replicas=a.replicas)
+                       snapshot_every=a.snapshot_every, replicas=a.replicas, data_mount=a.data_mount)
 
 
 def run(tc: TrainConfig) -> int:

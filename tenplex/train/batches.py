@@ -1,0 +1,132 @@
+"""Where a trainer rank's batches come from: the dataset VFS mount, or the same bytes without FUSE.
+
+Both read the corpus through a tenplex dataset index (token samples of ``seq_len + 1``
+tokens), so a sample id means the same bytes everywhere. ``MountBatches`` reads the rank's
+``samples.bin`` of a ``tenplex mount`` and re-shards the mount in place after a rescale;
+``IndexBatches`` uses ``RankReader`` (no FUSE needed). Either checks that the ids it serves
+are the ones the trainer's data state expects.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..data.corpus import TokenCorpus
+from ..data.index import DataIndex, build_index, load_index
+from ..data.partition import DataState, rank_batch_ids
+from ..data.view import RankReader
+
+__all__ = ["corpus_index", "IndexBatches", "MountBatches"]
+
+log = logging.getLogger(__name__)
+
+
+def corpus_index(corpus: TokenCorpus) -> tuple[str, DataIndex]:
+    """The dataset index of a token corpus (built once, next to the token file)."""
+    path = f"{corpus.path}.s{corpus.seq_len + 1}.idx.npz"
+    if os.path.exists(path):
+        try:
+            return path, load_index(path)
+        except Exception as e:  # noqa: BLE001 - a stale or damaged index is rebuilt
+            log.info("rebuilding %s: %s", path, e)
+    index = build_index([corpus.path], kind="tokens", seq_len=corpus.seq_len + 1, dtype=corpus.dtype)
+    tmp = f"{path}.tmp{os.getpid()}"
+    index.save(tmp)
+    os.replace(tmp, path)
+    return path, index
+
+
+def _tokens(raw: bytes, n: int, dtype: str) -> torch.Tensor:
+    arr = np.frombuffer(raw, dtype=dtype).astype(np.int64)
+    return torch.from_numpy(arr.reshape(n, -1))
+
+
+class IndexBatches:
+    """Batches through the index reader (no FUSE): exactly the bytes a mount would show."""
+
+    kind = "reader"
+
+    def __init__(self, corpus: TokenCorpus) -> None:
+        self.corpus = corpus
+        self.path, self.index = corpus_index(corpus)
+        if self.index.num_samples != corpus.num_samples:
+            raise ValueError(f"index {self.path} has {self.index.num_samples} samples, corpus {corpus.num_samples}")
+
+    def batch(self, state: DataState, dp: int, dp_rank: int) -> torch.Tensor:
+        samples = RankReader(self.index, state, dp, dp_rank).next_batch()
+        return _tokens(b"".join(samples), len(samples), self.corpus.dtype)
+
+
+class MountBatches:
+    """Batches read from ``MOUNT/rank-<dp_rank>/samples.bin`` of a dataset mount.
+
+    ``prepare`` (called by one process per host, before the others open files) re-shards the
+    mount in place when its DP size, progress or batch differ from the job's.
+    """
+
+    kind = "mount"
+
+    def __init__(self, mountpoint: str, corpus: TokenCorpus) -> None:
+        self.mnt = Path(mountpoint)
+        self.corpus = corpus
+        self.sample_bytes = (corpus.seq_len + 1) * np.dtype(corpus.dtype).itemsize
+        self._file: Any = None
+        self._job: dict[str, Any] = {}
+        self._key: tuple[int, int] | None = None
+
+    @staticmethod
+    def prepare(mountpoint: str, state: DataState, dp: int) -> dict[str, Any]:
+        from ..vfs.control import mount_status, remount
+
+        status = mount_status(mountpoint)
+        layout = status.get("layout", status)
+        if int(layout.get("num_samples", -1)) != state.num_samples:
+            raise ValueError(f"the dataset mount {mountpoint} shows an index of {layout.get('num_samples')} samples "
+                             f"but the job's data has {state.num_samples}: mount the index of this corpus "
+                             f"(tenplex.train.batches.corpus_index)")
+        want = {"dp": dp, "progress": state.consumed, "global_batch": state.global_batch, "seed": state.seed}
+        if all(layout.get(k) == v for k, v in want.items()) and layout.get("shuffle", True) == state.shuffle:
+            return status
+        log.info("re-sharding the dataset mount %s: %s", mountpoint, want)
+        return remount(mountpoint, shuffle=state.shuffle, **want)
+
+    def _open(self, dp: int, dp_rank: int) -> None:
+        if self._file is not None:
+            self._file.close()
+        rank_dir = self.mnt / f"rank-{dp_rank:03d}"
+        # resolve the generation once, so job.json and samples.bin come from the same view
+        gen_dir = Path(os.path.realpath(rank_dir)).parent
+        self._job = json.loads((gen_dir / "job.json").read_text())
+        if self._job["dp"] != dp:
+            raise ValueError(f"the dataset mount {self.mnt} shows dp={self._job['dp']}, the job runs dp={dp}: "
+                             "it was not re-sharded (MountBatches.prepare)")
+        self._file = open(gen_dir / rank_dir.name / "samples.bin", "rb")  # noqa: SIM115 - kept across steps
+        self._ids = gen_dir / rank_dir.name / "ids.txt"
+        self._key = (dp, dp_rank)
+
+    def batch(self, state: DataState, dp: int, dp_rank: int) -> torch.Tensor:
+        if self._key != (dp, dp_rank):
+            self._open(dp, dp_rank)
+            per = state.global_batch // dp
+            first = np.loadtxt(self._ids, dtype=np.int64, max_rows=per, ndmin=1)
+            expect = rank_batch_ids(state, dp, dp_rank)
+            if not np.array_equal(first[: len(expect)], expect):
+                raise ValueError(f"the dataset mount {self.mnt} serves other samples than the job's data state "
+                                 f"(first ids {first[:4].tolist()} vs {expect[:4].tolist()})")
+        per = state.global_batch // dp
+        done = state.consumed - int(self._job["progress"])
+        if done < 0 or done % state.global_batch:
+            raise ValueError(f"data position {state.consumed} is not a batch boundary after the mount's progress "
+                             f"{self._job['progress']}")
+        self._file.seek(done // state.global_batch * per * self.sample_bytes)
+        raw = self._file.read(per * self.sample_bytes)
+        if len(raw) != per * self.sample_bytes:
+            raise OSError(f"short read from {self._file.name}: {len(raw)} of {per * self.sample_bytes} bytes")
+        return _tokens(raw, per, self.corpus.dtype)
