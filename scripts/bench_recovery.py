@@ -97,7 +97,7 @@ def main() -> int:
     cases = [("tiny", dict(steps=16, fail_after=9, snapshot_every=1, ckpt_every=5,
                            extra=["--global-batch", "8", "--micro-batch", "2"]))]
     if not args.quick:
-        cases.append(("llama-100m", dict(steps=9, fail_after=5, snapshot_every=1, ckpt_every=4,
+        cases.append(("llama-100m", dict(steps=11, fail_after=7, snapshot_every=1, ckpt_every=4,
                                          extra=["--global-batch", "4", "--micro-batch", "2", "--lr", "1e-3"])))
     rows = []
     for model, kw in cases:
