@@ -389,12 +389,25 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=_cmd_store_serve)
     _add_data_parsers(sub)
 
+    p = sub.add_parser("mount-store", help="show a host store's snapshots as files (FUSE, read-only)")
+    p.add_argument("root", help="the store's root directory")
+    p.add_argument("mountpoint")
+    p.add_argument("--debug", action="store_true")
+    p.set_defaults(func=_cmd_mount_store)
+
     p = sub.add_parser("bench", help="built-in benchmarks")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     q = bench_sub.add_parser("bubbles", help="snapshot overhead: none vs blocking vs in pipeline bubbles "
                              "(options: tenplex bench bubbles --help)", add_help=False)
     q.set_defaults(func=_cmd_bench_bubbles)
     return parser
+
+
+def _cmd_mount_store(args: argparse.Namespace) -> int:
+    from .vfs.store_view import mount_store
+
+    mount_store(args.root, args.mountpoint, debug=args.debug)
+    return 0
 
 
 def _cmd_bench_bubbles(args: argparse.Namespace) -> int:
