@@ -150,7 +150,7 @@ def _plot(ranks: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.8 * len(ranks)))
+    fig, ax = plt.subplots(figsize=(10, 1.8 + 0.8 * len(ranks)))
     t_min = min(s[2] for r in ranks for s in r["spans"])
     colors = {"F": "tab:blue", "B": "tab:green", "wait": "0.85", "snapshot-blocking": "tab:red"}
     for r in ranks:
@@ -162,7 +162,8 @@ def _plot(ranks: list[dict], path: str) -> None:
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in
                ("tab:blue", "tab:green", "0.85", "tab:orange", "tab:red")]
     ax.legend(handles, ["forward", "backward", "bubble (waiting for a peer)", "snapshot step in a bubble",
-                        "snapshot rest before the update"], fontsize=7, loc="upper right", ncol=3)
+                        "snapshot rest before the update"], fontsize=7, loc="upper center",
+              bbox_to_anchor=(0.5, -0.35), ncol=5, frameon=False)
     ax.set_yticks([r["stage"] for r in ranks], [f"stage {r['stage']}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms within one iteration")
