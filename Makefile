@@ -24,6 +24,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_reshard.py
+	$(PY) scripts/bench_vs_dcp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

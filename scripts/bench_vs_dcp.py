@@ -80,9 +80,10 @@ PAIRS = [
     Pair("TP 2->4", P("tp=2"), P("tp=4")),
     Pair("DP 4->2", P("dp=4"), P("dp=2")),
     Pair("TPxDP dp=4 -> dp=2,tp=2", P("dp=4"), P("dp=2,tp=2")),
-    Pair("TPxDP dp=2,tp=2 -> dp=4", P("dp=2,tp=2"), P("dp=4")),
     Pair("PP tp=2,pp=2 -> pp=4", P("tp=2,pp=2"), P("pp=4")),
+    Pair("TPxDP dp=2,tp=2 -> dp=4", P("dp=2,tp=2"), P("dp=4")),  # not by default (every rank needs the whole model)
 ]
+DEFAULT_PAIRS = 4
 QUICK_MODEL = dict(arch="gpt", num_layers=4, hidden=256, heads=8, vocab=5000, seq_len=256, dtype=torch.float32)
 
 
@@ -302,6 +303,83 @@ def _stage_mesh(cfg: ParallelConfig, rank: int) -> Any:
     return mesh["dp", "tp"]
 
 
+def _read_bytes() -> int:
+    """Bytes this process caused to be fetched from the block device (/proc/self/io)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _load_once(phase: str, mode: str, ptc: PTC, cfg: ParallelConfig, rank: int, mesh: Any,
+               tdir: Path, reference: dict[str, torch.Tensor] | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """One load of this rank's shard, measured and verified. ``mode``: "native" (each system's
+    own local-file path: tenplex's mmap slices, DCP's FileSystemReader) or "fsspec" (both
+    through the counting filesystem). Verified against the deterministic global tensors, or
+    against ``reference`` (the same system's earlier load) when given."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    pre = "count://" if mode == "fsspec" else ""
+    res: dict[str, Any] = {}
+    for k in ("data", "meta", "calls"):
+        COUNTS[k] = 0
+    rss0, io0 = _maxrss(), _read_bytes()
+    t0 = time.perf_counter()
+    if phase == "load_tenplex":
+        out = tenplex.load(f"{pre}{tdir}/tenplex", cfg, rank, ptc=ptc)
+        t1 = time.perf_counter()
+        loaded = {n: out.shard[n] for n in ptc.rank_tensors(cfg, rank)}
+        res["stats_bytes_read"] = out.stats.bytes_read
+        res["bytes_needed"] = out.stats.bytes_needed
+        assert out.shard["optimizer.step"] == 100
+    else:
+        state = dcp_state(ptc, cfg, rank, mesh, fill=False)
+        reader = FsspecReader(f"{pre}{tdir}/dcp") if mode == "fsspec" else dcp.FileSystemReader(f"{tdir}/dcp")
+        dcp.load(state, storage_reader=reader)
+        t1 = time.perf_counter()
+        loaded = {n: t.to_local() for n, t in state.items()}
+    res["load_s"] = t1 - t0
+    res["storage_read"] = _read_bytes() - io0
+    res["peak_rss_growth"] = _maxrss() - rss0
+    res["data_bytes"], res["meta_bytes"], res["read_calls"] = COUNTS["data"], COUNTS["meta"], COUNTS["calls"]
+    torch.distributed.barrier()  # every rank done loading before any verifies (no CPU stolen from a load)
+    bad = []
+    for n, t in loaded.items():  # bit for bit against the deterministic global tensors
+        if reference is not None:
+            want = reference[n]
+        elif phase == "load_tenplex":
+            want = tenplex_local(ptc, n, cfg, rank)
+        else:
+            want = dcp_local(ptc.tensors[n], n, mesh, state[n].placements)
+        if not torch.equal(t, want):
+            bad.append(n)
+    res["verified"] = len(loaded) - len(bad)
+    res["bad"] = bad[:5]
+    return res, loaded
+
+
+WARM_PTC = PTC([TensorSpec("w", (64,), torch.float32)])
+
+
+def _warm(rank: int, cfg: ParallelConfig, mesh: Any, tdir: Path, *, save: bool, dcp_side: bool = False) -> None:
+    """Save (or load) a one-tensor checkpoint with both systems, so that the measured load is
+    not the first call in its process (lazy imports, first collectives, code paths)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if save:
+        tenplex.save(f"{tdir}/warm-tenplex", WARM_PTC, cfg, rank, {"w": torch.ones(64)}, step=0, save_id="0000beef")
+        dcp.save({"w": DTensor.from_local(torch.ones(64), mesh, (Replicate(), Replicate()))},
+                 storage_writer=dcp.FileSystemWriter(f"{tdir}/warm-dcp", sync_files=False))
+    elif dcp_side:
+        st = {"w": DTensor.from_local(torch.zeros(64), mesh, (Replicate(), Replicate()))}
+        dcp.load(st, storage_reader=dcp.FileSystemReader(f"{tdir}/warm-dcp"))
+        assert bool((st["w"].to_local() == 1).all())
+    else:
+        assert bool((tenplex.load(f"{tdir}/warm-tenplex", cfg, rank).shard["w"] == 1).all())
+
+
 def worker(rank: int, world: int, port: int, phase: str, spec: dict[str, Any]) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -333,43 +411,18 @@ def worker(rank: int, world: int, port: int, phase: str, spec: dict[str, Any]) -
             dcp.save(state, storage_writer=FsspecWriter(durl, sync_files=False))
             dist.barrier()
             res["dcp_save_s"] = time.perf_counter() - t0
+            _warm(rank, cfg, mesh, tdir, save=True)
         else:
             cfg = P(spec["new"])
             mesh = _stage_mesh(cfg, rank) if phase == "load_dcp" else None
-            dist.barrier()
-            for k in ("data", "meta", "calls"):
-                COUNTS[k] = 0
-            rss0 = _maxrss()
-            t0 = time.perf_counter()
-            if phase == "load_tenplex":
-                out = tenplex.load(turl, cfg, rank, ptc=ptc)
-                t1 = time.perf_counter()
-                loaded = {n: out.shard[n] for n in ptc.rank_tensors(cfg, rank)}
-                res["tenplex_stats_bytes_read"] = out.stats.bytes_read
-                res["bytes_needed"] = out.stats.bytes_needed
-                assert out.shard["optimizer.step"] == 100
-            else:
-                state = dcp_state(ptc, cfg, rank, mesh, fill=False)
-                t0b = time.perf_counter()
-                dcp.load(state, storage_reader=FsspecReader(durl))
-                t1 = time.perf_counter()
-                res["dcp_alloc_s"] = t0b - t0
-                loaded = {n: t.to_local() for n, t in state.items()}
-            res["load_s"] = t1 - t0
-            res["peak_rss_growth"] = _maxrss() - rss0
-            res["data_bytes"], res["meta_bytes"], res["read_calls"] = COUNTS["data"], COUNTS["meta"], COUNTS["calls"]
-            dist.barrier()
-            res["wall_s"] = time.perf_counter() - t0
-            bad = []
-            for n, t in loaded.items():  # verify bit for bit against the deterministic global tensors
-                if phase == "load_tenplex":
-                    want = tenplex_local(ptc, n, cfg, rank)
-                else:
-                    want = dcp_local(ptc.tensors[n], n, mesh, state[n].placements)
-                if not torch.equal(t, want):
-                    bad.append(n)
-            res["verified"] = len(loaded) - len(bad)
-            res["bad"] = bad[:5]
+            _warm(rank, cfg, mesh, tdir, save=False, dcp_side=phase == "load_dcp")
+            ref = None
+            for mode in ("native", "fsspec"):  # native first: the process is fresh, so maxrss is its own
+                if rank == 0:
+                    evict(tdir)
+                dist.barrier()
+                res[mode], ref = _load_once(phase, mode, ptc, cfg, rank, mesh, tdir, ref)
+                dist.barrier()
         (tdir / f"result-{phase}-{rank}.json").write_text(json.dumps(res))
     finally:
         dist.destroy_process_group()
@@ -402,40 +455,46 @@ def bench_pair(pair: Pair, ptc: PTC, tmp_root: Path) -> dict[str, Any]:
     try:
         log(f"{pair.name}: save under {pair.old} ({pair.old.world_size} processes)")
         saves = run_phase("save", pair.old.world_size, spec)
-        evict(tdir)
         log(f"{pair.name}: tenplex load under {pair.new} ({pair.new.world_size} processes)")
         tl = run_phase("load_tenplex", pair.new.world_size, spec)
-        evict(tdir)
         log(f"{pair.name}: DCP load under {pair.new}")
         dl = run_phase("load_dcp", pair.new.world_size, spec)
-        needed = sum(r["bytes_needed"] for r in tl)
+        needed = sum(r["native"]["bytes_needed"] for r in tl)
+        S = lambda rs, mode, k: sum(r[mode][k] for r in rs)  # noqa: E731
+        M = lambda rs, mode, k: max(r[mode][k] for r in rs)  # noqa: E731
         out = {
             "name": pair.name, "from": str(pair.old), "to": str(pair.new),
             "bytes_needed": needed,
-            "tenplex_bytes_read": sum(r["data_bytes"] for r in tl),
-            "dcp_bytes_read": sum(r["data_bytes"] for r in dl),
-            "tenplex_meta_bytes": sum(r["meta_bytes"] for r in tl),
-            "dcp_meta_bytes": sum(r["meta_bytes"] for r in dl),
-            "tenplex_stats_bytes_read": sum(r["tenplex_stats_bytes_read"] for r in tl),
-            "tenplex_load_s": max(r["load_s"] for r in tl),
-            "dcp_load_s": max(r["load_s"] for r in dl),
-            "tenplex_peak_mem": max(r["peak_rss_growth"] for r in tl),
-            "dcp_peak_mem": max(r["peak_rss_growth"] for r in dl),
+            "tenplex_bytes_read": S(tl, "fsspec", "data_bytes"),
+            "dcp_bytes_read": S(dl, "fsspec", "data_bytes"),
+            "tenplex_meta_bytes": S(tl, "fsspec", "meta_bytes"),
+            "dcp_meta_bytes": S(dl, "fsspec", "meta_bytes"),
+            "tenplex_stats_bytes_read": S(tl, "fsspec", "stats_bytes_read"),
+            "tenplex_storage_read": S(tl, "native", "storage_read"),
+            "dcp_storage_read": S(dl, "native", "storage_read"),
+            "tenplex_load_s": M(tl, "native", "load_s"),
+            "dcp_load_s": M(dl, "native", "load_s"),
+            "tenplex_load_s_fsspec": M(tl, "fsspec", "load_s"),
+            "dcp_load_s_fsspec": M(dl, "fsspec", "load_s"),
+            "tenplex_peak_mem": M(tl, "native", "peak_rss_growth"),
+            "dcp_peak_mem": M(dl, "native", "peak_rss_growth"),
             "tenplex_save_s": max(r["tenplex_save_s"] for r in saves),
             "dcp_save_s": max(r["dcp_save_s"] for r in saves),
             "tenplex_ckpt_bytes": _dir_bytes(tdir / "tenplex"),
             "dcp_ckpt_bytes": _dir_bytes(tdir / "dcp"),
-            "tenplex_verified": sum(r["verified"] for r in tl),
-            "dcp_verified": sum(r["verified"] for r in dl),
-            "verify_failures": [b for r in tl + dl for b in r["bad"]],
+            "tenplex_verified": S(tl, "native", "verified") + S(tl, "fsspec", "verified"),
+            "dcp_verified": S(dl, "native", "verified") + S(dl, "fsspec", "verified"),
+            "verify_failures": [b for r in tl + dl for m in ("native", "fsspec") for b in r[m]["bad"]],
         }
         if out["verify_failures"]:
             raise AssertionError(f"{pair.name}: loaded tensors differ: {out['verify_failures']}")
         out["tenplex_read_ratio"] = out["tenplex_bytes_read"] / needed
         out["dcp_read_ratio"] = out["dcp_bytes_read"] / needed
         out["load_speedup"] = out["dcp_load_s"] / out["tenplex_load_s"]
+        out["load_speedup_fsspec"] = out["dcp_load_s_fsspec"] / out["tenplex_load_s_fsspec"]
         log(f"{pair.name}: needed {needed / MiB:.0f} MiB; read tenplex {out['tenplex_read_ratio']:.3f}x, "
-            f"DCP {out['dcp_read_ratio']:.3f}x; load {out['tenplex_load_s']:.2f}s vs {out['dcp_load_s']:.2f}s")
+            f"DCP {out['dcp_read_ratio']:.3f}x; load {out['tenplex_load_s']:.2f}s vs {out['dcp_load_s']:.2f}s "
+            f"(through fsspec {out['tenplex_load_s_fsspec']:.2f}s vs {out['dcp_load_s_fsspec']:.2f}s)")
         return out
     finally:
         shutil.rmtree(tdir, ignore_errors=True)
@@ -539,11 +598,15 @@ def _mib(b: float) -> str:
 
 
 def pair_table(pairs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    head = ["pair", "from", "to", "needed MiB", "read tenplex", "read DCP", "load s tenplex", "load s DCP",
-            "DCP/tenplex load", "peak MiB tenplex", "peak MiB DCP", "save s tenplex", "save s DCP"]
+    head = ["pair", "from", "to", "needed MiB", "read/needed tenplex", "read/needed DCP",
+            "storage read/needed tenplex", "storage read/needed DCP", "load s tenplex", "load s DCP",
+            "DCP/tenplex load", "fsspec load s tenplex", "fsspec load s DCP", "peak MiB tenplex", "peak MiB DCP",
+            "save s tenplex", "save s DCP"]
     rows = [[p["name"], p["from"], p["to"], _mib(p["bytes_needed"]), f"{p['tenplex_read_ratio']:.3f}x",
-             f"{p['dcp_read_ratio']:.3f}x", f"{p['tenplex_load_s']:.2f}", f"{p['dcp_load_s']:.2f}",
-             f"{p['load_speedup']:.2f}x", _mib(p["tenplex_peak_mem"]), _mib(p["dcp_peak_mem"]),
+             f"{p['dcp_read_ratio']:.3f}x", f"{p['tenplex_storage_read'] / p['bytes_needed']:.3f}x",
+             f"{p['dcp_storage_read'] / p['bytes_needed']:.3f}x", f"{p['tenplex_load_s']:.2f}",
+             f"{p['dcp_load_s']:.2f}", f"{p['load_speedup']:.2f}x", f"{p['tenplex_load_s_fsspec']:.2f}",
+             f"{p['dcp_load_s_fsspec']:.2f}", _mib(p["tenplex_peak_mem"]), _mib(p["dcp_peak_mem"]),
              f"{p['tenplex_save_s']:.2f}", f"{p['dcp_save_s']:.2f}"] for p in pairs]
     return head, rows
 
@@ -577,7 +640,7 @@ def plot(pairs: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, (key_t, key_d, title) in zip(axes, [
         ("tenplex_read_ratio", "dcp_read_ratio", "bytes read / bytes needed"),
-        ("tenplex_load_s", "dcp_load_s", "load wall time (s, slowest rank)"),
+        ("tenplex_load_s", "dcp_load_s", "load time (s, slowest rank, native local path)"),
         ("tenplex_peak_mem", "dcp_peak_mem", "peak RSS growth during load (MiB, largest rank)"),
     ]):
         scale = MiB if "mem" in key_t else 1
@@ -622,7 +685,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write <out>.md/.json/.png (default docs/bench_vs_dcp unless --quick)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--tmpdir", default=None)
-    ap.add_argument("--pairs", default=None, help="comma-separated pair indexes to run (default all)")
+    ap.add_argument("--pairs", default=None,
+                    help=f"comma-separated indexes into PAIRS (default 0-{DEFAULT_PAIRS - 1}; {len(PAIRS) - 1} is "
+                         "dp=2,tp=2 -> dp=4)")
     ap.add_argument("--skip-plans", action="store_true", help="skip the planning-at-scale part")
     ap.add_argument("--plan-reps", type=int, default=2)
     ap.add_argument("--sample-ranks", type=int, default=4, help="new ranks DCP planning is timed for")
@@ -634,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ptc = model_ptc(args.model, dtype=torch.float32)
         model = args.model
-    pairs = PAIRS if args.pairs is None else [PAIRS[int(i)] for i in args.pairs.split(",")]
+    pairs = PAIRS[:DEFAULT_PAIRS] if args.pairs is None else [PAIRS[int(i)] for i in args.pairs.split(",")]
     tmp_root = Path(args.tmpdir or tempfile.gettempdir())
     log(f"{model}: {ptc}")
     results = [bench_pair(p, ptc, tmp_root) for p in pairs]
