@@ -415,8 +415,8 @@ def import_checkpoint(src: str | Path, url: str, *, fmt: str = "auto", **kw: Any
     if fmt == "dcp":
         return import_dcp(src, url, **kw)
     if fmt == "hf":
-        kw.pop("model", None)
-        kw.pop("strip_prefix", None)
+        for k in ("model", "strip_prefix", "hf_config"):
+            kw.pop(k, None)
         return import_hf(src, url, **kw)
     raise ConfigError(f"unknown import format {fmt!r}: use auto, dcp or hf")
 
