@@ -97,6 +97,21 @@ def test_token_and_tree_confinement(tmp_path: Path) -> None:
         server.shutdown()
 
 
+def _needed_by_writer(old: ParallelConfig, new: ParallelConfig, rank: int) -> dict[int, int]:
+    """Bytes new ``rank`` needs from each old writer rank's part (no I/O: a recording reader)."""
+    from tenplex.checkpoint import read_shard
+
+    out: dict[int, int] = {}
+
+    class Recorder:
+        def read(self, w, name, chunk_start, a, b, dtype, itemsize):  # noqa: ANN001, ANN201
+            out[w] = out.get(w, 0) + (b - a) * itemsize
+            return torch.zeros(b - a, dtype=dtype)
+
+    read_shard(PTC_, old, new, rank, Recorder())
+    return out
+
+
 @pytest.mark.timeout(120)
 def test_replication_and_host_failures(tmp_path: Path) -> None:
     """Three hosts, one replica: one failed host is survivable from memory, two need storage."""
@@ -120,10 +135,20 @@ def test_replication_and_host_failures(tmp_path: Path) -> None:
         tiers = recovery_tiers(local, urls, persistent)
         assert [t.kind for t in tiers] == ["local", "peer", "storage"]
         assert usable_steps(tiers)[-1][0] == 6
+        local_ranks = {int(f.name[5:10]) for d in servers[0].root.iterdir() if d.is_dir()
+                       for f in d.glob("rank-*.json")}
         for r in range(new.world_size):
             res = load_tiered(tiers, new, r, ptc=PTC_)
             assert res.result.step == 6
             assert res.bytes_by_kind["storage"] == 0
+            # bytes across hosts: exactly the needed pieces whose writer's part this host lacks
+            # (attributed independently of the tiers), rounded out to checksum blocks
+            need = _needed_by_writer(cfg, new, r)
+            peer_need = sum(n for w, n in need.items() if w not in local_ranks)
+            local_need = sum(n for w, n in need.items() if w in local_ranks)
+            assert peer_need > 0 and local_need > 0
+            assert peer_need <= res.bytes_by_kind["peer"] <= peer_need + 2 * 65536 * res.result.stats.ranges
+            assert local_need <= res.bytes_by_kind["local"] <= local_need + 2 * 65536 * res.result.stats.ranges
             assert all(torch.equal(res.result.shard[n], want[r][n]) for n in PTC_.rank_tensors(new, r))
             assert sum(res.bytes_by_tier.values()) == res.result.stats.bytes_read >= res.result.stats.bytes_needed
 
