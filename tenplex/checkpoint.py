@@ -264,27 +264,39 @@ def save(
         f.write(data)
     written = len(data)
     if rank == 0:
-        objects = {o: shard[o] for o in ptc.objects if o in shard}
-        buf = io.BytesIO()
-        torch.save({"objects": objects, "extra": extra}, buf)
-        _write_atomic(fs, f"{sdir}/objects.pt", buf.getvalue())
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "layout": str(cfg),
-                    "world_size": cfg.world_size, "save_id": save_id, "created": time.time(),
-                    "fingerprint": ptc.fingerprint(), "ptc": ptc.to_json()}
-        mbytes = json.dumps(manifest).encode()
-        _write_atomic(fs, f"{sdir}/manifest.json", mbytes)
-        written += len(mbytes) + len(buf.getvalue())
-    index = {"format": FORMAT, "rank": rank, "file": f"{stem}.safetensors", "file_size": len(data),
-             "chunks": index_chunks}
-    ibytes = json.dumps(index).encode()
-    _write_atomic(fs, f"{sdir}/{stem}.json", ibytes)  # last: marks this part complete
-    written += len(ibytes)
+        written += write_rank0_meta(fs, sdir, ptc, cfg, shard, step=step, save_id=save_id, extra=extra)
+    written += write_index(fs, sdir, rank, len(data), index_chunks)  # last: marks this part complete
     if rank == 0 and keep_last is not None:
         _prune(fs, root, keep_last)
     result = SaveResult(step, rank, written, len(chunks), time.perf_counter() - t0, sdir)
     log.debug("saved step %d rank %d: %d chunks, %d bytes in %.3fs", step, rank, len(chunks), written,
               result.seconds)
     return result
+
+
+def write_rank0_meta(fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: ParallelConfig,
+                     shard: Mapping[str, Any], *, step: int, save_id: str, extra: Any = None) -> int:
+    """Rank 0's part of a save attempt: the small objects, ``extra`` and the manifest. Returns bytes written."""
+    objects = {o: shard[o] for o in ptc.objects if o in shard}
+    buf = io.BytesIO()
+    torch.save({"objects": objects, "extra": extra}, buf)
+    _write_atomic(fs, f"{sdir}/objects.pt", buf.getvalue())
+    manifest = {"format": FORMAT, "version": VERSION, "step": step, "layout": str(cfg),
+                "world_size": cfg.world_size, "save_id": save_id, "created": time.time(),
+                "fingerprint": ptc.fingerprint(), "ptc": ptc.to_json()}
+    mbytes = json.dumps(manifest).encode()
+    _write_atomic(fs, f"{sdir}/manifest.json", mbytes)
+    return len(mbytes) + len(buf.getvalue())
+
+
+def write_index(fs: fsspec.AbstractFileSystem, sdir: str, rank: int, file_size: int,
+                chunks: list[dict[str, Any]]) -> int:
+    """A rank part's index; written last (atomically): its presence marks the part complete."""
+    stem = _rank_stem(rank)
+    index = {"format": FORMAT, "rank": rank, "file": f"{stem}.safetensors", "file_size": file_size, "chunks": chunks}
+    ibytes = json.dumps(index).encode()
+    _write_atomic(fs, f"{sdir}/{stem}.json", ibytes)
+    return len(ibytes)
 
 
 def _prune(fs: fsspec.AbstractFileSystem, root: str, keep_last: int) -> None:

@@ -2,8 +2,9 @@
 
 Runs the reference trainer with PP >= 2 under torchrun three times: no snapshot, a blocking
 snapshot every step (copy the state, then write it to the host store, while training
-waits), and a bubble snapshot every step (buckets copied during the 1F1B waits by
-``tenplex.bubbles``, the rest just before the optimizer step, the write in the background).
+waits), and a bubble snapshot every step (``tenplex.bubbles``: the snapshot is written into
+the host store bucket by bucket during the 1F1B waits, the rest just before the optimizer
+step; with ``--write 0`` both modes only copy the state to host memory).
 Reports step times, overheads, the bubble fraction, the share of bubble time used and the
 snapshots completed, and draws one iteration's timeline per stage.
 """
@@ -28,7 +29,7 @@ __all__ = ["run_bench", "main"]
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from ..bubbles import BubbleRuntime, SnapshotTask
+    from ..bubbles import BubbleRuntime, SnapshotTask, StoreWriteTask
     from ..config import ParallelConfig
     from ..data.corpus import stdlib_corpus
     from ..elastic import RescaleResult
@@ -58,13 +59,10 @@ def _worker(args: argparse.Namespace) -> int:
     trainer.bubble_hook = runtime  # waits are timed in every mode
     task = None
     if args.mode == "bubbles":
-        def in_background(step: int, snap: dict) -> None:
-            for w in writer:
-                w.join()
-            writer[:] = [threading.Thread(target=write, args=(step, snap), daemon=True)]
-            writer[0].start()
-
-        task = SnapshotTask(bucket_bytes=args.bucket_bytes, on_complete=in_background)
+        if args.write:  # the snapshot is written into the store in bubble-sized pieces
+            task = StoreWriteTask(args.store_dir, ptc, cfg, rank, bucket_bytes=args.bucket_bytes)
+        else:  # copied to host memory only
+            task = SnapshotTask(bucket_bytes=args.bucket_bytes)
         runtime.register(task)
         trainer.snapshot_task = task
     times, losses = [], []

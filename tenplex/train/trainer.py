@@ -155,7 +155,8 @@ class Trainer:
         if self.bubble_hook is not None and hasattr(self.bubble_hook, "begin_iteration"):
             self.bubble_hook.begin_iteration(self.step)
         if self.snapshot_task is not None:  # the state after the previous step, copied in this step's bubbles
-            self.snapshot_task.begin(self.step, self.state_tensors())
+            self.snapshot_task.begin(self.step, {**self.state_tensors(), "optimizer.step": self.step,
+                                                 DATA_OBJECT: self.data.to_json()})
         for op in self.schedule:
             j = op.mb
             t_op = time.perf_counter()
