@@ -25,16 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tenplex.cli import human_bytes  # noqa: E402
-from tenplex.train.launch import RendezvousStore, free_port, start_hosts, wait_for  # noqa: E402
+from tenplex.train.launch import RendezvousStore, free_port, read_train_log, start_hosts, wait_for  # noqa: E402
 
 
-def read_log(path: Path) -> tuple[list[dict], list[dict]]:
-    steps, starts = [], []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            o = json.loads(line)
-            (steps if "loss" in o else starts).append(o)
-    return steps, starts
 
 
 def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: int, ckpt_every: int,
@@ -53,7 +46,7 @@ def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: i
                         store_dir=store_dir)
     try:
         def four() -> int:
-            return max([o["step"] for o in read_log(log)[0] if o["world_size"] == 4] or [0])
+            return max([o["step"] for o in read_train_log(log)[0] if o["world_size"] == 4] or [0])
 
         if not wait_for(lambda: four() >= fail_after, 900):
             raise RuntimeError(f"{model}/{mode}: did not reach step {fail_after}; see {work}")
@@ -66,7 +59,7 @@ def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: i
         for h in hosts:
             h.stop()
         rdzv.stop()
-    runs, starts = read_log(log)
+    runs, starts = read_train_log(log)
     resume = [s for s in starts if s["wall"] > t_fail][-1]
     first = min((r for r in runs if r["wall"] > t_fail), key=lambda r: r["wall"])
     out = {

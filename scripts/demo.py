@@ -27,16 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tenplex.cli import human_bytes  # noqa: E402
-from tenplex.train.launch import Agent, RendezvousStore, free_port, wait_for  # noqa: E402
+from tenplex.train.launch import Agent, RendezvousStore, free_port, read_train_log, wait_for  # noqa: E402
 
 
-def read_log(path: Path) -> tuple[list[dict], list[dict]]:
-    steps, starts = [], []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            obj = json.loads(line)
-            (steps if "loss" in obj else starts).append(obj)
-    return steps, starts
 
 
 def plot(ref: dict[int, float], runs: list[dict], fail_wall: float, resumed_from: int, fail_step: int,
@@ -94,7 +87,7 @@ def main() -> int:
         ref_log = work / "reference.jsonl"
         subprocess.run([sys.executable, "-m", "tenplex.train", *common, "--log", str(ref_log)], check=True,
                        env=env, timeout=600, capture_output=True)
-        ref = {r["step"]: r for r in read_log(ref_log)[0]}
+        ref = {r["step"]: r for r in read_train_log(ref_log)[0]}
         print(f"      done in {time.time() - t0:.1f}s, final loss {ref[args.steps]['loss']:.4f}")
 
         print("[2/3] elastic run: 2 nodes x 2 workers (torchrun agents, c10d rendezvous), "
@@ -124,7 +117,7 @@ def main() -> int:
                   for i in range(2)]
 
         def four_worker_step() -> int:
-            return max([r["step"] for r in read_log(log)[0] if r["world_size"] == 4] or [0])
+            return max([r["step"] for r in read_train_log(log)[0] if r["world_size"] == 4] or [0])
 
         if not wait_for(lambda: four_worker_step() >= args.fail_after, 300):
             print("the 4-worker job did not reach the failure point; see", work, file=sys.stderr)
@@ -140,7 +133,7 @@ def main() -> int:
         total_s = time.time() - t0
 
         print("[3/3] report\n")
-        runs, starts = read_log(log)
+        runs, starts = read_train_log(log)
         resume = [s for s in starts if s["wall"] > fail_wall][-1]
         final = {r["step"]: r for r in runs}  # steps redone after the restart replace the lost ones
         first_new = min((r for r in runs if r["wall"] > fail_wall), key=lambda r: r["wall"])

@@ -486,19 +486,27 @@ def load(
     info = _resolve_step(fs, root, url, step)
     step, sdir = info.step, info.path
     manifest, mbytes = _read_json(fs, f"{sdir}/manifest.json")
-    _check_format(manifest, url)
+    reader = _Reader(fs, sdir)
+    reader.metadata_bytes += mbytes
+    result = load_with_reader(manifest, f"{url} step {step}", cfg, rank, reader, fs, sdir, ptc=ptc, t0=t0)
+    stats = result.stats
+    log.debug("loaded step %d rank %d under %s: read %d of %d bytes needed in %.3fs", step, rank, cfg,
+              stats.bytes_read, stats.bytes_needed, stats.seconds)
+    return result
+
+
+def load_with_reader(manifest: Mapping[str, Any], where: str, cfg: ParallelConfig, rank: int, reader: Any,
+                     fs: fsspec.AbstractFileSystem, sdir: str, *, ptc: PTC | None, t0: float) -> LoadResult:
+    """Check ``manifest`` against ``ptc`` and ``cfg``, read ``rank``'s shard through ``reader`` and the
+    objects from ``sdir``. Shared by ``load`` and tiered recovery, whose readers differ."""
+    _check_format(manifest, where)
     saved = PTC.from_json(manifest["ptc"])
     if ptc is not None and ptc.fingerprint() != saved.fingerprint():
         diff = "; ".join(ptc.diff(saved)) or "specs differ"
-        raise CheckpointMismatchError(
-            f"checkpoint {url} step {step} holds another model than the one requested: {diff}"
-        )
+        raise CheckpointMismatchError(f"checkpoint {where} holds another model than the one requested: {diff}")
     old = ParallelConfig.parse(manifest["layout"])
     saved.check(cfg)
     cfg.coords(rank)
-
-    reader = _Reader(fs, sdir)
-    reader.metadata_bytes += mbytes
     try:
         shard, needed = read_shard(saved, old, cfg, rank, reader)
         objects, extra = read_objects(fs, sdir, reader)
@@ -506,9 +514,7 @@ def load(
     finally:
         reader.close()
     stats = LoadStats(needed, reader.bytes_read, reader.metadata_bytes, reader.ranges, time.perf_counter() - t0)
-    log.debug("loaded step %d rank %d under %s: read %d of %d bytes needed in %.3fs", step, rank, cfg,
-              stats.bytes_read, stats.bytes_needed, stats.seconds)
-    return LoadResult(shard, step, extra, saved, old, stats)
+    return LoadResult(shard, int(manifest["step"]), extra, saved, old, stats)
 
 
 def read_shard(saved: PTC, old: ParallelConfig, cfg: ParallelConfig, rank: int, reader: Any) -> tuple[dict[str, Any], int]:

@@ -31,7 +31,7 @@ def _request(url: str, *, data: bytes | None = None, method: str = "GET", token:
         return resp.read()
 
 
-def alive_stores(urls: Sequence[str], *, token: str | None = None, timeout: float = 1.0) -> list[str]:
+def alive_stores(urls: Sequence[str], *, token: str | None = None, timeout: float = 3.0) -> list[str]:
     """The stores among ``urls`` that answer ``/health``."""
     out = []
     for url in urls:

@@ -19,18 +19,9 @@ from typing import Any
 import fsspec
 import torch
 
-from ..checkpoint import (
-    FORMAT,
-    LoadResult,
-    LoadStats,
-    _check_format,
-    _read_json,
-    _Reader,
-    read_objects,
-    read_shard,
-)
+from ..checkpoint import LoadResult, _read_json, _Reader, load_with_reader
 from ..config import ParallelConfig
-from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..ptc import PTC
 
 __all__ = ["Tier", "TieredLoad", "usable_steps", "load_tiered"]
@@ -205,24 +196,10 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
     fs, _ = meta_tier.fs()
     sdir = attempt.dirs[meta_tier.name]
     manifest, mbytes = _read_json(fs, f"{sdir}/manifest.json")
-    _check_format(manifest, meta_tier.url)
-    assert manifest["format"] == FORMAT
-    saved = PTC.from_json(manifest["ptc"])
-    if ptc is not None and ptc.fingerprint() != saved.fingerprint():
-        raise CheckpointMismatchError(f"step {step_} holds another model: {'; '.join(ptc.diff(saved))}")
-    old = ParallelConfig.parse(manifest["layout"])
-    saved.check(cfg)
     reader.metadata_bytes += mbytes
-    try:
-        shard, needed = read_shard(saved, old, cfg, rank, reader)
-        objects, extra = read_objects(fs, sdir, reader)
-        shard.update(objects)
-    finally:
-        reader.close()
-    stats = LoadStats(needed, reader.bytes_read, reader.metadata_bytes, reader.ranges, time.perf_counter() - t0)
+    result = load_with_reader(manifest, f"{meta_tier.url} step {step_}", cfg, rank, reader, fs, sdir, ptc=ptc, t0=t0)
     by_kind: dict[str, int] = {}
     for t in tiers:
         by_kind[t.kind] = by_kind.get(t.kind, 0) + reader.bytes_by_tier.get(t.name, 0)
     used = {r: names[0] for r, names in reader.choice.items() if names}
-    return TieredLoad(LoadResult(shard, step_, extra, saved, old, stats), dict(reader.bytes_by_tier), by_kind,
-                      reader.fallbacks, used)
+    return TieredLoad(result, dict(reader.bytes_by_tier), by_kind, reader.fallbacks, used)

@@ -18,7 +18,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["free_port", "RendezvousStore", "Agent"]
+__all__ = ["free_port", "RendezvousStore", "Agent", "StoreProcess", "SimulatedHost", "start_hosts", "read_train_log",
+           "wait_for"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,20 @@ class Agent:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def read_train_log(path: str | Path) -> tuple[list[dict], list[dict]]:
+    """The trainer's ``--log`` file: (per-step records, start records), in file order."""
+    import json
+
+    steps: list[dict] = []
+    starts: list[dict] = []
+    p = Path(path)
+    if p.exists():
+        for line in p.read_text().splitlines():
+            obj = json.loads(line)
+            (steps if "loss" in obj else starts).append(obj)
+    return steps, starts
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:  # noqa: ANN001
