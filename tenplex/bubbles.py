@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -239,6 +240,7 @@ class StoreWriteTask:
         self.blocking_bytes = 0
         self._todo: list[tuple[int, int, int]] = []
         self._fd = -1
+        self._publisher: threading.Thread | None = None
 
     @property
     def expected_step_s(self) -> float:
@@ -252,6 +254,8 @@ class StoreWriteTask:
 
         from .checkpoint import _block_bytes, _step_dir, default_save_id
 
+        if self._publisher is not None:  # the previous snapshot's index must be out first
+            self._publisher.join()
         self._step, self._shard = step, shard
         self._save_id = default_save_id(self.cfg, self.ptc)
         self._sdir = _step_dir(self.root.rstrip("/"), step, self._save_id)
@@ -301,24 +305,36 @@ class StoreWriteTask:
             self.bubble_bytes += self._write_one()
 
     def finish(self) -> str | None:
-        """Write the rest (blocking) and publish the part; returns the save attempt's directory."""
-        from .checkpoint import _fs, write_index, write_rank0_meta
-
+        """Write the remaining buckets (blocking: the tensors change next), then publish the part's
+        index and metadata in the background; returns the save attempt's directory."""
         if self._fd < 0:
             return None
         while self._todo:
             self.blocking_bytes += self._write_one()
         os.close(self._fd)
         self._fd = -1
+        self._flat = {}
+        objects = {o: self._shard[o] for o in self.ptc.objects if o in self._shard}
+        self._publisher = threading.Thread(target=self._publish, args=(self._step, self._sdir, self._save_id,
+                                                                       self._meta, self._crcs, objects), daemon=True)
+        self._publisher.start()
+        return self._sdir
+
+    def _publish(self, step: int, sdir: str, save_id: str, meta: list, crcs: list, objects: dict) -> None:
+        from .checkpoint import _fs, write_index, write_rank0_meta
+
         fs, _ = _fs(self.root, None)
         chunks = [{"tensor": name, "start": start, "length": ln, "offset": self._base + off, "block": block,
-                   "crc32": "".join(f"{c:08x}" for c in crcs)}
-                  for (name, _, start, ln, off, _, block), crcs in zip(self._meta, self._crcs)]
+                   "crc32": "".join(f"{c:08x}" for c in cs)}
+                  for (name, _, start, ln, off, _, block), cs in zip(meta, crcs)]
         if self.rank == 0:
-            write_rank0_meta(fs, self._sdir, self.ptc, self.cfg, self._shard, step=self._step, save_id=self._save_id)
-        write_index(fs, self._sdir, self.rank, self._size, chunks)
+            write_rank0_meta(fs, sdir, self.ptc, self.cfg, objects, step=step, save_id=save_id)
+        write_index(fs, sdir, self.rank, self._size, chunks)
         self.completed += 1
-        self._flat = {}
         if self.on_complete is not None:
-            self.on_complete(self._step, self._sdir)
-        return self._sdir
+            self.on_complete(step, sdir)
+
+    def close(self) -> None:
+        """Wait until the last snapshot is published."""
+        if self._publisher is not None:
+            self._publisher.join()

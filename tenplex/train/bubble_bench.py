@@ -79,6 +79,8 @@ def _worker(args: argparse.Namespace) -> int:
         losses.append(loss)
     for w in writer:
         w.join()
+    if hasattr(task, "close"):
+        task.close()
     warm = times[args.warmup:]
     out = {
         "rank": rank, "stage": cfg.coords(rank).pp, "mode": args.mode, "step_times": times,
