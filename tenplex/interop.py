@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,7 +285,9 @@ def read_dcp_state(src: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         elif isinstance(item, BytesStorageMetadata):
             objects[fqn] = None
     want: dict[str, Any] = {**tensors, **objects}
-    dcp.load(want, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(want, storage_reader=reader, no_dist=True)
     return {k: want[k] for k in tensors}, {k: want[k] for k in objects}
 
 
