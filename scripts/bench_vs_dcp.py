@@ -508,6 +508,8 @@ PLAN_CASES = [
     ("llama3-70b 64 -> 128 GPUs, PP 8 -> 16", "llama3-70b", P("dp=1,tp=8,pp=8"), P("dp=1,tp=8,pp=16")),
     ("gpt3-175b 1024 GPUs dp<->tp", "gpt3-175b", P("dp=8,tp=8,pp=16"), P("dp=16,tp=4,pp=16")),
     ("gpt3-175b 1024 -> 768 GPUs", "gpt3-175b", P("dp=8,tp=8,pp=16"), P("dp=6,tp=8,pp=16")),
+    ("llama3-70b 64 -> 128 GPUs, dist. optimizer", "llama3-70b", P("dp=1,tp=8,pp=8"), P("dp=2,tp=8,pp=8"), True),
+    ("gpt3-175b 1024 GPUs dp<->tp, dist. optimizer", "gpt3-175b", P("dp=8,tp=8,pp=16"), P("dp=16,tp=4,pp=16"), True),
 ]
 
 
@@ -532,12 +534,32 @@ def _chunk(shape: tuple[int, ...], dim: int | None, tp: int, t: int) -> tuple[tu
     return tuple(off), tuple(size)
 
 
+def _box(shape: tuple[int, ...], shards: list[tuple[int, int, int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Offsets and sizes after applying ``(dim, parts, index)`` Shard placements in mesh order
+    (DTensor's ``compute_local_shape_and_global_offset``: each shard chunks the current piece)."""
+    off, size = [0] * len(shape), list(shape)
+    for dim, parts, i in shards:
+        n = size[dim]
+        per = -(-n // parts)
+        lo, hi = min(i * per, n), min((i + 1) * per, n)
+        off[dim] += lo
+        size[dim] = hi - lo
+    return tuple(off), tuple(size)
+
+
+def _shards(dp_sharded: bool, dim: int | None, cfg: ParallelConfig, d: int, t: int) -> list[tuple[int, int, int]]:
+    out = [(0, cfg.dp, d)] if dp_sharded else []  # FSDP/ZeRO-style Shard(0) over the DP mesh dim
+    return out + ([(dim, cfg.tp, t)] if dim is not None else [])
+
+
 def dcp_plan_time(ptc: PTC, old: ParallelConfig, new: ParallelConfig, sample_ranks: int) -> dict[str, Any]:
     """Time DCP's resharding (``create_read_items_for_chunk_list``) for some new ranks.
 
-    The saved metadata holds, per tensor, the distinct chunks of ``old`` (DCP saves each
-    replicated chunk once: one per TP rank). For each sampled new rank, every tensor it holds
-    under ``new`` is planned as ``create_local_plan`` would. Building the metadata is not timed.
+    The saved metadata holds, per tensor, the distinct chunks of ``old``: one per TP rank for
+    DP-replicated tensors (DCP saves replicas once), one per (DP, TP) rank for DP-sharded
+    optimizer state (placements ``(Shard(0), Shard(d))`` on the (dp, tp) mesh). For each sampled
+    new rank, every tensor it holds under ``new`` is planned as ``create_local_plan`` would.
+    Building the metadata is not timed.
     """
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -546,20 +568,23 @@ def dcp_plan_time(ptc: PTC, old: ParallelConfig, new: ParallelConfig, sample_ran
     for spec in ptc.tensors.values():
         for fqn, shape, dim in _dcp_tensors(spec):
             chunks = []
-            for t in range(old.tp if dim is not None else 1):
-                off, size = _chunk(shape, dim, old.tp, t)
-                chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)))
+            for d in range(old.dp if spec.dp_sharded else 1):
+                for t in range(old.tp if dim is not None else 1):
+                    off, size = _box(shape, _shards(spec.dp_sharded, dim, old, d, t))
+                    if all(size):
+                        chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)))
             md[fqn] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), torch.Size(shape), chunks)
     world = new.world_size
     step = max(1, world // sample_ranks)
     ranks = list(range(0, world, step))[:sample_ranks]
     times, items = [], 0
     for r in ranks:
-        t_idx = new.coords(r).tp
+        c = new.coords(r)
         t0 = time.perf_counter()
         for name in ptc.rank_tensors(new, r):
-            for fqn, shape, dim in _dcp_tensors(ptc.tensors[name]):
-                off, size = _chunk(shape, dim, new.tp, t_idx)
+            spec = ptc.tensors[name]
+            for fqn, shape, dim in _dcp_tensors(spec):
+                off, size = _box(shape, _shards(spec.dp_sharded, dim, new, c.dp, c.tp))
                 items += len(create_read_items_for_chunk_list(
                     fqn, md[fqn], [ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size))]))
         times.append(time.perf_counter() - t0)
@@ -570,8 +595,8 @@ def dcp_plan_time(ptc: PTC, old: ParallelConfig, new: ParallelConfig, sample_ran
 
 def bench_plans(reps: int, sample_ranks: int) -> list[dict[str, Any]]:
     out = []
-    for name, preset, old, new in PLAN_CASES:
-        ptc = model_ptc(preset)
+    for name, preset, old, new, *dist in PLAN_CASES:
+        ptc = model_ptc(preset, distributed_optimizer=bool(dist and dist[0]))
         best = math.inf
         for _ in range(reps):
             for fn in (getattr(tenplex.ptc, "_holder_table", None), getattr(tenplex.ptc, "_stage_map", None)):
@@ -580,7 +605,8 @@ def bench_plans(reps: int, sample_ranks: int) -> list[dict[str, Any]]:
             t0 = time.perf_counter()
             p = tenplex.plan(ptc, old, new)
             best = min(best, time.perf_counter() - t0)
-        row = {"name": name, "model": preset, "from": str(old), "to": str(new), "gpus_from": old.world_size,
+        row = {"name": name, "model": preset, "distributed_optimizer": bool(dist and dist[0]),
+               "from": str(old), "to": str(new), "gpus_from": old.world_size,
                "gpus_to": new.world_size, "tensors": len(ptc), "tenplex_plan_s": best,
                "tenplex_bytes_moved": p.stats.bytes_moved}
         row.update(dcp_plan_time(ptc, old, new, sample_ranks))
