@@ -426,8 +426,9 @@ class _Reader:
         return self.indexes[rank]
 
     def read(self, rank: int, name: str, chunk_start: int, a: int, b: int, dtype: torch.dtype,
-             itemsize: int) -> torch.Tensor:
-        """Elements [a, b) of the chunk of ``name`` starting at global offset ``chunk_start``."""
+             itemsize: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements [a, b) of the chunk of ``name`` starting at global offset ``chunk_start``,
+        verified, copied once into ``out`` (a contiguous 1-D tensor of b - a elements) if given."""
         idx = self.index(rank)
         try:
             chunk = idx["by_key"][(name, chunk_start)]
@@ -459,8 +460,12 @@ class _Reader:
                     f"{idx['path']}: checksum mismatch in {name} bytes [{off}, {min(off + block, nbytes)}) of "
                     f"the chunk at offset {chunk_start}: the file is corrupted; load an earlier step"
                 )
-        data = bytes(raw[a * itemsize - lo : b * itemsize - lo])
-        return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        piece = raw[a * itemsize - lo : b * itemsize - lo]
+        if out is None:
+            out = torch.empty(b - a, dtype=dtype)
+        if len(piece):
+            out.view(torch.uint8).numpy()[:] = np.frombuffer(piece, dtype=np.uint8)
+        return out
 
     def close(self) -> None:
         self.handles.clear()
@@ -538,7 +543,10 @@ def read_shard(saved: PTC, old: ParallelConfig, cfg: ParallelConfig, rank: int, 
     for name in saved.rank_tensors(cfg, rank):
         spec = saved.tensors[name]
         segs = saved.segments(name, cfg, rank)
-        local = torch.zeros(sum(ln for _, _, ln in segs), dtype=spec.dtype)
+        local = torch.empty(sum(ln for _, _, ln in segs), dtype=spec.dtype)
+        for lo, g, ln in segs:  # every real element is read below; only padding needs zeros
+            if g == PAD:
+                local[lo : lo + ln] = 0
         real = [(lo, g, ln) for lo, g, ln in segs if g != PAD]
         if real:
             c_start, c_end, c_writer = by_tensor[name]
@@ -550,9 +558,9 @@ def read_shard(saved: PTC, old: ParallelConfig, cfg: ParallelConfig, rank: int, 
                 raise CheckpointCorruptError(f"{name}: the checkpoint does not cover every element rank {rank} needs")
             for q, c, s, e in zip(qi.tolist(), ci.tolist(), ps.tolist(), pe.tolist()):
                 cs = int(c_start[c])
-                piece = reader.read(int(c_writer[c]), name, cs, s - cs, e - cs, spec.dtype, spec.itemsize)
                 dst = int(q_lo[q]) + (s - int(q_start[q]))
-                local[dst : dst + (e - s)] = piece
+                reader.read(int(c_writer[c]), name, cs, s - cs, e - cs, spec.dtype, spec.itemsize,
+                            out=local[dst : dst + (e - s)])
             needed += int(q_len.sum()) * spec.itemsize
         shard[name] = saved.from_local_flat(name, cfg, local)
     return shard, needed

@@ -101,15 +101,15 @@ def _needed_by_writer(old: ParallelConfig, new: ParallelConfig, rank: int) -> di
     """Bytes new ``rank`` needs from each old writer rank's part (no I/O: a recording reader)."""
     from tenplex.checkpoint import read_shard
 
-    out: dict[int, int] = {}
+    needed: dict[int, int] = {}
 
     class Recorder:
-        def read(self, w, name, chunk_start, a, b, dtype, itemsize):  # noqa: ANN001, ANN201
-            out[w] = out.get(w, 0) + (b - a) * itemsize
+        def read(self, w, name, chunk_start, a, b, dtype, itemsize, out=None):  # noqa: ANN001, ANN201
+            needed[w] = needed.get(w, 0) + (b - a) * itemsize
             return torch.zeros(b - a, dtype=dtype)
 
     read_shard(PTC_, old, new, rank, Recorder())
-    return out
+    return needed
 
 
 @pytest.mark.timeout(120)

@@ -141,7 +141,7 @@ class _TieredReader:
         return self.readers[tier.name]
 
     def read(self, rank: int, name: str, chunk_start: int, a: int, b: int, dtype: torch.dtype,
-             itemsize: int) -> torch.Tensor:
+             itemsize: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if rank not in self.choice:
             self.choice[rank] = [t.name for t in self.tiers if rank in self.attempt.ranks.get(t.name, set())]
         errors = []
@@ -150,9 +150,9 @@ class _TieredReader:
             reader = self._reader(tier)
             before = reader.bytes_read
             try:
-                out = reader.read(rank, name, chunk_start, a, b, dtype, itemsize)
+                got = reader.read(rank, name, chunk_start, a, b, dtype, itemsize, out=out)
                 self.bytes_by_tier[tier.name] = self.bytes_by_tier.get(tier.name, 0) + reader.bytes_read - before
-                return out
+                return got
             except (CheckpointCorruptError, CheckpointNotFoundError, OSError) as e:
                 log.warning("rank part %d in tier %s is unusable (%s); trying the next copy", rank, tier.name, e)
                 errors.append(f"{tier.name}: {e}")
