@@ -25,6 +25,11 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_reshard.py
 	$(PY) scripts/bench_vs_dcp.py
+	$(PY) scripts/bench_recovery.py
+	$(PY) scripts/bench_schedule.py
+	$(PY) scripts/bench_vfs.py --out docs/bench_vfs
+	$(PY) -m tenplex bench bubbles --plot docs/bubbles_timeline.png
+	$(PY) scripts/measure_memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
