@@ -207,11 +207,6 @@ class SnapshotTask:
         return snap
 
 
-_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
-
-
 class StoreWriteTask:
     """Writes a rank's snapshot straight into its host store in bubble-sized pieces.
 
@@ -250,9 +245,7 @@ class StoreWriteTask:
         return not self._todo
 
     def begin(self, step: int, shard: dict[str, Any]) -> None:
-        import json as _json
-
-        from .checkpoint import _block_bytes, _step_dir, default_save_id
+        from .checkpoint import _block_bytes, _step_dir, default_save_id, safetensors_header
 
         if self._publisher is not None:  # the previous snapshot's index must be out first
             self._publisher.join()
@@ -260,24 +253,19 @@ class StoreWriteTask:
         self._save_id = default_save_id(self.cfg, self.ptc)
         self._sdir = _step_dir(self.root.rstrip("/"), step, self._save_id)
         os.makedirs(self._sdir, exist_ok=True)
-        header: dict[str, Any] = {"__metadata__": {"format": "tenplex-checkpoint", "step": str(step),
-                                                    "rank": str(self.rank)}}
-        off = 0
-        self._meta = []
+        entries, self._meta = [], []
         for name, lo, start, ln in self.chunks:
-            spec = self.ptc.tensors[name]
-            nbytes = ln * spec.itemsize
-            header[f"{name}@{start}"] = {"dtype": _ST_DTYPE[spec.dtype], "shape": [ln], "data_offsets": [off, off + nbytes]}
-            self._meta.append((name, lo, start, ln, off, nbytes, _block_bytes(nbytes)))
-            off += nbytes
-        raw = _json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self._base = 8 + len(raw)
-        self._size = self._base + off
+            entries.append((f"{name}@{start}", self.ptc.tensors[name].dtype, ln))
+        head, offsets = safetensors_header(entries, {"format": "tenplex-checkpoint", "step": str(step),
+                                                     "rank": str(self.rank)})
+        for (name, lo, start, ln), (b0, b1) in zip(self.chunks, offsets):
+            self._meta.append((name, lo, start, ln, b0, b1 - b0, _block_bytes(b1 - b0)))
+        self._base = len(head)
+        self._size = self._base + (offsets[-1][1] if offsets else 0)
         self._path = f"{self._sdir}/rank-{self.rank:05d}.safetensors"
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self._fd, self._size)
-        os.pwrite(self._fd, len(raw).to_bytes(8, "little") + raw, 0)
+        os.pwrite(self._fd, head, 0)
         self._flat: dict[str, torch.Tensor] = {}
         self._crcs: list[list[int]] = [[0] * (-(-m[5] // m[6])) for m in self._meta]
         self._todo = []

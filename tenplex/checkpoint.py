@@ -34,7 +34,6 @@ from typing import Any
 
 import fsspec
 import numpy as np
-import safetensors.torch
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors import safe_open
@@ -149,6 +148,27 @@ def _read_json(fs: fsspec.AbstractFileSystem, path: str) -> tuple[dict[str, Any]
         raise CheckpointCorruptError(f"{path} is not valid JSON ({e}); the file is damaged") from None
 
 
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def safetensors_header(entries: list[tuple[str, torch.dtype, int]],
+                       metadata: Mapping[str, str]) -> tuple[bytes, list[tuple[int, int]]]:
+    """The 8-byte length and JSON header of a safetensors file of 1-D tensors stored in the given
+    order, and each tensor's (start, end) byte offsets in the data section."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offsets, off = [], 0
+    for key, dtype, n in entries:
+        nbytes = n * dtype.itemsize
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": [n], "data_offsets": [off, off + nbytes]}
+        offsets.append((off, off + nbytes))
+        off += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
 def _block_bytes(nbytes: int) -> int:
     """Checksum block size of a chunk: about 1/32 of it, a power of two in [4 KiB, 64 KiB]."""
     b = _MIN_BLOCK
@@ -245,27 +265,24 @@ def save(
 
     fs.makedirs(sdir, exist_ok=True)  # only once the shard is valid: no empty step dir on error
     chunks = writer_assignment(ptc, cfg)[rank]
-    tensors = {f"{name}@{start}": flats[name][lo : lo + ln].clone() for name, lo, start, ln in chunks}
-    data = safetensors.torch.save(tensors, metadata={"format": FORMAT, "step": str(step), "rank": str(rank)})
-    header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + header_len])
-    base = 8 + header_len
+    head, offsets = safetensors_header(
+        [(f"{name}@{start}", ptc.tensors[name].dtype, ln) for name, _, start, ln in chunks],
+        {"format": FORMAT, "step": str(step), "rank": str(rank)})
     index_chunks = []
-    for name, _, start, ln in chunks:
-        key = f"{name}@{start}"
-        b0, b1 = header[key]["data_offsets"]
-        block = _block_bytes(b1 - b0)
-        crcs = _crcs(memoryview(data)[base + b0 : base + b1], block)
-        index_chunks.append({"tensor": name, "start": start, "length": ln, "offset": base + b0,
-                             "block": block, "crc32": "".join(f"{c:08x}" for c in crcs)})
-    stem = _rank_stem(rank)
-    data_path = f"{sdir}/{stem}.safetensors"
-    with fs.open(data_path, "wb") as f:
-        f.write(data)
-    written = len(data)
+    data_path = f"{sdir}/{_rank_stem(rank)}.safetensors"
+    with fs.open(data_path, "wb") as f:  # streamed from the shard's own memory: no serialised copy
+        f.write(head)
+        for (name, lo, start, ln), (b0, b1) in zip(chunks, offsets):
+            view = _as_bytes(flats[name][lo : lo + ln])
+            f.write(view)
+            block = _block_bytes(b1 - b0)
+            index_chunks.append({"tensor": name, "start": start, "length": ln, "offset": len(head) + b0,
+                                 "block": block, "crc32": "".join(f"{c:08x}" for c in _crcs(view, block))})
+    size = len(head) + (offsets[-1][1] if offsets else 0)
+    written = size
     if rank == 0:
         written += write_rank0_meta(fs, sdir, ptc, cfg, shard, step=step, save_id=save_id, extra=extra)
-    written += write_index(fs, sdir, rank, len(data), index_chunks)  # last: marks this part complete
+    written += write_index(fs, sdir, rank, size, index_chunks)  # last: marks this part complete
     if rank == 0 and keep_last is not None:
         _prune(fs, root, keep_last)
     result = SaveResult(step, rank, written, len(chunks), time.perf_counter() - t0, sdir)

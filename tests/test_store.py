@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import urllib.error
@@ -175,10 +176,12 @@ def test_corrupted_copy_falls_back_to_another(tmp_path: Path) -> None:
     try:
         _snapshot_all(servers, cfg, g, step=3, per_host=1)
         _wait_replicated(servers, files=6)
-        # damage host 0's own copy of rank 0's data: flip bytes in the middle of the file
+        # damage host 0's own copy of rank 0's data inside a chunk every new rank reads (a replicated tensor)
         (sdir,) = [d for d in servers[0].root.iterdir() if d.is_dir()]
+        index = json.loads((sdir / "rank-00000.json").read_text())
+        chunk = next(c for c in index["chunks"] if c["tensor"].endswith("norm.weight"))
         data = bytearray((sdir / "rank-00000.safetensors").read_bytes())
-        data[len(data) // 2] ^= 0xFF
+        data[chunk["offset"] + 1] ^= 0xFF
         (sdir / "rank-00000.safetensors").write_bytes(bytes(data))
         local = HostStore(str(servers[0].root), servers[0].address)
         tiers = recovery_tiers(local, [s.address for s in servers], None)
