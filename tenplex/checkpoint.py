@@ -29,7 +29,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..config import ParallelConfig
 from ..data.corpus import TokenCorpus, stdlib_corpus
-from ..data.partition import DataState, global_batch_ids, rank_batch_ids
+from ..data.partition import DataState, global_batch_ids
 from ..elastic import RescaleResult, rescale
 from ..models import ModelSpec, model_ptc, optimizer_names
 from ..ptc import PTC
