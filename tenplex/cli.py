@@ -137,7 +137,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .planner import plan
 
     ptc = model_ptc(args.model, optimizer=not args.no_optimizer, distributed_optimizer=args.distributed_optimizer)
-    result = plan(ptc, args.from_, args.to, alive=args.alive, gpus_per_host=args.gpus_per_host)
+    alive = args.alive
+    if args.locality:
+        from .planner import locality_order
+
+        survivors = alive if alive is not None else list(range(min(args.from_.world_size, args.to.world_size)))
+        alive = locality_order(ptc, args.from_, args.to, survivors)
+    result = plan(ptc, args.from_, args.to, alive=alive, gpus_per_host=args.gpus_per_host)
     s = result.stats
     if args.json:
         out = {"model": args.model, "from": str(args.from_), "to": str(args.to), **s.to_json()}
@@ -289,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alive", type=parse_ranks, default=None,
                    help="old ranks whose devices survive, e.g. 0-5,8 (default: the first new-world-size)")
     p.add_argument("--gpus-per-host", type=int, default=8)
+    p.add_argument("--locality", action="store_true",
+                   help="place new ranks on the survivors that already hold most of their state")
     p.add_argument("--no-optimizer", action="store_true", help="parameters only, no Adam state")
     p.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded across DP")
     p.add_argument("--json", action="store_true", help="print one JSON object")

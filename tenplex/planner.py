@@ -28,7 +28,7 @@ from .errors import PlanError
 from .ptc import PTC
 
 __all__ = ["LOCAL", "SAME_HOST", "CROSS_HOST", "STORAGE", "KIND_NAMES", "Move", "PlanStats", "Plan", "plan", "holder_classes",
-           "intersect", "device_assignment"]
+           "intersect", "device_assignment", "locality_order"]
 
 log = logging.getLogger(__name__)
 
@@ -325,3 +325,43 @@ def _stats(c: dict[str, np.ndarray], old: ParallelConfig, new: ParallelConfig, s
         num_moves=len(nbytes),
         plan_seconds=seconds,
     )
+
+
+def locality_order(
+    ptc: PTC,
+    old_cfg: ParallelConfig,
+    new_cfg: ParallelConfig,
+    survivors: Sequence[int],
+) -> list[int]:
+    """``survivors`` reordered so that new rank i runs where most of its state already is.
+
+    Pass the result as ``plan(..., alive=...)``: new rank i then runs on its i-th entry. The
+    assignment maximises the bytes kept in place (an optimal assignment over the matrix of
+    bytes each surviving device holds of each new rank's shard, solved with
+    ``scipy.optimize.linear_sum_assignment``); survivors left over keep their order at the end.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    surv = np.asarray(list(survivors), dtype=np.int64)
+    if len(np.unique(surv)) != len(surv) or (len(surv) and (surv.min() < 0 or surv.max() >= old_cfg.world_size)):
+        raise PlanError(f"survivors must be distinct old ranks in [0, {old_cfg.world_size}), got {surv.tolist()}")
+    col = np.full(old_cfg.world_size, -1, dtype=np.int64)
+    col[surv] = np.arange(len(surv))
+    held = np.zeros((new_cfg.world_size, len(surv)))
+    for name, spec in ptc.tensors.items():
+        old_t, new_t = ptc.holders(name, old_cfg), ptc.holders(name, new_cfg)
+        if len(old_t) == 0 or len(new_t) == 0:
+            continue
+        c_start, c_end, c_ranks, _ = holder_classes(name, old_t)
+        qi, ci, ps, pe = intersect(new_t.start, new_t.length, c_start, c_end)
+        for k in range(c_ranks.shape[1]):
+            r = c_ranks[ci, k]
+            ok = (r >= 0) & (col[np.maximum(r, 0)] >= 0)
+            np.add.at(held, (new_t.rank[qi][ok], col[r[ok]]), (pe - ps)[ok] * spec.itemsize)
+    rows, cols = linear_sum_assignment(held, maximize=True)
+    order = [-1] * min(new_cfg.world_size, len(surv))
+    for r, c in zip(rows, cols):
+        if r < len(order):
+            order[r] = int(surv[c])
+    used = set(order)
+    return order + [int(s) for s in surv if int(s) not in used]

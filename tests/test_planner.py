@@ -477,3 +477,23 @@ def test_gpt3_175b_scale_down():
     ideal = np.bincount(group, weights=c["nbytes"][cross], minlength=128) / 8
     largest = int(c["nbytes"][cross].max())
     assert s.max_send_bytes <= 1.25 * ideal.max() + largest, (s.max_send_bytes, ideal.max(), largest)
+
+
+def test_locality_order_keeps_state_in_place() -> None:
+    """A DP shrink under PP: the default mapping (new rank i on survivor i) moves most of the
+    state; the locality order puts every new rank where its stage's data already is."""
+    from tenplex.planner import locality_order
+
+    ptc = model_ptc("tiny")
+    old, new = ParallelConfig(dp=4, tp=1, pp=2), ParallelConfig(dp=2, tp=1, pp=2)
+    survivors = list(range(old.world_size))
+    default = plan(ptc, old, new, alive=survivors).stats
+    order = locality_order(ptc, old, new, survivors)
+    assert sorted(order) == survivors
+    better = plan(ptc, old, new, alive=order).stats
+    assert default.bytes_moved > 0
+    assert better.bytes_moved == 0 and better.bytes_local == better.bytes_needed
+    for r in range(new.world_size):  # each new rank sits on an old rank of its own stage
+        assert old.coords(order[r]).pp == new.coords(r).pp
+    with pytest.raises(PlanError):
+        locality_order(ptc, old, new, [0, 0])
