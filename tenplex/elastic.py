@@ -105,23 +105,17 @@ def rescale(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     if tiers:
-        from .store.recovery import _attempts, usable_steps
+        from .store.recovery import find_usable
 
-        usable = usable_steps(tiers)
-        steps = [u[0] for u in usable]
+        usable = find_usable(tiers)  # one scan of the tiers serves the step choice and the load
+        steps = [u.step for u in usable]
     else:
         steps = [s.step for s in list_steps(url, storage_options=storage_options) if s.complete]
     timings["list"] = time.perf_counter() - t0
     previous = None
     if steps:
         if tiers:
-            from .checkpoint import _read_json
-
-            step_, sid, _ = usable[-1]
-            attempt = next(a for a in _attempts(tiers) if a.step == step_ and a.save_id == sid)
-            tier = next(t for t in tiers if t.name in attempt.meta_tiers)
-            manifest, _ = _read_json(tier.fs()[0], f"{attempt.dirs[tier.name]}/manifest.json")
-            manifest["ptc"] = PTC.from_json(manifest["ptc"])
+            manifest = {**usable[-1].manifest, "ptc": PTC.from_json(usable[-1].manifest["ptc"])}
         else:
             manifest = read_manifest(url, steps[-1], storage_options=storage_options)
         saved: PTC = manifest["ptc"]
@@ -155,7 +149,7 @@ def rescale(
     if tiers:
         from .store.recovery import load_tiered
 
-        tiered = load_tiered(tiers, cfg, rank, ptc=ptc, step=steps[-1])
+        tiered = load_tiered(tiers, cfg, rank, ptc=ptc, found=usable[-1])
         res, by_kind = tiered.result, tiered.bytes_by_kind
     else:
         res = load(url, cfg, rank, step=steps[-1], ptc=ptc, storage_options=storage_options)

@@ -24,7 +24,7 @@ from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..ptc import PTC
 
-__all__ = ["Tier", "TieredLoad", "usable_steps", "load_tiered"]
+__all__ = ["Tier", "TieredLoad", "UsableStep", "find_usable", "usable_steps", "load_tiered"]
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,21 @@ def _attempts(tiers: Sequence[Tier]) -> list[_Attempt]:
     return sorted(merged.values(), key=lambda a: a.step)
 
 
-def usable_steps(tiers: Sequence[Tier]) -> list[tuple[int, str, int]]:
-    """``(step, save_id, world_size)`` of every save attempt whose parts all exist somewhere, oldest first."""
+@dataclass(frozen=True)
+class UsableStep:
+    """A save attempt whose parts all exist in some tier, with its manifest (read once)."""
+
+    step: int
+    save_id: str
+    world_size: int
+    attempt: _Attempt
+    manifest: dict[str, Any]
+    manifest_bytes: int
+    meta_tier: Tier
+
+
+def find_usable(tiers: Sequence[Tier]) -> list[UsableStep]:
+    """Every usable save attempt across ``tiers``, oldest first (one scan of every tier)."""
     by_name = {t.name: t for t in tiers}
     out = []
     for a in _attempts(tiers):
@@ -112,14 +125,19 @@ def usable_steps(tiers: Sequence[Tier]) -> list[tuple[int, str, int]]:
         tier = by_name[a.meta_tiers[0]]
         fs, _ = tier.fs()
         try:
-            manifest, _ = _read_json(fs, f"{a.dirs[tier.name]}/manifest.json")
+            manifest, nbytes = _read_json(fs, f"{a.dirs[tier.name]}/manifest.json")
         except Exception:  # noqa: BLE001 - a damaged manifest makes the attempt unusable
             continue
         world = int(manifest.get("world_size", 0))
         have = set().union(*a.ranks.values()) if a.ranks else set()
         if world and set(range(world)) <= have:
-            out.append((a.step, a.save_id, world))
+            out.append(UsableStep(a.step, a.save_id, world, a, manifest, nbytes, tier))
     return out
+
+
+def usable_steps(tiers: Sequence[Tier]) -> list[tuple[int, str, int]]:
+    """``(step, save_id, world_size)`` of every save attempt whose parts all exist somewhere, oldest first."""
+    return [(u.step, u.save_id, u.world_size) for u in find_usable(tiers)]
 
 
 class _TieredReader:
@@ -176,27 +194,27 @@ class _TieredReader:
 
 
 def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: PTC | None = None,
-                step: int | None = None) -> TieredLoad:
+                step: int | None = None, found: UsableStep | None = None) -> TieredLoad:
     """Load ``rank``'s shard under ``cfg`` from the newest step usable across ``tiers``.
 
     Tiers are tried in the given order for every writer rank's part (put the cheapest first).
+    ``found``: the attempt to load, when the caller has already scanned the tiers.
     """
     t0 = time.perf_counter()
-    usable = usable_steps(tiers)
+    usable = [found] if found is not None else find_usable(tiers)
     if step is not None:
-        usable = [u for u in usable if u[0] == step]
+        usable = [u for u in usable if u.step == step]
     if not usable:
         names = ", ".join(f"{t.name}={t.url}" for t in tiers)
         raise CheckpointNotFoundError(f"no step{'' if step is None else f' {step}'} is complete across the tiers "
                                       f"{names}")
-    step_, sid, _ = usable[-1]
-    attempt = next(a for a in _attempts(tiers) if a.step == step_ and a.save_id == sid)
+    chosen = usable[-1]
+    step_, attempt, meta_tier = chosen.step, chosen.attempt, chosen.meta_tier
     reader = _TieredReader(tiers, attempt)
-    meta_tier = next(t for t in tiers if t.name in attempt.meta_tiers)
     fs, _ = meta_tier.fs()
     sdir = attempt.dirs[meta_tier.name]
-    manifest, mbytes = _read_json(fs, f"{sdir}/manifest.json")
-    reader.metadata_bytes += mbytes
+    manifest = chosen.manifest
+    reader.metadata_bytes += chosen.manifest_bytes
     result = load_with_reader(manifest, f"{meta_tier.url} step {step_}", cfg, rank, reader, fs, sdir, ptc=ptc, t0=t0)
     by_kind: dict[str, int] = {}
     for t in tiers:
