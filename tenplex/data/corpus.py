@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 __all__ = ["TokenCorpus", "stdlib_corpus", "BYTE_VOCAB"]
 
@@ -45,13 +44,6 @@ class TokenCorpus:
     @property
     def num_samples(self) -> int:
         return int(self._tokens().size // (self.seq_len + 1))
-
-    def samples(self, ids: np.ndarray) -> torch.Tensor:
-        """Token ids of the given samples, shape (len(ids), seq_len + 1), int64."""
-        toks = self._tokens()
-        n = self.seq_len + 1
-        out = np.stack([np.asarray(toks[i * n : (i + 1) * n]) for i in np.asarray(ids, dtype=np.int64)])
-        return torch.from_numpy(out.astype(np.int64))
 
     def fingerprint(self) -> str:
         st = os.stat(self.path)

@@ -84,7 +84,6 @@ class Trainer:
         self.tc, self.ptc, self.g = tc, ptc, groups
         self.cfg = groups.cfg
         self.spec = ModelSpec.from_json(ptc.meta["model"])
-        self.corpus = corpus
         dev = groups.device
         names = ptc.rank_tensors(self.cfg, groups.rank)
         self.param_names = [n for n in names if not n.startswith("optimizer.")]
