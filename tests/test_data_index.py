@@ -136,6 +136,9 @@ def test_short_or_missing_source_raises_eio(tmp_path, jsonl_data) -> None:  # ty
     with pytest.raises(SourceReadError, match="shorter than indexed") as e:
         r.read(1, int(index.offset[-1]), n)
     assert e.value.errno == errno.EIO
+    with pytest.raises(SourceReadError, match="shorter than indexed"):  # checked before C code reads the fds
+        r.local_fds([1], [index.files[1].size])
+    assert len(r.local_fds([1], [index.files[1].size - 5])) == 1
     os.remove(index.files[0].url)  # deleted while a descriptor is cached: reopened, then ENOENT -> EIO
     with pytest.raises(SourceReadError, match="cannot open"):
         r.read(0, 0, 5)
@@ -162,6 +165,10 @@ def test_rank_view_reads_any_range(tmp_path_factory, data) -> None:  # type: ign
         off = data.draw(st.integers(0, max(0, view.size)))
         size = data.draw(st.integers(0, 300))
         assert view.read(off, size) == whole[off:off + size]
+        # the pieces the mount hands to libfuse's read_buf read the same bytes
+        fds, pos, lens = view.source_pieces(off, size)
+        assert b"".join(os.pread(int(f), int(n), int(p)) for f, p, n in zip(fds, pos, lens)) == whole[off:off + size]
+        assert (lens > 0).all()
         ids_text = "".join(f"{i}\n" for i in ids).encode()
         offs_text = "".join(f"{o}\n" for o in view.cum).encode()
         for lf, text in ((view.ids_file, ids_text), (view.offsets_file, offs_text)):

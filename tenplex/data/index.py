@@ -324,6 +324,26 @@ class SourceReader:
             # the old descriptor (deleted file) is left open: another thread may be reading from it
         return new
 
+    def local_fds(self, fids: Sequence[int], need: Sequence[int]) -> list[int] | None:
+        """Descriptors of local sources ``fids`` after checking each holds ``need[k]`` bytes; None if one is remote.
+
+        For callers that hand the descriptors to C code (the mount's ``read_buf``), so a
+        missing or shrunk source is reported here as :class:`SourceReadError` rather than
+        as a short read.
+        """
+        out = []
+        for fid, n in zip(fids, need):
+            if fid in self._remote:
+                return None
+            fd = self._fd(fid)
+            size = os.fstat(fd).st_size
+            if size < n:
+                raise SourceReadError(
+                    f"source {self.files[fid].url} is shorter than indexed: {size} bytes, reads need {n} (indexed "
+                    f"size {self.files[fid].size}); rebuild the index with `tenplex data index`")
+            out.append(fd)
+        return out
+
     def read(self, fid: int, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` of source ``fid``."""
         if fid in self._remote:

@@ -102,6 +102,10 @@ class RankView:
 
     def _groups(self, offset: int, end: int) -> tuple[list[int], list[int], list[int]]:
         """Source reads (file, start, stop) covering ``[offset, end)``: adjacent samples coalesced."""
+        f, s, e = self._group_arrays(offset, end)
+        return f.tolist(), s.tolist(), e.tolist()
+
+    def _group_arrays(self, offset: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         cum = self.cum
         i = int(np.searchsorted(cum, offset, side="right")) - 1
         j = int(np.searchsorted(cum, end, side="left"))
@@ -111,11 +115,31 @@ class RankView:
         s[0] += offset - int(cum[i])
         e[-1] -= int(cum[j]) - end
         if j - i == 1:
-            return [int(f[0])], [int(s[0])], [int(e[0])]
+            return f, s, e
         brk = np.flatnonzero((f[1:] != f[:-1]) | (s[1:] != e[:-1])) + 1
         first = np.concatenate([np.zeros(1, np.int64), brk])
         last = np.concatenate([brk, np.array([j - i], np.int64)]) - 1
-        return f[first].tolist(), s[first].tolist(), e[last].tolist()
+        return f[first], s[first], e[last]
+
+    def source_pieces(self, offset: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``[offset, offset + size)`` as (descriptor, position, length) arrays of local source reads, in order.
+
+        None when a piece lives on a remote source. Raises :class:`SourceReadError` when a
+        source is missing or shorter than the pieces need. Used by the mount to let libfuse
+        do the reads in C.
+        """
+        end = min(offset + size, self.size)
+        if offset >= end:
+            z = np.zeros(0, np.int64)
+            return z, z, z
+        f, s, e = self._group_arrays(offset, end)
+        fids, inv = np.unique(f, return_inverse=True)
+        need = np.zeros(len(fids), np.int64)
+        np.maximum.at(need, inv, e)
+        fds = self.reader.local_fds(fids.tolist(), need.tolist())
+        if fds is None:
+            return None
+        return np.asarray(fds, np.int64)[inv], s, e - s
 
     def ranges(self, offset: int, size: int) -> tuple[list[int], list[int], list[int]]:
         """Source ranges (file ids, starts, stops) holding ``[offset, offset + size)``, in order."""

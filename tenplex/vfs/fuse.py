@@ -20,6 +20,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ..data.index import DataIndexError, SourceReadError, load_index
 from .control import ControlServer, socket_path
 from .tree import FILE, DatasetTree, Layout, VfsError
@@ -125,6 +127,16 @@ class FuseOps:
         except FileNotFoundError:
             raise self._err(errno.EBADF) from None
 
+    def source_pieces(self, fh: int, offset: int, size: int) -> Any:
+        """(descriptors, positions, lengths) for libfuse to read, or None (see :func:`_fuse_class`)."""
+        try:
+            return self.tree.source_pieces(fh, offset, size)
+        except SourceReadError as e:
+            log.error("read of handle %d [%d, +%d): %s -> EIO", fh, offset, size, e.strerror)
+            raise self._err(errno.EIO) from None
+        except FileNotFoundError:
+            raise self._err(errno.EBADF) from None
+
     def release(self, path: str, fh: int) -> int:
         self.tree.release(fh)
         return 0
@@ -139,16 +151,95 @@ class FuseOps:
         return 0
 
 
-def _fuse_class(mfusepy: Any) -> Any:
-    """mfusepy.FUSE whose read callback writes into libfuse's buffer (no bytes objects, no memmove)."""
+# struct fuse_bufvec {size_t count, idx, off; struct fuse_buf buf[count];} with, in libfuse 3.0-3.16,
+# struct fuse_buf {size_t size; enum flags; void *mem; int fd; off_t pos;} (40 bytes on 64-bit Linux)
+_BUF_DTYPE = np.dtype([("size", "<u8"), ("flags", "<i4"), ("_p1", "<i4"), ("mem", "<u8"), ("fd", "<i4"),
+                       ("_p2", "<i4"), ("pos", "<i8")])
+_BUFVEC_HEADER = 24
+_FUSE_BUF_IS_FD_SEEK = (1 << 1) | (1 << 2)  # FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK
 
-    class ZeroCopyFUSE(mfusepy.FUSE):  # type: ignore[misc, name-defined]
+
+def _read_buf_supported(mfusepy: Any) -> bool:
+    """Whether the fuse_buf layout above is this libfuse's (64-bit Linux, libfuse 3.0-3.16)."""
+    major, minor = getattr(mfusepy, "fuse_version_major", 0), getattr(mfusepy, "fuse_version_minor", 0)
+    return (sys.platform.startswith("linux") and ctypes.sizeof(ctypes.c_void_p) == 8 and major == 3 and minor < 17
+            and _BUF_DTYPE.itemsize == 40)
+
+
+def _keep_reply_buffers() -> None:
+    """Best effort (glibc): keep freed memory instead of returning it to the kernel.
+
+    libfuse allocates a fresh reply buffer per read (1 MiB with the raised read-ahead); with
+    glibc's defaults these are mmapped or trimmed on free, so every request page-faults and
+    zeroes a megabyte, which after a few generations cost more than the reads themselves.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 64 << 20)
+    mallopt(m_trim_threshold, 256 << 20)
+
+
+def _served_by_fuse_class(*args: Any) -> int:
+    raise NotImplementedError("read_buf is handled by the FUSE class (_fuse_class)")
+
+
+def _fuse_class(mfusepy: Any) -> Any:
+    """mfusepy.FUSE with fast reads.
+
+    ``samples.bin`` reads go through libfuse's ``read_buf``: the callback only describes the
+    request as (descriptor, position, length) pieces of the source files, built with numpy,
+    and libfuse reads them in C into its reply buffer, so the cost in Python is per request,
+    not per sample. Other files (and remote sources) are read by ``read_into`` straight into a
+    buffer that libfuse frees. Without a known ``fuse_buf`` layout the plain ``read`` callback
+    fills libfuse's buffer in place.
+    """
+    libc = ctypes.CDLL(None)
+    malloc = libc.malloc
+    malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+
+    class FastReadFUSE(mfusepy.FUSE):  # type: ignore[misc, name-defined]
         def read(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
             addr = ctypes.cast(buf, ctypes.c_void_p).value
             view = memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
             return self.operations.read_into(fip.contents.fh, offset, view)
 
-    return ZeroCopyFUSE
+        def read_buf(self, path: bytes | None, bufpp: Any, size: int, offset: int, fip: Any) -> int:
+            fh = fip.contents.fh
+            pieces = self.operations.source_pieces(fh, offset, size)
+            if pieces is None:  # generated text, remote source: read here into memory libfuse frees
+                mem = malloc(max(size, 1))
+                if not mem:
+                    return -errno.ENOMEM
+                view = memoryview((ctypes.c_char * size).from_address(mem)).cast("B")
+                try:
+                    n = self.operations.read_into(fh, offset, view)
+                except BaseException:
+                    libc.free(ctypes.c_void_p(mem))
+                    raise
+                vec = np.zeros(1, _BUF_DTYPE)
+                vec["size"], vec["mem"] = n, mem
+            else:
+                fds, pos, lens = pieces
+                vec = np.zeros(len(fds), _BUF_DTYPE)
+                vec["size"], vec["flags"], vec["fd"], vec["pos"] = lens, _FUSE_BUF_IS_FD_SEEK, fds, pos
+            head = np.array([len(vec), 0, 0], "<u8")
+            nbytes = _BUFVEC_HEADER + max(len(vec), 1) * _BUF_DTYPE.itemsize
+            out = malloc(nbytes)
+            if not out:
+                return -errno.ENOMEM
+            ctypes.memmove(out, head.ctypes.data, _BUFVEC_HEADER)
+            if len(vec):
+                ctypes.memmove(out + _BUFVEC_HEADER, vec.ctypes.data, vec.nbytes)
+            bufpp[0] = ctypes.cast(out, type(bufpp[0]))
+            return 0
+
+    if not _read_buf_supported(mfusepy):
+        del FastReadFUSE.read_buf
+    return FastReadFUSE
 
 
 def _raise_readahead(mountpoint: str, kib: int, timeout: float = 30.0) -> None:
@@ -186,9 +277,12 @@ def mount(index_url: str, mountpoint: str, layout: Layout, *, keep: int = 4, deb
     tree = DatasetTree(index, layout, keep=keep, extra={"index": index_url, "control": ctl_path})
     control = ControlServer(tree, ctl_path).start()
     # the mount's own `mfusepy` class needs the Operations base for its introspection
-    ops = type("TenplexFS", (FuseOps, mfusepy.Operations), {})(tree, mfusepy)
+    # read_buf is served by the FUSE class itself; the operations only need the name for mfusepy to wire it
+    fast = {"read_buf": _served_by_fuse_class} if _read_buf_supported(mfusepy) else {}
+    ops = type("TenplexFS", (FuseOps, mfusepy.Operations), fast)(tree, mfusepy)
     log.info("mounting %s at %s: %d samples, dp=%d, progress=%d", index_url, mp, index.num_samples, layout.dp,
              layout.progress)
+    _keep_reply_buffers()
     if read_ahead_kib:
         threading.Thread(target=_raise_readahead, args=(mp, read_ahead_kib), daemon=True).start()
     try:

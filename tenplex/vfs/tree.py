@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from ..data.index import DataIndex, SourceReader
 from ..data.partition import DataState, _check_dp, stream_end
 from ..data.view import LineFile, RankView, rank_view
@@ -296,6 +298,17 @@ class DatasetTree:
         data = content.read(offset, len(buf))
         buf[: len(data)] = data
         return len(data)
+
+    def source_pieces(self, fh: int, offset: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """An open ``samples.bin``'s bytes ``[offset, offset + size)`` as local source reads (see
+        :meth:`RankView.source_pieces`); None for other files or remote sources (use :meth:`read_handle_into`)."""
+        try:
+            _, content = self._handles[fh]
+        except KeyError:
+            raise FileNotFoundError(f"no open file handle {fh}") from None
+        if isinstance(content, RankView):
+            return content.source_pieces(offset, size)
+        return None
 
     def release(self, fh: int) -> None:
         with self._lock:
