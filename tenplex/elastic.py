@@ -20,6 +20,7 @@ from .config import ParallelConfig
 from .errors import CheckpointMismatchError, LayoutError
 from .planner import PlanStats, plan
 from .ptc import PTC
+from .topology import Topology
 
 __all__ = ["RescaleResult", "rescale", "env_world"]
 
@@ -86,6 +87,7 @@ def rescale(
     gpus_per_host: int = 8,
     storage_options: Mapping[str, Any] | None = None,
     tiers: Sequence[Any] | None = None,
+    topology: Topology | None = None,
 ) -> RescaleResult:
     """Pick this worker's layout and load its state from the latest complete checkpoint.
 
@@ -97,7 +99,9 @@ def rescale(
     ``tiers`` (``tenplex.store.Tier``, cheapest first: this host's store, peer stores,
     persistent storage) switches to tiered recovery: the newest step whose parts all exist in
     some tier is loaded, each part from the cheapest tier holding an intact copy; ``url`` is
-    then only used when ``tiers`` is empty.
+    then only used when ``tiers`` is empty. Reads from peer stores follow the recovery
+    schedule's rounds (``tenplex.store.recovery.load_tiered``) over ``topology`` (default:
+    hosts of ``gpus_per_host`` GPUs with ``RECOVERY_LINKS``).
     """
     env_rank, env_size = env_world()
     rank = env_rank if rank is None else rank
@@ -149,7 +153,8 @@ def rescale(
     if tiers:
         from .store.recovery import load_tiered
 
-        tiered = load_tiered(tiers, cfg, rank, ptc=ptc, found=usable[-1])
+        tiered = load_tiered(tiers, cfg, rank, ptc=ptc, found=usable[-1], gpus_per_host=gpus_per_host,
+                             topology=topology)
         res, by_kind = tiered.result, tiered.bytes_by_kind
     else:
         res = load(url, cfg, rank, step=steps[-1], ptc=ptc, storage_options=storage_options)

@@ -5,26 +5,39 @@ replicas of others'), then persistent storage. A step is usable when every rank 
 save attempt exists in some tier; the newest usable step is chosen, and steps are never
 mixed. A part that fails its size or checksum test in one tier is read from the next tier
 that has it.
+
+Reads between hosts follow a transfer schedule (``tenplex.schedule``) computed alike on every
+rank from the repartition plan and the stores' contents: this rank's peer reads run round by
+round in the schedule's order (see docs/store.md, "Reads in rounds").
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
+import numpy as np
 import torch
 
-from ..checkpoint import LoadResult, _read_json, _Reader, load_with_reader
+from ..checkpoint import LoadResult, _read_json, _Reader, load_with_reader, read_shard, writer_assignment
 from ..config import ParallelConfig
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ..planner import plan as plan_moves
 from ..ptc import PTC
+from ..schedule import Demands, Schedule, schedule
+from ..topology import Topology
 
-__all__ = ["Tier", "TieredLoad", "UsableStep", "find_usable", "usable_steps", "load_tiered"]
+__all__ = ["Tier", "TieredLoad", "UsableStep", "find_usable", "usable_steps", "load_tiered", "RECOVERY_LINKS",
+           "RecoveryPlan", "plan_recovery", "PeerRead", "RecoveryRounds"]
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +70,67 @@ class _Attempt:
 
 
 @dataclass(frozen=True)
+class PeerRead:
+    """One verified read from a peer store: ``length`` elements of ``tensor`` from global offset
+    ``start``, out of writer rank ``writer``'s part; ``nbytes`` read (checksum blocks included);
+    ``round``: the schedule round it ran in (-1: after the rounds, not covered by the schedule);
+    ``started`` / ``finished``: ``time.perf_counter()`` around the read."""
+
+    round: int
+    tier: str
+    writer: int
+    tensor: str
+    start: int
+    length: int
+    nbytes: int
+    started: float
+    finished: float
+
+
+@dataclass(frozen=True)
+class RecoveryRounds:
+    """How a tiered load ordered its reads between hosts.
+
+    ``followed``: the peer reads ran in the schedule's rounds; otherwise ``reason`` says why
+    they ran in the order the shard asks for them (as without a schedule). ``executed``: this
+    rank's peer reads, one tuple per round run, rounds in execution order. ``schedule_rounds``:
+    rounds of the whole schedule (all ranks). ``unscheduled``: peer reads the schedule did not
+    cover (fallbacks to a peer copy excluded), run after the rounds.
+    """
+
+    followed: bool
+    reason: str = ""
+    method: str = ""
+    schedule_rounds: int = 0
+    solve_seconds: float = 0.0
+    executed: tuple[tuple[PeerRead, ...], ...] = ()
+    unscheduled: tuple[PeerRead, ...] = ()
+
+    @property
+    def rounds(self) -> int:
+        """Rounds in which this rank read from peers."""
+        return len(self.executed)
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """Schedule round of each executed round, in execution order."""
+        return tuple(rnd[0].round for rnd in self.executed)
+
+    @property
+    def bytes_per_round(self) -> tuple[int, ...]:
+        return tuple(sum(r.nbytes for r in rnd) for rnd in self.executed)
+
+
+@dataclass(frozen=True)
 class TieredLoad:
-    """A tiered load's result plus where the bytes came from."""
+    """A tiered load's result plus where the bytes came from and how peer reads were ordered."""
 
     result: LoadResult
     bytes_by_tier: dict[str, int]
     bytes_by_kind: dict[str, int]
     fallbacks: int
     tiers_used: dict[int, str] = field(default_factory=dict)  # writer rank -> tier read from
+    rounds: RecoveryRounds = field(default_factory=lambda: RecoveryRounds(False, "not scheduled"))
 
 
 def _scan_tier(tier: Tier) -> dict[tuple[int, str], tuple[str, set[int], bool]]:
@@ -140,44 +206,253 @@ def usable_steps(tiers: Sequence[Tier]) -> list[tuple[int, str, int]]:
     return [(u.step, u.save_id, u.world_size) for u in find_usable(tiers)]
 
 
+# ---------------------------------------------------------------------------------------------
+# the schedule of reads between hosts
+# ---------------------------------------------------------------------------------------------
+RECOVERY_LINKS = "nvlink=300GB/s,pcie=32GB/s,nic=50GB/s"
+"""Links of the default recovery topology (``hosts`` and ``gpus`` are derived; see ``plan_recovery``)."""
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """The schedule of every new rank's reads between host stores, seen from one rank.
+
+    ``hosts[h]``: the tier name of host h's store ("" for a host without one). ``gpu``: this
+    rank's GPU node. ``deliveries[k]``: the ``(tensor, start, length)`` element intervals that
+    round k of ``schedule.rounds()`` delivers to this rank (empty tuple where none).
+    ``schedule`` is None when no rank reads from a peer store.
+    """
+
+    schedule: Schedule | None
+    topology: Topology
+    hosts: tuple[str, ...]
+    gpu: str
+    deliveries: tuple[tuple[tuple[str, int, int], ...], ...]
+    seconds: float
+
+
+def _host_stores(tiers: Sequence[Tier], topology: Topology, my_host: int) -> tuple[str, ...]:
+    """Tier name of each host's store: the local tier on this rank's host, peers on the others in order."""
+    hosts = sorted({d["host"] for _, d in topology.graph.nodes(data=True) if d.get("kind") == "host"})
+    if hosts != list(range(len(hosts))):
+        raise ConfigError(f"the recovery topology's host memories must be numbered 0..n-1, got {hosts}")
+    out = [""] * len(hosts)
+    local = [t for t in tiers if t.kind == "local"]
+    peers = [t for t in tiers if t.kind == "peer"]
+    if local:
+        out[my_host] = local[0].name
+    free = [h for h in range(len(hosts)) if h != my_host]
+    if len(peers) > len(free):
+        raise ConfigError(f"the recovery topology has {len(hosts)} hosts but the tiers name {len(peers)} peer "
+                          f"stores besides this host's; pass a topology with more hosts")
+    for h, t in zip(free, peers):
+        out[h] = t.name
+    return tuple(out)
+
+
+def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *,
+                  gpus_per_host: int = 8, topology: Topology | None = None, method: str = "greedy",
+                  time_limit: float = 2.0) -> RecoveryPlan:
+    """Schedule the reads between host stores that loading ``found`` under ``cfg`` needs.
+
+    Every rank computes the same schedule (with the deterministic ``greedy`` method), so the
+    rounds coordinate the whole cluster without messages. The model: new rank i runs on the
+    topology's GPU of device i (by default host ``i // gpus_per_host``, the order torchrun
+    places ranks in); this host's store is the memory of this rank's host and the peer tiers
+    are the other hosts' memories in tier order (list the stores in the same order on every
+    host, as ``TENPLEX_STORES`` does). The repartition plan gives the pieces every new rank
+    needs; a piece whose writer rank's part is not in its host's store is read from the first
+    other store holding the part (the tier order of the reads), a flow from that host's
+    memory to the GPUs of the new ranks that need it (one flow for all of them: multicast).
+    ``topology``: default ``Topology.from_spec("hosts=H,gpus=G," + RECOVERY_LINKS)`` with G =
+    ``gpus_per_host`` and H the number of stores or of hosts the new world needs, whichever
+    is larger.
+    """
+    t0 = time.perf_counter()
+    manifest = found.manifest
+    saved = PTC.from_json(manifest["ptc"])
+    old = ParallelConfig.parse(manifest["layout"])
+    stores = [t for t in tiers if t.kind in ("local", "peer")]
+    if topology is None:
+        hosts_needed = max(len(stores) + (not any(t.kind == "local" for t in stores)),
+                           math.ceil(cfg.world_size / gpus_per_host))
+        topology = Topology.from_spec(f"hosts={hosts_needed},gpus={gpus_per_host},{RECOVERY_LINKS}")
+    moves = plan_moves(saved, old, cfg, gpus_per_host=topology.gpus_per_host)
+    gpu_of = [topology.gpu(int(d)) for d in moves.devices]
+    host_of = [int(topology.host_of(g)) for g in gpu_of]
+    hosts = _host_stores(tiers, topology, host_of[rank])
+    mem = {int(d["host"]): str(n) for n, d in topology.graph.nodes(data=True) if d.get("kind") == "host"}
+    holds = [found.attempt.ranks.get(name, set()) if name else set() for name in hosts]
+
+    # writer rank of every chunk, per tensor, sorted by start (chunks are the old layout's holder classes)
+    chunk_starts: dict[int, np.ndarray] = {}
+    chunk_writers: dict[int, np.ndarray] = {}
+    tindex = {n: i for i, n in enumerate(moves.tensor_names)}
+    rows: dict[int, list[tuple[int, int]]] = {}
+    for w, chunks in writer_assignment(saved, old).items():
+        for name, _, start, _ in chunks:
+            rows.setdefault(tindex[name], []).append((start, w))
+    for ti, r in rows.items():
+        arr = np.array(sorted(r), dtype=np.int64)
+        chunk_starts[ti], chunk_writers[ti] = arr[:, 0], arr[:, 1]
+
+    source: dict[tuple[int, int], int] = {}  # (destination host, writer) -> source host, -1: none
+
+    def source_host(h: int, w: int) -> int:
+        if (h, w) not in source:
+            source[(h, w)] = -1 if w in holds[h] else next(
+                (o for o in range(len(hosts)) if o != h and w in holds[o]), -1)
+        return source[(h, w)]
+
+    c = moves.columns
+    pieces: dict[tuple[int, int, int, int], set[str]] = {}  # (source host, tensor, start, length) -> GPUs
+    for ti in np.unique(c["tensor"]).tolist():
+        sel = np.flatnonzero(c["tensor"] == ti)
+        starts = c["start"][sel]
+        writers = chunk_writers[ti][np.searchsorted(chunk_starts[ti], starts, side="right") - 1]
+        for i, s, ln, w in zip(c["new_rank"][sel].tolist(), starts.tolist(), c["length"][sel].tolist(),
+                               writers.tolist()):
+            src = source_host(host_of[i], w)
+            if src >= 0:
+                pieces.setdefault((src, ti, s, ln), set()).add(gpu_of[i])
+    # one flow per (source host, destination GPUs): its pieces back to back, in a fixed order
+    flows: dict[tuple[str, tuple[str, ...]], list[tuple[int, int, int]]] = {}
+    for (src, ti, s, ln), dests in sorted(pieces.items()):
+        flows.setdefault((mem[src], tuple(sorted(dests))), []).append((ti, s, ln))
+    keys = sorted(flows)
+    my_gpu = gpu_of[rank]
+    if not keys:
+        return RecoveryPlan(None, topology, hosts, my_gpu, (), time.perf_counter() - t0)
+    itemsize = [saved.tensors[n].itemsize for n in moves.tensor_names]
+    offsets = []  # per flow: byte offset of each piece
+    sizes = []
+    for k in keys:
+        off = np.cumsum([0] + [ln * itemsize[ti] for ti, _, ln in flows[k]])
+        offsets.append(off.tolist())
+        sizes.append(int(off[-1]))
+    dem = Demands.of([((src,), dests, n) for (src, dests), n in zip(keys, sizes)])
+    sched = schedule(dem, topology, method=method, time_limit=time_limit)
+    deliveries = []
+    for rnd in sched.rounds():
+        got = []
+        for x in rnd:  # Demands.of: transfer "tensor" i is flow i, start/length in bytes
+            f = int(x.tensor)
+            if x.dst != my_gpu or my_gpu not in keys[f][1]:
+                continue
+            lo, hi = x.start, x.start + x.length
+            off = offsets[f]
+            p = bisect.bisect_right(off, lo) - 1
+            while p < len(flows[keys[f]]) and off[p] < hi:
+                ti, s, _ = flows[keys[f]][p]
+                a, b = max(lo, off[p]) - off[p], min(hi, off[p + 1]) - off[p]
+                if b > a:
+                    sz = itemsize[ti]
+                    got.append((moves.tensor_names[ti], s + a // sz, -(-b // sz) - a // sz))
+                p += 1
+        deliveries.append(tuple(got))
+    seconds = time.perf_counter() - t0
+    log.info("recovery schedule for rank %d: %d flows between %d hosts, %d rounds (%s, %.3fs)", rank, len(keys),
+             len(hosts), len(deliveries), sched.method, seconds)
+    return RecoveryPlan(sched, topology, hosts, my_gpu, tuple(deliveries), seconds)
+
+
+_Index = dict[str, tuple[list[int], list[int], list[int]]]
+
+
+def _first_rounds(deliveries: Sequence[Sequence[tuple[str, int, int]]]) -> _Index:
+    """Per tensor: starts, ends and round of every interval delivered, sorted by start."""
+    by: dict[str, list[tuple[int, int, int]]] = {}
+    for k, rnd in enumerate(deliveries):
+        for name, s, ln in rnd:
+            by.setdefault(name, []).append((s, s + ln, k))
+    out = {}
+    for name, iv in by.items():
+        iv.sort()
+        out[name] = ([a for a, _, _ in iv], [b for _, b, _ in iv], [k for _, _, k in iv])
+    return out
+
+
+def _round_of(index: _Index, name: str, lo: int, hi: int) -> int:
+    """The first round delivering any element of ``name[lo:hi]`` (-1: none)."""
+    if name not in index:
+        return -1
+    starts, ends, rnds = index[name]
+    best = -1
+    i = max(bisect.bisect_right(starts, lo) - 1, 0)  # delivered intervals are disjoint
+    while i < len(starts) and starts[i] < hi:
+        if ends[i] > lo and (best < 0 or rnds[i] < best):
+            best = rnds[i]
+        i += 1
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# readers
+# ---------------------------------------------------------------------------------------------
 class _TieredReader:
-    """Reads a writer rank's chunks from the first tier that has its part; falls back on corruption."""
+    """Reads a writer rank's chunks from the first tier that has its part; falls back on corruption.
+
+    Safe to call from several threads: each thread gets its own reader per tier (sharing the
+    tier's parsed indexes), and the shared bookkeeping is updated under a lock.
+    """
 
     def __init__(self, tiers: Sequence[Tier], attempt: _Attempt) -> None:
         self.tiers = [t for t in tiers if t.name in attempt.dirs]
         self.attempt = attempt
-        self.readers: dict[str, _Reader] = {}
+        self.readers: dict[tuple[str, int], _Reader] = {}  # (tier, thread) -> reader
+        self.indexes: dict[str, dict[int, Any]] = {}  # tier -> parsed rank indexes, shared by threads
         self.choice: dict[int, list[str]] = {}
         self.bytes_by_tier: dict[str, int] = {}
         self.fallbacks = 0
         self.metadata_bytes = 0
+        self.lock = threading.Lock()
 
     def _reader(self, tier: Tier) -> _Reader:
-        if tier.name not in self.readers:
+        key = (tier.name, threading.get_ident())
+        reader = self.readers.get(key)
+        if reader is None:
             fs, _ = tier.fs()
-            self.readers[tier.name] = _Reader(fs, self.attempt.dirs[tier.name])
-        return self.readers[tier.name]
+            reader = _Reader(fs, self.attempt.dirs[tier.name])
+            with self.lock:
+                reader.indexes = self.indexes.setdefault(tier.name, {})
+                self.readers[key] = reader
+        return reader
 
-    def read(self, rank: int, name: str, chunk_start: int, a: int, b: int, dtype: torch.dtype,
-             itemsize: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        if rank not in self.choice:
-            self.choice[rank] = [t.name for t in self.tiers if rank in self.attempt.ranks.get(t.name, set())]
+    def tier_of(self, rank: int) -> Tier | None:
+        """The tier ``rank``'s part is read from now (None: no tier left)."""
+        with self.lock:
+            if rank not in self.choice:
+                self.choice[rank] = [t.name for t in self.tiers if rank in self.attempt.ranks.get(t.name, set())]
+            names = self.choice[rank]
+            return next(t for t in self.tiers if t.name == names[0]) if names else None
+
+    def read_counted(self, rank: int, name: str, chunk_start: int, a: int, b: int, dtype: torch.dtype,
+                     itemsize: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, str]:
+        """Like ``read``, plus the bytes read (as counted in ``bytes_by_tier``) and the tier that served it."""
         errors = []
-        while self.choice[rank]:
-            tier = next(t for t in self.tiers if t.name == self.choice[rank][0])
+        while (tier := self.tier_of(rank)) is not None:
             reader = self._reader(tier)
             before = reader.bytes_read
             try:
                 got = reader.read(rank, name, chunk_start, a, b, dtype, itemsize, out=out)
-                self.bytes_by_tier[tier.name] = self.bytes_by_tier.get(tier.name, 0) + reader.bytes_read - before
-                return got
             except (CheckpointCorruptError, CheckpointNotFoundError, OSError) as e:
                 log.warning("rank part %d in tier %s is unusable (%s); trying the next copy", rank, tier.name, e)
                 errors.append(f"{tier.name}: {e}")
-                self.choice[rank].pop(0)
-                self.fallbacks += 1
+                with self.lock:
+                    if self.choice[rank] and self.choice[rank][0] == tier.name:
+                        self.choice[rank].pop(0)
+                        self.fallbacks += 1
+                continue
+            n = reader.bytes_read - before
+            with self.lock:
+                self.bytes_by_tier[tier.name] = self.bytes_by_tier.get(tier.name, 0) + n
+            return got, n, tier.name
         raise CheckpointCorruptError(f"no usable copy of rank {rank}'s part of step {self.attempt.step}: "
                                      + "; ".join(errors or ["no tier holds it"]))
+
+    def read(self, rank: int, name: str, chunk_start: int, a: int, b: int, dtype: torch.dtype,
+             itemsize: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.read_counted(rank, name, chunk_start, a, b, dtype, itemsize, out)[0]
 
     @property
     def bytes_read(self) -> int:
@@ -193,12 +468,178 @@ class _TieredReader:
         self.metadata_bytes += sum(r.metadata_bytes for r in self.readers.values())
 
 
+@dataclass(frozen=True)
+class _Request:
+    """A read ``read_shard`` asks for: elements [a, b) of ``writer``'s chunk of ``tensor`` at ``chunk_start``."""
+
+    writer: int
+    tensor: str
+    chunk_start: int
+    a: int
+    b: int
+    dtype: torch.dtype
+    itemsize: int
+
+
+class _Recorder:
+    """A reader that only notes what ``read_shard`` asks for (the data it leaves unread is discarded)."""
+
+    def __init__(self) -> None:
+        self.requests: list[_Request] = []
+
+    def read(self, rank: int, name: str, chunk_start: int, a: int, b: int, dtype: torch.dtype, itemsize: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        self.requests.append(_Request(rank, name, chunk_start, a, b, dtype, itemsize))
+        return out if out is not None else torch.empty(b - a, dtype=dtype)
+
+
+class _RoundsReader(_TieredReader):
+    """A tiered reader whose peer reads follow the recovery schedule's rounds.
+
+    On the first read it plans (``plan_recovery``), lists every read the shard needs, and runs
+    them: local-store reads first, then peer reads round by round (a round's reads at once in
+    a thread pool, the next round when they are all done), then storage reads and peer reads
+    the schedule does not cover. ``read_shard`` is then served from the buffers, in its own
+    order. When planning fails it logs why and reads as ``_TieredReader`` does.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], found: UsableStep, cfg: ParallelConfig, rank: int, *,
+                 gpus_per_host: int, topology: Topology | None, method: str, time_limit: float,
+                 max_workers: int, barrier: bool) -> None:
+        super().__init__(tiers, found.attempt)
+        self.all_tiers, self.found, self.cfg, self.rank = tiers, found, cfg, rank
+        self.options = {"gpus_per_host": gpus_per_host, "topology": topology, "method": method,
+                        "time_limit": time_limit}
+        self.max_workers, self.barrier = max_workers, barrier
+        self.report = RecoveryRounds(False, "no read")
+        self.buffers: list[torch.Tensor] | None = None
+        self.requests: list[_Request] = []
+        self.served = 0
+        self.prepared = False
+
+    def read(self, rank: int, name: str, chunk_start: int, a: int, b: int, dtype: torch.dtype,
+             itemsize: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.prepared:
+            self.prepared = True
+            self._prepare()
+        if self.buffers is None:
+            return super().read(rank, name, chunk_start, a, b, dtype, itemsize, out)
+        i = self.served
+        if i >= len(self.requests) or self.requests[i] != _Request(rank, name, chunk_start, a, b, dtype, itemsize):
+            raise RuntimeError(f"read {i} of {name}@{chunk_start}[{a}:{b}] from rank {rank} was not prefetched: "
+                               "read_shard asked for its reads in another order")
+        self.served += 1
+        buf = self.buffers[i]
+        self.buffers[i] = buf[:0]  # free it once served
+        if out is None:
+            return buf
+        out.copy_(buf)
+        return out
+
+    def _plan(self) -> RecoveryPlan | None:
+        """The recovery plan, or None (logged) when scheduling fails or outlasts its time limit."""
+        limit = float(self.options["time_limit"])
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["plan"] = plan_recovery(self.found, self.all_tiers, self.cfg, self.rank, **self.options)
+            except Exception as e:  # noqa: BLE001 - any failure falls back to unscheduled reads
+                box["error"] = e
+
+        th = threading.Thread(target=run, name="tenplex-recovery-schedule", daemon=True)
+        th.start()
+        th.join(limit + max(1.0, limit))  # the schedule itself returns within about its limit
+        if th.is_alive():
+            self.report = RecoveryRounds(False, f"scheduling took longer than {limit + max(1.0, limit):.1f}s")
+        elif "error" in box:
+            e = box["error"]
+            self.report = RecoveryRounds(False, f"scheduling failed: {type(e).__name__}: {e}")
+        else:
+            return box["plan"]
+        log.warning("rank %d reads peer stores without a schedule: %s", self.rank, self.report.reason)
+        return None
+
+    def _prepare(self) -> None:
+        if not any(t.kind == "peer" for t in self.tiers):
+            self.report = RecoveryRounds(False, "no peer store holds a part of this step")
+            return
+        rplan = self._plan()
+        if rplan is None:
+            return
+        saved = PTC.from_json(self.found.manifest["ptc"])
+        old = ParallelConfig.parse(self.found.manifest["layout"])
+        rec = _Recorder()
+        read_shard(saved, old, self.cfg, self.rank, rec)
+        self.requests = rec.requests
+        index = _first_rounds(rplan.deliveries)
+        local, storage, late = [], [], []
+        by_round: dict[int, list[int]] = {}
+        for i, q in enumerate(self.requests):
+            tier = self.tier_of(q.writer)
+            if tier is None or tier.kind == "local":
+                local.append(i)  # (no tier: raises in order, as without a schedule)
+            elif tier.kind == "storage":
+                storage.append(i)
+            else:
+                k = _round_of(index, q.tensor, q.chunk_start + q.a, q.chunk_start + q.b)
+                (by_round.setdefault(k, []) if k >= 0 else late).append(i)
+        self.buffers = [torch.empty(0)] * len(self.requests)
+        for i in local:
+            self.buffers[i] = self.read_counted(*self._args(i))[0]
+        use_barrier = self.barrier and torch.distributed.is_available() and torch.distributed.is_initialized()
+        n_rounds = len(rplan.deliveries)
+        executed = []
+        with ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="tenplex-recovery") as pool:
+            for k in range(n_rounds) if use_barrier else sorted(by_round):
+                reads = list(pool.map(lambda i, k=k: self._peer_read(i, k), by_round.get(k, [])))
+                if reads:
+                    executed.append(tuple(reads))
+                if use_barrier:
+                    torch.distributed.barrier()
+        unscheduled = tuple(self._peer_read(i, -1) for i in late)
+        if late:
+            log.warning("rank %d: %d peer reads are not in the recovery schedule; read after its rounds", self.rank,
+                        len(late))
+        for i in storage:
+            self.buffers[i] = self.read_counted(*self._args(i))[0]
+        self.report = RecoveryRounds(True, "", rplan.schedule.method if rplan.schedule else "", n_rounds,
+                                     rplan.seconds, tuple(executed), unscheduled)
+        if executed:
+            log.info("rank %d read peers in %d rounds of %d: %s bytes", self.rank, len(executed), n_rounds,
+                     list(self.report.bytes_per_round))
+
+    def _args(self, i: int) -> tuple[Any, ...]:
+        q = self.requests[i]
+        return q.writer, q.tensor, q.chunk_start, q.a, q.b, q.dtype, q.itemsize
+
+    def _peer_read(self, i: int, k: int) -> PeerRead:
+        q = self.requests[i]
+        t0 = time.perf_counter()
+        buf, n, tier = self.read_counted(*self._args(i))
+        self.buffers[i] = buf
+        return PeerRead(k, tier, q.writer, q.tensor, q.chunk_start + q.a, q.b - q.a, n, t0, time.perf_counter())
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------------
 def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: PTC | None = None,
-                step: int | None = None, found: UsableStep | None = None) -> TieredLoad:
+                step: int | None = None, found: UsableStep | None = None, rounds: bool = True,
+                gpus_per_host: int = 8, topology: Topology | None = None, method: str = "greedy",
+                time_limit: float = 2.0, max_workers: int = 8, barrier: bool = False) -> TieredLoad:
     """Load ``rank``'s shard under ``cfg`` from the newest step usable across ``tiers``.
 
     Tiers are tried in the given order for every writer rank's part (put the cheapest first).
     ``found``: the attempt to load, when the caller has already scanned the tiers.
+
+    ``rounds`` (default): reads from peer stores follow the recovery schedule
+    (``plan_recovery`` with ``gpus_per_host``, ``topology``, ``method``, ``time_limit``),
+    round by round, up to ``max_workers`` reads of a round at once; ``barrier`` adds a
+    ``torch.distributed.barrier()`` after every round of the schedule when a process group
+    is initialised (every rank must then compute the same schedule and load at the same
+    time). If scheduling fails or takes too long, the reads run unscheduled (logged, and
+    ``TieredLoad.rounds.reason`` says why). Bytes read are the same either way.
     """
     t0 = time.perf_counter()
     usable = [found] if found is not None else find_usable(tiers)
@@ -210,7 +651,12 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
                                       f"{names}")
     chosen = usable[-1]
     step_, attempt, meta_tier = chosen.step, chosen.attempt, chosen.meta_tier
-    reader = _TieredReader(tiers, attempt)
+    reader: _TieredReader
+    if rounds:
+        reader = _RoundsReader(tiers, chosen, cfg, rank, gpus_per_host=gpus_per_host, topology=topology,
+                               method=method, time_limit=time_limit, max_workers=max_workers, barrier=barrier)
+    else:
+        reader = _TieredReader(tiers, attempt)
     fs, _ = meta_tier.fs()
     sdir = attempt.dirs[meta_tier.name]
     manifest = chosen.manifest
@@ -220,4 +666,5 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
     for t in tiers:
         by_kind[t.kind] = by_kind.get(t.kind, 0) + reader.bytes_by_tier.get(t.name, 0)
     used = {r: names[0] for r, names in reader.choice.items() if names}
-    return TieredLoad(result, dict(reader.bytes_by_tier), by_kind, reader.fallbacks, used)
+    report = reader.report if isinstance(reader, _RoundsReader) else RecoveryRounds(False, "disabled (rounds=False)")
+    return TieredLoad(result, dict(reader.bytes_by_tier), by_kind, reader.fallbacks, used, report)
