@@ -145,9 +145,13 @@ def write_md(rows: list[dict], meta: dict, path: Path) -> None:
               "parameters to new DP replicas through host memory; scale-down: replica choice spreading NIC load); "
               "the others are bound by one link whichever schedule runs (storage after a host loss; the "
               "destination hosts' NICs in the reshape), so naive is already at the bound there;",
-              f"- solver under a tenth of the transfer time: {fast} of {len(rows)} cases; the rest take 0.1 to "
-              f"{max(r['solve_fraction'] for r in rows):.2f} of it (Python-bound grouping of the plan and list "
-              "scheduling, 30 to 150 ms on this machine, against transfers of 0.15 to 2 s).",
+              f"- solver under a tenth of the transfer time: {fast} of {len(rows)} cases"
+              + ("." if fast == len(rows) else
+                 f"; the others take up to {max(r['solve_fraction'] for r in rows):.2f} of it (solve "
+                 f"{min(r['auto']['solve_s'] for r in rows) * 1e3:.0f} to "
+                 f"{max(r['auto']['solve_s'] for r in rows) * 1e3:.0f} ms, of which grouping the plan into "
+                 f"demands {min(r['demands_s'] for r in rows) * 1e3:.0f} to "
+                 f"{max(r['demands_s'] for r in rows) * 1e3:.0f} ms)."),
               "", f"Worst schedule / lower bound: {worst:.3f}. "
               f"Naive / schedule ranges {min(r['naive_vs_schedule'] for r in rows):.2f} to "
               f"{max(r['naive_vs_schedule'] for r in rows):.2f}. Solve / transfer ranges "

@@ -26,6 +26,7 @@ source choice and multicast) and :meth:`Schedule.rounds` (the transfer order for
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -49,6 +50,7 @@ _TARGET_CHUNKS = 2000
 _TARGET_EPOCHS = 128
 _MILP_MAX_VARS = 20000
 _MILP_ROUNDS_MAX = 200_000  # option x epoch pairs beyond which even rounds take too long
+_PACE = 0.9  # sources release chunks at this fraction of the lower bound's pace (see _schedule_demands)
 _GOOD_ENOUGH = 1.03  # auto stops at the greedy schedule when it is this close to the lower bound
 
 
@@ -375,7 +377,7 @@ def _alt_path(topology: Topology, s: str, d: str, first: tuple[str, ...], ref: f
     return tuple(p) if tuple(p) != first else None
 
 
-def _options(topology: Topology, dem: Demands, ref: float, alt: bool, trees_only: bool = False) -> list[list[_Option]]:
+def _options(topology: Topology, dem: Demands, ref: float, alt: bool) -> list[list[_Option]]:
     """Route options per commodity: per source a shortest-path tree to all destinations; with several
     destinations also per (source, destination) paths; with ``alt`` a second, link-avoiding path."""
     out: list[list[_Option]] = []
@@ -391,8 +393,6 @@ def _options(topology: Topology, dem: Demands, ref: float, alt: bool, trees_only
             if tree is None:
                 tree = memo[(s, com.dests)] = _option(topology, k, s, {d: tuple(sp[d]) for d in com.dests})
             opts.append(dataclasses.replace(tree, commodity=k))
-            if trees_only:
-                continue
             for d in com.dests:
                 if len(com.dests) > 1:
                     opts.append(_option(topology, k, s, {d: tuple(sp[d])}))
@@ -404,17 +404,222 @@ def _options(topology: Topology, dem: Demands, ref: float, alt: bool, trees_only
     return out
 
 
+# -- topology data and routes in bulk ----------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
+class _Routes:
+    """Routes (forests of hops) concatenated: route r's hops are ``start[r]:start[r + 1]``, with
+    parents as offsets within the route (-1 at a source); ``of_chunk``: the route of every chunk."""
+
+    hop_link: np.ndarray
+    hop_parent: np.ndarray
+    start: np.ndarray
+    of_chunk: np.ndarray
+
+    @classmethod
+    def of(cls, forests: list[tuple[np.ndarray, np.ndarray]], of_chunk: np.ndarray) -> _Routes:
+        n = np.array([len(hl) for hl, _ in forests], dtype=np.int64)
+        return cls(np.concatenate([hl for hl, _ in forests]), np.concatenate([hp for _, hp in forests]),
+                   np.concatenate([[0], np.cumsum(n)]), of_chunk)
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
+class _Net:
+    """Topology data the scheduler reuses: fastest paths between all node pairs for one message size."""
+
+    nodes: list[str]
+    idx: dict[str, int]
+    host: np.ndarray  # host index per node, -1 where none
+    dist: np.ndarray  # (nodes, nodes) path weight: sum of latency + ref / bandwidth
+    link: np.ndarray  # (nodes, nodes) link index, -1 where none
+    path: np.ndarray  # (nodes, nodes, depth) nodes after the source on the path, -1 padded
+    depth: np.ndarray  # (nodes, nodes) links on the path
+    latency: np.ndarray  # (nodes, nodes) latency along the path
+
+
+@functools.lru_cache(maxsize=16)
+def _net(topology: Topology, ref: float) -> _Net:
+    """:class:`_Net` of ``topology`` for messages of ``ref`` bytes (cached: schedules reuse topologies)."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import dijkstra
+
+    nodes = [str(n) for n in topology.graph.nodes]
+    idx = {n: i for i, n in enumerate(nodes)}
+    nn = len(nodes)
+    u = np.array([idx[lk.src] for lk in topology.links], dtype=np.int64)
+    v = np.array([idx[lk.dst] for lk in topology.links], dtype=np.int64)
+    link = np.full((nn, nn), -1, dtype=np.int64)
+    link[u, v] = np.arange(len(u))
+    w = topology.latency + ref / topology.bandwidth
+    dist, pred = dijkstra(csr_matrix((w, (u, v)), shape=(nn, nn)), directed=True, return_predecessors=True)
+    rows = np.arange(nn)[:, None]
+    cur = np.broadcast_to(np.arange(nn), (nn, nn)).copy()
+    alive = (cur != rows) & np.isfinite(dist)
+    back = []  # back[i][s, d]: the node i links before d on the path s -> d
+    lat = np.zeros((nn, nn))
+    while alive.any():
+        back.append(np.where(alive, cur, -1))
+        prev = np.where(alive, pred[rows, cur], cur)
+        lat += np.where(alive, topology.latency[link[np.maximum(prev, 0), cur]], 0.0)
+        cur = prev
+        alive &= cur != rows
+    depth = (np.stack(back) >= 0).sum(0) if back else np.zeros((nn, nn), dtype=np.int64)
+    path = np.full((nn, nn, max(len(back), 1)), -1, dtype=np.int64)
+    for j in range(len(back)):  # forward position j is back[depth - 1 - j]
+        i = depth - 1 - j
+        ok = i >= 0
+        path[..., j] = np.where(ok, np.stack(back)[np.maximum(i, 0), rows, np.arange(nn)], -1)
+    host = np.array([-1 if topology.host_of(n) is None else int(topology.host_of(n)) for n in nodes], dtype=np.int64)
+    return _Net(nodes, idx, host, dist, link, path, depth, lat)
+
+
+def _forests(net: _Net, route: np.ndarray, src: np.ndarray, dst: np.ndarray, n_routes: int) -> _Routes:
+    """Routes from (route, source node, destination node) entries: per route, the fastest paths
+    from each entry's source to its destination, merged where they share a source and a prefix."""
+    nn = len(net.nodes)
+    dep = net.depth[src, dst]
+    if np.any((dep == 0) & (src != dst)):
+        bad = int(np.flatnonzero((dep == 0) & (src != dst))[0])
+        raise PlanError(f"the topology has no path from {net.nodes[src[bad]]} to {net.nodes[dst[bad]]}")
+    width = net.path.shape[2]
+    valid = np.arange(width) < dep[:, None]
+    nodes = net.path[src, dst][valid]
+    prev = np.concatenate([src[:, None], net.path[src, dst][:, :-1]], axis=1)[valid]
+    j = np.broadcast_to(np.arange(width), valid.shape)[valid]
+    r, s = np.repeat(route, dep), np.repeat(src, dep)
+    key = (r * nn + s) * nn + nodes
+    key, first = np.unique(key, return_index=True)
+    r, s, j, nodes, prev = r[first], s[first], j[first], nodes[first], prev[first]
+    o = np.lexsort((nodes, j, s, r))  # per route, parents before children
+    r, s, j, nodes, prev, key = r[o], s[o], j[o], nodes[o], prev[o], key[o]
+    start = np.searchsorted(r, np.arange(n_routes + 1))
+    by_key = np.argsort(key)
+    pk = (r * nn + s) * nn + prev
+    parent = np.where(j > 0, by_key[np.searchsorted(key[by_key], pk).clip(0, len(key) - 1)] - start[r], -1)
+    return _Routes(net.link[prev, nodes], parent, start, np.zeros(0, dtype=np.int64))
+
+
 # -- list scheduling in the time-expanded network --------------------------------------------
 
-def _list_schedule(topology: Topology, dem: Demands, routes: list[tuple[int, np.ndarray, np.ndarray]],
-                   chunk_com: np.ndarray, chunk_off: np.ndarray, chunk_nb: np.ndarray, order: np.ndarray,
-                   tau: float, horizon: int) -> dict[str, np.ndarray]:
+def _excl_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(x), dtype=x.dtype)
+    np.cumsum(x[:-1], out=out[1:])
+    return out
+
+
+def _link_levels(parent_link: np.ndarray, child_link: np.ndarray, n_links: int) -> np.ndarray | None:
+    """Level of every link in the graph "a chunk crosses link a, then link b" (longest path into
+    it), or None when that graph has a cycle. Every hop's parent is on a link of a lower level,
+    so the links of one level can be scheduled together once the lower levels are done."""
+    key = np.unique(parent_link * n_links + child_link)
+    pa, ch = key // n_links, key % n_links
+    lev = np.zeros(n_links, dtype=np.int64)
+    while True:
+        new = lev.copy()
+        np.maximum.at(new, ch, lev[pa] + 1)
+        if np.array_equal(new, lev):
+            return lev
+        if new.max() >= n_links:
+            return None
+        lev = new
+
+
+def _fifo(link: np.ndarray, ready: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """Finish times of jobs sorted by link, each link serving its jobs one at a time in that order,
+    each as soon as it is ready and the link is free: per link, ``fin_i = S_i + max_{j <= i}
+    (ready_j - S_{j-1})`` with ``S`` the running sum of durations (a segmented cumulative max)."""
+    cs = np.cumsum(dur)
+    excl = cs - dur
+    head = np.ones(len(link), dtype=bool)
+    head[1:] = link[1:] != link[:-1]
+    seg = np.cumsum(head) - 1
+    base = excl[head][seg]
+    val = ready - (excl - base)
+    off = seg * (float(val.max() - val.min()) + 1.0)  # lifts every link's values above the previous link's
+    return cs - base + (np.maximum.accumulate(val + off) - off)
+
+
+def _by_level(lev: np.ndarray) -> list[np.ndarray]:
+    """Indices grouped by level, lowest first, each group in index order."""
+    order = np.argsort(lev, kind="stable")
+    bounds = np.searchsorted(lev[order], np.arange(int(lev.max()) + 2))
+    return [order[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()) if b > a]
+
+
+def _list_schedule(topology: Topology, routes: _Routes, chunk_nb: np.ndarray, order: np.ndarray,
+                   tau: float, release: np.ndarray) -> dict[str, np.ndarray]:
+    """List-schedule chunks (priority ``order``, leaving their sources from epoch ``release``) along
+    their routes in the time-expanded network.
+
+    Links are taken level by level in the link graph of the routes (numpy over all hops of a
+    level): each link sends its hops one at a time at full bandwidth, in order of arrival at its
+    tail (epoch the parent hop delivers; ties by priority), without idling. Busy intervals of a
+    link never overlap, so no epoch carries more than ``bandwidth * tau``; a chunk may leave a
+    node from the epoch after it arrived completely (plus the link latency in epochs). Falls
+    back to :func:`_list_schedule_seq` when the link graph has a cycle (e.g. traffic around a ring).
+    """
+    nl = len(topology.bandwidth)
+    r_off = routes.start[:-1]
+    n_r = np.diff(routes.start)
+    cat_l, cat_p = routes.hop_link, routes.hop_parent
+    inner = cat_p >= 0
+    lev = _link_levels(cat_l[np.repeat(r_off, n_r)[inner] + cat_p[inner]], cat_l[inner], nl)
+    if lev is None:
+        log.info("route links form a cycle; list scheduling chunk by chunk")
+        return _list_schedule_seq(topology, routes, chunk_nb, order, tau, release)
+    rid = routes.of_chunk[order]
+    nh = n_r[rid]
+    base = np.repeat(_excl_cumsum(nh), nh)
+    pos = np.arange(len(base)) - base
+    src = np.repeat(r_off[rid], nh) + pos
+    hop_link, par = cat_l[src], cat_p[src]
+    hop_parent = np.where(par >= 0, base + par, -1)
+    hop_chunk = np.repeat(order, nh)
+    cap = topology.bandwidth * tau
+    lat_ep = np.rint(topology.latency / tau).astype(np.int64)
+    nb = chunk_nb[hop_chunk].astype(np.float64)
+    dur = nb / cap[hop_link]
+    start, fin = np.empty(len(base)), np.empty(len(base))
+    arrival = np.zeros(len(base), dtype=np.int64)
+    for idx in _by_level(lev[hop_link]):
+        p = hop_parent[idx]
+        ready = np.where(p >= 0, arrival[p], release[hop_chunk[idx]])
+        o = np.lexsort((idx, ready, hop_link[idx]))  # per link: by arrival, then priority
+        idx, ready = idx[o], ready[o].astype(np.float64)
+        f = _fifo(hop_link[idx], ready, dur[idx])
+        s = np.maximum(f - dur[idx], ready)
+        start[idx], fin[idx] = s, f
+        last = np.maximum(np.ceil(f - 1e-9) - 1, np.floor(s)).astype(np.int64)
+        arrival[idx] = last + 1 + lat_ep[hop_link[idx]]
+    # number hops by start time, so the order by (first epoch, index) is each link's sending order
+    perm = np.argsort(start, kind="stable")
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(len(perm))
+    hop_link, hop_chunk, nb, start, fin = hop_link[perm], hop_chunk[perm], nb[perm], start[perm], fin[perm]
+    hop_parent = np.where(hop_parent[perm] >= 0, inv[hop_parent[perm]], -1)
+    first = np.floor(start).astype(np.int64)
+    last = np.maximum(np.ceil(fin - 1e-9).astype(np.int64) - 1, first)
+    n_sl = last - first + 1
+    s_hop = np.repeat(np.arange(len(perm)), n_sl)
+    s_epoch = first[s_hop] + (np.arange(len(s_hop)) - np.repeat(_excl_cumsum(n_sl), n_sl))
+    s_nb = cap[hop_link[s_hop]] * np.clip(np.minimum(fin[s_hop], s_epoch + 1) - np.maximum(start[s_hop], s_epoch),
+                                          0.0, None)
+    ends = np.cumsum(n_sl) - 1
+    s_nb[ends] += nb - np.bincount(s_hop, weights=s_nb, minlength=len(perm))  # rounding: exact bytes per hop
+    return {"hop_chunk": hop_chunk, "hop_link": hop_link, "hop_parent": hop_parent, "hop_first": first,
+            "hop_last": last, "hop_arrival": last + 1 + lat_ep[hop_link], "slice_hop": s_hop, "slice_epoch": s_epoch,
+            "slice_nbytes": s_nb}
+
+
+def _list_schedule_seq(topology: Topology, routes: _Routes, chunk_nb: np.ndarray, order: np.ndarray,
+                       tau: float, release: np.ndarray) -> dict[str, np.ndarray]:
     """Place chunks (in ``order``) hop by hop at the earliest epoch with free capacity after they
-    arrive at the link's tail, spilling into later epochs when a chunk does not fit in one."""
+    arrive at the link's tail (are released, at a source), spilling into later epochs when a chunk
+    does not fit in one."""
     cap = (topology.bandwidth * tau).tolist()
     eps = [x * 1e-9 for x in cap]
     lat_ep = np.rint(topology.latency / tau).astype(np.int64).tolist()
-    used: list[list[float]] = [[0.0] * horizon for _ in cap]
+    used: list[list[float]] = [[] for _ in cap]
     first_free = [0] * len(cap)
     h_chunk: list[int] = []
     h_link: list[int] = []
@@ -425,14 +630,12 @@ def _list_schedule(topology: Topology, dem: Demands, routes: list[tuple[int, np.
     s_hop: list[int] = []
     s_epoch: list[int] = []
     s_nb: list[float] = []
-    as_list: dict[int, tuple[list[int], list[int]]] = {}
+    cat_l, cat_p, rs = routes.hop_link.tolist(), routes.hop_parent.tolist(), routes.start.tolist()
     nbl = chunk_nb.astype(np.float64).tolist()
+    rel = release.tolist()
     for c in order.tolist():
-        _, hl_a, hp_a = routes[c]
-        hit = as_list.get(id(hl_a))
-        if hit is None:
-            hit = as_list[id(hl_a)] = (hl_a.tolist(), hp_a.tolist())
-        hl, hp = hit
+        r = int(routes.of_chunk[c])
+        hl, hp = cat_l[rs[r] : rs[r + 1]], cat_p[rs[r] : rs[r + 1]]
         base = len(h_chunk)
         arrival: list[int] = []
         nb = nbl[c]
@@ -440,16 +643,12 @@ def _list_schedule(topology: Topology, dem: Demands, routes: list[tuple[int, np.
         for i, e in enumerate(hl):
             p = hp[i]
             row, capv, ep = used[e], cap[e], eps[e]
-            t = first_free[e]
-            if p >= 0 and arrival[p] > t:
-                t = arrival[p]
-            if len(row) <= t:
-                row.extend([0.0] * (t + 1 - len(row)))
+            t = max(first_free[e], arrival[p] if p >= 0 else rel[c])
             first = -1
             left = nb
             while True:
                 if t >= len(row):
-                    row.extend([0.0] * len(row))
+                    row.extend([0.0] * max(t + 1 - len(row), len(row)))
                 free = capv - row[t]
                 if free > ep:
                     take = free if free < left else left
@@ -483,16 +682,12 @@ def _list_schedule(topology: Topology, dem: Demands, routes: list[tuple[int, np.
 
 def _chunks(dem: Demands, chunk_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Split every commodity into chunks: (commodity, byte offset, bytes, index within commodity)."""
-    com, off, nb, idx = [], [], [], []
-    for k, c in enumerate(dem.commodities):
-        n = max(1, -(-c.nbytes // chunk_bytes))
-        o = np.arange(n, dtype=np.int64) * chunk_bytes
-        com.append(np.full(n, k, dtype=np.int64))
-        off.append(o)
-        nb.append(np.minimum(chunk_bytes, c.nbytes - o))
-        idx.append(np.arange(n, dtype=np.int64))
-    cat = (lambda x: np.concatenate(x) if x else np.zeros(0, dtype=np.int64))
-    return cat(com), cat(off), cat(nb), cat(idx)
+    total = np.array([c.nbytes for c in dem.commodities], dtype=np.int64)
+    n = np.maximum(1, -(-total // chunk_bytes))
+    com = np.repeat(np.arange(len(total), dtype=np.int64), n)
+    idx = np.arange(len(com), dtype=np.int64) - np.repeat(_excl_cumsum(n), n)
+    off = idx * chunk_bytes
+    return com, off, np.minimum(chunk_bytes, total[com] - off), idx
 
 
 def _spread(counts: list[int]) -> list[int]:
@@ -563,13 +758,14 @@ def _static_lp(topology: Topology, dem: Demands, opts: list[list[_Option]], time
 
 
 def _assign_lp(dem: Demands, opts: list[list[_Option]], frac: np.ndarray, chunk_com: np.ndarray,
-               chunk_idx: np.ndarray, topology: Topology) -> list[tuple[int, np.ndarray, np.ndarray]]:
+               chunk_idx: np.ndarray, topology: Topology) -> _Routes:
     """Round LP fractions to a route per chunk (a forest from one or several sources)."""
-    routes: list[Any] = [None] * len(chunk_com)
+    of_chunk = np.zeros(len(chunk_com), dtype=np.int64)
+    forests: list[tuple[np.ndarray, np.ndarray]] = []
     counts = np.bincount(chunk_com, minlength=len(dem.commodities))
     starts = np.concatenate([[0], np.cumsum(counts)])
     pos = 0
-    cache: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+    cache: dict[tuple[int, ...], int] = {}
     for k, com in enumerate(dem.commodities):
         os_ = opts[k]
         f = frac[pos : pos + len(os_)]
@@ -597,14 +793,13 @@ def _assign_lp(dem: Demands, opts: list[list[_Option]], frac: np.ndarray, chunk_
             hit = cache.get((k, *key))
             if hit is None:
                 if len(key) == 1:
-                    o = os_[key[0]]
-                    hit = (o.hop_link, o.hop_parent)
+                    hl, hp = os_[key[0]].hop_link, os_[key[0]].hop_parent
                 else:
                     hl, hp, _ = _merge(topology, [os_[i].paths[d] for i, d in zip(key, com.dests)])
-                    hit = (hl, hp)
-                cache[(k, *key)] = hit
-            routes[c0 + j] = (k, hit[0], hit[1])
-    return routes
+                hit = cache[(k, *key)] = len(forests)
+                forests.append((hl, hp))
+            of_chunk[c0 + j] = hit
+    return _Routes.of(forests, of_chunk)
 
 
 def _greedy_choices(dem: Demands, opts: list[list[_Option]], topology: Topology,
@@ -634,20 +829,69 @@ def _greedy_choices(dem: Demands, opts: list[list[_Option]], topology: Topology,
     return out
 
 
-def _assign_greedy(dem: Demands, choices: list[list[_Option]], chunk_com: np.ndarray, chunk_nb: np.ndarray,
-                   order: np.ndarray, topology: Topology) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Per chunk, the route (one per candidate source) with the lowest resulting link load."""
-    load = np.zeros(len(topology.bandwidth))
-    bw = topology.bandwidth
-    routes: list[Any] = [None] * len(chunk_com)
-    for c in order:
-        k = int(chunk_com[c])
-        b = float(chunk_nb[c])
-        cand = choices[k]
-        best = cand[0] if len(cand) == 1 else min(cand, key=lambda o: float(((load[o.links] + b) / bw[o.links]).max()))
-        load[best.links] += b
-        routes[c] = (k, best.hop_link, best.hop_parent)
-    return routes
+def _greedy_routes(dem: Demands, net: _Net) -> tuple[_Routes, np.ndarray]:
+    """Per commodity, one route per candidate source (commodity k's are ``cand[k]:cand[k + 1]``):
+    destinations with a candidate source on their own host take the nearest one, the others the
+    source's shortest-path tree (one route when every destination has a local source).
+
+    Built for all commodities at once (the bulk form of :func:`_greedy_choices` over trees)."""
+    coms = dem.commodities
+    nk = len(coms)
+    smax, dmax = max(len(c.sources) for c in coms), max(len(c.dests) for c in coms)
+    srcs = np.full((nk, smax), -1, dtype=np.int64)
+    dsts = np.full((nk, dmax), -1, dtype=np.int64)
+    for k, c in enumerate(coms):
+        srcs[k, : len(c.sources)] = [net.idx[x] for x in c.sources]
+        dsts[k, : len(c.dests)] = [net.idx[x] for x in c.dests]
+    n_src = (srcs >= 0).sum(1)
+    hs = np.where(srcs >= 0, net.host[srcs], -2)
+    hd = np.where(dsts >= 0, net.host[dsts], -3)
+    same = (hs[:, None, :] == hd[:, :, None]) & (hd[:, :, None] >= 0)
+    near = np.where(same, net.dist[srcs[:, None, :], dsts[:, :, None]], np.inf).argmin(2)  # first by name on ties
+    local = same.any(2)
+    loc = srcs[np.arange(nk)[:, None], near]
+    n_routes = np.where((local | (dsts < 0)).all(1) & (n_src > 1), 1, n_src)
+    rk = np.repeat(np.arange(nk), n_routes)
+    rj = np.arange(len(rk)) - np.repeat(_excl_cumsum(n_routes), n_routes)
+    e_src = np.where(local[rk], loc[rk], srcs[rk, rj][:, None]).reshape(-1)
+    e_dst = dsts[rk].reshape(-1)
+    e_route = np.repeat(np.arange(len(rk)), dmax)
+    keep = e_dst >= 0
+    return (_forests(net, e_route[keep], e_src[keep], e_dst[keep], len(rk)),
+            np.concatenate([[0], np.cumsum(n_routes)]))
+
+
+def _assign_greedy(routes: _Routes, cand: np.ndarray, chunk_com: np.ndarray, chunk_nb: np.ndarray,
+                   chunk_key: np.ndarray, order: np.ndarray, topology: Topology) -> _Routes:
+    """Per chunk (in priority ``order``), the candidate route with the lowest resulting
+    ``max_e (load_e + chunk) / bandwidth_e``.
+
+    Commodities with one route load their links in proportion to their progress (``chunk_key``,
+    as in the fluid schedule), so only the chunks that have a choice are visited one by one.
+    """
+    nl = len(topology.bandwidth)
+    n_cand = np.diff(cand)
+    r_com = np.repeat(np.arange(len(n_cand)), n_cand)
+    hop_route = np.repeat(np.arange(len(r_com)), np.diff(routes.start))
+    com_bytes = np.bincount(chunk_com, weights=chunk_nb, minlength=len(n_cand))
+    fixed = np.bincount(routes.hop_link, weights=np.where(n_cand[r_com[hop_route]] == 1,
+                                                          com_bytes[r_com[hop_route]], 0.0), minlength=nl + 1)
+    pick = cand[:-1][chunk_com]
+    multi = order[n_cand[chunk_com[order]] > 1]
+    if len(multi):
+        n_hops = np.diff(routes.start)
+        padded = np.full((len(r_com), int(n_hops.max())), nl, dtype=np.int64)  # link nl: none (no load, no limit)
+        padded[hop_route, np.arange(len(hop_route)) - routes.start[hop_route]] = routes.hop_link
+        inv_bw = np.append(1.0 / topology.bandwidth, 0.0)
+        load = np.zeros(nl + 1)
+        coms, nbs, keys = chunk_com[multi].tolist(), chunk_nb[multi].tolist(), chunk_key[multi].tolist()
+        cl = cand.tolist()
+        for c, k, b, x in zip(multi.tolist(), coms, nbs, keys):
+            rows = padded[cl[k] : cl[k + 1]]
+            j = int((((fixed[rows] * x + load[rows]) + b) * inv_bw[rows]).max(1).argmin())
+            np.add.at(load, rows[j], b)
+            pick[c] += j
+    return dataclasses.replace(routes, of_chunk=pick)
 
 
 _Offsets = list[list[tuple[np.ndarray, dict[str, int]]]]  # per commodity, per option: hop offsets, arrivals
@@ -884,11 +1128,21 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
                         solve_seconds=time.perf_counter() - t0, info={"lower_bound_s": 0.0})
     ref = float(chunk_bytes)
     small = len(dem.commodities) * max(len(c.sources) for c in dem.commodities) <= 64
-    opts = _options(topology, dem, ref, alt=small, trees_only=not small)
+    opts: list[list[_Option]] | None = None
+    if small:  # greedy may also take a second, link-avoiding path
+        opts = _options(topology, dem, ref, alt=True)
+        choices = _greedy_choices(dem, opts, topology, ref)
+        cands = _Routes.of([(o.hop_link, o.hop_parent) for cs in choices for o in cs], np.zeros(0, dtype=np.int64))
+        cand = np.concatenate([[0], np.cumsum([len(cs) for cs in choices])])
+    else:
+        cands, cand = _greedy_routes(dem, _net(topology, ref))
     lb = lower_bound(dem, topology)
     # order: every commodity spread evenly over time (fluid rates), ties by commodity
     key = (chunk_idx + 0.5) / np.bincount(chunk_com)[chunk_com]
     order = np.lexsort((chunk_com, key))
+    # release: chunk j of n leaves its source no earlier than j / n of the way through a slightly
+    # faster-than-bound fluid schedule, so queues at shared links fill in priority order, not per source
+    release = np.floor(chunk_idx / np.bincount(chunk_com)[chunk_com] * _PACE * epochs).astype(np.int64)
     candidates: list[tuple[float, str, dict[str, Any], float]] = []
     tau = max(lb, 1e-9) / max(epochs, 1)
 
@@ -898,18 +1152,17 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
         candidates.append((simulate(s), name, arrays, tau_))
 
     # greedy: always (the fallback)
-    routes = _assign_greedy(dem, _greedy_choices(dem, opts, topology, ref), chunk_com, chunk_nb, order, topology)
-    finish("greedy", _list_schedule(topology, dem, routes, chunk_com, chunk_off, chunk_nb, order, tau, 2 * epochs),
-           tau)
+    routes = _assign_greedy(cands, cand, chunk_com, chunk_nb, key, order, topology)
+    finish("greedy", _list_schedule(topology, routes, chunk_nb, order, tau, release), tau)
     lp_t = None
     at_bound = method == "auto" and candidates[0][0] <= _GOOD_ENOUGH * lb
     if method in ("auto", "lp", "milp") and not at_bound and time.perf_counter() < deadline:
-        if not small:
+        if opts is None:
             opts = _options(topology, dem, ref, alt=False)
         frac = _static_lp(topology, dem, opts, deadline - time.perf_counter())
         if frac is not None and time.perf_counter() < deadline:
             routes = _assign_lp(dem, opts, frac, chunk_com, chunk_idx, topology)
-            arr = _list_schedule(topology, dem, routes, chunk_com, chunk_off, chunk_nb, order, tau, 2 * epochs)
+            arr = _list_schedule(topology, routes, chunk_nb, order, tau, release)
             if time.perf_counter() < deadline:
                 finish("lp", arr, tau)
                 lp_t = candidates[-1][0]
@@ -938,41 +1191,58 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
     return s
 
 
-def _path_latency(topology: Topology, dem: Demands) -> float:
-    """Longest latency of any destination's nearest source (a schedule cannot beat it)."""
-    worst = 0.0
-    memo: dict[tuple[str, str], float] = {}
-    lat = topology.latency
-    for c in dem.commodities:
-        for d in c.dests:
-            best = math.inf
-            for s in c.sources:
-                v = memo.get((s, d))
-                if v is None:
-                    _, sp = topology.shortest_paths(s)
-                    v = memo[(s, d)] = float(lat[topology.path_links(sp[d])].sum()) if d in sp else math.inf
-                best = min(best, v)
-            worst = max(worst, best if best < math.inf else 0.0)
-    return worst
+def _path_latency(topology: Topology, src: np.ndarray, dst: np.ndarray) -> float:
+    """Longest latency of any destination's nearest source (a schedule cannot beat it).
+
+    ``src``, ``dst``: (commodities, nodes) masks in graph node order."""
+    net = _net(topology, float(2**24))
+    lat = np.where(np.isfinite(net.dist), net.latency, np.inf)
+    keys = _dot(np.random.default_rng(3).random(src.shape[1]), src.T)  # one key per source set
+    uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+    near = np.stack([lat[src[i]].min(0) for i in first.tolist()])[inv.reshape(-1)]  # (commodities, nodes)
+    near = np.where(dst & np.isfinite(near), near, 0.0)
+    return float(near.max(initial=0.0))
 
 
 # -- evaluation -------------------------------------------------------------------------------
 
 def simulate(s: Schedule) -> float:
     """Seconds until the last chunk reaches its last destination when every link sends its chunks
-    in the schedule's order (by starting epoch), each as soon as it has arrived and the link is free."""
+    in the schedule's order (by starting epoch, then hop index), each as soon as it has arrived
+    and the link is free.
+
+    Vectorised over the links of one level of the link graph (see :func:`_link_levels`); chunk
+    by chunk when that graph has a cycle.
+    """
     if not len(s.hop_chunk):
         return 0.0
     bw, lat = s.topology.bandwidth, s.topology.latency
+    inner = s.hop_parent >= 0
+    lev = _link_levels(s.hop_link[s.hop_parent[inner]], s.hop_link[inner], len(bw))
+    if lev is None:
+        return _simulate_seq(s)
+    rank = np.empty(len(s.hop_first), dtype=np.int64)
+    rank[np.lexsort((np.arange(len(s.hop_first)), s.hop_first))] = np.arange(len(s.hop_first))
+    dur = s.chunk_nbytes[s.hop_chunk] / bw[s.hop_link]
+    done = np.zeros(len(s.hop_chunk))
+    for idx in _by_level(lev[s.hop_link]):
+        idx = idx[np.lexsort((rank[idx], s.hop_link[idx]))]
+        p = s.hop_parent[idx]
+        ready = np.where(p >= 0, done[p], 0.0)
+        done[idx] = _fifo(s.hop_link[idx], ready, dur[idx]) + lat[s.hop_link[idx]]
+    return float(done.max())
+
+
+def _simulate_seq(s: Schedule) -> float:
+    """:func:`simulate`, one hop at a time (any link graph)."""
+    bw, lat = s.topology.bandwidth, s.topology.latency
     order = np.lexsort((np.arange(len(s.hop_first)), s.hop_first))
-    free = np.zeros(len(bw))
-    ready = np.zeros(len(s.hop_chunk))
-    nb = s.chunk_nbytes[s.hop_chunk].astype(np.float64)
-    end = 0.0
+    freel = [0.0] * len(bw)
+    readyl = [0.0] * len(s.hop_chunk)
+    nbl = s.chunk_nbytes[s.hop_chunk].astype(np.float64).tolist()
     hop_link, hop_parent = s.hop_link.tolist(), s.hop_parent.tolist()
-    freel = free.tolist()
-    bwl, latl, nbl = bw.tolist(), lat.tolist(), nb.tolist()
-    readyl = ready.tolist()
+    bwl, latl = bw.tolist(), lat.tolist()
+    end = 0.0
     for h in order.tolist():
         e = hop_link[h]
         p = hop_parent[h]
@@ -1030,6 +1300,61 @@ def validate(s: Schedule) -> None:
             raise PlanError(f"chunk {c} never reaches {sorted(missing)}")
 
 
+def _dot(w: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``w @ mask`` (weights of the rows set per column) with einsum: these products are tiny, and a
+    multithreaded BLAS on a busy machine makes them milliseconds instead of microseconds."""
+    return np.einsum("k,ku->u", w, mask.astype(np.float64))
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
+class _Cuts:
+    """The node sets :func:`lower_bound` checks and the bandwidth into and out of each."""
+
+    idx: dict[str, int]
+    node_host: np.ndarray  # host column per node (the last column: no host)
+    onehot: np.ndarray  # (nodes, hosts + 1)
+    single: np.ndarray  # GPU and storage nodes
+    single_in: np.ndarray
+    single_out: np.ndarray
+    unions: np.ndarray  # (unions, hosts + 1) bool
+    union_in: np.ndarray
+    union_out: np.ndarray
+
+
+@functools.lru_cache(maxsize=16)
+def _cuts(topology: Topology) -> _Cuts:
+    """:class:`_Cuts` of ``topology`` (cached: schedules reuse topologies)."""
+    import itertools
+
+    nodes = list(topology.graph.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
+    bw = topology.bandwidth
+    l_src = np.array([idx[lk.src] for lk in topology.links], dtype=np.int64)
+    l_dst = np.array([idx[lk.dst] for lk in topology.links], dtype=np.int64)
+    single = np.array([idx[n] for n, kind in topology.graph.nodes(data="kind") if kind in ("gpu", "storage")],
+                      dtype=np.int64)
+    single_in = np.array([bw[(l_dst == j) & (l_src != j)].sum() for j in single])
+    single_out = np.array([bw[(l_src == j) & (l_dst != j)].sum() for j in single])
+    hosts = sorted({h for _, h in topology.graph.nodes(data="host") if h is not None})
+    hpos = {h: i for i, h in enumerate(hosts)}
+    node_host = np.array([hpos.get(topology.host_of(n), len(hosts)) if topology.host_of(n) is not None
+                          else len(hosts) for n in nodes], dtype=np.int64)
+    onehot = np.zeros((len(nodes), len(hosts) + 1), dtype=np.float64)
+    onehot[np.arange(len(nodes)), node_host] = 1.0
+    if len(hosts) <= 10:
+        sizes = range(1, len(hosts) + (len(hosts) == 1))  # a proper union (the whole cluster has no cut)
+        combos = [c for r in sizes for c in itertools.combinations(range(len(hosts)), r)]
+    else:
+        combos = [(a,) for a in range(len(hosts))] + list(itertools.combinations(range(len(hosts)), 2))
+    u = np.zeros((len(combos), len(hosts) + 1), dtype=bool)
+    for i, cmb in enumerate(combos):
+        u[i, list(cmb)] = True
+    lin = u[:, node_host[l_dst]] & ~u[:, node_host[l_src]]
+    lout = u[:, node_host[l_src]] & ~u[:, node_host[l_dst]]
+    return _Cuts(idx, node_host, onehot, single, single_in, single_out, u,
+                 lin.astype(np.float64) @ bw, lout.astype(np.float64) @ bw)
+
+
 def lower_bound(dem: Demands, topology: Topology) -> float:
     """Seconds no schedule can beat: the largest of a cut bound and a latency bound.
 
@@ -1042,20 +1367,14 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
     """
     if not dem.commodities:
         return 0.0
-    import itertools
-
-    nodes = list(topology.graph.nodes)
-    idx = {n: i for i, n in enumerate(nodes)}
-    nc, nn = len(dem.commodities), len(nodes)
+    cut = _cuts(topology)
+    nc, nn = len(dem.commodities), len(cut.node_host)
     src = np.zeros((nc, nn), dtype=bool)
     dst = np.zeros((nc, nn), dtype=bool)
     for k, c in enumerate(dem.commodities):
-        src[k, [idx[x] for x in c.sources]] = True
-        dst[k, [idx[x] for x in c.dests]] = True
+        src[k, [cut.idx[x] for x in c.sources]] = True
+        dst[k, [cut.idx[x] for x in c.dests]] = True
     nb = np.array([c.nbytes for c in dem.commodities], dtype=np.float64)
-    bw = topology.bandwidth
-    l_src = np.array([idx[lk.src] for lk in topology.links], dtype=np.int64)
-    l_dst = np.array([idx[lk.dst] for lk in topology.links], dtype=np.int64)
     best = 0.0
 
     def worst(inn: np.ndarray, out: np.ndarray, bw_in: np.ndarray, bw_out: np.ndarray) -> float:
@@ -1064,43 +1383,21 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
             b = np.where(out > 0, out / bw_out, 0.0)
         return float(max(a.max(initial=0.0), b.max(initial=0.0)))
 
-    # single GPUs and storage
-    single = np.array([idx[n] for n, kind in topology.graph.nodes(data="kind") if kind in ("gpu", "storage")])
-    if len(single):
-        s1, d1 = src[:, single], dst[:, single]
-        inn = (d1 & ~s1).T.astype(np.float64) @ nb
-        only = (src.sum(1) == 1)[:, None] & s1 & ((dst.sum(1)[:, None] - d1) > 0)
-        out = only.T.astype(np.float64) @ nb
-        bw_in = np.array([bw[(l_dst == j) & (l_src != j)].sum() for j in single])
-        bw_out = np.array([bw[(l_src == j) & (l_dst != j)].sum() for j in single])
-        best = max(best, worst(inn, out, bw_in, bw_out))
-    # unions of hosts (column H: nodes on no host, never inside a union)
-    hosts = sorted({h for _, h in topology.graph.nodes(data="host") if h is not None})
-    if hosts:
-        hpos = {h: i for i, h in enumerate(hosts)}
-        node_host = np.array([hpos.get(topology.host_of(n), len(hosts)) if topology.host_of(n) is not None
-                              else len(hosts) for n in nodes])
-        onehot = np.zeros((nn, len(hosts) + 1), dtype=np.float64)
-        onehot[np.arange(nn), node_host] = 1.0
-        sh, dh = (src @ onehot) > 0, (dst @ onehot) > 0
-        if len(hosts) <= 10:
-            sizes = range(1, len(hosts) + (len(hosts) == 1))  # a proper union (the whole cluster has no cut)
-            combos = [c for r in sizes for c in itertools.combinations(range(len(hosts)), r)]
-        else:
-            combos = [(a,) for a in range(len(hosts))] + list(itertools.combinations(range(len(hosts)), 2))
-        u = np.zeros((len(combos), len(hosts) + 1), dtype=bool)
-        for i, cmb in enumerate(combos):
-            u[i, list(cmb)] = True
-        uf = u.T.astype(np.float64)
-        s_in = sh.astype(np.float64) @ uf  # (commodities, unions): source hosts inside
-        d_in = dh.astype(np.float64) @ uf
+    if len(cut.single):  # single GPUs and storage
+        s1, d1 = src[:, cut.single], dst[:, cut.single]
+        inn = _dot(nb, d1 & ~s1)
+        out = _dot(nb, (src.sum(1) == 1)[:, None] & s1 & ((dst.sum(1)[:, None] - d1) > 0))
+        best = max(best, worst(inn, out, cut.single_in, cut.single_out))
+    if len(cut.unions):  # unions of hosts (column H: nodes on no host, never inside a union)
+        sh = np.einsum("kn,nh->kh", src, cut.onehot) > 0
+        dh = np.einsum("kn,nh->kh", dst, cut.onehot) > 0
+        s_in = np.einsum("kh,uh->ku", sh, cut.unions, dtype=np.int64)  # (commodities, unions): source hosts inside
+        d_in = np.einsum("kh,uh->ku", dh, cut.unions, dtype=np.int64)
         s_cnt, d_cnt = sh.sum(1)[:, None], dh.sum(1)[:, None]
-        inn = ((s_in == 0) & (d_in > 0)).T.astype(np.float64) @ nb
-        out = ((s_in == s_cnt) & (d_in < d_cnt)).T.astype(np.float64) @ nb
-        lin = u[:, node_host[l_dst]] & ~u[:, node_host[l_src]]
-        lout = u[:, node_host[l_src]] & ~u[:, node_host[l_dst]]
-        best = max(best, worst(inn, out, lin.astype(np.float64) @ bw, lout.astype(np.float64) @ bw))
-    return max(best, _path_latency(topology, dem))
+        inn = _dot(nb, (s_in == 0) & (d_in > 0))
+        out = _dot(nb, (s_in == s_cnt) & (d_in < d_cnt))
+        best = max(best, worst(inn, out, cut.union_in, cut.union_out))
+    return max(best, _path_latency(topology, src, dst))
 
 
 def naive_completion(plan: Plan | Demands, topology: Topology) -> float:
