@@ -11,7 +11,11 @@ TP split (see docs/benchmarks.md for the mapping). Both write to and read from l
 through the same counting fsspec filesystem (``count://``): data bytes are those read from
 ``*.safetensors`` / ``*.distcp`` files, metadata bytes everything else. Between phases both
 checkpoints' pages are evicted from the page cache (posix_fadvise DONTNEED) so that both
-loads start cold. Peak memory: the growth of ``ru_maxrss`` of each (fresh) load process
+loads start cold. Three load modes: "native" (each system's own local-file reader, all
+ranks reading one directory, so ranks share the page cache and a byte several ranks read
+comes from storage once), "fsspec" (both through the counting filesystem) and "own copy per
+rank" (each rank reads its own copy of both checkpoints, as ranks on separate hosts would:
+nothing is shared, every byte a rank reads comes from storage). Peak memory: the growth of ``ru_maxrss`` of each (fresh) load process
 from just before the load (and before DCP's destination tensors are allocated) to just
 after it; the largest over ranks. Every loaded tensor is checked bit for bit.
 
@@ -58,6 +62,7 @@ from tenplex import PTC, ParallelConfig, Split, model_ptc
 from tenplex.ptc import PAD, TensorSpec
 
 REPO = Path(__file__).resolve().parent.parent
+LOAD_MODES = ("native", "fsspec", "hosts")
 MiB = 2**20
 
 
@@ -321,13 +326,14 @@ def _load_once(phase: str, mode: str, ptc: PTC, cfg: ParallelConfig, rank: int, 
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     pre = "count://" if mode == "fsspec" else ""
+    base = tdir / f"host-{rank:02d}" if mode == "hosts" else tdir  # "hosts": this rank's own copy
     res: dict[str, Any] = {}
     for k in ("data", "meta", "calls"):
         COUNTS[k] = 0
     rss0, io0 = _maxrss(), _read_bytes()
     t0 = time.perf_counter()
     if phase == "load_tenplex":
-        out = tenplex.load(f"{pre}{tdir}/tenplex", cfg, rank, ptc=ptc)
+        out = tenplex.load(f"{pre}{base}/tenplex", cfg, rank, ptc=ptc)
         t1 = time.perf_counter()
         loaded = {n: out.shard[n] for n in ptc.rank_tensors(cfg, rank)}
         res["stats_bytes_read"] = out.stats.bytes_read
@@ -335,7 +341,7 @@ def _load_once(phase: str, mode: str, ptc: PTC, cfg: ParallelConfig, rank: int, 
         assert out.shard["optimizer.step"] == 100
     else:
         state = dcp_state(ptc, cfg, rank, mesh, fill=False)
-        reader = FsspecReader(f"{pre}{tdir}/dcp") if mode == "fsspec" else dcp.FileSystemReader(f"{tdir}/dcp")
+        reader = FsspecReader(f"{pre}{base}/dcp") if mode == "fsspec" else dcp.FileSystemReader(f"{base}/dcp")
         dcp.load(state, storage_reader=reader)
         t1 = time.perf_counter()
         loaded = {n: t.to_local() for n, t in state.items()}
@@ -417,7 +423,7 @@ def worker(rank: int, world: int, port: int, phase: str, spec: dict[str, Any]) -
             mesh = _stage_mesh(cfg, rank) if phase == "load_dcp" else None
             _warm(rank, cfg, mesh, tdir, save=False, dcp_side=phase == "load_dcp")
             ref = None
-            for mode in ("native", "fsspec"):  # native first: the process is fresh, so maxrss is its own
+            for mode in ("native", "fsspec", "hosts"):  # native first: the process is fresh, so maxrss is its own
                 if rank == 0:
                     evict(tdir)
                 dist.barrier()
@@ -455,6 +461,9 @@ def bench_pair(pair: Pair, ptc: PTC, tmp_root: Path) -> dict[str, Any]:
     try:
         log(f"{pair.name}: save under {pair.old} ({pair.old.world_size} processes)")
         saves = run_phase("save", pair.old.world_size, spec)
+        for r in range(pair.new.world_size):  # one copy of both checkpoints per new rank: see module docstring
+            for system in ("tenplex", "dcp"):
+                shutil.copytree(tdir / system, tdir / f"host-{r:02d}" / system)
         log(f"{pair.name}: tenplex load under {pair.new} ({pair.new.world_size} processes)")
         tl = run_phase("load_tenplex", pair.new.world_size, spec)
         log(f"{pair.name}: DCP load under {pair.new}")
@@ -476,15 +485,19 @@ def bench_pair(pair: Pair, ptc: PTC, tmp_root: Path) -> dict[str, Any]:
             "dcp_load_s": M(dl, "native", "load_s"),
             "tenplex_load_s_fsspec": M(tl, "fsspec", "load_s"),
             "dcp_load_s_fsspec": M(dl, "fsspec", "load_s"),
+            "tenplex_load_s_hosts": M(tl, "hosts", "load_s"),
+            "dcp_load_s_hosts": M(dl, "hosts", "load_s"),
+            "tenplex_storage_read_hosts": S(tl, "hosts", "storage_read"),
+            "dcp_storage_read_hosts": S(dl, "hosts", "storage_read"),
             "tenplex_peak_mem": M(tl, "native", "peak_rss_growth"),
             "dcp_peak_mem": M(dl, "native", "peak_rss_growth"),
             "tenplex_save_s": max(r["tenplex_save_s"] for r in saves),
             "dcp_save_s": max(r["dcp_save_s"] for r in saves),
             "tenplex_ckpt_bytes": _dir_bytes(tdir / "tenplex"),
             "dcp_ckpt_bytes": _dir_bytes(tdir / "dcp"),
-            "tenplex_verified": S(tl, "native", "verified") + S(tl, "fsspec", "verified"),
-            "dcp_verified": S(dl, "native", "verified") + S(dl, "fsspec", "verified"),
-            "verify_failures": [b for r in tl + dl for m in ("native", "fsspec") for b in r[m]["bad"]],
+            "tenplex_verified": sum(r[m]["verified"] for r in tl for m in LOAD_MODES),
+            "dcp_verified": sum(r[m]["verified"] for r in dl for m in LOAD_MODES),
+            "verify_failures": [b for r in tl + dl for m in LOAD_MODES for b in r[m]["bad"]],
         }
         if out["verify_failures"]:
             raise AssertionError(f"{pair.name}: loaded tensors differ: {out['verify_failures']}")
@@ -492,9 +505,11 @@ def bench_pair(pair: Pair, ptc: PTC, tmp_root: Path) -> dict[str, Any]:
         out["dcp_read_ratio"] = out["dcp_bytes_read"] / needed
         out["load_speedup"] = out["dcp_load_s"] / out["tenplex_load_s"]
         out["load_speedup_fsspec"] = out["dcp_load_s_fsspec"] / out["tenplex_load_s_fsspec"]
+        out["load_speedup_hosts"] = out["dcp_load_s_hosts"] / out["tenplex_load_s_hosts"]
         log(f"{pair.name}: needed {needed / MiB:.0f} MiB; read tenplex {out['tenplex_read_ratio']:.3f}x, "
             f"DCP {out['dcp_read_ratio']:.3f}x; load {out['tenplex_load_s']:.2f}s vs {out['dcp_load_s']:.2f}s "
-            f"(through fsspec {out['tenplex_load_s_fsspec']:.2f}s vs {out['dcp_load_s_fsspec']:.2f}s)")
+            f"(through fsspec {out['tenplex_load_s_fsspec']:.2f}s vs {out['dcp_load_s_fsspec']:.2f}s; own copy per "
+            f"rank {out['tenplex_load_s_hosts']:.2f}s vs {out['dcp_load_s_hosts']:.2f}s)")
         return out
     finally:
         shutil.rmtree(tdir, ignore_errors=True)
@@ -626,13 +641,15 @@ def _mib(b: float) -> str:
 def pair_table(pairs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     head = ["pair", "from", "to", "needed MiB", "read/needed tenplex", "read/needed DCP",
             "storage read/needed tenplex", "storage read/needed DCP", "load s tenplex", "load s DCP",
-            "DCP/tenplex load", "fsspec load s tenplex", "fsspec load s DCP", "peak MiB tenplex", "peak MiB DCP",
+            "DCP/tenplex load", "fsspec load s tenplex", "fsspec load s DCP", "own copy load s tenplex",
+            "own copy load s DCP", "DCP/tenplex own copy", "peak MiB tenplex", "peak MiB DCP",
             "save s tenplex", "save s DCP"]
     rows = [[p["name"], p["from"], p["to"], _mib(p["bytes_needed"]), f"{p['tenplex_read_ratio']:.3f}x",
              f"{p['dcp_read_ratio']:.3f}x", f"{p['tenplex_storage_read'] / p['bytes_needed']:.3f}x",
              f"{p['dcp_storage_read'] / p['bytes_needed']:.3f}x", f"{p['tenplex_load_s']:.2f}",
              f"{p['dcp_load_s']:.2f}", f"{p['load_speedup']:.2f}x", f"{p['tenplex_load_s_fsspec']:.2f}",
-             f"{p['dcp_load_s_fsspec']:.2f}", _mib(p["tenplex_peak_mem"]), _mib(p["dcp_peak_mem"]),
+             f"{p['dcp_load_s_fsspec']:.2f}", f"{p['tenplex_load_s_hosts']:.2f}", f"{p['dcp_load_s_hosts']:.2f}",
+             f"{p['load_speedup_hosts']:.2f}x", _mib(p["tenplex_peak_mem"]), _mib(p["dcp_peak_mem"]),
              f"{p['tenplex_save_s']:.2f}", f"{p['dcp_save_s']:.2f}"] for p in pairs]
     return head, rows
 
@@ -663,10 +680,11 @@ def plot(pairs: list[dict[str, Any]], path: Path) -> None:
 
     names = [p["name"] for p in pairs]
     x = range(len(names))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     for ax, (key_t, key_d, title) in zip(axes, [
         ("tenplex_read_ratio", "dcp_read_ratio", "bytes read / bytes needed"),
-        ("tenplex_load_s", "dcp_load_s", "load time (s, slowest rank, native local path)"),
+        ("tenplex_load_s", "dcp_load_s", "load time (s, slowest rank, shared page cache)"),
+        ("tenplex_load_s_hosts", "dcp_load_s_hosts", "load time (s, slowest rank, own copy per rank)"),
         ("tenplex_peak_mem", "dcp_peak_mem", "peak RSS growth during load (MiB, largest rank)"),
     ]):
         scale = MiB if "mem" in key_t else 1
