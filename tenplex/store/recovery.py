@@ -28,7 +28,7 @@ import fsspec
 import numpy as np
 import torch
 
-from ..checkpoint import LoadResult, _read_json, _Reader, load_with_reader, read_shard, writer_assignment
+from ..checkpoint import LoadResult, ReadRequest, _read_json, _Reader, load_with_reader, writer_assignment
 from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 from ..planner import plan as plan_moves
@@ -468,39 +468,14 @@ class _TieredReader:
         self.metadata_bytes += sum(r.metadata_bytes for r in self.readers.values())
 
 
-@dataclass(frozen=True)
-class _Request:
-    """A read ``read_shard`` asks for: elements [a, b) of ``writer``'s chunk of ``tensor`` at ``chunk_start``."""
-
-    writer: int
-    tensor: str
-    chunk_start: int
-    a: int
-    b: int
-    dtype: torch.dtype
-    itemsize: int
-
-
-class _Recorder:
-    """A reader that only notes what ``read_shard`` asks for (the data it leaves unread is discarded)."""
-
-    def __init__(self) -> None:
-        self.requests: list[_Request] = []
-
-    def read(self, rank: int, name: str, chunk_start: int, a: int, b: int, dtype: torch.dtype, itemsize: int,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-        self.requests.append(_Request(rank, name, chunk_start, a, b, dtype, itemsize))
-        return out if out is not None else torch.empty(b - a, dtype=dtype)
-
-
 class _RoundsReader(_TieredReader):
     """A tiered reader whose peer reads follow the recovery schedule's rounds.
 
-    On the first read it plans (``plan_recovery``), lists every read the shard needs, and runs
-    them: local-store reads first, then peer reads round by round (a round's reads at once in
-    a thread pool, the next round when they are all done), then storage reads and peer reads
-    the schedule does not cover. ``read_shard`` is then served from the buffers, in its own
-    order. When planning fails it logs why and reads as ``_TieredReader`` does.
+    ``read_shard`` hands it every read of the shard at once (``read_many``): it plans
+    (``plan_recovery``) and runs local-store reads first, then peer reads round by round (a
+    round's reads at once in a thread pool, the next round when they are all done), then
+    storage reads and peer reads the schedule does not cover, each straight into its
+    destination. When planning fails it logs why and reads in ``read_shard``'s order.
     """
 
     def __init__(self, tiers: Sequence[Tier], found: UsableStep, cfg: ParallelConfig, rank: int, *,
@@ -512,29 +487,60 @@ class _RoundsReader(_TieredReader):
                         "time_limit": time_limit}
         self.max_workers, self.barrier = max_workers, barrier
         self.report = RecoveryRounds(False, "no read")
-        self.buffers: list[torch.Tensor] | None = None
-        self.requests: list[_Request] = []
-        self.served = 0
-        self.prepared = False
 
-    def read(self, rank: int, name: str, chunk_start: int, a: int, b: int, dtype: torch.dtype,
-             itemsize: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.prepared:
-            self.prepared = True
-            self._prepare()
-        if self.buffers is None:
-            return super().read(rank, name, chunk_start, a, b, dtype, itemsize, out)
-        i = self.served
-        if i >= len(self.requests) or self.requests[i] != _Request(rank, name, chunk_start, a, b, dtype, itemsize):
-            raise RuntimeError(f"read {i} of {name}@{chunk_start}[{a}:{b}] from rank {rank} was not prefetched: "
-                               "read_shard asked for its reads in another order")
-        self.served += 1
-        buf = self.buffers[i]
-        self.buffers[i] = buf[:0]  # free it once served
-        if out is None:
-            return buf
-        out.copy_(buf)
-        return out
+    def read_many(self, reqs: list[ReadRequest]) -> None:
+        rplan = None
+        if not any(t.kind == "peer" for t in self.tiers):
+            self.report = RecoveryRounds(False, "no peer store holds a part of this step")
+        else:
+            rplan = self._plan()
+        if rplan is None:
+            for r in reqs:
+                self._read(r)
+            return
+        index = _first_rounds(rplan.deliveries)
+        local, storage, late = [], [], []
+        by_round: dict[int, list[ReadRequest]] = {}
+        for q in reqs:
+            tier = self.tier_of(q.writer)
+            if tier is None or tier.kind == "local":
+                local.append(q)  # (no tier: raises in order, as without a schedule)
+            elif tier.kind == "storage":
+                storage.append(q)
+            else:
+                k = _round_of(index, q.tensor, q.chunk_start + q.a, q.chunk_start + q.b)
+                (by_round.setdefault(k, []) if k >= 0 else late).append(q)
+        for q in local:
+            self._read(q)
+        use_barrier = self.barrier and torch.distributed.is_available() and torch.distributed.is_initialized()
+        n_rounds = len(rplan.deliveries)
+        executed = []
+        with ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="tenplex-recovery") as pool:
+            for k in range(n_rounds) if use_barrier else sorted(by_round):
+                reads = list(pool.map(lambda q, k=k: self._peer_read(q, k), by_round.get(k, [])))
+                if reads:
+                    executed.append(tuple(reads))
+                if use_barrier:
+                    torch.distributed.barrier()
+        unscheduled = tuple(self._peer_read(q, -1) for q in late)
+        if late:
+            log.warning("rank %d: %d peer reads are not in the recovery schedule; read after its rounds", self.rank,
+                        len(late))
+        for q in storage:
+            self._read(q)
+        self.report = RecoveryRounds(True, "", rplan.schedule.method if rplan.schedule else "", n_rounds,
+                                     rplan.seconds, tuple(executed), unscheduled)
+        if executed:
+            log.info("rank %d read peers in %d rounds of %d: %s bytes", self.rank, len(executed), n_rounds,
+                     list(self.report.bytes_per_round))
+
+    def _read(self, q: ReadRequest) -> tuple[torch.Tensor, int, str]:
+        return self.read_counted(q.writer, q.tensor, q.chunk_start, q.a, q.b, q.dtype, q.itemsize, out=q.out)
+
+    def _peer_read(self, q: ReadRequest, k: int) -> PeerRead:
+        t0 = time.perf_counter()
+        _, n, tier = self._read(q)
+        return PeerRead(k, tier, q.writer, q.tensor, q.chunk_start + q.a, q.b - q.a, n, t0, time.perf_counter())
 
     def _plan(self) -> RecoveryPlan | None:
         """The recovery plan, or None (logged) when scheduling fails or outlasts its time limit."""
@@ -559,66 +565,6 @@ class _RoundsReader(_TieredReader):
             return box["plan"]
         log.warning("rank %d reads peer stores without a schedule: %s", self.rank, self.report.reason)
         return None
-
-    def _prepare(self) -> None:
-        if not any(t.kind == "peer" for t in self.tiers):
-            self.report = RecoveryRounds(False, "no peer store holds a part of this step")
-            return
-        rplan = self._plan()
-        if rplan is None:
-            return
-        saved = PTC.from_json(self.found.manifest["ptc"])
-        old = ParallelConfig.parse(self.found.manifest["layout"])
-        rec = _Recorder()
-        read_shard(saved, old, self.cfg, self.rank, rec)
-        self.requests = rec.requests
-        index = _first_rounds(rplan.deliveries)
-        local, storage, late = [], [], []
-        by_round: dict[int, list[int]] = {}
-        for i, q in enumerate(self.requests):
-            tier = self.tier_of(q.writer)
-            if tier is None or tier.kind == "local":
-                local.append(i)  # (no tier: raises in order, as without a schedule)
-            elif tier.kind == "storage":
-                storage.append(i)
-            else:
-                k = _round_of(index, q.tensor, q.chunk_start + q.a, q.chunk_start + q.b)
-                (by_round.setdefault(k, []) if k >= 0 else late).append(i)
-        self.buffers = [torch.empty(0)] * len(self.requests)
-        for i in local:
-            self.buffers[i] = self.read_counted(*self._args(i))[0]
-        use_barrier = self.barrier and torch.distributed.is_available() and torch.distributed.is_initialized()
-        n_rounds = len(rplan.deliveries)
-        executed = []
-        with ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="tenplex-recovery") as pool:
-            for k in range(n_rounds) if use_barrier else sorted(by_round):
-                reads = list(pool.map(lambda i, k=k: self._peer_read(i, k), by_round.get(k, [])))
-                if reads:
-                    executed.append(tuple(reads))
-                if use_barrier:
-                    torch.distributed.barrier()
-        unscheduled = tuple(self._peer_read(i, -1) for i in late)
-        if late:
-            log.warning("rank %d: %d peer reads are not in the recovery schedule; read after its rounds", self.rank,
-                        len(late))
-        for i in storage:
-            self.buffers[i] = self.read_counted(*self._args(i))[0]
-        self.report = RecoveryRounds(True, "", rplan.schedule.method if rplan.schedule else "", n_rounds,
-                                     rplan.seconds, tuple(executed), unscheduled)
-        if executed:
-            log.info("rank %d read peers in %d rounds of %d: %s bytes", self.rank, len(executed), n_rounds,
-                     list(self.report.bytes_per_round))
-
-    def _args(self, i: int) -> tuple[Any, ...]:
-        q = self.requests[i]
-        return q.writer, q.tensor, q.chunk_start, q.a, q.b, q.dtype, q.itemsize
-
-    def _peer_read(self, i: int, k: int) -> PeerRead:
-        q = self.requests[i]
-        t0 = time.perf_counter()
-        buf, n, tier = self.read_counted(*self._args(i))
-        self.buffers[i] = buf
-        return PeerRead(k, tier, q.writer, q.tensor, q.chunk_start + q.a, q.b - q.a, n, t0, time.perf_counter())
 
 
 # ---------------------------------------------------------------------------------------------
