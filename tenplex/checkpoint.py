@@ -679,8 +679,8 @@ def read_shard(saved: PTC, old: ParallelConfig, cfg: ParallelConfig, rank: int, 
     else:
         for r in reqs:
             reader.read(r.writer, r.tensor, r.chunk_start, r.a, r.b, r.dtype, r.itemsize, out=r.out)
-    shard = {name: saved.from_local_flat(name, cfg, local) for name, local in locals_.items()}
-    return shard, needed
+    reqs.clear()  # drop the views into the flat buffers, so each is freed once reshaped (peak memory)
+    return {name: saved.from_local_flat(name, cfg, locals_.pop(name)) for name in list(locals_)}, needed
 
 
 @dataclass(frozen=True, slots=True)
