@@ -6,17 +6,26 @@ is installed as the trainer's ``bubble_hook``: while a receive is pending it cal
 ``step()`` of registered iterative side tasks, but only while the bubble's predicted
 remaining time exceeds the task's profiled step time times a margin, so training does not
 wait for a side task (up to the accuracy of the profile). Bubble lengths are profiled per schedule position over the first
-iterations; nothing runs until a position has been seen.
+iterations; nothing runs until a position has been seen. ``BubbleRuntime.windows`` reports,
+per stage and iteration, when each wait started, how long it was expected to last and the
+memory a side task may use; ``forecast()`` gives the same for the next iteration.
+
+Every side task declares the memory it may hold (``memory_bytes``); the runtime has a
+per-stage budget (``memory_budget``, e.g. from ``side_task_memory_budget``), refuses a task
+that does not fit when it is registered and throttles (gives no bubble time to) a task whose
+footprint grows past what it was granted.
 
 ``SnapshotTask`` copies the rank's state in buckets into host buffers during the bubbles of
 iteration k. Parameters and optimizer state change only at the optimizer step, so what it
 copies is the state after step k-1; buckets not copied when the optimizer step starts are
-copied then (the only blocking part), so every snapshot is consistent.
+copied then (the only blocking part), so every snapshot is consistent. On CUDA the copies
+run on a dedicated stream of the lowest priority, into pinned buffers.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -26,20 +35,37 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["SideTask", "BubbleRuntime", "SnapshotTask", "StoreWriteTask", "Span"]
+from .errors import TenplexError
+from .memory import MemoryEstimate, parse_size
+
+__all__ = ["SideTask", "BubbleRuntime", "BubbleWindow", "SnapshotTask", "StoreWriteTask", "Span",
+           "SideTaskMemoryError", "side_task_memory_budget"]
 
 log = logging.getLogger(__name__)
 
 
+class SideTaskMemoryError(TenplexError, ValueError):
+    """A side task needs more memory than the stage's side-task budget has left."""
+
+
 class SideTask(Protocol):
     """An iterative side task: ``step()`` does one small unit of work. A task may set
-    ``expected_step_s``: the runtime's guess of its step time until it has measured one."""
+    ``expected_step_s`` (the runtime's guess of its step time until it has measured one),
+    ``memory_bytes`` (the most memory it holds; 0 when absent) and ``fit_memory(limit)`` (shrink
+    to at most ``limit`` bytes where it can; returns the bytes it will hold)."""
 
     name: str
 
     def step(self) -> None: ...
 
     def is_finished(self) -> bool: ...
+
+
+def side_task_memory_budget(est: MemoryEstimate, stage: int, device_bytes: int | str, *,
+                            fraction: float = 0.8) -> int:
+    """Bytes the side tasks of ``stage`` may use: what the planner's rule (training may use
+    ``fraction`` of the device) leaves after the stage's estimated training memory; 0 if none."""
+    return max(0, int(fraction * parse_size(device_bytes)) - est.stages[stage].total_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +77,26 @@ class Span:
     start: float
     end: float
     label: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class BubbleWindow:
+    """One idle period of a stage: ``start_s`` after the iteration began, expected to last
+    ``expected_s`` (0 while still being profiled), measured ``measured_s`` (None in a forecast).
+    ``memory_bytes``: what side tasks on the stage may use together (None: no budget);
+    ``memory_free``: the part of it no registered task holds."""
+
+    stage: int
+    iteration: int
+    position: str
+    start_s: float
+    expected_s: float
+    measured_s: float | None
+    memory_bytes: int | None
+    memory_free: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
 @dataclass
@@ -66,29 +112,74 @@ class _Profile:
 
 
 class BubbleRuntime:
-    """Runs side tasks inside a stage's waits. Install with ``trainer.bubble_hook = runtime``."""
+    """Runs side tasks inside a stage's waits. Install with ``trainer.bubble_hook = runtime``.
+
+    ``memory_budget``: bytes (or a size such as ``"2GiB"``) the side tasks of this stage may hold
+    together; None means no limit. ``stage``: the pipeline stage, for the windows report.
+    """
 
     def __init__(self, *, margin: float = 1.2, profile_iterations: int = 2, poll_s: float = 2e-4,
-                 record: bool = True, default_step_s: float = 1e-3) -> None:
+                 record: bool = True, default_step_s: float = 1e-3, stage: int = 0,
+                 memory_budget: int | str | None = None) -> None:
         self.margin = margin
         self.default_step_s = default_step_s
         self.profile_iterations = profile_iterations
         self.poll_s = poll_s
         self.record = record
+        self.stage = stage
+        self.memory_budget = None if memory_budget is None else (
+            parse_size(memory_budget) if memory_budget else 0)
         self.tasks: list[Any] = []
+        self.grants: dict[str, int] = {}
         self.bubbles: dict[tuple[str, int], _Profile] = {}
+        self.starts: dict[tuple[str, int], _Profile] = {}
         self.task_time: dict[str, _Profile] = {}
         self.iteration = 0
         self.spans: list[Span] = []
+        self.windows: list[BubbleWindow] = []
         self.wait_s = 0.0
         self.used_s = 0.0
+        self._t_iter = time.perf_counter()
+        self._throttled: set[str] = set()
 
-    def register(self, task: Any) -> None:
+    @property
+    def memory_free(self) -> int | None:
+        """Budget bytes not granted to a registered task (None: no budget)."""
+        return None if self.memory_budget is None else self.memory_budget - sum(self.grants.values())
+
+    def register(self, task: Any, *, memory_bytes: int | None = None) -> None:
+        """Add a side task, granting it ``memory_bytes`` (default: the task's ``memory_bytes``).
+
+        A task with ``fit_memory`` is first asked to fit what is left of the budget. Raises
+        SideTaskMemoryError when the task needs more than that.
+        """
+        if task.name in self.grants:
+            raise ValueError(f"a side task named {task.name!r} is already registered")
+        free = self.memory_free
+        fitted = task.fit_memory(free) if free is not None and hasattr(task, "fit_memory") else None
+        need = memory_bytes if memory_bytes is not None else int(
+            fitted if fitted is not None else getattr(task, "memory_bytes", 0))
+        if free is not None and need > free:
+            held = ", ".join(f"{n} {b} B" for n, b in self.grants.items()) or "nothing"
+            raise SideTaskMemoryError(
+                f"side task {task.name!r} needs {need} B but stage {self.stage}'s side-task memory budget of "
+                f"{self.memory_budget} B has {free} B left (granted: {held}); give BubbleRuntime a larger "
+                f"memory_budget or make the task smaller")
         self.tasks.append(task)
+        self.grants[task.name] = need
         self.task_time.setdefault(task.name, _Profile())
+        log.debug("stage %d: side task %s granted %d B (budget %s)", self.stage, task.name, need, self.memory_budget)
 
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
+        self._t_iter = time.perf_counter()
+
+    def forecast(self) -> list[BubbleWindow]:
+        """The profiled idle periods of the next iteration, in schedule order."""
+        keys = sorted((k for k, p in self.bubbles.items() if p.seen >= self.profile_iterations),
+                      key=lambda k: self.starts[k].ema)
+        return [BubbleWindow(self.stage, self.iteration + 1, f"{k[0]}{k[1]}", self.starts[k].ema,
+                             self.bubbles[k].ema, None, self.memory_budget, self.memory_free) for k in keys]
 
     def __call__(self, op: Any, work: Any) -> None:
         """The trainer's hook: called with a pending receive; returns when it has completed.
@@ -100,6 +191,7 @@ class BubbleRuntime:
         key = (op.kind, op.mb)
         prof = self.bubbles.setdefault(key, _Profile())
         t0 = time.perf_counter()
+        self.starts.setdefault(key, _Profile()).update(t0 - self._t_iter)
         predicted = prof.ema if prof.seen >= self.profile_iterations else 0.0
         while not work.is_completed():
             task = self._next_task(predicted - (time.perf_counter() - t0))
@@ -122,10 +214,12 @@ class BubbleRuntime:
         self.wait_s += t1 - t0
         if self.record:
             self.spans.append(Span(self.iteration, "wait", t0, t1, f"{op.kind}{op.mb}"))
+            self.windows.append(BubbleWindow(self.stage, self.iteration, f"{op.kind}{op.mb}", t0 - self._t_iter,
+                                             predicted, t1 - t0, self.memory_budget, self.memory_free))
 
     def _next_task(self, remaining: float) -> Any:
         for task in self.tasks:
-            if task.is_finished():
+            if task.is_finished() or self._over_budget(task):
                 continue
             prof = self.task_time[task.name]
             guess = getattr(task, "expected_step_s", self.default_step_s)
@@ -133,6 +227,16 @@ class BubbleRuntime:
             if remaining > need:
                 return task
         return None
+
+    def _over_budget(self, task: Any) -> bool:
+        """A task holding more than its grant gets no bubble time (its work then runs blocking)."""
+        if self.memory_budget is None or getattr(task, "memory_bytes", 0) <= self.grants[task.name]:
+            return False
+        if task.name not in self._throttled:
+            self._throttled.add(task.name)
+            log.warning("stage %d: side task %s holds %d B, more than its %d B grant: it gets no bubble time",
+                        self.stage, task.name, task.memory_bytes, self.grants[task.name])
+        return True
 
 
 @dataclass
@@ -142,14 +246,26 @@ class SnapshotTask:
     ``begin(step, tensors)`` starts a snapshot of ``tensors`` (taken as they are now: call it
     before the iteration's optimizer step changes them); ``step()`` copies one bucket;
     ``finish()`` copies what is left (blocking) and returns ``{name: host copy}``, after which
-    ``on_complete(step, snapshot)`` runs (e.g. a background write to the host store). Two
-    buffer sets alternate, so a background writer may use a snapshot until the next one
-    completes.
+    ``on_complete(step, snapshot)`` runs (e.g. a background write to the host store).
+
+    Memory: the host buffers, ``buffer_sets`` copies of the state (``state_bytes``, learnt at
+    the first ``begin`` unless given). With two sets a background writer may use a snapshot
+    until the next one completes; under a ``memory_limit`` below two copies one set is used, and
+    a snapshot is then valid only until the next ``begin``. A state larger than the limit
+    raises SideTaskMemoryError.
+
+    CUDA tensors are copied into pinned buffers with non-blocking copies on a dedicated stream
+    of the lowest priority (one bucket in flight, so a step takes about one copy's time);
+    ``finish`` waits for that stream's last copy before returning, hence before the optimizer
+    step changes the tensors.
     """
 
     bucket_bytes: int = 1 << 20
     on_complete: Callable[[int, dict[str, torch.Tensor]], None] | None = None
     name: str = "snapshot"
+    state_bytes: int = 0
+    buffer_sets: int = 2
+    memory_limit: int | None = None
     completed: int = 0
     blocking_bytes: int = 0
     bubble_bytes: int = 0
@@ -159,21 +275,61 @@ class SnapshotTask:
         """A conservative guess before the first measured step: a bucket at 1 GB/s."""
         return self.bucket_bytes / 1e9
 
+    @property
+    def memory_bytes(self) -> int:
+        """Host buffer bytes: those allocated or, if more, those the next snapshot will need."""
+        held = sum(t.nbytes for s in self._sets for t in s.values())
+        return max(held, self.buffer_sets * self.state_bytes)
+
     def __post_init__(self) -> None:
+        if self.buffer_sets not in (1, 2):
+            raise ValueError(f"buffer_sets must be 1 or 2, got {self.buffer_sets}")
         self._todo: list[tuple[str, torch.Tensor, int, int]] = []
         self._src: dict[str, torch.Tensor] = {}
         self._step = -1
         self._sets: list[dict[str, torch.Tensor]] = [{}, {}]
         self.buffers: dict[str, torch.Tensor] = self._sets[0]
+        self._stream: Any = None  # torch.cuda.Stream of the lowest priority, made at the first CUDA snapshot
+        self._copied: Any = None  # torch.cuda.Event after the last bucket issued on it
+
+    def fit_memory(self, limit: int) -> int:
+        """Use at most ``limit`` bytes of host buffers; returns the bytes it will hold (``limit``
+        while the state's size is unknown)."""
+        self.memory_limit = limit
+        if not self.state_bytes:
+            return limit
+        self._fit_sets(self.state_bytes, raise_=False)
+        return self.memory_bytes
+
+    def _fit_sets(self, state: int, *, raise_: bool = True) -> None:
+        if self.memory_limit is None or self.buffer_sets * state <= self.memory_limit:
+            return
+        if raise_ and state > self.memory_limit:
+            raise SideTaskMemoryError(
+                f"side task {self.name!r}: a snapshot of {state} B needs one host copy of the state but its memory "
+                f"limit is {self.memory_limit} B; raise the stage's side-task memory budget")
+        if self.buffer_sets > 1:
+            log.info("%s: %d B of state, %d B memory limit: one host buffer set instead of %d",
+                     self.name, state, self.memory_limit, self.buffer_sets)
+            self.buffer_sets = 1
+            self._sets[1].clear()
 
     def begin(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         self._step = step
         self._src = {n: t for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+        self.state_bytes = sum(t.nbytes for t in self._src.values())
+        self._fit_sets(self.state_bytes)
         self._todo = []
-        self.buffers = self._sets[self.completed % 2]
+        self.buffers = self._sets[self.completed % self.buffer_sets]
+        cuda = [t.device for t in self._src.values() if t.is_cuda]
+        if cuda:
+            if self._stream is None:  # lower priority = larger number
+                self._stream = torch.cuda.Stream(cuda[0], priority=max(torch.cuda.Stream.priority_range()))
+            self._stream.wait_stream(torch.cuda.current_stream(cuda[0]))  # after the work that made the state
         for name, t in self._src.items():
-            if name not in self.buffers or self.buffers[name].shape != t.shape or self.buffers[name].dtype != t.dtype:
-                self.buffers[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            buf = self.buffers.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                self.buffers[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
             flat_n = t.numel()
             per = max(1, self.bucket_bytes // max(t.element_size(), 1))
             for lo in range(0, flat_n, per):
@@ -185,8 +341,17 @@ class SnapshotTask:
 
     def _copy_one(self) -> int:
         name, t, lo, hi = self._todo.pop()
-        dst = self.buffers[name].view(-1)
-        dst[lo:hi].copy_(t.detach().reshape(-1)[lo:hi])
+        dst = self.buffers[name].view(-1)[lo:hi]
+        src = t.detach().reshape(-1)[lo:hi]
+        if t.is_cuda:
+            if self._copied is not None:
+                self._copied.synchronize()  # one bucket in flight
+            with torch.cuda.stream(self._stream):
+                dst.copy_(src, non_blocking=True)
+                self._copied = torch.cuda.Event()
+                self._copied.record(self._stream)
+        else:
+            dst.copy_(src)
         return (hi - lo) * t.element_size()
 
     def step(self) -> None:
@@ -199,6 +364,9 @@ class SnapshotTask:
             return None
         while self._todo:
             self.blocking_bytes += self._copy_one()
+        if self._copied is not None:  # the pinned buffers are complete before the tensors may change
+            self._copied.synchronize()
+            self._copied = None
         snap = {n: self.buffers[n] for n in self._src}
         self.completed += 1
         step, self._step = self._step, -1
@@ -213,23 +381,33 @@ class StoreWriteTask:
     ``begin(step, shard)`` lays out this rank's part of the save attempt exactly as
     ``tenplex.save`` would (same chunks, same checkpoint format): it pre-sizes the
     safetensors file and writes its header. ``step()`` writes one bucket of whole checksum
-    blocks straight from the live tensors (no intermediate copy) and checksums it.
+    blocks straight from the live tensors and checksums it: a zero-copy view where the
+    tensor's local order is the canonical one, else a copy of just the rows holding the bucket.
     ``finish()`` writes what is left (before the optimizer step: the only blocking part),
     then the rank index (and, on rank 0, the manifest and objects), which makes the part
     visible. The tensors must not change between ``begin`` and ``finish``: call ``finish``
-    before the optimizer step.
+    before the optimizer step. CPU tensors only.
+
+    Memory: ``memory_bytes``, the largest bucket it copies (tensors split on a dim > 0, whose
+    local order differs from the checkpoint's: the bucket plus up to two rows); 0 when every
+    bucket is a view. ``fit_memory(limit)`` shrinks the buckets (to one checksum block at least).
     """
 
-    name = "store-write"
-
     def __init__(self, root: str, ptc: Any, cfg: Any, rank: int, *, bucket_bytes: int = 1 << 20,
-                 on_complete: Callable[[int, str], None] | None = None) -> None:
-        from .checkpoint import writer_assignment
+                 on_complete: Callable[[int, str], None] | None = None, name: str = "store-write") -> None:
+        from .checkpoint import _block_bytes, writer_assignment
 
         self.root, self.ptc, self.cfg, self.rank = root, ptc, cfg, rank
+        self.name = name
         self.bucket_bytes = bucket_bytes
         self.on_complete = on_complete
         self.chunks = writer_assignment(ptc, cfg)[rank]
+        relaid = [n for n, *_ in self.chunks if self._relaid(n)]
+        shapes = {n: ptc.local_shape(n, cfg) for n in relaid}
+        self._row_bytes = max((math.prod(s) // s[ptc.tensors[n].split_dim] * ptc.tensors[n].dtype.itemsize
+                               for n, s in shapes.items()), default=0)
+        self._max_block = max((_block_bytes(ln * ptc.tensors[n].dtype.itemsize) for n, _, _, ln in self.chunks),
+                              default=0)
         self.completed = 0
         self.bubble_bytes = 0
         self.blocking_bytes = 0
@@ -240,6 +418,23 @@ class StoreWriteTask:
     @property
     def expected_step_s(self) -> float:
         return self.bucket_bytes / 5e8  # a conservative 0.5 GB/s for copy + checksum
+
+    @property
+    def memory_bytes(self) -> int:
+        if not self._row_bytes:
+            return 0
+        return max(self.bucket_bytes, self._max_block) + 2 * self._row_bytes
+
+    def fit_memory(self, limit: int) -> int:
+        """Shrink the buckets so that a copied one fits ``limit`` bytes where possible; returns the bytes held."""
+        if self.memory_bytes > limit:
+            self.bucket_bytes = max(self._max_block, limit - 2 * self._row_bytes)
+            log.info("%s: buckets of %d B to fit %d B of side-task memory", self.name, self.bucket_bytes, limit)
+        return self.memory_bytes
+
+    def _relaid(self, name: str) -> bool:
+        spec = self.ptc.tensors[name]
+        return not spec.dp_sharded and spec.split_dim not in (None, 0)
 
     def is_finished(self) -> bool:
         return not self._todo
@@ -266,7 +461,6 @@ class StoreWriteTask:
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self._fd, self._size)
         os.pwrite(self._fd, head, 0)
-        self._flat: dict[str, torch.Tensor] = {}
         self._crcs: list[list[int]] = [[0] * (-(-m[5] // m[6])) for m in self._meta]
         self._todo = []
         for i, (_, _, _, _, _, nbytes, block) in enumerate(self._meta):
@@ -279,14 +473,23 @@ class StoreWriteTask:
 
         i, a, b = self._todo.pop()
         name, lo, _, ln, off, nbytes, block = self._meta[i]
-        if name not in self._flat:  # canonical flat view (a copy only for tensors split on dim > 0)
-            self._flat[name] = self.ptc.to_local_flat(name, self._shard[name].detach())
-        src = self._flat[name][lo : lo + ln]
-        view = memoryview(src.contiguous().view(torch.uint8).numpy()).cast("B")[a:b]
+        size = self.ptc.tensors[name].dtype.itemsize
+        view = memoryview(self._canonical(name, lo + a // size, lo + b // size).view(torch.uint8).numpy()).cast("B")
         os.pwrite(self._fd, view, self._base + off + a)
         for pos in range(a, b, block):
             self._crcs[i][pos // block] = zlib.crc32(view[pos - a : min(pos - a + block, b - a)])
         return b - a
+
+    def _canonical(self, name: str, e0: int, e1: int) -> torch.Tensor:
+        """Elements [e0, e1) of the local shard in canonical flat order (``PTC.to_local_flat``),
+        copying at most the rows that hold them."""
+        local = self._shard[name].detach()
+        if not self._relaid(name):
+            return local.contiguous().reshape(-1)[e0:e1]
+        rows = local.movedim(self.ptc.tensors[name].split_dim, 0)
+        row = rows[0].numel()
+        r0, r1 = e0 // row, -(-e1 // row)
+        return rows[r0:r1].contiguous().reshape(-1)[e0 - r0 * row : e1 - r0 * row]
 
     def step(self) -> None:
         if self._todo:
@@ -301,7 +504,6 @@ class StoreWriteTask:
             self.blocking_bytes += self._write_one()
         os.close(self._fd)
         self._fd = -1
-        self._flat = {}
         objects = {o: self._shard[o] for o in self.ptc.objects if o in self._shard}
         self._publisher = threading.Thread(target=self._publish, args=(self._step, self._sdir, self._save_id,
                                                                        self._meta, self._crcs, objects), daemon=True)

@@ -108,8 +108,8 @@ def test_bubble_snapshots_match_checkpoints_and_leave_losses_unchanged(tmp_path:
     common = ["--model", "tiny", "--global-batch", "8", "--micro-batch", "2"]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                     f"--master-port={free_port()}", "-m", "tenplex.train.bubble_bench", "--", "--worker", "--mode",
-                    "bubbles", "--layout", "dp=1,tp=1,pp=2", "--steps", "6", "--warmup", "1", "--store-dir", str(store),
-                    "--out", str(out), *common], check=True, capture_output=True, timeout=240, env=env)
+                    "bubbles", "--layout", "dp=1,tp=1,pp=2", "--rounds", "1", "--warmup", "1",
+                    "--store-dir", str(store), "--out", str(out), *common], check=True, capture_output=True, timeout=240, env=env)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                     f"--master-port={free_port()}", "-m", "tenplex.train", "--", "--parallel", "dp=1,tp=1,pp=2",
                     "--steps", "6", "--seed", "1234", "--lr", "3e-3", "--ckpt", str(ckpt), "--ckpt-every", "1",
@@ -117,9 +117,9 @@ def test_bubble_snapshots_match_checkpoints_and_leave_losses_unchanged(tmp_path:
                    env=env)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
     plain = [json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line]
-    bubble_losses = next(r["losses"] for r in ranks if r["rank"] == 0)
+    bubble_losses = [s["loss"] for s in next(r for r in ranks if r["rank"] == 0)["steps"]]
     assert bubble_losses == plain  # side tasks do not change training
-    assert ranks[0]["snapshots"] == 6 and sum(r["bubble_bytes"] for r in ranks) > 0
+    assert ranks[0]["snapshots"]["bubbles"] == 6 and sum(r["bubble_bytes"]["bubbles"] for r in ranks) > 0
     for r in ranks:  # side-task steps only inside waits
         waits = [(a, b) for _, kind, a, b, _ in r["spans"] if kind == "wait"]
         for _, kind, a, b, _ in r["spans"]:

@@ -1,12 +1,17 @@
 """``tenplex bench bubbles``: the cost of snapshotting every step, blocking versus inside pipeline bubbles.
 
-Runs the reference trainer with PP >= 2 under torchrun three times: no snapshot, a blocking
-snapshot every step (copy the state, then write it to the host store, while training
-waits), and a bubble snapshot every step (``tenplex.bubbles``: the snapshot is written into
-the host store bucket by bucket during the 1F1B waits, the rest just before the optimizer
-step; with ``--write 0`` both modes only copy the state to host memory).
-Reports step times, overheads, the bubble fraction, the share of bubble time used and the
-snapshots completed, and draws one iteration's timeline per stage.
+Runs the reference trainer with PP >= 2 under torchrun and interleaves three modes step by
+step in one launch (round r runs the three in an order rotated by r, so load changes on a
+shared machine hit every mode alike): no snapshot, a blocking snapshot (the same task and the
+same bytes as the bubble snapshot, all of it done before the optimizer step while training
+waits) and a bubble snapshot (``tenplex.bubbles``: bucket by bucket during the 1F1B waits, the
+rest before the optimizer step). With ``--write 1`` both snapshot modes write the rank's part
+into the host store (``StoreWriteTask``: the same file ``tenplex.save`` writes); with
+``--write 0`` they copy the state to host memory (``SnapshotTask``). Warm-up rounds are
+excluded. Reports per mode the median step time and its spread, the overheads (also paired
+per round), the bubble fraction, the share of bubble time used, the snapshots completed, the
+side-task memory budget and one iteration's bubble windows; a second launch without
+snapshots checks that the losses are unchanged. Draws one iteration's timeline per stage.
 """
 
 from __future__ import annotations
@@ -18,12 +23,37 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 __all__ = ["run_bench", "main"]
+
+MODES = ("none", "blocking", "bubbles")
+
+
+def _sequence(mode: str, warmup: int, rounds: int) -> list[str]:
+    """The mode of every step: ``rounds + warmup`` rounds of the three modes, rotated each round."""
+    if mode != "interleave":
+        return [mode] * (3 * (warmup + rounds))
+    return [MODES[(i + r) % 3] for r in range(warmup + rounds) for i in range(3)]
+
+
+def _budget(text: str, ptc: Any, cfg: Any, stage: int, micro_batch: int, num_mb: int) -> int | None:
+    """The stage's side-task memory budget: a size, "none", or "auto" (what the memory
+    estimator's 80 % rule leaves of this machine's device, host RAM on CPU)."""
+    from ..bubbles import side_task_memory_budget
+    from ..memory import estimate_memory, parse_size, resolve_model
+    from .trainer import _device_memory
+
+    if text == "none":
+        return None
+    if text != "auto":
+        return parse_size(text)
+    spec = resolve_model(ptc)
+    est = estimate_memory(spec, cfg, seq_len=spec.seq_len, micro_batch=micro_batch, num_microbatches=num_mb,
+                          distributed_optimizer=False, precision="fp32" if "32" in str(spec.dtype) else "bf16")
+    return side_task_memory_budget(est, stage, _device_memory())
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -34,62 +64,55 @@ def _worker(args: argparse.Namespace) -> int:
     from ..data.corpus import stdlib_corpus
     from ..elastic import RescaleResult
     from ..models import ModelSpec
-    from ..store import HostStore
     from .parallel import init_distributed
     from .trainer import TrainConfig, Trainer, trainer_ptc
 
     cfg = ParallelConfig.parse(args.layout)
-    tc = TrainConfig(model=args.model, steps=args.steps, global_batch=args.global_batch, micro_batch=args.micro_batch)
+    modes = _sequence(args.mode, args.warmup, args.rounds)
+    tc = TrainConfig(model=args.model, steps=len(modes), global_batch=args.global_batch, micro_batch=args.micro_batch)
     ptc = trainer_ptc(tc.model, distributed_optimizer=False)
     spec = ModelSpec.from_json(ptc.meta["model"])
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     groups = init_distributed(cfg)
     trainer = Trainer(tc, ptc, groups, RescaleResult(cfg, rank, world, 0, True), stdlib_corpus(spec.seq_len))
-    store = HostStore(args.store_dir, "")
-    writer: list[threading.Thread] = []
-
-    def write(step: int, snap: dict) -> None:
-        if not args.write:
-            return
-        shard = {**snap, "optimizer.step": step, "data": trainer.data.to_json()}
-        store.snapshot(ptc, cfg, rank, shard, step=step, replicate=False)
-
-    runtime = BubbleRuntime(record=True)
+    stage = cfg.coords(rank).pp
+    budget = _budget(args.memory_budget, ptc, cfg, stage, args.micro_batch, trainer.num_mb)
+    runtime = BubbleRuntime(record=True, stage=stage, memory_budget=budget)
     trainer.spans = []
     trainer.bubble_hook = runtime  # waits are timed in every mode
-    task = None
-    if args.mode == "bubbles":
-        if args.write:  # the snapshot is written into the store in bubble-sized pieces
-            task = StoreWriteTask(args.store_dir, ptc, cfg, rank, bucket_bytes=args.bucket_bytes)
-        else:  # copied to host memory only
-            task = SnapshotTask(bucket_bytes=args.bucket_bytes)
-        runtime.register(task)
-        trainer.snapshot_task = task
-    times, losses = [], []
-    blocking_s = 0.0
-    for _ in range(args.steps):
+
+    def make(name: str) -> Any:  # the same task for both snapshot modes: same buckets, bytes and files
+        if args.write:
+            return StoreWriteTask(args.store_dir, ptc, cfg, rank, bucket_bytes=args.bucket_bytes, name=name)
+        state = sum(t.nbytes for t in trainer.state_tensors().values())
+        return SnapshotTask(bucket_bytes=args.bucket_bytes, name=name, state_bytes=state)
+
+    tasks = {"bubbles": make("snapshot"), "blocking": make("snapshot-blocking")}
+    runtime.register(tasks["bubbles"])
+    if budget is not None:  # the blocking snapshot gets the same sizing, but never bubble time
+        tasks["blocking"].fit_memory(runtime.grants["snapshot"])
+    steps = []
+    last_bubbles = max((i for i, m in enumerate(modes) if m == "bubbles"), default=-1)
+    for i, mode in enumerate(modes):
+        trainer.snapshot_task = tasks.get(mode)
+        w0, u0 = runtime.wait_s, runtime.used_s
         t0 = time.perf_counter()
         loss, _ = trainer.train_step()
-        if args.mode == "blocking":
-            b0 = time.perf_counter()
-            snap = {n: t.detach().to("cpu", copy=True) for n, t in trainer.state_tensors().items()}
-            write(trainer.step, snap)
-            blocking_s += time.perf_counter() - b0
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-    for w in writer:
-        w.join()
-    if hasattr(task, "close"):
-        task.close()
-    warm = times[args.warmup:]
+        steps.append({"mode": mode, "s": time.perf_counter() - t0, "loss": loss, "wait_s": runtime.wait_s - w0,
+                      "task_s": runtime.used_s - u0})
+    for task in tasks.values():
+        if hasattr(task, "close"):
+            task.close()
     out = {
-        "rank": rank, "stage": cfg.coords(rank).pp, "mode": args.mode, "step_times": times,
-        "median_step_s": statistics.median(warm), "losses": losses, "wait_s": runtime.wait_s,
-        "task_s": runtime.used_s, "total_s": sum(times), "snapshots": task.completed if task else
-        (args.steps if args.mode == "blocking" else 0),
-        "bubble_bytes": task.bubble_bytes if task else 0, "blocking_bytes": task.blocking_bytes if task else 0,
+        "rank": rank, "stage": stage, "steps": steps, "warmup_steps": 3 * args.warmup if args.mode == "interleave"
+        else 0, "memory_budget": budget, "memory_granted": runtime.grants.get("snapshot"),
+        "memory_held": tasks["bubbles"].memory_bytes, "bucket_bytes": tasks["bubbles"].bucket_bytes,
+        "snapshots": {m: t.completed for m, t in tasks.items()},
+        "bubble_bytes": {m: t.bubble_bytes for m, t in tasks.items()},
+        "blocking_bytes": {m: t.blocking_bytes for m, t in tasks.items()},
         "spans": [[s.iteration, s.kind, s.start, s.end, s.label] for s in runtime.spans + trainer.spans
-                  if s.iteration == args.steps - 2],
+                  if s.iteration == last_bubbles],
+        "windows": [w.to_json() for w in runtime.windows if w.iteration == last_bubbles],
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank-{rank:05d}.json").write_text(json.dumps(out))
@@ -99,47 +122,81 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_bench(*, model: str = "llama-small", pp: int = 2, steps: int = 12, warmup: int = 3, global_batch: int = 8,
-              micro_batch: int = 2, bucket_bytes: int = 1 << 20, plot: str | None = None,
-              write: bool = True) -> dict[str, Any]:
-    """Run the three modes and summarise (see the module docstring)."""
+def _launch(mode: str, tmp: str, *, model: str, pp: int, rounds: int, warmup: int, global_batch: int,
+            micro_batch: int, bucket_bytes: int, write: bool, memory_budget: str) -> list[dict]:
     from .launch import free_port
 
-    layout = f"dp=1,tp=1,pp={pp}"
-    results: dict[str, list[dict]] = {}
+    out = Path(tmp) / mode
+    store_dir = tempfile.mkdtemp(prefix="tenplex-bubble-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}",
+           f"--master-port={free_port()}", "-m", "tenplex.train.bubble_bench", "--", "--worker",
+           "--mode", mode, "--model", model, "--layout", f"dp=1,tp=1,pp={pp}", "--rounds", str(rounds),
+           "--warmup", str(warmup), "--global-batch", str(global_batch), "--micro-batch", str(micro_batch),
+           "--bucket-bytes", str(bucket_bytes), "--store-dir", store_dir, "--out", str(out),
+           "--write", str(int(write)), "--memory-budget", memory_budget]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"bubbles bench ({mode}) failed:\n{e.stderr.decode(errors='replace')[-3000:]}") from None
+    finally:
+        subprocess.run(["rm", "-rf", store_dir], check=False)
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+
+
+def _spread(xs: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "p25": q[0], "p75": q[2], "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def run_bench(*, model: str = "llama-small", pp: int = 2, rounds: int = 20, warmup: int = 2, global_batch: int = 4,
+              micro_batch: int = 1, bucket_bytes: int = 1 << 20, plot: str | None = None, write: bool = True,
+              memory_budget: str = "auto") -> dict[str, Any]:
+    """Run the interleaved modes and a reference without snapshots; summarise (see the module docstring)."""
+    kw = dict(model=model, pp=pp, rounds=rounds, warmup=warmup, global_batch=global_batch, micro_batch=micro_batch,
+              bucket_bytes=bucket_bytes, write=write, memory_budget=memory_budget)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="tenplex-bubbles-") as tmp:
-        for mode in ("none", "blocking", "bubbles"):
-            out = Path(tmp) / mode
-            store_dir = tempfile.mkdtemp(prefix="tenplex-bubble-store-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                         else tmp)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}",
-                   f"--master-port={free_port()}", "-m", "tenplex.train.bubble_bench", "--", "--worker",
-                   "--mode", mode, "--model", model, "--layout", layout, "--steps", str(steps), "--warmup", str(warmup),
-                   "--global-batch", str(global_batch), "--micro-batch", str(micro_batch), "--bucket-bytes",
-                   str(bucket_bytes), "--store-dir", store_dir, "--out", str(out), "--write", str(int(write))]
-            print(f"bubbles bench: {mode} ...", file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=True, capture_output=True, timeout=900,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-            results[mode] = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
-            subprocess.run(["rm", "-rf", store_dir], check=False)
-    step = {m: max(r["median_step_s"] for r in rs) for m, rs in results.items()}
+        print("bubbles bench: interleaved modes ...", file=sys.stderr, flush=True)
+        ranks = _launch("interleave", tmp, **kw)
+        print("bubbles bench: reference without snapshots ...", file=sys.stderr, flush=True)
+        ref = _launch("none", tmp, **kw)
+    load_after = os.getloadavg()
+    skip = ranks[0]["warmup_steps"]
+    n = len(ranks[0]["steps"])
+    modes = [ranks[0]["steps"][i]["mode"] for i in range(n)]
+    step_s = [max(r["steps"][i]["s"] for r in ranks) for i in range(n)]  # the pipeline's step time
+    per_mode = {m: _spread([step_s[i] for i in range(skip, n) if modes[i] == m]) for m in MODES}
+    rounds_s = [{modes[i]: step_s[i] for i in range(k, k + 3)} for k in range(skip, n, 3)]
+    paired = {m: _spread([r[m] / r["none"] - 1 for r in rounds_s]) for m in ("blocking", "bubbles")}
+
+    def frac(r: dict, mode: str, key: str, den: str) -> float:
+        xs = [s for s in r["steps"][skip:] if s["mode"] == mode]
+        return sum(s[key] for s in xs) / max(sum(s[den] for s in xs), 1e-9)
+
     m = global_batch // micro_batch
-    bub = results["bubbles"]
     summary = {
-        "model": model, "layout": layout, "num_microbatches": m, "steps": steps, "write_to_store": write,
-        "step_s": step,
-        "overhead_blocking": step["blocking"] / step["none"] - 1,
-        "overhead_bubbles": step["bubbles"] / step["none"] - 1,
-        "bubble_fraction": statistics.mean(r["wait_s"] / r["total_s"] for r in results["none"]),
+        "model": model, "layout": f"dp=1,tp=1,pp={pp}", "num_microbatches": m, "rounds": rounds,
+        "warmup_rounds": warmup, "write_to_store": write, "bucket_bytes": ranks[0]["bucket_bytes"],
+        "step_s": per_mode, "overhead_blocking": per_mode["blocking"]["median"] / per_mode["none"]["median"] - 1,
+        "overhead_bubbles": per_mode["bubbles"]["median"] / per_mode["none"]["median"] - 1,
+        "overhead_paired": paired,
+        "bubble_fraction": statistics.mean(frac(r, "none", "wait_s", "s") for r in ranks),
         "bubble_fraction_theory": (pp - 1) / (m + pp - 1),
-        "bubble_time_used": sum(r["task_s"] for r in bub) / max(sum(r["wait_s"] for r in bub), 1e-9),
-        "snapshots_completed": min(r["snapshots"] for r in bub),
-        "bytes_copied_in_bubbles": sum(r["bubble_bytes"] for r in bub),
-        "bytes_copied_blocking": sum(r["blocking_bytes"] for r in bub),
-        "losses_equal": all(a["losses"] == b["losses"] for a, b in zip(results["none"], bub)),
+        "bubble_time_used": statistics.mean(frac(r, "bubbles", "task_s", "wait_s") for r in ranks),
+        "snapshots_completed": min(r["snapshots"]["bubbles"] for r in ranks),
+        "snapshots_expected": modes.count("bubbles"),
+        "bytes_copied_in_bubbles": sum(r["bubble_bytes"]["bubbles"] for r in ranks),
+        "bytes_copied_blocking": sum(r["blocking_bytes"]["bubbles"] for r in ranks),
+        "bytes_per_blocking_snapshot": sum(r["blocking_bytes"]["blocking"] for r in ranks)
+        / max(min(r["snapshots"]["blocking"] for r in ranks), 1),
+        "losses_equal": [s["loss"] for s in ranks[0]["steps"]] == [s["loss"] for s in ref[0]["steps"]],
+        "memory": [{"stage": r["stage"], "budget": r["memory_budget"], "granted": r["memory_granted"],
+                    "held": r["memory_held"]} for r in ranks],
+        "windows": [w for r in ranks for w in r["windows"]],
+        "loadavg_before": load_before, "loadavg_after": load_after,
     }
     if plot:
-        _plot(results["bubbles"], plot)
+        _plot(ranks, plot)
         summary["timeline_png"] = plot
     return summary
 
@@ -177,39 +234,51 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tenplex bench bubbles", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", default="none", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="interleave", help=argparse.SUPPRESS)
     ap.add_argument("--layout", default="dp=1,tp=1,pp=2", help=argparse.SUPPRESS)
     ap.add_argument("--store-dir", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="llama-small")
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=20, help="measured rounds (one step of each mode per round)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up rounds, excluded")
+    ap.add_argument("--global-batch", type=int, default=4)
+    ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--bucket-bytes", type=int, default=1 << 20)
-    ap.add_argument("--write", type=int, default=1, help="1: also write each snapshot to the host store; "
+    ap.add_argument("--memory-budget", default="auto", help="side-task memory per stage: a size (e.g. 512MiB), "
+                    "'none', or 'auto' (what the memory estimator's 80%% rule leaves of the device)")
+    ap.add_argument("--write", type=int, default=1, help="1: write each snapshot to the host store; "
                     "0: copy to host memory only")
     ap.add_argument("--plot", default=None, help="timeline PNG path (e.g. docs/bubbles_timeline.png)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)
-    s = run_bench(model=args.model, pp=args.pp, steps=args.steps, warmup=args.warmup, global_batch=args.global_batch,
-                  micro_batch=args.micro_batch, bucket_bytes=args.bucket_bytes, plot=args.plot, write=bool(args.write))
+    s = run_bench(model=args.model, pp=args.pp, rounds=args.rounds, warmup=args.warmup,
+                  global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_bytes=args.bucket_bytes,
+                  plot=args.plot, write=bool(args.write), memory_budget=args.memory_budget)
     if args.json:
         print(json.dumps(s))
         return 0
-    print(f"{s['model']} {s['layout']}, {s['num_microbatches']} micro-batches, {s['steps']} steps, snapshots "
-          f"{'copied to host memory and written to the host store' if s['write_to_store'] else 'copied to host memory'}")
-    print(f"  step time: none {s['step_s']['none'] * 1e3:.1f} ms, blocking snapshot {s['step_s']['blocking'] * 1e3:.1f} ms,"
-          f" bubble snapshot {s['step_s']['bubbles'] * 1e3:.1f} ms")
-    print(f"  overhead: blocking {s['overhead_blocking'] * 100:+.1f}%, bubbles {s['overhead_bubbles'] * 100:+.1f}%")
+    print(f"{s['model']} {s['layout']}, {s['num_microbatches']} micro-batches, {s['rounds']} interleaved rounds "
+          f"(+{s['warmup_rounds']} warm-up), snapshots "
+          f"{'written to the host store' if s['write_to_store'] else 'copied to host memory'}; load average "
+          f"{s['loadavg_before'][0]:.2f} before, {s['loadavg_after'][0]:.2f} after")
+    for mode, st in s["step_s"].items():
+        print(f"  {mode:9s} step median {st['median'] * 1e3:7.1f} ms  (p25 {st['p25'] * 1e3:.1f}, "
+              f"p75 {st['p75'] * 1e3:.1f}, min {st['min'] * 1e3:.1f}, max {st['max'] * 1e3:.1f})")
+    for mode in ("blocking", "bubbles"):
+        p = s["overhead_paired"][mode]
+        print(f"  overhead {mode}: {s[f'overhead_{mode}'] * 100:+.1f}% of medians; paired per round median "
+              f"{p['median'] * 100:+.1f}% (p25 {p['p25'] * 100:+.1f}%, p75 {p['p75'] * 100:+.1f}%)")
     print(f"  bubble fraction {s['bubble_fraction'] * 100:.1f}% (1F1B theory {s['bubble_fraction_theory'] * 100:.1f}%),"
           f" bubble time used by snapshots {s['bubble_time_used'] * 100:.1f}%")
-    print(f"  snapshots completed {s['snapshots_completed']}; copied in bubbles "
-          f"{s['bytes_copied_in_bubbles']} B, before the update {s['bytes_copied_blocking']} B; "
-          f"losses {'identical' if s['losses_equal'] else 'DIFFER'}")
+    print(f"  snapshots completed {s['snapshots_completed']}/{s['snapshots_expected']}; bytes in bubbles "
+          f"{s['bytes_copied_in_bubbles']}, before the update {s['bytes_copied_blocking']}, per blocking snapshot "
+          f"{s['bytes_per_blocking_snapshot']:.0f}; losses {'identical' if s['losses_equal'] else 'DIFFER'}")
+    for mem in s["memory"]:
+        print(f"  stage {mem['stage']}: side-task memory budget {mem['budget']} B, snapshot granted "
+              f"{mem['granted']} B, holds {mem['held']} B")
     return 0
 
 
