@@ -15,18 +15,7 @@ from tenplex.memory import estimate_memory
 from tenplex.train.schedule import Op
 from tenplex.train.trainer import trainer_ptc
 
-
-class _Work:
-    """A receive that completes ``delay`` seconds after it was posted (gloo-like: known only once waited on)."""
-
-    def __init__(self, delay: float) -> None:
-        self.t_done = time.perf_counter() + delay
-
-    def is_completed(self) -> bool:
-        return False
-
-    def wait(self) -> None:
-        time.sleep(max(0.0, self.t_done - time.perf_counter()))
+from test_bubbles import _Work
 
 
 class _Task:

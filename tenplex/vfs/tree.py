@@ -281,18 +281,18 @@ class DatasetTree:
             return fh
 
     def read_handle(self, fh: int, offset: int, size: int) -> bytes:
+        content = self._handle_content(fh)
+        return content.read(offset, size)
+
+    def _handle_content(self, fh: int) -> Any:
         try:
-            _, content = self._handles[fh]
+            return self._handles[fh][1]
         except KeyError:
             raise FileNotFoundError(f"no open file handle {fh}") from None
-        return content.read(offset, size)
 
     def read_handle_into(self, fh: int, offset: int, buf: memoryview) -> int:
         """Read into ``buf`` (a FUSE reply buffer) from an open handle; returns the byte count."""
-        try:
-            _, content = self._handles[fh]
-        except KeyError:
-            raise FileNotFoundError(f"no open file handle {fh}") from None
+        content = self._handle_content(fh)
         if isinstance(content, RankView):
             return content.read_into(offset, buf)
         data = content.read(offset, len(buf))
@@ -302,10 +302,7 @@ class DatasetTree:
     def source_pieces(self, fh: int, offset: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """An open ``samples.bin``'s bytes ``[offset, offset + size)`` as local source reads (see
         :meth:`RankView.source_pieces`); None for other files or remote sources (use :meth:`read_handle_into`)."""
-        try:
-            _, content = self._handles[fh]
-        except KeyError:
-            raise FileNotFoundError(f"no open file handle {fh}") from None
+        content = self._handle_content(fh)
         if isinstance(content, RankView):
             return content.source_pieces(offset, size)
         return None
