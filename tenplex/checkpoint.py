@@ -28,7 +28,8 @@ import re
 import time
 import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -459,6 +460,13 @@ class _Reader:
         checksum blocks into small head/tail buffers and ``out`` itself; checksums are
         computed over those buffers in place.
         """
+        out, verify = self._fetch(rank, name, chunk_start, a, b, dtype, itemsize, out)
+        verify()
+        return out
+
+    def _fetch(self, rank: int, name: str, chunk_start: int, a: int, b: int, dtype: torch.dtype,
+               itemsize: int, out: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Read without verifying; returns the destination and the check to run before using it."""
         idx = self.index(rank)
         try:
             chunk = idx["by_key"][(name, chunk_start)]
@@ -472,7 +480,7 @@ class _Reader:
         if out is None:
             out = torch.empty(b - a, dtype=dtype)
         if b <= a:
-            return out
+            return out, _nothing
         body = memoryview(out.view(torch.uint8).numpy()).cast("B")
         head = bytearray(a * itemsize - lo)
         tail = bytearray(hi - b * itemsize)
@@ -491,20 +499,25 @@ class _Reader:
         self.ranges += 1
         if got != hi - lo:
             raise CheckpointCorruptError(f"{idx['path']}: short read of {name} ({got} of {hi - lo} bytes)")
-        crcs = chunk["crc32"]
-        for k, got_crc in _block_crcs(segs, lo, hi, block):
-            if got_crc != int(crcs[8 * k : 8 * k + 8], 16):
-                off = k * block
-                raise CheckpointCorruptError(
-                    f"{idx['path']}: checksum mismatch in {name} bytes [{off}, {min(off + block, nbytes)}) of "
-                    f"the chunk at offset {chunk_start}: the file is corrupted; load an earlier step"
-                )
-        return out
 
-    def read_many(self, reqs: list[ReadRequest]) -> None:
+        def verify() -> None:
+            crcs = chunk["crc32"]
+            for k, got_crc in _block_crcs(segs, lo, hi, block):
+                if got_crc != int(crcs[8 * k : 8 * k + 8], 16):
+                    off = k * block
+                    raise CheckpointCorruptError(
+                        f"{idx['path']}: checksum mismatch in {name} bytes [{off}, {min(off + block, nbytes)}) of "
+                        f"the chunk at offset {chunk_start}: the file is corrupted; load an earlier step"
+                    )
+
+        return out, verify
+
+    def read_many(self, reqs: list[ReadRequest], rank: int = 0) -> None:
         """All of a load's reads. Local files: in file order, with the kernel asked to fetch the
         exact ranges about ``_PREFETCH`` bytes ahead (``POSIX_FADV_WILLNEED``), so the disk works
-        while checksums are computed and nothing outside the needed blocks is read."""
+        while checksums are computed and nothing outside the needed blocks is read. Loading rank
+        ``rank`` starts at its own place in the writer order, so ranks of one host that need the
+        same parts fetch different ones first and then find the others' in the page cache."""
         if not self.local or not hasattr(os, "posix_fadvise"):
             for r in reqs:
                 self.read(r.writer, r.tensor, r.chunk_start, r.a, r.b, r.dtype, r.itemsize, out=r.out)
@@ -520,19 +533,28 @@ class _Reader:
             lo = (r.a * r.itemsize) // block * block
             hi = min(-(-(r.b * r.itemsize) // block) * block, nbytes)
             spans.append((r.writer, chunk["offset"] + lo, chunk["offset"] + hi, i))
-        spans.sort()
+        writers = sorted({w for w, *_ in spans})
+        turn = {w: (i - rank) % len(writers) for i, w in enumerate(writers)}
+        spans.sort(key=lambda x: (turn[x[0]], x[1], x[2], x[3]))
         ahead, fetched = 0, 0
-        for k, (w, lo, hi, i) in enumerate(spans):
-            fetched = max(fetched, k)
-            while fetched < len(spans) and ahead < _PREFETCH:
-                fw, flo, fhi, _ = spans[fetched]
-                if fhi > flo:
-                    os.posix_fadvise(self._fd(fw, self.index(fw)["path"]), flo, fhi - flo, os.POSIX_FADV_WILLNEED)
-                ahead += fhi - flo
-                fetched += 1
-            r = reqs[i]
-            self.read(r.writer, r.tensor, r.chunk_start, r.a, r.b, r.dtype, r.itemsize, out=r.out)
-            ahead -= hi - lo
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-verify") as pool:
+            checks = []
+            for k, (w, lo, hi, i) in enumerate(spans):
+                fetched = max(fetched, k)
+                while fetched < len(spans) and ahead < _PREFETCH:
+                    fw, flo, fhi, _ = spans[fetched]
+                    if fhi > flo:
+                        os.posix_fadvise(self._fd(fw, self.index(fw)["path"]), flo, fhi - flo,
+                                         os.POSIX_FADV_WILLNEED)
+                    ahead += fhi - flo
+                    fetched += 1
+                r = reqs[i]
+                # checksums in a second thread (zlib releases the GIL) while the next piece is read
+                checks.append(pool.submit(self._fetch(r.writer, r.tensor, r.chunk_start, r.a, r.b, r.dtype,
+                                                      r.itemsize, r.out)[1]))
+                ahead -= hi - lo
+            for c in checks:
+                c.result()  # the first corrupt block raises
 
     def close(self) -> None:
         for fd in self.handles.values():
@@ -540,7 +562,11 @@ class _Reader:
         self.handles.clear()
 
 
-_PREFETCH = 64 << 20  # bytes a local load asks the kernel to fetch ahead of the reads
+_PREFETCH = 64 << 20
+
+
+def _nothing() -> None:
+    return None  # bytes a local load asks the kernel to fetch ahead of the reads
 
 
 def _preadv_full(fd: int, segs: list[memoryview], offset: int) -> int:
@@ -675,7 +701,7 @@ def read_shard(saved: PTC, old: ParallelConfig, cfg: ParallelConfig, rank: int, 
             needed += int(q_len.sum()) * spec.itemsize
         locals_[name] = local
     if hasattr(reader, "read_many"):
-        reader.read_many(reqs)
+        reader.read_many(reqs, rank=rank)
     else:
         for r in reqs:
             reader.read(r.writer, r.tensor, r.chunk_start, r.a, r.b, r.dtype, r.itemsize, out=r.out)

@@ -488,7 +488,7 @@ class _RoundsReader(_TieredReader):
         self.max_workers, self.barrier = max_workers, barrier
         self.report = RecoveryRounds(False, "no read")
 
-    def read_many(self, reqs: list[ReadRequest]) -> None:
+    def read_many(self, reqs: list[ReadRequest], rank: int = 0) -> None:
         rplan = None
         if not any(t.kind == "peer" for t in self.tiers):
             self.report = RecoveryRounds(False, "no peer store holds a part of this step")
