@@ -125,14 +125,18 @@ class Plan:
     _COLUMNS = ("new_rank", "tensor", "kind", "src_rank", "src_offset", "dst_offset", "start", "length", "nbytes")
 
     def __init__(self, ptc: PTC, old: ParallelConfig, new: ParallelConfig, alive: tuple[int, ...],
-                 devices: np.ndarray, gpus_per_host: int, columns: dict[str, np.ndarray], stats: PlanStats):
+                 devices: np.ndarray, gpus_per_host: int, columns: dict[str, np.ndarray], stats: PlanStats,
+                 tensor_group: np.ndarray):
         self.ptc, self.old, self.new = ptc, old, new
         self.alive = alive
         self.devices = devices
         self.gpus_per_host = gpus_per_host
         self.tensor_names: tuple[str, ...] = tuple(ptc.tensors)
-        self.columns = columns
+        self.columns = columns  # rows grouped by tensor, in tensor order
         self.stats = stats
+        # tensors in one group (same old and new holder tables, same item size: the layers of a
+        # stage) have the same moves but for the chosen sources; -1: the new layout holds none of it
+        self.tensor_group = tensor_group
         order = np.argsort(columns["new_rank"], kind="stable")
         self._order = order
         self._bounds = np.searchsorted(columns["new_rank"][order], np.arange(new.world_size + 1))
@@ -201,11 +205,15 @@ def plan(
     class_cache: dict[int, tuple[Any, tuple[np.ndarray, ...]]] = {}
     sent = np.zeros(old_cfg.world_size + 1, dtype=np.float64)  # bytes each old rank sends so far
     set_hash = np.random.default_rng(0).integers(1, 2**63, old_cfg.world_size + 1, dtype=np.uint64)
+    tensor_group = np.full(len(ptc.tensors), -1, dtype=np.int64)
+    groups: dict[tuple[int, int, int], tuple[int, Any, Any]] = {}  # values keep the tables (so their ids) alive
     for ti, (name, spec) in enumerate(ptc.tensors.items()):
         old_t = ptc.holders(name, old_cfg)
         new_t = ptc.holders(name, new_cfg)
         if len(new_t) == 0:
             continue
+        gkey = (id(old_t), id(new_t), spec.itemsize)
+        tensor_group[ti] = groups.setdefault(gkey, (len(groups), old_t, new_t))[0]
         if id(old_t) not in class_cache:  # holder tables are shared by the layers of a stage
             class_cache[id(old_t)] = (old_t, holder_classes(name, old_t))
         classes = class_cache[id(old_t)][1]
@@ -266,7 +274,8 @@ def plan(
     for arr in columns.values():
         arr.setflags(write=False)
     stats = _stats(columns, old_cfg, new_cfg, time.perf_counter() - t0)
-    result = Plan(ptc, old_cfg, new_cfg, alive_t, devices, gpus_per_host, columns, stats)
+    tensor_group.setflags(write=False)
+    result = Plan(ptc, old_cfg, new_cfg, alive_t, devices, gpus_per_host, columns, stats, tensor_group)
     log.info("planned %s -> %s in %.3fs: %d moves, %.1f MiB moved of %.1f MiB needed",
              old_cfg, new_cfg, stats.plan_seconds, stats.num_moves, stats.bytes_moved / 2**20,
              stats.bytes_needed / 2**20)

@@ -236,15 +236,73 @@ def _hashes(n: int, seed: int) -> np.ndarray:
 
 
 def demands(plan: Plan, topology: Topology) -> Demands:
-    """Group a plan's non-local moves into pieces and commodities (candidate sources: every live holder)."""
+    """Group a plan's non-local moves into pieces and commodities (candidate sources: every live holder).
+
+    Tensors of one plan group (the layers of a stage) have the same moves, so the pieces and
+    their commodities are found for one tensor per group and repeated for the others.
+    """
     c = plan.columns
-    rows = np.flatnonzero(c["kind"] != LOCAL)
+    remote = c["kind"] != LOCAL
+    if not remote.any():
+        z = np.zeros(0, dtype=np.int64)
+        return Demands((), z, z, z, z, np.zeros(1, dtype=np.int64), z, 0)
+    n_t = len(plan.tensor_names)
+    tbound = np.searchsorted(c["tensor"], np.arange(n_t + 1))  # plan rows are in tensor order
+    rcum = np.concatenate([[0], np.cumsum(remote)])
+    active = np.flatnonzero(rcum[tbound[1:]] > rcum[tbound[:-1]])  # tensors with non-local moves
+    grp = plan.tensor_group[active]
+    _, first = np.unique(grp, return_index=True)
+    rep_of = np.zeros(int(grp.max()) + 1, dtype=np.int64)
+    rep_of[grp[first]] = active[first]
+    rep = rep_of[grp]  # each active tensor's representative (the group's first)
+    is_rep = np.zeros(n_t, dtype=bool)
+    is_rep[active[first]] = True
+    rp = _rep_pieces(plan, topology, np.flatnonzero(remote & is_rep[c["tensor"]]))
+    # repeat the representatives' pieces for every tensor of their group, in tensor order
+    rp_first = np.searchsorted(rp.tensor, np.arange(n_t + 1))
+    n_p = (rp_first[1:] - rp_first[:-1])[rep]
+    p_off = _excl_cumsum(n_p)
+    src = np.repeat(rp_first[rep] - p_off, n_p) + np.arange(int(n_p.sum()))  # representative piece of each piece
+    p_tensor = np.repeat(active, n_p)
+    p_nbytes = rp.nbytes[src]
+    n_r = np.diff(rp.row_ptr)[src]
+    ptr = np.concatenate([[0], np.cumsum(n_r)])
+    shift = np.repeat(np.repeat(tbound[active] - tbound[rep], n_p), n_r)
+    rows = rp.rows[np.repeat(rp.row_ptr[src] - ptr[:-1], n_r) + np.arange(int(ptr[-1]))] + shift
+    com = rp.commodity[src]
+    small = np.int16 if len(rp.sources) < 2**15 else np.int64  # stable sort of 16-bit keys is a radix sort
+    corder = np.argsort(com.astype(small), kind="stable")
+    cb = np.searchsorted(com[corder], np.arange(len(rp.sources) + 1))
+    c_nbytes = np.add.reduceat(p_nbytes[corder], cb[:-1]) if len(corder) else np.zeros(0, dtype=np.int64)
+    commodities = [Commodity(rp.sources[k], rp.dests[k], int(c_nbytes[k]), corder[cb[k] : cb[k + 1]])
+                   for k in range(len(rp.sources))]
+    commodities.sort(key=lambda k: (-k.nbytes, k.sources, k.dests))
+    return Demands(tuple(commodities), p_tensor, rp.start[src], rp.length[src], p_nbytes, ptr, rows,
+                   int(c["nbytes"][remote].sum()))
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
+class _RepPieces:
+    """Pieces of some plan rows (sorted by tensor, start, length) and their commodities."""
+
+    tensor: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    nbytes: np.ndarray
+    row_ptr: np.ndarray
+    rows: np.ndarray
+    commodity: np.ndarray  # per piece
+    sources: list[tuple[str, ...]]  # per commodity
+    dests: list[tuple[str, ...]]
+
+
+def _rep_pieces(plan: Plan, topology: Topology, rows: np.ndarray) -> _RepPieces:
+    """Pieces (one tensor interval, all its destinations) of plan rows ``rows`` and their commodities
+    (same candidate sources, every live holder, and same destinations)."""
+    c = plan.columns
     old_w = plan.old.world_size
     alive = np.zeros(old_w + 1, dtype=bool)
     alive[list(plan.alive)] = True
-    if not len(rows):
-        z = np.zeros(0, dtype=np.int64)
-        return Demands((), z, z, z, z, np.zeros(1, dtype=np.int64), z, 0)
     node_names = [topology.gpu(r) if alive[r] else "" for r in range(old_w)]
     node_names.append(topology.storage() if np.any(c["kind"][rows] == STORAGE) else "")
     nn = old_w + 2  # old ranks, storage, padding
@@ -266,13 +324,11 @@ def demands(plan: Plan, topology: Topology) -> Demands:
     grp = tid[tens_all]
     order = np.argsort(grp, kind="stable")
     rows = rows[order]
-    tens = c["tensor"][rows]
     grp = grp[order]
-    bounds = np.flatnonzero(np.diff(grp)) + 1
-    starts = np.concatenate([[0], bounds, [len(rows)]])
-    ids_parts: list[np.ndarray] = []
-    kmax = 1
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(grp)) + 1, [len(rows)]])
     row_start, row_kind = c["start"][rows], c["kind"][rows]
+    kmax = 1
+    ids_parts: list[np.ndarray] = []
     for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
         name, table = tables[int(grp[a])]
         c_start, _, c_ranks, _ = holder_classes(name, table)
@@ -290,7 +346,7 @@ def demands(plan: Plan, topology: Topology) -> Demands:
         pos += len(ids)
     cand_key = src_hash[ids_all].sum(1)
     # pieces: same tensor interval (one transmission can serve all its destinations)
-    start, length = c["start"][rows], c["length"][rows]
+    tens, start, length = c["tensor"][rows], c["start"][rows], c["length"][rows]
     porder = np.lexsort((length, start, tens))
     rows, tens, start, length = rows[porder], tens[porder], start[porder], length[porder]
     cand_key, ids_all = cand_key[porder], ids_all[porder]
@@ -304,25 +360,18 @@ def demands(plan: Plan, topology: Topology) -> Demands:
     pkey = cand_key[pfirst]
     # one 64-bit key per (source set, destination set); both halves are sums of random 64-bit values
     ckey = pkey * np.uint64(0x9E3779B97F4A7C15) + (pdst ^ (pdst >> np.uint64(29)))
-    _, inv = np.unique(ckey, return_inverse=True)
-    inv = inv.reshape(-1)
-    pnbytes = c["nbytes"][rows[pfirst]]
-    corder = np.argsort(inv, kind="stable")
-    cb = np.concatenate([[0], np.flatnonzero(np.diff(inv[corder])) + 1, [len(corder)]])
-    commodities = []
-    for g0, g1 in zip(cb[:-1].tolist(), cb[1:].tolist()):
-        grp = corder[g0:g1]
-        p0 = int(grp[0])
+    _, cfirst, inv = np.unique(ckey, return_index=True, return_inverse=True)
+    sources, dests = [], []
+    for p0 in cfirst.tolist():
         r0 = int(pfirst[p0])
         srcs = tuple(sorted(node_names[i] for i in ids_all[r0].tolist() if i != pad))
         if not srcs:
             raise PlanError(f"a piece of {plan.tensor_names[int(tens[r0])]} has no live holder and is not read "
                             "from storage; the plan and its alive set disagree")
-        dests = tuple(sorted(topology.gpu(int(x)) for x in dev[ptr[p0] : ptr[p0 + 1]]))
-        commodities.append(Commodity(srcs, dests, int(pnbytes[grp].sum()), grp))
-    commodities.sort(key=lambda k: (-k.nbytes, k.sources, k.dests))
-    return Demands(tuple(commodities), tens[pfirst], start[pfirst], length[pfirst], pnbytes, ptr, rows,
-                   int(c["nbytes"][rows].sum()))
+        sources.append(srcs)
+        dests.append(tuple(sorted(topology.gpu(int(x)) for x in dev[ptr[p0] : ptr[p0 + 1]])))
+    return _RepPieces(tens[pfirst], start[pfirst], length[pfirst], c["nbytes"][rows[pfirst]], ptr, rows,
+                      inv.reshape(-1), sources, dests)
 
 
 # -- routes ---------------------------------------------------------------------------------
@@ -886,10 +935,15 @@ def _assign_greedy(routes: _Routes, cand: np.ndarray, chunk_com: np.ndarray, chu
         load = np.zeros(nl + 1)
         coms, nbs, keys = chunk_com[multi].tolist(), chunk_nb[multi].tolist(), chunk_key[multi].tolist()
         cl = cand.tolist()
+        per_com: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for c, k, b, x in zip(multi.tolist(), coms, nbs, keys):
-            rows = padded[cl[k] : cl[k + 1]]
-            j = int((((fixed[rows] * x + load[rows]) + b) * inv_bw[rows]).max(1).argmin())
-            np.add.at(load, rows[j], b)
+            got = per_com.get(k)
+            if got is None:
+                rows = padded[cl[k] : cl[k + 1]]
+                got = per_com[k] = (rows, fixed[rows], inv_bw[rows])
+            rows, fix, inv = got
+            j = int((((fix * x + load[rows]) + b) * inv).max(1).argmin())
+            load[rows[j]] += b  # a route's links are distinct (padding: link nl, never read)
             pick[c] += j
     return dataclasses.replace(routes, of_chunk=pick)
 
@@ -1368,13 +1422,16 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
     if not dem.commodities:
         return 0.0
     cut = _cuts(topology)
-    nc, nn = len(dem.commodities), len(cut.node_host)
-    src = np.zeros((nc, nn), dtype=bool)
-    dst = np.zeros((nc, nn), dtype=bool)
-    for k, c in enumerate(dem.commodities):
-        src[k, [cut.idx[x] for x in c.sources]] = True
-        dst[k, [cut.idx[x] for x in c.dests]] = True
+    nn = len(cut.node_host)
+    # node sets (sources or destinations) are shared by many commodities: masks per distinct set
+    set_id: dict[tuple[str, ...], int] = {}
+    ps = np.array([set_id.setdefault(c.sources, len(set_id)) for c in dem.commodities], dtype=np.int64)
+    pd = np.array([set_id.setdefault(c.dests, len(set_id)) for c in dem.commodities], dtype=np.int64)
+    sets = np.zeros((len(set_id), nn), dtype=bool)
+    for names, j in set_id.items():
+        sets[j, [cut.idx[x] for x in names]] = True
     nb = np.array([c.nbytes for c in dem.commodities], dtype=np.float64)
+    src, dst = sets[ps], sets[pd]  # (commodities, nodes)
     best = 0.0
 
     def worst(inn: np.ndarray, out: np.ndarray, bw_in: np.ndarray, bw_out: np.ndarray) -> float:
@@ -1389,13 +1446,12 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
         out = _dot(nb, (src.sum(1) == 1)[:, None] & s1 & ((dst.sum(1)[:, None] - d1) > 0))
         best = max(best, worst(inn, out, cut.single_in, cut.single_out))
     if len(cut.unions):  # unions of hosts (column H: nodes on no host, never inside a union)
-        sh = np.einsum("kn,nh->kh", src, cut.onehot) > 0
-        dh = np.einsum("kn,nh->kh", dst, cut.onehot) > 0
-        s_in = np.einsum("kh,uh->ku", sh, cut.unions, dtype=np.int64)  # (commodities, unions): source hosts inside
-        d_in = np.einsum("kh,uh->ku", dh, cut.unions, dtype=np.int64)
-        s_cnt, d_cnt = sh.sum(1)[:, None], dh.sum(1)[:, None]
+        hosts_of = np.einsum("kn,nh->kh", sets, cut.onehot) > 0  # (sets, hosts + 1)
+        in_u = np.einsum("kh,uh->ku", hosts_of, cut.unions, dtype=np.int64)  # (sets, unions): hosts inside
+        cnt = hosts_of.sum(1)[:, None]
+        s_in, d_in = in_u[ps], in_u[pd]
         inn = _dot(nb, (s_in == 0) & (d_in > 0))
-        out = _dot(nb, (s_in == s_cnt) & (d_in < d_cnt))
+        out = _dot(nb, (s_in == cnt[ps]) & (d_in < cnt[pd]))
         best = max(best, worst(inn, out, cut.union_in, cut.union_out))
     return max(best, _path_latency(topology, src, dst))
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 
 import networkx as nx
 import numpy as np
 import pytest
+from conftest import examples, layouts, model_kwargs
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tenplex
 from tenplex import ParallelConfig, PlanError
@@ -240,7 +244,7 @@ def test_traffic_around_a_ring_falls_back_to_chunk_by_chunk() -> None:
     # every route continues on the link the next route starts on: the link graph has a cycle
     t = chain_topology([("gpu0", "gpu1", 1e9), ("gpu1", "gpu2", 1e9), ("gpu2", "gpu0", 1e9)])
     d = Demands.of([(("gpu0",), ("gpu2",), 2 * MB), (("gpu1",), ("gpu0",), 2 * MB), (("gpu2",), ("gpu1",), 2 * MB)])
-    schedule_mod = __import__("sys").modules["tenplex.schedule"]
+    schedule_mod = sys.modules["tenplex.schedule"]
     s = schedule(d, t, method="greedy", chunk_bytes=MB)
     validate(s)
     inner = s.hop_parent >= 0
@@ -252,7 +256,7 @@ def test_traffic_around_a_ring_falls_back_to_chunk_by_chunk() -> None:
 def test_bulk_routes_on_a_larger_plan() -> None:
     """Instances past the small-instance options build greedy routes in bulk; vectorised simulation
     agrees with the hop-by-hop one."""
-    schedule_mod = __import__("sys").modules["tenplex.schedule"]
+    schedule_mod = sys.modules["tenplex.schedule"]
     ptc = tenplex.model_ptc("tiny", optimizer=True, distributed_optimizer=True)
     p = tenplex.plan(ptc, ParallelConfig(dp=4, tp=2, pp=2), ParallelConfig(dp=2, tp=2, pp=2), alive=range(16),
                      gpus_per_host=4)
@@ -269,3 +273,42 @@ def test_bulk_routes_on_a_larger_plan() -> None:
             for nr in x.new_ranks:
                 got[nr] += x.nbytes
     assert np.array_equal(got, p.received_bytes())
+
+
+def _canonical(d: Demands) -> list[tuple]:
+    """Commodities as (sources, dests, bytes, sorted pieces with their plan rows), order-free."""
+    out = []
+    for k in d.commodities:
+        pieces = sorted((int(d.piece_tensor[p]), int(d.piece_start[p]), int(d.piece_length[p]),
+                         int(d.piece_nbytes[p]), tuple(sorted(d.rows_of(int(p)).tolist()))) for p in k.pieces)
+        out.append((k.sources, k.dests, k.nbytes, tuple(pieces)))
+    return sorted(out)
+
+
+@settings(max_examples=examples(60))
+@given(st.data())
+def test_demands_by_group_equal_demands_by_row(data: st.DataObject) -> None:
+    """demands() finds the pieces of one tensor per plan group and repeats them for the group;
+    the result must equal grouping every row directly (any model shape, layouts, failures)."""
+    kw = data.draw(model_kwargs(max_layers=4))
+    old, new = data.draw(layouts(kw, max_world=12)), data.draw(layouts(kw, max_world=12))
+    alive = data.draw(st.lists(st.integers(0, old.world_size - 1), unique=True, max_size=old.world_size))
+    gph = data.draw(st.sampled_from([1, 2, 4]))
+    p = tenplex.plan(tenplex.model_ptc(**kw), old, new, alive=alive, gpus_per_host=gph)
+    gpus = max(old.world_size, int(p.devices.max()) + 1)  # fresh devices follow the old ones
+    t = Topology.from_spec(f"hosts={-(-gpus // gph)},gpus={gph}")
+    d = demands(p, t)
+    remote = np.flatnonzero(p.columns["kind"] != tenplex.planner.LOCAL)
+    assert d.bytes_moved == p.stats.bytes_moved
+    assert sorted(d.rows.tolist()) == remote.tolist()  # every non-local move in exactly one piece
+    if not len(remote):
+        assert not d.commodities
+        return
+    rp = sys.modules["tenplex.schedule"]._rep_pieces(p, t, remote)
+    direct = []
+    for k, (srcs, dsts) in enumerate(zip(rp.sources, rp.dests)):
+        ps = np.flatnonzero(rp.commodity == k)
+        pieces = sorted((int(rp.tensor[q]), int(rp.start[q]), int(rp.length[q]), int(rp.nbytes[q]),
+                         tuple(sorted(rp.rows[rp.row_ptr[q] : rp.row_ptr[q + 1]].tolist()))) for q in ps)
+        direct.append((srcs, dsts, int(rp.nbytes[ps].sum()), tuple(pieces)))
+    assert _canonical(d) == sorted(direct)
