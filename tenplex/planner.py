@@ -126,7 +126,7 @@ class Plan:
 
     def __init__(self, ptc: PTC, old: ParallelConfig, new: ParallelConfig, alive: tuple[int, ...],
                  devices: np.ndarray, gpus_per_host: int, columns: dict[str, np.ndarray], stats: PlanStats,
-                 tensor_group: np.ndarray):
+                 tensor_group: np.ndarray, group_classes: tuple[tuple[np.ndarray, ...], ...]):
         self.ptc, self.old, self.new = ptc, old, new
         self.alive = alive
         self.devices = devices
@@ -137,6 +137,7 @@ class Plan:
         # tensors in one group (same old and new holder tables, same item size: the layers of a
         # stage) have the same moves but for the chosen sources; -1: the new layout holds none of it
         self.tensor_group = tensor_group
+        self.group_classes = group_classes  # per group: holder_classes() of its old holder table
         order = np.argsort(columns["new_rank"], kind="stable")
         self._order = order
         self._bounds = np.searchsorted(columns["new_rank"][order], np.arange(new.world_size + 1))
@@ -206,17 +207,17 @@ def plan(
     sent = np.zeros(old_cfg.world_size + 1, dtype=np.float64)  # bytes each old rank sends so far
     set_hash = np.random.default_rng(0).integers(1, 2**63, old_cfg.world_size + 1, dtype=np.uint64)
     tensor_group = np.full(len(ptc.tensors), -1, dtype=np.int64)
-    groups: dict[tuple[int, int, int], tuple[int, Any, Any]] = {}  # values keep the tables (so their ids) alive
+    groups: dict[tuple[int, int, int], tuple[int, Any, Any]] = {}  # values keep new tables (so their ids) alive
     for ti, (name, spec) in enumerate(ptc.tensors.items()):
         old_t = ptc.holders(name, old_cfg)
         new_t = ptc.holders(name, new_cfg)
         if len(new_t) == 0:
             continue
-        gkey = (id(old_t), id(new_t), spec.itemsize)
-        tensor_group[ti] = groups.setdefault(gkey, (len(groups), old_t, new_t))[0]
         if id(old_t) not in class_cache:  # holder tables are shared by the layers of a stage
             class_cache[id(old_t)] = (old_t, holder_classes(name, old_t))
         classes = class_cache[id(old_t)][1]
+        gkey = (id(old_t), id(new_t), spec.itemsize)
+        tensor_group[ti] = groups.setdefault(gkey, (len(groups), new_t, classes))[0]
         c_start, c_end, c_ranks, c_local = classes
         qi, ci, ps, pe = intersect(new_t.start, new_t.length, c_start, c_end)
         if int((pe - ps).sum()) != int(new_t.length.sum()):
@@ -275,7 +276,8 @@ def plan(
         arr.setflags(write=False)
     stats = _stats(columns, old_cfg, new_cfg, time.perf_counter() - t0)
     tensor_group.setflags(write=False)
-    result = Plan(ptc, old_cfg, new_cfg, alive_t, devices, gpus_per_host, columns, stats, tensor_group)
+    result = Plan(ptc, old_cfg, new_cfg, alive_t, devices, gpus_per_host, columns, stats, tensor_group,
+                  tuple(g[2] for g in groups.values()))
     log.info("planned %s -> %s in %.3fs: %d moves, %.1f MiB moved of %.1f MiB needed",
              old_cfg, new_cfg, stats.plan_seconds, stats.num_moves, stats.bytes_moved / 2**20,
              stats.bytes_needed / 2**20)

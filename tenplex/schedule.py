@@ -309,19 +309,8 @@ def _rep_pieces(plan: Plan, topology: Topology, rows: np.ndarray) -> _RepPieces:
     storage_id, pad = old_w, nn - 1
     src_hash = _hashes(nn, 1)
     src_hash[pad] = 0
-    # tensors whose old holder tables are the same object (the layers of a stage) are handled together
-    tens_all = c["tensor"][rows]
-    table_of: dict[int, int] = {}
-    tables: list[Any] = []
-    tid = np.zeros(len(plan.tensor_names), dtype=np.int64)
-    for ti in np.unique(tens_all).tolist():
-        table = plan.ptc.holders(plan.tensor_names[ti], plan.old)
-        j = table_of.get(id(table))
-        if j is None:
-            j = table_of[id(table)] = len(tables)
-            tables.append((plan.tensor_names[ti], table))
-        tid[ti] = j
-    grp = tid[tens_all]
+    # rows of one plan group share the old layout's holder classes (the plan keeps them)
+    grp = plan.tensor_group[c["tensor"][rows]]
     order = np.argsort(grp, kind="stable")
     rows = rows[order]
     grp = grp[order]
@@ -330,8 +319,7 @@ def _rep_pieces(plan: Plan, topology: Topology, rows: np.ndarray) -> _RepPieces:
     kmax = 1
     ids_parts: list[np.ndarray] = []
     for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
-        name, table = tables[int(grp[a])]
-        c_start, _, c_ranks, _ = holder_classes(name, table)
+        c_start, _, c_ranks, _ = plan.group_classes[int(grp[a])]
         ci = np.searchsorted(c_start, row_start[a:b], side="right") - 1
         hr = c_ranks[np.maximum(ci, 0)]
         ids = np.where((hr >= 0) & alive[hr], hr, pad)
@@ -361,15 +349,22 @@ def _rep_pieces(plan: Plan, topology: Topology, rows: np.ndarray) -> _RepPieces:
     # one 64-bit key per (source set, destination set); both halves are sums of random 64-bit values
     ckey = pkey * np.uint64(0x9E3779B97F4A7C15) + (pdst ^ (pdst >> np.uint64(29)))
     _, cfirst, inv = np.unique(ckey, return_index=True, return_inverse=True)
+    src_names: dict[tuple[int, ...], tuple[str, ...]] = {}  # node sets recur: name each once
+    dst_names: dict[tuple[int, ...], tuple[str, ...]] = {}
     sources, dests = [], []
     for p0 in cfirst.tolist():
         r0 = int(pfirst[p0])
-        srcs = tuple(sorted(node_names[i] for i in ids_all[r0].tolist() if i != pad))
-        if not srcs:
+        key = tuple(i for i in ids_all[r0].tolist() if i != pad)
+        if key not in src_names:
+            src_names[key] = tuple(sorted(node_names[i] for i in key))
+        if not key:
             raise PlanError(f"a piece of {plan.tensor_names[int(tens[r0])]} has no live holder and is not read "
                             "from storage; the plan and its alive set disagree")
-        sources.append(srcs)
-        dests.append(tuple(sorted(topology.gpu(int(x)) for x in dev[ptr[p0] : ptr[p0 + 1]])))
+        sources.append(src_names[key])
+        key = tuple(dev[ptr[p0] : ptr[p0 + 1]].tolist())
+        if key not in dst_names:
+            dst_names[key] = tuple(sorted(topology.gpu(x) for x in key))
+        dests.append(dst_names[key])
     return _RepPieces(tens[pfirst], start[pfirst], length[pfirst], c["nbytes"][rows[pfirst]], ptr, rows,
                       inv.reshape(-1), sources, dests)
 
@@ -512,12 +507,12 @@ def _net(topology: Topology, ref: float) -> _Net:
         lat += np.where(alive, topology.latency[link[np.maximum(prev, 0), cur]], 0.0)
         cur = prev
         alive &= cur != rows
-    depth = (np.stack(back) >= 0).sum(0) if back else np.zeros((nn, nn), dtype=np.int64)
+    stacked = np.stack(back) if back else np.zeros((0, nn, nn), dtype=np.int64)
+    depth = (stacked >= 0).sum(0)
     path = np.full((nn, nn, max(len(back), 1)), -1, dtype=np.int64)
     for j in range(len(back)):  # forward position j is back[depth - 1 - j]
         i = depth - 1 - j
-        ok = i >= 0
-        path[..., j] = np.where(ok, np.stack(back)[np.maximum(i, 0), rows, np.arange(nn)], -1)
+        path[..., j] = np.where(i >= 0, stacked[np.maximum(i, 0), rows, np.arange(nn)], -1)
     host = np.array([-1 if topology.host_of(n) is None else int(topology.host_of(n)) for n in nodes], dtype=np.int64)
     return _Net(nodes, idx, host, dist, link, path, depth, lat)
 
@@ -1245,12 +1240,27 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
     return s
 
 
+@functools.lru_cache(maxsize=16)
+def _min_latency(topology: Topology) -> np.ndarray:
+    """(nodes, nodes) smallest latency of any path (inf: unreachable), in graph node order."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import dijkstra
+
+    idx = {str(n): i for i, n in enumerate(topology.graph.nodes)}
+    u = np.array([idx[lk.src] for lk in topology.links], dtype=np.int64)
+    v = np.array([idx[lk.dst] for lk in topology.links], dtype=np.int64)
+    nn = len(idx)
+    # csgraph drops zero weights (no edge): zero-latency links get a weight far below any real one
+    w = np.maximum(topology.latency, 1e-30)
+    dist = dijkstra(csr_matrix((w, (u, v)), shape=(nn, nn)), directed=True)
+    return np.where(dist < 1e-20, 0.0, dist)
+
+
 def _path_latency(topology: Topology, src: np.ndarray, dst: np.ndarray) -> float:
     """Longest latency of any destination's nearest source (a schedule cannot beat it).
 
     ``src``, ``dst``: (commodities, nodes) masks in graph node order."""
-    net = _net(topology, float(2**24))
-    lat = np.where(np.isfinite(net.dist), net.latency, np.inf)
+    lat = _min_latency(topology)
     keys = _dot(np.random.default_rng(3).random(src.shape[1]), src.T)  # one key per source set
     uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
     near = np.stack([lat[src[i]].min(0) for i in first.tolist()])[inv.reshape(-1)]  # (commodities, nodes)
