@@ -172,6 +172,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_schedule(args: argparse.Namespace) -> int:
     from .models import model_ptc
     from .planner import plan
+    import scipy.optimize  # noqa: F401  (loaded here so that solve_s times the solve, not imports)
+    import scipy.sparse.csgraph  # noqa: F401
+
     from .schedule import lower_bound, naive_completion, schedule
     from .topology import Topology
 

@@ -1136,7 +1136,10 @@ def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", 
     """Schedule a plan's transfers (or bare :class:`Demands`) over ``topology``.
 
     Returns within about ``time_limit`` seconds: the greedy schedule is built first, the
-    solvers get what time remains. ``chunk_bytes``: size pieces are split into (default:
+    solvers get what time remains. ``method="auto"`` keeps the greedy schedule when it is
+    within 3 % of the lower bound and otherwise tries the LP, then the MILP, for no longer than
+    they could save (the greedy completion minus the lower bound): it never solves for seconds
+    to shorten a transfer by milliseconds. ``chunk_bytes``: size pieces are split into (default:
     total bytes / 2000 as a power of two, at least 4 KiB; fewer chunks under a limit below
     0.5 s). ``epochs``: target number of epochs of the list-scheduled methods. ``dem``:
     demands computed before by :func:`demands`.
@@ -1205,6 +1208,8 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
     finish("greedy", _list_schedule(topology, routes, chunk_nb, order, tau, release), tau)
     lp_t = None
     at_bound = method == "auto" and candidates[0][0] <= _GOOD_ENOUGH * lb
+    if method == "auto":  # never spend longer improving a schedule than the improvement could save
+        deadline = min(deadline, time.perf_counter() + max(candidates[0][0] - lb, 0.0))
     if method in ("auto", "lp", "milp") and not at_bound and time.perf_counter() < deadline:
         if opts is None:
             opts = _options(topology, dem, ref, alt=False)
