@@ -5,8 +5,8 @@ The reference trainer's 1F1B schedule waits for activations (forward) and gradie
 is installed as the trainer's ``bubble_hook``: while a receive is pending it calls
 ``step()`` of registered iterative side tasks, but only while the bubble's predicted
 remaining time exceeds the task's profiled step time times a margin, so training does not
-wait for a side task (up to the accuracy of the profile). Bubble lengths are profiled per schedule position over the first
-iterations; nothing runs until a position has been seen. ``BubbleRuntime.windows`` reports,
+wait for a side task (up to the accuracy of the profile). Bubble lengths are profiled per
+schedule position over the first iterations; nothing runs until a position has been seen. ``BubbleRuntime.windows`` reports,
 per stage and iteration, when each wait started, how long it was expected to last and the
 memory a side task may use; ``forecast()`` gives the same for the next iteration.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +50,8 @@ class SideTaskMemoryError(TenplexError, ValueError):
 class SideTask(Protocol):
     """An iterative side task: ``step()`` does one small unit of work. A task may set
     ``expected_step_s`` (the runtime's guess of its step time until it has measured one),
+    ``next_step_s`` (the expected time of its next step, or None: for tasks whose steps differ
+    in cost; the runtime then trusts it instead of its own average of past steps),
     ``memory_bytes`` (the most memory it holds; 0 when absent) and ``fit_memory(limit)`` (shrink
     to at most ``limit`` bytes where it can; returns the bytes it will hold)."""
 
@@ -120,8 +121,9 @@ class BubbleRuntime:
 
     def __init__(self, *, margin: float = 1.2, profile_iterations: int = 2, poll_s: float = 2e-4,
                  record: bool = True, default_step_s: float = 1e-3, stage: int = 0,
-                 memory_budget: int | str | None = None) -> None:
+                 memory_budget: int | str | None = None, growth: float = 1.05) -> None:
         self.margin = margin
+        self.growth = growth
         self.default_step_s = default_step_s
         self.profile_iterations = profile_iterations
         self.poll_s = poll_s
@@ -193,10 +195,12 @@ class BubbleRuntime:
         t0 = time.perf_counter()
         self.starts.setdefault(key, _Profile()).update(t0 - self._t_iter)
         predicted = prof.ema if prof.seen >= self.profile_iterations else 0.0
+        ran = False
         while not work.is_completed():
             task = self._next_task(predicted - (time.perf_counter() - t0))
             if task is None:
                 break
+            ran = True
             s0 = time.perf_counter()
             task.step()
             s1 = time.perf_counter()
@@ -208,7 +212,10 @@ class BubbleRuntime:
         work.wait()
         t1 = time.perf_counter()
         if t1 - w0 > self.poll_s or prof.seen < self.profile_iterations:
-            prof.update(t1 - t0)  # the peer was still busy: t1 - t0 is the whole bubble
+            # the peer was still busy: t1 - t0 is the whole bubble. Side work on a busy CPU can
+            # itself delay the data (the transport's threads wait for a core), so a bubble that
+            # ran side tasks may lengthen the profile only slowly, or it would feed on itself
+            prof.update(t1 - t0 if not ran else min(t1 - t0, prof.ema * self.growth))
         else:  # the data was already there: the bubble was at most this long
             prof.ema = min(prof.ema, t1 - t0)
         self.wait_s += t1 - t0
@@ -221,9 +228,11 @@ class BubbleRuntime:
         for task in self.tasks:
             if task.is_finished() or self._over_budget(task):
                 continue
-            prof = self.task_time[task.name]
-            guess = getattr(task, "expected_step_s", self.default_step_s)
-            need = max(prof.ema, 0.0 if prof.seen else guess) * self.margin
+            nxt = getattr(task, "next_step_s", None)  # a task whose steps differ says what the next one costs
+            if nxt is None:
+                prof = self.task_time[task.name]
+                nxt = max(prof.ema, 0.0 if prof.seen else getattr(task, "expected_step_s", self.default_step_s))
+            need = nxt * self.margin
             if remaining > need:
                 return task
         return None
@@ -378,15 +387,19 @@ class SnapshotTask:
 class StoreWriteTask:
     """Writes a rank's snapshot straight into its host store in bubble-sized pieces.
 
-    ``begin(step, shard)`` lays out this rank's part of the save attempt exactly as
-    ``tenplex.save`` would (same chunks, same checkpoint format): it pre-sizes the
-    safetensors file and writes its header. ``step()`` writes one bucket of whole checksum
-    blocks straight from the live tensors and checksums it: a zero-copy view where the
-    tensor's local order is the canonical one, else a copy of just the rows holding the bucket.
-    ``finish()`` writes what is left (before the optimizer step: the only blocking part),
-    then the rank index (and, on rank 0, the manifest and objects), which makes the part
-    visible. The tensors must not change between ``begin`` and ``finish``: call ``finish``
-    before the optimizer step. CPU tensors only.
+    ``begin(step, shard)`` only records the shard (it runs at the start of an iteration, on the
+    critical path). The steps, run in bubbles, then: write the previous snapshot's rank index
+    (and, on rank 0, the manifest and objects), which makes that part visible; lay out this
+    rank's part of the save attempt exactly as ``tenplex.save`` would (same chunks, same
+    checkpoint format: the safetensors file pre-sized, its header written); and write one
+    bucket of whole checksum blocks per step straight from the live tensors, checksummed: a
+    zero-copy view where the tensor's local order is the canonical one, else a copy of just
+    the rows holding the bucket. ``finish()`` does what is left of this (before the optimizer
+    step: the only blocking part); the snapshot's own index follows in the next iteration's
+    first bubble, or at the next ``finish()`` or ``close()``. A snapshot is therefore visible
+    one bubble after its step; ``completed`` counts the visible ones. The tensors must not
+    change between ``begin`` and ``finish``: call ``finish`` before the optimizer step. CPU
+    tensors only.
 
     Memory: ``memory_bytes``, the largest bucket it copies (tensors split on a dim > 0, whose
     local order differs from the checkpoint's: the bucket plus up to two rows); 0 when every
@@ -413,11 +426,36 @@ class StoreWriteTask:
         self.blocking_bytes = 0
         self._todo: list[tuple[int, int, int]] = []
         self._fd = -1
-        self._publisher: threading.Thread | None = None
+        self._to_open = False  # begin() ran, the file is not laid out yet
+        self._unpublished: tuple | None = None  # the finished snapshot whose index is not written yet
+        self._cost: dict[str, float] = {}  # measured step costs: "publish", "open" (s); "fixed", "byte" (buckets)
 
     @property
     def expected_step_s(self) -> float:
         return self.bucket_bytes / 5e8  # a conservative 0.5 GB/s for copy + checksum
+
+    @property
+    def next_step_s(self) -> float | None:
+        """Expected time of the next step from this task's own measurements: an index write, a
+        file layout, or a bucket (seconds per byte times its bytes); None until measured."""
+        if self._unpublished is not None:
+            return self._cost.get("publish")
+        if self._to_open:
+            return self._cost.get("open")
+        if self._todo and "byte" in self._cost:
+            i, a, b = self._todo[-1]
+            return self._cost["fixed"] + self._cost["byte"] * (b - a)
+        return None
+
+    def _measure(self, kind: str, seconds: float, nbytes: int = 0) -> None:
+        c = self._cost
+        if kind != "bucket":
+            c[kind] = seconds if kind not in c else 0.7 * c[kind] + 0.3 * seconds
+            return
+        # per-byte cost (EMA); a fixed part of 50 us covers the per-call overhead of tiny buckets
+        c.setdefault("fixed", 5e-5)
+        rate = max(seconds - c["fixed"], 0.0) / max(nbytes, 1)
+        c["byte"] = rate if "byte" not in c else 0.7 * c["byte"] + 0.3 * rate
 
     @property
     def memory_bytes(self) -> int:
@@ -437,14 +475,21 @@ class StoreWriteTask:
         return not spec.dp_sharded and spec.split_dim not in (None, 0)
 
     def is_finished(self) -> bool:
-        return not self._todo
+        return not (self._unpublished or self._to_open or self._todo)
 
     def begin(self, step: int, shard: dict[str, Any]) -> None:
+        if self._to_open or self._fd >= 0:
+            raise RuntimeError(f"{self.name}: begin({step}) before finish() of snapshot {self._step}")
+        self._step, self._shard = step, shard
+        self._to_open = True
+        self._todo = []
+
+    def _open(self) -> None:
+        """Lay out this rank's part of the save attempt: pre-sized file, header, bucket list."""
         from .checkpoint import _block_bytes, _step_dir, default_save_id, safetensors_header
 
-        if self._publisher is not None:  # the previous snapshot's index must be out first
-            self._publisher.join()
-        self._step, self._shard = step, shard
+        self._to_open = False
+        step = self._step
         self._save_id = default_save_id(self.cfg, self.ptc)
         self._sdir = _step_dir(self.root.rstrip("/"), step, self._save_id)
         os.makedirs(self._sdir, exist_ok=True)
@@ -492,39 +537,56 @@ class StoreWriteTask:
         return rows[r0:r1].contiguous().reshape(-1)[e0 - r0 * row : e1 - r0 * row]
 
     def step(self) -> None:
-        if self._todo:
-            self.bubble_bytes += self._write_one()
+        t0 = time.perf_counter()
+        if self._unpublished is not None:
+            self._publish()
+            self._measure("publish", time.perf_counter() - t0)
+        elif self._to_open:
+            self._open()
+            self._measure("open", time.perf_counter() - t0)
+        elif self._todo:
+            n = self._write_one()
+            self.bubble_bytes += n
+            self._measure("bucket", time.perf_counter() - t0, n)
 
     def finish(self) -> str | None:
-        """Write the remaining buckets (blocking: the tensors change next), then publish the part's
-        index and metadata in the background; returns the save attempt's directory."""
-        if self._fd < 0:
+        """Do what the bubbles left (blocking: the tensors change next): the previous snapshot's
+        index, this one's layout and remaining buckets; returns the save attempt's directory."""
+        if not (self._to_open or self._fd >= 0):
             return None
+        if self._unpublished is not None:
+            self._publish()
+        if self._to_open:
+            self._open()
         while self._todo:
             self.blocking_bytes += self._write_one()
         os.close(self._fd)
         self._fd = -1
         objects = {o: self._shard[o] for o in self.ptc.objects if o in self._shard}
-        self._publisher = threading.Thread(target=self._publish, args=(self._step, self._sdir, self._save_id,
-                                                                       self._meta, self._crcs, objects), daemon=True)
-        self._publisher.start()
+        self._unpublished = (self._step, self._sdir, self._save_id, self._meta, self._crcs, objects, self._base,
+                             self._size)
+        self._shard = {}
         return self._sdir
 
-    def _publish(self, step: int, sdir: str, save_id: str, meta: list, crcs: list, objects: dict) -> None:
+    def _publish(self) -> None:
+        """Write the finished snapshot's rank index (rank 0: also manifest and objects): it becomes visible."""
         from .checkpoint import _fs, write_index, write_rank0_meta
 
+        assert self._unpublished is not None
+        step, sdir, save_id, meta, crcs, objects, base, size = self._unpublished
+        self._unpublished = None
         fs, _ = _fs(self.root, None)
-        chunks = [{"tensor": name, "start": start, "length": ln, "offset": self._base + off, "block": block,
+        chunks = [{"tensor": name, "start": start, "length": ln, "offset": base + off, "block": block,
                    "crc32": "".join(f"{c:08x}" for c in cs)}
                   for (name, _, start, ln, off, _, block), cs in zip(meta, crcs)]
         if self.rank == 0:
             write_rank0_meta(fs, sdir, self.ptc, self.cfg, objects, step=step, save_id=save_id)
-        write_index(fs, sdir, self.rank, self._size, chunks)
+        write_index(fs, sdir, self.rank, size, chunks)
         self.completed += 1
         if self.on_complete is not None:
             self.on_complete(step, sdir)
 
     def close(self) -> None:
-        """Wait until the last snapshot is published."""
-        if self._publisher is not None:
-            self._publisher.join()
+        """Make the last finished snapshot visible (write its index)."""
+        if self._unpublished is not None:
+            self._publish()

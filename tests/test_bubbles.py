@@ -48,6 +48,55 @@ class _Task:
         return self.left <= 0
 
 
+
+class _Uneven(_Task):
+    """Steps of two costs (e.g. a checkpoint index write among bucket copies); says which is next."""
+
+    name = "uneven"
+
+    def __init__(self, costs: list[float]) -> None:
+        super().__init__(0.0, len(costs))
+        self.costs = costs
+
+    @property
+    def next_step_s(self) -> float:
+        return self.costs[len(self.calls)]
+
+    def step(self) -> None:
+        self.step_s = self.costs[len(self.calls)]
+        super().step()
+
+
+def test_runtime_trusts_a_tasks_next_step_estimate() -> None:
+    """A 20 ms step among 1 ms steps must wait for a bubble that has 20 ms left: an average of
+    past steps would start it with 5 ms left and hold the stage 15 ms past its bubble."""
+    rt = BubbleRuntime(margin=1.2, profile_iterations=1)
+    task = _Uneven([0.001] * 5 + [0.02] + [0.001] * 200)
+    rt.register(task)
+    op = Op("F", 0, True)
+    rt(op, _Work(0.012))  # profiling
+    for it in range(1, 5):
+        rt.begin_iteration(it)
+        rt(op, _Work(0.012))
+    assert 5 <= len(task.calls) and all(b - a < 0.015 for a, b in task.calls)  # the long step never ran
+    rt(op, _Work(0.05))  # a bubble this long is not in the profile: the profile says 12 ms
+    assert all(b - a < 0.015 for a, b in task.calls)
+
+
+def test_profile_grows_slowly_when_side_tasks_ran() -> None:
+    """A wait that ran side tasks and still waited may lengthen the bubble profile by at most
+    ``growth`` per iteration (side work can itself delay the data on a busy CPU)."""
+    rt = BubbleRuntime(profile_iterations=1, growth=1.05)
+    task = _Task(step_s=0.001, units=10**6)
+    rt.register(task)
+    op = Op("F", 0, True)
+    rt(op, _Work(0.01))
+    base = rt.bubbles[("F", 0)].ema
+    for _ in range(3):
+        rt(op, _Work(0.04))  # tasks run for about 10 ms, then the stage waits 30 ms more
+    assert rt.bubbles[("F", 0)].ema <= base * 1.05**3 * (1 + 1e-9)  # uncapped: about 2.8x base
+
+
 def test_runtime_runs_tasks_only_inside_profiled_bubbles() -> None:
     rt = BubbleRuntime(margin=1.2, profile_iterations=2)
     task = _Task(step_s=0.002, units=10**6)

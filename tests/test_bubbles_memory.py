@@ -178,3 +178,42 @@ def test_cuda_snapshot_copies_on_a_lowest_priority_stream_into_pinned_buffers() 
         t.add_(1)
     torch.cuda.synchronize()
     assert all(not torch.equal(snap[n], state[n].cpu()) for n in state)
+
+
+def test_store_write_keeps_begin_cheap_and_publishes_in_the_next_bubble(tmp_path: Path) -> None:
+    """begin() only records the shard (it is on the critical path); the file is laid out in a
+    bubble step, and a finished snapshot becomes visible in the next iteration's first step."""
+    ptc = trainer_ptc("tiny", distributed_optimizer=False)
+    cfg = tenplex.ParallelConfig()
+    gen = torch.Generator().manual_seed(1)
+
+    def shard(step: int) -> dict:
+        out: dict = {n: torch.randn(ptc.local_shape(n, cfg), generator=gen).to(ptc.tensors[n].dtype)
+                     for n in ptc.rank_tensors(cfg, 0)}
+        return {**out, "optimizer.step": step, "data": {"consumed": 8 * step}}
+
+    root = str(tmp_path / "store")
+    task = StoreWriteTask(root, ptc, cfg, 0)
+    s1, s2 = shard(1), shard(2)
+    task.begin(1, s1)
+    assert not (tmp_path / "store").exists()  # nothing written by begin()
+    while not task.is_finished():
+        task.step()
+    task.finish()
+    assert task.completed == 0 and not [i for i in tenplex.checkpoint.list_steps(root) if i.complete]
+    task.begin(2, s2)
+    with pytest.raises(RuntimeError, match="before finish"):
+        task.begin(3, s2)
+    task.step()  # the first bubble step of the next iteration publishes snapshot 1
+    assert task.completed == 1 and [i.step for i in tenplex.checkpoint.list_steps(root) if i.complete] == [1]
+    task.finish()  # no more bubbles: the rest of snapshot 2 blocking
+    task.close()
+    assert task.completed == 2
+    assert [i.step for i in tenplex.checkpoint.list_steps(root) if i.complete] == [1, 2]
+    for step, sh in ((1, s1), (2, s2)):  # the same bytes as tenplex.save (padding rows are not stored)
+        tenplex.save(str(tmp_path / "ref"), ptc, cfg, 0, sh, step=step)
+        want = tenplex.load(str(tmp_path / "ref"), cfg, 0, step=step).shard
+        got = tenplex.load(root, cfg, 0, step=step).shard
+        for name, t in want.items():
+            if isinstance(t, torch.Tensor):
+                assert torch.equal(got[name], t), (step, name)

@@ -39,6 +39,19 @@ def _sequence(mode: str, warmup: int, rounds: int) -> list[str]:
     return [MODES[(i + r) % 3] for r in range(warmup + rounds) for i in range(3)]
 
 
+class _OnlyWhenActive:
+    """A side task that takes bubble time only while ``active`` (the bench interleaves modes)."""
+
+    def __init__(self, task: Any) -> None:
+        self.task, self.active = task, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.task, name)
+
+    def is_finished(self) -> bool:
+        return not self.active or self.task.is_finished()
+
+
 def _budget(text: str, ptc: Any, cfg: Any, stage: int, micro_batch: int, num_mb: int) -> int | None:
     """The stage's side-task memory budget: a size, "none", or "auto" (what the memory
     estimator's 80 % rule leaves of this machine's device, host RAM on CPU)."""
@@ -88,13 +101,15 @@ def _worker(args: argparse.Namespace) -> int:
         return SnapshotTask(bucket_bytes=args.bucket_bytes, name=name, state_bytes=state)
 
     tasks = {"bubbles": make("snapshot"), "blocking": make("snapshot-blocking")}
-    runtime.register(tasks["bubbles"])
+    gated = _OnlyWhenActive(tasks["bubbles"])  # bubble time in bubble-snapshot steps only, as when every
+    runtime.register(gated)  # step snapshots (each step then also publishes the previous snapshot)
     if budget is not None:  # the blocking snapshot gets the same sizing, but never bubble time
         tasks["blocking"].fit_memory(runtime.grants["snapshot"])
     steps = []
     last_bubbles = max((i for i, m in enumerate(modes) if m == "bubbles"), default=-1)
     for i, mode in enumerate(modes):
         trainer.snapshot_task = tasks.get(mode)
+        gated.active = mode == "bubbles"
         w0, u0 = runtime.wait_s, runtime.used_s
         t0 = time.perf_counter()
         loss, _ = trainer.train_step()
