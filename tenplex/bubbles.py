@@ -514,7 +514,7 @@ class StoreWriteTask:
         self._todo.reverse()
 
     def _write_one(self) -> int:
-        import zlib
+        from .checkpoint import crc32
 
         i, a, b = self._todo.pop()
         name, lo, _, ln, off, nbytes, block = self._meta[i]
@@ -522,7 +522,7 @@ class StoreWriteTask:
         view = memoryview(self._canonical(name, lo + a // size, lo + b // size).view(torch.uint8).numpy()).cast("B")
         os.pwrite(self._fd, view, self._base + off + a)
         for pos in range(a, b, block):
-            self._crcs[i][pos // block] = zlib.crc32(view[pos - a : min(pos - a + block, b - a)])
+            self._crcs[i][pos // block] = crc32(view[pos - a : min(pos - a + block, b - a)])
         return b - a
 
     def _canonical(self, name: str, e0: int, e1: int) -> torch.Tensor:

@@ -27,7 +27,6 @@ import logging
 import re
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +41,11 @@ from .config import ParallelConfig
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from .planner import holder_classes, intersect
 from .ptc import PAD, PTC
+
+try:  # ISA-L's CRC32 (same polynomial and values as zlib's) runs about 8x faster; both release the GIL
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - platforms without an isal wheel
+    from zlib import crc32
 
 __all__ = ["SaveResult", "LoadStats", "LoadResult", "StepInfo", "save", "load", "list_steps", "read_manifest",
            "writer_assignment", "default_save_id"]
@@ -178,7 +182,7 @@ def _block_bytes(nbytes: int) -> int:
 
 
 def _crcs(buf: memoryview, block: int) -> list[int]:
-    return [zlib.crc32(buf[i : i + block]) for i in range(0, len(buf), block)]
+    return [crc32(buf[i : i + block]) for i in range(0, len(buf), block)]
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -549,7 +553,7 @@ class _Reader:
                     ahead += fhi - flo
                     fetched += 1
                 r = reqs[i]
-                # checksums in a second thread (zlib releases the GIL) while the next piece is read
+                # checksums in a second thread (the CRC releases the GIL) while the next piece is read
                 checks.append(pool.submit(self._fetch(r.writer, r.tensor, r.chunk_start, r.a, r.b, r.dtype,
                                                       r.itemsize, r.out)[1]))
                 ahead -= hi - lo
@@ -597,7 +601,7 @@ def _block_crcs(segs: list[memoryview], lo: int, hi: int, block: int) -> list[tu
         while need:
             seg = segs[si]
             take = min(need, len(seg) - soff)
-            crc = zlib.crc32(seg[soff : soff + take], crc)
+            crc = crc32(seg[soff : soff + take], crc)
             soff += take
             need -= take
             if soff == len(seg):

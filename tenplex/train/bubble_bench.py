@@ -128,6 +128,9 @@ def _worker(args: argparse.Namespace) -> int:
         "spans": [[s.iteration, s.kind, s.start, s.end, s.label] for s in runtime.spans + trainer.spans
                   if s.iteration == last_bubbles],
         "windows": [w.to_json() for w in runtime.windows if w.iteration == last_bubbles],
+        "trace": {"modes": modes, "spans": [[s.iteration, s.kind, s.start, s.end, s.label]
+                                            for s in runtime.spans + trainer.spans],
+                  "windows": [w.to_json() for w in runtime.windows]} if args.trace else None,
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank-{rank:05d}.json").write_text(json.dumps(out))
@@ -138,7 +141,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _launch(mode: str, tmp: str, *, model: str, pp: int, rounds: int, warmup: int, global_batch: int,
-            micro_batch: int, bucket_bytes: int, write: bool, memory_budget: str) -> list[dict]:
+            micro_batch: int, bucket_bytes: int, write: bool, memory_budget: str, trace: bool) -> list[dict]:
     from .launch import free_port
 
     out = Path(tmp) / mode
@@ -148,7 +151,7 @@ def _launch(mode: str, tmp: str, *, model: str, pp: int, rounds: int, warmup: in
            "--mode", mode, "--model", model, "--layout", f"dp=1,tp=1,pp={pp}", "--rounds", str(rounds),
            "--warmup", str(warmup), "--global-batch", str(global_batch), "--micro-batch", str(micro_batch),
            "--bucket-bytes", str(bucket_bytes), "--store-dir", store_dir, "--out", str(out),
-           "--write", str(int(write)), "--memory-budget", memory_budget]
+           "--write", str(int(write)), "--memory-budget", memory_budget] + (["--trace", "1"] if trace else [])
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
     except subprocess.CalledProcessError as e:
@@ -165,10 +168,10 @@ def _spread(xs: list[float]) -> dict[str, float]:
 
 def run_bench(*, model: str = "llama-small", pp: int = 2, rounds: int = 20, warmup: int = 2, global_batch: int = 4,
               micro_batch: int = 1, bucket_bytes: int = 1 << 20, plot: str | None = None, write: bool = True,
-              memory_budget: str = "auto") -> dict[str, Any]:
+              memory_budget: str = "auto", trace: str | None = None) -> dict[str, Any]:
     """Run the interleaved modes and a reference without snapshots; summarise (see the module docstring)."""
     kw = dict(model=model, pp=pp, rounds=rounds, warmup=warmup, global_batch=global_batch, micro_batch=micro_batch,
-              bucket_bytes=bucket_bytes, write=write, memory_budget=memory_budget)
+              bucket_bytes=bucket_bytes, write=write, memory_budget=memory_budget, trace=trace is not None)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="tenplex-bubbles-") as tmp:
         print("bubbles bench: interleaved modes ...", file=sys.stderr, flush=True)
@@ -213,6 +216,10 @@ def run_bench(*, model: str = "llama-small", pp: int = 2, rounds: int = 20, warm
     if plot:
         _plot(ranks, plot)
         summary["timeline_png"] = plot
+    if trace:
+        Path(trace).write_text(json.dumps([{"rank": r["rank"], "stage": r["stage"], "steps": r["steps"], **r["trace"]}
+                                           for r in ranks]))
+        summary["trace"] = trace
     return summary
 
 
@@ -265,13 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", type=int, default=1, help="1: write each snapshot to the host store; "
                     "0: copy to host memory only")
     ap.add_argument("--plot", default=None, help="timeline PNG path (e.g. docs/bubbles_timeline.png)")
+    ap.add_argument("--trace", default=None, help="JSON path for every iteration's spans and bubble windows "
+                    "per rank (for analysis)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)
     s = run_bench(model=args.model, pp=args.pp, rounds=args.rounds, warmup=args.warmup,
                   global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_bytes=args.bucket_bytes,
-                  plot=args.plot, write=bool(args.write), memory_budget=args.memory_budget)
+                  plot=args.plot, write=bool(args.write), memory_budget=args.memory_budget, trace=args.trace)
     if args.json:
         print(json.dumps(s))
         return 0
