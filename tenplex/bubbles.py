@@ -447,15 +447,21 @@ class StoreWriteTask:
             return self._cost["fixed"] + self._cost["byte"] * (b - a)
         return None
 
-    def _measure(self, kind: str, seconds: float, nbytes: int = 0) -> None:
+    def _measure(self, kind: str, seconds: float, nbytes: int = 0, count: int = 1) -> None:
+        """Fold a measured step (or ``count`` buckets of ``nbytes`` together) into the cost model."""
         c = self._cost
         if kind != "bucket":
             c[kind] = seconds if kind not in c else 0.7 * c[kind] + 0.3 * seconds
             return
-        # per-byte cost (EMA); a fixed part of 50 us covers the per-call overhead of tiny buckets
+        # Buckets: decayed sums of time, bytes and calls, so the per-byte rate is a ratio of sums
+        # weighted by bytes. A per-bucket rate would let one small bucket (a norm weight, a few KiB
+        # at the per-call overhead) price every 1 MiB bucket at many ms, which then never fits a
+        # bubble again and so is never measured again. A fixed part of 50 us per call covers that
+        # overhead.
         c.setdefault("fixed", 5e-5)
-        rate = max(seconds - c["fixed"], 0.0) / max(nbytes, 1)
-        c["byte"] = rate if "byte" not in c else 0.7 * c["byte"] + 0.3 * rate
+        for key, v in (("t", seconds), ("n", float(nbytes)), ("k", float(count))):
+            c[key] = v if key not in c else 0.7 * c[key] + v
+        c["byte"] = max(c["t"] - c["fixed"] * c["k"], 0.0) / max(c["n"], 1.0)
 
     @property
     def memory_bytes(self) -> int:
@@ -554,12 +560,21 @@ class StoreWriteTask:
         index, this one's layout and remaining buckets; returns the save attempt's directory."""
         if not (self._to_open or self._fd >= 0):
             return None
+        # measured like bubble steps: what runs here also informs what fits a bubble next time
         if self._unpublished is not None:
+            t0 = time.perf_counter()
             self._publish()
+            self._measure("publish", time.perf_counter() - t0)
         if self._to_open:
+            t0 = time.perf_counter()
             self._open()
-        while self._todo:
-            self.blocking_bytes += self._write_one()
+            self._measure("open", time.perf_counter() - t0)
+        if self._todo:
+            t0, n, k = time.perf_counter(), 0, len(self._todo)
+            while self._todo:
+                n += self._write_one()
+            self.blocking_bytes += n
+            self._measure("bucket", time.perf_counter() - t0, n, k)
         os.close(self._fd)
         self._fd = -1
         objects = {o: self._shard[o] for o in self.ptc.objects if o in self._shard}

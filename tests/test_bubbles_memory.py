@@ -217,3 +217,41 @@ def test_store_write_keeps_begin_cheap_and_publishes_in_the_next_bubble(tmp_path
         for name, t in want.items():
             if isinstance(t, torch.Tensor):
                 assert torch.equal(got[name], t), (step, name)
+
+
+def test_store_write_cost_model_is_not_thrown_by_small_buckets(tmp_path: Path) -> None:
+    """The next bucket's expected time is a byte-weighted rate: a few-KiB bucket that costs the
+    per-call overhead must not price a 1 MiB bucket at many ms (it would then never fit a bubble
+    and never be measured again); the blocking leftovers in finish() are measured too."""
+    ptc = trainer_ptc("tiny", distributed_optimizer=False)
+    cfg = tenplex.ParallelConfig()
+    task = StoreWriteTask(str(tmp_path / "store"), ptc, cfg, 0)
+    task._measure("bucket", 1e-3, 1 << 20)  # 1 MiB in 1 ms
+    task._measure("bucket", 3e-4, 4096)  # a norm weight: 4 KiB, mostly per-call overhead
+    rate = task._cost["byte"]
+    assert 1e-3 * 0.9 / (1 << 20) < rate < 1.5e-3 / (1 << 20), rate  # still about 1 ms per MiB
+    # a stuck-high estimate comes down through measured blocking leftovers
+    task._measure("bucket", 1.0, 1 << 20)  # one bucket preempted for a second
+    high = task._cost["byte"]
+    for _ in range(5):
+        task._measure("bucket", 20e-3, 20 << 20, count=20)  # finish(): 20 MiB in 20 ms
+    assert task._cost["byte"] < high / 5
+    # finish() feeds the model: after a snapshot written entirely blocking, the next one's
+    # layout and buckets have estimates (the publish step is first measured in the second finish)
+    task2 = StoreWriteTask(str(tmp_path / "store2"), ptc, cfg, 0)
+
+    def shard(step: int) -> dict:
+        zeros = {n: torch.zeros(ptc.local_shape(n, cfg), dtype=ptc.tensors[n].dtype) for n in ptc.rank_tensors(cfg, 0)}
+        return {**zeros, "optimizer.step": step, "data": {"consumed": 8 * step}}
+
+    task2.begin(1, shard(1))
+    assert task2.next_step_s is None  # nothing measured yet
+    task2.finish()
+    task2.begin(2, shard(2))
+    task2.step()  # publishes snapshot 1
+    assert task2.next_step_s == task2._cost["open"] > 0  # measured in finish()
+    task2.step()  # lays out snapshot 2
+    assert task2.next_step_s is not None and 0 < task2.next_step_s < 0.5  # a bucket, from finish()'s leftovers
+    task2.finish()
+    task2.close()
+    assert task2.completed == 2
