@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_schedule.py
 	$(PY) scripts/bench_vfs.py --out docs/bench_vfs
 	$(PY) -m tenplex bench bubbles --plot docs/bubbles_timeline.png
+	$(PY) scripts/bench_bubbles_cuda.py --json docs/bench_bubbles_cuda.json   # needs a GPU; says so and skips without
 	$(PY) scripts/measure_memory.py
 
 clean:

@@ -486,6 +486,11 @@ class StoreWriteTask:
     def begin(self, step: int, shard: dict[str, Any]) -> None:
         if self._to_open or self._fd >= 0:
             raise RuntimeError(f"{self.name}: begin({step}) before finish() of snapshot {self._step}")
+        on_gpu = [n for n, t in shard.items() if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+        if on_gpu:
+            raise ValueError(f"{self.name}: StoreWriteTask writes from host memory, but {on_gpu[0]} is on "
+                             f"{shard[on_gpu[0]].device}; snapshot GPU state with SnapshotTask (pinned host "
+                             f"buffers) and write the host copy from its on_complete")
         self._step, self._shard = step, shard
         self._to_open = True
         self._todo = []

@@ -16,6 +16,10 @@ from hypothesis import strategies as st
 
 from tenplex import ParallelConfig
 
+# Multi-process tests simulate hosts with gloo on CPU, also on a machine with GPUs (it may have
+# fewer GPUs than a test starts workers); test_train.py::test_trainer_on_cuda runs the CUDA path.
+os.environ.setdefault("TENPLEX_DEVICE", "cpu")
+
 settings.register_profile(
     "tenplex",
     deadline=None,

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tenplex import ParallelConfig
 from tenplex.train.launch import Agent, RendezvousStore, free_port, wait_for
@@ -255,3 +256,44 @@ def test_trainer_reads_through_the_dataset_mount_and_reshards_it(tmp_path: Path,
             assert steps[step]["samples"] == ref["samples"]
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, timeout=30)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_trainer_on_cuda(tmp_path: Path, reference: dict[int, dict]) -> None:
+    """One worker on the GPU, alone (14 steps) and under torchrun with nccl (7 steps, then a
+    checkpoint of GPU state), then resumed on CPU to step 14: the CPU reference's losses and
+    samples throughout."""
+    gpu_env = {k: v for k, v in _env().items() if k != "TENPLEX_DEVICE"}
+    ckpt = tmp_path / "ckpt"
+    runs = (
+        ("alone", [sys.executable, "-m", "tenplex.train", *COMMON], gpu_env, range(1, STEPS + 1)),
+        ("nccl", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                  f"--master-port={free_port()}", "-m", "tenplex.train", "--", *COMMON, "--steps", "7",
+                  "--ckpt", str(ckpt)], gpu_env, range(1, 8)),
+        ("resumed on cpu", [sys.executable, "-m", "tenplex.train", *COMMON, "--ckpt", str(ckpt)], _env(),
+         range(8, STEPS + 1)),
+    )
+    for name, cmd, env, steps in runs:
+        log = tmp_path / f"{name.replace(' ', '_')}.jsonl"
+        res = subprocess.run([*cmd, "--log", str(log)], capture_output=True, text=True, timeout=300, env=env)
+        assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+        got, starts = read_log(log)
+        assert sorted(got) == list(steps), name
+        for step in steps:
+            ref = reference[step]
+            assert abs(got[step]["loss"] - ref["loss"]) <= 1e-3 * abs(ref["loss"]), (name, step, got[step]["loss"])
+            assert got[step]["samples"] == ref["samples"], (name, step)
+
+
+def test_more_workers_than_gpus_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose LOCAL_RANK has no GPU stops before joining nccl, saying how to fix it."""
+    from tenplex.train.parallel import init_distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for k, v in {"TENPLEX_DEVICE": "", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK 1 needs CUDA device 1 but this host has 1.*TENPLEX_DEVICE=cpu"):
+        init_distributed(ParallelConfig.parse("dp=2,tp=1,pp=1"))

@@ -141,7 +141,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _launch(mode: str, tmp: str, *, model: str, pp: int, rounds: int, warmup: int, global_batch: int,
-            micro_batch: int, bucket_bytes: int, write: bool, memory_budget: str, trace: bool) -> list[dict]:
+            micro_batch: int, bucket_bytes: int, write: bool, memory_budget: str, trace: bool,
+            device: str) -> list[dict]:
     from .launch import free_port
 
     out = Path(tmp) / mode
@@ -153,7 +154,8 @@ def _launch(mode: str, tmp: str, *, model: str, pp: int, rounds: int, warmup: in
            "--bucket-bytes", str(bucket_bytes), "--store-dir", store_dir, "--out", str(out),
            "--write", str(int(write)), "--memory-budget", memory_budget] + (["--trace", "1"] if trace else [])
     try:
-        subprocess.run(cmd, check=True, capture_output=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **({"TENPLEX_DEVICE": "cpu"} if device == "cpu" else {})}
+        subprocess.run(cmd, check=True, capture_output=True, timeout=1800, env=env)
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"bubbles bench ({mode}) failed:\n{e.stderr.decode(errors='replace')[-3000:]}") from None
     finally:
@@ -166,12 +168,34 @@ def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "p25": q[0], "p75": q[2], "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
+def _bench_device(pp: int, write: bool) -> tuple[str, bool]:
+    """The workers' device, as the trainer picks it: one GPU per stage, else CPU (gloo).
+
+    With fewer GPUs than stages the bench runs on CPU (the workers get ``TENPLEX_DEVICE=cpu``);
+    on GPUs snapshots copy to pinned host memory (``StoreWriteTask`` writes from host memory).
+    """
+    import torch
+
+    gpus = torch.cuda.device_count() if os.environ.get("TENPLEX_DEVICE", "") != "cpu" else 0
+    if 0 < gpus < pp:
+        print(f"bubbles bench: {gpus} CUDA device(s) for {pp} stages: running the stages on CPU with gloo",
+              file=sys.stderr, flush=True)
+        return "cpu", write
+    if gpus and write:
+        print("bubbles bench: GPU state: snapshots copy to pinned host memory (--write 0)", file=sys.stderr,
+              flush=True)
+        return "cuda", False
+    return ("cuda" if gpus else "cpu"), write
+
+
 def run_bench(*, model: str = "llama-small", pp: int = 2, rounds: int = 20, warmup: int = 2, global_batch: int = 4,
               micro_batch: int = 1, bucket_bytes: int = 1 << 20, plot: str | None = None, write: bool = True,
               memory_budget: str = "auto", trace: str | None = None) -> dict[str, Any]:
     """Run the interleaved modes and a reference without snapshots; summarise (see the module docstring)."""
+    device, write = _bench_device(pp, write)
     kw = dict(model=model, pp=pp, rounds=rounds, warmup=warmup, global_batch=global_batch, micro_batch=micro_batch,
-              bucket_bytes=bucket_bytes, write=write, memory_budget=memory_budget, trace=trace is not None)
+              bucket_bytes=bucket_bytes, write=write, memory_budget=memory_budget, trace=trace is not None,
+              device=device)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="tenplex-bubbles-") as tmp:
         print("bubbles bench: interleaved modes ...", file=sys.stderr, flush=True)
@@ -193,7 +217,7 @@ def run_bench(*, model: str = "llama-small", pp: int = 2, rounds: int = 20, warm
 
     m = global_batch // micro_batch
     summary = {
-        "model": model, "layout": f"dp=1,tp=1,pp={pp}", "num_microbatches": m, "rounds": rounds,
+        "model": model, "layout": f"dp=1,tp=1,pp={pp}", "device": device, "num_microbatches": m, "rounds": rounds,
         "warmup_rounds": warmup, "write_to_store": write, "bucket_bytes": ranks[0]["bucket_bytes"],
         "step_s": per_mode, "overhead_blocking": per_mode["blocking"]["median"] / per_mode["none"]["median"] - 1,
         "overhead_bubbles": per_mode["bubbles"]["median"] / per_mode["none"]["median"] - 1,

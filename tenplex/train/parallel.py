@@ -53,7 +53,13 @@ def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            if local >= torch.cuda.device_count():
+                raise RuntimeError(
+                    f"LOCAL_RANK {local} needs CUDA device {local} but this host has {torch.cuda.device_count()}: "
+                    f"start at most {torch.cuda.device_count()} workers per host (torchrun --nproc-per-node), or set "
+                    f"TENPLEX_DEVICE=cpu to train on CPU with gloo")
+            torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")

@@ -147,7 +147,7 @@ class Trainer:
             p.grad = None
         stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         pending: list[Any] = []
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.g.device)
         prev, nxt = c.pp - 1, c.pp + 1
         act_shape = (b, inputs.shape[1], self.spec.hidden)
         dtype = self.spec.dtype
@@ -202,7 +202,7 @@ class Trainer:
         self._adamw()
         # the global loss: last-stage, TP rank 0 ranks hold their DP slice's mean
         total = torch.tensor([float(loss_sum) * scale if (self.model.is_last and c.tp == 0) else 0.0],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=self.g.device)  # nccl reduces device tensors only
         if dist.is_initialized():
             dist.all_reduce(total)
         samples = global_batch_ids(self.data)
@@ -381,7 +381,7 @@ def run(tc: TrainConfig) -> int:
     tiers = ("local", "peer", "storage")
     read = torch.tensor([state.load_stats.bytes_read if state.load_stats else 0,
                          state.load_stats.bytes_needed if state.load_stats else 0,
-                         *(state.bytes_by_tier.get(t, 0) for t in tiers)], dtype=torch.float64)
+                         *(state.bytes_by_tier.get(t, 0) for t in tiers)], dtype=torch.float64, device=groups.device)
     if dist.is_initialized():
         dist.all_reduce(read)  # bytes every rank read from the checkpoint, for the start record
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
