@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) -m tenplex bench bubbles --plot docs/bubbles_timeline.png
 	$(PY) scripts/bench_bubbles_cuda.py --json docs/bench_bubbles_cuda.json   # needs a GPU; says so and skips without
 	$(PY) scripts/measure_memory.py
+	$(PY) scripts/measure_memory.py --gpu   # needs a GPU; says so and skips without
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
