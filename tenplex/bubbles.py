@@ -408,14 +408,14 @@ class StoreWriteTask:
 
     def __init__(self, root: str, ptc: Any, cfg: Any, rank: int, *, bucket_bytes: int = 1 << 20,
                  on_complete: Callable[[int, str], None] | None = None, name: str = "store-write") -> None:
-        from .checkpoint import _block_bytes, writer_assignment
+        from .checkpoint import _block_bytes, _relaid, writer_assignment
 
         self.root, self.ptc, self.cfg, self.rank = root, ptc, cfg, rank
         self.name = name
         self.bucket_bytes = bucket_bytes
         self.on_complete = on_complete
         self.chunks = writer_assignment(ptc, cfg)[rank]
-        relaid = [n for n, *_ in self.chunks if self._relaid(n)]
+        relaid = [n for n, *_ in self.chunks if _relaid(ptc, n)]
         shapes = {n: ptc.local_shape(n, cfg) for n in relaid}
         self._row_bytes = max((math.prod(s) // s[ptc.tensors[n].split_dim] * ptc.tensors[n].dtype.itemsize
                                for n, s in shapes.items()), default=0)
@@ -476,9 +476,6 @@ class StoreWriteTask:
             log.info("%s: buckets of %d B to fit %d B of side-task memory", self.name, self.bucket_bytes, limit)
         return self.memory_bytes
 
-    def _relaid(self, name: str) -> bool:
-        spec = self.ptc.tensors[name]
-        return not spec.dp_sharded and spec.split_dim not in (None, 0)
 
     def is_finished(self) -> bool:
         return not (self._unpublished or self._to_open or self._todo)
@@ -539,8 +536,10 @@ class StoreWriteTask:
     def _canonical(self, name: str, e0: int, e1: int) -> torch.Tensor:
         """Elements [e0, e1) of the local shard in canonical flat order (``PTC.to_local_flat``),
         copying at most the rows that hold them."""
+        from .checkpoint import _relaid
+
         local = self._shard[name].detach()
-        if not self._relaid(name):
+        if not _relaid(self.ptc, name):
             return local.contiguous().reshape(-1)[e0:e1]
         rows = local.movedim(self.ptc.tensors[name].split_dim, 0)
         row = rows[0].numel()

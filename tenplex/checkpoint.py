@@ -25,6 +25,7 @@ import json
 import os
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -516,18 +517,27 @@ class _Reader:
 
         return out, verify
 
-    def read_many(self, reqs: list[ReadRequest], rank: int = 0) -> None:
+    reports_reads = True  # read_many calls on_read(i) as soon as request i's bytes are in place
+
+    def read_many(self, reqs: list[ReadRequest | None], rank: int = 0,
+                  on_read: Callable[[int], None] | None = None) -> None:
         """All of a load's reads. Local files: in file order, with the kernel asked to fetch the
         exact ranges about ``_PREFETCH`` bytes ahead (``POSIX_FADV_WILLNEED``), so the disk works
         while checksums are computed and nothing outside the needed blocks is read. Loading rank
         ``rank`` starts at its own place in the writer order, so ranks of one host that need the
-        same parts fetch different ones first and then find the others' in the page cache."""
+        same parts fetch different ones first and then find the others' in the page cache.
+        ``on_read(i)``: called once request i's bytes are in ``out`` (checksums may still be
+        running; a mismatch raises here later); it may set ``reqs[i]`` to None."""
         if not self.local or not hasattr(os, "posix_fadvise"):
-            for r in reqs:
+            for i, r in enumerate(reqs):
+                assert r is not None
                 self.read(r.writer, r.tensor, r.chunk_start, r.a, r.b, r.dtype, r.itemsize, out=r.out)
+                if on_read is not None:
+                    on_read(i)
             return
         spans = []
         for i, r in enumerate(reqs):
+            assert r is not None
             idx = self.index(r.writer)
             chunk = idx["by_key"].get((r.tensor, r.chunk_start))
             if chunk is None or r.b <= r.a:
@@ -553,9 +563,13 @@ class _Reader:
                     ahead += fhi - flo
                     fetched += 1
                 r = reqs[i]
+                assert r is not None
                 # checksums in a second thread (the CRC releases the GIL) while the next piece is read
                 checks.append(pool.submit(self._fetch(r.writer, r.tensor, r.chunk_start, r.a, r.b, r.dtype,
                                                       r.itemsize, r.out)[1]))
+                r = None
+                if on_read is not None:
+                    on_read(i)
                 ahead -= hi - lo
             for c in checks:
                 c.result()  # the first corrupt block raises
@@ -704,6 +718,8 @@ def read_shard(saved: PTC, old: ParallelConfig, cfg: ParallelConfig, rank: int, 
                                         local[dst : dst + (e - s)]))
             needed += int(q_len.sum()) * spec.itemsize
         locals_[name] = local
+    if getattr(reader, "reports_reads", False):
+        return _read_and_relayout(saved, cfg, rank, reader, reqs, locals_), needed
     if hasattr(reader, "read_many"):
         reader.read_many(reqs, rank=rank)
     else:
@@ -711,6 +727,46 @@ def read_shard(saved: PTC, old: ParallelConfig, cfg: ParallelConfig, rank: int, 
             reader.read(r.writer, r.tensor, r.chunk_start, r.a, r.b, r.dtype, r.itemsize, out=r.out)
     reqs.clear()  # drop the views into the flat buffers, so each is freed once reshaped (peak memory)
     return {name: saved.from_local_flat(name, cfg, locals_.pop(name)) for name in list(locals_)}, needed
+
+
+def _read_and_relayout(saved: PTC, cfg: ParallelConfig, rank: int, reader: Any, reqs: list[ReadRequest],
+                       locals_: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Read every request; a tensor split on a dim > 0 is laid out in its natural shape (a strided
+    copy: the file holds it split dim first) in a second thread as soon as its last piece is in,
+    while later pieces are still being read. Each flat buffer is dropped once its copy is made,
+    so at most the tensors in flight exist twice (peak memory)."""
+    left: dict[str, list[int]] = {}
+    for i, r in enumerate(reqs):
+        left.setdefault(r.tensor, []).append(i)
+    count = {name: len(ix) for name, ix in left.items()}
+    slots: list[ReadRequest | None] = list(reqs)
+    reqs.clear()
+    done: dict[str, Any] = {}
+    lock = threading.Lock()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-relayout") as pool:
+
+        def on_read(i: int) -> None:
+            name = slots[i].tensor  # type: ignore[union-attr]
+            with lock:
+                count[name] -= 1
+                if count[name]:
+                    return
+            for j in left.pop(name):
+                slots[j] = None  # the flat buffer's last references are the relayout's (and the checksums')
+            if _relaid(saved, name):
+                done[name] = pool.submit(saved.from_local_flat, name, cfg, locals_.pop(name))
+
+        reader.read_many(slots, rank=rank, on_read=on_read)
+        out = {name: fut.result() for name, fut in done.items()}
+    for name in [n for n in saved.rank_tensors(cfg, rank) if n not in out]:  # cheap reshapes, no copy
+        out[name] = saved.from_local_flat(name, cfg, locals_.pop(name))
+    return {name: out[name] for name in saved.rank_tensors(cfg, rank)}
+
+
+def _relaid(ptc: PTC, name: str) -> bool:
+    """Whether the checkpoint's (split dim first) order differs from the tensor's natural one."""
+    spec = ptc.tensors[name]
+    return not spec.dp_sharded and spec.split_dim not in (None, 0)
 
 
 @dataclass(frozen=True, slots=True)
