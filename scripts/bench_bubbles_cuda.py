@@ -74,7 +74,7 @@ def run(state_bytes: int, fwd_s: float, rounds: int, m: int, bucket_bytes: int) 
     n_fwd = _calibrate(x, w, fwd_s)
     ops = one_f_one_b(2, m, 0)
     task = SnapshotTask(bucket_bytes=bucket_bytes)
-    runtime = BubbleRuntime(stage=0, record=False)
+    runtime = BubbleRuntime(stage=0, record=False, device=dev)
     runtime.register(task)
     modes = ("none", "blocking", "bubbles")
     times: dict[str, list[float]] = {k: [] for k in modes}

@@ -117,11 +117,20 @@ class BubbleRuntime:
 
     ``memory_budget``: bytes (or a size such as ``"2GiB"``) the side tasks of this stage may hold
     together; None means no limit. ``stage``: the pipeline stage, for the windows report.
+    ``device``: the stage's device; on CUDA every ``step()`` runs with a dedicated stream of the
+    lowest priority current (``self.stream``), so a task's kernels neither queue behind nor
+    delay the training stream's (a task that must see the training stream's results waits on
+    it itself, as ``SnapshotTask`` does).
     """
 
     def __init__(self, *, margin: float = 1.2, profile_iterations: int = 2, poll_s: float = 2e-4,
                  record: bool = True, default_step_s: float = 1e-3, stage: int = 0,
-                 memory_budget: int | str | None = None, growth: float = 1.05) -> None:
+                 memory_budget: int | str | None = None, growth: float = 1.05,
+                 device: torch.device | str | None = None) -> None:
+        dev = torch.device(device) if device is not None else None
+        self.stream: Any = None
+        if dev is not None and dev.type == "cuda":  # lower priority = larger number
+            self.stream = torch.cuda.Stream(dev, priority=max(torch.cuda.Stream.priority_range()))
         self.margin = margin
         self.growth = growth
         self.default_step_s = default_step_s
@@ -202,7 +211,11 @@ class BubbleRuntime:
                 break
             ran = True
             s0 = time.perf_counter()
-            task.step()
+            if self.stream is None:
+                task.step()
+            else:
+                with torch.cuda.stream(self.stream):
+                    task.step()
             s1 = time.perf_counter()
             self.task_time[task.name].update(s1 - s0)
             self.used_s += s1 - s0

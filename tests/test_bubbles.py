@@ -97,6 +97,34 @@ def test_profile_grows_slowly_when_side_tasks_ran() -> None:
     assert rt.bubbles[("F", 0)].ema <= base * 1.05**3 * (1 + 1e-9)  # uncapped: about 2.8x base
 
 
+def test_side_steps_get_their_own_stream_only_on_cuda() -> None:
+    assert BubbleRuntime(device="cpu").stream is None and BubbleRuntime().stream is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_side_steps_run_on_a_lowest_priority_stream() -> None:
+    """A user task's kernels go to the runtime's side stream, not the training stream."""
+    rt = BubbleRuntime(profile_iterations=1, device="cuda")
+    seen: list = []
+
+    class OnStream(_Task):
+        name = "stream"
+
+        def step(self) -> None:
+            seen.append(torch.cuda.current_stream())
+            torch.ones(1024, device="cuda").sum()  # a kernel, launched where the task is
+            super().step()
+
+    rt.register(OnStream(0.001, 50))
+    op = Op("F", 0, True)
+    rt(op, _Work(0.01))
+    rt.begin_iteration(1)
+    rt(op, _Work(0.01))
+    assert seen and all(s == rt.stream for s in seen)
+    assert rt.stream.priority == max(torch.cuda.Stream.priority_range())
+    assert torch.cuda.current_stream() != rt.stream  # restored after each step
+
+
 def test_runtime_runs_tasks_only_inside_profiled_bubbles() -> None:
     rt = BubbleRuntime(margin=1.2, profile_iterations=2)
     task = _Task(step_s=0.002, units=10**6)

@@ -90,7 +90,7 @@ def _worker(args: argparse.Namespace) -> int:
     trainer = Trainer(tc, ptc, groups, RescaleResult(cfg, rank, world, 0, True), stdlib_corpus(spec.seq_len))
     stage = cfg.coords(rank).pp
     budget = _budget(args.memory_budget, ptc, cfg, stage, args.micro_batch, trainer.num_mb)
-    runtime = BubbleRuntime(record=True, stage=stage, memory_budget=budget)
+    runtime = BubbleRuntime(record=True, stage=stage, memory_budget=budget, device=groups.device)
     trainer.spans = []
     trainer.bubble_hook = runtime  # waits are timed in every mode
 
