@@ -6,9 +6,10 @@ is installed as the trainer's ``bubble_hook``: while a receive is pending it cal
 ``step()`` of registered iterative side tasks, but only while the bubble's predicted
 remaining time exceeds the task's profiled step time times a margin, so training does not
 wait for a side task (up to the accuracy of the profile). Bubble lengths are profiled per
-schedule position over the first iterations; nothing runs until a position has been seen. ``BubbleRuntime.windows`` reports,
-per stage and iteration, when each wait started, how long it was expected to last and the
-memory a side task may use; ``forecast()`` gives the same for the next iteration.
+schedule position over the first iterations; nothing runs until a position has been seen.
+``BubbleRuntime.windows`` reports, per stage and iteration, when each wait started, how long
+it was expected to last and the memory a side task may use; ``forecast()`` gives the same for
+the next iteration.
 
 Every side task declares the memory it may hold (``memory_bytes``); the runtime has a
 per-stage budget (``memory_budget``, e.g. from ``side_task_memory_budget``), refuses a task
@@ -421,14 +422,14 @@ class StoreWriteTask:
 
     def __init__(self, root: str, ptc: Any, cfg: Any, rank: int, *, bucket_bytes: int = 1 << 20,
                  on_complete: Callable[[int, str], None] | None = None, name: str = "store-write") -> None:
-        from .checkpoint import _block_bytes, _relaid, writer_assignment
+        from .checkpoint import _block_bytes, writer_assignment
 
         self.root, self.ptc, self.cfg, self.rank = root, ptc, cfg, rank
         self.name = name
         self.bucket_bytes = bucket_bytes
         self.on_complete = on_complete
         self.chunks = writer_assignment(ptc, cfg)[rank]
-        relaid = [n for n, *_ in self.chunks if _relaid(ptc, n)]
+        relaid = [n for n, *_ in self.chunks if ptc.relaid(n)]
         shapes = {n: ptc.local_shape(n, cfg) for n in relaid}
         self._row_bytes = max((math.prod(s) // s[ptc.tensors[n].split_dim] * ptc.tensors[n].dtype.itemsize
                                for n, s in shapes.items()), default=0)
@@ -489,7 +490,6 @@ class StoreWriteTask:
             log.info("%s: buckets of %d B to fit %d B of side-task memory", self.name, self.bucket_bytes, limit)
         return self.memory_bytes
 
-
     def is_finished(self) -> bool:
         return not (self._unpublished or self._to_open or self._todo)
 
@@ -509,6 +509,7 @@ class StoreWriteTask:
         """Lay out this rank's part of the save attempt: pre-sized file, header, bucket list."""
         from .checkpoint import _block_bytes, _step_dir, default_save_id, safetensors_header
 
+        t0 = time.perf_counter()
         self._to_open = False
         step = self._step
         self._save_id = default_save_id(self.cfg, self.ptc)
@@ -533,6 +534,7 @@ class StoreWriteTask:
             per = max(block, self.bucket_bytes // block * block)
             self._todo.extend((i, a, min(nbytes, a + per)) for a in range(0, nbytes, per))
         self._todo.reverse()
+        self._measure("open", time.perf_counter() - t0)
 
     def _write_one(self) -> int:
         from .checkpoint import crc32
@@ -549,10 +551,8 @@ class StoreWriteTask:
     def _canonical(self, name: str, e0: int, e1: int) -> torch.Tensor:
         """Elements [e0, e1) of the local shard in canonical flat order (``PTC.to_local_flat``),
         copying at most the rows that hold them."""
-        from .checkpoint import _relaid
-
         local = self._shard[name].detach()
-        if not _relaid(self.ptc, name):
+        if not self.ptc.relaid(name):
             return local.contiguous().reshape(-1)[e0:e1]
         rows = local.movedim(self.ptc.tensors[name].split_dim, 0)
         row = rows[0].numel()
@@ -560,14 +560,12 @@ class StoreWriteTask:
         return rows[r0:r1].contiguous().reshape(-1)[e0 - r0 * row : e1 - r0 * row]
 
     def step(self) -> None:
-        t0 = time.perf_counter()
         if self._unpublished is not None:
             self._publish()
-            self._measure("publish", time.perf_counter() - t0)
         elif self._to_open:
             self._open()
-            self._measure("open", time.perf_counter() - t0)
         elif self._todo:
+            t0 = time.perf_counter()
             n = self._write_one()
             self.bubble_bytes += n
             self._measure("bucket", time.perf_counter() - t0, n)
@@ -579,13 +577,9 @@ class StoreWriteTask:
             return None
         # measured like bubble steps: what runs here also informs what fits a bubble next time
         if self._unpublished is not None:
-            t0 = time.perf_counter()
             self._publish()
-            self._measure("publish", time.perf_counter() - t0)
         if self._to_open:
-            t0 = time.perf_counter()
             self._open()
-            self._measure("open", time.perf_counter() - t0)
         if self._todo:
             t0, n, k = time.perf_counter(), 0, len(self._todo)
             while self._todo:
@@ -605,6 +599,7 @@ class StoreWriteTask:
         from .checkpoint import _fs, write_index, write_rank0_meta
 
         assert self._unpublished is not None
+        t0 = time.perf_counter()
         step, sdir, save_id, meta, crcs, objects, base, size = self._unpublished
         self._unpublished = None
         fs, _ = _fs(self.root, None)
@@ -617,6 +612,7 @@ class StoreWriteTask:
         self.completed += 1
         if self.on_complete is not None:
             self.on_complete(step, sdir)
+        self._measure("publish", time.perf_counter() - t0)
 
     def close(self) -> None:
         """Make the last finished snapshot visible (write its index)."""

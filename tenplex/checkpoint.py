@@ -761,7 +761,7 @@ def _read_and_relayout(saved: PTC, cfg: ParallelConfig, rank: int, reader: Any, 
                     return
             for j in left.pop(name):
                 slots[j] = None  # the flat buffer's last references are the relayout's (and the checksums')
-            if _relaid(saved, name):
+            if saved.relaid(name):
                 done[name] = pool.submit(saved.from_local_flat, name, cfg, locals_.pop(name))
 
         reader.read_many(slots, rank=rank, on_read=on_read)
@@ -770,11 +770,6 @@ def _read_and_relayout(saved: PTC, cfg: ParallelConfig, rank: int, reader: Any, 
         out[name] = saved.from_local_flat(name, cfg, locals_.pop(name))
     return {name: out[name] for name in saved.rank_tensors(cfg, rank)}
 
-
-def _relaid(ptc: PTC, name: str) -> bool:
-    """Whether the checkpoint's (split dim first) order differs from the tensor's natural one."""
-    spec = ptc.tensors[name]
-    return not spec.dp_sharded and spec.split_dim not in (None, 0)
 
 
 @dataclass(frozen=True, slots=True)

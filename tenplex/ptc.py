@@ -501,12 +501,17 @@ class PTC:
             return local.reshape(spec.local_shape(cfg))
         return spec.from_canonical(local, rows=spec.local_rows(cfg.tp))
 
+    def relaid(self, name: str) -> bool:
+        """Whether a local shard's canonical (split dim first) order differs from its natural
+        row-major order, so converting between them is a strided copy, not a reshape."""
+        spec = self.tensors[name]
+        return not spec.dp_sharded and spec.split_dim not in (None, 0)
+
     def to_local_flat(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """A local shard in canonical flat order (inverse of ``from_local_flat``)."""
-        spec = self.tensors[name]
-        if spec.dp_sharded or spec.split_dim in (None, 0):
+        if not self.relaid(name):
             return local.contiguous().reshape(-1)
-        return local.movedim(spec.split_dim, 0).contiguous().reshape(-1)
+        return local.movedim(self.tensors[name].split_dim, 0).contiguous().reshape(-1)
 
     def shard(self, global_state: Mapping[str, Any], cfg: ParallelConfig) -> dict[int, dict[str, Any]]:
         """Split global tensors into ``{rank: {name: local shard}}``; objects go to every rank."""

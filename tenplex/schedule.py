@@ -487,11 +487,9 @@ def _net(topology: Topology, ref: float) -> _Net:
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import dijkstra
 
-    nodes = [str(n) for n in topology.graph.nodes]
-    idx = {n: i for i, n in enumerate(nodes)}
+    nodes, idx = list(topology.node_names), topology.node_index
     nn = len(nodes)
-    u = np.array([idx[lk.src] for lk in topology.links], dtype=np.int64)
-    v = np.array([idx[lk.dst] for lk in topology.links], dtype=np.int64)
+    u, v = topology.link_src, topology.link_dst
     link = np.full((nn, nn), -1, dtype=np.int64)
     link[u, v] = np.arange(len(u))
     w = topology.latency + ref / topology.bandwidth
@@ -1256,13 +1254,10 @@ def _min_latency(topology: Topology) -> np.ndarray:
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import dijkstra
 
-    idx = {str(n): i for i, n in enumerate(topology.graph.nodes)}
-    u = np.array([idx[lk.src] for lk in topology.links], dtype=np.int64)
-    v = np.array([idx[lk.dst] for lk in topology.links], dtype=np.int64)
-    nn = len(idx)
+    nn = len(topology.node_names)
     # csgraph drops zero weights (no edge): zero-latency links get a weight far below any real one
     w = np.maximum(topology.latency, 1e-30)
-    dist = dijkstra(csr_matrix((w, (u, v)), shape=(nn, nn)), directed=True)
+    dist = dijkstra(csr_matrix((w, (topology.link_src, topology.link_dst)), shape=(nn, nn)), directed=True)
     return np.where(dist < 1e-20, 0.0, dist)
 
 
@@ -1400,11 +1395,9 @@ def _cuts(topology: Topology) -> _Cuts:
     """:class:`_Cuts` of ``topology`` (cached: schedules reuse topologies)."""
     import itertools
 
-    nodes = list(topology.graph.nodes)
-    idx = {n: i for i, n in enumerate(nodes)}
+    nodes, idx = list(topology.node_names), topology.node_index
     bw = topology.bandwidth
-    l_src = np.array([idx[lk.src] for lk in topology.links], dtype=np.int64)
-    l_dst = np.array([idx[lk.dst] for lk in topology.links], dtype=np.int64)
+    l_src, l_dst = topology.link_src, topology.link_dst
     single = np.array([idx[n] for n, kind in topology.graph.nodes(data="kind") if kind in ("gpu", "storage")],
                       dtype=np.int64)
     single_in = np.array([bw[(l_dst == j) & (l_src != j)].sum() for j in single])

@@ -113,6 +113,10 @@ class Topology:
     link_index: dict[tuple[str, str], int] = field(init=False, repr=False, compare=False)
     bandwidth: np.ndarray = field(init=False, repr=False, compare=False)
     latency: np.ndarray = field(init=False, repr=False, compare=False)
+    node_names: tuple[str, ...] = field(init=False, repr=False, compare=False)  # graph node order
+    node_index: dict[str, int] = field(init=False, repr=False, compare=False)
+    link_src: np.ndarray = field(init=False, repr=False, compare=False)  # node index of each link's tail
+    link_dst: np.ndarray = field(init=False, repr=False, compare=False)  # and head
     _gpu: dict[int, str] = field(init=False, repr=False, compare=False)
     _sp_cache: dict[tuple[str, float], Any] = field(init=False, repr=False, compare=False)
 
@@ -141,6 +145,12 @@ class Topology:
         object.__setattr__(self, "link_index", {(lk.src, lk.dst): i for i, lk in enumerate(links)})
         object.__setattr__(self, "bandwidth", np.array([lk.bandwidth for lk in links], dtype=np.float64))
         object.__setattr__(self, "latency", np.array([lk.latency for lk in links], dtype=np.float64))
+        names = tuple(str(n) for n in self.graph.nodes)
+        index = {n: i for i, n in enumerate(names)}
+        object.__setattr__(self, "node_names", names)
+        object.__setattr__(self, "node_index", index)
+        object.__setattr__(self, "link_src", np.array([index[lk.src] for lk in links], dtype=np.int64))
+        object.__setattr__(self, "link_dst", np.array([index[lk.dst] for lk in links], dtype=np.int64))
         object.__setattr__(self, "_gpu", gpu)
         object.__setattr__(self, "_sp_cache", {})
 
@@ -279,12 +289,9 @@ class Topology:
         mkey = ("__all__", ref)
         hit = self._sp_cache.get(mkey)
         if hit is None:
-            nodes = list(self.graph.nodes)
-            idx = {n: i for i, n in enumerate(nodes)}
-            u = [idx[lk.src] for lk in self.links]
-            v = [idx[lk.dst] for lk in self.links]
+            nodes, idx = list(self.node_names), self.node_index
             w = self.latency + ref / self.bandwidth
-            mat = csr_matrix((w, (u, v)), shape=(len(nodes), len(nodes)))
+            mat = csr_matrix((w, (self.link_src, self.link_dst)), shape=(len(nodes), len(nodes)))
             dist, pred = dijkstra(mat, directed=True, return_predecessors=True)
             hit = self._sp_cache[mkey] = (nodes, idx, dist, pred)
         nodes, idx, dist, pred = hit
