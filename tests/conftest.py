@@ -122,3 +122,17 @@ def assert_same(a: Any, b: Any, what: str = "") -> None:
         assert torch.equal(ia, ib), f"{what}: bits differ"
     else:
         assert torch.equal(a, b), f"{what}: values differ"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Totals of the hostile-input suites (``tests/hostile.py``), when any ran."""
+    from hostile import report
+
+    rows = report()
+    if not rows:
+        return
+    terminalreporter.section("hostile inputs")
+    for area, row in rows.items():
+        terminalreporter.write_line(
+            f"{area:>12}: tried {row['tried']}, refused {row['refused']}, detected {row['detected']}, "
+            f"identical {row['identical']}, silent {row['silent']}")
