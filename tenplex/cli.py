@@ -1,17 +1,24 @@
-"""The ``tenplex`` command line."""
+"""The ``tenplex`` command line.
+
+Every bad input ends in one line ``tenplex CMD: error: <what went wrong and the fix>`` on
+stderr and exit code 2 (argparse's convention): argument types check ranges and URLs up
+front, and :func:`main` turns the library's errors about user input (``TenplexError``,
+``ValueError``, ``OSError`` from paths and hosts) into that line. A traceback means a bug.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from .config import MAX_WORLD_SIZE, ParallelConfig
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError
 
-from .config import ParallelConfig
-from .errors import TenplexError
-
-__all__ = ["main", "human_bytes", "parse_ranks"]
+__all__ = ["main", "human_bytes", "parse_ranks", "parse_rank_ranges"]
 
 
 def human_bytes(n: float) -> str:
@@ -23,18 +30,44 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-def parse_ranks(text: str) -> list[int]:
-    """'0-3,6,8-9' -> [0, 1, 2, 3, 6, 8, 9]."""
-    out: list[int] = []
+def parse_rank_ranges(text: str) -> tuple[range, ...]:
+    """'0-3,6,8-9' -> (range(0, 4), range(6, 7), range(8, 10)): the ranks, not listed (``0-999999999`` is
+    three numbers until checked against a world size); ``none`` is the empty list."""
+    if text.strip().lower() == "none":
+        return ()
+    out: list[range] = []
     for part in text.replace(" ", "").split(","):
         if not part:
             continue
         a, sep, b = part.partition("-")
         try:
-            out.extend(range(int(a), int(b) + 1) if sep else [int(a)])
+            lo, hi = int(a), int(b) if sep else int(a)
         except ValueError:
             raise argparse.ArgumentTypeError(f"cannot parse rank list {text!r}: use e.g. 0-3,6,8-9") from None
-    return out
+        if hi < lo:
+            raise argparse.ArgumentTypeError(f"rank range {part} is empty: write the lower rank first ({hi}-{lo})")
+        out.append(range(lo, hi + 1))
+    if not out:
+        raise argparse.ArgumentTypeError(f"rank list {text!r} names no rank: use e.g. 0-3,6 (or none for no survivor)")
+    return tuple(out)
+
+
+def parse_ranks(text: str, world_size: int | None = None) -> list[int]:
+    """'0-3,6,8-9' -> [0, 1, 2, 3, 6, 8, 9]; with ``world_size`` every rank must be below it (checked
+    before listing, so a typo such as 0-999999999 costs nothing)."""
+    ranges = parse_rank_ranges(text)
+    return _listed(ranges, world_size) if world_size is not None else [i for r in ranges for i in r]
+
+
+def _listed(ranges: Sequence[range], world_size: int) -> list[int]:
+    """The ranks of ``ranges`` after checking each lies in the old world ``[0, world_size)``."""
+    for r in ranges:
+        if r.start < 0 or r.stop > world_size:
+            raise PlanError(f"--alive names rank {r.stop - 1 if r.stop > world_size else r.start}, outside the old "
+                            f"world of {world_size} ranks [0, {world_size}): list survivors of the old layout")
+    if sum(len(r) for r in ranges) > world_size:
+        raise PlanError(f"--alive lists more ranks than the old world's {world_size}: list each survivor once")
+    return [i for r in ranges for i in r]
 
 
 def _layout(text: str) -> ParallelConfig:
@@ -51,6 +84,52 @@ def _size(text: str) -> int:
         return parse_size(text)
     except TenplexError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[lo, hi]``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is outside [{lo}, {hi}]")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def _float_in(lo: float, hi: float, *, lo_open: bool = True) -> Callable[[str], float]:
+    """An argparse type: a finite number in ``(lo, hi]`` (``[lo, hi]`` with ``lo_open=False``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and (lo < value if lo_open else lo <= value) and value <= hi):
+            raise argparse.ArgumentTypeError(f"{text} is outside {'(' if lo_open else '['}{lo}, {hi}]")
+        return value
+    parse.__name__ = "float"
+    return parse
+
+
+def _url(text: str) -> str:
+    """An argparse type: a local path or an fsspec URL whose protocol is known and installed."""
+    import fsspec
+
+    if not text:
+        raise argparse.ArgumentTypeError("empty path: pass a local path or a URL")
+    try:
+        fsspec.core.url_to_fs(text)
+    except (ValueError, ImportError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot use {text!r} ({e}): pass a local path or a URL of an installed "
+                                         "fsspec protocol (file://, memory://, s3://, http://, ...)") from None
+    return text
+
+
+_POS = _int_in(1, MAX_WORLD_SIZE)
+_STEP = _int_in(0, (1 << 63) - 1)
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
@@ -137,7 +216,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .planner import plan
 
     ptc = model_ptc(args.model, optimizer=not args.no_optimizer, distributed_optimizer=args.distributed_optimizer)
-    alive = args.alive
+    alive = None if args.alive is None else _listed(args.alive, args.from_.world_size)
     if args.locality:
         from .planner import locality_order
 
@@ -178,10 +257,28 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     from .schedule import lower_bound, naive_completion, schedule
     from .topology import Topology
 
-    topo = Topology.from_json(args.topology) if args.topology.endswith(".json") else Topology.from_spec(args.topology)
+    if args.topology.endswith(".json"):
+        try:
+            topo = Topology.from_json(args.topology)
+        except TenplexError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # raw errors of a malformed file
+            raise ConfigError(f"topology JSON {args.topology} is malformed ({type(e).__name__}: {e}): give "
+                              "{\"spec\": \"hosts=..,gpus=..\"} or gpus_per_host, nodes and links "
+                              "(docs/schedule.md)") from None
+    else:
+        topo = Topology.from_spec(args.topology)
     ptc = model_ptc(args.model, optimizer=not args.no_optimizer, distributed_optimizer=args.distributed_optimizer)
     gph = args.gpus_per_host or topo.gpus_per_host
-    result = plan(ptc, args.from_, args.to, alive=args.alive, gpus_per_host=gph)
+    alive = None if args.alive is None else _listed(args.alive, args.from_.world_size)
+    result = plan(ptc, args.from_, args.to, alive=alive, gpus_per_host=gph)
+    need = max(args.from_.world_size, int(result.devices.max()) + 1 if len(result.devices) else 0)
+    if need > topo.num_gpus:
+        raise PlanError(f"the move uses {need} devices (old layout {args.from_} on devices "
+                        f"0..{args.from_.world_size - 1}, new layout {args.to} up to device "
+                        f"{int(result.devices.max())}) but the topology has "
+                        f"{topo.num_gpus} GPUs: pass a topology with at least {need} GPUs "
+                        f"(e.g. hosts={-(-need // topo.gpus_per_host)},gpus={topo.gpus_per_host})")
     s = schedule(result, topo, method=args.method, time_limit=args.time_limit, chunk_bytes=args.chunk_bytes)
     completion, naive, lb = s.completion_s, naive_completion(result, topo), lower_bound(s.demands, topo)
     rounds = s.num_epochs
@@ -207,7 +304,29 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextmanager
+def _checkpoint_errors(url: str) -> Iterator[None]:
+    """One error naming ``url`` for raw exceptions of the checkpoint reader on a damaged checkpoint (e.g. a
+    manifest that is JSON of another shape: TypeError, KeyError)."""
+    try:
+        yield
+    except (TypeError, KeyError, AttributeError, IndexError) as e:
+        raise CheckpointCorruptError(f"the checkpoint under {url} is damaged or not a tenplex checkpoint "
+                                     f"({type(e).__name__}: {e}); use an earlier step or save it again") from e
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, path = fsspec.core.url_to_fs(args.url)
+    if isinstance(fs, LocalFileSystem) and not fs.exists(path):
+        raise CheckpointNotFoundError(f"{args.url} does not exist: check the path")
+    with _checkpoint_errors(args.url):
+        return _inspect(args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
     from .checkpoint import list_steps, read_manifest
 
     steps = list_steps(args.url)
@@ -258,8 +377,18 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
     hf_config = None
     if args.hf_config:
-        with open(args.hf_config) as f:
-            hf_config = json.load(f)
+        try:
+            with open(args.hf_config) as f:
+                hf_config = json.load(f)
+        except OSError as e:
+            raise TenplexError(f"cannot read --hf-config {args.hf_config}: {e.strerror or e}; pass the "
+                               "checkpoint's config.json") from None
+        except ValueError as e:
+            raise TenplexError(f"--hf-config {args.hf_config} is not JSON ({e}); pass the checkpoint's "
+                               "config.json") from None
+        if not isinstance(hf_config, dict):
+            raise TenplexError(f"--hf-config {args.hf_config} holds a {type(hf_config).__name__}, not a JSON object; "
+                               "pass the checkpoint's config.json")
     kw: dict = {"layout": args.layout, "step": args.step}
     fmt = args.format
     if fmt == "auto":
@@ -281,7 +410,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from .interop import export_hf
 
-    path = export_hf(args.src, args.dst, step=args.step)
+    with _checkpoint_errors(args.src):
+        path = export_hf(args.src, args.dst, step=args.step)
     print(f"exported {args.src} to {path} (Hugging Face safetensors, config.json beside it)")
     return 0
 
@@ -295,9 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model preset, e.g. gpt3-175b, llama3-8b, tiny")
     p.add_argument("--from", dest="from_", required=True, type=_layout, metavar="LAYOUT", help="dp=..,tp=..,pp=..")
     p.add_argument("--to", required=True, type=_layout, metavar="LAYOUT", help="dp=..,tp=..,pp=..")
-    p.add_argument("--alive", type=parse_ranks, default=None,
+    p.add_argument("--alive", type=parse_rank_ranges, default=None,
                    help="old ranks whose devices survive, e.g. 0-5,8 (default: the first new-world-size)")
-    p.add_argument("--gpus-per-host", type=int, default=8)
+    p.add_argument("--gpus-per-host", type=_POS, default=8)
     p.add_argument("--locality", action="store_true",
                    help="place new ranks on the survivors that already hold most of their state")
     p.add_argument("--no-optimizer", action="store_true", help="parameters only, no Adam state")
@@ -317,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, required=True)
     p.add_argument("--num-microbatches", type=int, default=None, help="micro-batches per step (default: pp)")
     p.add_argument("--gpu-mem", type=_size, default=_size("80GiB"), help="GPU memory, e.g. 80GiB, 80GB (default 80GiB)")
-    p.add_argument("--mem-fraction", type=float, default=0.8, help="usable fraction of GPU memory (default 0.8)")
+    p.add_argument("--mem-fraction", type=_float_in(0, 1), default=0.8,
+                   help="usable fraction of GPU memory, in (0, 1] (default 0.8)")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--no-distributed-optimizer", action="store_true", help="optimizer state replicated across DP")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -326,12 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("configs",
                        help="list the layouts of N GPUs: ranked by estimated speed, rejected ones with the reason")
     p.add_argument("--model", required=True, help="model preset, e.g. llama3-70b")
-    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus", type=_POS, required=True)
     p.add_argument("--gpu-mem", type=_size, required=True, help="GPU memory, e.g. 80GiB, 80GB")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--micro-batch", type=int, required=True)
-    p.add_argument("--gpus-per-host", type=int, default=8)
+    p.add_argument("--gpus-per-host", type=_POS, default=8)
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--from", dest="from_", type=_layout, default=None, metavar="LAYOUT",
                    help="current layout: also plan the move of the state to each candidate")
@@ -350,31 +481,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, type=_layout, metavar="LAYOUT", help="dp=..,tp=..,pp=..")
     p.add_argument("--topology", required=True,
                    help="spec (hosts=4,gpus=8,nvlink=300GB/s,pcie=32GB/s,nic=50GB/s) or a .json file")
-    p.add_argument("--alive", type=parse_ranks, default=None,
+    p.add_argument("--alive", type=parse_rank_ranges, default=None,
                    help="old ranks whose devices survive, e.g. 0-5,8 (default: the first new-world-size)")
     p.add_argument("--method", choices=("auto", "milp", "lp", "greedy"), default="auto")
-    p.add_argument("--time-limit", type=float, default=10.0, help="seconds the scheduler may take (default 10)")
+    p.add_argument("--time-limit", type=_float_in(0, 86400), default=10.0,
+                   help="seconds the scheduler may take (default 10)")
     p.add_argument("--chunk-bytes", type=_size, default=None, help="chunk size, e.g. 16MiB (default: automatic)")
-    p.add_argument("--gpus-per-host", type=int, default=None, help="default: the topology's")
+    p.add_argument("--gpus-per-host", type=_POS, default=None, help="default: the topology's")
     p.add_argument("--no-optimizer", action="store_true", help="parameters only, no Adam state")
     p.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded across DP")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_schedule)
 
     p = sub.add_parser("inspect", help="list a checkpoint's steps, layouts, completeness and tensors")
-    p.add_argument("url", help="checkpoint URL (local path, memory://, s3://, ...)")
-    p.add_argument("--step", type=int, default=None, help="step to describe (default: latest complete)")
+    p.add_argument("url", type=_url, help="checkpoint URL (local path, memory://, s3://, ...)")
+    p.add_argument("--step", type=_STEP, default=None, help="step to describe (default: latest complete)")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("import", help="import a DCP or Hugging Face (Llama, GPT-2) checkpoint as a tenplex checkpoint")
     p.add_argument("src", help="DCP checkpoint directory, HF model directory or .safetensors file")
-    p.add_argument("dst", help="tenplex checkpoint URL to write")
+    p.add_argument("dst", type=_url, help="tenplex checkpoint URL to write")
     p.add_argument("--format", choices=("auto", "dcp", "hf"), default="auto")
     p.add_argument("--layout", type=_layout, default=ParallelConfig(), metavar="LAYOUT",
                    help="layout to save under (default dp=1,tp=1,pp=1; loads under any layout)")
-    p.add_argument("--step", type=int, default=0, help="step number of the imported checkpoint (default 0)")
+    p.add_argument("--step", type=_STEP, default=0, help="step number of the imported checkpoint (default 0)")
     p.add_argument("--model", default=None,
                    help="DCP: model preset whose tenplex-named tensors the checkpoint holds (e.g. tiny)")
     p.add_argument("--hf-config", default=None, help="DCP: config.json of a checkpoint holding Hugging Face names")
@@ -383,9 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_import)
 
     p = sub.add_parser("export", help="export a tenplex GPT/Llama checkpoint as Hugging Face safetensors")
-    p.add_argument("src", help="tenplex checkpoint URL")
+    p.add_argument("src", type=_url, help="tenplex checkpoint URL")
     p.add_argument("dst", help="output .safetensors file, or a directory (model.safetensors + config.json)")
-    p.add_argument("--step", type=int, default=None, help="step to export (default: latest complete)")
+    p.add_argument("--step", type=_STEP, default=None, help="step to export (default: latest complete)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("store", help="the per-host tensor store")
@@ -455,7 +587,7 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--epochs", type=int, default=None,
                    help="show samples up to the end of this many epochs (default: through the current epoch)")
     p.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
-    p.add_argument("--read-ahead-kib", type=int, default=1024,
+    p.add_argument("--read-ahead-kib", type=_int_in(0, 1 << 20), default=1024,
                    help="kernel read-ahead of the mount (KiB; needs root; 0 keeps libfuse's 128)")
     p.add_argument("--debug", action="store_true", help="libfuse debug output")
     p.set_defaults(func=_cmd_mount)
@@ -465,6 +597,9 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--dp", type=int, default=None, help="new data-parallel size")
     p.add_argument("--progress", type=int, default=None, help="samples consumed globally")
     p.add_argument("--global-batch", type=int, default=None, help="new global batch (default: unchanged)")
+    p.add_argument("--seed", type=int, default=None, help="new shuffle seed (default: unchanged)")
+    p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None,
+                   help="shuffle or keep index order (default: unchanged)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_remount)
 
@@ -491,7 +626,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     from .vfs.fuse import check_fuse, check_mountpoint, mount, spawn_mount
     from .vfs.tree import Layout
 
-    layout = Layout(dp=args.dp, progress=args.progress, global_batch=args.global_batch or args.dp,
+    layout = Layout(dp=args.dp, progress=args.progress,
+                    global_batch=args.dp if args.global_batch is None else args.global_batch,
                     seed=args.seed, shuffle=not args.no_shuffle, num_epochs=args.epochs)
     if args.foreground:
         mount(args.index, args.mountpoint, layout, debug=args.debug, read_ahead_kib=args.read_ahead_kib)
@@ -501,7 +637,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 
     check_mountpoint(args.mountpoint)
     check_fuse()
-    load_index(args.index)
+    layout.check(load_index(args.index).num_samples)
     argv = ["mount", args.index, os.path.abspath(args.mountpoint), "--dp", str(args.dp), "--progress",
             str(args.progress), "--global-batch", str(layout.global_batch)]
     argv += ["--no-shuffle"] if args.no_shuffle else ["--seed", str(args.seed)]
@@ -517,7 +653,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 def _cmd_remount(args: argparse.Namespace) -> int:
     from .vfs.control import remount
 
-    st = remount(args.mountpoint, dp=args.dp, progress=args.progress, global_batch=args.global_batch)
+    st = remount(args.mountpoint, dp=args.dp, progress=args.progress, global_batch=args.global_batch, seed=args.seed,
+                 shuffle=args.shuffle)
     if args.json:
         print(json.dumps(st))
     else:
@@ -546,9 +683,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args) or 0)
-    except TenplexError as e:
-        print(f"tenplex {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except (TenplexError, ValueError) as e:  # bad user input: configs, presets, URLs, files (ConfigError is one)
+        message = str(e)
+    except OSError as e:  # a path or host given by the user: missing, unreadable, unreachable
+        message = _os_error(e)
+    print(f"tenplex {args.command}: error: {_one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def _os_error(e: OSError) -> str:
+    what = f"{e.strerror or e}: {e.filename}" if e.filename else str(e) or type(e).__name__
+    return f"{what} ({type(e).__name__}); check the path or URL and, for a server, that it is up"
+
+
+def _one_line(message: str) -> str:
+    """The message on one line (multi-line texts joined with ' | ')."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    return " | ".join(lines) or "failed (no message)"
 
 
 if __name__ == "__main__":

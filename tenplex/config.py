@@ -7,7 +7,12 @@ from typing import NamedTuple
 
 from .errors import ConfigError
 
-__all__ = ["Coords", "ParallelConfig"]
+__all__ = ["Coords", "ParallelConfig", "MAX_WORLD_SIZE"]
+
+#: Largest world (dp * tp * pp ranks) a layout may have: 2**18 = 262,144 ranks, beyond any single
+#: job so far (Llama 3 405B trained on 16,384 GPUs). Larger sizes are typos; planning them would
+#: allocate per-rank tables of that size (a plan to 2**18 ranks of even the tiny model takes GBs).
+MAX_WORLD_SIZE = 1 << 18
 
 
 class Coords(NamedTuple):
@@ -38,6 +43,12 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.dp * self.tp * self.pp > MAX_WORLD_SIZE:
+            raise ConfigError(
+                f"layout dp={self.dp},tp={self.tp},pp={self.pp} needs dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = "
+                f"{self.dp * self.tp * self.pp} ranks, more than the {MAX_WORLD_SIZE} (2**18) a layout may have: "
+                "check the sizes"
+            )
         if self.stages is not None:
             stages = tuple(self.stages)
             object.__setattr__(self, "stages", stages)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import ParallelConfig
+from .config import MAX_WORLD_SIZE, ParallelConfig
 from .errors import ConfigError, LayoutError
 from .memory import GiB, PRECISIONS, MemoryEstimate, estimate_memory, parse_size, resolve_model
 from .models import ModelSpec, model_ptc
@@ -110,6 +110,8 @@ def _check_common(gpus: int, global_batch: int, micro_batch: int, gpus_per_host:
                         ("gpus_per_host", gpus_per_host)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if gpus > MAX_WORLD_SIZE:
+        raise ConfigError(f"gpus={gpus} is more than the {MAX_WORLD_SIZE} GPUs a layout may have: check --gpus")
 
 
 def _structural_reason(spec: ModelSpec, cfg: ParallelConfig, *, global_batch: int, micro_batch: int,

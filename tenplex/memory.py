@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from .config import ParallelConfig
+from .config import MAX_WORLD_SIZE, ParallelConfig
 from .errors import ConfigError, LayoutError
 from .models import ModelSpec, model_spec
 from .ptc import PTC
@@ -123,6 +123,8 @@ class MemoryEstimate:
 
     def fits(self, gpu_mem_bytes: int | float | str, fraction: float = 0.8) -> bool:
         """True when every stage needs at most ``fraction`` of the GPU memory (the paper's 80 % rule)."""
+        if not 0 < fraction <= 1:  # NaN fails too
+            raise ConfigError(f"the usable memory fraction must be in (0, 1], got {fraction}")
         return self.peak_bytes <= fraction * parse_size(gpu_mem_bytes)
 
     def to_json(self) -> dict[str, Any]:
@@ -155,8 +157,8 @@ def parse_size(text: str | int | float) -> int:
     if isinstance(text, bool):
         raise ConfigError(f"cannot parse size {text!r}")
     if isinstance(text, (int, float)):
-        if text <= 0:
-            raise ConfigError(f"a size must be positive, got {text}")
+        if not 0 < text < math.inf:  # NaN fails too
+            raise ConfigError(f"a size must be positive and finite, got {text}")
         return int(text)
     m = _SIZE.match(text)
     unit = m.group(2).lower() if m else ""
@@ -168,7 +170,10 @@ def parse_size(text: str | int | float) -> int:
         mult = None
     if mult is None or m is None:
         raise ConfigError(f"cannot parse size {text!r}: use e.g. 80GiB, 80GB, 40G, 1.5TiB or a byte count")
-    value = int(float(m.group(1)) * mult)
+    number = float(m.group(1)) * mult
+    if not number < math.inf:
+        raise ConfigError(f"size {text!r} is not finite: use e.g. 80GiB")
+    value = int(number)
     if value <= 0:
         raise ConfigError(f"a size must be positive, got {text!r}")
     return value
@@ -225,9 +230,17 @@ def _activation_per_layer(model: ModelSpec, seq_len: int, micro_batch: int, tp: 
     return _ceil(per * act_bytes / 2)
 
 
+#: Upper bounds of the estimator's counts: far beyond any real job, they catch typos (10**30) that
+#: would otherwise print astronomical estimates.
+MAX_COUNTS = {"seq_len": 1 << 24, "micro_batch": 1 << 20, "num_microbatches": 1 << 20, "gpus_per_host": 1 << 18}
+
+
 def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    hi = MAX_COUNTS.get(name)
+    if hi is not None and value > hi:
+        raise ConfigError(f"{name}={value} is more than {hi}: check the value")
     return value
 
 
@@ -254,6 +267,9 @@ def estimate_memory(
     _positive("seq_len", seq_len)
     _positive("micro_batch", micro_batch)
     _positive("cp", cp)
+    if cfg.world_size * cp > MAX_WORLD_SIZE:
+        raise ConfigError(f"dp*tp*pp*cp = {cfg.world_size}*{cp} = {cfg.world_size * cp} GPUs, more than the "
+                          f"{MAX_WORLD_SIZE} a layout may have: check cp")
     m = cfg.pp if num_microbatches is None else _positive("num_microbatches", num_microbatches)
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")

@@ -29,6 +29,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
+from .config import MAX_WORLD_SIZE
 from .errors import ConfigError
 
 __all__ = ["Link", "Topology", "parse_bandwidth", "parse_duration", "probe_bandwidth", "DEFAULT_SPEC"]
@@ -181,6 +182,9 @@ class Topology:
             raise ConfigError(f"hosts and gpus must be integers in {spec!r}") from None
         if hosts < 1 or gpus < 1:
             raise ConfigError(f"hosts={hosts} and gpus={gpus} must both be >= 1")
+        if hosts * gpus > MAX_WORLD_SIZE:
+            raise ConfigError(f"hosts*gpus = {hosts}*{gpus} = {hosts * gpus} GPUs, more than the {MAX_WORLD_SIZE} a "
+                              "layout may have: check the topology spec")
         nvlink = 0.0 if vals["nvlink"] in ("0", "none") else parse_bandwidth(vals["nvlink"])
         bw = {k: parse_bandwidth(vals[k]) for k in ("pcie", "nic", "mem", "storage")}
         lat = {k: parse_duration(vals[f"{k}_lat"]) for k in ("nvlink", "pcie", "mem", "nic", "storage")}

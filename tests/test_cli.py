@@ -19,6 +19,22 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_parse_ranks() -> None:
     assert parse_ranks("0-3,6,8-9") == [0, 1, 2, 3, 6, 8, 9]
     assert parse_ranks("5") == [5]
+    assert parse_ranks("none") == []
+
+
+def test_rank_lists_are_bounded_before_they_are_listed() -> None:
+    import argparse
+
+    from tenplex.cli import parse_rank_ranges
+    from tenplex.errors import PlanError
+
+    assert parse_rank_ranges("0-999999999999") == (range(0, 10**12),)  # not listed
+    with pytest.raises(PlanError, match="--alive names rank 999999999999, outside the old world of 8 ranks"):
+        parse_ranks("0-999999999999", world_size=8)
+    for text, match in (("5-1", "rank range 5-1 is empty: write the lower rank first"), ("", "names no rank"),
+                        ("a-b", "cannot parse"), ("-3", "cannot parse")):
+        with pytest.raises(argparse.ArgumentTypeError, match=match):
+            parse_rank_ranges(text)
 
 
 def test_plan_json_fields_match_library(capsys: pytest.CaptureFixture[str]) -> None:

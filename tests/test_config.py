@@ -245,3 +245,13 @@ def test_uneven_stages_may_exceed_layers_with_empty_stages():
 def test_pp_larger_than_layers():
     with pytest.raises(ConfigError, match="pp=4 is larger than the model's 3 layers"):
         ParallelConfig(pp=4).layers_per_stage(3)
+
+
+def test_absurd_sizes_are_refused_with_the_arithmetic():
+    from tenplex.config import MAX_WORLD_SIZE
+
+    with pytest.raises(ConfigError, match=r"dp\*tp\*pp = 999999999999\*1\*1 = 999999999999 ranks, more than"):
+        ParallelConfig.parse("dp=999999999999")
+    with pytest.raises(ConfigError, match=r"= 524288 ranks"):
+        ParallelConfig(dp=1024, tp=8, pp=64)
+    assert ParallelConfig(dp=MAX_WORLD_SIZE).world_size == MAX_WORLD_SIZE

@@ -209,3 +209,56 @@ def test_cli_data_index(tmp_path, capsys) -> None:  # type: ignore[no-untyped-de
     assert load_index(out).num_samples == 1000 // 40
     assert main(["data", "index", out, str(tmp_path / "nope"), "--jsonl"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_truncated_or_garbled_index_names_the_file(tmp_path, jsonl_data) -> None:  # type: ignore[no-untyped-def]
+    index, _ = jsonl_data
+    good = tmp_path / "idx.npz"
+    index.save(str(good))
+    data = good.read_bytes()
+    for name, blob in (("half", data[: len(data) // 2]), ("head", data[:30]), ("tail", data[-100:]),
+                       ("flipped", data[:200] + bytes(b ^ 0xFF for b in data[200:260]) + data[260:])):
+        bad = tmp_path / f"{name}.npz"
+        bad.write_bytes(blob)
+        with pytest.raises(DataIndexError, match=f"{name}.npz .*rebuild it with `tenplex data index`"):
+            load_index(str(bad))
+
+
+def test_index_with_ranges_outside_its_sources_is_refused(tmp_path, jsonl_data) -> None:  # type: ignore[no-untyped-def]
+    index, _ = jsonl_data
+    for field, value, match in (("file_id", 7, "names source file 7"), ("offset", 1 << 40, "outside its"),
+                                ("length", 0, "outside its"), ("offset", -5, "outside its")):
+        arrays = {"file_id": index.file_id.copy(), "offset": index.offset.copy(), "length": index.length.copy()}
+        arrays[field] = arrays[field].astype(np.int64)
+        arrays[field][3] = value
+        np.savez(tmp_path / "x.npz", **arrays, meta=np.array(json.dumps(index.meta())))
+        with pytest.raises(DataIndexError, match=f"x.npz is corrupt: sample 3 .*{match}"):
+            load_index(str(tmp_path / "x.npz"))
+    np.savez(tmp_path / "y.npz", file_id=index.file_id, offset=index.offset.astype(np.float64), length=index.length,
+             meta=np.array(json.dumps(index.meta())))
+    with pytest.raises(DataIndexError, match="offset must be a 1-D integer array"):
+        load_index(str(tmp_path / "y.npz"))
+    np.savez(tmp_path / "z.npz", file_id=index.file_id, offset=index.offset, length=index.length,
+             meta=np.array(json.dumps([1, 2])))
+    with pytest.raises(DataIndexError, match="z.npz is not a tenplex dataset index"):
+        load_index(str(tmp_path / "z.npz"))
+
+
+def test_sample_sizes_and_paths_are_checked(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "a.bin"
+    src.write_bytes(b"x" * 100)
+    for kw, match in ((dict(kind="records", record_bytes=10**30), "samples must be smaller than 4 GiB"),
+                      (dict(kind="records", record_bytes=1 << 32), "samples must be smaller than 4 GiB"),
+                      (dict(kind="records", record_bytes=True), "record-bytes must be >= 1"),
+                      (dict(kind="tokens", seq_len=1 << 31, dtype="uint16"), "seq-len 2147483648 makes samples"),
+                      (dict(kind="tokens", seq_len=2.5), "seq-len must be >= 1")):
+        with pytest.raises(DataIndexError, match=match):
+            build_index([str(src)], **kw)  # type: ignore[arg-type]
+    with pytest.raises(DataIndexError, match="cannot use source file 'foo://x'"):
+        build_index(["foo://x"], kind="jsonl")
+    index = build_index([str(src)], kind="records", record_bytes=10)
+    with pytest.raises(DataIndexError, match="cannot write the index .*check that its directory exists"):
+        index.save(str(tmp_path / "missing" / "idx.npz"))
+    assert not list(tmp_path.glob("**/*.tmp*"))
+    with pytest.raises(DataIndexError, match="cannot use index 'foo://x/idx.npz'"):
+        load_index("foo://x/idx.npz")

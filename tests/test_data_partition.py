@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from conftest import examples
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 
 from tenplex.data import (
     DataState,
+    DataStateError,
     global_batch_ids,
     ids_at,
     rank_batch_ids,
@@ -142,3 +145,31 @@ def test_large_dataset_is_vectorised() -> None:
     pos = rank_positions(s.consumed, stream_end(s.num_samples, 1024, s.consumed), 1024, 8, 5)
     in_epoch = ids[pos < s.num_samples]  # the last batch may reach into the next epoch
     assert len(np.unique(in_epoch)) == len(in_epoch)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("num_samples", 0, "no samples"), ("num_samples", 2.0, "must be an integer"), ("global_batch", True, "integer"),
+    ("global_batch", 0, "global_batch must be >= 1"), ("consumed", -1, "consumed must be >= 0"),
+    ("consumed", 1e300, "integer"), ("consumed", 1 << 70, "consumed must be <="), ("seed", "x", "integer"),
+    ("seed", -1, "seed must be >= 0"), ("seed", 1 << 64, "seed must be <="), ("shuffle", "no", "true or false"),
+    ("shuffle", 1, "true or false"), ("source", 5, "string"),
+])
+def test_data_state_rejects_wrong_types_and_ranges(field: str, value: object, match: str) -> None:
+    kw: dict[str, object] = {"num_samples": 10, "global_batch": 4, field: value}
+    with pytest.raises(DataStateError, match=match):
+        DataState(**kw)  # type: ignore[arg-type]
+
+
+def test_data_state_takes_numpy_integers_as_ints() -> None:
+    s = DataState(num_samples=np.int64(10), global_batch=np.int32(4), seed=np.uint64(3), shuffle=np.bool_(True))
+    assert type(s.num_samples) is int and type(s.seed) is int and s.shuffle is True
+    assert DataState.from_json(json.loads(json.dumps(s.to_json()))) == s
+
+
+def test_partition_arguments_are_type_checked() -> None:
+    with pytest.raises(DataStateError, match="dp must be an integer"):
+        rank_positions(0, 8, 4, 2.0, 0)  # type: ignore[arg-type]
+    with pytest.raises(DataStateError, match="dp must be >= 1"):
+        rank_positions(0, 8, 4, 0, 0)
+    with pytest.raises(DataStateError, match="num_epochs must be an integer"):
+        stream_end(10, 4, 0, num_epochs=1.5)  # type: ignore[arg-type]

@@ -153,3 +153,86 @@ def test_no_fuse_support_is_explained(monkeypatch, tmp_path) -> None:  # type: i
     f.write_text("x")
     with pytest.raises(VfsError, match="is not a directory"):
         fuse.check_mountpoint(str(f))
+
+
+BAD_LAYOUTS = [  # (reshard kwargs, message)
+    (dict(dp=True), "dp must be an integer, got True"), (dict(dp=2.0), "dp must be an integer"),
+    (dict(dp=0), "dp must be >= 1"), (dict(dp=10**30, global_batch=10**30), "dp must be <="),
+    (dict(dp=74, global_batch=74), "dp=74 is larger than the index's 73 samples"),
+    (dict(global_batch=0), "global_batch must be >= 1"), (dict(global_batch=76), "global batch 76 is larger"),
+    (dict(global_batch=5), "not divisible by dp=2"), (dict(progress=-1), "progress must be >= 0"),
+    (dict(progress=1e300), "progress must be an integer"), (dict(progress=float("nan")), "progress must be an integer"),
+    (dict(progress=1 << 63), "progress must be <="), (dict(seed="x"), "seed must be an integer"),
+    (dict(seed=-1), "seed must be >= 0"), (dict(shuffle="no"), "shuffle must be true or false"),
+    (dict(shuffle=1), "shuffle must be true or false"), (dict(num_epochs=-1), "num_epochs must be >= 0"),
+    (dict(num_epochs=1.0), "num_epochs must be an integer"), (dict(num_epochs=10**6), "more than 64 epochs"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", BAD_LAYOUTS)
+def test_bad_reshard_changes_nothing(data, kwargs, match) -> None:  # type: ignore[no-untyped-def]
+    index, samples = data
+    tree = DatasetTree(index, Layout(dp=2, progress=4, global_batch=4, seed=3))
+    before = (tree.status(), _read_all(tree, "/gen-000001/rank-001/samples.bin"), tree.lookup("/"))
+    with pytest.raises(VfsError, match=match):
+        tree.reshard(**kwargs)
+    assert (tree.status(), _read_all(tree, "/gen-000001/rank-001/samples.bin"), tree.lookup("/")) == before
+    resp = handle_request(tree, {"op": "reshard", **kwargs})
+    assert resp["ok"] is False and match.split()[0] in resp["error"]
+    assert tree.status() == before[0]
+    gen = tree.reshard(dp=1, progress=8, seed=4)  # a good request afterwards works
+    ids = remaining_ids(DataState(73, 4, 4, True, 8), 1, 0)
+    assert gen.number == 2
+    assert _read_all(tree, "/gen-000002/rank-000/samples.bin") == b"".join(samples[i] for i in ids)
+
+
+def test_mount_layout_is_checked_first_by_dp() -> None:
+    with pytest.raises(VfsError, match="dp must be >= 1"):
+        Layout(dp=0, progress=0, global_batch=0)
+    with pytest.raises(VfsError, match="global_batch must be >= 1"):
+        Layout(dp=1, progress=0, global_batch=0)
+
+
+@pytest.mark.parametrize("req, match", [
+    ([1, 2], "JSON object"), ("reshard", "JSON object"), ({"op": "reshard"}, "at least one of"),
+    ({"op": "reshard", "dp": None}, "must not be null"), ({"op": "reshard", "dpp": 2}, "unknown field"),
+    ({"op": "status", "dp": 2}, "status takes no fields"), ({"op": ["reshard"]}, "unknown op"),
+    ({"op": "delete"}, "unknown op"), ({}, "unknown op"),
+])
+def test_control_requests_of_the_wrong_shape_are_refused(data, req, match) -> None:  # type: ignore[no-untyped-def]
+    index, _ = data
+    tree = DatasetTree(index, Layout(dp=2, progress=0, global_batch=4))
+    before = tree.status()
+    resp = handle_request(tree, req)
+    assert resp["ok"] is False and match in resp["error"]
+    assert tree.status() == before
+
+
+def test_root_of_a_huge_dp_is_listed_lazily(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import tracemalloc
+
+    src = tmp_path / "r.bin"
+    n = 1_000_000
+    src.write_bytes(bytes(range(256)) * (n // 256) + bytes(n % 256))
+    tree = DatasetTree(build_index([str(src)], kind="records", record_bytes=1), Layout(dp=1, progress=0,
+                                                                                        global_batch=1))
+    tree.reshard(dp=n, global_batch=n)
+    tracemalloc.start()
+    try:
+        root = tree.lookup("/")
+        gen = tree.lookup("/gen-000002")
+        assert root is not None and gen is not None
+        assert len(root.entries) == n + 3 and root.entries[n] == "rank-999999" and root.entries[-1] == "gen-000002"
+        assert list(root.entries[:3]) == ["job.json", "rank-000", "rank-001"] and len(gen.entries) == n + 1
+        peak_dirs = tracemalloc.get_traced_memory()[1]
+        node = tree.lookup("/gen-000002/rank-765432/ids.txt")  # one rank: its view only (and the epoch's order)
+        assert node is not None and tree.read("/gen-000002/rank-765432/ids.txt", 0, 100).strip().isdigit()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak_dirs < 1 << 20, f"lookups of a dp={n} root allocated {peak_dirs} bytes"
+    assert peak < 12 * n, f"a lookup of one of {n} ranks allocated {peak} bytes"
+    from tenplex.vfs.fuse import FuseOps
+
+    names = [e[0] for e in FuseOps._entries(root.entries, n + 1)]  # readdir from an offset: the tail only
+    assert names == ["rank-999998", "rank-999999", "gen-000001", "gen-000002"]

@@ -14,6 +14,7 @@ from .index import (
 )
 from .partition import (
     DataState,
+    DataStateError,
     global_batch_ids,
     ids_at,
     rank_batch_ids,
@@ -25,7 +26,7 @@ from .partition import (
 from .view import LineFile, RankReader, RankView, rank_view
 
 __all__ = [
-    "TokenCorpus", "stdlib_corpus", "DataState", "sample_order", "global_batch_ids", "rank_batch_ids",
+    "TokenCorpus", "stdlib_corpus", "DataState", "DataStateError", "sample_order", "global_batch_ids", "rank_batch_ids",
     "stream_end", "rank_positions", "ids_at", "remaining_ids",
     "DataIndex", "SourceFile", "SourceReader", "build_index", "load_index",
     "DataIndexError", "IndexNotFoundError", "SourceChangedError", "SourceReadError",

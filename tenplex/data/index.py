@@ -25,6 +25,8 @@ import json
 import logging
 import os
 import threading
+import zipfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,7 @@ import fsspec
 import numpy as np
 
 from ..errors import TenplexError
+from .partition import MAX_SAMPLES
 
 __all__ = [
     "DataIndex", "SourceFile", "SourceReader", "build_index", "load_index",
@@ -91,11 +94,35 @@ class DataIndex:
     params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("file_id", "offset", "length"):
+            a = getattr(self, name)
+            if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.kind not in "iu":
+                raise DataIndexError(f"index column {name} must be a 1-D integer array, got "
+                                     f"{getattr(a, 'dtype', type(a).__name__)} of shape {getattr(a, 'shape', '?')}")
         n = len(self.file_id)
         if len(self.offset) != n or len(self.length) != n:
             raise DataIndexError(f"index arrays differ in length ({n}, {len(self.offset)}, {len(self.length)})")
+        if n > MAX_SAMPLES:
+            raise DataIndexError(f"an index holds at most {MAX_SAMPLES} samples, this one {n}")
         if self.kind not in KINDS:
             raise DataIndexError(f"unknown index kind {self.kind!r}: expected one of {', '.join(KINDS)}")
+
+    def check_ranges(self) -> None:
+        """Raise :class:`DataIndexError` unless every sample is a non-empty range inside its recorded source."""
+        if not self.num_samples:
+            raise DataIndexError("the index has no samples")
+        nf = len(self.files)
+        fid = self.file_id.astype(np.int64)
+        bad = np.flatnonzero((fid < 0) | (fid >= nf))
+        if bad.size:
+            raise DataIndexError(f"sample {int(bad[0])} names source file {int(fid[bad[0]])} but the index lists {nf}")
+        off, ln = self.offset.astype(np.int64), self.length.astype(np.int64)
+        sizes = np.array([f.size for f in self.files], dtype=np.int64)
+        bad = np.flatnonzero((off < 0) | (ln < 1) | (off > sizes[fid] - ln))
+        if bad.size:
+            i = int(bad[0])
+            raise DataIndexError(f"sample {i} is bytes [{int(off[i])}, +{int(ln[i])}) of {self.files[fid[i]].url}, "
+                                 f"outside its {int(sizes[fid[i]])} bytes")
 
     @property
     def num_samples(self) -> int:
@@ -121,21 +148,29 @@ class DataIndex:
         np.savez(buf, file_id=self.file_id.astype(np.uint32), offset=self.offset.astype(np.int64),
                  length=self.length.astype(np.uint32), meta=np.array(json.dumps(self.meta())))
         data = buf.getvalue()
-        fs, path = fsspec.core.url_to_fs(url)
-        if _is_local(fs):
-            tmp = f"{path}.tmp{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        else:
-            fs.pipe_file(path, data)
+        fs, path = url_fs(url, "index")
+        try:
+            if _is_local(fs):
+                tmp = f"{path}.tmp{os.getpid()}"
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                    os.replace(tmp, path)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+            else:
+                fs.pipe_file(path, data)
+        except OSError as e:
+            raise DataIndexError(f"cannot write the index {url}: {e.strerror or e}; check that its directory exists "
+                                 "and is writable") from None
         log.info("wrote index %s: %d samples in %d files", url, self.num_samples, len(self.files))
 
     def verify(self) -> None:
         """Raise :class:`SourceChangedError` if any source's size differs from when indexed."""
         problems = []
         for f in self.files:
-            fs, path = fsspec.core.url_to_fs(f.url)
+            fs, path = url_fs(f.url, "source file")
             try:
                 size = int(fs.size(path))
             except (FileNotFoundError, OSError):
@@ -156,6 +191,17 @@ class DataIndex:
                 self.length[ids].astype(np.int64))
 
 
+def url_fs(url: str, what: str = "file") -> tuple[Any, str]:
+    """``fsspec.core.url_to_fs(url)``, with a :class:`DataIndexError` naming ``what`` for an unusable URL."""
+    if not isinstance(url, str) or not url:
+        raise DataIndexError(f"the {what} URL must be a non-empty string, got {url!r}")
+    try:
+        return fsspec.core.url_to_fs(url)
+    except (ValueError, ImportError, TypeError) as e:
+        raise DataIndexError(f"cannot use {what} {url!r} ({e}): pass a local path or a URL of an installed fsspec "
+                             "protocol (file://, memory://, s3://, ...)") from None
+
+
 def _is_local(fs: Any) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return protocol in ("file", "local")
@@ -163,7 +209,7 @@ def _is_local(fs: Any) -> bool:
 
 def load_index(url: str, *, verify: bool = True) -> DataIndex:
     """Open an index written by :func:`build_index`; with ``verify`` check the sources' sizes."""
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = url_fs(url, "index")
     try:
         with fs.open(path, "rb") as f:
             data = f.read()
@@ -174,26 +220,50 @@ def load_index(url: str, *, verify: bool = True) -> DataIndex:
         ) from None
     except IsADirectoryError:
         raise IndexNotFoundError(f"{url} is a directory, not an index file written by `tenplex data index`") from None
+    except OSError as e:
+        raise DataIndexError(f"cannot read the index {url}: {e.strerror or e}; check the path") from None
     try:
-        z = np.load(io.BytesIO(data), allow_pickle=False)
-        meta = json.loads(str(z["meta"]))
-        files = tuple(SourceFile(u, int(s)) for u, s in meta["files"])
-        index = DataIndex(files, z["file_id"], z["offset"], z["length"], meta["kind"], meta.get("params", {}))
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
-        raise DataIndexError(f"{url} is not a tenplex dataset index ({e}); rebuild it with `tenplex data index`") from e
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            if not isinstance(meta, dict) or not isinstance(meta.get("files"), list):
+                raise ValueError("its meta is not an object with a list of files")
+            files = tuple(SourceFile(str(u), int(s)) for u, s in meta["files"])
+            index = DataIndex(files, z["file_id"], z["offset"], z["length"], str(meta["kind"]),
+                              dict(meta.get("params") or {}))
+    except DataIndexError as e:
+        raise DataIndexError(f"{url} is not a valid tenplex dataset index ({e}); rebuild it with "
+                             "`tenplex data index`") from None
+    except (ValueError, KeyError, TypeError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        raise DataIndexError(f"{url} is not a tenplex dataset index or is truncated ({type(e).__name__}: {e}); "
+                             "rebuild it with `tenplex data index`") from None
     if meta.get("version") != FORMAT_VERSION:
         raise DataIndexError(f"{url} has index format version {meta.get('version')}, this tenplex reads "
                              f"{FORMAT_VERSION}; rebuild it with `tenplex data index`")
     if meta.get("checksum") != index.checksum:
         raise DataIndexError(f"{url}: the checksum of the recorded source sizes does not match; the index file "
                              "is corrupt, rebuild it with `tenplex data index`")
+    try:
+        index.check_ranges()
+    except DataIndexError as e:
+        raise DataIndexError(f"{url} is corrupt: {e}; rebuild it with `tenplex data index`") from None
     if verify:
         index.verify()
     return index
 
 
+def _sample_size(option: str, value: object, item: int, where: str = "") -> int:
+    """A sample-size option (records of bytes, sequences of ``item``-byte tokens) as an int whose samples
+    stay under 4 GiB (lengths are stored as uint32)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise DataIndexError(f"{option} must be >= 1{where}, got {value}")
+    if int(value) * item >= 1 << 32:
+        raise DataIndexError(f"{option} {value} makes samples of {int(value) * item} bytes; samples must be smaller "
+                             f"than 4 GiB ({1 << 32} bytes): use a smaller {option}")
+    return int(value)
+
+
 def _full_url(url: str) -> str:
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = url_fs(url, "source file")
     return os.path.abspath(path) if _is_local(fs) else url
 
 
@@ -229,26 +299,26 @@ def build_index(files: Sequence[str], *, kind: str, record_bytes: int | None = N
         raise DataIndexError("no source files given: pass one or more files to index")
     params: dict[str, Any] = {}
     if kind == "records":
-        if not record_bytes or record_bytes < 1:
-            raise DataIndexError(f"--record-bytes must be >= 1, got {record_bytes}")
-        params["record_bytes"] = int(record_bytes)
+        record_bytes = _sample_size("--record-bytes", record_bytes, 1)
+        params["record_bytes"] = record_bytes
     elif kind == "tokens":
-        if not seq_len or seq_len < 1:
-            raise DataIndexError(f"--seq-len must be >= 1 for --tokens, got {seq_len}")
         if dtype not in TOKEN_DTYPES:
             raise DataIndexError(f"--dtype must be one of {', '.join(TOKEN_DTYPES)}, got {dtype!r}")
-        params.update(seq_len=int(seq_len), dtype=dtype)
+        seq_len = _sample_size("--seq-len", seq_len, np.dtype(dtype).itemsize, " for --tokens")
+        params.update(seq_len=seq_len, dtype=dtype)
     elif kind != "jsonl":
         raise DataIndexError(f"unknown index kind {kind!r}: use --record-bytes N, --jsonl or --tokens")
     srcs: list[SourceFile] = []
     fids, offs, lens = [], [], []
     for i, url in enumerate(files):
         full = _full_url(url)
-        fs, path = fsspec.core.url_to_fs(full)
+        fs, path = url_fs(full, "source file")
         try:
             size = int(fs.size(path))
         except FileNotFoundError:
             raise DataIndexError(f"source file {url} does not exist: check the path") from None
+        except OSError as e:
+            raise DataIndexError(f"cannot read source file {url}: {e}; check the path or URL") from None
         if fs.isdir(path):
             raise DataIndexError(f"source {url} is a directory: pass the files in it (e.g. {url}/*)")
         srcs.append(SourceFile(full, size))
@@ -297,7 +367,7 @@ class SourceReader:
         self._remote: dict[int, tuple[Any, str]] = {}
         self._local = []
         for f in self.files:
-            fs, path = fsspec.core.url_to_fs(f.url)
+            fs, path = url_fs(f.url, "source file")
             self._local.append(path if _is_local(fs) else None)
             if not _is_local(fs):
                 self._remote[len(self._local) - 1] = (fs, path)

@@ -10,16 +10,44 @@ a job that changes its DP size continues the same order from the same progress.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from ..errors import TenplexError
+
 __all__ = [
-    "DataState", "sample_order", "global_batch_ids", "rank_batch_ids", "stream_end", "rank_positions", "ids_at",
-    "remaining_ids",
+    "DataState", "DataStateError", "sample_order", "global_batch_ids", "rank_batch_ids", "stream_end",
+    "rank_positions", "ids_at", "remaining_ids", "checked_int", "MAX_POSITION", "MAX_SAMPLES", "MAX_SEED",
 ]
+
+#: Positions (samples consumed globally) stay below 2**62, so ``position + batch`` never overflows
+#: the int64 arrays the partitioning computes with.
+MAX_POSITION = 1 << 62
+#: At most 2**40 samples in a dataset (an index of them alone would take 16 TiB).
+MAX_SAMPLES = 1 << 40
+#: Seeds are 64-bit (numpy's PCG64 takes non-negative integers).
+MAX_SEED = (1 << 64) - 1
+
+
+class DataStateError(TenplexError, ValueError):
+    """A data state or partitioning argument has the wrong type or is out of range."""
+
+
+def checked_int(name: str, value: object, lo: int, hi: int, fix: str = "") -> int:
+    """``value`` as an ``int`` in ``[lo, hi]``; raises :class:`DataStateError` for bools, floats, strings or
+    out-of-range values (``fix`` is appended to the message)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise DataStateError(f"{name} must be an integer, got {value!r} ({type(value).__name__})"
+                             + (f": {fix}" if fix else ""))
+    v = int(value)
+    if v < lo or v > hi:
+        bound = f">= {lo}" if v < lo else f"<= {hi}"
+        raise DataStateError(f"{name} must be {bound}, got {v}" + (f": {fix}" if fix else ""))
+    return v
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +62,16 @@ class DataState:
     source: str = ""
 
     def __post_init__(self) -> None:
-        if self.num_samples < 1:
-            raise ValueError(f"the dataset has no samples (num_samples={self.num_samples})")
-        if self.global_batch < 1:
-            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
-        if self.consumed < 0:
-            raise ValueError(f"consumed must be >= 0, got {self.consumed}")
+        if checked_int("num_samples", self.num_samples, -MAX_SAMPLES, MAX_SAMPLES) < 1:
+            raise DataStateError(f"the dataset has no samples (num_samples={self.num_samples})")
+        for name, lo, hi in (("num_samples", 1, MAX_SAMPLES), ("global_batch", 1, MAX_POSITION),
+                             ("consumed", 0, MAX_POSITION), ("seed", 0, MAX_SEED)):
+            object.__setattr__(self, name, checked_int(name, getattr(self, name), lo, hi))
+        if not isinstance(self.shuffle, (bool, np.bool_)):
+            raise DataStateError(f"shuffle must be true or false, got {self.shuffle!r}")
+        object.__setattr__(self, "shuffle", bool(self.shuffle))
+        if not isinstance(self.source, str):
+            raise DataStateError(f"source must be a string, got {self.source!r}")
 
     def advance(self, steps: int = 1) -> DataState:
         return DataState(**{**asdict(self), "consumed": self.consumed + steps * self.global_batch})
@@ -101,24 +133,22 @@ def rank_batch_ids(state: DataState, dp: int, dp_rank: int) -> np.ndarray:
 
 
 def _check_dp(global_batch: int, dp: int, dp_rank: int | None = None) -> None:
-    if dp < 1:
-        raise ValueError(f"dp must be >= 1, got {dp}")
+    dp = checked_int("dp", dp, 1, MAX_POSITION)
     if global_batch % dp:
-        raise ValueError(
+        raise DataStateError(
             f"global batch {global_batch} is not divisible by dp={dp} "
             f"({global_batch} % {dp} = {global_batch % dp}): choose a dp that divides it or change --global-batch"
         )
-    if dp_rank is not None and not 0 <= dp_rank < dp:
-        raise ValueError(f"dp_rank must be in [0, {dp}), got {dp_rank}")
+    if dp_rank is not None and not 0 <= checked_int("dp_rank", dp_rank, -MAX_POSITION, MAX_POSITION) < dp:
+        raise DataStateError(f"dp_rank must be in [0, {dp}), got {dp_rank}")
 
 
 def stream_end(num_samples: int, global_batch: int, consumed: int, num_epochs: int | None = None) -> int:
     """Absolute position (samples consumed globally) where a view starting at ``consumed`` ends."""
     if num_samples < 1 or global_batch < 1 or consumed < 0:
-        raise ValueError(f"bad stream: num_samples={num_samples}, global_batch={global_batch}, consumed={consumed}")
+        raise DataStateError(f"bad stream: num_samples={num_samples}, global_batch={global_batch}, consumed={consumed}")
     if num_epochs is not None:
-        if num_epochs < 0:
-            raise ValueError(f"num_epochs must be >= 0, got {num_epochs}")
+        num_epochs = checked_int("num_epochs", num_epochs, 0, MAX_POSITION)
         return max(consumed, num_epochs * num_samples)
     epoch_end = (consumed // num_samples + 1) * num_samples
     return consumed + -(-(epoch_end - consumed) // global_batch) * global_batch
@@ -128,7 +158,7 @@ def rank_positions(consumed: int, end: int, global_batch: int, dp: int, dp_rank:
     """Global positions in ``[consumed, end)`` that DP rank ``dp_rank`` takes, in consumption order."""
     _check_dp(global_batch, dp, dp_rank)
     if end < consumed:
-        raise ValueError(f"end {end} is before the progress {consumed}")
+        raise DataStateError(f"end {end} is before the progress {consumed}")
     per = global_batch // dp
     full, rem = divmod(end - consumed, global_batch)
     starts = consumed + np.arange(full, dtype=np.int64) * global_batch + dp_rank * per

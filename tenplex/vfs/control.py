@@ -3,12 +3,15 @@
 Protocol: the client sends one JSON object on one line, the server answers one JSON line.
 ``{"op": "reshard", "dp": 4, "progress": 1024, ...}`` -> ``{"ok": true, "generation": 2, ...}``;
 ``{"op": "status"}`` -> the current layout. Errors: ``{"ok": false, "error": "..."}``.
-The socket lives at :func:`socket_path` (derived from the mountpoint's real path) and is
-readable by its owner only.
+A request is validated whole before anything changes (unknown ops or fields, wrong types,
+out-of-range values, garbage bytes are refused and the current generation stays). The socket
+lives at :func:`socket_path` (derived from the mountpoint's real path) and is readable by its
+owner only.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -22,9 +25,14 @@ from typing import Any
 from ..errors import TenplexError
 from .tree import DatasetTree, VfsError
 
-__all__ = ["socket_path", "ControlServer", "remount", "mount_status"]
+__all__ = ["socket_path", "ControlServer", "remount", "mount_status", "handle_request", "check_not_stale",
+           "RESHARD_FIELDS", "MAX_REQUEST_BYTES"]
 
 log = logging.getLogger(__name__)
+#: Fields a re-shard request may carry (each optional; at least one). ``num_epochs`` may be null.
+RESHARD_FIELDS = ("dp", "progress", "global_batch", "seed", "shuffle", "num_epochs")
+#: A request is one line of at most this many bytes.
+MAX_REQUEST_BYTES = 1 << 16
 
 
 def socket_path(mountpoint: str) -> str:
@@ -35,35 +43,65 @@ def socket_path(mountpoint: str) -> str:
     return os.path.join(base, f"tenplex-vfs-{key}.sock")
 
 
-def handle_request(tree: DatasetTree, req: dict[str, Any]) -> dict[str, Any]:
-    """Apply one control request to the tree (pure apart from the tree)."""
+def _refuse(message: str) -> dict[str, Any]:
+    return {"ok": False, "error": message}
+
+
+def handle_request(tree: DatasetTree, req: object) -> dict[str, Any]:
+    """Apply one control request to the tree (pure apart from the tree).
+
+    The whole request is checked before the tree is touched, so a refused request changes
+    nothing; any later request (a good re-shard) works on the generation that was current.
+    """
+    if not isinstance(req, dict):
+        return _refuse(f"a request is a JSON object such as {{\"op\": \"status\"}}, got {type(req).__name__}")
     op = req.get("op")
     if op == "status":
+        extra = sorted(map(str, set(req) - {"op"}))
+        if extra:
+            return _refuse(f"status takes no fields, got {', '.join(extra)}")
         return {"ok": True, **tree.status()}
     if op == "reshard":
-        kwargs = {k: req[k] for k in ("dp", "progress", "global_batch", "seed", "shuffle") if k in req}
-        if "num_epochs" in req:
-            kwargs["num_epochs"] = req["num_epochs"]
+        unknown = sorted(map(str, set(req) - {"op", *RESHARD_FIELDS}))
+        if unknown:
+            return _refuse(f"unknown field(s) {', '.join(unknown)}: a re-shard takes {', '.join(RESHARD_FIELDS)}")
+        kwargs = {k: req[k] for k in RESHARD_FIELDS if k in req}
+        if not kwargs:
+            return _refuse(f"a re-shard needs at least one of {', '.join(RESHARD_FIELDS)}")
+        nulls = [k for k, v in kwargs.items() if v is None and k != "num_epochs"]
+        if nulls:
+            return _refuse(f"{', '.join(nulls)} must not be null: leave a field out to keep its value")
         try:
             gen = tree.reshard(**kwargs)
         except (TenplexError, ValueError, TypeError) as e:
-            return {"ok": False, "error": str(e)}
+            return _refuse(str(e))
         return {"ok": True, "generation": gen.number, **tree.status()}
-    return {"ok": False, "error": f"unknown op {op!r}: use 'reshard' or 'status'"}
+    return _refuse(f"unknown op {op!r}: use 'reshard' or 'status'")
 
 
 class _Handler(socketserver.StreamRequestHandler):
+    timeout = 30  # a client that connects and never finishes its line does not keep a thread forever
+
     def handle(self) -> None:
-        line = self.rfile.readline(1 << 16)
+        try:
+            line = self.rfile.readline(MAX_REQUEST_BYTES + 1)
+        except OSError as e:
+            log.warning("control request not read: %s", e)
+            return
         if not line.strip():
             return  # a liveness probe: connected and closed
         try:
+            if len(line) > MAX_REQUEST_BYTES:
+                raise ValueError(f"longer than {MAX_REQUEST_BYTES} bytes")
             req = json.loads(line)
-            if not isinstance(req, dict):
-                raise ValueError("not a JSON object")
-            resp = handle_request(self.server.tree, req)  # type: ignore[attr-defined]
-        except ValueError as e:
-            resp = {"ok": False, "error": f"bad request: {e}"}
+        except (ValueError, RecursionError) as e:
+            resp = _refuse(f"bad request (send one JSON object on one line): {str(e)[:200]}")
+        else:
+            try:
+                resp = handle_request(self.server.tree, req)  # type: ignore[attr-defined]
+            except Exception as e:  # a bug: answer and keep serving
+                log.exception("control request %r failed", line[:200])
+                resp = _refuse(f"internal error ({type(e).__name__}: {e}); the mount is unchanged")
         try:
             self.wfile.write((json.dumps(resp) + "\n").encode())
         except OSError as e:
@@ -115,6 +153,17 @@ def _alive(path: str) -> bool:
         return False
 
 
+def check_not_stale(mountpoint: str) -> None:
+    """Raise :class:`VfsError` when ``mountpoint`` is a FUSE mount whose process is gone (stat: ENOTCONN)."""
+    path = os.path.abspath(mountpoint)
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            raise VfsError(f"stale mount at {path} (its mount process is gone: {e.strerror}): run "
+                           f"fusermount3 -u {path}") from None
+
+
 def _request(mountpoint: str, req: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
     path = socket_path(mountpoint)
     try:
@@ -129,11 +178,24 @@ def _request(mountpoint: str, req: dict[str, Any], timeout: float = 30.0) -> dic
                     break
                 buf += chunk
     except (FileNotFoundError, ConnectionRefusedError):
+        check_not_stale(mountpoint)
         raise VfsError(f"no tenplex mount serves {mountpoint} (no control socket at {path}): mount it with "
                        "`tenplex mount INDEX MOUNTPOINT --dp N`") from None
-    resp = json.loads(buf)
+    except TimeoutError:
+        raise VfsError(f"the mount at {mountpoint} did not answer within {timeout:.0f} s (socket {path}); see its "
+                       "log next to the socket") from None
+    except OSError as e:
+        raise VfsError(f"cannot talk to the mount at {mountpoint} over {path}: {e}") from None
+    try:
+        resp = json.loads(buf)
+        if not isinstance(resp, dict):
+            raise ValueError("not a JSON object")
+    except ValueError:
+        raise VfsError(f"the mount at {mountpoint} sent no valid answer ({buf[:100]!r}); see its log next to "
+                       f"{path}") from None
     if not resp.get("ok"):
-        raise VfsError(f"re-shard of {mountpoint} refused: {resp.get('error')}")
+        what = "re-shard" if req.get("op") == "reshard" else f"{req.get('op')} request"
+        raise VfsError(f"{what} of {mountpoint} refused: {resp.get('error')}")
     return resp
 
 

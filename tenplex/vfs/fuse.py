@@ -17,14 +17,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..data.index import DataIndexError, SourceReadError, load_index
-from .control import ControlServer, socket_path
-from .tree import FILE, DatasetTree, Layout, VfsError
+from .control import ControlServer, check_not_stale, socket_path
+from .tree import DIR, FILE, DatasetTree, Layout, VfsError
 
 __all__ = ["mount", "spawn_mount", "check_fuse", "check_mountpoint", "unmount", "FUSE_LIBRARY"]
 
@@ -56,6 +56,7 @@ def check_fuse() -> None:
 def check_mountpoint(mountpoint: str) -> str:
     """The mountpoint's absolute path, after checking that a mount can go there."""
     path = os.path.abspath(mountpoint)
+    check_not_stale(path)
     if not os.path.exists(path):
         raise VfsError(f"mountpoint {path} does not exist: create it first (mkdir -p {path})")
     if not os.path.isdir(path):
@@ -88,11 +89,22 @@ class FuseOps:
     def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
         return self._node(path).attrs()
 
-    def readdir(self, path: str, fh: int) -> list[str]:
+    def readdir_with_offset(self, path: str, offset: int, fh: int) -> Iterator[tuple[str, None, int]]:
+        """Entries from position ``offset`` on, each with the offset of the next one.
+
+        libfuse stops taking entries when the kernel's buffer is full and asks again from the
+        last offset, so a root with a million ranks is listed page by page without building
+        the list (``Names`` computes a name from its position).
+        """
         node = self._node(path)
-        if node.kind != "dir":
+        if node.kind != DIR:
             raise self._err(errno.ENOTDIR)
-        return [".", "..", *node.entries]
+        return self._entries(node.entries, offset)
+
+    @staticmethod
+    def _entries(names: Sequence[str], offset: int) -> Iterator[tuple[str, None, int]]:
+        for k in range(max(offset, 0), len(names) + 2):
+            yield ("." if k == 0 else ".." if k == 1 else names[k - 2]), None, k + 1
 
     def readlink(self, path: str) -> str:
         node = self._node(path)
@@ -321,8 +333,10 @@ def spawn_mount(argv: Sequence[str], mountpoint: str, *, timeout: float = 60.0, 
         rc = proc.poll()
         if rc is not None:
             with open(log_path, errors="replace") as f:
-                tail = f.read()[-2000:]
-            raise VfsError(f"the mount process exited with status {rc}:\n{tail.strip()}")
+                lines = [ln.strip() for ln in f.read()[-4000:].splitlines() if ln.strip()]
+            errors = [ln.split("error: ", 1)[1] for ln in lines if "error: " in ln]
+            why = errors[-1] if errors else (lines[-1] if lines else "no output")
+            raise VfsError(f"the mount process exited with status {rc}: {why} (log: {log_path})")
         time.sleep(0.05)
     proc.terminate()
     raise VfsError(f"{mountpoint} was not mounted within {timeout:.0f} s; see {log_path}")

@@ -22,22 +22,29 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
 from ..data.index import DataIndex, SourceReader
-from ..data.partition import DataState, _check_dp, stream_end
+from ..data.partition import MAX_POSITION, MAX_SEED, DataState, checked_int, stream_end
 from ..data.view import LineFile, RankView, rank_view
 from ..errors import TenplexError
 
-__all__ = ["Layout", "Generation", "Node", "DatasetTree", "VfsError", "gen_name", "rank_name"]
+__all__ = ["Layout", "Generation", "Node", "Names", "DatasetTree", "VfsError", "gen_name", "rank_name",
+           "MAX_EPOCHS_AHEAD", "UNCHANGED"]
 
 log = logging.getLogger(__name__)
 RANK_FILES = ("samples.bin", "ids.txt", "offsets.txt")
 DIR, FILE, LINK = "dir", "file", "link"
 _UID, _GID = os.getuid(), os.getgid()
+#: A view with ``num_epochs`` shows at most this many epochs beyond its progress: a view's
+#: per-rank arrays cost about 40 bytes a sample, so its length must stay proportional to the index.
+MAX_EPOCHS_AHEAD = 64
+#: ``DatasetTree.reshard(num_epochs=UNCHANGED)`` keeps the current value (None is a value: through the epoch).
+UNCHANGED: Any = type("Unchanged", (), {"__repr__": lambda self: "UNCHANGED"})()
 
 
 class VfsError(TenplexError, ValueError):
@@ -63,21 +70,103 @@ class Layout:
     shuffle: bool = True
     num_epochs: int | None = None
 
+    def __post_init__(self) -> None:
+        """Types and ranges that do not depend on the index (see :meth:`check` for the rest)."""
+        fields = (("dp", 1, MAX_POSITION, "the data-parallel size, e.g. --dp 4"),
+                  ("progress", 0, MAX_POSITION, "samples consumed globally (step x global batch)"),
+                  ("global_batch", 1, MAX_POSITION, "samples per step, a multiple of dp"),
+                  ("seed", 0, MAX_SEED, "the shuffle seed, a non-negative integer"))
+        try:
+            for name, lo, hi, what in fields:
+                object.__setattr__(self, name, checked_int(name, getattr(self, name), lo, hi, what))
+            if self.num_epochs is not None:
+                object.__setattr__(self, "num_epochs", checked_int("num_epochs", self.num_epochs, 0, MAX_POSITION,
+                                                                   "epochs to show, or null for the current one"))
+        except ValueError as e:
+            raise VfsError(str(e)) from None
+        if not isinstance(self.shuffle, bool):
+            raise VfsError(f"shuffle must be true or false, got {self.shuffle!r} ({type(self.shuffle).__name__})")
+
     def state(self, num_samples: int) -> DataState:
         return DataState(num_samples=num_samples, global_batch=self.global_batch, seed=self.seed,
                          shuffle=self.shuffle, consumed=self.progress)
 
     def check(self, num_samples: int) -> None:
-        if self.progress < 0:
-            raise VfsError(f"progress must be >= 0 samples, got {self.progress}")
-        if self.global_batch < 1:
-            raise VfsError(f"global batch must be >= 1, got {self.global_batch}")
-        try:
-            _check_dp(self.global_batch, self.dp)
-        except ValueError as e:
-            raise VfsError(str(e)) from None
-        if num_samples < 1:
+        """Raise :class:`VfsError` unless this layout can show an index of ``num_samples`` samples.
+
+        Bounds keep a generation's memory proportional to the index whatever the request: dp and
+        the global batch at most the samples, and a view at most :data:`MAX_EPOCHS_AHEAD` epochs long.
+        """
+        n = num_samples
+        if n < 1:
             raise VfsError("the index has no samples")
+        if self.dp > n:
+            raise VfsError(f"dp={self.dp} is larger than the index's {n} samples: every rank needs samples, "
+                           f"use dp <= {n}")
+        if self.global_batch > n:
+            raise VfsError(f"global batch {self.global_batch} is larger than the index's {n} samples (one step would "
+                           f"repeat samples): use --global-batch <= {n}")
+        if self.global_batch % self.dp:
+            raise VfsError(
+                f"global batch {self.global_batch} is not divisible by dp={self.dp} ({self.global_batch} % {self.dp} "
+                f"= {self.global_batch % self.dp}): choose a dp that divides it or change --global-batch")
+        if self.num_epochs is not None and self.num_epochs * n - self.progress > MAX_EPOCHS_AHEAD * n:
+            raise VfsError(
+                f"--epochs {self.num_epochs} shows {self.num_epochs * n - self.progress} samples after progress "
+                f"{self.progress} (num_epochs * {n} - progress), more than {MAX_EPOCHS_AHEAD} epochs: use "
+                f"--epochs <= {(self.progress + MAX_EPOCHS_AHEAD * n) // n} and remount later")
+
+
+class Names(Sequence[str]):
+    """A directory's entry names, never materialised: ``head``, ``rank-000`` .. ``rank-<ranks-1>``, ``tail``.
+
+    A mount may have as many ranks as samples; listing them costs O(1) memory and a name by
+    position O(1), so ``readdir`` can page through them (see ``FuseOps.readdir_with_offset``).
+    """
+
+    __slots__ = ("head", "ranks", "tail")
+
+    def __init__(self, head: tuple[str, ...], ranks: int, tail: tuple[str, ...] = ()) -> None:
+        self.head, self.ranks, self.tail = head, ranks, tail
+
+    def __len__(self) -> int:
+        return len(self.head) + self.ranks + len(self.tail)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[str, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> str | tuple[str, ...]:
+        if isinstance(i, slice):
+            return tuple(self[k] for k in range(*i.indices(len(self))))
+        n = len(self)
+        k = i + n if i < 0 else i
+        if not 0 <= k < n:
+            raise IndexError(i)
+        if k < len(self.head):
+            return self.head[k]
+        k -= len(self.head)
+        return rank_name(k) if k < self.ranks else self.tail[k - self.ranks]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.head
+        for r in range(self.ranks):
+            yield rank_name(r)
+        yield from self.tail
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Names):
+            return (self.head, self.ranks, self.tail) == (other.head, other.ranks, other.tail)
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.head, self.ranks, self.tail))
+
+    def __repr__(self) -> str:
+        return f"Names({self.head!r}, ranks={self.ranks}, tail={self.tail!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +175,7 @@ class Node:
 
     kind: str
     size: int = 0
-    entries: tuple[str, ...] = ()
+    entries: Sequence[str] = ()
     target: str = ""
     generation: int = 0
     rank: int = -1
@@ -175,10 +264,12 @@ class DatasetTree:
         return gen
 
     def reshard(self, dp: int | None = None, progress: int | None = None, *, global_batch: int | None = None,
-                seed: int | None = None, shuffle: bool | None = None, num_epochs: int | None = -1) -> Generation:
+                seed: int | None = None, shuffle: bool | None = None, num_epochs: int | None = UNCHANGED) -> Generation:
         """Make a new generation (new DP size / progress) current; returns it.
 
-        Unspecified fields keep their current values (``num_epochs=-1`` means unchanged).
+        Unspecified fields keep their current values (``num_epochs=UNCHANGED`` keeps it; None
+        shows through the current epoch). The whole new layout is validated first: a bad
+        request raises :class:`VfsError` and leaves the current generation as it was.
         """
         with self._lock:
             cur = self._current.layout
@@ -187,7 +278,7 @@ class DatasetTree:
                              global_batch=cur.global_batch if global_batch is None else global_batch,
                              seed=cur.seed if seed is None else seed,
                              shuffle=cur.shuffle if shuffle is None else shuffle,
-                             num_epochs=cur.num_epochs if num_epochs == -1 else num_epochs)
+                             num_epochs=cur.num_epochs if num_epochs is UNCHANGED else num_epochs)
             gen = self._new_generation(self._current.number + 1, layout)
             self._current = gen
             self._prune()
@@ -220,8 +311,7 @@ class DatasetTree:
         cur = self._current
         mtime = cur.created
         if not parts:
-            names = ("job.json", *(rank_name(i) for i in range(cur.layout.dp)),
-                     *(gen_name(g) for g in self.generations()))
+            names = Names(("job.json",), cur.layout.dp, tuple(gen_name(g) for g in self.generations()))
             return Node(DIR, entries=names, mtime=mtime)
         head = parts[0]
         if len(parts) == 1 and head == "job.json":
@@ -237,8 +327,7 @@ class DatasetTree:
             return None
         mtime = gen.created
         if len(parts) == 1:
-            names = ("job.json", *(rank_name(i) for i in range(gen.layout.dp)))
-            return Node(DIR, entries=names, generation=gen.number, mtime=mtime)
+            return Node(DIR, entries=Names(("job.json",), gen.layout.dp), generation=gen.number, mtime=mtime)
         if len(parts) == 2 and parts[1] == "job.json":
             return Node(FILE, size=len(gen.job_json), generation=gen.number, name="job.json", mtime=mtime)
         rank = _parse_rank(parts[1])
