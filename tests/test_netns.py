@@ -70,7 +70,9 @@ def test_plan_names_addresses_and_commands() -> None:
 
 
 # -- fallback ----------------------------------------------------------------------------------------
-FALLBACK = ("from tenplex.train.netns import try_create\n"
+FALLBACK = ("import os\n"
+            "from tenplex.train.netns import try_create\n"
+            "print(os.getpid())\n"
             "try_create(2)\n"
             "net, why = try_create(2)\n"
             "print(net is None)\n"
@@ -94,18 +96,17 @@ def test_falls_back_to_loopback_with_the_reason(how: str) -> None:
         if os.geteuid() != 0 or not shutil.which("unshare") or shutil.which("ip") is None:
             pytest.skip("needs root, unshare and ip")
         prefix = ["unshare", "--user", "--map-root-user"]
-    before = set(our_namespaces())
     res = subprocess.run([*prefix, sys.executable, "-c", FALLBACK], capture_output=True, text=True, timeout=30,
                          env=env, cwd="/")
     if how == "not root" and "Permission denied" in res.stderr:
         pytest.skip(f"the unprivileged user cannot read the checkout: {res.stderr[-200:]}")
     assert res.returncode == 0, res.stderr
-    none, why = res.stdout.splitlines()
+    pid, none, why = res.stdout.splitlines()
     want = {"no ip": "no `ip` command" if os.geteuid() == 0 else "needs root", "not root": "needs root",
             "refused": "`ip netns add tenplex-"}[how]
     assert none == "True" and want in why, why
     assert res.stderr.count("simulated hosts run on loopback") == 1, res.stderr  # logged once
-    assert set(our_namespaces()) == before
+    assert not _owned_by(int(pid))
 
 
 # -- real namespaces -------------------------------------------------------------------------------
@@ -123,12 +124,14 @@ def netns_ok() -> None:
         pytest.skip(f"network namespaces unavailable: {e}")
 
 
-def _root_state() -> tuple[set[str], set[str]]:
-    """(network namespaces, links of the root namespace)."""
-    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10).stdout
-    return ({line.split()[0] for line in ns.splitlines() if line.strip()},
-            {line.split(":")[1].strip() for line in links.splitlines() if line.strip()})
+def _root_links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10).stdout
+    return {line.split(":")[1].strip() for line in out.splitlines() if line.strip()}
+
+
+def _owned_by(*pids: int) -> set[str]:
+    """The namespaces of networks owned by ``pids`` (concurrent test runs own others)."""
+    return {n for n in our_namespaces() if parse_name(n)[0] in pids}  # type: ignore[index]
 
 
 SERVER = textwrap.dedent("""
@@ -220,20 +223,20 @@ def test_store_across_namespaces_needs_the_token(netns_ok: None, tmp_path: Path)
 
 @pytest.mark.timeout(60)
 def test_teardown_leaves_nothing_and_kills_what_ran_inside(netns_ok: None) -> None:
-    before = _root_state()
+    links = _root_links()
+    assert not _owned_by(os.getpid())
     with HostNetwork.create(3) as net:
-        names = set(net.plan.namespaces)
-        assert names <= set(our_namespaces())
+        assert _owned_by(os.getpid()) == set(net.plan.namespaces)
         sleeper = subprocess.Popen(net.hosts[2].command(["sleep", "600"]))
         time.sleep(0.2)
-        assert _root_state()[1] == before[1], "a link appeared in the root namespace"
+        assert _root_links() == links, "a link appeared in the root namespace"
     assert sleeper.wait(timeout=10) == -signal.SIGKILL
-    assert _root_state() == before
+    assert not _owned_by(os.getpid()) and _root_links() == links
     # an exception inside the block tears down too
     with pytest.raises(RuntimeError, match="boom"), HostNetwork.create(2) as net:
-        names = set(net.plan.namespaces)
+        assert len(_owned_by(os.getpid())) == 3
         raise RuntimeError("boom")
-    assert not names & set(our_namespaces()) and _root_state() == before
+    assert not _owned_by(os.getpid()) and _root_links() == links
 
 
 CHILD = textwrap.dedent("""
@@ -246,16 +249,16 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_interrupted_or_killed_owner_leaves_nothing(netns_ok: None, sig: int) -> None:
     """Ctrl-C of the owner tears the network down; after a SIGKILL (nothing can run) the next
     run's ``reap_stale`` removes what is left."""
-    before = _root_state()
+    links = _root_links()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True, env=env)
     try:
         names = set(child.stdout.readline().split())
-        assert len(names) == 3 and names <= set(our_namespaces())
+        assert len(names) == 3 and names == _owned_by(child.pid)
         child.send_signal(sig)
         child.wait(timeout=30)
     finally:
@@ -264,8 +267,7 @@ def test_interrupted_or_killed_owner_leaves_nothing(netns_ok: None, sig: int) ->
     if sig == signal.SIGKILL:
         assert names <= set(our_namespaces()), "SIGKILL cannot tear down; reap_stale's job"
         assert set(reap_stale()) >= names
-    assert not names & set(our_namespaces())
-    assert _root_state() == before
+    assert not _owned_by(child.pid) and _root_links() == links
 
 
 # -- elastic training across namespaced hosts --------------------------------------------------------
