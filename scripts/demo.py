@@ -4,11 +4,16 @@
 1. An uninterrupted single-process run of the reference trainer gives the reference losses.
 2. The same job runs on 4 workers as two simulated nodes (two torchrun agents, 2 workers
    each, layout dp=1,tp=2,pp=2), checkpointing every few steps.
-3. Midway, one node (its agent and its workers) is killed. torchrun's elastic agent on the
-   surviving node restarts its workers with world size 2; tenplex.rescale() picks a new
-   layout that fits, loads each rank's share of the last checkpoint and training continues.
+3. Midway, one node (its agent and its workers) is killed (or, with `--failure network`, its
+   link goes down). torchrun's elastic agent on the surviving node restarts its workers with
+   world size 2; tenplex.rescale() picks a new layout that fits, loads each rank's share of
+   the last checkpoint and training continues.
 4. The report compares the losses with the uninterrupted run and breaks the recovery down;
    a loss-curve PNG with the failure marked is written to docs/.
+
+Where the machine allows it (root, `ip netns`) each node runs in its own network namespace on
+a private bridge (the rendezvous store on the bridge), so the rendezvous and gloo cross a real
+network stack; otherwise, or with `--loopback`, all run on 127.0.0.1 and the reason is printed.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from tenplex.cli import human_bytes  # noqa: E402
 from tenplex.train.launch import Agent, RendezvousStore, free_port, read_train_log, wait_for  # noqa: E402
+from tenplex.train.netns import LOOPBACK, try_create  # noqa: E402
 
 
 
@@ -71,7 +78,13 @@ def main() -> int:
     ap.add_argument("--ckpt-every", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "docs" / "demo_loss.png"))
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--loopback", action="store_true",
+                    help="run the nodes on 127.0.0.1 even where network namespaces are possible")
+    ap.add_argument("--failure", choices=["kill", "network"], default="kill",
+                    help="how node1 fails: SIGKILL of its processes, or its link going down (namespaces only)")
     args = ap.parse_args()
+    # a SIGTERM unwinds like Ctrl-C, so the finally below removes processes, mount and namespaces
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     work = Path(tempfile.mkdtemp(prefix="tenplex-demo-"))
     common = ["--model", "tiny", "--steps", str(args.steps), "--global-batch", "8", "--micro-batch", "2",
@@ -81,7 +94,22 @@ def main() -> int:
     agents: list[Agent] = []
     mnt = work / "data-mount"
     mounted = False
+    network = None
     try:
+        if args.loopback:
+            reason = "--loopback"
+        else:
+            network, reason = try_create(2)
+        if network is not None:
+            where = ", ".join(f"{h.netns} at {h.address}" for h in network.hosts)
+            print(f"network: each node in its own namespace ({where}), bridged in {network.switch.netns} "
+                  f"({network.plan.subnet}), rendezvous store at {network.switch.address}")
+        else:
+            print(f"network: loopback (127.0.0.1, one port per node): {reason}")
+            if args.failure == "network":
+                print("--failure network needs network namespaces", file=sys.stderr)
+                return 2
+        nets = network.hosts if network is not None else [LOOPBACK, LOOPBACK]
         print(f"[1/3] uninterrupted reference run: 1 process, {args.steps} steps ...", flush=True)
         t0 = time.time()
         ref_log = work / "reference.jsonl"
@@ -103,17 +131,18 @@ def main() -> int:
 
             index_path, _ = corpus_index(stdlib_corpus(int(PRESETS["tiny"]["seq_len"])))
             mnt.mkdir()
+            mounted = True  # before the call: an interrupt while it mounts must still unmount
             subprocess.run([sys.executable, "-m", "tenplex", "mount", index_path, str(mnt), "--dp", "1",
                             "--global-batch", "8", "--seed", "7"], check=True, capture_output=True, timeout=120)
-            mounted = True
             train += ["--data-mount", str(mnt)]
             print(f"      batches come through a FUSE mount of the corpus index at {mnt}")
         else:
             print("      no FUSE here (/dev/fuse or fusermount3 missing): batches come from the index reader")
-        store = RendezvousStore()
+        store = RendezvousStore(net=network.switch if network is not None else LOOPBACK)
         run_id = f"demo{free_port()}"
         agents = [Agent(f"node{i}", store.endpoint, train, nproc=2, min_nodes=1, max_nodes=2,
-                        pid_dir=str(work / "pids"), log_path=str(work / f"node{i}.log"), run_id=run_id, env=env)
+                        pid_dir=str(work / "pids"), log_path=str(work / f"node{i}.log"), run_id=run_id, env=env,
+                        net=nets[i])
                   for i in range(2)]
 
         def four_worker_step() -> int:
@@ -124,14 +153,21 @@ def main() -> int:
             return 1
         fail_step = four_worker_step()
         fail_wall = time.time()
-        agents[1].kill()
-        print(f"      step {fail_step} done on 4 workers: node1 killed (agent + 2 workers, SIGKILL)", flush=True)
+        if args.failure == "network":
+            network.set_link(network.hosts[1], up=False)
+            print(f"      step {fail_step} done on 4 workers: node1's link is down (its processes run on, cut off)",
+                  flush=True)
+        else:
+            agents[1].kill()
+            print(f"      step {fail_step} done on 4 workers: node1 killed (agent + 2 workers, SIGKILL)", flush=True)
         rc = agents[0].wait(timeout=600)
         if rc != 0:
             print(f"the surviving node failed (exit {rc}); see {work / 'node0.log'}", file=sys.stderr)
             return 1
         total_s = time.time() - t0
 
+        if args.failure == "network":
+            agents[1].kill()  # cut off and of no use now; it would only time out later
         print("[3/3] report\n")
         runs, starts = read_train_log(log)
         resume = [s for s in starts if s["wall"] > fail_wall][-1]
@@ -169,6 +205,12 @@ def main() -> int:
                   f"progress {job['progress']} samples")
         print(f"  data order        {len(samples)} samples, {'identical to' if samples == ref_samples else 'DIFFERENT FROM'}"
               f" the uninterrupted run, {len(samples) - len(set(samples))} repeated")
+        if network is not None:
+            to1, from1 = network.traffic(network.hosts[1])
+            print(f"  network           namespaces on a bridge: node1's port carried {human_bytes(to1)} in, "
+                  f"{human_bytes(from1)} out")
+        else:
+            print(f"  network           loopback ({reason})")
         print(f"  wall time         {total_s:.0f}s for the elastic run")
         ok = rel <= 1e-4 and samples == ref_samples and resume["world_size"] == 2
         out = Path(args.out)
@@ -185,6 +227,8 @@ def main() -> int:
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, timeout=30)
         if store is not None:
             store.stop()
+        if network is not None:
+            network.close()
         if args.keep:
             print(f"work directory kept: {work}")
         else:

@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "NetnsUnavailableError",
 ]
 
 
@@ -44,3 +45,7 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint describes another model than the one requested."""
+
+
+class NetnsUnavailableError(TenplexError, OSError):
+    """Simulated hosts cannot get network namespaces here (not root, no `ip`, creation refused)."""

@@ -4,12 +4,18 @@ Each agent is one "node". The rendezvous store runs in its own process so that k
 agent (a node failure) leaves it alive; agents connect to it with ``is_host=false``. Workers
 write their pid to ``pid_dir`` so a node failure can kill its workers too (they are not in the
 agent's process group).
+
+Every process takes a ``HostNet`` (``netns.py``): by default the root namespace's loopback
+(distinct ports per host); with a ``HostNetwork`` each host runs in its own network namespace
+at its own address and the rendezvous store on the bridge, so the rendezvous, gloo and the
+store traffic cross a real network stack, and a host can also fail by losing its link.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -17,6 +23,8 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from .netns import LOOPBACK, HostNet, HostNetwork
 
 __all__ = ["free_port", "RendezvousStore", "Agent", "StoreProcess", "SimulatedHost", "start_hosts", "read_train_log",
            "wait_for"]
@@ -33,24 +41,28 @@ def free_port() -> int:
 class RendezvousStore:
     """A TCPStore server in a child process, outliving the agents that use it."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, *, net: HostNet = LOOPBACK) -> None:
         self.port = port or free_port()
+        self.net = net
         code = (
             "import sys, time, torch.distributed as d\n"
-            f"s = d.TCPStore('127.0.0.1', {self.port}, is_master=True, wait_for_workers=False)\n"
+            f"s = d.TCPStore({net.address!r}, {self.port}, is_master=True, wait_for_workers=False)\n"
             "print('ready', flush=True)\n"
             "while True: time.sleep(3600)\n"
         )
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+        # in a namespace the server's reverse lookups of its clients find no resolver (there is no
+        # route out): quiet that warning rather than print it for every agent
+        env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"} if net.netns else None
+        self.proc = subprocess.Popen(net.command([sys.executable, "-c", code]), stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True, env=env)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if line.strip() != "ready":
             self.stop()
-            raise RuntimeError(f"the rendezvous store on port {self.port} did not start")
+            raise RuntimeError(f"the rendezvous store on {net.address}:{self.port} did not start")
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.net.address}:{self.port}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -63,21 +75,23 @@ class Agent:
 
     def __init__(self, name: str, endpoint: str, train_args: Sequence[str], *, nproc: int, min_nodes: int,
                  max_nodes: int, pid_dir: str, log_path: str, max_restarts: int = 3, run_id: str = "tenplex",
-                 env: dict[str, str] | None = None) -> None:
-        self.name, self.pid_dir = name, Path(pid_dir) / name
+                 env: dict[str, str] | None = None, net: HostNet = LOOPBACK) -> None:
+        self.name, self.pid_dir, self.net = name, Path(pid_dir) / name, net
         self.pid_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={min_nodes}:{max_nodes}",
                f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                f"--rdzv-id={run_id}", "--rdzv-conf=is_host=false,last_call_timeout=3,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3",
-               f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", "tenplex.train", "--",
-               *train_args]
+               f"--max-restarts={max_restarts}", "--monitor-interval=0.5",
+               # in a namespace the hostname resolves to no address of this host: name the node by
+               # its address (workers' MASTER_ADDR comes from the rank-0 node's)
+               *([f"--local-addr={net.address}"] if net.netns else []), "-m", "tenplex.train", "--", *train_args]
         # Workers bootstrap from a per-round prefix of the rendezvous store rather than a TCP
         # store shared across rounds by the rank-0 agent: after a node failure, keys left by
         # the previous round's workers would otherwise send gloo to dead peers until timeout.
-        full_env = {**os.environ, **(env or {}), "TENPLEX_PID_DIR": str(self.pid_dir), "OMP_NUM_THREADS": "1",
-                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        full_env = {**os.environ, **(env or {}), **net.env(), "TENPLEX_PID_DIR": str(self.pid_dir),
+                    "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         self.log_file = open(log_path, "w")  # noqa: SIM115 - closed in wait/kill
-        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env,
+        self.proc = subprocess.Popen(net.command(cmd), stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
 
     def worker_pids(self) -> list[int]:
@@ -147,21 +161,24 @@ def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:  # noqa:
 
 
 class StoreProcess:
-    """``tenplex store serve`` for one simulated host, on its own loopback port."""
+    """``tenplex store serve`` for one simulated host, on its own port of the host's address
+    (loopback, or its namespace's address: then ``env`` must carry ``TENPLEX_STORE_TOKEN``)."""
 
     def __init__(self, root: str, port: int, peers: Sequence[str], *, replicas: int = 1, keep_last: int = 2,
-                 log_path: str | None = None) -> None:
-        self.root, self.port = root, port
-        self.url = f"http://127.0.0.1:{port}"
+                 log_path: str | None = None, net: HostNet = LOOPBACK, env: dict[str, str] | None = None) -> None:
+        self.root, self.port, self.net = root, port, net
+        self.url = f"http://{net.address}:{port}"
         self.log_file = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tenplex", "store", "serve", "--root", root, "--listen", f"127.0.0.1:{port}",
-             "--peers", ",".join(peers), "--replicas", str(replicas), "--keep-last", str(keep_last)],
-            stdout=subprocess.PIPE, stderr=self.log_file, text=True, start_new_session=True)
+            net.command([sys.executable, "-m", "tenplex", "store", "serve", "--root", root, "--listen",
+                         f"{net.address}:{port}", "--peers", ",".join(peers), "--replicas", str(replicas),
+                         "--keep-last", str(keep_last)]),
+            stdout=subprocess.PIPE, stderr=self.log_file, text=True, start_new_session=True,
+            env={**os.environ, **(env or {})})
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "serving" not in line:
             self.stop()
-            raise RuntimeError(f"the store on port {port} did not start")
+            raise RuntimeError(f"the store on {net.address}:{port} did not start")
 
     def env(self, all_urls: Sequence[str]) -> dict[str, str]:
         """What a worker on this host needs to snapshot and recover."""
@@ -177,13 +194,27 @@ class StoreProcess:
 class SimulatedHost:
     """A host: its store process and a torchrun agent whose workers snapshot into that store."""
 
-    def __init__(self, name: str, store: StoreProcess, agent: Agent) -> None:
-        self.name, self.store, self.agent = name, store, agent
+    def __init__(self, name: str, store: StoreProcess, agent: Agent, network: HostNetwork | None = None) -> None:
+        self.name, self.store, self.agent, self.network = name, store, agent, network
 
     def kill(self) -> None:
         """A host failure: its workers, its agent and its store die at once."""
         self.agent.kill()
         self.store.stop()
+
+    def fail(self, how: str = "kill") -> None:
+        """A host failure, as ``kill`` (processes SIGKILLed: peers' connections are reset at once)
+        or ``network`` (its link to the switch goes down: processes keep running, cut off, and
+        peers learn of it only when their packets go unanswered; namespaced hosts only)."""
+        if how == "kill":
+            self.kill()
+        elif how == "network":
+            if self.network is None:
+                raise ValueError(f"{self.name} runs on loopback: a network failure needs hosts in network "
+                                 "namespaces (start_hosts(..., network=HostNetwork.create(n)))")
+            self.network.set_link(self.agent.net, up=False)
+        else:
+            raise ValueError(f"unknown failure {how!r}: use 'kill' or 'network'")
 
     def stop(self) -> None:
         self.agent.stop()
@@ -192,20 +223,29 @@ class SimulatedHost:
 
 def start_hosts(n: int, work: str, train_args: Sequence[str], *, nproc: int, endpoint: str, run_id: str,
                 replicas: int = 1, env: dict[str, str] | None = None, store_dir: str | None = None,
-                keep_last: int = 2) -> list[SimulatedHost]:
+                keep_last: int = 2, network: HostNetwork | None = None) -> list[SimulatedHost]:
     """``n`` simulated hosts sharing one rendezvous: stores first (they know each other), then agents.
 
-    Store roots go under ``store_dir`` (e.g. a tmpfs such as /dev/shm), default ``work``."""
+    Store roots go under ``store_dir`` (e.g. a tmpfs such as /dev/shm), default ``work``. With
+    ``network`` host ``i`` runs in ``network.hosts[i]`` (its store beyond loopback, so with a
+    generated token unless ``env`` has one); ``endpoint`` must then be reachable from the
+    namespaces (a ``RendezvousStore(net=network.switch)``)."""
+    nets = network.hosts[:n] if network is not None else [LOOPBACK] * n
+    if len(nets) < n:
+        raise ValueError(f"{n} hosts need a network of at least {n} host namespaces, it has {len(nets)}")
+    env = dict(env or {})
+    if network is not None and not env.get("TENPLEX_STORE_TOKEN"):
+        env["TENPLEX_STORE_TOKEN"] = secrets.token_hex(16)
     ports = [free_port() for _ in range(n)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    urls = [f"http://{net.address}:{p}" for net, p in zip(nets, ports)]
     hosts = []
     for i in range(n):
         root = os.path.join(store_dir or work, f"host{i}", "store")
         os.makedirs(root, exist_ok=True)
         store = StoreProcess(root, ports[i], urls, replicas=replicas, keep_last=keep_last,
-                             log_path=os.path.join(work, f"store{i}.log"))
+                             log_path=os.path.join(work, f"store{i}.log"), net=nets[i], env=env)
         agent = Agent(f"host{i}", endpoint, train_args, nproc=nproc, min_nodes=1, max_nodes=n,
                       pid_dir=os.path.join(work, "pids"), log_path=os.path.join(work, f"host{i}.log"), run_id=run_id,
-                      env={**(env or {}), **store.env(urls)})
-        hosts.append(SimulatedHost(f"host{i}", store, agent))
+                      env={**env, **store.env(urls)}, net=nets[i])
+        hosts.append(SimulatedHost(f"host{i}", store, agent, network))
     return hosts
