@@ -29,7 +29,15 @@ from tenplex import (
     ParallelConfig,
     model_ptc,
 )
-from tenplex.checkpoint import list_steps, load, read_manifest, save, writer_assignment
+from tenplex.checkpoint import (
+    list_steps,
+    load,
+    open_sealed_json,
+    read_manifest,
+    save,
+    seal_json,
+    writer_assignment,
+)
 
 KIB64 = 64 * 1024
 
@@ -724,13 +732,20 @@ def test_garbage_manifest(url):
 
 
 def test_not_a_tenplex_manifest(url):
+    """Changed on purpose for format version 2: an edited manifest fails its digest; a sealed
+    manifest of another version and a version-1 manifest (no digests) are refused by name."""
     ptc = tiny_ptc()
     cfg = ParallelConfig()
     save_all(url, ptc, cfg, random_bits(ptc, 1), step=1)
-    m = json.loads(_read_bytes(url, f"{_step(1)}/manifest.json"))
-    m["version"] = 99
-    _write_bytes(url, f"{_step(1)}/manifest.json", json.dumps(m).encode())
-    _no_result(lambda: load(url, cfg, 0), CheckpointError, "version")
+    rel = f"{_step(1)}/manifest.json"
+    m = open_sealed_json(_read_bytes(url, rel), rel)
+    _write_bytes(url, rel, json.dumps({**m, "version": 99}).encode())
+    _no_result(lambda: load(url, cfg, 0), CheckpointCorruptError, "digest")
+    _write_bytes(url, rel, seal_json({**m, "version": 99}))
+    err = _no_result(lambda: load(url, cfg, 0), CheckpointError, "version 99 is not supported")
+    assert not isinstance(err, CheckpointCorruptError)
+    _write_bytes(url, rel, json.dumps({**m, "version": 1}).encode())
+    _no_result(lambda: load(url, cfg, 0), CheckpointError, "format version 1")
 
 
 def test_garbage_rank_index_and_objects(url):
