@@ -226,6 +226,7 @@ def _publish(fs: fsspec.AbstractFileSystem, tmp: str, path: str) -> bool:
             return True
         os.unlink(src)
         return True
+    fs.invalidate_cache(path.rsplit("/", 1)[0])  # listings cached by the filesystem may predate another writer
     if fs.exists(path):
         fs.rm(tmp)
         return False
@@ -259,20 +260,13 @@ def seal_json(obj: Mapping[str, Any]) -> bytes:
     return body[:-1] + b',"digest":"' + hashlib.sha256(body).hexdigest().encode() + b'"}'
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("a key appears twice in one object")
-    return out
-
-
 def _no_constants(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON")
 
 
 def _parse_json(raw: bytes, path: str) -> Any:
     try:
-        return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        return json.loads(raw, parse_constant=_no_constants)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointCorruptError(f"{path} is not valid JSON ({e}); the file is damaged") from None
 
@@ -440,6 +434,7 @@ def _payload_bytes(objects: Mapping[str, Any], extra: Any) -> bytes:
 
 def _existing(fs: fsspec.AbstractFileSystem, sdir: str) -> set[str]:
     """Names of the published files of a save attempt's directory (temporary files left out)."""
+    fs.invalidate_cache(sdir)
     try:
         return {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(sdir, detail=False)} - {""}
     except (FileNotFoundError, NotADirectoryError):
@@ -607,13 +602,22 @@ def _prune(fs: fsspec.AbstractFileSystem, root: str, keep_last: int) -> None:
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """A manifest that passed its digest and schema checks and is bound to its directory."""
+    """A manifest that passed its digest and schema checks and is bound to its directory.
+
+    ``ptc`` is None after a listing, which checks everything but the PTC (the costly part
+    for large models); ``full()`` checks that too."""
 
     raw: dict[str, Any]  # the JSON object, digest removed
-    ptc: PTC
+    ptc: PTC | None
     layout: ParallelConfig
     nbytes: int
     path: str
+
+    def full(self) -> Manifest:
+        """This manifest with its PTC checked (CheckpointCorruptError if it does not pass)."""
+        if self.ptc is not None:
+            return self
+        return verify_manifest(self.raw, self.path, self.nbytes, step=self.step, save_id=self.save_id)
 
     @property
     def step(self) -> int:
@@ -647,10 +651,11 @@ def _is_int(v: Any) -> bool:
 
 
 def verify_manifest(obj: dict[str, Any], path: str, nbytes: int, *, step: int | None = None,
-                    save_id: str | None = None) -> Manifest:
+                    save_id: str | None = None, with_ptc: bool = True) -> Manifest:
     """Check a (digest-verified) manifest object's schema and its binding to the directory
-    (``step``, ``save_id`` from the directory name). CheckpointCorruptError says what is wrong;
-    CheckpointError for a format version this tenplex does not read."""
+    (``step``, ``save_id`` from the directory name); the PTC too unless ``with_ptc`` is False.
+    CheckpointCorruptError says what is wrong; CheckpointError for a format version this
+    tenplex does not read."""
 
     def bad(what: str) -> NoReturn:
         raise CheckpointCorruptError(f"{path}: {what}; the manifest is damaged")
@@ -687,8 +692,10 @@ def verify_manifest(obj: dict[str, Any], path: str, nbytes: int, *, step: int | 
                 or objects["size"] < 0 or not isinstance(objects.get("sha256"), str)
                 or not _SHA256_RE.fullmatch(objects["sha256"])):
             bad(f"objects {objects!r} is not {{file: objects.pt, size, sha256}}")
-        if not isinstance(obj["ptc"], dict):
-            bad("ptc is not an object")
+        if not isinstance(obj["ptc"], dict) or not isinstance(obj["fingerprint"], str):
+            bad("ptc is not an object or fingerprint not a string")
+        if not with_ptc:
+            return Manifest(obj, None, layout, nbytes, path)
         saved = PTC.from_json(obj["ptc"])
         if not 0 <= saved.num_layers <= _MAX_LAYERS:
             bad(f"num_layers {saved.num_layers} is not in [0, {_MAX_LAYERS}]")
@@ -708,15 +715,15 @@ def verify_manifest(obj: dict[str, Any], path: str, nbytes: int, *, step: int | 
 
 
 def _read_manifest(fs: fsspec.AbstractFileSystem, sdir: str, *, step: int | None = None,
-                   save_id: str | None = None) -> Manifest:
-    """The manifest of save attempt ``sdir``, verified (digest, schema, directory)."""
+                   save_id: str | None = None, with_ptc: bool = True) -> Manifest:
+    """The manifest of save attempt ``sdir``, verified (digest, schema, directory; see ``verify_manifest``)."""
     if step is None or save_id is None:
         m = _STEP_RE.match(sdir.rstrip("/").rsplit("/", 1)[-1])
         if m:
             step, save_id = int(m.group(1)), m.group(2)
     path = f"{sdir}/manifest.json"
     obj, nbytes = _read_sealed(fs, path)
-    return verify_manifest(obj, path, nbytes, step=step, save_id=save_id)
+    return verify_manifest(obj, path, nbytes, step=step, save_id=save_id, with_ptc=with_ptc)
 
 
 _Scanned = tuple[StepInfo, "Manifest | CheckpointError | None"]
@@ -754,7 +761,7 @@ def _scan_full(fs: fsspec.AbstractFileSystem, root: str) -> list[_Scanned]:
                        "this attempt is never loaded")
         if "manifest.json" in names:
             try:
-                manifest = _read_manifest(fs, path, step=step, save_id=sid)
+                manifest = _read_manifest(fs, path, step=step, save_id=sid, with_ptc=False)
                 layout, world, created = manifest.layout, manifest.world_size, manifest.created
                 complete = (not problem and "objects.pt" in names
                             and all(f"{_rank_stem(r)}.json" in names for r in range(world)))
@@ -808,14 +815,20 @@ def read_manifest(url: str, step: int | None = None, *,
     """
     fs, root = _fs(url, storage_options)
     scan = _scan_full(fs, root)
+    problems = []
     for info, manifest in _candidates(scan, url, step):
         if isinstance(manifest, Manifest):
-            return {**manifest.raw, "ptc": manifest.ptc}
+            try:
+                full = manifest.full()
+            except CheckpointCorruptError as e:
+                problems.append(f"step {info.step} ({info.save_id}): {e}")
+                continue
+            return {**full.raw, "ptc": full.ptc}
         if manifest is not None and not isinstance(manifest, CheckpointCorruptError):
             raise manifest  # a format version this tenplex does not read
-    problems = "; ".join(f"step {i.step} ({i.save_id}): {i.problem}" for i, _ in _candidates(scan, url, step))
+        problems.append(f"step {info.step} ({info.save_id}): {info.problem}")
     raise CheckpointCorruptError(f"no complete checkpoint{'' if step is None else f' of step {step}'} under {url} "
-                                 f"has a valid manifest: {problems}")
+                                 f"has a valid manifest: {'; '.join(problems)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -836,7 +849,8 @@ class Binding:
 
     @classmethod
     def of(cls, manifest: Manifest, writers: Mapping[int, list[tuple[str, int, int, int]]] | None = None) -> Binding:
-        saved = manifest.ptc
+        saved = manifest.full().ptc
+        assert saved is not None
         return cls(manifest.step, manifest.save_id, manifest.raw["layout"], manifest.world_size, manifest.fingerprint,
                    {n: t.itemsize for n, t in saved.tensors.items()},
                    writers if writers is not None else writer_assignment(saved, manifest.layout))
@@ -870,22 +884,25 @@ def verify_index(idx: Mapping[str, Any], path: str, rank: int, b: Binding) -> di
         bad(f"it lists {len(chunks) if isinstance(chunks, list) else repr(chunks)} chunks, the saved layout assigns "
             f"{len(expected)} to rank {rank}")
     out: dict[tuple[str, int], dict[str, Any]] = {}
-    for c in chunks:
-        if not isinstance(c, dict):
-            bad(f"chunk {c!r} is not an object")
-        t, st, ln, off, blk, crc = (c.get(k) for k in ("tensor", "start", "length", "offset", "block", "crc32"))
-        if not isinstance(t, str) or not _is_int(st) or not _is_int(ln) or expected.get((t, st)) != ln:
+    itemsize, hexdigits = b.itemsize, _HEX_RE.fullmatch
+    for c in chunks:  # the hot loop of metadata checks (thousands of chunks per index): kept lean
+        try:
+            t, st, ln, off, blk, crc = c["tensor"], c["start"], c["length"], c["offset"], c["block"], c["crc32"]
+            known = type(t) is str and type(st) is int and type(ln) is int and expected.get((t, st)) == ln
+        except (TypeError, KeyError):
+            bad(f"chunk {c!r} is not an object with tensor, start, length, offset, block and crc32")
+        if not known:
             bad(f"chunk {t!r}@{st!r} of {ln!r} elements is not one the saved layout assigns to rank {rank}")
-        if (t, st) in out:
-            bad(f"chunk {t}@{st} is listed twice")
-        nbytes = ln * b.itemsize[t]
-        if not _is_int(blk) or blk not in _BLOCKS:
+        nbytes = ln * itemsize[t]
+        if type(blk) is not int or blk not in _BLOCKS:
             bad(f"chunk {t}@{st}: block {blk!r} is not a power of two in [{_MIN_BLOCK}, {_MAX_BLOCK}]")
-        if not _is_int(off) or off < 0 or off + nbytes > size:
+        if type(off) is not int or off < 0 or off + nbytes > size:
             bad(f"chunk {t}@{st}: bytes [{off!r}, {off!r}+{nbytes}) are not inside the data file's {size} bytes")
-        if not isinstance(crc, str) or len(crc) != 8 * -(-nbytes // blk) or not _HEX_RE.fullmatch(crc):
+        if type(crc) is not str or len(crc) != 8 * -(-nbytes // blk) or not hexdigits(crc):
             bad(f"chunk {t}@{st}: crc32 must be {8 * -(-nbytes // blk)} hex digits (8 per {blk}-byte block)")
         out[(t, st)] = c
+    if len(out) != len(chunks):
+        bad("a chunk is listed twice")
     return out
 
 
@@ -1205,7 +1222,9 @@ def load_with_reader(manifest: Manifest, where: str, cfg: ParallelConfig, rank: 
     """Check a verified ``manifest`` against ``ptc`` and ``cfg``, read the objects (from the
     first of ``objects_from``'s directories whose copy matches the manifest), then ``rank``'s
     shard through ``reader``. Shared by ``load`` and tiered recovery, whose readers differ."""
+    manifest = manifest.full()
     saved, old = manifest.ptc, manifest.layout
+    assert saved is not None
     if ptc is not None:
         check_model(saved, ptc, where, allow_meta_change=allow_meta_change)
     saved.check(cfg)
@@ -1333,6 +1352,7 @@ def read_objects(sources: Sequence[tuple[fsspec.AbstractFileSystem, str]], manif
     whose ``objects.pt`` has the size and SHA-256 the manifest records (checked before
     unpickling) and holds objects of the saved PTC."""
     want = manifest.raw["objects"]
+    objects_of = manifest.full().ptc.objects  # type: ignore[union-attr]
     errors = []
     for fs, sdir in sources:
         path = f"{sdir}/objects.pt"
@@ -1354,7 +1374,7 @@ def read_objects(sources: Sequence[tuple[fsspec.AbstractFileSystem, str]], manif
             errors.append(f"{path} cannot be read ({type(e).__name__}: {e})")
             continue
         if (not isinstance(payload, dict) or set(payload) != {"objects", "extra"}
-                or not isinstance(payload["objects"], dict) or not set(payload["objects"]) <= set(manifest.ptc.objects)):
+                or not isinstance(payload["objects"], dict) or not set(payload["objects"]) <= set(objects_of)):
             errors.append(f"{path} does not hold the objects and extra of this checkpoint's PTC")
             continue
         return dict(payload["objects"]), payload["extra"]

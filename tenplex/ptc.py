@@ -427,6 +427,7 @@ class PTC:
         if clash:
             raise ValueError(f"names used both as tensor and object: {sorted(clash)}")
         self.meta: dict[str, Any] = dict(meta or {})
+        self._fingerprint: str | None = None
 
     # -- basic facts --------------------------------------------------------------------
     def __len__(self) -> int:
@@ -606,9 +607,12 @@ class PTC:
             raise ValueError(f"malformed PTC description ({type(e).__name__}: {e})") from None
 
     def fingerprint(self) -> str:
-        """Hash of the tensors' names, shapes, dtypes and specs (not of meta)."""
-        body = json.dumps([s.to_json() for s in self.tensors.values()], sort_keys=True)
-        return hashlib.sha256(body.encode()).hexdigest()[:16]
+        """Hash of the tensors' names, shapes, dtypes and specs (not of meta); computed once
+        (the specs are frozen and the tensor mapping is not changed after construction)."""
+        if self._fingerprint is None:
+            body = json.dumps([s.to_json() for s in self.tensors.values()], sort_keys=True)
+            self._fingerprint = hashlib.sha256(body.encode()).hexdigest()[:16]
+        return self._fingerprint
 
     def diff(self, other: PTC, limit: int = 3) -> list[str]:
         """Human-readable differences to ``other`` (empty when the specs match)."""
