@@ -1157,8 +1157,8 @@ def load(
     ``ptc``: the model the caller expects; a checkpoint of another model raises
     CheckpointMismatchError, and so do other model settings (``ptc.meta["model"]``, e.g.
     heads or norm eps) unless ``allow_meta_change``. Ranks that need different bytes can
-    see different damage, so under a process group compare the loaded steps (see
-    docs/format.md, "Choosing a step").
+    see different damage and resume from different steps: under a process group make them
+    agree (``tenplex.elastic.agree_on_step``; docs/format.md, "Choosing a step").
     """
     t0 = time.perf_counter()
     fs, root = _fs(url, storage_options)

@@ -23,7 +23,7 @@ from .planner import PlanStats, plan
 from .ptc import PTC
 from .topology import Topology
 
-__all__ = ["RescaleResult", "rescale", "env_world"]
+__all__ = ["RescaleResult", "rescale", "agree_on_step", "env_world"]
 
 log = logging.getLogger(__name__)
 
@@ -190,3 +190,66 @@ def rescale(
                            timings, by_kind, res.skipped)
     log.info("%s", result.summary())
     return result
+
+
+def agree_on_step(result: RescaleResult, url: str, ptc: PTC, *, tiers: Sequence[Any] | None = None,
+                  storage_options: Mapping[str, Any] | None = None, allow_meta_change: bool = False,
+                  gpus_per_host: int = 8, topology: Topology | None = None, group: Any = None) -> RescaleResult:
+    """Make every rank of the initialised process group resume from the same step.
+
+    ``rescale`` passes over damage it sees, and ranks read different bytes (a damaged block or
+    index may be read by some ranks only), so ranks can resume from different steps. This
+    collective (call it on every rank right after ``init_process_group``, with the arguments
+    given to ``rescale``) takes the oldest step any rank resumed from; a rank that resumed from
+    a newer one reloads, under the same layout, the newest step not newer than that which
+    verifies for it (fresh when none), and the ranks repeat until they agree. Returns
+    ``result`` when all ranks agree already, else the reloaded state.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return result
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    current = result
+    while True:
+        mine = torch.tensor([-1 if current.fresh else current.step], dtype=torch.int64, device=device)
+        lo, hi = mine.clone(), mine.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        bound = int(lo.item())
+        if bound == int(hi.item()):
+            return current
+        if int(mine.item()) > bound:
+            log.warning("rank %d resumed from step %d, another rank from step %d: reloading", current.rank,
+                        current.step, bound)
+            current = _newest_up_to(bound, current, url, ptc, tiers=tiers, storage_options=storage_options,
+                                    allow_meta_change=allow_meta_change, gpus_per_host=gpus_per_host,
+                                    topology=topology)
+
+
+def _newest_up_to(bound: int, current: RescaleResult, url: str, ptc: PTC, **kw: Any) -> RescaleResult:
+    """This rank's state from the newest step <= ``bound`` that verifies for it (fresh when none)."""
+    if tiers := kw.get("tiers"):
+        from .store.recovery import scan_tiers
+
+        steps = sorted({u.step for u in scan_tiers(tiers).usable}, reverse=True)
+    else:
+        steps = sorted({i.step for i in list_steps(url, storage_options=kw.get("storage_options")) if i.complete},
+                       reverse=True)
+    skipped: list[tuple[int, str, str]] = list(current.skipped)
+    for step in (s for s in steps if s <= bound):
+        try:
+            res = rescale(url, ptc, rank=current.rank, world_size=current.world_size, parallel=current.cfg,
+                          step=step, **kw)
+        except CheckpointCorruptError as e:
+            skipped.append((step, "", str(e)))
+            continue
+        return RescaleResult(res.cfg, res.rank, res.world_size, res.step, res.fresh, res.shard, res.extra,
+                             res.previous, res.plan_stats, res.load_stats, res.timings, res.bytes_by_tier,
+                             tuple(skipped) + res.skipped)
+    log.warning("rank %d: no step up to %d verifies; all ranks start fresh", current.rank, bound)
+    return RescaleResult(current.cfg, current.rank, current.world_size, 0, True, timings=current.timings,
+                         skipped=tuple(skipped))

@@ -1219,3 +1219,57 @@ def test_default_save_id_is_shared_by_a_launch_and_differs_between_launches(tmp_
         assert len(ids) == 2 and len({i for pair in ids for i in pair}) == 1, ids  # one id per launch
         launches.append(ids[0][0])
     assert launches[0] != launches[1]
+
+
+_AGREE_CHILD = r"""
+import datetime, json, sys, torch
+import torch.distributed as dist
+from tenplex import ParallelConfig, model_ptc
+from tenplex.elastic import agree_on_step, rescale
+rank, port, url, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+ptc = model_ptc(arch="llama", num_layers=4, hidden=64, heads=8, kv_heads=4, ffn_hidden=128, vocab=37, vocab_pad=2,
+                seq_len=8, dtype=torch.float32)
+cfg = ParallelConfig(tp=2)
+res = rescale(url, ptc, rank=rank, world_size=2, parallel=cfg)  # before the process group, as the trainer does
+before = res.step
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+res = agree_on_step(res, url, ptc)
+torch.save(res.shard, f"{out}/shard-{rank}.pt")
+print("steps", before, res.step, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_ranks_that_saw_different_damage_agree_on_one_step(tmp_path):
+    """Damage only rank 1 reads makes rank 1 fall back alone; agree_on_step (real gloo ranks)
+    brings rank 0 back to the same step."""
+    import socket
+    import subprocess
+    import sys
+
+    ptc = tiny_ptc(hidden=64, ffn_hidden=128)
+    cfg = ParallelConfig(tp=2)
+    url = str(tmp_path / "ckpt")
+    g19 = random_bits(ptc, 19, 19)
+    save_all(url, ptc, cfg, g19, step=19)
+    save_all(url, ptc, cfg, random_bits(ptc, 20, 20), step=20)
+    _, chunk = _chunk(url, 20, 1, "layers.2.mlp.down.weight")
+    rel = f"{_step(20)}/rank-00001.safetensors"
+    raw = bytearray(_read_bytes(url, rel))
+    raw[chunk["offset"] + 5] ^= 0x01
+    _write_bytes(url, rel, bytes(raw))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_CHILD, str(r), str(port), url, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    steps = [next(line.split()[1:] for line in out.splitlines() if line.startswith("steps ")) for out in outs]
+    assert steps == [["20", "19"], ["19", "19"]], steps
+    want = ptc.shard(g19, cfg)
+    for r in range(2):
+        assert_shard_equal(torch.load(tmp_path / f"shard-{r}.pt", weights_only=True), want[r], f"rank {r}")
