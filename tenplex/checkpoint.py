@@ -423,7 +423,8 @@ def _payload_bytes(objects: Mapping[str, Any], extra: Any) -> bytes:
         torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as e:  # noqa: BLE001 - pickling and unpickling fail in many ways
         parts = [("extra", extra), *((f"object {k!r}", v) for k, v in objects.items())]
-        where, bad = next((f for name, v in parts if (f := _unsafe_part(v, name)) is not None), ("the payload", payload))
+        found = (f for name, v in parts if (f := _unsafe_part(v, name)) is not None)
+        where, bad = next(found, ("the payload", payload))
         raise CheckpointValueError(
             f"{where} = {bad!r} ({type(bad).__module__}.{type(bad).__qualname__}) cannot be stored: loads read it "
             f"back with torch.load(weights_only=True), which refuses it ({type(e).__name__}); convert it to a plain "
@@ -1207,7 +1208,8 @@ def check_model(saved: PTC, expected: PTC, where: str, *, allow_meta_change: boo
     if allow_meta_change or not isinstance(a, dict) or not isinstance(b, dict):
         return
     a, b = json.loads(json.dumps(a)), json.loads(json.dumps(b))  # tuples and lists alike
-    diffs = [f"{k}: saved {a.get(k)!r}, requested {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    diffs = [f"{k}: saved {a.get(k)!r}, requested {b.get(k)!r}" for k in sorted(set(a) | set(b))
+             if a.get(k) != b.get(k)]
     if diffs:
         raise CheckpointMismatchError(
             f"checkpoint {where} was saved with other model settings ({'; '.join(diffs)}); its tensors have the "
