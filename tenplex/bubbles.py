@@ -429,6 +429,7 @@ class StoreWriteTask:
         self.bucket_bytes = bucket_bytes
         self.on_complete = on_complete
         self.chunks = writer_assignment(ptc, cfg)[rank]
+        self._fingerprint = ptc.fingerprint()
         relaid = [n for n, *_ in self.chunks if ptc.relaid(n)]
         shapes = {n: ptc.local_shape(n, cfg) for n in relaid}
         self._row_bytes = max((math.prod(s) // s[ptc.tensors[n].split_dim] * ptc.tensors[n].dtype.itemsize
@@ -507,25 +508,33 @@ class StoreWriteTask:
 
     def _open(self) -> None:
         """Lay out this rank's part of the save attempt: pre-sized file, header, bucket list."""
-        from .checkpoint import _block_bytes, _step_dir, default_save_id, safetensors_header
+        from .checkpoint import (FORMAT, _block_bytes, _existing, _fs, _rank_stem, _refuse_reuse, _step_dir,
+                                 _tmp_name, check_step, default_save_id, safetensors_header)
 
         t0 = time.perf_counter()
         self._to_open = False
-        step = self._step
+        step = check_step(self._step)
         self._save_id = default_save_id(self.cfg, self.ptc)
         self._sdir = _step_dir(self.root.rstrip("/"), step, self._save_id)
         os.makedirs(self._sdir, exist_ok=True)
+        stem = _rank_stem(self.rank)
+        own = {f"{stem}.safetensors", f"{stem}.json"} | ({"manifest.json", "objects.pt"} if self.rank == 0 else set())
+        fs, _ = _fs(self.root, None)
+        found = own & _existing(fs, self._sdir)
+        if found:  # the save id was used before: never write into that attempt
+            _refuse_reuse(fs, self._sdir, self.rank, self._save_id, sorted(found))
         entries, self._meta = [], []
         for name, lo, start, ln in self.chunks:
             entries.append((f"{name}@{start}", self.ptc.tensors[name].dtype, ln))
-        head, offsets = safetensors_header(entries, {"format": "tenplex-checkpoint", "step": str(step),
+        head, offsets = safetensors_header(entries, {"format": FORMAT, "step": str(step), "save_id": self._save_id,
                                                      "rank": str(self.rank)})
         for (name, lo, start, ln), (b0, b1) in zip(self.chunks, offsets):
             self._meta.append((name, lo, start, ln, b0, b1 - b0, _block_bytes(b1 - b0)))
         self._base = len(head)
         self._size = self._base + (offsets[-1][1] if offsets else 0)
-        self._path = f"{self._sdir}/rank-{self.rank:05d}.safetensors"
-        self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._path = f"{self._sdir}/{stem}.safetensors"
+        self._tmp = _tmp_name(self._path)  # published (write-once) with the index
+        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.ftruncate(self._fd, self._size)
         os.pwrite(self._fd, head, 0)
         self._crcs: list[list[int]] = [[0] * (-(-m[5] // m[6])) for m in self._meta]
@@ -590,25 +599,28 @@ class StoreWriteTask:
         self._fd = -1
         objects = {o: self._shard[o] for o in self.ptc.objects if o in self._shard}
         self._unpublished = (self._step, self._sdir, self._save_id, self._meta, self._crcs, objects, self._base,
-                             self._size)
+                             self._size, self._tmp, self._path)
         self._shard = {}
         return self._sdir
 
     def _publish(self) -> None:
         """Write the finished snapshot's rank index (rank 0: also manifest and objects): it becomes visible."""
-        from .checkpoint import _fs, write_index, write_rank0_meta
+        from .checkpoint import _fs, _publish, _refuse_reuse, write_index, write_rank0_meta
 
         assert self._unpublished is not None
         t0 = time.perf_counter()
-        step, sdir, save_id, meta, crcs, objects, base, size = self._unpublished
+        step, sdir, save_id, meta, crcs, objects, base, size, tmp, path = self._unpublished
         self._unpublished = None
         fs, _ = _fs(self.root, None)
         chunks = [{"tensor": name, "start": start, "length": ln, "offset": base + off, "block": block,
                    "crc32": "".join(f"{c:08x}" for c in cs)}
                   for (name, _, start, ln, off, _, block), cs in zip(meta, crcs)]
+        if not _publish(fs, tmp, path):
+            _refuse_reuse(fs, sdir, self.rank, save_id, [path.rsplit("/", 1)[-1]])
         if self.rank == 0:
             write_rank0_meta(fs, sdir, self.ptc, self.cfg, objects, step=step, save_id=save_id)
-        write_index(fs, sdir, self.rank, size, chunks)
+        write_index(fs, sdir, self.rank, size, chunks, step=step, save_id=save_id, cfg=self.cfg,
+                    fingerprint=self._fingerprint)
         self.completed += 1
         if self.on_complete is not None:
             self.on_complete(step, sdir)

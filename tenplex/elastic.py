@@ -3,7 +3,8 @@
 It reads the latest complete checkpoint, takes the world size from the environment, picks a
 layout that is valid for the model and world size (memory-aware by default), plans the move
 from the saved layout, loads this rank's state reading only the bytes it needs, and returns
-the layout, the state and timings. With no checkpoint it says to start fresh.
+the layout, the state and timings. A damaged newest step is passed over for the newest one
+that verifies (reported in ``skipped``). With no checkpoint it says to start fresh.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint import LoadStats, list_steps, load, read_manifest
+from .checkpoint import LoadStats, check_model, list_steps, load, read_manifest
 from .config import ParallelConfig
-from .errors import CheckpointMismatchError, LayoutError
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, LayoutError
 from .planner import PlanStats, plan
 from .ptc import PTC
 from .topology import Topology
 
-__all__ = ["RescaleResult", "rescale", "env_world"]
+__all__ = ["RescaleResult", "rescale", "agree_on_step", "env_world"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class RescaleResult:
     load_stats: LoadStats | None = None
     timings: dict[str, float] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)  # "local", "peer", "storage"
+    skipped: tuple[tuple[int, str, str], ...] = ()  # (step, save id, reason) of newer attempts passed over
 
     def summary(self) -> str:
         if self.fresh:
@@ -54,6 +56,8 @@ class RescaleResult:
                  f"choose {t.get('choose', 0):.3f}s plan {t.get('plan', 0):.3f}s load {t.get('load', 0):.3f}s"]
         if self.load_stats:
             parts.append(f"read {self.load_stats.bytes_read} B for {self.load_stats.bytes_needed} B needed")
+        if self.skipped:
+            parts.append("passed over " + ", ".join(f"step {s} ({sid}): {why}" for s, sid, why in self.skipped))
         return "; ".join(parts)
 
 
@@ -88,13 +92,21 @@ def rescale(
     storage_options: Mapping[str, Any] | None = None,
     tiers: Sequence[Any] | None = None,
     topology: Topology | None = None,
+    step: int | None = None,
+    allow_meta_change: bool = False,
 ) -> RescaleResult:
     """Pick this worker's layout and load its state from the latest complete checkpoint.
 
     ``parallel`` pins the layout; otherwise ``choose(ptc, world_size, previous_layout)``
     picks it, by default ``tenplex.layouts.choose_layout`` with ``layout_options`` (global
     batch, micro batch, sequence length, GPU memory). Raises CheckpointMismatchError for a
-    checkpoint of another model and LayoutError when no layout fits the world size.
+    checkpoint of another model, or of other model settings (``ptc.meta["model"]``) unless
+    ``allow_meta_change``, and LayoutError when no layout fits the world size.
+
+    ``step``: resume from this step (default: the newest). The load falls back from a damaged
+    attempt to the newest older one that verifies (only among ``step``'s attempts when
+    given); ``RescaleResult.skipped`` lists what it passed over. Checkpoints that exist but of
+    which none verifies raise CheckpointCorruptError rather than starting fresh.
 
     ``tiers`` (``tenplex.store.Tier``, cheapest first: this host's store, peer stores,
     persistent storage) switches to tiered recovery: the newest step whose parts all exist in
@@ -108,25 +120,36 @@ def rescale(
     world = env_size if world_size is None else world_size
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    scan = None
+    damaged: list[str] = []
     if tiers:
-        from .store.recovery import find_usable
+        from .store.recovery import scan_tiers
 
-        usable = find_usable(tiers)  # one scan of the tiers serves the step choice and the load
+        scan = scan_tiers(tiers)  # one scan of the tiers serves the step choice and the load
+        usable = [u for u in scan.usable if step is None or u.step == step]
+        damaged = [f"step {s} ({sid}): {why}" for s, sid, why in scan.unusable if step is None or s == step]
         steps = [u.step for u in usable]
     else:
-        steps = [s.step for s in list_steps(url, storage_options=storage_options) if s.complete]
+        infos = [i for i in list_steps(url, storage_options=storage_options) if step is None or i.step == step]
+        damaged = [f"step {i.step} ({i.save_id}): {i.problem}" for i in infos if i.problem]
+        steps = [i.step for i in infos if i.complete]
     timings["list"] = time.perf_counter() - t0
+    where = ", ".join(f"{t.name}={t.url}" for t in tiers) if tiers else url
+    if not steps and damaged:
+        raise CheckpointCorruptError(f"checkpoints exist under {where} but none can be used (refusing to start "
+                                     f"fresh): {'; '.join(damaged)}")
+    if not steps and step is not None:
+        raise CheckpointNotFoundError(f"no complete checkpoint of step {step} under {where}")
     previous = None
     if steps:
         if tiers:
-            manifest = {**usable[-1].manifest, "ptc": PTC.from_json(usable[-1].manifest["ptc"])}
+            newest = usable[-1]
+            manifest = {**newest.manifest, "ptc": newest.verified.ptc if newest.verified else PTC.from_json(
+                newest.manifest["ptc"])}
         else:
             manifest = read_manifest(url, steps[-1], storage_options=storage_options)
         saved: PTC = manifest["ptc"]
-        if saved.fingerprint() != ptc.fingerprint():
-            raise CheckpointMismatchError(
-                f"the checkpoint at {url} holds another model: {'; '.join(ptc.diff(saved)) or 'specs differ'}"
-            )
+        check_model(saved, ptc, f"{where} step {manifest['step']}", allow_meta_change=allow_meta_change)
         previous = ParallelConfig.parse(manifest["layout"])
 
     t0 = time.perf_counter()
@@ -140,27 +163,93 @@ def rescale(
     timings["choose"] = time.perf_counter() - t0
 
     if not steps:
-        log.info("no checkpoint under %s: fresh start under %s", url, cfg)
+        log.info("no checkpoint under %s: fresh start under %s", where, cfg)
         return RescaleResult(cfg, rank, world, 0, True, timings=timings)
 
     assert previous is not None
-    t0 = time.perf_counter()
-    # What a live reconfiguration would move if the first ranks kept their state in memory.
-    stats = plan(ptc, previous, cfg, gpus_per_host=gpus_per_host).stats
-    timings["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     by_kind: dict[str, int] = {}
     if tiers:
         from .store.recovery import load_tiered
 
-        tiered = load_tiered(tiers, cfg, rank, ptc=ptc, found=usable[-1], gpus_per_host=gpus_per_host,
-                             topology=topology)
+        tiered = load_tiered(tiers, cfg, rank, ptc=ptc, step=step, scan=scan, allow_meta_change=allow_meta_change,
+                             gpus_per_host=gpus_per_host, topology=topology)
         res, by_kind = tiered.result, tiered.bytes_by_kind
     else:
-        res = load(url, cfg, rank, step=steps[-1], ptc=ptc, storage_options=storage_options)
+        res = load(url, cfg, rank, step=step, ptc=ptc, allow_meta_change=allow_meta_change,
+                   storage_options=storage_options)
         by_kind = {"storage": res.stats.bytes_read}
     timings["load"] = time.perf_counter() - t0
+    if res.saved_layout != previous:  # fell back to an older step saved under another layout
+        previous = res.saved_layout
+    t0 = time.perf_counter()
+    # What a live reconfiguration would move if the first ranks kept their state in memory.
+    stats = plan(ptc, previous, cfg, gpus_per_host=gpus_per_host).stats
+    timings["plan"] = time.perf_counter() - t0
     result = RescaleResult(cfg, rank, world, res.step, False, res.shard, res.extra, previous, stats, res.stats,
-                           timings, by_kind)
+                           timings, by_kind, res.skipped)
     log.info("%s", result.summary())
     return result
+
+
+def agree_on_step(result: RescaleResult, url: str, ptc: PTC, *, tiers: Sequence[Any] | None = None,
+                  storage_options: Mapping[str, Any] | None = None, allow_meta_change: bool = False,
+                  gpus_per_host: int = 8, topology: Topology | None = None, group: Any = None) -> RescaleResult:
+    """Make every rank of the initialised process group resume from the same step.
+
+    ``rescale`` passes over damage it sees, and ranks read different bytes (a damaged block or
+    index may be read by some ranks only), so ranks can resume from different steps. This
+    collective (call it on every rank right after ``init_process_group``, with the arguments
+    given to ``rescale``) takes the oldest step any rank resumed from; a rank that resumed from
+    a newer one reloads, under the same layout, the newest step not newer than that which
+    verifies for it (fresh when none), and the ranks repeat until they agree. Returns
+    ``result`` when all ranks agree already, else the reloaded state.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return result
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    current = result
+    while True:
+        mine = torch.tensor([-1 if current.fresh else current.step], dtype=torch.int64, device=device)
+        lo, hi = mine.clone(), mine.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        bound = int(lo.item())
+        if bound == int(hi.item()):
+            return current
+        if int(mine.item()) > bound:
+            log.warning("rank %d resumed from step %d, another rank from step %d: reloading", current.rank,
+                        current.step, bound)
+            current = _newest_up_to(bound, current, url, ptc, tiers=tiers, storage_options=storage_options,
+                                    allow_meta_change=allow_meta_change, gpus_per_host=gpus_per_host,
+                                    topology=topology)
+
+
+def _newest_up_to(bound: int, current: RescaleResult, url: str, ptc: PTC, **kw: Any) -> RescaleResult:
+    """This rank's state from the newest step <= ``bound`` that verifies for it (fresh when none)."""
+    if tiers := kw.get("tiers"):
+        from .store.recovery import scan_tiers
+
+        steps = sorted({u.step for u in scan_tiers(tiers).usable}, reverse=True)
+    else:
+        steps = sorted({i.step for i in list_steps(url, storage_options=kw.get("storage_options")) if i.complete},
+                       reverse=True)
+    skipped: list[tuple[int, str, str]] = list(current.skipped)
+    for step in (s for s in steps if s <= bound):
+        try:
+            res = rescale(url, ptc, rank=current.rank, world_size=current.world_size, parallel=current.cfg,
+                          step=step, **kw)
+        except CheckpointCorruptError as e:
+            skipped.append((step, "", str(e)))
+            continue
+        return RescaleResult(res.cfg, res.rank, res.world_size, res.step, res.fresh, res.shard, res.extra,
+                             res.previous, res.plan_stats, res.load_stats, res.timings, res.bytes_by_tier,
+                             tuple(skipped) + res.skipped)
+    log.warning("rank %d: no step up to %d verifies; all ranks start fresh", current.rank, bound)
+    return RescaleResult(current.cfg, current.rank, current.world_size, 0, True, timings=current.timings,
+                         skipped=tuple(skipped))

@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "CheckpointValueError",
     "NetnsUnavailableError",
 ]
 
@@ -45,6 +46,11 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint describes another model than the one requested."""
+
+
+class CheckpointValueError(CheckpointError, ValueError):
+    """``save`` was given a value it cannot store (a step out of range, an ``extra`` that
+    ``torch.load(weights_only=True)`` cannot read back, a malformed save id)."""
 
 
 class NetnsUnavailableError(TenplexError, OSError):

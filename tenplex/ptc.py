@@ -310,19 +310,34 @@ class TensorSpec:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> TensorSpec:
-        tpj = obj["tp"]
+        """The spec ``to_json`` wrote; ValueError naming the field for anything else (a damaged file)."""
+
+        def ints(v: Any) -> bool:
+            return isinstance(v, list) and all(type(x) is int for x in v)
+
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"a tensor spec must be an object, got {obj!r}")
+        name = obj.get("name")
+        where = f"tensor spec {name!r}"
+        tpj = obj.get("tp")
+        if not isinstance(name, str) or not isinstance(obj.get("dtype"), str):
+            raise ValueError(f"{where}: name and dtype must be strings")
+        if not ints(obj.get("shape")):
+            raise ValueError(f"{where}: shape {obj.get('shape')!r} is not a list of integers")
+        if not isinstance(tpj, Mapping) or tpj.get("kind") not in ("replicated", "split"):
+            raise ValueError(f"{where}: tp {tpj!r} is not {{kind: replicated|split, ...}}")
+        placement, dp_sharded = obj.get("placement"), obj.get("dp_sharded")
+        if type(placement) not in (int, str) or type(dp_sharded) is not bool:
+            raise ValueError(f"{where}: placement {placement!r} or dp_sharded {dp_sharded!r} has the wrong type")
         tp: TPSpec = Replicated()
         if tpj["kind"] == "split":
-            blocks = tpj.get("blocks")
-            tp = Split(dim=tpj["dim"], blocks=tuple(blocks) if blocks else None, pad_multiple=tpj.get("pad_multiple"))
-        return cls(
-            name=obj["name"],
-            shape=tuple(obj["shape"]),
-            dtype=dtype_from_str(obj["dtype"]),
-            tp=tp,
-            placement=obj["placement"],
-            dp_sharded=bool(obj["dp_sharded"]),
-        )
+            blocks, pad = tpj.get("blocks"), tpj.get("pad_multiple")
+            if type(tpj.get("dim")) is not int or not (blocks is None or ints(blocks)) or not (
+                    pad is None or type(pad) is int):
+                raise ValueError(f"{where}: split {tpj!r} needs an integer dim, integer blocks and pad_multiple")
+            tp = Split(dim=tpj["dim"], blocks=tuple(blocks) if blocks else None, pad_multiple=pad)
+        return cls(name=name, shape=tuple(obj["shape"]), dtype=dtype_from_str(obj["dtype"]), tp=tp,
+                   placement=placement, dp_sharded=dp_sharded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,6 +427,7 @@ class PTC:
         if clash:
             raise ValueError(f"names used both as tensor and object: {sorted(clash)}")
         self.meta: dict[str, Any] = dict(meta or {})
+        self._fingerprint: str | None = None
 
     # -- basic facts --------------------------------------------------------------------
     def __len__(self) -> int:
@@ -574,17 +590,29 @@ class PTC:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> PTC:
-        return cls(
-            (TensorSpec.from_json(t) for t in obj["tensors"]),
-            num_layers=obj["num_layers"],
-            objects=obj.get("objects", ()),
-            meta=obj.get("meta"),
-        )
+        """The PTC ``to_json`` wrote; ValueError saying what is wrong for anything else (a damaged file)."""
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"a PTC description must be an object, got {type(obj).__name__}")
+        tensors, objects, meta = obj.get("tensors"), obj.get("objects", []), obj.get("meta")
+        if not isinstance(tensors, list) or type(obj.get("num_layers")) is not int:
+            raise ValueError("a PTC description needs a list of tensors and an integer num_layers")
+        if not isinstance(objects, list) or not all(isinstance(o, str) for o in objects):
+            raise ValueError(f"PTC objects {objects!r} must be a list of names")
+        if meta is not None and not isinstance(meta, Mapping):
+            raise ValueError(f"PTC meta {meta!r} must be an object")
+        try:
+            return cls((TensorSpec.from_json(t) for t in tensors), num_layers=obj["num_layers"], objects=objects,
+                       meta=meta)
+        except (KeyError, TypeError, AttributeError, IndexError) as e:  # a description from_json did not foresee
+            raise ValueError(f"malformed PTC description ({type(e).__name__}: {e})") from None
 
     def fingerprint(self) -> str:
-        """Hash of the tensors' names, shapes, dtypes and specs (not of meta)."""
-        body = json.dumps([s.to_json() for s in self.tensors.values()], sort_keys=True)
-        return hashlib.sha256(body.encode()).hexdigest()[:16]
+        """Hash of the tensors' names, shapes, dtypes and specs (not of meta); computed once
+        (the specs are frozen and the tensor mapping is not changed after construction)."""
+        if self._fingerprint is None:
+            body = json.dumps([s.to_json() for s in self.tensors.values()], sort_keys=True)
+            self._fingerprint = hashlib.sha256(body.encode()).hexdigest()[:16]
+        return self._fingerprint
 
     def diff(self, other: PTC, limit: int = 3) -> list[str]:
         """Human-readable differences to ``other`` (empty when the specs match)."""

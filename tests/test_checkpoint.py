@@ -29,7 +29,15 @@ from tenplex import (
     ParallelConfig,
     model_ptc,
 )
-from tenplex.checkpoint import list_steps, load, read_manifest, save, writer_assignment
+from tenplex.checkpoint import (
+    list_steps,
+    load,
+    open_sealed_json,
+    read_manifest,
+    save,
+    seal_json,
+    writer_assignment,
+)
 
 KIB64 = 64 * 1024
 
@@ -724,13 +732,20 @@ def test_garbage_manifest(url):
 
 
 def test_not_a_tenplex_manifest(url):
+    """Changed on purpose for format version 2: an edited manifest fails its digest; a sealed
+    manifest of another version and a version-1 manifest (no digests) are refused by name."""
     ptc = tiny_ptc()
     cfg = ParallelConfig()
     save_all(url, ptc, cfg, random_bits(ptc, 1), step=1)
-    m = json.loads(_read_bytes(url, f"{_step(1)}/manifest.json"))
-    m["version"] = 99
-    _write_bytes(url, f"{_step(1)}/manifest.json", json.dumps(m).encode())
-    _no_result(lambda: load(url, cfg, 0), CheckpointError, "version")
+    rel = f"{_step(1)}/manifest.json"
+    m = open_sealed_json(_read_bytes(url, rel), rel)
+    _write_bytes(url, rel, json.dumps({**m, "version": 99}).encode())
+    _no_result(lambda: load(url, cfg, 0), CheckpointCorruptError, "digest")
+    _write_bytes(url, rel, seal_json({**m, "version": 99}))
+    err = _no_result(lambda: load(url, cfg, 0), CheckpointError, "version 99 is not supported")
+    assert not isinstance(err, CheckpointCorruptError)
+    _write_bytes(url, rel, json.dumps({**m, "version": 1}).encode())
+    _no_result(lambda: load(url, cfg, 0), CheckpointError, "format version 1")
 
 
 def test_garbage_rank_index_and_objects(url):
@@ -843,3 +858,418 @@ def test_explicit_save_id_is_validated(url):
         save(url, ptc, cfg, 0, shard, step=1, save_id="not-hex!")
     save(url, ptc, cfg, 0, shard, step=1, save_id="0123abcd")
     assert [i.save_id for i in list_steps(url)] == ["0123abcd"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. integrity (issue #15): every byte checked, bound to its step and attempt
+# ---------------------------------------------------------------------------------------------
+def _flip_bit(url, rel, find: bytes, at: int, bit: int) -> None:
+    """Flip ``bit`` of byte ``at`` of the first occurrence of ``find`` in file ``rel``."""
+    raw = bytearray(_read_bytes(url, rel))
+    raw[raw.index(find) + at] ^= bit
+    _write_bytes(url, rel, bytes(raw))
+
+
+def _copy(url, src_rel, dst_rel) -> None:
+    _write_bytes(url, dst_rel, _read_bytes(url, src_rel))
+
+
+def test_flipped_step_or_shape_in_the_manifest_is_detected(url):
+    """A flip turning "step": 20 into 22, or a shape [16] into [18], used to load silently."""
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(tp=2)
+    save_all(url, ptc, cfg, random_bits(ptc, 20, 20), step=20)
+    rel = f"{_step(20)}/manifest.json"
+    raw = _read_bytes(url, rel)
+    _flip_bit(url, rel, b'"step":20', len(b'"step":2'), 0x02)  # '0' -> '2'
+    assert b'"step":22' in _read_bytes(url, rel)
+    _no_result(lambda: load(url, cfg, 0), CheckpointCorruptError, "digest mismatch")
+    bad = bytearray(raw)
+    pos = raw.index(b'"shape":[16]') + len(b'"shape":[1')
+    bad[pos] ^= 0x0E  # '6' -> '8'
+    _write_bytes(url, rel, bytes(bad))
+    _no_result(lambda: load(url, cfg, 0), CheckpointCorruptError, "digest mismatch")
+    with pytest.raises(CheckpointCorruptError):
+        read_manifest(url)
+    info = list_steps(url)[-1]
+    assert not info.complete and "digest" in info.problem
+    # with an intact older step, the load falls back and says why
+    _write_bytes(url, rel, raw)
+    save_all(url, ptc, cfg, random_bits(ptc, 19, 19), step=19)
+    _write_bytes(url, rel, bytes(bad))
+    res = load(url, cfg, 1)
+    assert res.step == 19 and res.shard["optimizer.step"] == 19
+    assert [(s, why) for s, _, why in res.skipped] == [(20, info.problem)]
+
+
+def test_flipped_objects_byte_is_detected(url):
+    """torch.load ignores the zip CRCs: a flip turned the data seed 1234 into 1235 unnoticed."""
+    ptc = tiny_ptc()
+    cfg = ParallelConfig()
+    save_all(url, ptc, cfg, random_bits(ptc, 1, 1), step=1, extra={"data_seed": 1234})
+    assert load(url, cfg, 0).extra == {"data_seed": 1234}
+    rel = f"{_step(1)}/objects.pt"
+    _flip_bit(url, rel, b"M\xd2\x04", 1, 0x01)  # the pickled 1234 (BININT2) -> 1235
+    err = _no_result(lambda: load(url, cfg, 0), CheckpointCorruptError, "objects.pt: SHA-256 differs")
+    assert "step 1" in str(err)
+
+
+def test_parts_copied_from_another_step_are_refused(url):
+    """Copying a rank's index and data, the objects or the manifest of step 10 into step 20 used
+    to load step 20 with 55 wrong tensors or step-10 counters."""
+    ptc = tiny_ptc()
+    g10, g20 = random_bits(ptc, 10, 10), random_bits(ptc, 20, 20)
+    save_all(url, ptc, CFG2, g10, step=10)
+    save_all(url, ptc, CFG2, g20, step=20)
+    whole = ParallelConfig()  # its one rank reads every part
+    want10 = ptc.shard(g10, whole)[0]
+    cases = {
+        ("rank-00001.json", "rank-00001.safetensors"): "step is 10 but the manifest and directory say 20",
+        ("objects.pt",): "objects.pt: SHA-256 differs",
+        ("manifest.json",): "step 10 differs from its directory's step 20",
+        ("rank-00002.safetensors",): "checksum mismatch",
+    }
+    for files, why in cases.items():
+        saved = {f: _read_bytes(url, f"{_step(20)}/{f}") for f in files}
+        for f in files:
+            _copy(url, f"{_step(10)}/{f}", f"{_step(20)}/{f}")
+        res = load(url, whole, 0)
+        assert res.step == 10 and res.shard["optimizer.step"] == 10, files
+        assert_shard_equal(res.shard, want10, str(files))
+        ((step, _, reason),) = res.skipped
+        assert step == 20 and why in reason, (files, reason)
+        _no_result(lambda: load(url, whole, 0, step=20), CheckpointCorruptError, "step 20")
+        for f, data in saved.items():
+            _write_bytes(url, f"{_step(20)}/{f}", data)
+    assert load(url, CFG2, 0).step == 20
+
+
+def test_resave_with_a_reused_save_id_never_mixes_attempts(url):
+    """A relaunch with the same run id reused the save id: with only rank 0 finished before,
+    the re-save overwrote files in place and mixed two attempts (54 of 81 tensors)."""
+    ptc = tiny_ptc()
+    g10, old, new = random_bits(ptc, 10, 10), random_bits(ptc, 1, 20), random_bits(ptc, 2, 20)
+    save_all(url, ptc, CFG2, g10, step=10)
+    save(url, ptc, CFG2, 0, ptc.shard(old, CFG2)[0], step=20, save_id="00c0ffee")  # only rank 0 finishes
+    fs, root = _fs_root(url)
+    sdir = _sdir(fs, root, 20)
+    before = {p: fs.cat_file(p) for p in fs.ls(sdir, detail=False)}
+    shards = ptc.shard(new, CFG2)
+    with pytest.raises(CheckpointError, match="save id 00c0ffee was used by an earlier save"):
+        save(url, ptc, CFG2, 0, shards[0], step=20, save_id="00c0ffee")
+    for r in (1, 2, 3):  # the relaunch's other ranks complete the attempt
+        save(url, ptc, CFG2, r, shards[r], step=20, save_id="00c0ffee")
+    assert all(fs.cat_file(p) == data for p, data in before.items()), "a re-save changed an existing file"
+    info = [i for i in list_steps(url) if i.step == 20][0]
+    assert not info.complete and "reused" in info.problem
+    want = ptc.shard(g10, CFG2)
+    for r in range(CFG2.world_size):
+        res = load(url, CFG2, r)
+        assert res.step == 10 and res.skipped[0][:2] == (20, "00c0ffee")
+        assert_shard_equal(res.shard, want[r])
+    _no_result(lambda: load(url, CFG2, 0, step=20), CheckpointCorruptError, "reused")
+    # an attempt that was complete is left intact but marked too: a re-save of it could be
+    # completing an attempt of its own other ranks
+    save_all(url, ptc, CFG2, new, step=30, save_id="0000beef")
+    with pytest.raises(CheckpointError, match="was used by an earlier save"):
+        save(url, ptc, CFG2, 2, shards[2], step=30, save_id="0000beef")
+    assert load(url, CFG2, 0).step == 10
+
+
+_RESAVE_CHILD = r"""
+import os, sys, time, torch
+import tenplex.checkpoint as ckpt
+from tenplex import ParallelConfig, model_ptc
+root, ready = sys.argv[1], sys.argv[2]
+ptc = model_ptc(arch="llama", num_layers=4, hidden=16, heads=8, kv_heads=4, ffn_hidden=16, vocab=37, vocab_pad=2,
+                seq_len=8, dtype=torch.float32)
+cfg = ParallelConfig(tp=2, pp=2)
+g = {n: torch.full(s.shape, 7.0) for n, s in ptc.tensors.items()}
+g["optimizer.step"] = 20
+publish = ckpt._publish
+def hang(fs, tmp, path):
+    if path.endswith("rank-00002.safetensors"):
+        open(ready, "w").close()
+        time.sleep(600)  # SIGKILLed here, its data written under a temporary name
+    return publish(fs, tmp, path)
+ckpt._publish = hang
+shards = ptc.shard(g, cfg)
+for r in range(4):
+    try:
+        ckpt.save(root, ptc, cfg, r, shards[r], step=20, save_id="00c0ffee")
+    except ckpt.CheckpointError as e:
+        print("refused", r, e, flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_during_a_resave_falls_back_to_the_intact_step(tmp_path):
+    """A SIGKILL during a re-save under a reused save id made 3 of 6 loads fail instead of
+    falling back to the intact earlier step."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    url = str(tmp_path / "ckpt")
+    ptc = tiny_ptc()
+    g10 = random_bits(ptc, 10, 10)
+    save_all(url, ptc, CFG2, g10, step=10)
+    save(url, ptc, CFG2, 0, ptc.shard(random_bits(ptc, 1, 20), CFG2)[0], step=20, save_id="00c0ffee")
+    ready = tmp_path / "ready"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", _RESAVE_CHILD, url, str(ready)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert child.poll() is None, child.stdout.read()
+            assert time.monotonic() < deadline, "the re-save never reached rank 2's data"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        out = child.communicate(timeout=30)[0]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert "refused 0" in out and child.returncode == -signal.SIGKILL
+    loads = [(cfg, r) for cfg in (CFG2, ParallelConfig(dp=2)) for r in range(cfg.world_size)]
+    assert len(loads) == 6
+    for cfg, r in loads:
+        res = load(url, cfg, r)
+        assert res.step == 10 and res.skipped and res.skipped[0][0] == 20
+        assert_shard_equal(res.shard, ptc.shard(g10, cfg)[r], f"{cfg} rank {r}")
+
+
+def test_damaged_newest_step_falls_back_to_the_intact_one(url):
+    """One flipped data bit in step 20 made every restart exit 1 although step 19 was intact."""
+    ptc = tiny_ptc(hidden=64, ffn_hidden=128)
+    cfg = ParallelConfig(tp=2)
+    g19, g20 = random_bits(ptc, 19, 19), random_bits(ptc, 20, 20)
+    save_all(url, ptc, cfg, g19, step=19)
+    save_all(url, ptc, cfg, g20, step=20)
+    _, chunk = _chunk(url, 20, 1, "layers.2.mlp.down.weight")
+    rel = f"{_step(20)}/rank-00001.safetensors"
+    raw = bytearray(_read_bytes(url, rel))
+    raw[chunk["offset"] + 17] ^= 0x10
+    _write_bytes(url, rel, bytes(raw))
+    res = load(url, cfg, 1, ptc=ptc)
+    assert res.step == 19 and res.extra is None
+    assert_shard_equal(res.shard, ptc.shard(g19, cfg)[1])
+    ((step, sid, why),) = res.skipped
+    assert step == 20 and sid == list_steps(url)[-1].save_id and "checksum mismatch" in why
+    assert res.stats.bytes_read >= res.stats.bytes_needed == ptc.rank_nbytes(cfg, 1)
+    # rank 0 never reads the damaged block: it loads step 20 (see docs/format.md, "Choosing a step")
+    assert load(url, cfg, 0).step == 20
+    _no_result(lambda: load(url, cfg, 1, step=20), CheckpointCorruptError, "checksum mismatch")
+
+
+def test_tiered_load_falls_back_across_tiers_on_malformed_metadata(tmp_path):
+    """A malformed index in the local tier used to raise instead of reading the storage tier's copy."""
+    from tenplex.store import Tier, load_tiered
+
+    ptc = tiny_ptc()
+    new = ParallelConfig(dp=2)
+    local, storage = tmp_path / "local", tmp_path / "storage"
+    g19, g20 = random_bits(ptc, 19, 19), random_bits(ptc, 20, 20)
+    for root in (local, storage):  # the same attempts in both tiers
+        save_all(str(root), ptc, CFG2, g19, step=19, save_id="0000aaaa")
+        save_all(str(root), ptc, CFG2, g20, step=20, save_id="0000bbbb")
+    tiers = [Tier("local", str(local), "local"), Tier("storage", str(storage), "storage")]
+    want20, want19 = ptc.shard(g20, new), ptc.shard(g19, new)
+    clean = load_tiered(tiers, new, 0, ptc=ptc, rounds=False)
+    assert clean.bytes_by_kind["storage"] == 0 and clean.result.step == 20
+    sdir = local / "step-000000000020-0000bbbb"
+    cases = {  # file, bytes to find, bit: a malformed index (valid JSON, wrong value), manifest, objects
+        "rank-00001.json": (b'"rank":1', 0x02),
+        "manifest.json": (b'"world_size":4', 0x01),
+        "objects.pt": (b"data.pkl", 0x01),
+    }
+    for name, (find, bit) in cases.items():
+        raw = (sdir / name).read_bytes()
+        bad = bytearray(raw)
+        bad[raw.index(find) + len(find) - 1] ^= bit
+        (sdir / name).write_bytes(bytes(bad))
+        for r in range(new.world_size):
+            got = load_tiered(tiers, new, r, ptc=ptc, rounds=False)
+            assert got.result.step == 20 and got.result.skipped == (), name
+            assert_shard_equal(got.result.shard, want20[r], f"{name} rank {r}")
+        assert got.bytes_by_kind["storage"] > 0 or name != "rank-00001.json"
+        # damaged in both tiers: no intact copy of step 20, so step 19 from the tiers
+        (storage / sdir.name / name).write_bytes(bytes(bad))
+        got = load_tiered(tiers, new, 1, ptc=ptc, rounds=False)
+        assert got.result.step == 19 and [s for s, _, _ in got.result.skipped] == [20]
+        assert_shard_equal(got.result.shard, want19[1], name)
+        with pytest.raises(CheckpointCorruptError, match="step 20"):
+            load_tiered(tiers, new, 1, ptc=ptc, step=20, rounds=False)
+        (sdir / name).write_bytes(raw)
+        (storage / sdir.name / name).write_bytes(raw)
+
+
+def test_other_model_settings_are_refused_unless_allowed(url, tmp_path):
+    """A checkpoint of tiny with heads=4, kv_heads=2 has the tensor shapes of tiny with 8 heads,
+    so the fingerprint matched and it loaded into the other model."""
+    from tenplex import model_ptc, rescale
+    from tenplex.store import Tier, load_tiered
+
+    saved, other = model_ptc("tiny", heads=4, kv_heads=2), model_ptc("tiny")
+    assert saved.fingerprint() == other.fingerprint()
+    cfg = ParallelConfig(tp=2)
+    save_all(url, saved, cfg, random_bits(saved, 1, 1), step=1)
+    err = _no_result(lambda: load(url, cfg, 0, ptc=other), CheckpointMismatchError, "other model settings")
+    assert "heads: saved 4, requested 8" in str(err) and "kv_heads: saved 2, requested 4" in str(err)
+    assert "allow_meta_change=True" in str(err)
+    res = load(url, cfg, 0, ptc=other, allow_meta_change=True)
+    assert res.step == 1 and res.ptc.meta["model"]["heads"] == 4
+    assert load(url, cfg, 0, ptc=saved).step == 1
+    with pytest.raises(CheckpointMismatchError, match="heads"):
+        rescale(url, other, rank=0, world_size=2, parallel=cfg)
+    assert rescale(url, other, rank=0, world_size=2, parallel=cfg, allow_meta_change=True).step == 1
+    local = str(tmp_path / "tier")
+    save_all(local, saved, cfg, random_bits(saved, 1, 1), step=1)
+    with pytest.raises(CheckpointMismatchError, match="heads"):
+        load_tiered([Tier("local", local, "local")], cfg, 0, ptc=other)
+    assert load_tiered([Tier("local", local, "local")], cfg, 0, ptc=other, allow_meta_change=True).result.step == 1
+
+
+def test_save_validates_step_and_extra_up_front(url):
+    """save(step=10**12) returned and the step was then invisible; an extra holding a numpy
+    float saved fine and the load then called the checkpoint corrupt."""
+    from tenplex import CheckpointValueError
+
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(tp=2)
+    shards = ptc.shard(random_bits(ptc, 1, 1), cfg)
+    for bad in (10**12, -1, True, 2.0):
+        with pytest.raises(CheckpointValueError, match="step"):
+            save(url, ptc, cfg, 0, shards[0], step=bad)
+    for r in (0, 1):  # every rank refuses, although only rank 0 writes extra
+        with pytest.raises(CheckpointValueError, match=r"extra\['loss'\] = .*1\.5.* \(numpy\.float64\).*float\(x\)"):
+            save(url, ptc, cfg, r, shards[r], step=1, extra={"seed": 3, "loss": np.float64(1.5)})
+    with pytest.raises(ValueError, match=r"extra\['hist'\]\[1\]"):
+        save(url, ptc, cfg, 0, shards[0], step=1, extra={"hist": [1.0, np.int64(2)]})
+    assert list_steps(url) == [] and _rank_files(url, 1) == []
+    for r in (0, 1):
+        save(url, ptc, cfg, r, shards[r], step=np.int64(10**12 - 1), extra={"loss": 1.5})
+    res = load(url, cfg, 0)
+    assert res.step == 10**12 - 1 and res.extra == {"loss": 1.5}
+
+
+def test_rescale_falls_back_and_never_starts_fresh_over_damage(url):
+    from tenplex import rescale
+
+    ptc = tiny_ptc()
+    cfg = ParallelConfig(tp=2)
+    save_all(url, ptc, cfg, random_bits(ptc, 19, 19), step=19, extra={"at": 19})
+    save_all(url, ptc, ParallelConfig(dp=2), random_bits(ptc, 20, 20), step=20, extra={"at": 20})
+    _flip_bit(url, f"{_step(20)}/rank-00000.json", b'"chunks"', 1, 0x01)
+    res = rescale(url, ptc, rank=1, world_size=2, parallel=cfg)
+    assert res.step == 19 and res.extra == {"at": 19} and res.previous == cfg
+    assert [s for s, _, _ in res.skipped] == [20] and "passed over step 20" in res.summary()
+    assert rescale(url, ptc, rank=0, world_size=2, parallel=cfg, step=19).skipped == ()
+    with pytest.raises(CheckpointCorruptError, match="step 20"):
+        rescale(url, ptc, rank=0, world_size=2, parallel=cfg, step=20)
+    with pytest.raises(CheckpointNotFoundError, match="step 7"):
+        rescale(url, ptc, rank=0, world_size=2, parallel=cfg, step=7)
+    _flip_bit(url, f"{_step(19)}/manifest.json", b'"layout"', 1, 0x01)
+    with pytest.raises(CheckpointCorruptError):  # checkpoints exist, none usable: no silent fresh start
+        rescale(url, ptc, rank=0, world_size=2, parallel=cfg)
+
+
+_NONCE_CHILD = r"""
+import os, sys, threading, datetime
+import torch.distributed as dist
+from tenplex import ParallelConfig, model_ptc
+from tenplex.checkpoint import default_save_id
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+ptc, cfg = model_ptc("tiny"), ParallelConfig(tp=2)
+box = []
+th = threading.Thread(target=lambda: box.append(default_save_id(cfg, ptc)))  # as from a background save
+th.start(); th.join()
+print("id", box[0], default_save_id(cfg, ptc), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_default_save_id_is_shared_by_a_launch_and_differs_between_launches(tmp_path):
+    """The id hashed run id, restart count, layout and model only, so a relaunch with the same
+    run id reused it. Under a process group every rank derives the same id, from a background
+    thread too, and another launch with the same environment gets another one."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    launches = []
+    for _ in range(2):
+        procs = [subprocess.Popen([sys.executable, "-c", _NONCE_CHILD, str(r), str(port)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), outs
+        ids = [line.split()[1:] for out in outs for line in out.splitlines() if line.startswith("id ")]
+        assert len(ids) == 2 and len({i for pair in ids for i in pair}) == 1, ids  # one id per launch
+        launches.append(ids[0][0])
+    assert launches[0] != launches[1]
+
+
+_AGREE_CHILD = r"""
+import datetime, json, sys, torch
+import torch.distributed as dist
+from tenplex import ParallelConfig, model_ptc
+from tenplex.elastic import agree_on_step, rescale
+rank, port, url, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+ptc = model_ptc(arch="llama", num_layers=4, hidden=64, heads=8, kv_heads=4, ffn_hidden=128, vocab=37, vocab_pad=2,
+                seq_len=8, dtype=torch.float32)
+cfg = ParallelConfig(tp=2)
+res = rescale(url, ptc, rank=rank, world_size=2, parallel=cfg)  # before the process group, as the trainer does
+before = res.step
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+res = agree_on_step(res, url, ptc)
+torch.save(res.shard, f"{out}/shard-{rank}.pt")
+print("steps", before, res.step, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_ranks_that_saw_different_damage_agree_on_one_step(tmp_path):
+    """Damage only rank 1 reads makes rank 1 fall back alone; agree_on_step (real gloo ranks)
+    brings rank 0 back to the same step."""
+    import socket
+    import subprocess
+    import sys
+
+    ptc = tiny_ptc(hidden=64, ffn_hidden=128)
+    cfg = ParallelConfig(tp=2)
+    url = str(tmp_path / "ckpt")
+    g19 = random_bits(ptc, 19, 19)
+    save_all(url, ptc, cfg, g19, step=19)
+    save_all(url, ptc, cfg, random_bits(ptc, 20, 20), step=20)
+    _, chunk = _chunk(url, 20, 1, "layers.2.mlp.down.weight")
+    rel = f"{_step(20)}/rank-00001.safetensors"
+    raw = bytearray(_read_bytes(url, rel))
+    raw[chunk["offset"] + 5] ^= 0x01
+    _write_bytes(url, rel, bytes(raw))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_CHILD, str(r), str(port), url, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    steps = [next(line.split()[1:] for line in out.splitlines() if line.startswith("steps ")) for out in outs]
+    assert steps == [["20", "19"], ["19", "19"]], steps
+    want = ptc.shard(g19, cfg)
+    for r in range(2):
+        assert_shard_equal(torch.load(tmp_path / f"shard-{r}.pt", weights_only=True), want[r], f"rank {r}")

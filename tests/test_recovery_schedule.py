@@ -180,3 +180,26 @@ def test_rescale_with_tiers_reads_in_rounds(hosts, tmp_path: Path) -> None:  # n
                           tiers=_tiers(servers, 3), gpus_per_host=GPUS)
     assert res.step == 5 and res.bytes_by_tier["peer"] > 0
     assert all(torch.equal(res.shard[n], PTC_.shard(g, NEW)[3][n]) for n in PTC_.rank_tensors(NEW, 3))
+
+
+@pytest.mark.timeout(120)
+def test_malformed_peer_index_and_manifest_fall_back_within_the_rounds(hosts, tmp_path: Path) -> None:  # noqa: ANN001
+    """A peer's rank index that fails its digest, and a local manifest that does, are read from
+    the next tier holding a copy (persistent storage), with the peer reads still in rounds."""
+    servers, g = hosts
+    persistent = str(tmp_path / "persistent")
+    shards = PTC_.shard(g, OLD)
+    for r in range(OLD.world_size):
+        save(persistent, PTC_, OLD, r, shards[r], step=5, save_id=find_usable(_tiers(servers, 0))[-1].save_id)
+    (peer_dir,) = [d for d in servers[1].root.iterdir() if d.is_dir()]
+    (local_dir,) = [d for d in servers[0].root.iterdir() if d.is_dir()]
+    for path, find in ((peer_dir / "rank-00002.json", b'"offset":'), (local_dir / "manifest.json", b'"world_size":')):
+        raw = path.read_bytes()
+        bad = bytearray(raw)
+        bad[raw.index(find) + len(find)] ^= 0x01  # a digit: still valid JSON
+        path.write_bytes(bytes(bad))
+    tiers = _tiers(servers, 0, persistent)
+    res = load_tiered(tiers, NEW, 0, ptc=PTC_, gpus_per_host=GPUS)
+    assert res.result.step == 5 and res.result.skipped == ()
+    assert res.tiers_used[2] == "storage" and res.bytes_by_kind["storage"] > 0
+    assert all(torch.equal(res.result.shard[n], PTC_.shard(g, NEW)[0][n]) for n in PTC_.rank_tensors(NEW, 0))

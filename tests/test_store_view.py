@@ -79,3 +79,19 @@ def test_store_view_mount(tmp_path: Path) -> None:
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, timeout=30)
         proc.wait(timeout=30)
+
+
+def test_damaged_or_reused_snapshots_are_hidden(tmp_path: Path) -> None:
+    """The view checks the manifest's and indexes' digests: a damaged one hides its step or rank
+    part instead of serving chunk spans from unverified offsets; a reused save id hides the step."""
+    root, _ = _store(tmp_path)
+    tree = StoreTree(str(root))
+    assert tree.lookup("/model/step-3/rank-001") is not None
+    (sdir,) = root.iterdir()
+    index = sdir / "rank-00001.json"
+    raw = index.read_bytes()
+    index.write_bytes(raw.replace(b'"offset":', b'"offset":1', 1))
+    assert tree.lookup("/model/step-3/rank-001") is None
+    index.write_bytes(raw)
+    (sdir / "reused-rank-00001").write_bytes(b"{}")
+    assert tree.lookup("/model/step-3") is None

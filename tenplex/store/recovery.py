@@ -2,9 +2,11 @@
 
 Tiers, cheapest first: this host's store, peer hosts' stores (their own ranks' snapshots or
 replicas of others'), then persistent storage. A step is usable when every rank part of one
-save attempt exists in some tier; the newest usable step is chosen, and steps are never
-mixed. A part that fails its size or checksum test in one tier is read from the next tier
-that has it.
+save attempt exists in some tier and a copy of its manifest verifies; usable attempts are
+tried newest first, and steps are never mixed. Any part (manifest, objects, rank index,
+data block) that fails a check in one tier is read from the next tier that has it; when no
+tier holds an intact copy, the next older usable attempt is tried, and the result reports
+the attempts passed over (``LoadResult.skipped``).
 
 Reads between hosts follow a transfer schedule (``tenplex.schedule``) computed alike on every
 rank from the repartition plan and the stores' contents: this rank's peer reads run round by
@@ -14,6 +16,7 @@ round in the schedule's order (see docs/store.md, "Reads in rounds").
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
 import re
@@ -28,16 +31,26 @@ import fsspec
 import numpy as np
 import torch
 
-from ..checkpoint import LoadResult, ReadRequest, _read_json, _Reader, load_with_reader, writer_assignment
+from ..checkpoint import (
+    _REUSED_PREFIX,
+    Binding,
+    LoadResult,
+    Manifest,
+    ReadRequest,
+    _read_manifest,
+    _Reader,
+    load_with_reader,
+    writer_assignment,
+)
 from ..config import ParallelConfig
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
 from ..planner import plan as plan_moves
 from ..ptc import PTC
 from ..schedule import Demands, Schedule, schedule
 from ..topology import Topology
 
-__all__ = ["Tier", "TieredLoad", "UsableStep", "find_usable", "usable_steps", "load_tiered", "RECOVERY_LINKS",
-           "RecoveryPlan", "plan_recovery", "PeerRead", "RecoveryRounds"]
+__all__ = ["Tier", "TieredLoad", "UsableStep", "TierScan", "scan_tiers", "find_usable", "usable_steps", "load_tiered",
+           "RECOVERY_LINKS", "RecoveryPlan", "plan_recovery", "PeerRead", "RecoveryRounds"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +80,7 @@ class _Attempt:
     dirs: dict[str, str]  # tier name -> step dir
     ranks: dict[str, set[int]]  # tier name -> complete rank parts
     meta_tiers: list[str]  # tiers holding manifest.json and objects.pt
+    reused: list[str] = field(default_factory=list)  # tiers where a save marked the save id as used twice
 
 
 @dataclass(frozen=True)
@@ -133,7 +147,7 @@ class TieredLoad:
     rounds: RecoveryRounds = field(default_factory=lambda: RecoveryRounds(False, "not scheduled"))
 
 
-def _scan_tier(tier: Tier) -> dict[tuple[int, str], tuple[str, set[int], bool]]:
+def _scan_tier(tier: Tier) -> dict[tuple[int, str], tuple[str, set[int], bool, bool]]:
     try:
         fs, root = tier.fs()
         entries = fs.ls(root, detail=False)
@@ -152,25 +166,29 @@ def _scan_tier(tier: Tier) -> dict[tuple[int, str], tuple[str, set[int], bool]]:
             continue
         ranks = {int(mm.group(1)) for f in files if (mm := _RANK_JSON.match(f))
                  and f"rank-{mm.group(1)}.safetensors" in files}
-        out[(int(m.group(1)), m.group(2))] = (entry.rstrip("/"), ranks, {"manifest.json", "objects.pt"} <= files)
+        out[(int(m.group(1)), m.group(2))] = (entry.rstrip("/"), ranks, {"manifest.json", "objects.pt"} <= files,
+                                              any(f.startswith(_REUSED_PREFIX) for f in files))
     return out
 
 
 def _attempts(tiers: Sequence[Tier]) -> list[_Attempt]:
     merged: dict[tuple[int, str], _Attempt] = {}
     for tier in tiers:
-        for key, (path, ranks, meta) in _scan_tier(tier).items():
+        for key, (path, ranks, meta, reused) in _scan_tier(tier).items():
             a = merged.setdefault(key, _Attempt(key[0], key[1], {}, {}, []))
             a.dirs[tier.name] = path
             a.ranks[tier.name] = ranks
             if meta:
                 a.meta_tiers.append(tier.name)
+            if reused:
+                a.reused.append(tier.name)
     return sorted(merged.values(), key=lambda a: a.step)
 
 
 @dataclass(frozen=True)
 class UsableStep:
-    """A save attempt whose parts all exist in some tier, with its manifest (read once)."""
+    """A save attempt whose parts all exist in some tier, with its manifest (read once and
+    verified: ``verified``; ``manifest`` is its JSON object) and the tier it came from."""
 
     step: int
     save_id: str
@@ -179,26 +197,54 @@ class UsableStep:
     manifest: dict[str, Any]
     manifest_bytes: int
     meta_tier: Tier
+    verified: Manifest | None = None
+
+
+@dataclass(frozen=True)
+class TierScan:
+    """One scan of the tiers: the usable attempts (oldest first) and, for reports, the attempts
+    whose parts all exist but that cannot be used: ``(step, save_id, reason)``."""
+
+    usable: list[UsableStep]
+    unusable: list[tuple[int, str, str]] = field(default_factory=list)
+
+
+def scan_tiers(tiers: Sequence[Tier]) -> TierScan:
+    """Every save attempt across ``tiers`` (one listing of every tier): usable when every rank
+    part exists in some tier and a copy of its manifest verifies (tiers tried in order)."""
+    by_name = {t.name: t for t in tiers}
+    usable, unusable = [], []
+    for a in _attempts(tiers):
+        if not a.meta_tiers:
+            continue
+        if a.reused:
+            unusable.append((a.step, a.save_id, f"save id reused (marker in {', '.join(a.reused)})"))
+            continue
+        verified, errors = None, []
+        for name in a.meta_tiers:
+            fs, _ = by_name[name].fs()
+            try:
+                verified = _read_manifest(fs, a.dirs[name], step=a.step, save_id=a.save_id)
+            except (CheckpointError, OSError) as e:
+                log.warning("tier %s: the manifest of step %d (save %s) is unusable: %s", name, a.step, a.save_id, e)
+                errors.append(f"{name}: {e}")
+                continue
+            tier = by_name[name]
+            break
+        if verified is None:
+            unusable.append((a.step, a.save_id, "no tier holds a valid manifest: " + "; ".join(errors)))
+            continue
+        have = set().union(*a.ranks.values()) if a.ranks else set()
+        if set(range(verified.world_size)) <= have:
+            usable.append(UsableStep(a.step, a.save_id, verified.world_size, a, verified.raw, verified.nbytes, tier,
+                                     verified))
+    usable.sort(key=lambda u: (u.step, u.verified.created if u.verified else 0.0))
+    return TierScan(usable, unusable)
 
 
 def find_usable(tiers: Sequence[Tier]) -> list[UsableStep]:
     """Every usable save attempt across ``tiers``, oldest first (one scan of every tier)."""
-    by_name = {t.name: t for t in tiers}
-    out = []
-    for a in _attempts(tiers):
-        if not a.meta_tiers:
-            continue
-        tier = by_name[a.meta_tiers[0]]
-        fs, _ = tier.fs()
-        try:
-            manifest, nbytes = _read_json(fs, f"{a.dirs[tier.name]}/manifest.json")
-        except Exception:  # noqa: BLE001 - a damaged manifest makes the attempt unusable
-            continue
-        world = int(manifest.get("world_size", 0))
-        have = set().union(*a.ranks.values()) if a.ranks else set()
-        if world and set(range(world)) <= have:
-            out.append(UsableStep(a.step, a.save_id, world, a, manifest, nbytes, tier))
-    return out
+    return scan_tiers(tiers).usable
 
 
 def usable_steps(tiers: Sequence[Tier]) -> list[tuple[int, str, int]]:
@@ -405,14 +451,22 @@ class _TieredReader:
         self.bytes_by_tier: dict[str, int] = {}
         self.fallbacks = 0
         self.metadata_bytes = 0
+        self.binding: Binding | None = None
         self.lock = threading.Lock()
+
+    def bind(self, binding: Binding) -> None:
+        """What every tier's copy of a rank index must agree with (``load_with_reader`` sets it)."""
+        with self.lock:
+            self.binding = binding
+            for r in self.readers.values():
+                r.bind(binding)
 
     def _reader(self, tier: Tier) -> _Reader:
         key = (tier.name, threading.get_ident())
         reader = self.readers.get(key)
         if reader is None:
             fs, _ = tier.fs()
-            reader = _Reader(fs, self.attempt.dirs[tier.name])
+            reader = _Reader(fs, self.attempt.dirs[tier.name], self.binding)
             with self.lock:
                 reader.indexes = self.indexes.setdefault(tier.name, {})
                 self.readers[key] = reader
@@ -571,46 +625,80 @@ class _RoundsReader(_TieredReader):
 # load
 # ---------------------------------------------------------------------------------------------
 def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: PTC | None = None,
-                step: int | None = None, found: UsableStep | None = None, rounds: bool = True,
-                gpus_per_host: int = 8, topology: Topology | None = None, method: str = "greedy",
-                time_limit: float = 2.0, max_workers: int = 8, barrier: bool = False) -> TieredLoad:
-    """Load ``rank``'s shard under ``cfg`` from the newest step usable across ``tiers``.
+                step: int | None = None, found: UsableStep | None = None, scan: TierScan | None = None,
+                allow_meta_change: bool = False, rounds: bool = True, gpus_per_host: int = 8,
+                topology: Topology | None = None, method: str = "greedy", time_limit: float = 2.0,
+                max_workers: int = 8, barrier: bool = False) -> TieredLoad:
+    """Load ``rank``'s shard under ``cfg`` from the newest save attempt that verifies across ``tiers``.
 
-    Tiers are tried in the given order for every writer rank's part (put the cheapest first).
-    ``found``: the attempt to load, when the caller has already scanned the tiers.
+    Tiers are tried in the given order for every part (put the cheapest first): a manifest,
+    objects file, rank index or data block that fails a check in one tier is read from the
+    next tier holding it. When no tier holds an intact copy of some part, the next older
+    usable attempt is tried (of ``step`` only, when given); ``result.skipped`` lists the
+    attempts passed over. ``scan``: the tiers' scan (``scan_tiers``), when the caller has it;
+    ``found``: load exactly this attempt (no fallback to another). ``ptc`` and
+    ``allow_meta_change``: as for ``tenplex.checkpoint.load``.
 
     ``rounds`` (default): reads from peer stores follow the recovery schedule
     (``plan_recovery`` with ``gpus_per_host``, ``topology``, ``method``, ``time_limit``),
     round by round, up to ``max_workers`` reads of a round at once; ``barrier`` adds a
     ``torch.distributed.barrier()`` after every round of the schedule when a process group
     is initialised (every rank must then compute the same schedule and load at the same
-    time). If scheduling fails or takes too long, the reads run unscheduled (logged, and
-    ``TieredLoad.rounds.reason`` says why). Bytes read are the same either way.
+    time, and a fallback to another attempt on one rank would leave the others waiting: use
+    it only with intact stores). If scheduling fails or takes too long, the reads run
+    unscheduled (logged, and ``TieredLoad.rounds.reason`` says why). Bytes read are the same
+    either way.
     """
     t0 = time.perf_counter()
-    usable = [found] if found is not None else find_usable(tiers)
+    skipped: list[tuple[int, str, str]] = []
+    if found is not None:
+        usable = [found]
+    else:
+        scan = scan or scan_tiers(tiers)
+        usable = scan.usable
+        skipped = [u for u in scan.unusable if step is None or u[0] == step]
     if step is not None:
         usable = [u for u in usable if u.step == step]
-    if not usable:
-        names = ", ".join(f"{t.name}={t.url}" for t in tiers)
+    names = ", ".join(f"{t.name}={t.url}" for t in tiers)
+    if not usable and not skipped:
         raise CheckpointNotFoundError(f"no step{'' if step is None else f' {step}'} is complete across the tiers "
                                       f"{names}")
-    chosen = usable[-1]
-    step_, attempt, meta_tier = chosen.step, chosen.attempt, chosen.meta_tier
-    reader: _TieredReader
-    if rounds:
-        reader = _RoundsReader(tiers, chosen, cfg, rank, gpus_per_host=gpus_per_host, topology=topology,
-                               method=method, time_limit=time_limit, max_workers=max_workers, barrier=barrier)
-    else:
-        reader = _TieredReader(tiers, attempt)
-    fs, _ = meta_tier.fs()
-    sdir = attempt.dirs[meta_tier.name]
-    manifest = chosen.manifest
-    reader.metadata_bytes += chosen.manifest_bytes
-    result = load_with_reader(manifest, f"{meta_tier.url} step {step_}", cfg, rank, reader, fs, sdir, ptc=ptc, t0=t0)
-    by_kind: dict[str, int] = {}
-    for t in tiers:
-        by_kind[t.kind] = by_kind.get(t.kind, 0) + reader.bytes_by_tier.get(t.name, 0)
-    used = {r: names[0] for r, names in reader.choice.items() if names}
-    report = reader.report if isinstance(reader, _RoundsReader) else RecoveryRounds(False, "disabled (rounds=False)")
-    return TieredLoad(result, dict(reader.bytes_by_tier), by_kind, reader.fallbacks, used, report)
+    by_name = {t.name: t for t in tiers}
+    tried = []
+    for chosen in sorted(usable, key=lambda u: (u.step, u.verified.created if u.verified else 0.0), reverse=True):
+        attempt = chosen.attempt
+        verified = chosen.verified or _read_manifest(chosen.meta_tier.fs()[0], attempt.dirs[chosen.meta_tier.name],
+                                                     step=chosen.step, save_id=chosen.save_id)
+        reader: _TieredReader
+        if rounds:
+            reader = _RoundsReader(tiers, chosen, cfg, rank, gpus_per_host=gpus_per_host, topology=topology,
+                                   method=method, time_limit=time_limit, max_workers=max_workers, barrier=barrier)
+        else:
+            reader = _TieredReader(tiers, attempt)
+        reader.metadata_bytes += chosen.manifest_bytes
+        meta = [chosen.meta_tier.name] + [n for n in attempt.meta_tiers if n != chosen.meta_tier.name]
+        objects_from = [(by_name[n].fs()[0], attempt.dirs[n]) for n in meta if n in by_name]
+        try:
+            result = load_with_reader(verified, f"{chosen.meta_tier.url} step {chosen.step}", cfg, rank, reader,
+                                      objects_from, ptc=ptc, allow_meta_change=allow_meta_change, t0=t0)
+        except CheckpointCorruptError as e:
+            log.warning("step %d (save %s) has no intact copy across the tiers, trying an older one: %s", chosen.step,
+                        chosen.save_id, e)
+            tried.append((chosen.step, chosen.save_id, str(e)))
+            continue
+        passed = sorted([*skipped, *tried], key=lambda x: x[0], reverse=True)
+        passed = [x for x in passed if x[0] >= result.step]
+        if passed:
+            log.warning("rank %d loaded step %d after passing over %d newer attempts: %s", rank, result.step,
+                        len(passed), "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in passed))
+        result = dataclasses.replace(result, skipped=tuple(passed))
+        by_kind: dict[str, int] = {}
+        for t in tiers:
+            by_kind[t.kind] = by_kind.get(t.kind, 0) + reader.bytes_by_tier.get(t.name, 0)
+        used = {r: names_[0] for r, names_ in reader.choice.items() if names_}
+        report = (reader.report if isinstance(reader, _RoundsReader)
+                  else RecoveryRounds(False, "disabled (rounds=False)"))
+        return TieredLoad(result, dict(reader.bytes_by_tier), by_kind, reader.fallbacks, used, report)
+    reasons = sorted([*skipped, *tried], key=lambda x: x[0], reverse=True)
+    raise CheckpointCorruptError(f"no step{'' if step is None else f' {step}'} verifies across the tiers {names}: "
+                                 + "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in reasons))

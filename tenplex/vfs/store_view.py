@@ -6,15 +6,16 @@ Layout (built from the store's directory on every lookup, so new snapshots appea
     MOUNT/model/step-<N>/rank-<XXX>/index.json          that rank part's chunk index
     MOUNT/model/step-<N>/rank-<XXX>/<tensor>@<start>     the chunk's raw bytes (canonical flat order)
 
-``step-<N>`` is the newest save attempt of step N. A chunk file maps straight onto its byte
-range in the rank's safetensors file; nothing is copied into memory. The tree is pure apart
+``step-<N>`` is the newest save attempt of step N whose save id was not reused. The manifest
+and indexes are checked against their digests before use (a damaged one hides its step or
+rank part). A chunk file maps straight onto its byte range in the rank's safetensors file;
+nothing is copied into memory. The tree is pure apart
 from reading the store directory and is tested without mounting; ``mount_store`` serves it
 through the same thin mfusepy adapter as the dataset VFS.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -22,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import _REUSED_PREFIX, open_sealed_json
+from ..errors import CheckpointError
 from ..ptc import dtype_from_str
 from .tree import DIR, FILE, Node, VfsError
 
@@ -49,14 +52,16 @@ class StoreTree:
         best: dict[int, Path] = {}
         for d in self.root.iterdir():
             m = _STEP.match(d.name)
-            if m and d.is_dir() and (d / "manifest.json").exists():
+            if (m and d.is_dir() and (d / "manifest.json").exists()
+                    and not any(f.name.startswith(_REUSED_PREFIX) for f in d.iterdir())):
                 step = int(m.group(1))
                 if step not in best or d.stat().st_mtime > best[step].stat().st_mtime:
                     best[step] = d
         return {f"step-{s}": d for s, d in sorted(best.items())}
 
     def _manifest(self, d: Path) -> dict[str, Any]:
-        return json.loads((d / "manifest.json").read_text())
+        p = d / "manifest.json"
+        return open_sealed_json(p.read_bytes(), str(p))
 
     def _ranks(self, d: Path) -> dict[str, int]:
         out = {}
@@ -67,7 +72,8 @@ class StoreTree:
         return dict(sorted(out.items()))
 
     def _chunks(self, d: Path, rank: int) -> dict[str, tuple[str, int, int]]:
-        idx = json.loads((d / f"rank-{rank:05d}.json").read_text())
+        p = d / f"rank-{rank:05d}.json"
+        idx = open_sealed_json(p.read_bytes(), str(p))
         manifest = self._manifest(d)
         sizes = {t["name"]: dtype_from_str(t["dtype"]).itemsize for t in manifest["ptc"]["tensors"]}
         data = str(d / idx["file"])
@@ -113,12 +119,15 @@ class StoreTree:
     def lookup(self, path: str) -> Node | None:
         try:
             node, _ = self._resolve(path)
-        except (OSError, ValueError, KeyError):
-            return None  # a snapshot being written or removed under us
+        except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+            return None  # a snapshot being written or removed under us, or a damaged one
         return None if node.kind == "missing" else node
 
     def open(self, path: str) -> int:
-        node, span = self._resolve(path)
+        try:
+            node, span = self._resolve(path)
+        except (ValueError, KeyError, TypeError, CheckpointError):
+            raise FileNotFoundError(path) from None  # damaged or changed since the lookup
         if span is None:
             raise FileNotFoundError(path)
         with self._lock:
