@@ -336,8 +336,13 @@ def _inspect(args: argparse.Namespace) -> int:
     summary = []
     for info in steps:
         summary.append({"step": info.step, "complete": info.complete, "layout": str(info.layout) if info.layout else None,
-                        "world_size": info.world_size, "ranks_done": info.ranks_done, "data_bytes": info.nbytes})
+                        "world_size": info.world_size, "ranks_done": info.ranks_done, "data_bytes": info.nbytes,
+                        "problem": info.problem or None})
     complete = [i.step for i in steps if i.complete]
+    damaged = [i for i in steps if i.problem]
+    if not complete and damaged:  # nothing loadable: say why, as an error (exit 2)
+        raise CheckpointCorruptError(f"no usable step under {args.url}: " + "; ".join(
+            f"step {i.step} ({i.save_id}): {i.problem}" for i in damaged[-3:]))
     manifest = None
     if args.step is not None or complete:
         manifest = read_manifest(args.url, args.step)
@@ -355,7 +360,7 @@ def _inspect(args: argparse.Namespace) -> int:
     for s in summary:
         ranks = f"{s['ranks_done']}/{s['world_size'] if s['world_size'] is not None else '?'}"
         print(f"  {s['step']:>10}  {'yes' if s['complete'] else 'NO':<8}  {s['layout'] or '?':<24} {ranks:>9}  "
-              f"{human_bytes(s['data_bytes']):>12}")
+              f"{human_bytes(s['data_bytes']):>12}" + (f"  unusable: {s['problem']}" if s["problem"] else ""))
     if manifest is not None:
         ptc = manifest["ptc"]
         model = ptc.meta.get("model", {})

@@ -120,7 +120,7 @@ CASES: list[tuple[list[str], str]] = [
     (["inspect", "foo://bar"], "cannot use 'foo://bar' (Protocol not known: foo): pass a local path"),
     (["inspect", "http://127.0.0.1:{port}/"], "Cannot connect to host 127.0.0.1:{port}"),
     (["inspect", "{d}/nope"], "does not exist: check the path"),
-    (["inspect", "{damaged}"], "is damaged or not a tenplex checkpoint"),
+    (["inspect", "{damaged}"], "does not end in its SHA-256 digest; the file is damaged"),
     (["inspect", "{empty}", "--step", "-1"], "--step: -1 is outside"),
     (["inspect", "{damaged}", "--step", BIG], "is outside [0, 9223372036854775807]"),
     # import / export
@@ -133,7 +133,7 @@ CASES: list[tuple[list[str], str]] = [
     (["import", "{d}/nope", "{d}/y", "--format", "zip"], "invalid choice: 'zip'"),
     (["export", "foo://x", "{d}/out.safetensors"], "cannot use 'foo://x'"),
     (["export", "{d}/nope", "{d}/out.safetensors"], "no complete checkpoint under"),
-    (["export", "{damaged}", "{d}/out.safetensors"], "is damaged or not a tenplex checkpoint"),
+    (["export", "{damaged}", "{d}/out.safetensors"], "does not end in its SHA-256 digest; the file is damaged"),
     (["export", "http://127.0.0.1:{port}/ck", "{d}/out.safetensors"], "Cannot connect to host"),
     (["export", "{damaged}", "{d}/out.safetensors", "--step", "x"], "--step: 'x' is not an integer"),
     # data index
