@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -150,14 +151,16 @@ class StoreProcess:
     """``tenplex store serve`` for one simulated host, on its own loopback port."""
 
     def __init__(self, root: str, port: int, peers: Sequence[str], *, replicas: int = 1, keep_last: int = 2,
-                 log_path: str | None = None) -> None:
+                 log_path: str | None = None, token: str | None = None) -> None:
         self.root, self.port = root, port
         self.url = f"http://127.0.0.1:{port}"
+        self.token = token  # shared by the job's stores and workers, through the environment (not argv)
         self.log_file = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tenplex", "store", "serve", "--root", root, "--listen", f"127.0.0.1:{port}",
              "--peers", ",".join(peers), "--replicas", str(replicas), "--keep-last", str(keep_last)],
-            stdout=subprocess.PIPE, stderr=self.log_file, text=True, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=self.log_file, text=True, start_new_session=True,
+            env={**os.environ, "TENPLEX_STORE_TOKEN": token} if token else None)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "serving" not in line:
             self.stop()
@@ -165,7 +168,8 @@ class StoreProcess:
 
     def env(self, all_urls: Sequence[str]) -> dict[str, str]:
         """What a worker on this host needs to snapshot and recover."""
-        return {"TENPLEX_STORE_ROOT": self.root, "TENPLEX_STORE_URL": self.url, "TENPLEX_STORES": ",".join(all_urls)}
+        env = {"TENPLEX_STORE_ROOT": self.root, "TENPLEX_STORE_URL": self.url, "TENPLEX_STORES": ",".join(all_urls)}
+        return {**env, "TENPLEX_STORE_TOKEN": self.token} if self.token else env
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -198,12 +202,13 @@ def start_hosts(n: int, work: str, train_args: Sequence[str], *, nproc: int, end
     Store roots go under ``store_dir`` (e.g. a tmpfs such as /dev/shm), default ``work``."""
     ports = [free_port() for _ in range(n)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
+    token = secrets.token_urlsafe(32)  # one token for the job's stores and workers
     hosts = []
     for i in range(n):
         root = os.path.join(store_dir or work, f"host{i}", "store")
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(root, mode=0o700, exist_ok=True)
         store = StoreProcess(root, ports[i], urls, replicas=replicas, keep_last=keep_last,
-                             log_path=os.path.join(work, f"store{i}.log"))
+                             log_path=os.path.join(work, f"store{i}.log"), token=token)
         agent = Agent(f"host{i}", endpoint, train_args, nproc=nproc, min_nodes=1, max_nodes=n,
                       pid_dir=os.path.join(work, "pids"), log_path=os.path.join(work, f"host{i}.log"), run_id=run_id,
                       env={**(env or {}), **store.env(urls)})
