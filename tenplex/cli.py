@@ -529,11 +529,16 @@ def build_parser() -> argparse.ArgumentParser:
     store_sub = p.add_subparsers(dest="store_command", required=True)
     q = store_sub.add_parser("serve", help="serve a host's snapshots to its peers over HTTP (byte ranges)")
     q.add_argument("--root", default="/dev/shm/tenplex-store", help="directory (default on tmpfs)")
-    q.add_argument("--listen", default="127.0.0.1:7700", help="HOST:PORT")
-    q.add_argument("--token", default=None, help="shared token (required beyond loopback; or TENPLEX_STORE_TOKEN)")
+    q.add_argument("--listen", default="127.0.0.1:7700", help="HOST:PORT (port 0: a free one)")
+    q.add_argument("--token-file", default=None,
+                   help="file holding the shared token (mode 0600); default: TENPLEX_STORE_TOKEN, "
+                        "TENPLEX_STORE_TOKEN_FILE, else the user's token file, generated when missing")
+    q.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: visible in ps
     q.add_argument("--peers", default="", help="comma-separated URLs of all host stores (replication ring)")
     q.add_argument("--replicas", type=int, default=1, help="copies of each snapshot on the next hosts of the ring")
-    q.add_argument("--keep-last", type=int, default=2, help="steps kept")
+    q.add_argument("--keep-last", type=int, default=2, help="complete steps kept (>= 1)")
+    q.add_argument("--timeout", type=float, default=30.0, help="seconds a connection may idle or stall")
+    q.add_argument("--max-connections", type=int, default=128, help="connections served at once")
     q.set_defaults(func=_cmd_store_serve)
     _add_data_parsers(sub)
 
@@ -669,12 +674,15 @@ def _cmd_remount(args: argparse.Namespace) -> int:
 
 
 def _cmd_store_serve(args: argparse.Namespace) -> int:
-    import os
-
+    from .errors import ConfigError
     from .store import serve
 
-    serve(args.root, args.listen, token=args.token or os.environ.get("TENPLEX_STORE_TOKEN"),
-          peers=[u for u in args.peers.split(",") if u], replicas=args.replicas, keep_last=args.keep_last)
+    if args.token is not None:
+        raise ConfigError("--token puts the secret in the process list: pass --token-file FILE (mode 0600) or set "
+                          "TENPLEX_STORE_TOKEN")
+    serve(args.root, args.listen, token_file=args.token_file,
+          peers=[u for u in args.peers.split(",") if u.strip()], replicas=args.replicas, keep_last=args.keep_last,
+          timeout=args.timeout, max_connections=args.max_connections)
     return 0
 
 

@@ -162,19 +162,22 @@ def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:  # noqa:
 
 class StoreProcess:
     """``tenplex store serve`` for one simulated host, on its own port of the host's address
-    (loopback, or its namespace's address: then ``env`` must carry ``TENPLEX_STORE_TOKEN``)."""
+    (loopback, or its namespace's address). ``token``: the job's store token, handed over in
+    the environment (never on the command line, where ``ps`` shows it)."""
 
     def __init__(self, root: str, port: int, peers: Sequence[str], *, replicas: int = 1, keep_last: int = 2,
-                 log_path: str | None = None, net: HostNet = LOOPBACK, env: dict[str, str] | None = None) -> None:
+                 log_path: str | None = None, net: HostNet = LOOPBACK, token: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.root, self.port, self.net = root, port, net
         self.url = f"http://{net.address}:{port}"
+        self.token = token  # shared by the job's stores and workers, through the environment (not argv)
         self.log_file = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop
         self.proc = subprocess.Popen(
             net.command([sys.executable, "-m", "tenplex", "store", "serve", "--root", root, "--listen",
                          f"{net.address}:{port}", "--peers", ",".join(peers), "--replicas", str(replicas),
                          "--keep-last", str(keep_last)]),
             stdout=subprocess.PIPE, stderr=self.log_file, text=True, start_new_session=True,
-            env={**os.environ, **(env or {})})
+            env={**os.environ, **(env or {}), **({"TENPLEX_STORE_TOKEN": token} if token else {})})
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "serving" not in line:
             self.stop()
@@ -182,7 +185,8 @@ class StoreProcess:
 
     def env(self, all_urls: Sequence[str]) -> dict[str, str]:
         """What a worker on this host needs to snapshot and recover."""
-        return {"TENPLEX_STORE_ROOT": self.root, "TENPLEX_STORE_URL": self.url, "TENPLEX_STORES": ",".join(all_urls)}
+        env = {"TENPLEX_STORE_ROOT": self.root, "TENPLEX_STORE_URL": self.url, "TENPLEX_STORES": ",".join(all_urls)}
+        return {**env, "TENPLEX_STORE_TOKEN": self.token} if self.token else env
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -234,16 +238,15 @@ def start_hosts(n: int, work: str, train_args: Sequence[str], *, nproc: int, end
     if len(nets) < n:
         raise ValueError(f"{n} hosts need a network of at least {n} host namespaces, it has {len(nets)}")
     env = dict(env or {})
-    if network is not None and not env.get("TENPLEX_STORE_TOKEN"):
-        env["TENPLEX_STORE_TOKEN"] = secrets.token_hex(16)
+    token = env.pop("TENPLEX_STORE_TOKEN", None) or secrets.token_urlsafe(32)  # one for the job's stores and workers
     ports = [free_port() for _ in range(n)]
     urls = [f"http://{net.address}:{p}" for net, p in zip(nets, ports)]
     hosts = []
     for i in range(n):
         root = os.path.join(store_dir or work, f"host{i}", "store")
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(root, mode=0o700, exist_ok=True)
         store = StoreProcess(root, ports[i], urls, replicas=replicas, keep_last=keep_last,
-                             log_path=os.path.join(work, f"store{i}.log"), net=nets[i], env=env)
+                             log_path=os.path.join(work, f"store{i}.log"), net=nets[i], token=token, env=env)
         agent = Agent(f"host{i}", endpoint, train_args, nproc=nproc, min_nodes=1, max_nodes=n,
                       pid_dir=os.path.join(work, "pids"), log_path=os.path.join(work, f"host{i}.log"), run_id=run_id,
                       env={**env, **store.env(urls)}, net=nets[i])
