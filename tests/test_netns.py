@@ -216,9 +216,15 @@ def test_store_across_namespaces_needs_the_token(netns_ok: None, tmp_path: Path)
                 assert res.stdout.strip() == code, (extra, res.stdout, res.stderr)
         finally:
             store.stop()
-        # without a token a store refuses to listen beyond loopback
-        with pytest.raises(RuntimeError, match="did not start"):
-            StoreProcess(str(tmp_path / "t"), free_port(), [], net=h1, env={"TENPLEX_STORE_TOKEN": ""})
+        # without a token a store generates one (into a file only its user reads) and still refuses strangers
+        bare = StoreProcess(str(tmp_path / "t"), free_port(), [], net=h1,
+                            env={"TENPLEX_STORE_TOKEN": "", "TENPLEX_RUNTIME_DIR": str(tmp_path / "run")})
+        try:
+            res = subprocess.run(h0.command([sys.executable, "-c", probe, bare.url]), capture_output=True, text=True,
+                                 timeout=30)
+            assert res.stdout.strip() == "401", (res.stdout, res.stderr)
+        finally:
+            bare.stop()
 
 
 @pytest.mark.timeout(60)
