@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib
 import json
-import sys
 import time
+from pathlib import Path
 
 import networkx as nx
 import numpy as np
@@ -18,6 +20,9 @@ import tenplex
 from tenplex import ParallelConfig, PlanError
 from tenplex.cli import main
 from tenplex.schedule import Demands, demands, lower_bound, naive_completion, schedule, simulate, validate
+from tenplex.schedule.commodities import rep_pieces
+from tenplex.schedule.listsched import link_levels
+from tenplex.schedule.simulator import simulate_seq
 from tenplex.topology import Topology
 
 MB = 10**6
@@ -244,19 +249,17 @@ def test_traffic_around_a_ring_falls_back_to_chunk_by_chunk() -> None:
     # every route continues on the link the next route starts on: the link graph has a cycle
     t = chain_topology([("gpu0", "gpu1", 1e9), ("gpu1", "gpu2", 1e9), ("gpu2", "gpu0", 1e9)])
     d = Demands.of([(("gpu0",), ("gpu2",), 2 * MB), (("gpu1",), ("gpu0",), 2 * MB), (("gpu2",), ("gpu1",), 2 * MB)])
-    schedule_mod = sys.modules["tenplex.schedule"]
     s = schedule(d, t, method="greedy", chunk_bytes=MB)
     validate(s)
     inner = s.hop_parent >= 0
-    assert schedule_mod._link_levels(s.hop_link[s.hop_parent[inner]], s.hop_link[inner], 3) is None
-    assert simulate(s) == schedule_mod._simulate_seq(s)
+    assert link_levels(s.hop_link[s.hop_parent[inner]], s.hop_link[inner], 3) is None
+    assert simulate(s) == simulate_seq(s)
     assert lower_bound(d, t) <= s.completion_s <= 2 * lower_bound(d, t)
 
 
 def test_bulk_routes_on_a_larger_plan() -> None:
     """Instances past the small-instance options build greedy routes in bulk; vectorised simulation
     agrees with the hop-by-hop one."""
-    schedule_mod = sys.modules["tenplex.schedule"]
     ptc = tenplex.model_ptc("tiny", optimizer=True, distributed_optimizer=True)
     p = tenplex.plan(ptc, ParallelConfig(dp=4, tp=2, pp=2), ParallelConfig(dp=2, tp=2, pp=2), alive=range(16),
                      gpus_per_host=4)
@@ -265,7 +268,7 @@ def test_bulk_routes_on_a_larger_plan() -> None:
     assert len(d.commodities) * max(len(c.sources) for c in d.commodities) > 64
     s = schedule(p, t, method="greedy")
     validate(s)
-    assert s.completion_s == pytest.approx(schedule_mod._simulate_seq(s), rel=1e-12)
+    assert s.completion_s == pytest.approx(simulate_seq(s), rel=1e-12)
     assert s.completion_s >= lower_bound(d, t)
     got = np.zeros(p.new.world_size)
     for rnd in s.rounds():
@@ -304,7 +307,7 @@ def test_demands_by_group_equal_demands_by_row(data: st.DataObject) -> None:
     if not len(remote):
         assert not d.commodities
         return
-    rp = sys.modules["tenplex.schedule"]._rep_pieces(p, t, remote)
+    rp = rep_pieces(p, t, remote)
     direct = []
     for k, (srcs, dsts) in enumerate(zip(rp.sources, rp.dests)):
         ps = np.flatnonzero(rp.commodity == k)
@@ -312,3 +315,24 @@ def test_demands_by_group_equal_demands_by_row(data: st.DataObject) -> None:
                          tuple(sorted(rp.rows[rp.row_ptr[q] : rp.row_ptr[q + 1]].tolist()))) for q in ps)
         direct.append((srcs, dsts, int(rp.nbytes[ps].sum()), tuple(pieces)))
     assert _canonical(d) == sorted(direct)
+
+
+def test_schedule_modules_share_no_underscore_names() -> None:
+    """The package's modules import only public names from each other (what one module shares with
+    another is part of the package's inside API); ``__init__`` only re-exports, listed in ``__all__``."""
+    pkg = Path(tenplex.__file__).parent / "schedule"
+    modules = sorted(pkg.glob("*.py"))
+    assert len(modules) > 2
+    for f in modules:
+        tree = ast.parse(f.read_text(), str(f))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("tenplex")):
+                private = [a.name for a in node.names if a.name.startswith("_") and a.name != "__future__"]
+                assert not private, f"{f.name}:{node.lineno} imports {private} from {node.module}"
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_"):
+                assert node.value.id not in {m.stem for m in modules}, f"{f.name}:{node.lineno} uses {node.attr}"
+    init = ast.parse((pkg / "__init__.py").read_text())
+    defs = [n for n in init.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert not defs, "tenplex/schedule/__init__.py only re-exports"
+    exported = {a.asname or a.name for n in init.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert set(importlib.import_module("tenplex.schedule").__all__) == exported

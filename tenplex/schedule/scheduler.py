@@ -1,0 +1,151 @@
+"""The entry point: :func:`schedule` builds the greedy schedule, tries the LP and the MILP in the
+time left and returns the best by simulated completion."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import PlanError
+from ..planner import Plan
+from ..topology import Topology
+from .bounds import lower_bound
+from .commodities import Demands, demands
+from .listsched import list_schedule, split_chunks
+from .result import Schedule
+from .routes import Option, Routes, greedy_choices, greedy_routes, net_of, route_options
+from .simulator import simulate
+from .solvers import assign_greedy, assign_lp, solve_milp, static_lp
+
+log = logging.getLogger(__name__)
+
+METHODS = ("auto", "milp", "lp", "greedy")
+_MAX_CHUNKS = 20000
+_TARGET_CHUNKS = 2000
+_TARGET_EPOCHS = 128
+_PACE = 0.9  # sources release chunks at this fraction of the lower bound's pace (see _schedule_demands)
+_GOOD_ENOUGH = 1.03  # auto stops at the greedy schedule when it is this close to the lower bound
+
+
+def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", time_limit: float = 10.0,
+             chunk_bytes: int | None = None, epochs: int = _TARGET_EPOCHS,
+             dem: Demands | None = None) -> Schedule:
+    """Schedule a plan's transfers (or bare :class:`Demands`) over ``topology``.
+
+    Returns within about ``time_limit`` seconds: the greedy schedule is built first, the
+    solvers get what time remains. ``method="auto"`` keeps the greedy schedule when it is
+    within 3 % of the lower bound and otherwise tries the LP, then the MILP, for no longer than
+    they could save (the greedy completion minus the lower bound), and only when that budget
+    is at least twice what the greedy schedule took (the LP costs more): it never solves for
+    seconds to shorten a transfer by milliseconds. ``chunk_bytes``: size pieces are split into (default:
+    total bytes / 2000 as a power of two, at least 4 KiB; fewer chunks under a limit below
+    0.5 s). ``epochs``: target number of epochs of the list-scheduled methods. ``dem``:
+    demands computed before by :func:`demands`.
+    """
+    if isinstance(plan, Demands):
+        dem, plan = plan, None
+    if method not in METHODS:
+        raise PlanError(f"unknown schedule method {method!r}: use one of {', '.join(METHODS)}")
+    if time_limit <= 0:
+        raise PlanError(f"time_limit must be positive, got {time_limit}")
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit
+    if dem is None:
+        assert plan is not None
+        dem = demands(plan, topology)
+    return _schedule_demands(plan, topology, dem, method, t0, deadline, chunk_bytes, epochs)
+
+
+def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, method: str, t0: float,
+                      deadline: float, chunk_bytes: int | None, epochs: int) -> Schedule:
+    total = dem.bytes_unique
+    if chunk_bytes is None:  # fewer chunks when the time limit is short (list scheduling is ~50 us a chunk)
+        target = min(_TARGET_CHUNKS, max(200, int((deadline - time.perf_counter()) * 4000)))
+        chunk_bytes = max(4096, 1 << max(0, math.ceil(math.log2(max(total, 1) / target))))
+    if chunk_bytes < 1:
+        raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    n_chunks = sum(max(1, -(-c.nbytes // chunk_bytes)) for c in dem.commodities)
+    if n_chunks > _MAX_CHUNKS:
+        new = 1 << math.ceil(math.log2(total / _MAX_CHUNKS + 1))
+        log.warning("chunk_bytes=%d gives %d chunks (> %d); using %d", chunk_bytes, n_chunks, _MAX_CHUNKS, new)
+        chunk_bytes = new
+    chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
+    empty = np.zeros(0, dtype=np.int64)
+    if not len(chunk_com):
+        cols = {f"hop_{k}": empty for k in ("chunk", "link", "parent", "first", "last", "arrival")}
+        return Schedule(plan, topology, dem, method, 1.0, chunk_bytes, empty, empty, empty, **cols,
+                        slice_hop=empty, slice_epoch=empty, slice_nbytes=np.zeros(0),
+                        solve_seconds=time.perf_counter() - t0, info={"lower_bound_s": 0.0})
+    ref = float(chunk_bytes)
+    small = len(dem.commodities) * max(len(c.sources) for c in dem.commodities) <= 64
+    opts: list[list[Option]] | None = None
+    if small:  # greedy may also take a second, link-avoiding path
+        opts = route_options(topology, dem, ref, alt=True)
+        choices = greedy_choices(dem, opts, topology, ref)
+        cands = Routes.of([(o.hop_link, o.hop_parent) for cs in choices for o in cs], np.zeros(0, dtype=np.int64))
+        cand = np.concatenate([[0], np.cumsum([len(cs) for cs in choices])])
+    else:
+        cands, cand = greedy_routes(dem, net_of(topology, ref))
+    lb = lower_bound(dem, topology)
+    # order: every commodity spread evenly over time (fluid rates), ties by commodity
+    key = (chunk_idx + 0.5) / np.bincount(chunk_com)[chunk_com]
+    order = np.lexsort((chunk_com, key))
+    # release: chunk j of n leaves its source no earlier than j / n of the way through a slightly
+    # faster-than-bound fluid schedule, so queues at shared links fill in priority order, not per source
+    release = np.floor(chunk_idx / np.bincount(chunk_com)[chunk_com] * _PACE * epochs).astype(np.int64)
+    candidates: list[tuple[float, str, dict[str, Any], float]] = []
+    tau = max(lb, 1e-9) / max(epochs, 1)
+
+    def finish(name: str, arrays: dict[str, Any], tau_: float) -> None:
+        s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
+                     **{k: v for k, v in arrays.items() if k != "tau"})
+        candidates.append((simulate(s), name, arrays, tau_))
+
+    # greedy: always (the fallback)
+    routes = assign_greedy(cands, cand, chunk_com, chunk_nb, key, order, topology)
+    finish("greedy", list_schedule(topology, routes, chunk_nb, order, tau, release), tau)
+    lp_t = None
+    done = method == "auto" and candidates[0][0] <= _GOOD_ENOUGH * lb  # auto: stop improving
+    if method == "auto":  # never spend longer improving a schedule than the improvement could save
+        now = time.perf_counter()
+        deadline = min(deadline, now + max(candidates[0][0] - lb, 0.0))
+        # the LP takes 3 to 6 times as long as the greedy schedule (benchmark): a budget below
+        # twice the time spent so far would be spent without a result
+        done = done or deadline - now < 2 * (now - t0)
+    if method in ("auto", "lp", "milp") and not done and time.perf_counter() < deadline:
+        if opts is None:
+            opts = route_options(topology, dem, ref, alt=False)
+        frac = static_lp(topology, dem, opts, deadline - time.perf_counter())
+        if frac is not None and time.perf_counter() < deadline:
+            routes = assign_lp(dem, opts, frac, chunk_com, chunk_idx, topology)
+            arr = list_schedule(topology, routes, chunk_nb, order, tau, release)
+            if time.perf_counter() < deadline:
+                finish("lp", arr, tau)
+                lp_t = candidates[-1][0]
+    done = done or (method == "auto" and lp_t is not None and lp_t <= _GOOD_ENOUGH * lb)
+    if method in ("auto", "milp") and not done and time.perf_counter() < deadline:
+        horizon = 1.5 * min(c[0] for c in candidates)
+        arr = solve_milp(topology, dem, opts, chunk_com, chunk_nb, chunk_bytes, horizon, deadline)
+        if arr is not None:
+            finish("milp", arr, float(arr["tau"]))
+    if method != "auto":
+        wanted = [c for c in candidates if c[1] == method]
+        pick = wanted[0] if wanted else min(candidates, key=lambda c: c[0])
+        if not wanted:
+            log.warning("method %s gave no schedule in time; falling back to %s", method, pick[1])
+    else:
+        pick = min(candidates, key=lambda c: (c[0], -len(c[1])))
+    comp, name, arrays, tau_ = pick
+    info = {"lower_bound_s": lb, "candidates": {c[1]: c[0] for c in candidates}}
+    if lp_t is not None:
+        info["lp_s"] = lp_t
+    s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
+                 **{k: v for k, v in arrays.items() if k != "tau"}, solve_seconds=time.perf_counter() - t0,
+                 info=info)
+    log.info("scheduled %d chunks with %s in %.3fs: %.4fs (lower bound %.4fs)", len(chunk_com), name,
+             s.solve_seconds, comp, lb)
+    return s
