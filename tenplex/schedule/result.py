@@ -118,14 +118,16 @@ class Schedule:
             i0 = int(np.searchsorted(pre, a, side="right")) - 1
             while i0 < len(com.pieces) and pre[i0] < b:
                 p = int(com.pieces[i0])
-                lo, hi = max(a, int(pre[i0])), min(b, int(pre[i0 + 1]))
                 sz = int(itemsize[p])
-                if hi > lo:
+                # chunk bounds need not fall between elements (pieces of other item sizes come
+                # first): an element goes with the chunk that holds its first byte
+                e0 = -(-(max(a, int(pre[i0])) - int(pre[i0])) // sz)
+                e1 = -(-(min(b, int(pre[i0 + 1])) - int(pre[i0])) // sz)
+                if e1 > e0:
                     tensor = names[int(d.piece_tensor[p])] if names else str(int(d.piece_tensor[p]))
                     by_epoch.setdefault(int(self.hop_first[h]), []).append(Transfer(
-                        int(self.hop_first[h]), link.src, link.dst, tensor,
-                        int(d.piece_start[p]) + (lo - int(pre[i0])) // sz, (hi - lo) // sz, hi - lo, c, src_rank,
-                        tuple(r for r in keep if self._rank_needs(r, p))))
+                        int(self.hop_first[h]), link.src, link.dst, tensor, int(d.piece_start[p]) + e0, e1 - e0,
+                        (e1 - e0) * sz, c, src_rank, tuple(r for r in keep if self._rank_needs(r, p))))
                 i0 += 1
         return [by_epoch[e] for e in sorted(by_epoch)]
 
