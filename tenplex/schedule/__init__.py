@@ -16,7 +16,8 @@ Methods (see docs/schedule.md):
   the same route options, solved by HiGHS), rounded to chunks and list-scheduled in epochs.
 - ``greedy``: load-aware source choice on shortest-path trees, list-scheduled in epochs.
 - ``auto``: greedy first (the fallback), then lp, then milp when small, within ``time_limit``;
-  the best by simulated completion wins.
+  the best by simulated completion wins, unless the naive baseline is faster: then the naive
+  schedule itself (method ``"naive"``).
 
 Also: :func:`simulate` (completion of a schedule), :func:`naive_completion` (every transfer at
 once on its shortest path, max-min fair sharing), :func:`lower_bound` (cut bound with best
@@ -24,12 +25,13 @@ source choice and multicast) and :meth:`Schedule.rounds` (the transfer order for
 
 Modules: ``commodities`` (pieces and commodities of a plan), ``routes`` (route options, fastest
 paths, greedy routes), ``listsched`` (list scheduling in epochs), ``solvers`` (LP, greedy
-assignment, MILP), ``bounds`` (lower bound, naive baseline), ``simulator`` (simulate, validate),
-``result`` (Schedule, Transfer), ``scheduler`` (:func:`schedule`).
+assignment, MILP), ``bounds`` (lower bound), ``naive`` (the naive baseline), ``simulator``
+(simulate, validate), ``result`` (Schedule, Transfer), ``scheduler`` (:func:`schedule`).
 """
 
-from .bounds import lower_bound, naive_completion
+from .bounds import lower_bound
 from .commodities import Commodity, Demands, demands
+from .naive import naive_completion
 from .result import Schedule, Transfer
 from .scheduler import METHODS, schedule
 from .simulator import simulate, validate

@@ -1,5 +1,5 @@
-"""What a schedule is measured against: the lower bound (cuts with the best choice of sources and
-multicast, path latency) and the naive baseline (every flow at once, max-min fair sharing)."""
+"""The lower bound a schedule is measured against: cuts with the best choice of sources and
+multicast, and path latency (the naive baseline it is compared with is in naive.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..planner import LOCAL, STORAGE, Plan
 from ..topology import Topology
 from .commodities import Demands
 
@@ -136,70 +135,3 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
         out = _dot(nb, (s_in == cnt[ps]) & (d_in < cnt[pd]))
         best = max(best, worst(inn, out, cut.union_in, cut.union_out))
     return max(best, _path_latency(topology, src, dst))
-
-
-def naive_completion(plan: Plan | Demands, topology: Topology) -> float:
-    """Every transfer starts at once on its shortest path from a fixed source (the plan's choice;
-    for bare demands the first candidate), one copy per destination (no multicast); links are
-    shared max-min fairly (progressive filling), one flow per (source, destination) pair."""
-    if isinstance(plan, Demands):
-        pairs: dict[tuple[str, str], float] = {}
-        for c in plan.commodities:
-            for d in c.dests:
-                pairs[(c.sources[0], d)] = pairs.get((c.sources[0], d), 0.0) + c.nbytes
-        names, nbytes = list(pairs), np.array(list(pairs.values()))
-    else:
-        c = plan.columns
-        rows = np.flatnonzero(c["kind"] != LOCAL)
-        if not len(rows):
-            return 0.0
-        src = np.where(c["kind"][rows] == STORAGE, -1, c["src_rank"][rows])
-        dst = plan.devices[c["new_rank"][rows]]
-        up, inv = np.unique(np.stack([src, dst], axis=1), axis=0, return_inverse=True)
-        nbytes = np.bincount(inv.reshape(-1), weights=c["nbytes"][rows])
-        names = [(topology.storage() if s_ == -1 else topology.gpu(s_), topology.gpu(d_)) for s_, d_ in up.tolist()]
-    if not names:
-        return 0.0
-    paths, lat = [], []
-    for sn, dn in names:
-        _, sp = topology.shortest_paths(sn)
-        p = topology.path_links(sp[dn])
-        paths.append(p)
-        lat.append(float(topology.latency[p].sum()))
-    return _maxmin_completion(paths, nbytes, topology.bandwidth, np.asarray(lat))
-
-
-def _maxmin_completion(paths: list[list[int]], nbytes: np.ndarray, bw: np.ndarray, lat: np.ndarray) -> float:
-    used = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in paths]))
-    col = {int(e): i for i, e in enumerate(used)}
-    a = np.zeros((len(paths), len(used)), dtype=np.float64)
-    for f, p in enumerate(paths):
-        a[f, [col[int(e)] for e in p]] = 1.0
-    cap = bw[used]
-    left = nbytes.astype(np.float64).copy()
-    active = left > 0
-    now = 0.0
-    done = np.zeros(len(paths))
-    while active.any():
-        rate = np.zeros(len(paths))
-        frozen = ~active
-        capleft = cap.copy()
-        while not frozen.all():
-            n = a[~frozen].sum(0)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                share = np.where(n > 0, capleft / n, np.inf)
-            inc = float(share.min())
-            rate[~frozen] += inc
-            capleft -= inc * n
-            sat = (n > 0) & (capleft <= cap * 1e-9)
-            frozen |= (a[:, sat].sum(1) > 0)
-        with np.errstate(divide="ignore"):
-            t_left = np.where(active, left / np.maximum(rate, 1e-300), np.inf)
-        dt = float(t_left.min())
-        now += dt
-        left[active] -= rate[active] * dt
-        fin = active & (t_left <= dt * (1 + 1e-9))
-        done[fin] = now
-        left[fin] = 0
-        active &= ~fin
-    return float(np.max(done + lat))

@@ -45,6 +45,8 @@ class Schedule:
     the link's head). Slice columns (``slice_hop``, ``slice_epoch``, ``slice_nbytes``): bytes
     a hop sends in each epoch. A chunk is ``chunk_nbytes`` bytes of commodity
     ``chunk_commodity`` starting at byte ``chunk_offset`` of the commodity's pieces.
+    ``method``: the one that made it; ``"naive"``: the naive baseline's transfers, one commodity
+    per (source, destination) pair, which :func:`simulate` runs as the naive model does.
     """
 
     plan: Plan | None

@@ -3,6 +3,7 @@ time left and returns the best by simulated completion."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -16,9 +17,10 @@ from ..topology import Topology
 from .bounds import lower_bound
 from .commodities import Demands, demands
 from .listsched import list_schedule, split_chunks
+from .naive import NaiveFlows, naive_flows
 from .result import Schedule
 from .routes import Option, Routes, greedy_choices, greedy_routes, net_of, route_options
-from .simulator import simulate
+from .simulator import simulate, store_and_forward
 from .solvers import assign_greedy, assign_lp, solve_milp, static_lp
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,9 @@ def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", 
     within 3 % of the lower bound and otherwise tries the LP, then the MILP, for no longer than
     they could save (the greedy completion minus the lower bound), and only when that budget
     is at least twice what the greedy schedule took (the LP costs more): it never solves for
-    seconds to shorten a transfer by milliseconds. ``chunk_bytes``: size pieces are split into (default:
+    seconds to shorten a transfer by milliseconds. Nor does it return a schedule slower than
+    the naive baseline (:func:`naive_completion`): where the best one is, it returns the naive
+    schedule itself (method ``"naive"``). ``chunk_bytes``: size pieces are split into (default:
     total bytes / 2000 as a power of two, at least 4 KiB; fewer chunks under a limit below
     0.5 s). ``epochs``: target number of epochs of the list-scheduled methods. ``dem``:
     demands computed before by :func:`demands`.
@@ -68,11 +72,7 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
         chunk_bytes = max(4096, 1 << max(0, math.ceil(math.log2(max(total, 1) / target))))
     if chunk_bytes < 1:
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    n_chunks = sum(max(1, -(-c.nbytes // chunk_bytes)) for c in dem.commodities)
-    if n_chunks > _MAX_CHUNKS:
-        new = 1 << math.ceil(math.log2(total / _MAX_CHUNKS + 1))
-        log.warning("chunk_bytes=%d gives %d chunks (> %d); using %d", chunk_bytes, n_chunks, _MAX_CHUNKS, new)
-        chunk_bytes = new
+    chunk_bytes = _capped(dem, chunk_bytes)
     chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
     empty = np.zeros(0, dtype=np.int64)
     if not len(chunk_com):
@@ -91,8 +91,7 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
     else:
         cands, cand = greedy_routes(dem, net_of(topology, ref))
     lb = lower_bound(dem, topology)
-    # order: every commodity spread evenly over time (fluid rates), ties by commodity
-    key = (chunk_idx + 0.5) / np.bincount(chunk_com)[chunk_com]
+    key = _progress(chunk_com, chunk_idx)
     order = np.lexsort((chunk_com, key))
     # release: chunk j of n leaves its source no earlier than j / n of the way through a slightly
     # faster-than-bound fluid schedule, so queues at shared links fill in priority order, not per source
@@ -143,9 +142,52 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
     info = {"lower_bound_s": lb, "candidates": {c[1]: c[0] for c in candidates}}
     if lp_t is not None:
         info["lp_s"] = lp_t
+    if method == "auto":  # never slower than the naive baseline
+        flows = naive_flows(plan if plan is not None else dem, topology)
+        if comp > flows.floor(topology) * (1 - 1e-6):  # else: faster than anything naive can be
+            naive_s = flows.completion(topology)
+            if comp > naive_s:
+                return _naive_schedule(plan, topology, flows, naive_s, chunk_bytes, epochs, t0, info)
     s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
                  **{k: v for k, v in arrays.items() if k != "tau"}, solve_seconds=time.perf_counter() - t0,
                  info=info)
     log.info("scheduled %d chunks with %s in %.3fs: %.4fs (lower bound %.4fs)", len(chunk_com), name,
              s.solve_seconds, comp, lb)
+    return s
+
+
+def _progress(chunk_com: np.ndarray, chunk_idx: np.ndarray) -> np.ndarray:
+    """List-scheduling priority of every chunk: chunk j of n of its commodity at (j + 1/2) / n, so
+    every commodity is spread evenly over time (fluid rates); ties go by commodity."""
+    return (chunk_idx + 0.5) / np.bincount(chunk_com)[chunk_com]
+
+
+def _capped(dem: Demands, chunk_bytes: int) -> int:
+    """``chunk_bytes``, or a larger power of two where it would cut ``dem`` into too many chunks."""
+    n_chunks = sum(max(1, -(-c.nbytes // chunk_bytes)) for c in dem.commodities)
+    if n_chunks <= _MAX_CHUNKS:
+        return chunk_bytes
+    new = 1 << math.ceil(math.log2(dem.bytes_unique / _MAX_CHUNKS + 1))
+    log.warning("chunk_bytes=%d gives %d chunks (> %d); using %d", chunk_bytes, n_chunks, _MAX_CHUNKS, new)
+    return new
+
+
+def _naive_schedule(plan: Plan | None, topology: Topology, flows: NaiveFlows, naive_s: float, chunk_bytes: int,
+                    epochs: int, t0: float, info: dict[str, Any]) -> Schedule:
+    """The naive baseline as a schedule (method ``"naive"``): its flows' chunks on their shortest
+    paths, all released at once and list-scheduled in epochs, a store-and-forward rendering that
+    :func:`validate` checks and :meth:`Schedule.rounds` orders for a transport. Its completion is
+    the naive model's (see :func:`simulate`); ``info["store_and_forward_s"]``: that of its epochs."""
+    dem = flows.demands
+    chunk_bytes = _capped(dem, chunk_bytes)
+    chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
+    routes = Routes.of([(p, np.arange(len(p)) - 1) for p in flows.paths], chunk_com)  # one path per flow
+    order = np.lexsort((chunk_com, _progress(chunk_com, chunk_idx)))
+    tau = max(naive_s, 1e-9) / max(epochs, 1)
+    arrays = list_schedule(topology, routes, chunk_nb, order, tau, np.zeros(len(chunk_com), dtype=np.int64))
+    s = Schedule(plan, topology, dem, "naive", tau, chunk_bytes, chunk_com, chunk_off, chunk_nb, **arrays)
+    info = {**info, "candidates": {**info["candidates"], "naive": naive_s}, "store_and_forward_s": store_and_forward(s)}
+    s = dataclasses.replace(s, solve_seconds=time.perf_counter() - t0, info=info)
+    log.info("scheduled %d chunks with naive in %.3fs: %.4fs; the solved ones took longer (%s)", len(chunk_com),
+             s.solve_seconds, naive_s, info["candidates"])
     return s

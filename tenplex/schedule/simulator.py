@@ -9,12 +9,28 @@ import numpy as np
 
 from ..errors import PlanError
 from .listsched import by_level, fifo, link_levels
+from .naive import maxmin_completion
 
 if TYPE_CHECKING:  # result.py imports this module (Schedule.completion_s runs simulate)
     from .result import Schedule
 
 
 def simulate(s: Schedule) -> float:
+    """Seconds until the last chunk reaches its last destination.
+
+    A schedule runs store-and-forward (:func:`store_and_forward`), except the naive one
+    (method ``"naive"``, the scheduler's fallback): it runs as the naive baseline models it,
+    every flow at once on its path, links shared max-min fairly, bytes cutting through
+    (:func:`~tenplex.schedule.naive.maxmin_completion`; its epochs only order it for a transport).
+    """
+    if not len(s.hop_chunk):
+        return 0.0
+    if s.method == "naive":
+        return _simulate_naive(s)
+    return store_and_forward(s)
+
+
+def store_and_forward(s: Schedule) -> float:
     """Seconds until the last chunk reaches its last destination when every link sends its chunks
     in the schedule's order (by starting epoch, then hop index), each as soon as it has arrived
     and the link is free.
@@ -42,7 +58,7 @@ def simulate(s: Schedule) -> float:
 
 
 def simulate_seq(s: Schedule) -> float:
-    """:func:`simulate`, one hop at a time (any link graph)."""
+    """:func:`store_and_forward`, one hop at a time (any link graph)."""
     bw, lat = s.topology.bandwidth, s.topology.latency
     order = np.lexsort((np.arange(len(s.hop_first)), s.hop_first))
     freel = [0.0] * len(bw)
@@ -61,6 +77,22 @@ def simulate_seq(s: Schedule) -> float:
         if readyl[h] > end:
             end = readyl[h]
     return end
+
+
+def _simulate_naive(s: Schedule) -> float:
+    """Completion of a naive schedule: its commodities (one source, one destination each) are the
+    flows, each on the path of its chunks."""
+    first = np.searchsorted(s.chunk_commodity, np.arange(len(s.demands.commodities)))  # a chunk of each
+    is_first = np.zeros(len(s.chunk_commodity), dtype=bool)
+    is_first[first] = True
+    hops = np.flatnonzero(is_first[s.hop_chunk])
+    hops = hops[np.lexsort((s.hop_first[hops], s.hop_chunk[hops]))]  # a path's hops start epoch after epoch
+    chunk = s.hop_chunk[hops]
+    paths = np.split(s.hop_link[hops], np.flatnonzero(chunk[1:] != chunk[:-1]) + 1)
+    topo = s.topology
+    nbytes = np.array([c.nbytes for c in s.demands.commodities], dtype=np.float64)
+    latency = np.array([float(topo.latency[p].sum()) for p in paths])
+    return maxmin_completion(paths, nbytes, topo.bandwidth, latency)
 
 
 def validate(s: Schedule) -> None:
