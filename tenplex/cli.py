@@ -280,7 +280,8 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
                         f"{topo.num_gpus} GPUs: pass a topology with at least {need} GPUs "
                         f"(e.g. hosts={-(-need // topo.gpus_per_host)},gpus={topo.gpus_per_host})")
     s = schedule(result, topo, method=args.method, time_limit=args.time_limit, chunk_bytes=args.chunk_bytes)
-    completion, naive, lb = s.completion_s, naive_completion(result, topo), lower_bound(s.demands, topo)
+    completion, naive = s.completion_s, naive_completion(result, topo)
+    lb = s.info.get("lower_bound_s") or lower_bound(s.demands, topo)  # of the plan, also when auto returns naive flows
     rounds = s.num_epochs
     if args.json:
         out = {"model": args.model, "from": str(args.from_), "to": str(args.to), "topology": topo.name,

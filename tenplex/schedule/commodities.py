@@ -1,0 +1,202 @@
+"""A plan's non-local moves as the scheduler sees them: pieces (one tensor interval, all its
+destinations) grouped into commodities (same candidate sources, same destinations; pure: no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import PlanError
+from ..planner import LOCAL, STORAGE, Plan
+from ..topology import Topology
+from .arrays import excl_cumsum
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
+class Commodity:
+    """Pieces with the same candidate sources and the same destinations, moved as one flow."""
+
+    sources: tuple[str, ...]
+    dests: tuple[str, ...]
+    nbytes: int
+    pieces: np.ndarray  # indices into Demands.piece_* columns, in byte order
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
+class Demands:
+    """A plan's non-local moves, grouped into pieces (one interval, all its destinations) and commodities."""
+
+    commodities: tuple[Commodity, ...]
+    piece_tensor: np.ndarray
+    piece_start: np.ndarray
+    piece_length: np.ndarray
+    piece_nbytes: np.ndarray
+    piece_row_ptr: np.ndarray  # rows[piece_row_ptr[p]:piece_row_ptr[p + 1]]: plan rows (moves) piece p serves
+    rows: np.ndarray
+    bytes_moved: int  # sum over moves (a multicast piece counted once per destination)
+
+    def rows_of(self, piece: int) -> np.ndarray:
+        """Plan rows (moves) that piece ``piece`` serves."""
+        return self.rows[self.piece_row_ptr[piece] : self.piece_row_ptr[piece + 1]]
+
+    @property
+    def bytes_unique(self) -> int:
+        return int(self.piece_nbytes.sum())
+
+    @classmethod
+    def of(cls, flows: list[tuple[tuple[str, ...], tuple[str, ...], int]]) -> Demands:
+        """Demands without a plan: ``(candidate source nodes, destination nodes, bytes)`` per flow
+        (flow i is tensor i, one byte per element)."""
+        coms = []
+        for i, (srcs, dsts, nb) in enumerate(flows):
+            if nb <= 0 or not srcs or not dsts:
+                raise PlanError(f"flow {i} needs sources, destinations and positive bytes, got {srcs}, {dsts}, {nb}")
+            if set(srcs) & set(dsts):
+                raise PlanError(f"flow {i}: a destination is also a source ({sorted(set(srcs) & set(dsts))})")
+            coms.append(Commodity(tuple(srcs), tuple(dsts), int(nb), np.array([i])))
+        n = len(flows)
+        nb_arr = np.array([f[2] for f in flows], dtype=np.int64)
+        return cls(tuple(coms), np.arange(n), np.zeros(n, dtype=np.int64), nb_arr.copy(), nb_arr,
+                   np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                   int(sum(f[2] * len(f[1]) for f in flows)))
+
+
+
+def _hashes(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 2**63, n, dtype=np.uint64)
+
+
+def demands(plan: Plan, topology: Topology) -> Demands:
+    """Group a plan's non-local moves into pieces and commodities (candidate sources: every live holder).
+
+    Tensors of one plan group (the layers of a stage) have the same moves, so the pieces and
+    their commodities are found for one tensor per group and repeated for the others.
+    """
+    c = plan.columns
+    remote = c["kind"] != LOCAL
+    if not remote.any():
+        z = np.zeros(0, dtype=np.int64)
+        return Demands((), z, z, z, z, np.zeros(1, dtype=np.int64), z, 0)
+    n_t = len(plan.tensor_names)
+    tbound = np.searchsorted(c["tensor"], np.arange(n_t + 1))  # plan rows are in tensor order
+    rcum = np.concatenate([[0], np.cumsum(remote)])
+    active = np.flatnonzero(rcum[tbound[1:]] > rcum[tbound[:-1]])  # tensors with non-local moves
+    grp = plan.tensor_group[active]
+    _, first = np.unique(grp, return_index=True)
+    rep_of = np.zeros(int(grp.max()) + 1, dtype=np.int64)
+    rep_of[grp[first]] = active[first]
+    rep = rep_of[grp]  # each active tensor's representative (the group's first)
+    is_rep = np.zeros(n_t, dtype=bool)
+    is_rep[active[first]] = True
+    rp = rep_pieces(plan, topology, np.flatnonzero(remote & is_rep[c["tensor"]]))
+    # repeat the representatives' pieces for every tensor of their group, in tensor order
+    rp_first = np.searchsorted(rp.tensor, np.arange(n_t + 1))
+    n_p = (rp_first[1:] - rp_first[:-1])[rep]
+    p_off = excl_cumsum(n_p)
+    src = np.repeat(rp_first[rep] - p_off, n_p) + np.arange(int(n_p.sum()))  # representative piece of each piece
+    p_tensor = np.repeat(active, n_p)
+    p_nbytes = rp.nbytes[src]
+    n_r = np.diff(rp.row_ptr)[src]
+    ptr = np.concatenate([[0], np.cumsum(n_r)])
+    shift = np.repeat(np.repeat(tbound[active] - tbound[rep], n_p), n_r)
+    rows = rp.rows[np.repeat(rp.row_ptr[src] - ptr[:-1], n_r) + np.arange(int(ptr[-1]))] + shift
+    com = rp.commodity[src]
+    small = np.int16 if len(rp.sources) < 2**15 else np.int64  # stable sort of 16-bit keys is a radix sort
+    corder = np.argsort(com.astype(small), kind="stable")
+    cb = np.searchsorted(com[corder], np.arange(len(rp.sources) + 1))
+    c_nbytes = np.add.reduceat(p_nbytes[corder], cb[:-1]) if len(corder) else np.zeros(0, dtype=np.int64)
+    commodities = [Commodity(rp.sources[k], rp.dests[k], int(c_nbytes[k]), corder[cb[k] : cb[k + 1]])
+                   for k in range(len(rp.sources))]
+    commodities.sort(key=lambda k: (-k.nbytes, k.sources, k.dests))
+    return Demands(tuple(commodities), p_tensor, rp.start[src], rp.length[src], p_nbytes, ptr, rows,
+                   int(c["nbytes"][remote].sum()))
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
+class RepPieces:
+    """Pieces of some plan rows (sorted by tensor, start, length) and their commodities."""
+
+    tensor: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    nbytes: np.ndarray
+    row_ptr: np.ndarray
+    rows: np.ndarray
+    commodity: np.ndarray  # per piece
+    sources: list[tuple[str, ...]]  # per commodity
+    dests: list[tuple[str, ...]]
+
+
+def rep_pieces(plan: Plan, topology: Topology, rows: np.ndarray) -> RepPieces:
+    """Pieces (one tensor interval, all its destinations) of plan rows ``rows`` and their commodities
+    (same candidate sources, every live holder, and same destinations)."""
+    c = plan.columns
+    old_w = plan.old.world_size
+    alive = np.zeros(old_w + 1, dtype=bool)
+    alive[list(plan.alive)] = True
+    node_names = [topology.gpu(r) if alive[r] else "" for r in range(old_w)]
+    node_names.append(topology.storage() if np.any(c["kind"][rows] == STORAGE) else "")
+    nn = old_w + 2  # old ranks, storage, padding
+    storage_id, pad = old_w, nn - 1
+    src_hash = _hashes(nn, 1)
+    src_hash[pad] = 0
+    # rows of one plan group share the old layout's holder classes (the plan keeps them)
+    grp = plan.tensor_group[c["tensor"][rows]]
+    order = np.argsort(grp, kind="stable")
+    rows = rows[order]
+    grp = grp[order]
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(grp)) + 1, [len(rows)]])
+    row_start, row_kind = c["start"][rows], c["kind"][rows]
+    kmax = 1
+    ids_parts: list[np.ndarray] = []
+    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        c_start, _, c_ranks, _ = plan.group_classes[int(grp[a])]
+        ci = np.searchsorted(c_start, row_start[a:b], side="right") - 1
+        hr = c_ranks[np.maximum(ci, 0)]
+        ids = np.where((hr >= 0) & alive[hr], hr, pad)
+        ids[row_kind[a:b] == STORAGE] = pad
+        ids[row_kind[a:b] == STORAGE, 0] = storage_id
+        ids_parts.append(ids)
+        kmax = max(kmax, ids.shape[1])
+    ids_all = np.full((len(rows), kmax), pad, dtype=np.int64)
+    pos = 0
+    for ids in ids_parts:
+        ids_all[pos : pos + len(ids), : ids.shape[1]] = ids
+        pos += len(ids)
+    cand_key = src_hash[ids_all].sum(1)
+    # pieces: same tensor interval (one transmission can serve all its destinations)
+    tens, start, length = c["tensor"][rows], c["start"][rows], c["length"][rows]
+    porder = np.lexsort((length, start, tens))
+    rows, tens, start, length = rows[porder], tens[porder], start[porder], length[porder]
+    cand_key, ids_all = cand_key[porder], ids_all[porder]
+    new_piece = np.ones(len(rows), dtype=bool)
+    new_piece[1:] = (tens[1:] != tens[:-1]) | (start[1:] != start[:-1]) | (length[1:] != length[:-1])
+    pfirst = np.flatnonzero(new_piece)
+    ptr = np.concatenate([pfirst, [len(rows)]])
+    dev = plan.devices[c["new_rank"][rows]]
+    dst_hash = _hashes(int(dev.max()) + 1, 2)
+    pdst = np.add.reduceat(dst_hash[dev], pfirst)
+    pkey = cand_key[pfirst]
+    # one 64-bit key per (source set, destination set); both halves are sums of random 64-bit values
+    ckey = pkey * np.uint64(0x9E3779B97F4A7C15) + (pdst ^ (pdst >> np.uint64(29)))
+    _, cfirst, inv = np.unique(ckey, return_index=True, return_inverse=True)
+    src_names: dict[tuple[int, ...], tuple[str, ...]] = {}  # node sets recur: name each once
+    dst_names: dict[tuple[int, ...], tuple[str, ...]] = {}
+    sources, dests = [], []
+    for p0 in cfirst.tolist():
+        r0 = int(pfirst[p0])
+        key = tuple(i for i in ids_all[r0].tolist() if i != pad)
+        if key not in src_names:
+            src_names[key] = tuple(sorted(node_names[i] for i in key))
+        if not key:
+            raise PlanError(f"a piece of {plan.tensor_names[int(tens[r0])]} has no live holder and is not read "
+                            "from storage; the plan and its alive set disagree")
+        sources.append(src_names[key])
+        key = tuple(dev[ptr[p0] : ptr[p0 + 1]].tolist())
+        if key not in dst_names:
+            dst_names[key] = tuple(sorted(topology.gpu(x) for x in key))
+        dests.append(dst_names[key])
+    return RepPieces(tens[pfirst], start[pfirst], length[pfirst], c["nbytes"][rows[pfirst]], ptr, rows,
+                      inv.reshape(-1), sources, dests)
+

@@ -1,0 +1,193 @@
+"""The entry point: :func:`schedule` builds the greedy schedule, tries the LP and the MILP in the
+time left and returns the best by simulated completion."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import PlanError
+from ..planner import Plan
+from ..topology import Topology
+from .bounds import lower_bound
+from .commodities import Demands, demands
+from .listsched import list_schedule, split_chunks
+from .naive import NaiveFlows, naive_flows
+from .result import Schedule
+from .routes import Option, Routes, greedy_choices, greedy_routes, net_of, route_options
+from .simulator import simulate, store_and_forward
+from .solvers import assign_greedy, assign_lp, solve_milp, static_lp
+
+log = logging.getLogger(__name__)
+
+METHODS = ("auto", "milp", "lp", "greedy")
+_MAX_CHUNKS = 20000
+_TARGET_CHUNKS = 2000
+_TARGET_EPOCHS = 128
+_PACE = 0.9  # sources release chunks at this fraction of the lower bound's pace (see _schedule_demands)
+_GOOD_ENOUGH = 1.03  # auto stops at the greedy schedule when it is this close to the lower bound
+
+
+def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", time_limit: float = 10.0,
+             chunk_bytes: int | None = None, epochs: int = _TARGET_EPOCHS,
+             dem: Demands | None = None) -> Schedule:
+    """Schedule a plan's transfers (or bare :class:`Demands`) over ``topology``.
+
+    Returns within about ``time_limit`` seconds: the greedy schedule is built first, the
+    solvers get what time remains. ``method="auto"`` keeps the greedy schedule when it is
+    within 3 % of the lower bound and otherwise tries the LP, then the MILP, for no longer than
+    they could save (the greedy completion minus the lower bound), and only when that budget
+    is at least twice what the greedy schedule took (the LP costs more): it never solves for
+    seconds to shorten a transfer by milliseconds. Nor does it return a schedule slower than
+    the naive baseline (:func:`naive_completion`): where the best one is, it returns the naive
+    schedule itself (method ``"naive"``). ``chunk_bytes``: size pieces are split into (default:
+    total bytes / 2000 as a power of two, at least 4 KiB; fewer chunks under a limit below
+    0.5 s). ``epochs``: target number of epochs of the list-scheduled methods. ``dem``:
+    demands computed before by :func:`demands`.
+    """
+    if isinstance(plan, Demands):
+        dem, plan = plan, None
+    if method not in METHODS:
+        raise PlanError(f"unknown schedule method {method!r}: use one of {', '.join(METHODS)}")
+    if time_limit <= 0:
+        raise PlanError(f"time_limit must be positive, got {time_limit}")
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit
+    if dem is None:
+        assert plan is not None
+        dem = demands(plan, topology)
+    return _schedule_demands(plan, topology, dem, method, t0, deadline, chunk_bytes, epochs)
+
+
+def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, method: str, t0: float,
+                      deadline: float, chunk_bytes: int | None, epochs: int) -> Schedule:
+    total = dem.bytes_unique
+    if chunk_bytes is None:  # fewer chunks when the time limit is short (list scheduling is ~50 us a chunk)
+        target = min(_TARGET_CHUNKS, max(200, int((deadline - time.perf_counter()) * 4000)))
+        chunk_bytes = max(4096, 1 << max(0, math.ceil(math.log2(max(total, 1) / target))))
+    if chunk_bytes < 1:
+        raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    chunk_bytes = _capped(dem, chunk_bytes)
+    chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
+    empty = np.zeros(0, dtype=np.int64)
+    if not len(chunk_com):
+        cols = {f"hop_{k}": empty for k in ("chunk", "link", "parent", "first", "last", "arrival")}
+        return Schedule(plan, topology, dem, method, 1.0, chunk_bytes, empty, empty, empty, **cols,
+                        slice_hop=empty, slice_epoch=empty, slice_nbytes=np.zeros(0),
+                        solve_seconds=time.perf_counter() - t0, info={"lower_bound_s": 0.0})
+    ref = float(chunk_bytes)
+    small = len(dem.commodities) * max(len(c.sources) for c in dem.commodities) <= 64
+    opts: list[list[Option]] | None = None
+    if small:  # greedy may also take a second, link-avoiding path
+        opts = route_options(topology, dem, ref, alt=True)
+        choices = greedy_choices(dem, opts, topology, ref)
+        cands = Routes.of([(o.hop_link, o.hop_parent) for cs in choices for o in cs], np.zeros(0, dtype=np.int64))
+        cand = np.concatenate([[0], np.cumsum([len(cs) for cs in choices])])
+    else:
+        cands, cand = greedy_routes(dem, net_of(topology, ref))
+    lb = lower_bound(dem, topology)
+    key = _progress(chunk_com, chunk_idx)
+    order = np.lexsort((chunk_com, key))
+    # release: chunk j of n leaves its source no earlier than j / n of the way through a slightly
+    # faster-than-bound fluid schedule, so queues at shared links fill in priority order, not per source
+    release = np.floor(chunk_idx / np.bincount(chunk_com)[chunk_com] * _PACE * epochs).astype(np.int64)
+    candidates: list[tuple[float, str, dict[str, Any], float]] = []
+    tau = max(lb, 1e-9) / max(epochs, 1)
+
+    def finish(name: str, arrays: dict[str, Any], tau_: float) -> None:
+        s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
+                     **{k: v for k, v in arrays.items() if k != "tau"})
+        candidates.append((simulate(s), name, arrays, tau_))
+
+    # greedy: always (the fallback)
+    routes = assign_greedy(cands, cand, chunk_com, chunk_nb, key, order, topology)
+    finish("greedy", list_schedule(topology, routes, chunk_nb, order, tau, release), tau)
+    lp_t = None
+    done = method == "auto" and candidates[0][0] <= _GOOD_ENOUGH * lb  # auto: stop improving
+    if method == "auto":  # never spend longer improving a schedule than the improvement could save
+        now = time.perf_counter()
+        deadline = min(deadline, now + max(candidates[0][0] - lb, 0.0))
+        # the LP takes 3 to 6 times as long as the greedy schedule (benchmark): a budget below
+        # twice the time spent so far would be spent without a result
+        done = done or deadline - now < 2 * (now - t0)
+    if method in ("auto", "lp", "milp") and not done and time.perf_counter() < deadline:
+        if opts is None:
+            opts = route_options(topology, dem, ref, alt=False)
+        frac = static_lp(topology, dem, opts, deadline - time.perf_counter())
+        if frac is not None and time.perf_counter() < deadline:
+            routes = assign_lp(dem, opts, frac, chunk_com, chunk_idx, topology)
+            arr = list_schedule(topology, routes, chunk_nb, order, tau, release)
+            if time.perf_counter() < deadline:
+                finish("lp", arr, tau)
+                lp_t = candidates[-1][0]
+    done = done or (method == "auto" and lp_t is not None and lp_t <= _GOOD_ENOUGH * lb)
+    if method in ("auto", "milp") and not done and time.perf_counter() < deadline:
+        horizon = 1.5 * min(c[0] for c in candidates)
+        arr = solve_milp(topology, dem, opts, chunk_com, chunk_nb, chunk_bytes, horizon, deadline)
+        if arr is not None:
+            finish("milp", arr, float(arr["tau"]))
+    if method != "auto":
+        wanted = [c for c in candidates if c[1] == method]
+        pick = wanted[0] if wanted else min(candidates, key=lambda c: c[0])
+        if not wanted:
+            log.warning("method %s gave no schedule in time; falling back to %s", method, pick[1])
+    else:
+        pick = min(candidates, key=lambda c: (c[0], -len(c[1])))
+    comp, name, arrays, tau_ = pick
+    info = {"lower_bound_s": lb, "candidates": {c[1]: c[0] for c in candidates}}
+    if lp_t is not None:
+        info["lp_s"] = lp_t
+    if method == "auto":  # never slower than the naive baseline
+        flows = naive_flows(plan if plan is not None else dem, topology)
+        if comp > flows.floor(topology) * (1 - 1e-6):  # else: faster than anything naive can be
+            naive_s = flows.completion(topology)
+            if comp > naive_s:
+                return _naive_schedule(plan, topology, flows, naive_s, chunk_bytes, epochs, t0, info)
+    s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
+                 **{k: v for k, v in arrays.items() if k != "tau"}, solve_seconds=time.perf_counter() - t0,
+                 info=info)
+    log.info("scheduled %d chunks with %s in %.3fs: %.4fs (lower bound %.4fs)", len(chunk_com), name,
+             s.solve_seconds, comp, lb)
+    return s
+
+
+def _progress(chunk_com: np.ndarray, chunk_idx: np.ndarray) -> np.ndarray:
+    """List-scheduling priority of every chunk: chunk j of n of its commodity at (j + 1/2) / n, so
+    every commodity is spread evenly over time (fluid rates); ties go by commodity."""
+    return (chunk_idx + 0.5) / np.bincount(chunk_com)[chunk_com]
+
+
+def _capped(dem: Demands, chunk_bytes: int) -> int:
+    """``chunk_bytes``, or a larger power of two where it would cut ``dem`` into too many chunks."""
+    n_chunks = sum(max(1, -(-c.nbytes // chunk_bytes)) for c in dem.commodities)
+    if n_chunks <= _MAX_CHUNKS:
+        return chunk_bytes
+    new = 1 << math.ceil(math.log2(dem.bytes_unique / _MAX_CHUNKS + 1))
+    log.warning("chunk_bytes=%d gives %d chunks (> %d); using %d", chunk_bytes, n_chunks, _MAX_CHUNKS, new)
+    return new
+
+
+def _naive_schedule(plan: Plan | None, topology: Topology, flows: NaiveFlows, naive_s: float, chunk_bytes: int,
+                    epochs: int, t0: float, info: dict[str, Any]) -> Schedule:
+    """The naive baseline as a schedule (method ``"naive"``): its flows' chunks on their shortest
+    paths, all released at once and list-scheduled in epochs, a store-and-forward rendering that
+    :func:`validate` checks and :meth:`Schedule.rounds` orders for a transport. Its completion is
+    the naive model's (see :func:`simulate`); ``info["store_and_forward_s"]``: that of its epochs."""
+    dem = flows.demands
+    chunk_bytes = _capped(dem, chunk_bytes)
+    chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
+    routes = Routes.of([(p, np.arange(len(p)) - 1) for p in flows.paths], chunk_com)  # one path per flow
+    order = np.lexsort((chunk_com, _progress(chunk_com, chunk_idx)))
+    tau = max(naive_s, 1e-9) / max(epochs, 1)
+    arrays = list_schedule(topology, routes, chunk_nb, order, tau, np.zeros(len(chunk_com), dtype=np.int64))
+    s = Schedule(plan, topology, dem, "naive", tau, chunk_bytes, chunk_com, chunk_off, chunk_nb, **arrays)
+    info = {**info, "candidates": {**info["candidates"], "naive": naive_s}, "store_and_forward_s": store_and_forward(s)}
+    s = dataclasses.replace(s, solve_seconds=time.perf_counter() - t0, info=info)
+    log.info("scheduled %d chunks with naive in %.3fs: %.4fs; the solved ones took longer (%s)", len(chunk_com),
+             s.solve_seconds, naive_s, info["candidates"])
+    return s

@@ -1,0 +1,140 @@
+"""Evaluating a schedule: its completion in continuous time (:func:`simulate`) and its validity in
+the time-expanded model (:func:`validate`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import PlanError
+from .listsched import by_level, fifo, link_levels
+from .naive import maxmin_completion
+
+if TYPE_CHECKING:  # result.py imports this module (Schedule.completion_s runs simulate)
+    from .result import Schedule
+
+
+def simulate(s: Schedule) -> float:
+    """Seconds until the last chunk reaches its last destination.
+
+    A schedule runs store-and-forward (:func:`store_and_forward`), except the naive one
+    (method ``"naive"``, the scheduler's fallback): it runs as the naive baseline models it,
+    every flow at once on its path, links shared max-min fairly, bytes cutting through
+    (:func:`~tenplex.schedule.naive.maxmin_completion`; its epochs only order it for a transport).
+    """
+    if not len(s.hop_chunk):
+        return 0.0
+    if s.method == "naive":
+        return _simulate_naive(s)
+    return store_and_forward(s)
+
+
+def store_and_forward(s: Schedule) -> float:
+    """Seconds until the last chunk reaches its last destination when every link sends its chunks
+    in the schedule's order (by starting epoch, then hop index), each as soon as it has arrived
+    and the link is free.
+
+    Vectorised over the links of one level of the link graph (see :func:`link_levels`); chunk
+    by chunk when that graph has a cycle.
+    """
+    if not len(s.hop_chunk):
+        return 0.0
+    bw, lat = s.topology.bandwidth, s.topology.latency
+    inner = s.hop_parent >= 0
+    lev = link_levels(s.hop_link[s.hop_parent[inner]], s.hop_link[inner], len(bw))
+    if lev is None:
+        return simulate_seq(s)
+    rank = np.empty(len(s.hop_first), dtype=np.int64)
+    rank[np.lexsort((np.arange(len(s.hop_first)), s.hop_first))] = np.arange(len(s.hop_first))
+    dur = s.chunk_nbytes[s.hop_chunk] / bw[s.hop_link]
+    done = np.zeros(len(s.hop_chunk))
+    for idx in by_level(lev[s.hop_link]):
+        idx = idx[np.lexsort((rank[idx], s.hop_link[idx]))]
+        p = s.hop_parent[idx]
+        ready = np.where(p >= 0, done[p], 0.0)
+        done[idx] = fifo(s.hop_link[idx], ready, dur[idx]) + lat[s.hop_link[idx]]
+    return float(done.max())
+
+
+def simulate_seq(s: Schedule) -> float:
+    """:func:`store_and_forward`, one hop at a time (any link graph)."""
+    bw, lat = s.topology.bandwidth, s.topology.latency
+    order = np.lexsort((np.arange(len(s.hop_first)), s.hop_first))
+    freel = [0.0] * len(bw)
+    readyl = [0.0] * len(s.hop_chunk)
+    nbl = s.chunk_nbytes[s.hop_chunk].astype(np.float64).tolist()
+    hop_link, hop_parent = s.hop_link.tolist(), s.hop_parent.tolist()
+    bwl, latl = bw.tolist(), lat.tolist()
+    end = 0.0
+    for h in order.tolist():
+        e = hop_link[h]
+        p = hop_parent[h]
+        start = max(freel[e], readyl[p] if p >= 0 else 0.0)
+        fin = start + nbl[h] / bwl[e]
+        freel[e] = fin
+        readyl[h] = fin + latl[e]
+        if readyl[h] > end:
+            end = readyl[h]
+    return end
+
+
+def _simulate_naive(s: Schedule) -> float:
+    """Completion of a naive schedule: its commodities (one source, one destination each) are the
+    flows, each on the path of its chunks."""
+    first = np.searchsorted(s.chunk_commodity, np.arange(len(s.demands.commodities)))  # a chunk of each
+    is_first = np.zeros(len(s.chunk_commodity), dtype=bool)
+    is_first[first] = True
+    hops = np.flatnonzero(is_first[s.hop_chunk])
+    hops = hops[np.lexsort((s.hop_first[hops], s.hop_chunk[hops]))]  # a path's hops start epoch after epoch
+    chunk = s.hop_chunk[hops]
+    paths = np.split(s.hop_link[hops], np.flatnonzero(chunk[1:] != chunk[:-1]) + 1)
+    topo = s.topology
+    nbytes = np.array([c.nbytes for c in s.demands.commodities], dtype=np.float64)
+    latency = np.array([float(topo.latency[p].sum()) for p in paths])
+    return maxmin_completion(paths, nbytes, topo.bandwidth, latency)
+
+
+def validate(s: Schedule) -> None:
+    """Raise PlanError unless: per (link, epoch) bytes <= bandwidth * tau; a hop starts only after
+    its chunk arrived at the link's tail; every chunk reaches every destination of its commodity."""
+    topo, d = s.topology, s.demands
+    cap = topo.bandwidth * s.tau
+    if len(s.slice_hop):
+        key = s.hop_link[s.slice_hop] * (int(s.slice_epoch.max()) + 1) + s.slice_epoch
+        uk, inv = np.unique(key, return_inverse=True)
+        sums = np.bincount(inv.reshape(-1), weights=s.slice_nbytes)
+        links = uk // (int(s.slice_epoch.max()) + 1)
+        bad = np.flatnonzero(sums > cap[links] * (1 + 1e-6) + 1e-6)
+        if len(bad):
+            i = bad[0]
+            raise PlanError(f"link {topo.links[links[i]].src}->{topo.links[links[i]].dst} carries {sums[i]:.0f} B in "
+                            f"epoch {uk[i] % (int(s.slice_epoch.max()) + 1)} > capacity {cap[links[i]]:.0f} B")
+        per_hop = np.bincount(s.slice_hop, weights=s.slice_nbytes, minlength=len(s.hop_chunk))
+        want = s.chunk_nbytes[s.hop_chunk]
+        if not np.allclose(per_hop, want, rtol=1e-6, atol=1e-6):
+            h = int(np.flatnonzero(~np.isclose(per_hop, want, rtol=1e-6, atol=1e-6))[0])
+            raise PlanError(f"hop {h} sends {per_hop[h]:.0f} B of a {want[h]} B chunk")
+        if np.any(s.slice_epoch < s.hop_first[s.slice_hop]) or np.any(s.slice_epoch > s.hop_last[s.slice_hop]):
+            raise PlanError("a slice lies outside its hop's epochs")
+    for h in range(len(s.hop_chunk)):
+        p = int(s.hop_parent[h])
+        lk = topo.links[int(s.hop_link[h])]
+        com = d.commodities[int(s.chunk_commodity[int(s.hop_chunk[h])])]
+        if p < 0:
+            if lk.src not in com.sources:
+                raise PlanError(f"hop {h} leaves {lk.src}, which does not hold the chunk (sources {com.sources})")
+        else:
+            if int(s.hop_chunk[p]) != int(s.hop_chunk[h]) or topo.links[int(s.hop_link[p])].dst != lk.src:
+                raise PlanError(f"hop {h} does not continue its parent hop {p}")
+            if s.hop_first[h] < s.hop_arrival[p]:
+                raise PlanError(f"hop {h} leaves {lk.src} in epoch {s.hop_first[h]} before the chunk arrives "
+                                f"(epoch {s.hop_arrival[p]})")
+    reached: dict[int, set[str]] = {}
+    for h in range(len(s.hop_chunk)):
+        reached.setdefault(int(s.hop_chunk[h]), set()).add(topo.links[int(s.hop_link[h])].dst)
+    for c in range(len(s.chunk_commodity)):
+        com = d.commodities[int(s.chunk_commodity[c])]
+        missing = set(com.dests) - reached.get(c, set())
+        if missing:
+            raise PlanError(f"chunk {c} never reaches {sorted(missing)}")
