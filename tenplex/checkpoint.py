@@ -37,6 +37,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -149,7 +150,10 @@ def _step_dir(root: str, step: int, save_id: str) -> str:
 
 
 _NONCE_KEY = "tenplex/save-nonce"
-_nonces: dict[int, tuple[Any, str]] = {}  # id(default process group) -> (the group, its launch nonce)
+# id(default process group) -> (a weak reference to the group, its launch nonce). Weak: a strong one kept the
+# group alive past destroy_process_group until interpreter exit, where gloo's worker threads, freeing tensors
+# without the GIL, were killed by the finalising interpreter (abort, "terminate called without an active exception").
+_nonces: dict[int, tuple[Any, str]] = {}
 _nonce_lock = threading.Lock()
 
 
@@ -167,7 +171,7 @@ def _launch_nonce() -> str:
         pg = dist.distributed_c10d._get_default_group()
         with _nonce_lock:
             hit = _nonces.get(id(pg))
-            if hit is not None and hit[0] is pg:
+            if hit is not None and hit[0]() is pg:
                 return hit[1]
         value = dist.distributed_c10d._get_default_store().compare_set(_NONCE_KEY, "", uuid.uuid4().hex)
         nonce = value.decode() if isinstance(value, bytes) else str(value)
@@ -175,7 +179,7 @@ def _launch_nonce() -> str:
         log.warning("no launch nonce from the process group's store (%s); save ids depend on the environment only", e)
         return ""
     with _nonce_lock:
-        _nonces[id(pg)] = (pg, nonce)
+        _nonces[id(pg)] = (weakref.ref(pg), nonce)
     return nonce
 
 

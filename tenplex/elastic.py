@@ -4,7 +4,7 @@ It reads the latest complete checkpoint, takes the world size from the environme
 layout that is valid for the model and world size (memory-aware by default), plans the move
 from the saved layout, loads this rank's state reading only the bytes it needs, and returns
 the layout, the state and timings. A damaged newest step is passed over for the newest one
-that verifies (reported in ``skipped``). With no checkpoint it says to start fresh.
+that verifies (reported in ``skipped``). With no checkpoint (or no URL) it says to start fresh.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 
 from .checkpoint import LoadStats, check_model, list_steps, load, read_manifest
 from .config import ParallelConfig
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, LayoutError
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, LayoutError
 from .planner import PlanStats, plan
 from .ptc import PTC
 from .topology import Topology
 
-__all__ = ["RescaleResult", "rescale", "agree_on_step", "env_world"]
+__all__ = ["RescaleResult", "rescale", "agree_on_step", "env_world", "layout_options_for", "device_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,55 @@ def env_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_REQUIRED = ("global_batch", "micro_batch", "seq_len", "gpu_mem")
+
+
+def device_memory() -> int:
+    """Bytes of memory of this worker's accelerator: CUDA device 0, else the host's RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return 16 << 30
+
+
+def layout_options_for(ptc: PTC, layout_options: Mapping[str, Any] | None = None, *,
+                       gpus_per_host: int = 8) -> dict[str, Any]:
+    """``layout_options`` completed with what the PTC and this machine say, for ``choose_layout``.
+
+    Defaults: ``seq_len``, ``precision`` (from the dtype) and ``distributed_optimizer`` from the
+    PTC's ``meta`` (``meta["model"]``, as ``model_ptc`` records it), ``gpus_per_host`` from the
+    argument, ``gpu_mem`` from this worker's device (:func:`device_memory`). The job's
+    ``global_batch`` and ``micro_batch`` have no default: ConfigError names what is missing and
+    how to pass it.
+    """
+    opts = dict(layout_options or {})
+    model = ptc.meta.get("model")
+    if isinstance(model, Mapping):
+        if model.get("seq_len") is not None:
+            opts.setdefault("seq_len", model["seq_len"])
+        if model.get("dtype") in _PRECISION:
+            opts.setdefault("precision", _PRECISION[model["dtype"]])
+    if isinstance(ptc.meta.get("distributed_optimizer"), bool):
+        opts.setdefault("distributed_optimizer", ptc.meta["distributed_optimizer"])
+    opts.setdefault("gpus_per_host", gpus_per_host)
+    if "gpu_mem" not in opts:
+        opts["gpu_mem"] = device_memory()
+    missing = [k for k in _REQUIRED if opts.get(k) is None]
+    if missing:
+        raise ConfigError(
+            f"rescale() chooses the layout with tenplex.layouts.choose_layout, which needs {', '.join(_REQUIRED)}; "
+            f"missing: {', '.join(missing)} (seq_len defaults to the PTC's meta['model'], gpu_mem to this machine's "
+            "device memory): pass layout_options=dict(global_batch=..., micro_batch=...), or pin the layout with "
+            "parallel=ParallelConfig(...), or pass choose="
+        )
+    return opts
+
+
 def _default_chooser(layout_options: Mapping[str, Any]) -> Chooser:
     def choose(ptc: PTC, world: int, previous: ParallelConfig | None) -> ParallelConfig:
         from .layouts import choose_layout
@@ -80,7 +129,7 @@ def _default_chooser(layout_options: Mapping[str, Any]) -> Chooser:
 
 
 def rescale(
-    url: str,
+    url: str | None,
     ptc: PTC,
     *,
     rank: int | None = None,
@@ -97,9 +146,13 @@ def rescale(
 ) -> RescaleResult:
     """Pick this worker's layout and load its state from the latest complete checkpoint.
 
-    ``parallel`` pins the layout; otherwise ``choose(ptc, world_size, previous_layout)``
-    picks it, by default ``tenplex.layouts.choose_layout`` with ``layout_options`` (global
-    batch, micro batch, sequence length, GPU memory). Raises CheckpointMismatchError for a
+    ``url``: where the checkpoints are; None or "" (and no ``tiers``) is a fresh start that
+    only chooses the layout. ``parallel`` pins the layout; otherwise ``choose(ptc,
+    world_size, previous_layout)`` picks it, by default ``tenplex.layouts.choose_layout``
+    with ``layout_options`` completed by :func:`layout_options_for`: ``global_batch`` and
+    ``micro_batch`` must be given (ConfigError naming them otherwise); ``seq_len``,
+    ``precision`` and ``distributed_optimizer`` default to the PTC's, ``gpu_mem`` to this
+    worker's device memory, ``gpus_per_host`` to the argument. Raises CheckpointMismatchError for a
     checkpoint of another model, or of other model settings (``ptc.meta["model"]``) unless
     ``allow_meta_change``, and LayoutError when no layout fits the world size.
 
@@ -119,9 +172,13 @@ def rescale(
     rank = env_rank if rank is None else rank
     world = env_size if world_size is None else world_size
     timings: dict[str, float] = {}
+    chooser = None
+    if parallel is None:  # options checked before any I/O
+        chooser = choose or _default_chooser(layout_options_for(ptc, layout_options, gpus_per_host=gpus_per_host))
     t0 = time.perf_counter()
     scan = None
     damaged: list[str] = []
+    steps: list[int] = []
     if tiers:
         from .store.recovery import scan_tiers
 
@@ -129,12 +186,12 @@ def rescale(
         usable = [u for u in scan.usable if step is None or u.step == step]
         damaged = [f"step {s} ({sid}): {why}" for s, sid, why in scan.unusable if step is None or s == step]
         steps = [u.step for u in usable]
-    else:
+    elif url:
         infos = [i for i in list_steps(url, storage_options=storage_options) if step is None or i.step == step]
         damaged = [f"step {i.step} ({i.save_id}): {i.problem}" for i in infos if i.problem]
         steps = [i.step for i in infos if i.complete]
     timings["list"] = time.perf_counter() - t0
-    where = ", ".join(f"{t.name}={t.url}" for t in tiers) if tiers else url
+    where = ", ".join(f"{t.name}={t.url}" for t in tiers) if tiers else (url or "(no checkpoint URL)")
     if not steps and damaged:
         raise CheckpointCorruptError(f"checkpoints exist under {where} but none can be used (refusing to start "
                                      f"fresh): {'; '.join(damaged)}")
@@ -147,16 +204,17 @@ def rescale(
             manifest = {**newest.manifest, "ptc": newest.verified.ptc if newest.verified else PTC.from_json(
                 newest.manifest["ptc"])}
         else:
+            assert url
             manifest = read_manifest(url, steps[-1], storage_options=storage_options)
         saved: PTC = manifest["ptc"]
         check_model(saved, ptc, f"{where} step {manifest['step']}", allow_meta_change=allow_meta_change)
         previous = ParallelConfig.parse(manifest["layout"])
 
     t0 = time.perf_counter()
-    if parallel is not None:
+    if chooser is None:
+        assert parallel is not None
         cfg = parallel
     else:
-        chooser = choose or _default_chooser(layout_options or {})
         cfg = chooser(ptc, world, previous)
     cfg.check_world_size(world)
     ptc.check(cfg)
@@ -176,6 +234,7 @@ def rescale(
                              gpus_per_host=gpus_per_host, topology=topology)
         res, by_kind = tiered.result, tiered.bytes_by_kind
     else:
+        assert url
         res = load(url, cfg, rank, step=step, ptc=ptc, allow_meta_change=allow_meta_change,
                    storage_options=storage_options)
         by_kind = {"storage": res.stats.bytes_read}
@@ -192,7 +251,7 @@ def rescale(
     return result
 
 
-def agree_on_step(result: RescaleResult, url: str, ptc: PTC, *, tiers: Sequence[Any] | None = None,
+def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Sequence[Any] | None = None,
                   storage_options: Mapping[str, Any] | None = None, allow_meta_change: bool = False,
                   gpus_per_host: int = 8, topology: Topology | None = None, group: Any = None) -> RescaleResult:
     """Make every rank of the initialised process group resume from the same step.
@@ -230,13 +289,14 @@ def agree_on_step(result: RescaleResult, url: str, ptc: PTC, *, tiers: Sequence[
                                     topology=topology)
 
 
-def _newest_up_to(bound: int, current: RescaleResult, url: str, ptc: PTC, **kw: Any) -> RescaleResult:
+def _newest_up_to(bound: int, current: RescaleResult, url: str | None, ptc: PTC, **kw: Any) -> RescaleResult:
     """This rank's state from the newest step <= ``bound`` that verifies for it (fresh when none)."""
+    steps: list[int] = []
     if tiers := kw.get("tiers"):
         from .store.recovery import scan_tiers
 
         steps = sorted({u.step for u in scan_tiers(tiers).usable}, reverse=True)
-    else:
+    elif url:
         steps = sorted({i.step for i in list_steps(url, storage_options=kw.get("storage_options")) if i.complete},
                        reverse=True)
     skipped: list[tuple[int, str, str]] = list(current.skipped)

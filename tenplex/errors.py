@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointMismatchError",
     "CheckpointValueError",
+    "CheckpointWriteError",
     "NetnsUnavailableError",
 ]
 
@@ -51,6 +52,11 @@ class CheckpointMismatchError(CheckpointError):
 class CheckpointValueError(CheckpointError, ValueError):
     """``save`` was given a value it cannot store (a step out of range, an ``extra`` that
     ``torch.load(weights_only=True)`` cannot read back, a malformed save id)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint or snapshot could not be written (on this rank or another rank of the job):
+    training stops on every rank rather than continue without the saves it was asked for."""
 
 
 class NetnsUnavailableError(TenplexError, OSError):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from tenplex import ParallelConfig
+from tenplex.checkpoint import list_steps
 from tenplex.train.launch import Agent, RendezvousStore, free_port, wait_for
 
 STEPS = 14
@@ -297,3 +300,254 @@ def test_more_workers_than_gpus_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setenv(k, v)
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK 1 needs CUDA device 1 but this host has 1.*TENPLEX_DEVICE=cpu"):
         init_distributed(ParallelConfig.parse("dp=2,tp=1,pp=1"))
+
+
+# -- failures are loud, resumes are checked (issue #15) -----------------------------------------
+def _fsize_limit(nbytes: int):  # noqa: ANN202 - a preexec_fn
+    """A child process whose files cannot grow past ``nbytes`` (a quota, a full disk): writes past
+    it fail with EFBIG (Python ignores SIGXFSZ)."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+
+def start_single(*args: str, preexec=None) -> subprocess.Popen:  # noqa: ANN001
+    return subprocess.Popen([sys.executable, "-m", "tenplex.train", *args], env=_env(), preexec_fn=preexec,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+def run_ranks(n: int, *args: str, preexec: dict[int, object] | None = None,
+              timeout: float = 120) -> list[tuple[int, str]]:
+    """``n`` ranks of one job started by hand (torchrun's environment, no agent that would stop
+    the others when one fails): each rank's own exit code and output."""
+    port = str(free_port())
+    procs = []
+    for r in range(n):
+        env = {**_env(), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, "-m", "tenplex.train", *args], env=env,
+                                      preexec_fn=(preexec or {}).get(r), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        return [(p.returncode, out) for p, out in zip(procs, outs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.timeout(240)
+def test_save_failures_stop_the_run_with_a_clear_error(tmp_path: Path) -> None:
+    """Finding 1: a failed save was printed by the thread's hook and the run exited 0. A save or
+    snapshot that fails (here: past a file-size quota, after the start-up probe passed) stops the
+    run at the next step, or at exit for the last one, with exit code 1, naming the step and the
+    cause. (Options and directories that cannot work are refused at start-up with exit code 2:
+    tests/test_hostile_trainer.py, as real processes too.)"""
+    log = tmp_path / "log.jsonl"
+    cases = {  # files up to 200 kB: the probe and the log pass, a checkpoint part (~1.4 MB) does not
+        "checkpoint": (["--ckpt", str(tmp_path / "c"), "--ckpt-every", "1", "--log", str(log)],
+                       f"could not write checkpoint step 1 to {tmp_path / 'c'}: OSError: File too large"),
+        "snapshot": (["--store", str(tmp_path / "s"), "--snapshot-every", "2"],
+                     f"could not write the snapshot of step 2 to the host store {tmp_path / 's'}: OSError: File too"),
+        "last checkpoint": (["--ckpt", str(tmp_path / "c3")], "could not write checkpoint step 4"),
+    }
+    procs = {k: start_single("--steps", "4", *args, preexec=_fsize_limit(200_000)) for k, (args, _) in cases.items()}
+    outs = {}
+    for name, proc in procs.items():
+        rc, out = outs[name] = finish(proc)
+        assert rc == 1 and cases[name][1] in out, (name, rc, out[-2000:])
+        assert "Traceback" not in out and "Exception in thread" not in out, (name, out[-2000:])
+    steps, _ = read_log(log)  # the failed save of step 1 surfaces at the next step (or the one after while written)
+    stop = re.search(r"training stopped at step (\d+)", outs["checkpoint"][1])
+    assert stop and int(stop.group(1)) in (2, 3) and max(steps) == int(stop.group(1)) - 1, outs["checkpoint"]
+    assert "training stopped at step 3" in outs["snapshot"][1]
+    assert "training stopped after step 4" in outs["last checkpoint"][1]
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_failing_save_stops_every_rank(tmp_path: Path) -> None:
+    """Only rank 1's save fails (its files are capped at 200 kB): both ranks stop at the same
+    step with a non-zero exit code (no hang, no agent needed to kill the healthy one), rank 1
+    naming the step and cause, rank 0 saying another rank failed."""
+    ckpt = tmp_path / "ckpt"
+    (r0, out0), (r1, out1) = run_ranks(2, "--steps", "8", "--parallel", "dp=1,tp=1,pp=2", "--ckpt", str(ckpt),
+                                       "--ckpt-every", "2", preexec={1: _fsize_limit(200_000)}, timeout=90)
+    assert r1 == 1 and f"rank 1: could not write checkpoint step 2 to {ckpt}: OSError: File too large" in out1, out1
+    assert r0 == 1 and "rank 0: 1 other rank(s) could not write a checkpoint" in out0, out0
+    stopped = [re.search(r"training stopped at step (\d+) on every rank", o) for o in (out0, out1)]
+    assert all(stopped) and stopped[0].group(1) == stopped[1].group(1), (out0, out1)
+    assert "Exception in thread" not in out0 + out1
+    assert not any(i.complete for i in list_steps(str(ckpt)))
+
+
+def _attempt(ckpt: Path, step: int) -> Path:
+    (path,) = ckpt.glob(f"step-{step:012d}-*")
+    return path
+
+
+def flip_data_byte(ckpt: Path, step: int, rank: int) -> None:
+    """Flip one bit inside the first chunk's data of ``rank``'s part of ``step``."""
+    sdir = _attempt(ckpt, step)
+    chunk = json.loads((sdir / f"rank-{rank:05d}.json").read_text())["chunks"][0]
+    part = sdir / f"rank-{rank:05d}.safetensors"
+    raw = bytearray(part.read_bytes())
+    raw[chunk["offset"] + 5] ^= 0x01
+    part.write_bytes(bytes(raw))
+
+
+def flip_index_byte(ckpt: Path, step: int, rank: int) -> None:
+    index = _attempt(ckpt, step) / f"rank-{rank:05d}.json"
+    raw = bytearray(index.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    index.write_bytes(bytes(raw))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_damaged_newest_step_every_rank_resumes_the_previous_one(tmp_path: Path, reference: dict[int, dict]) -> None:
+    """Finding 6: one flipped bit in the newest step made every restart fail. Damage that only
+    rank 1 reads (a data byte of its part, then a byte of its index) makes rank 1 fall back;
+    the ranks agree on the previous step, the start record names the skipped step, and the
+    losses match the uninterrupted run. ``--resume-step`` of the damaged step stops both
+    ranks at start-up (exit 2), though rank 0 alone could load it."""
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    layout = ["--parallel", "dp=1,tp=1,pp=2", "--ckpt", str(ckpt), "--ckpt-every", "2"]
+    run_torchrun(2, log, *layout, "--fail-at-step", "6", expect_fail=True)
+    flip_data_byte(ckpt, 6, rank=1)
+    (r0, out0), (r1, out1) = run_ranks(2, *COMMON, *layout, "--resume-step", "6", timeout=90)
+    assert (r0, r1) == (2, 2), (out0, out1)
+    assert re.search(r"error: rank 1: .*step 6.*(CRC|checksum|does not verify)", out1), out1
+    assert "error: rank 0: 1 other rank(s) could not start" in out0, out0
+    run_torchrun(2, log, *layout)
+    steps, starts = read_log(log)
+    assert starts[-1]["step"] == 4 and [s["step"] for s in starts[-1]["skipped"]] == [6], starts[-1]
+    assert starts[-1]["skipped"][0]["ranks"] == [1]
+    assert_matches(reference, steps, resumed_from=4)
+    flip_index_byte(ckpt, STEPS, rank=1)
+    run_torchrun(2, log, *layout)
+    steps, starts = read_log(log)
+    assert starts[-1]["step"] == STEPS - 2 and starts[-1]["skipped"][0]["step"] == STEPS, starts[-1]
+    assert starts[-1]["skipped"][0]["ranks"] == [1]
+    assert_matches(reference, steps, resumed_from=4)
+
+
+def write_tokens(path: Path, seed: int, samples: int = 64, seq_len: int = 64) -> None:
+    """A token file of ``samples`` samples of the tiny model (byte ids)."""
+    import numpy as np
+
+    np.random.default_rng(seed).integers(0, 256, samples * (seq_len + 1), dtype=np.uint16).tofile(path)
+
+
+def checkpoint_of(ckpt: Path, ptc, steps: int = 2) -> None:  # noqa: ANN001
+    """A real checkpoint of ``ptc`` (the trainer's collection, maybe other settings) after ``steps``
+    training steps on the stdlib corpus, written in-process by the trainer's own classes."""
+    import tenplex
+    from tenplex.data.corpus import stdlib_corpus
+    from tenplex.elastic import RescaleResult
+    from tenplex.models import ModelSpec
+    from tenplex.train import TrainConfig, Trainer
+    from tenplex.train.parallel import Groups
+
+    cfg = ParallelConfig()
+    tc = TrainConfig(steps=steps, seed=7)
+    corpus = stdlib_corpus(ModelSpec.from_json(ptc.meta["model"]).seq_len)
+    trainer = Trainer(tc, ptc, Groups(cfg, 0, None, None, torch.device("cpu")), RescaleResult(cfg, 0, 1, 0, True),
+                      corpus)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the subprocesses (OMP_NUM_THREADS=1): much faster on a loaded 2-core machine
+    try:
+        for _ in range(steps):
+            trainer.train_step()
+    finally:
+        torch.set_num_threads(threads)
+    tenplex.save(str(ckpt), ptc, cfg, 0, trainer.shard(), step=steps)
+
+
+@pytest.mark.timeout(240)
+def test_resume_refuses_other_data_and_other_model_settings(tmp_path: Path) -> None:
+    """Finding 7: the data fingerprint was name:size, so other tokens under the same name and size
+    resumed silently, and a checkpoint of tiny with 4 heads (2 KV heads) loaded into 8 heads. Both
+    now stop at start-up naming what differs (exit 2), and resume with --allow-data-change /
+    --allow-model-change; a run resumed on new data records it, so the next resume needs no flag."""
+    import hashlib
+
+    from tenplex.train import trainer_ptc
+
+    data = tmp_path / "tokens.u16"
+    write_tokens(data, seed=1)
+    fp_a = hashlib.sha256(data.read_bytes()).hexdigest()
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    base = ["--data", str(data), "--ckpt", str(ckpt), "--log", str(log), "--seed", "7"]
+    model_ckpt = tmp_path / "heads4"
+    checkpoint_of(model_ckpt, trainer_ptc("tiny", distributed_optimizer=False, heads=4, kv_heads=2))
+    shutil.copytree(model_ckpt, tmp_path / "heads4-allowed")  # the allowed run saves step 3 (8 heads) there
+    other_model = start_single("--steps", "3", "--ckpt", str(model_ckpt))
+    allowed = start_single("--steps", "3", "--ckpt", str(tmp_path / "heads4-allowed"), "--allow-model-change",
+                           "--log", str(tmp_path / "allowed.jsonl"))
+    assert finish(start_single("--steps", "2", *base))[0] == 0
+    write_tokens(data, seed=2)  # the same name and size, other tokens
+    fp_b = hashlib.sha256(data.read_bytes()).hexdigest()
+    rc, out = finish(start_single("--steps", "3", *base))
+    assert rc == 2 and f"sha256:{fp_a}" in out and f"sha256:{fp_b}" in out and "--allow-data-change" in out, out
+    assert "Traceback" not in out
+    rc, out = finish(other_model)
+    assert rc == 2 and "other model settings" in out and "heads: saved 4, requested 8" in out, out
+    assert "kv_heads: saved 2, requested 4" in out and "--allow-model-change" in out, out
+    assert finish(start_single("--steps", "3", *base, "--allow-data-change"))[0] == 0
+    assert finish(start_single("--steps", "4", *base))[0] == 0  # step 3 was saved with the new data's fingerprint
+    _, starts = read_log(log)
+    assert [s["step"] for s in starts] == [0, 2, 3]
+    rc, out = finish(allowed)
+    assert rc == 0 and [s["step"] for s in read_log(tmp_path / "allowed.jsonl")[1]] == [2], out
+
+
+def test_rescale_chooses_a_layout_without_layout_options_or_says_what_is_missing(tmp_path: Path) -> None:
+    """Finding 15: rescale() without layout_options raised TypeError (rank_layouts() missing 4
+    keyword arguments). The PTC's sequence length, precision and optimizer sharding and this
+    machine's memory are defaults; the job's batch sizes must be given, and ConfigError says so."""
+    import tenplex
+    from tenplex.train import trainer_ptc
+
+    ptc = trainer_ptc("tiny", distributed_optimizer=False)
+    with pytest.raises(tenplex.ConfigError, match=r"missing: global_batch, micro_batch .*layout_options=dict"):
+        tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=2)
+    res = tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=4,
+                          layout_options=dict(global_batch=8, micro_batch=2))
+    assert res.fresh and res.cfg.world_size == 4
+    assert res.cfg == tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=4, layout_options=_options()).cfg
+    # no URL: a fresh start that lists nothing (not the current directory)
+    assert tenplex.rescale(None, ptc, rank=0, world_size=4, layout_options=_options()).fresh
+    bare = tenplex.PTC(ptc.tensors.values(), num_layers=ptc.num_layers, objects=ptc.objects, meta={})
+    with pytest.raises(tenplex.ConfigError, match="missing: global_batch, micro_batch, seq_len"):
+        tenplex.rescale(None, bare, rank=0, world_size=2)
+
+
+def test_corpus_fingerprint_names_the_content_and_is_cached(tmp_path: Path) -> None:
+    """SHA-256 of the bytes, cached in a sidecar keyed by size, mtime, ctime and inode: other
+    tokens under the same name and size (even with the mtime put back) get another fingerprint;
+    an unchanged file is read from the cache, not hashed again."""
+    import hashlib
+
+    from tenplex.data.corpus import TokenCorpus
+
+    path = tmp_path / "tokens.u16"
+    write_tokens(path, seed=1)
+    corpus = TokenCorpus(str(path), 64)
+    first = corpus.fingerprint()
+    assert first == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    sidecar = Path(str(path) + ".sha256")
+    cached = json.loads(sidecar.read_text())
+    sidecar.write_text(json.dumps({**cached, "sha256": "0" * 64}))  # a cache hit is visible as this value
+    assert corpus.fingerprint() == "sha256:" + "0" * 64
+    st = path.stat()
+    with open(path, "r+b") as f:  # same size, other bytes, mtime restored
+        f.write(b"\xff\x00")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = corpus.fingerprint()
+    assert again == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest() != first

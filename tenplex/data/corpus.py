@@ -3,20 +3,26 @@
 The default corpus needs no download: the Python standard library's own source files,
 tokenised at byte level (ids 0-255), cut into samples of ``seq_len + 1`` tokens (inputs and
 shifted targets). It is built once and cached as a flat uint16 file.
+
+A corpus is identified by the SHA-256 of its bytes (``TokenCorpus.fingerprint``), which a
+checkpoint's data state records, so a resume notices other data under the same name and size.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import logging
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TokenCorpus", "stdlib_corpus", "BYTE_VOCAB"]
+__all__ = ["TokenCorpus", "stdlib_corpus", "file_sha256", "BYTE_VOCAB"]
 
 log = logging.getLogger(__name__)
 BYTE_VOCAB = 256
@@ -46,8 +52,73 @@ class TokenCorpus:
         return int(self._tokens().size // (self.seq_len + 1))
 
     def fingerprint(self) -> str:
-        st = os.stat(self.path)
-        return f"{os.path.basename(self.path)}:{st.st_size}"
+        """``sha256:<hex>`` of the token file's bytes: names the content, not the file, so other
+        tokens under the same name and size differ (see :func:`file_sha256` for the cache)."""
+        return f"sha256:{file_sha256(self.path)}"
+
+
+SIDECAR_SUFFIX = ".sha256"
+_STAT_KEY = ("st_size", "st_mtime_ns", "st_ctime_ns", "st_ino")
+
+
+def _stat_key(st: os.stat_result) -> dict[str, int]:
+    return {k: int(getattr(st, k)) for k in _STAT_KEY}
+
+
+def _cached_digest(sidecar: str, key: dict[str, int]) -> str | None:
+    try:
+        with open(sidecar) as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    digest = obj.get("sha256")
+    if obj.get("stat") != key or not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return None
+    return digest
+
+
+def file_sha256(path: str) -> str:
+    """SHA-256 (hex) of a file's bytes, cached in the sidecar ``<path>.sha256``.
+
+    The sidecar is trusted only while the file's size, mtime, ctime and inode are the ones it
+    records: any write (even one that restores the mtime, which cannot restore the ctime) or a
+    replacement makes the next call hash again. A large corpus is thus hashed once per version
+    (about 1-2 GB/s), not at every start. Processes starting together on one host hash it once:
+    the hashing holds an exclusive ``flock`` on the file and the others then read the sidecar.
+    Where the sidecar cannot be written (a read-only directory) every call hashes.
+    """
+    sidecar = path + SIDECAR_SUFFIX
+    digest = _cached_digest(sidecar, _stat_key(os.stat(path)))
+    if digest is not None:
+        return digest
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without flock: hash without the lock
+            pass
+        key = _stat_key(os.fstat(f.fileno()))
+        digest = _cached_digest(sidecar, key)  # another process may have hashed it meanwhile
+        if digest is not None:
+            return digest
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if _stat_key(os.fstat(f.fileno())) != key:  # changed while hashing: do not cache a digest of a mix
+            log.warning("%s changed while it was hashed; its fingerprint is not cached", path)
+            return digest
+        tmp = f"{sidecar}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as out:
+                json.dump({"sha256": digest, "stat": key}, out)
+            os.replace(tmp, sidecar)
+        except OSError as e:
+            log.info("cannot cache the fingerprint of %s in %s (%s): it is hashed at every start", path, sidecar, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    log.info("hashed %s: sha256 %s", path, digest)
+    return digest
 
 
 def _cache_dir() -> Path:

@@ -95,9 +95,10 @@ class HostStore:
         return cls(root, url, store_token())
 
     def snapshot(self, ptc: PTC, cfg: ParallelConfig, rank: int, shard: Mapping[str, Any], *, step: int,
-                 replicate: bool = True) -> SaveResult:
-        """Write this rank's shard into the host store, then ask the store to replicate it."""
-        res = save(self.root, ptc, cfg, rank, shard, step=step)
+                 replicate: bool = True, save_id: str | None = None) -> SaveResult:
+        """Write this rank's shard into the host store, then ask the store to replicate it.
+        ``save_id``: as for ``tenplex.save`` (default: ``default_save_id``)."""
+        res = save(self.root, ptc, cfg, rank, shard, step=step, save_id=save_id)
         if replicate:
             files = [f"rank-{rank:05d}.safetensors", f"rank-{rank:05d}.json"]
             if rank == 0:

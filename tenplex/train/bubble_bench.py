@@ -57,7 +57,7 @@ def _budget(text: str, ptc: Any, cfg: Any, stage: int, micro_batch: int, num_mb:
     estimator's 80 % rule leaves of this machine's device, host RAM on CPU)."""
     from ..bubbles import side_task_memory_budget
     from ..memory import estimate_memory, parse_size, resolve_model
-    from .trainer import _device_memory
+    from ..elastic import device_memory
 
     if text == "none":
         return None
@@ -66,7 +66,7 @@ def _budget(text: str, ptc: Any, cfg: Any, stage: int, micro_batch: int, num_mb:
     spec = resolve_model(ptc)
     est = estimate_memory(spec, cfg, seq_len=spec.seq_len, micro_batch=micro_batch, num_microbatches=num_mb,
                           distributed_optimizer=False, precision="fp32" if "32" in str(spec.dtype) else "bf16")
-    return side_task_memory_budget(est, stage, _device_memory())
+    return side_task_memory_budget(est, stage, device_memory())
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..config import ParallelConfig
 
-__all__ = ["Groups", "init_distributed", "copy_to_tp", "reduce_from_tp", "all_reduce"]
+__all__ = ["Groups", "join_process_group", "init_distributed", "copy_to_tp", "reduce_from_tp", "all_reduce"]
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +38,17 @@ class Groups:
         return self.cfg.rank(pp=stage, dp=c.dp, tp=c.tp)
 
 
-def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
-    """Join the job's process group (torchrun's environment) and build TP and DP groups.
+def join_process_group(*, timeout_s: float = 60.0) -> torch.device:
+    """Join the job's default process group (torchrun's environment); return this rank's device.
 
-    Without torchrun (no WORLD_SIZE) and a one-rank layout, runs without torch.distributed.
-    Uses nccl when CUDA is available, gloo otherwise.
+    Without torchrun (WORLD_SIZE 1, no MASTER_ADDR) joins nothing. Uses nccl when CUDA is
+    available (the device of LOCAL_RANK), gloo otherwise. Every rank's collectives can run
+    once this returns: the trainer agrees on its start-up there, before it knows its layout.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.check_world_size(world)
     use_cuda = torch.cuda.is_available() and os.environ.get("TENPLEX_DEVICE", "") != "cpu"
     if world == 1 and not dist.is_initialized() and "MASTER_ADDR" not in os.environ:
-        device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-        return Groups(cfg, 0, None, None, device)
+        return torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         if use_cuda:
@@ -61,8 +60,20 @@ def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
                     f"TENPLEX_DEVICE=cpu to train on CPU with gloo")
             torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
+    """Join the job's process group (``join_process_group``, unless joined) and build TP and DP groups.
+
+    Without torchrun (no WORLD_SIZE) and a one-rank layout, runs without torch.distributed.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.check_world_size(world)
+    device = join_process_group(timeout_s=timeout_s)
+    if not dist.is_initialized():
+        return Groups(cfg, 0, None, None, device)
     rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     tp_group = dp_group = None
     # every rank must create every group, in the same order
     for pp in range(cfg.pp):
