@@ -35,17 +35,13 @@ from typing import Any, Protocol
 
 import torch
 
-from .errors import TenplexError
+from .errors import SideTaskMemoryError
 from .memory import MemoryEstimate, parse_size
 
 __all__ = ["SideTask", "BubbleRuntime", "BubbleWindow", "SnapshotTask", "StoreWriteTask", "Span",
            "SideTaskMemoryError", "side_task_memory_budget"]
 
 log = logging.getLogger(__name__)
-
-
-class SideTaskMemoryError(TenplexError, ValueError):
-    """A side task needs more memory than the stage's side-task budget has left."""
 
 
 class SideTask(Protocol):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "TenplexError",
     "ConfigError",
@@ -14,6 +16,13 @@ __all__ = [
     "CheckpointValueError",
     "CheckpointWriteError",
     "NetnsUnavailableError",
+    "DataStateError",
+    "DataIndexError",
+    "IndexNotFoundError",
+    "SourceChangedError",
+    "SourceReadError",
+    "VfsError",
+    "SideTaskMemoryError",
 ]
 
 
@@ -61,3 +70,34 @@ class CheckpointWriteError(CheckpointError):
 
 class NetnsUnavailableError(TenplexError, OSError):
     """Simulated hosts cannot get network namespaces here (not root, no `ip`, creation refused)."""
+
+
+class DataStateError(TenplexError, ValueError):
+    """A data state or partitioning argument has the wrong type or is out of range."""
+
+
+class DataIndexError(TenplexError, ValueError):
+    """An index cannot be built or opened (bad arguments, malformed file)."""
+
+
+class IndexNotFoundError(DataIndexError, FileNotFoundError):
+    """The index file does not exist."""
+
+
+class SourceChangedError(DataIndexError):
+    """A source file's size differs from the one recorded in the index."""
+
+
+class SourceReadError(TenplexError, OSError):
+    """A sample's bytes could not be read (missing or shrunk source); errno is EIO."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EIO, message)
+
+
+class VfsError(TenplexError, ValueError):
+    """A mount or re-shard request is invalid (bad DP size, progress, mountpoint ...)."""
+
+
+class SideTaskMemoryError(TenplexError, ValueError):
+    """A side task needs more memory than the stage's side-task budget has left."""

@@ -18,7 +18,6 @@ checksum of those sizes, so a changed source is detected when the index is opene
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
@@ -34,7 +33,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from ..errors import TenplexError
+from ..errors import DataIndexError, IndexNotFoundError, SourceChangedError, SourceReadError
 from .partition import MAX_SAMPLES
 
 __all__ = [
@@ -47,25 +46,6 @@ FORMAT_VERSION = 1
 KINDS = ("records", "jsonl", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 _CHUNK = 8 << 20
-
-
-class DataIndexError(TenplexError, ValueError):
-    """An index cannot be built or opened (bad arguments, malformed file)."""
-
-
-class IndexNotFoundError(DataIndexError, FileNotFoundError):
-    """The index file does not exist."""
-
-
-class SourceChangedError(DataIndexError):
-    """A source file's size differs from the one recorded in the index."""
-
-
-class SourceReadError(OSError):
-    """A sample's bytes could not be read (missing or shrunk source); errno is EIO."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(errno.EIO, message)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TenplexError
+from ..errors import DataStateError
 
 __all__ = [
     "DataState", "DataStateError", "sample_order", "global_batch_ids", "rank_batch_ids", "stream_end",
@@ -31,10 +31,6 @@ MAX_POSITION = 1 << 62
 MAX_SAMPLES = 1 << 40
 #: Seeds are 64-bit (numpy's PCG64 takes non-negative integers).
 MAX_SEED = (1 << 64) - 1
-
-
-class DataStateError(TenplexError, ValueError):
-    """A data state or partitioning argument has the wrong type or is out of range."""
 
 
 def checked_int(name: str, value: object, lo: int, hi: int, fix: str = "") -> int:

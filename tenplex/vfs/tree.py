@@ -31,7 +31,7 @@ import numpy as np
 from ..data.index import DataIndex, SourceReader
 from ..data.partition import MAX_POSITION, MAX_SEED, DataState, checked_int, stream_end
 from ..data.view import LineFile, RankView, rank_view
-from ..errors import TenplexError
+from ..errors import VfsError
 
 __all__ = ["Layout", "Generation", "Node", "Names", "DatasetTree", "VfsError", "gen_name", "rank_name",
            "MAX_EPOCHS_AHEAD", "UNCHANGED"]
@@ -45,10 +45,6 @@ _UID, _GID = os.getuid(), os.getgid()
 MAX_EPOCHS_AHEAD = 64
 #: ``DatasetTree.reshard(num_epochs=UNCHANGED)`` keeps the current value (None is a value: through the epoch).
 UNCHANGED: Any = type("Unchanged", (), {"__repr__": lambda self: "UNCHANGED"})()
-
-
-class VfsError(TenplexError, ValueError):
-    """A mount or re-shard request is invalid (bad DP size, progress, mountpoint ...)."""
 
 
 def gen_name(g: int) -> str:
