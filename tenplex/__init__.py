@@ -1,9 +1,18 @@
 """tenplex: change the (DP, TP, PP) parallelism of a running training job.
 
-The public surface: layouts (:class:`ParallelConfig`), parallelizable tensor collections
-(:class:`PTC`, :class:`TensorSpec` and its partition specs), model builders
-(:func:`model_ptc`), the planner (:func:`plan`) and checkpoints (:func:`save`, :func:`load`).
+The public surface (``__all__``): layouts (:class:`ParallelConfig`), parallelizable tensor
+collections (:class:`PTC`, :class:`TensorSpec` and its partition specs :class:`Replicated`,
+:class:`Split`), model builders (:func:`model_ptc`), checkpoints (:func:`save`, :func:`load`,
+:func:`list_steps`), rescaling a job (:func:`rescale`, reading from :class:`Tier` s), the planner
+(:func:`plan`), choosing a layout (:func:`choose_layout`, :func:`estimate_memory`) and the errors
+(:class:`TenplexError` and its main subclasses; every error class is in :mod:`tenplex.errors`).
+
+Everything else is imported from its module (``from tenplex.planner import Move``,
+``from tenplex.checkpoint import read_manifest``); the names imported below but not in
+``__all__`` stay reachable as ``tenplex.<name>`` for code written against earlier versions.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from .checkpoint import LoadResult, LoadStats, SaveResult, StepInfo, list_steps, load, read_manifest, save
 from .config import Coords, ParallelConfig
@@ -30,57 +39,49 @@ from .reshard import reshard
 from .schedule import Schedule, Transfer, schedule
 from .topology import Topology
 
+if TYPE_CHECKING:
+    from .store.recovery import Tier
+
 __all__ = [
-    "rescale",
-    "RescaleResult",
+    # layouts
+    "ParallelConfig",
+    # parallelizable tensor collections and their partition specs
+    "PTC",
+    "TensorSpec",
+    "Replicated",
+    "Split",
+    "model_ptc",
+    # checkpoints
     "save",
     "load",
     "list_steps",
-    "read_manifest",
-    "SaveResult",
-    "LoadResult",
-    "LoadStats",
-    "StepInfo",
-    "reshard",
-    "schedule",
-    "Schedule",
-    "Transfer",
-    "Topology",
-    "Coords",
-    "ParallelConfig",
+    # rescaling a running job
+    "rescale",
+    "Tier",
+    # planning and choosing layouts
+    "plan",
+    "choose_layout",
+    "estimate_memory",
+    # errors
     "TenplexError",
     "ConfigError",
     "LayoutError",
     "PlanError",
     "CheckpointError",
     "CheckpointNotFoundError",
-    "CheckpointValueError",
-    "CheckpointWriteError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
-    "PRESETS",
-    "ModelSpec",
-    "model_ptc",
-    "model_spec",
-    "Move",
-    "Plan",
-    "PlanStats",
-    "plan",
-    "PTC",
-    "Replicated",
-    "Split",
-    "TensorSpec",
-    "estimate_memory",
-    "MemoryEstimate",
-    "StageMemory",
-    "choose_layout",
-    "rank_layouts",
-    "valid_layouts",
-    "LayoutChoice",
-    "Hardware",
-    "import_checkpoint",
-    "import_dcp",
-    "import_hf",
-    "export_hf",
-    "ImportResult",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Tier":
+        # lazy: Tier lives in tenplex.store, whose server and client modules `import tenplex` need not load
+        from .store.recovery import Tier
+
+        return Tier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"Tier"})
