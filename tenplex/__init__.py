@@ -27,6 +27,7 @@ from .errors import (
     ConfigError,
     LayoutError,
     PlanError,
+    SpecError,
     TenplexError,
 )
 from .interop import ImportResult, export_hf, import_checkpoint, import_dcp, import_hf
@@ -67,6 +68,7 @@ __all__ = [
     "ConfigError",
     "LayoutError",
     "PlanError",
+    "SpecError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",

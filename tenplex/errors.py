@@ -9,6 +9,7 @@ __all__ = [
     "ConfigError",
     "LayoutError",
     "PlanError",
+    "SpecError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
@@ -31,7 +32,8 @@ class TenplexError(Exception):
 
 
 class ConfigError(TenplexError, ValueError):
-    """A parallel configuration is malformed or does not match a world size."""
+    """A layout is malformed or does not match what it is used with (a world size, the number of
+    pipeline stages an estimate describes)."""
 
 
 class LayoutError(TenplexError, ValueError):
@@ -40,6 +42,11 @@ class LayoutError(TenplexError, ValueError):
 
 class PlanError(TenplexError, ValueError):
     """A repartitioning plan cannot be made (bad `alive` set, unknown tensors)."""
+
+
+class SpecError(TenplexError, ValueError):
+    """A model, tensor spec or PTC is malformed (unknown dtype or preset, a split that does not fit
+    the shape, a damaged PTC description, tensors that do not match the PTC)."""
 
 
 class CheckpointError(TenplexError):
@@ -77,7 +84,7 @@ class DataStateError(TenplexError, ValueError):
 
 
 class DataIndexError(TenplexError, ValueError):
-    """An index cannot be built or opened (bad arguments, malformed file)."""
+    """A dataset index or token corpus cannot be built or opened (bad arguments, malformed file)."""
 
 
 class IndexNotFoundError(DataIndexError, FileNotFoundError):

@@ -74,7 +74,7 @@ class LayoutChoice:
 
     def __post_init__(self) -> None:
         if self.feasible == (self.reason is not None):
-            raise ValueError(f"{self.cfg}: feasible={self.feasible} but reason={self.reason!r}; "
+            raise LayoutError(f"{self.cfg}: feasible={self.feasible} but reason={self.reason!r}; "
                              "exactly the infeasible choices carry a reason")
 
     @property

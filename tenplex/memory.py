@@ -72,7 +72,7 @@ class StageMemory:
     def __post_init__(self) -> None:
         expected = self.in_flight * self.layers * self.activation_bytes_per_layer
         if self.activation_bytes != expected:
-            raise ValueError(
+            raise ConfigError(
                 f"stage {self.stage}: activation_bytes={self.activation_bytes} but in_flight*layers*per_layer = "
                 f"{self.in_flight}*{self.layers}*{self.activation_bytes_per_layer} = {expected}"
             )
@@ -110,7 +110,7 @@ class MemoryEstimate:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
         if len(self.stages) != self.cfg.pp:
-            raise ValueError(f"{len(self.stages)} stage estimates for pp={self.cfg.pp}")
+            raise ConfigError(f"{len(self.stages)} stage estimates for pp={self.cfg.pp}")
 
     @property
     def peak_bytes(self) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .errors import LayoutError
+from .errors import LayoutError, SpecError
 from .ptc import PTC, Placement, Replicated, Split, TensorSpec, dtype_from_str, dtype_to_str
 
 __all__ = ["ModelSpec", "PRESETS", "model_spec", "model_ptc", "optimizer_names"]
@@ -38,13 +38,13 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.arch not in ("gpt", "llama"):
-            raise ValueError(f"arch must be 'gpt' or 'llama', got {self.arch!r}")
+            raise SpecError(f"arch must be 'gpt' or 'llama', got {self.arch!r}")
         for name in ("num_layers", "hidden", "heads", "vocab", "seq_len", "vocab_pad"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise SpecError(f"{name} must be a positive integer, got {v!r}")
         if self.hidden % self.heads:
-            raise ValueError(
+            raise SpecError(
                 f"hidden={self.hidden} is not divisible by heads={self.heads} "
                 f"({self.hidden} % {self.heads} = {self.hidden % self.heads})"
             )
@@ -52,9 +52,9 @@ class ModelSpec:
             object.__setattr__(self, "kv_heads", self.heads)
         assert self.kv_heads is not None
         if self.kv_heads < 1 or self.heads % self.kv_heads:
-            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+            raise SpecError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         if self.arch == "gpt" and self.kv_heads != self.heads:
-            raise ValueError("the GPT family has no grouped-query attention: kv_heads must equal heads")
+            raise SpecError("the GPT family has no grouped-query attention: kv_heads must equal heads")
         if self.ffn_hidden is None:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
         if self.tied_embeddings is None:
@@ -172,14 +172,14 @@ def model_spec(preset: str | None = None, **overrides: Any) -> ModelSpec:
     base: dict[str, Any] = {}
     if preset is not None:
         if preset not in PRESETS:
-            raise ValueError(f"unknown model preset {preset!r}; known: {', '.join(PRESETS)}")
+            raise SpecError(f"unknown model preset {preset!r}; known: {', '.join(PRESETS)}")
         base = dict(PRESETS[preset])
     base.update({k: v for k, v in overrides.items() if v is not None})
     if "arch" not in base:
         base["arch"] = "gpt"
     missing = [k for k in ("num_layers", "hidden", "heads", "vocab") if k not in base]
     if missing:
-        raise ValueError(f"model_ptc needs a preset or the dimensions {missing}")
+        raise SpecError(f"model_ptc needs a preset or the dimensions {missing}")
     return ModelSpec(**base)
 
 

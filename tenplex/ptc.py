@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .config import ParallelConfig
-from .errors import ConfigError, LayoutError
+from .errors import ConfigError, LayoutError, SpecError
 
 __all__ = [
     "Replicated",
@@ -61,7 +61,7 @@ _DTYPES = {
 def dtype_to_str(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(_DTYPES)}")
+        raise SpecError(f"unsupported dtype {dtype}; supported: {', '.join(_DTYPES)}")
     return name
 
 
@@ -69,7 +69,7 @@ def dtype_from_str(name: str) -> torch.dtype:
     try:
         return _DTYPES[name.removeprefix("torch.")]
     except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(_DTYPES)}") from None
+        raise SpecError(f"unsupported dtype {name!r}; supported: {', '.join(_DTYPES)}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,15 +97,15 @@ class Split:
 
     def __post_init__(self) -> None:
         if self.dim < 0:
-            raise ValueError(f"Split.dim must be >= 0, got {self.dim}")
+            raise SpecError(f"Split.dim must be >= 0, got {self.dim}")
         if self.blocks is not None:
             object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
             if not self.blocks or any(b <= 0 for b in self.blocks):
-                raise ValueError(f"Split.blocks must be positive sizes, got {self.blocks}")
+                raise SpecError(f"Split.blocks must be positive sizes, got {self.blocks}")
             if self.pad_multiple is not None:
-                raise ValueError("Split takes blocks or pad_multiple, not both")
+                raise SpecError("Split takes blocks or pad_multiple, not both")
         if self.pad_multiple is not None and self.pad_multiple < 1:
-            raise ValueError(f"Split.pad_multiple must be >= 1, got {self.pad_multiple}")
+            raise SpecError(f"Split.pad_multiple must be >= 1, got {self.pad_multiple}")
 
 
 TPSpec = Union[Replicated, Split]
@@ -135,21 +135,21 @@ class TensorSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         if not self.name:
-            raise ValueError("a tensor needs a non-empty name")
+            raise SpecError("a tensor needs a non-empty name")
         if any(s < 0 for s in self.shape):
-            raise ValueError(f"{self.name}: negative size in shape {self.shape}")
+            raise SpecError(f"{self.name}: negative size in shape {self.shape}")
         if isinstance(self.placement, bool) or not (
             (isinstance(self.placement, int) and self.placement >= 0) or self.placement in _PLACEMENT_WORDS
         ):
-            raise ValueError(
+            raise SpecError(
                 f"{self.name}: placement must be a layer index >= 0 or one of {_PLACEMENT_WORDS}, "
                 f"got {self.placement!r}"
             )
         if isinstance(self.tp, Split):
             if self.tp.dim >= len(self.shape):
-                raise ValueError(f"{self.name}: split dim {self.tp.dim} but the tensor has {len(self.shape)} dims")
+                raise SpecError(f"{self.name}: split dim {self.tp.dim} but the tensor has {len(self.shape)} dims")
             if self.tp.blocks is not None and sum(self.tp.blocks) != self.shape[self.tp.dim]:
-                raise ValueError(
+                raise SpecError(
                     f"{self.name}: blocks {'+'.join(map(str, self.tp.blocks))} = {sum(self.tp.blocks)} "
                     f"but dim {self.tp.dim} has size {self.shape[self.tp.dim]}"
                 )
@@ -310,31 +310,31 @@ class TensorSpec:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> TensorSpec:
-        """The spec ``to_json`` wrote; ValueError naming the field for anything else (a damaged file)."""
+        """The spec ``to_json`` wrote; SpecError (a ValueError) naming the field for anything else (a damaged file)."""
 
         def ints(v: Any) -> bool:
             return isinstance(v, list) and all(type(x) is int for x in v)
 
         if not isinstance(obj, Mapping):
-            raise ValueError(f"a tensor spec must be an object, got {obj!r}")
+            raise SpecError(f"a tensor spec must be an object, got {obj!r}")
         name = obj.get("name")
         where = f"tensor spec {name!r}"
         tpj = obj.get("tp")
         if not isinstance(name, str) or not isinstance(obj.get("dtype"), str):
-            raise ValueError(f"{where}: name and dtype must be strings")
+            raise SpecError(f"{where}: name and dtype must be strings")
         if not ints(obj.get("shape")):
-            raise ValueError(f"{where}: shape {obj.get('shape')!r} is not a list of integers")
+            raise SpecError(f"{where}: shape {obj.get('shape')!r} is not a list of integers")
         if not isinstance(tpj, Mapping) or tpj.get("kind") not in ("replicated", "split"):
-            raise ValueError(f"{where}: tp {tpj!r} is not {{kind: replicated|split, ...}}")
+            raise SpecError(f"{where}: tp {tpj!r} is not {{kind: replicated|split, ...}}")
         placement, dp_sharded = obj.get("placement"), obj.get("dp_sharded")
         if type(placement) not in (int, str) or type(dp_sharded) is not bool:
-            raise ValueError(f"{where}: placement {placement!r} or dp_sharded {dp_sharded!r} has the wrong type")
+            raise SpecError(f"{where}: placement {placement!r} or dp_sharded {dp_sharded!r} has the wrong type")
         tp: TPSpec = Replicated()
         if tpj["kind"] == "split":
             blocks, pad = tpj.get("blocks"), tpj.get("pad_multiple")
             if type(tpj.get("dim")) is not int or not (blocks is None or ints(blocks)) or not (
                     pad is None or type(pad) is int):
-                raise ValueError(f"{where}: split {tpj!r} needs an integer dim, integer blocks and pad_multiple")
+                raise SpecError(f"{where}: split {tpj!r} needs an integer dim, integer blocks and pad_multiple")
             tp = Split(dim=tpj["dim"], blocks=tuple(blocks) if blocks else None, pad_multiple=pad)
         return cls(name=name, shape=tuple(obj["shape"]), dtype=dtype_from_str(obj["dtype"]), tp=tp,
                    placement=placement, dp_sharded=dp_sharded)
@@ -412,20 +412,20 @@ class PTC:
         specs: dict[str, TensorSpec] = {}
         for spec in tensors:
             if spec.name in specs:
-                raise ValueError(f"tensor {spec.name!r} is listed twice in the PTC")
+                raise SpecError(f"tensor {spec.name!r} is listed twice in the PTC")
             specs[spec.name] = spec
         layers = [s.placement for s in specs.values() if isinstance(s.placement, int)]
         inferred = max(layers) + 1 if layers else 0
         if num_layers is None:
             num_layers = inferred
         elif num_layers < inferred:
-            raise ValueError(f"num_layers={num_layers} but a tensor belongs to layer {inferred - 1}")
+            raise SpecError(f"num_layers={num_layers} but a tensor belongs to layer {inferred - 1}")
         self.tensors: Mapping[str, TensorSpec] = specs
         self.num_layers: int = num_layers
         self.objects: tuple[str, ...] = tuple(objects)
         clash = set(self.objects) & set(specs)
         if clash:
-            raise ValueError(f"names used both as tensor and object: {sorted(clash)}")
+            raise SpecError(f"names used both as tensor and object: {sorted(clash)}")
         self.meta: dict[str, Any] = dict(meta or {})
         self._fingerprint: str | None = None
 
@@ -539,7 +539,7 @@ class PTC:
         for name, spec in self.tensors.items():
             t = global_state[name]
             if tuple(t.shape) != spec.shape:
-                raise ValueError(f"{name}: global tensor has shape {tuple(t.shape)}, the PTC says {spec.shape}")
+                raise SpecError(f"{name}: global tensor has shape {tuple(t.shape)}, the PTC says {spec.shape}")
             flats[name] = spec.to_canonical(t.to(spec.dtype))
         out: dict[int, dict[str, Any]] = {}
         for rank in range(cfg.world_size):
@@ -569,7 +569,7 @@ class PTC:
                         covered.append((g, g + ln))
             gap = _first_gap(covered, spec.numel)
             if gap is not None:
-                raise ValueError(f"cannot unshard {name}: no rank holds elements from {gap} (canonical order)")
+                raise SpecError(f"cannot unshard {name}: no rank holds elements from {gap} (canonical order)")
             rows = spec.shape[spec.split_dim] if spec.split_dim is not None else None
             out[name] = spec.from_canonical(flat, rows=rows)
         for obj in self.objects:
@@ -590,21 +590,21 @@ class PTC:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> PTC:
-        """The PTC ``to_json`` wrote; ValueError saying what is wrong for anything else (a damaged file)."""
+        """The PTC ``to_json`` wrote; SpecError (a ValueError) saying what is wrong for anything else (a damaged file)."""
         if not isinstance(obj, Mapping):
-            raise ValueError(f"a PTC description must be an object, got {type(obj).__name__}")
+            raise SpecError(f"a PTC description must be an object, got {type(obj).__name__}")
         tensors, objects, meta = obj.get("tensors"), obj.get("objects", []), obj.get("meta")
         if not isinstance(tensors, list) or type(obj.get("num_layers")) is not int:
-            raise ValueError("a PTC description needs a list of tensors and an integer num_layers")
+            raise SpecError("a PTC description needs a list of tensors and an integer num_layers")
         if not isinstance(objects, list) or not all(isinstance(o, str) for o in objects):
-            raise ValueError(f"PTC objects {objects!r} must be a list of names")
+            raise SpecError(f"PTC objects {objects!r} must be a list of names")
         if meta is not None and not isinstance(meta, Mapping):
-            raise ValueError(f"PTC meta {meta!r} must be an object")
+            raise SpecError(f"PTC meta {meta!r} must be an object")
         try:
             return cls((TensorSpec.from_json(t) for t in tensors), num_layers=obj["num_layers"], objects=objects,
                        meta=meta)
         except (KeyError, TypeError, AttributeError, IndexError) as e:  # a description from_json did not foresee
-            raise ValueError(f"malformed PTC description ({type(e).__name__}: {e})") from None
+            raise SpecError(f"malformed PTC description ({type(e).__name__}: {e})") from None
 
     def fingerprint(self) -> str:
         """Hash of the tensors' names, shapes, dtypes and specs (not of meta); computed once

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import DataIndexError
+
 __all__ = ["TokenCorpus", "stdlib_corpus", "file_sha256", "BYTE_VOCAB"]
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class TokenCorpus:
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"token file {self.path} does not exist")
         if self.num_samples < 1:
-            raise ValueError(
+            raise DataIndexError(
                 f"{self.path} holds {self._tokens().size} tokens, fewer than one sample of {self.seq_len + 1}"
             )
 

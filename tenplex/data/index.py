@@ -206,12 +206,12 @@ def load_index(url: str, *, verify: bool = True) -> DataIndex:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             if not isinstance(meta, dict) or not isinstance(meta.get("files"), list):
-                raise ValueError("its meta is not an object with a list of files")
+                raise DataIndexError("its meta is not an object with a list of files")
             files = tuple(SourceFile(str(u), int(s)) for u, s in meta["files"])
             index = DataIndex(files, z["file_id"], z["offset"], z["length"], str(meta["kind"]),
                               dict(meta.get("params") or {}))
     except DataIndexError as e:
-        raise DataIndexError(f"{url} is not a valid tenplex dataset index ({e}); rebuild it with "
+        raise DataIndexError(f"{url} is not a tenplex dataset index ({e}); rebuild it with "
                              "`tenplex data index`") from None
     except (ValueError, KeyError, TypeError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise DataIndexError(f"{url} is not a tenplex dataset index or is truncated ({type(e).__name__}: {e}); "

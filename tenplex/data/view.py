@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ..errors import DataStateError
 from .index import DataIndex, SourceReader
 from .partition import DataState, rank_batch_ids, remaining_ids
 
@@ -184,7 +185,7 @@ def rank_view(index: DataIndex, reader: SourceReader, state: DataState, dp: int,
               num_epochs: int | None = None, end: int | None = None) -> RankView:
     """The view of DP rank ``dp_rank``'s remaining samples (exactly a mount's ``rank-<i>/``)."""
     if state.num_samples != index.num_samples:
-        raise ValueError(f"the data state has {state.num_samples} samples but the index {index.num_samples}: "
+        raise DataStateError(f"the data state has {state.num_samples} samples but the index {index.num_samples}: "
                          "use the index the job was started with")
     return RankView(index, reader, remaining_ids(state, dp, dp_rank, num_epochs=num_epochs, end=end))
 
@@ -198,7 +199,7 @@ class RankReader:
     def __init__(self, index: DataIndex, state: DataState, dp: int, dp_rank: int,
                  reader: SourceReader | None = None) -> None:
         if state.num_samples != index.num_samples:
-            raise ValueError(f"the data state has {state.num_samples} samples but the index {index.num_samples}: "
+            raise DataStateError(f"the data state has {state.num_samples} samples but the index {index.num_samples}: "
                              "use the index the job was started with")
         self.index = index
         self.state = state

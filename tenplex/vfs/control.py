@@ -92,7 +92,7 @@ class _Handler(socketserver.StreamRequestHandler):
             return  # a liveness probe: connected and closed
         try:
             if len(line) > MAX_REQUEST_BYTES:
-                raise ValueError(f"longer than {MAX_REQUEST_BYTES} bytes")
+                raise VfsError(f"longer than {MAX_REQUEST_BYTES} bytes")
             req = json.loads(line)
         except (ValueError, RecursionError) as e:
             resp = _refuse(f"bad request (send one JSON object on one line): {str(e)[:200]}")
@@ -189,7 +189,7 @@ def _request(mountpoint: str, req: dict[str, Any], timeout: float = 30.0) -> dic
     try:
         resp = json.loads(buf)
         if not isinstance(resp, dict):
-            raise ValueError("not a JSON object")
+            raise VfsError("not a JSON object")
     except ValueError:
         raise VfsError(f"the mount at {mountpoint} sent no valid answer ({buf[:100]!r}); see its log next to "
                        f"{path}") from None
