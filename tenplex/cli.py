@@ -12,11 +12,29 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from .checkpoint import list_steps, read_manifest
 from .config import MAX_WORLD_SIZE, ParallelConfig
+from .data.index import build_index, load_index
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError
+from .interop import detect_format, export_hf, import_checkpoint
+from .layouts import Hardware, rank_layouts
+from .memory import estimate_memory, parse_size
+from .models import model_ptc
+from .planner import locality_order, plan
+from .schedule import lower_bound, naive_completion, schedule
+from .topology import Topology
+from .vfs.control import remount
+from .vfs.fuse import check_fuse, check_mountpoint, mount, spawn_mount
+from .vfs.store_view import mount_store
+from .vfs.tree import Layout
 
 __all__ = ["main", "human_bytes", "parse_ranks", "parse_rank_ranges"]
 
@@ -78,8 +96,6 @@ def _layout(text: str) -> ParallelConfig:
 
 
 def _size(text: str) -> int:
-    from .memory import parse_size
-
     try:
         return parse_size(text)
     except TenplexError as e:
@@ -116,8 +132,6 @@ def _float_in(lo: float, hi: float, *, lo_open: bool = True) -> Callable[[str], 
 
 def _url(text: str) -> str:
     """An argparse type: a local path or an fsspec URL whose protocol is known and installed."""
-    import fsspec
-
     if not text:
         raise argparse.ArgumentTypeError("empty path: pass a local path or a URL")
     try:
@@ -133,8 +147,6 @@ _STEP = _int_in(0, (1 << 63) - 1)
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from .memory import estimate_memory
-
     cfg = args.layout or ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp)
     est = estimate_memory(args.model, cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, cp=args.cp,
                           distributed_optimizer=not args.no_distributed_optimizer,
@@ -169,8 +181,6 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _cmd_configs(args: argparse.Namespace) -> int:
-    from .layouts import Hardware, rank_layouts
-
     hw = Hardware(flops=args.flops, intra_host_bw=args.intra_host_bw, inter_host_bw=args.inter_host_bw)
     choices = rank_layouts(args.model, args.gpus, gpu_mem=args.gpu_mem, global_batch=args.global_batch,
                            seq_len=args.seq_len, micro_batch=args.micro_batch, gpus_per_host=args.gpus_per_host,
@@ -212,14 +222,9 @@ def _cmd_configs(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .models import model_ptc
-    from .planner import plan
-
     ptc = model_ptc(args.model, optimizer=not args.no_optimizer, distributed_optimizer=args.distributed_optimizer)
     alive = None if args.alive is None else _listed(args.alive, args.from_.world_size)
     if args.locality:
-        from .planner import locality_order
-
         survivors = alive if alive is not None else list(range(min(args.from_.world_size, args.to.world_size)))
         alive = locality_order(ptc, args.from_, args.to, survivors)
     result = plan(ptc, args.from_, args.to, alive=alive, gpus_per_host=args.gpus_per_host)
@@ -249,13 +254,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
-    from .models import model_ptc
-    from .planner import plan
     import scipy.optimize  # noqa: F401  (loaded here so that solve_s times the solve, not imports)
     import scipy.sparse.csgraph  # noqa: F401
-
-    from .schedule import lower_bound, naive_completion, schedule
-    from .topology import Topology
 
     if args.topology.endswith(".json"):
         try:
@@ -317,9 +317,6 @@ def _checkpoint_errors(url: str) -> Iterator[None]:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    import fsspec
-    from fsspec.implementations.local import LocalFileSystem
-
     fs, path = fsspec.core.url_to_fs(args.url)
     if isinstance(fs, LocalFileSystem) and not fs.exists(path):
         raise CheckpointNotFoundError(f"{args.url} does not exist: check the path")
@@ -328,8 +325,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .checkpoint import list_steps, read_manifest
-
     steps = list_steps(args.url)
     if not steps:
         print(f"no checkpoint steps under {args.url}", file=sys.stderr)
@@ -379,8 +374,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from .interop import import_checkpoint
-
     hf_config = None
     if args.hf_config:
         try:
@@ -398,8 +391,6 @@ def _cmd_import(args: argparse.Namespace) -> int:
     kw: dict = {"layout": args.layout, "step": args.step}
     fmt = args.format
     if fmt == "auto":
-        from .interop import detect_format
-
         fmt = detect_format(args.src)
     if fmt == "dcp":
         kw.update(model=args.model, hf_config=hf_config, strip_prefix=args.strip_prefix)
@@ -414,8 +405,6 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .interop import export_hf
-
     with _checkpoint_errors(args.src):
         path = export_hf(args.src, args.dst, step=args.step)
     print(f"exported {args.src} to {path} (Hugging Face safetensors, config.json beside it)")
@@ -558,13 +547,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_mount_store(args: argparse.Namespace) -> int:
-    from .vfs.store_view import mount_store
-
     mount_store(args.root, args.mountpoint, debug=args.debug)
     return 0
 
 
 def _cmd_bench_bubbles(args: argparse.Namespace) -> int:
+    # lazy: the benchmark loads the reference trainer (torch.distributed, the model code), which no other command needs
     from .train.bubble_bench import main as bench_main
 
     return bench_main(args.rest)
@@ -616,8 +604,6 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def _cmd_data_index(args: argparse.Namespace) -> int:
-    from .data.index import build_index
-
     kind = "records" if args.record_bytes is not None else "jsonl" if args.jsonl else "tokens"
     index = build_index(args.files, kind=kind, record_bytes=args.record_bytes, seq_len=args.seq_len,
                         dtype=args.dtype)
@@ -632,11 +618,6 @@ def _cmd_data_index(args: argparse.Namespace) -> int:
 
 
 def _cmd_mount(args: argparse.Namespace) -> int:
-    import os
-
-    from .vfs.fuse import check_fuse, check_mountpoint, mount, spawn_mount
-    from .vfs.tree import Layout
-
     layout = Layout(dp=args.dp, progress=args.progress,
                     global_batch=args.dp if args.global_batch is None else args.global_batch,
                     seed=args.seed, shuffle=not args.no_shuffle, num_epochs=args.epochs)
@@ -644,8 +625,6 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         mount(args.index, args.mountpoint, layout, debug=args.debug, read_ahead_kib=args.read_ahead_kib)
         return 0
     # check what we can here, so errors are printed by this process; the child serves the mount
-    from .data.index import load_index
-
     check_mountpoint(args.mountpoint)
     check_fuse()
     layout.check(load_index(args.index).num_samples)
@@ -662,8 +641,6 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _cmd_remount(args: argparse.Namespace) -> int:
-    from .vfs.control import remount
-
     st = remount(args.mountpoint, dp=args.dp, progress=args.progress, global_batch=args.global_batch, seed=args.seed,
                  shuffle=args.shuffle)
     if args.json:
@@ -675,7 +652,7 @@ def _cmd_remount(args: argparse.Namespace) -> int:
 
 
 def _cmd_store_serve(args: argparse.Namespace) -> int:
-    from .errors import ConfigError
+    # lazy: the store's server and client modules are needed by this command only
     from .store import serve
 
     if args.token is not None:

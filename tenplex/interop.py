@@ -44,7 +44,7 @@ import torch
 from .checkpoint import load, read_manifest, save
 from .config import ParallelConfig
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from .models import ModelSpec, model_ptc, optimizer_names
+from .models import ModelSpec, model_ptc, model_spec, optimizer_names
 from .ptc import PTC, TensorSpec
 
 __all__ = [
@@ -386,8 +386,6 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
     is imported replicated (loadable under any layout, but not TP-split).
     ``strip_prefix`` is removed from every name first (e.g. ``"model."`` of a wrapped module).
     """
-    from .models import model_spec
-
     layout = layout or ParallelConfig()
     tensors, objects = read_dcp_state(src)
     if strip_prefix:

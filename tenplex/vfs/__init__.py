@@ -2,25 +2,13 @@
 
 The tree (:mod:`tenplex.vfs.tree`) is pure and tested without mounting; :mod:`tenplex.vfs.fuse`
 is the thin mfusepy adapter; :mod:`tenplex.vfs.control` serves and sends re-shard requests.
-Importing this package does not load libfuse.
+Importing this package does not load libfuse (:mod:`tenplex.vfs.fuse` imports mfusepy when a
+mount starts).
 """
 
 from .control import mount_status, remount, socket_path
+from .fuse import mount, unmount
 from .tree import DatasetTree, Generation, Layout, Node, VfsError, gen_name, rank_name
 
 __all__ = ["DatasetTree", "Generation", "Layout", "Node", "VfsError", "gen_name", "rank_name", "remount",
            "mount_status", "socket_path", "mount", "unmount"]
-
-
-def mount(*args, **kwargs):  # type: ignore[no-untyped-def]
-    """See :func:`tenplex.vfs.fuse.mount` (imported lazily: it loads libfuse)."""
-    from .fuse import mount as _mount
-
-    return _mount(*args, **kwargs)
-
-
-def unmount(*args, **kwargs):  # type: ignore[no-untyped-def]
-    """See :func:`tenplex.vfs.fuse.unmount`."""
-    from .fuse import unmount as _unmount
-
-    return _unmount(*args, **kwargs)

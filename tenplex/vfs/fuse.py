@@ -26,21 +26,23 @@ from ..data.index import DataIndexError, SourceReadError, load_index
 from .control import ControlServer, check_not_stale, socket_path
 from .tree import DIR, FILE, DatasetTree, Layout, VfsError
 
-__all__ = ["mount", "spawn_mount", "check_fuse", "check_mountpoint", "unmount", "FUSE_LIBRARY"]
+__all__ = ["mount", "spawn_mount", "check_fuse", "check_mountpoint", "unmount", "FUSE_LIBRARY", "FuseOps", "fuse_class",
+           "mfusepy"]
 
 log = logging.getLogger(__name__)
 FUSE_LIBRARY = "fuse3"
 
 
-def _mfusepy() -> Any:
-    """Import mfusepy bound to libfuse3 (it reads FUSE_LIBRARY_NAME at import)."""
+def mfusepy() -> Any:
+    """The mfusepy module, imported bound to libfuse3 (it reads FUSE_LIBRARY_NAME at import);
+    :class:`VfsError` with a fix when FUSE is not installed."""
     os.environ.setdefault("FUSE_LIBRARY_NAME", FUSE_LIBRARY)
     try:
-        import mfusepy
+        import mfusepy as module
     except (OSError, ImportError) as e:
         raise VfsError(f"FUSE is not available ({e}): install libfuse3 (Debian: apt-get install fuse3, or run "
                        "scripts/setup_system.sh) and the Python package mfusepy") from None
-    return mfusepy
+    return module
 
 
 def check_fuse() -> None:
@@ -50,7 +52,7 @@ def check_fuse() -> None:
                        "run with --device /dev/fuse --cap-add SYS_ADMIN")
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
         raise VfsError("fusermount3 is not installed: install the Debian package fuse3 (scripts/setup_system.sh)")
-    _mfusepy()
+    mfusepy()
 
 
 def check_mountpoint(mountpoint: str) -> str:
@@ -130,7 +132,7 @@ class FuseOps:
         return bytes(buf[:n])
 
     def read_into(self, fh: int, offset: int, buf: memoryview) -> int:
-        """Fill libfuse's reply buffer directly (see :func:`_fuse_class`)."""
+        """Fill libfuse's reply buffer directly (see :func:`fuse_class`)."""
         try:
             return self.tree.read_handle_into(fh, offset, buf)
         except SourceReadError as e:
@@ -140,7 +142,7 @@ class FuseOps:
             raise self._err(errno.EBADF) from None
 
     def source_pieces(self, fh: int, offset: int, size: int) -> Any:
-        """(descriptors, positions, lengths) for libfuse to read, or None (see :func:`_fuse_class`)."""
+        """(descriptors, positions, lengths) for libfuse to read, or None (see :func:`fuse_class`)."""
         try:
             return self.tree.source_pieces(fh, offset, size)
         except SourceReadError as e:
@@ -196,11 +198,11 @@ def _keep_reply_buffers() -> None:
 
 
 def _served_by_fuse_class(*args: Any) -> int:
-    raise NotImplementedError("read_buf is handled by the FUSE class (_fuse_class)")
+    raise NotImplementedError("read_buf is handled by the FUSE class (fuse_class)")
 
 
-def _fuse_class(mfusepy: Any) -> Any:
-    """mfusepy.FUSE with fast reads.
+def fuse_class(mfusepy: Any) -> Any:
+    """mfusepy.FUSE (of the module ``mfusepy``) with fast reads.
 
     ``samples.bin`` reads go through libfuse's ``read_buf``: the callback only describes the
     request as (descriptor, position, length) pieces of the source files, built with numpy,
@@ -280,7 +282,7 @@ def mount(index_url: str, mountpoint: str, layout: Layout, *, keep: int = 4, deb
     """Mount ``index_url`` at ``mountpoint`` in the foreground until unmounted or signalled."""
     mp = check_mountpoint(mountpoint)
     check_fuse()
-    mfusepy = _mfusepy()
+    fuse_mod = mfusepy()
     try:
         index = load_index(index_url)
     except DataIndexError as e:
@@ -290,16 +292,16 @@ def mount(index_url: str, mountpoint: str, layout: Layout, *, keep: int = 4, deb
     control = ControlServer(tree, ctl_path).start()
     # the mount's own `mfusepy` class needs the Operations base for its introspection
     # read_buf is served by the FUSE class itself; the operations only need the name for mfusepy to wire it
-    fast = {"read_buf": _served_by_fuse_class} if _read_buf_supported(mfusepy) else {}
-    ops = type("TenplexFS", (FuseOps, mfusepy.Operations), fast)(tree, mfusepy)
+    fast = {"read_buf": _served_by_fuse_class} if _read_buf_supported(fuse_mod) else {}
+    ops = type("TenplexFS", (FuseOps, fuse_mod.Operations), fast)(tree, fuse_mod)
     log.info("mounting %s at %s: %d samples, dp=%d, progress=%d", index_url, mp, index.num_samples, layout.dp,
              layout.progress)
     _keep_reply_buffers()
     if read_ahead_kib:
         threading.Thread(target=_raise_readahead, args=(mp, read_ahead_kib), daemon=True).start()
     try:
-        _fuse_class(mfusepy)(ops, mp, foreground=True, nothreads=False, ro=True, kernel_cache=True, fsname="tenplex",
-                     subtype="tenplex", debug=debug)
+        fuse_class(fuse_mod)(ops, mp, foreground=True, nothreads=False, ro=True, kernel_cache=True, fsname="tenplex",
+                             subtype="tenplex", debug=debug)
     except RuntimeError as e:
         if ops.started:  # libfuse reports a loop ended by SIGTERM/SIGINT as status 8, after unmounting
             log.info("stopped by a signal (libfuse status %s)", e)
