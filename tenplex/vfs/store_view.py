@@ -156,7 +156,7 @@ class StoreTree:
 
 def mount_store(root: str, mountpoint: str, *, debug: bool = False) -> None:
     """Serve ``StoreTree(root)`` at ``mountpoint`` in the foreground until unmounted or signalled."""
-    from .fuse import FuseOps, _fuse_class, _mfusepy, check_fuse, check_mountpoint
+    from .fuse import FuseOps, check_fuse, check_mountpoint, fuse_class as _fuse_class, mfusepy as _mfusepy
 
     mp = check_mountpoint(mountpoint)
     check_fuse()
