@@ -54,7 +54,8 @@ class ModelSpec:
         if self.kv_heads < 1 or self.heads % self.kv_heads:
             raise SpecError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         if self.arch == "gpt" and self.kv_heads != self.heads:
-            raise SpecError("the GPT family has no grouped-query attention: kv_heads must equal heads")
+            raise SpecError(f"the GPT family has no grouped-query attention: kv_heads must equal heads, got "
+                            f"kv_heads={self.kv_heads}, heads={self.heads}")
         if self.ffn_hidden is None:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
         if self.tied_embeddings is None:

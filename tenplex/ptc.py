@@ -103,7 +103,8 @@ class Split:
             if not self.blocks or any(b <= 0 for b in self.blocks):
                 raise SpecError(f"Split.blocks must be positive sizes, got {self.blocks}")
             if self.pad_multiple is not None:
-                raise SpecError("Split takes blocks or pad_multiple, not both")
+                raise SpecError(f"Split takes blocks or pad_multiple, not both (got blocks={self.blocks}, "
+                                f"pad_multiple={self.pad_multiple})")
         if self.pad_multiple is not None and self.pad_multiple < 1:
             raise SpecError(f"Split.pad_multiple must be >= 1, got {self.pad_multiple}")
 
@@ -321,7 +322,8 @@ class TensorSpec:
         where = f"tensor spec {name!r}"
         tpj = obj.get("tp")
         if not isinstance(name, str) or not isinstance(obj.get("dtype"), str):
-            raise SpecError(f"{where}: name and dtype must be strings")
+            raise SpecError(f"{where}: name and dtype must be strings, got {type(name).__name__} and "
+                            f"{type(obj.get('dtype')).__name__}")
         if not ints(obj.get("shape")):
             raise SpecError(f"{where}: shape {obj.get('shape')!r} is not a list of integers")
         if not isinstance(tpj, Mapping) or tpj.get("kind") not in ("replicated", "split"):
@@ -595,7 +597,8 @@ class PTC:
             raise SpecError(f"a PTC description must be an object, got {type(obj).__name__}")
         tensors, objects, meta = obj.get("tensors"), obj.get("objects", []), obj.get("meta")
         if not isinstance(tensors, list) or type(obj.get("num_layers")) is not int:
-            raise SpecError("a PTC description needs a list of tensors and an integer num_layers")
+            raise SpecError(f"a PTC description needs a list of tensors and an integer num_layers, got tensors of "
+                            f"type {type(tensors).__name__} and num_layers={obj.get('num_layers')!r}")
         if not isinstance(objects, list) or not all(isinstance(o, str) for o in objects):
             raise SpecError(f"PTC objects {objects!r} must be a list of names")
         if meta is not None and not isinstance(meta, Mapping):
