@@ -11,19 +11,15 @@ from unittest import mock
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_checkpoint import (
-    CountingMemFS,
-    _clear_memory,
-    _data_reads,
-    assert_shard_equal,
-    model_and_layouts,
-    random_bits,
-    save_all,
-)
+from test_checkpoint import CountingMemFS, assert_shard_equal, model_and_layouts, random_bits, save_all
 
 from tenplex.checkpoint import Binding, PartReader, ReadItem, list_steps, plan_reads
 from tenplex.checkpoint.format import data_name, writer_assignment
 from tenplex.checkpoint.reader import read_manifest_at, shard_buffers, url_fs
+
+
+def _data_reads(since: int) -> list:
+    return [r for r in CountingMemFS.reads[since:] if r[0].endswith(".safetensors")]
 
 
 def _no_io(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -88,4 +84,4 @@ def test_plan_reads_is_pure_and_executing_it_reads_exactly_the_plan(case, where)
     try:
         _check_plans(f"countmem://plan-{uuid.uuid4().hex[:8]}", case)
     finally:
-        _clear_memory()
+        CountingMemFS.reset()

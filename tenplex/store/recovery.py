@@ -9,8 +9,12 @@ tier holds an intact copy, the next older usable attempt is tried, and the resul
 the attempts passed over (``LoadResult.skipped``).
 
 Reads between hosts follow a transfer schedule (``tenplex.schedule``) computed alike on every
-rank from the repartition plan and the stores' contents: this rank's peer reads run round by
-round in the schedule's order (see docs/store.md, "Reads in rounds").
+rank from the repartition plan and the stores' contents, before any read: this rank's peer
+reads run round by round in the schedule's order (see docs/store.md, "Reads in rounds").
+
+This module holds the readers that execute a shard's read plan across the tiers and
+``load_tiered``; the tiers and their scans are in ``tiers``, the schedule in
+``recovery_plan`` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..ptc import PTC
 from ..topology import Topology
-from .recovery_plan import RECOVERY_LINKS, ReadOrder, RecoveryPlan, order_reads, plan_recovery, schedule_recovery
+from .recovery_plan import RECOVERY_LINKS, RecoveryPlan, order_reads, plan_recovery, schedule_recovery
 from .tiers import Attempt, Tier, TierScan, UsableStep, find_usable, scan_tiers, usable_steps
 
 __all__ = ["Tier", "TieredLoad", "UsableStep", "TierScan", "scan_tiers", "find_usable", "usable_steps", "load_tiered",
@@ -42,7 +46,7 @@ __all__ = ["Tier", "TieredLoad", "UsableStep", "TierScan", "scan_tiers", "find_u
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PeerRead:
     """One verified read from a peer store: ``length`` elements of ``tensor`` from global offset
     ``start``, out of writer rank ``writer``'s part; ``nbytes`` read (checksum blocks included);
@@ -60,7 +64,7 @@ class PeerRead:
     finished: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RecoveryRounds:
     """How a tiered load ordered its reads between hosts.
 

@@ -36,7 +36,7 @@ RECOVERY_LINKS = "nvlink=300GB/s,pcie=32GB/s,nic=50GB/s"
 """Links of the default recovery topology (``hosts`` and ``gpus`` are derived; see ``plan_recovery``)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RecoveryPlan:
     """The schedule of every new rank's reads between host stores, seen from one rank.
 

@@ -100,8 +100,8 @@ class StoreTree:
             return Node(kind="missing"), None
         ranks = self._ranks(d)
         if len(parts) == 2:
-            return Node(kind=DIR, entries=("manifest.json", *ranks)), None
-        if len(parts) == 3 and parts[2] == "manifest.json":
+            return Node(kind=DIR, entries=(MANIFEST_NAME, *ranks)), None
+        if len(parts) == 3 and parts[2] == MANIFEST_NAME:
             p = d / MANIFEST_NAME
             return Node(kind=FILE, size=p.stat().st_size), (str(p), 0, p.stat().st_size)
         if parts[2] not in ranks:
