@@ -407,10 +407,10 @@ class StoreWriteTask:
     ``begin(step, shard)`` only records the shard (it runs at the start of an iteration, on the
     critical path). The steps, run in bubbles, then: write the previous snapshot's rank index
     (and, on rank 0, the manifest and objects), which makes that part visible; lay out this
-    rank's part of the save attempt exactly as ``tenplex.save`` would (same chunks, same
-    checkpoint format: the safetensors file pre-sized, its header written); and write one
-    bucket of whole checksum blocks per step straight from the live tensors, checksummed: a
-    zero-copy view where the tensor's local order is the canonical one, else a copy of just
+    rank's part of the save attempt with the ``PartWriter`` that ``tenplex.save`` uses (same
+    chunks, same checkpoint format: the safetensors file pre-sized, its header written); and
+    write one bucket of whole checksum blocks per step straight from the live tensors,
+    checksummed: a zero-copy view where the tensor's local order is the canonical one, else a copy of just
     the rows holding the bucket. ``finish()`` does what is left of this (before the optimizer
     step: the only blocking part); the snapshot's own index follows in the next iteration's
     first bubble, or at the next ``finish()`` or ``close()``. A snapshot is therefore visible
@@ -501,8 +501,9 @@ class StoreWriteTask:
         on_gpu = [n for n, t in shard.items() if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
         if on_gpu:
             raise CheckpointValueError(
-                f"{self.name}: StoreWriteTask writes from host memory, but {on_gpu[0]} is on {shard[on_gpu[0]].device}; "
-                "snapshot GPU state with SnapshotTask (pinned host buffers) and write the host copy from its on_complete")
+                f"{self.name}: StoreWriteTask writes from host memory, but {on_gpu[0]} is on "
+                f"{shard[on_gpu[0]].device}; snapshot GPU state with SnapshotTask (pinned host buffers) and write the "
+                "host copy from its on_complete")
         self._step, self._shard = step, shard
         self._to_open = True
         self._todo = []
