@@ -35,7 +35,10 @@ from typing import Any, Protocol
 
 import torch
 
-from .errors import SideTaskMemoryError
+from .checkpoint.format import block_bytes, check_step, step_dir, writer_assignment
+from .checkpoint.reader import url_fs
+from .checkpoint.writer import PartWriter, default_save_id
+from .errors import CheckpointValueError, ConfigError, SideTaskMemoryError
 from .memory import MemoryEstimate, parse_size
 
 __all__ = ["SideTask", "BubbleRuntime", "BubbleWindow", "SnapshotTask", "StoreWriteTask", "Span",
@@ -162,7 +165,7 @@ class BubbleRuntime:
         SideTaskMemoryError when the task needs more than that.
         """
         if task.name in self.grants:
-            raise ValueError(f"a side task named {task.name!r} is already registered")
+            raise ConfigError(f"a side task named {task.name!r} is already registered")
         free = self.memory_free
         fitted = task.fit_memory(free) if free is not None and hasattr(task, "fit_memory") else None
         need = memory_bytes if memory_bytes is not None else int(
@@ -302,7 +305,7 @@ class SnapshotTask:
 
     def __post_init__(self) -> None:
         if self.buffer_sets not in (1, 2):
-            raise ValueError(f"buffer_sets must be 1 or 2, got {self.buffer_sets}")
+            raise ConfigError(f"buffer_sets must be 1 or 2, got {self.buffer_sets}")
         self._todo: list[tuple[str, torch.Tensor, int, int]] = []
         self._src: dict[str, torch.Tensor] = {}
         self._step = -1
@@ -400,10 +403,10 @@ class StoreWriteTask:
     ``begin(step, shard)`` only records the shard (it runs at the start of an iteration, on the
     critical path). The steps, run in bubbles, then: write the previous snapshot's rank index
     (and, on rank 0, the manifest and objects), which makes that part visible; lay out this
-    rank's part of the save attempt exactly as ``tenplex.save`` would (same chunks, same
-    checkpoint format: the safetensors file pre-sized, its header written); and write one
-    bucket of whole checksum blocks per step straight from the live tensors, checksummed: a
-    zero-copy view where the tensor's local order is the canonical one, else a copy of just
+    rank's part of the save attempt with the ``PartWriter`` that ``tenplex.save`` uses (same
+    chunks, same checkpoint format: the safetensors file pre-sized, its header written); and
+    write one bucket of whole checksum blocks per step straight from the live tensors,
+    checksummed: a zero-copy view where the tensor's local order is the canonical one, else a copy of just
     the rows holding the bucket. ``finish()`` does what is left of this (before the optimizer
     step: the only blocking part); the snapshot's own index follows in the next iteration's
     first bubble, or at the next ``finish()`` or ``close()``. A snapshot is therefore visible
@@ -418,19 +421,16 @@ class StoreWriteTask:
 
     def __init__(self, root: str, ptc: Any, cfg: Any, rank: int, *, bucket_bytes: int = 1 << 20,
                  on_complete: Callable[[int, str], None] | None = None, name: str = "store-write") -> None:
-        from .checkpoint import _block_bytes, writer_assignment
-
         self.root, self.ptc, self.cfg, self.rank = root, ptc, cfg, rank
         self.name = name
         self.bucket_bytes = bucket_bytes
         self.on_complete = on_complete
         self.chunks = writer_assignment(ptc, cfg)[rank]
-        self._fingerprint = ptc.fingerprint()
         relaid = [n for n, *_ in self.chunks if ptc.relaid(n)]
         shapes = {n: ptc.local_shape(n, cfg) for n in relaid}
         self._row_bytes = max((math.prod(s) // s[ptc.tensors[n].split_dim] * ptc.tensors[n].dtype.itemsize
                                for n, s in shapes.items()), default=0)
-        self._max_block = max((_block_bytes(ln * ptc.tensors[n].dtype.itemsize) for n, _, _, ln in self.chunks),
+        self._max_block = max((block_bytes(ln * ptc.tensors[n].dtype.itemsize) for n, _, _, ln in self.chunks),
                               default=0)
         self.completed = 0
         self.bubble_bytes = 0
@@ -438,7 +438,8 @@ class StoreWriteTask:
         self._todo: list[tuple[int, int, int]] = []
         self._fd = -1
         self._to_open = False  # begin() ran, the file is not laid out yet
-        self._unpublished: tuple | None = None  # the finished snapshot whose index is not written yet
+        self._part: PartWriter | None = None  # the snapshot being written
+        self._unpublished: tuple[PartWriter, dict[str, Any]] | None = None  # finished, its index not written yet
         self._cost: dict[str, float] = {}  # measured step costs: "publish", "open" (s); "fixed", "byte" (buckets)
 
     @property
@@ -495,62 +496,41 @@ class StoreWriteTask:
             raise RuntimeError(f"{self.name}: begin({step}) before finish() of snapshot {self._step}")
         on_gpu = [n for n, t in shard.items() if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
         if on_gpu:
-            raise ValueError(f"{self.name}: StoreWriteTask writes from host memory, but {on_gpu[0]} is on "
-                             f"{shard[on_gpu[0]].device}; snapshot GPU state with SnapshotTask (pinned host "
-                             f"buffers) and write the host copy from its on_complete")
+            raise CheckpointValueError(
+                f"{self.name}: StoreWriteTask writes from host memory, but {on_gpu[0]} is on "
+                f"{shard[on_gpu[0]].device}; snapshot GPU state with SnapshotTask (pinned host buffers) and write the "
+                "host copy from its on_complete")
         self._step, self._shard = step, shard
         self._to_open = True
         self._todo = []
 
     def _open(self) -> None:
         """Lay out this rank's part of the save attempt: pre-sized file, header, bucket list."""
-        from .checkpoint import (FORMAT, _block_bytes, _existing, _fs, _rank_stem, _refuse_reuse, _step_dir,
-                                 _tmp_name, check_step, default_save_id, safetensors_header)
-
         t0 = time.perf_counter()
         self._to_open = False
         step = check_step(self._step)
-        self._save_id = default_save_id(self.cfg, self.ptc)
-        self._sdir = _step_dir(self.root.rstrip("/"), step, self._save_id)
-        os.makedirs(self._sdir, exist_ok=True)
-        stem = _rank_stem(self.rank)
-        own = {f"{stem}.safetensors", f"{stem}.json"} | ({"manifest.json", "objects.pt"} if self.rank == 0 else set())
-        fs, _ = _fs(self.root, None)
-        found = own & _existing(fs, self._sdir)
-        if found:  # the save id was used before: never write into that attempt
-            _refuse_reuse(fs, self._sdir, self.rank, self._save_id, sorted(found))
-        entries, self._meta = [], []
-        for name, lo, start, ln in self.chunks:
-            entries.append((f"{name}@{start}", self.ptc.tensors[name].dtype, ln))
-        head, offsets = safetensors_header(entries, {"format": FORMAT, "step": str(step), "save_id": self._save_id,
-                                                     "rank": str(self.rank)})
-        for (name, lo, start, ln), (b0, b1) in zip(self.chunks, offsets):
-            self._meta.append((name, lo, start, ln, b0, b1 - b0, _block_bytes(b1 - b0)))
-        self._base = len(head)
-        self._size = self._base + (offsets[-1][1] if offsets else 0)
-        self._path = f"{self._sdir}/{stem}.safetensors"
-        self._tmp = _tmp_name(self._path)  # published (write-once) with the index
-        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.ftruncate(self._fd, self._size)
-        os.pwrite(self._fd, head, 0)
-        self._crcs: list[list[int]] = [[0] * (-(-m[5] // m[6])) for m in self._meta]
+        save_id = default_save_id(self.cfg, self.ptc)
+        fs, _ = url_fs(self.root, None)
+        part = PartWriter(fs, step_dir(self.root.rstrip("/"), step, save_id), self.ptc, self.cfg, self.rank,
+                          step=step, save_id=save_id, assigned=self.chunks)
+        part.begin()  # refuses when the save id was used before: never write into that attempt
+        self._part = part
+        self._fd = part.open_local()  # published (write-once) with the index
         self._todo = []
-        for i, (_, _, _, _, _, nbytes, block) in enumerate(self._meta):
-            per = max(block, self.bucket_bytes // block * block)
-            self._todo.extend((i, a, min(nbytes, a + per)) for a in range(0, nbytes, per))
+        for i, c in enumerate(part.chunks):
+            per = max(c.block, self.bucket_bytes // c.block * c.block)
+            self._todo.extend((i, a, min(c.nbytes, a + per)) for a in range(0, c.nbytes, per))
         self._todo.reverse()
         self._measure("open", time.perf_counter() - t0)
 
     def _write_one(self) -> int:
-        from .checkpoint import crc32
-
+        assert self._part is not None
         i, a, b = self._todo.pop()
-        name, lo, _, ln, off, nbytes, block = self._meta[i]
-        size = self.ptc.tensors[name].dtype.itemsize
-        view = memoryview(self._canonical(name, lo + a // size, lo + b // size).view(torch.uint8).numpy()).cast("B")
-        os.pwrite(self._fd, view, self._base + off + a)
-        for pos in range(a, b, block):
-            self._crcs[i][pos // block] = crc32(view[pos - a : min(pos - a + block, b - a)])
+        c = self._part.chunks[i]
+        size = self.ptc.tensors[c.tensor].dtype.itemsize
+        view = memoryview(self._canonical(c.tensor, c.local + a // size, c.local + b // size).view(torch.uint8)
+                          .numpy()).cast("B")
+        self._part.write_at(self._fd, i, a, view)
         return b - a
 
     def _canonical(self, name: str, e0: int, e1: int) -> torch.Tensor:
@@ -593,33 +573,23 @@ class StoreWriteTask:
             self._measure("bucket", time.perf_counter() - t0, n, k)
         os.close(self._fd)
         self._fd = -1
+        assert self._part is not None
         objects = {o: self._shard[o] for o in self.ptc.objects if o in self._shard}
-        self._unpublished = (self._step, self._sdir, self._save_id, self._meta, self._crcs, objects, self._base,
-                             self._size, self._tmp, self._path)
+        part, self._part = self._part, None
+        self._unpublished = (part, objects)
         self._shard = {}
-        return self._sdir
+        return part.sdir
 
     def _publish(self) -> None:
         """Write the finished snapshot's rank index (rank 0: also manifest and objects): it becomes visible."""
-        from .checkpoint import _fs, _publish, _refuse_reuse, write_index, write_rank0_meta
-
         assert self._unpublished is not None
         t0 = time.perf_counter()
-        step, sdir, save_id, meta, crcs, objects, base, size, tmp, path = self._unpublished
+        part, objects = self._unpublished
         self._unpublished = None
-        fs, _ = _fs(self.root, None)
-        chunks = [{"tensor": name, "start": start, "length": ln, "offset": base + off, "block": block,
-                   "crc32": "".join(f"{c:08x}" for c in cs)}
-                  for (name, _, start, ln, off, _, block), cs in zip(meta, crcs)]
-        if not _publish(fs, tmp, path):
-            _refuse_reuse(fs, sdir, self.rank, save_id, [path.rsplit("/", 1)[-1]])
-        if self.rank == 0:
-            write_rank0_meta(fs, sdir, self.ptc, self.cfg, objects, step=step, save_id=save_id)
-        write_index(fs, sdir, self.rank, size, chunks, step=step, save_id=save_id, cfg=self.cfg,
-                    fingerprint=self._fingerprint)
+        part.publish(objects=objects)
         self.completed += 1
         if self.on_complete is not None:
-            self.on_complete(step, sdir)
+            self.on_complete(part.step, part.sdir)
         self._measure("publish", time.perf_counter() - t0)
 
     def close(self) -> None:

@@ -979,6 +979,7 @@ def test_resave_with_a_reused_save_id_never_mixes_attempts(url):
 _RESAVE_CHILD = r"""
 import os, sys, time, torch
 import tenplex.checkpoint as ckpt
+import tenplex.checkpoint.writer as ckpt_writer
 from tenplex import ParallelConfig, model_ptc
 root, ready = sys.argv[1], sys.argv[2]
 ptc = model_ptc(arch="llama", num_layers=4, hidden=16, heads=8, kv_heads=4, ffn_hidden=16, vocab=37, vocab_pad=2,
@@ -986,13 +987,13 @@ ptc = model_ptc(arch="llama", num_layers=4, hidden=16, heads=8, kv_heads=4, ffn_
 cfg = ParallelConfig(tp=2, pp=2)
 g = {n: torch.full(s.shape, 7.0) for n, s in ptc.tensors.items()}
 g["optimizer.step"] = 20
-publish = ckpt._publish
+publish = ckpt_writer.publish
 def hang(fs, tmp, path):
     if path.endswith("rank-00002.safetensors"):
         open(ready, "w").close()
         time.sleep(600)  # SIGKILLed here, its data written under a temporary name
     return publish(fs, tmp, path)
-ckpt._publish = hang
+ckpt_writer.publish = hang
 shards = ptc.shard(g, cfg)
 for r in range(4):
     try:

@@ -32,20 +32,9 @@ LAZY_REASON = re.compile(r"#\s*lazy\b")
 # store, elastic, train). Entries are permitted, not required: the merge of those branches empties
 # these lists; delete each entry once its file is clean. Keyed by file (relative to the repository).
 #: "<module>.<name>": underscore names a file may still import from another tenplex module.
-ALLOWED_PRIVATE_IMPORTS: dict[str, set[str]] = {
-    "tenplex/bubbles.py": {
-        "tenplex.checkpoint._block_bytes", "tenplex.checkpoint._existing", "tenplex.checkpoint._fs",
-        "tenplex.checkpoint._rank_stem", "tenplex.checkpoint._refuse_reuse", "tenplex.checkpoint._step_dir",
-        "tenplex.checkpoint._tmp_name", "tenplex.checkpoint._publish",
-    },
-    "tenplex/store/recovery.py": {
-        "tenplex.checkpoint._REUSED_PREFIX", "tenplex.checkpoint._read_manifest", "tenplex.checkpoint._Reader",
-    },
-    "tenplex/vfs/store_view.py": {"tenplex.checkpoint._REUSED_PREFIX"},
-}
+ALLOWED_PRIVATE_IMPORTS: dict[str, set[str]] = {}
 #: Modules a file may still import inside functions without a ``# lazy:`` reason.
 ALLOWED_UNEXPLAINED_LAZY: dict[str, set[str]] = {
-    "tenplex/bubbles.py": {"tenplex.checkpoint"},
     "tenplex/elastic.py": {"tenplex.layouts", "tenplex.store.recovery"},
     "tenplex/train/batches.py": {"tenplex.vfs.control"},
     "tenplex/train/bubble_bench.py": {
@@ -53,11 +42,10 @@ ALLOWED_UNEXPLAINED_LAZY: dict[str, set[str]] = {
         "tenplex.models", "tenplex.train.parallel", "tenplex.train.trainer", "tenplex.train.launch",
     },
     "tenplex/train/trainer.py": {"tenplex.checkpoint", "tenplex.store", "tenplex.train.batches", "tenplex.bubbles"},
-    "tenplex/vfs/store_view.py": {"tenplex.vfs.fuse"},
 }
 #: Files that may still raise bare ``ValueError`` (instead of a TenplexError subclass).
 ALLOWED_BARE_VALUE_ERRORS: set[str] = {
-    "tenplex/bubbles.py", "tenplex/checkpoint.py", "tenplex/store/server.py", "tenplex/train/batches.py",
+    "tenplex/store/server.py", "tenplex/train/batches.py",
     "tenplex/train/launch.py", "tenplex/train/model.py", "tenplex/train/netns.py", "tenplex/train/schedule.py",
     "tenplex/train/trainer.py",
 }

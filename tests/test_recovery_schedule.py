@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import tenplex.store.recovery as recovery
+import tenplex.store.recovery_plan as recovery_plan
 from tenplex import ParallelConfig, model_ptc, save
 from tenplex.store import HostStore, StoreServer, Tier, TieredLoad, load_tiered, recovery_tiers
 from tenplex.store.recovery import find_usable, plan_recovery
@@ -120,7 +120,7 @@ def test_fallback_when_scheduling_is_off_fails_or_is_slow(hosts, monkeypatch) ->
     def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise RuntimeError("solver exploded")
 
-    monkeypatch.setattr(recovery, "schedule", broken)
+    monkeypatch.setattr(recovery_plan, "schedule", broken)
     res = load_tiered(tiers, NEW, 1, ptc=PTC_, gpus_per_host=GPUS)
     assert not res.rounds.followed and "solver exploded" in res.rounds.reason and res.rounds.executed == ()
     assert _same_shard(res, plain, 1) and res.bytes_by_tier == plain.bytes_by_tier
@@ -129,7 +129,7 @@ def test_fallback_when_scheduling_is_off_fails_or_is_slow(hosts, monkeypatch) ->
         time.sleep(3)
         raise RuntimeError("too late")
 
-    monkeypatch.setattr(recovery, "schedule", slow)
+    monkeypatch.setattr(recovery_plan, "schedule", slow)
     t0 = time.perf_counter()
     res = load_tiered(tiers, NEW, 1, ptc=PTC_, gpus_per_host=GPUS, time_limit=0.2)
     assert time.perf_counter() - t0 < 3

@@ -162,17 +162,12 @@ def test_token_and_tree_confinement(tmp_path: Path) -> None:
 
 
 def _needed_by_writer(old: ParallelConfig, new: ParallelConfig, rank: int) -> dict[int, int]:
-    """Bytes new ``rank`` needs from each old writer rank's part (no I/O: a recording reader)."""
-    from tenplex.checkpoint import read_shard
+    """Bytes new ``rank`` needs from each old writer rank's part (no I/O: the read plan)."""
+    from tenplex.checkpoint import plan_reads
 
     needed: dict[int, int] = {}
-
-    class Recorder:
-        def read(self, w, name, chunk_start, a, b, dtype, itemsize, out=None):  # noqa: ANN001, ANN201
-            needed[w] = needed.get(w, 0) + (b - a) * itemsize
-            return torch.zeros(b - a, dtype=dtype)
-
-    read_shard(PTC_, old, new, rank, Recorder())
+    for item in plan_reads(PTC_, old, new, rank):
+        needed[item.writer] = needed.get(item.writer, 0) + item.length * item.itemsize
     return needed
 
 

@@ -12,11 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint import SaveResult, save
+from ..checkpoint.format import part_files
+from ..checkpoint.writer import SaveResult, save
 from ..config import ParallelConfig
 from ..ptc import PTC
 from .auth import TOKEN_ENV, store_token
-from .recovery import Tier
+from .tiers import Tier
 
 __all__ = ["HostStore", "alive_stores", "recovery_tiers", "peer_storage_options", "PEER_TIMEOUT"]
 
@@ -100,10 +101,7 @@ class HostStore:
         ``save_id``: as for ``tenplex.save`` (default: ``default_save_id``)."""
         res = save(self.root, ptc, cfg, rank, shard, step=step, save_id=save_id)
         if replicate:
-            files = [f"rank-{rank:05d}.safetensors", f"rank-{rank:05d}.json"]
-            if rank == 0:
-                files = ["manifest.json", "objects.pt", *files]
-            body = json.dumps({"step_dir": os.path.basename(res.path), "files": files}).encode()
+            body = json.dumps({"step_dir": os.path.basename(res.path), "files": part_files(rank)}).encode()
             try:
                 _request(f"{self.url}/replicate", data=body, method="POST", token=self.token)
             except OSError as e:

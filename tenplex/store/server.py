@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote_to_bytes, urlsplit
 
+from ..checkpoint.format import MANIFEST_NAME, PART_NAME_RE, RANK_INDEX_RE, STEP_DIR_RE, data_name
 from ..errors import ConfigError
 from .auth import resolve_token
 
@@ -49,10 +50,8 @@ __all__ = ["StoreServer", "serve", "step_complete", "parse_listen", "check_peers
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"step-([0-9]{12})-[0-9a-f]{8}")  # always .fullmatch: "$" would allow a trailing newline
-PART_NAME = re.compile(r"manifest\.json|objects\.pt|rank-[0-9]{5}\.(?:json|safetensors)")
+PART_NAME = PART_NAME_RE  # (from the checkpoint format) always .fullmatch: "$" would allow a trailing newline
 """Names of the checkpoint files a store accepts (``PUT``) and replicates (use ``.fullmatch``)."""
-_RANK_INDEX = re.compile(r"rank-([0-9]{5})\.json")
 _NAME_MAX = 255
 _CHUNK = 1 << 20
 _MAX_POST = 64 << 10
@@ -124,11 +123,11 @@ def step_complete(step_dir: str | os.PathLike[str]) -> bool:
         names = {e.name: e for e in os.scandir(dfd)}
         ranks = []
         for name in names:
-            m = _RANK_INDEX.fullmatch(name)
+            m = RANK_INDEX_RE.fullmatch(name)
             if m is None:
                 continue
             index = _load_json(dfd, name)
-            data = f"rank-{m.group(1)}.safetensors"
+            data = data_name(int(m.group(1)))
             if not isinstance(index, dict) or index.get("file") != data or data not in names:
                 return False
             st = os.stat(data, dir_fd=dfd, follow_symlinks=False)
@@ -141,8 +140,8 @@ def step_complete(step_dir: str | os.PathLike[str]) -> bool:
         if any(n.endswith(".safetensors") and n[: -len(".safetensors")] + ".json" not in names
                for n in names if PART_NAME.fullmatch(n)):
             return False
-        if "manifest.json" in names:
-            manifest = _load_json(dfd, "manifest.json")
+        if MANIFEST_NAME in names:
+            manifest = _load_json(dfd, MANIFEST_NAME)
             world = manifest.get("world_size") if isinstance(manifest, dict) else None
             if not isinstance(world, int) or world < 1 or max(ranks) >= world:
                 return False
@@ -237,7 +236,7 @@ class StoreServer:
         """A regular file directly inside a step directory of the root, never through a symlink.
 
         Raises FileNotFoundError when there is none (missing, a symlink, a directory, a FIFO)."""
-        if not _STEP_DIR.fullmatch(step_dir) or not _valid_name(name):
+        if not STEP_DIR_RE.fullmatch(step_dir) or not _valid_name(name):
             raise FileNotFoundError(f"{step_dir}/{name}")
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
@@ -269,7 +268,7 @@ class StoreServer:
         out = []
         cache: dict[str, tuple[tuple, bool]] = {}
         for e in os.scandir(self.root):
-            m = _STEP_DIR.fullmatch(e.name)
+            m = STEP_DIR_RE.fullmatch(e.name)
             if not m or not e.is_dir(follow_symlinks=False):
                 continue
             try:
@@ -284,7 +283,7 @@ class StoreServer:
             cached = self._complete_cache.get(e.name)
             complete = cached[1] if cached and cached[0] == sig else step_complete(e.path)
             cache[e.name] = (sig, complete)
-            first = min((t for n, _, t in entries if _RANK_INDEX.fullmatch(n)), default=last)
+            first = min((t for n, _, t in entries if RANK_INDEX_RE.fullmatch(n)), default=last)
             out.append(_Attempt(e.name, int(m.group(1)), complete, first, last))
         self._complete_cache = cache  # (re-checked only when a file of the attempt changed)
         return out
@@ -320,7 +319,7 @@ class StoreServer:
     def listing(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for d in sorted(self.root.iterdir()):
-            if _STEP_DIR.fullmatch(d.name) and d.is_dir() and not d.is_symlink():
+            if STEP_DIR_RE.fullmatch(d.name) and d.is_dir() and not d.is_symlink():
                 out[d.name] = sorted(f.name for f in d.iterdir() if _visible(f))
         return out
 
@@ -512,10 +511,10 @@ class _Replicator:
                 self._failed(f"replicating {step_dir!r} failed: {type(e).__name__}: {e}")
 
     def _push(self, step_dir: str, files: list[str]) -> None:
-        if not _STEP_DIR.fullmatch(step_dir) or not all(PART_NAME.fullmatch(f) for f in files):
+        if not STEP_DIR_RE.fullmatch(step_dir) or not all(PART_NAME.fullmatch(f) for f in files):
             return self._failed(f"refused to replicate {step_dir!r} {files!r}: not checkpoint file names")
         # index files last: a peer sees a complete part or none
-        ordered = sorted(set(files), key=lambda f: (_RANK_INDEX.fullmatch(f) is not None, f))
+        ordered = sorted(set(files), key=lambda f: (RANK_INDEX_RE.fullmatch(f) is not None, f))
         for target in self.store.replica_targets():
             try:
                 with _Peer(target, self.store.token, self.store.timeout) as peer:
@@ -736,7 +735,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _directory(self, parts: list[str]) -> None:
         if not parts:
             names = [(f"{d}/", d) for d in self.store.listing()]
-        elif _STEP_DIR.fullmatch(parts[0]) and parts[0] in (listing := self.store.listing()):
+        elif STEP_DIR_RE.fullmatch(parts[0]) and parts[0] in (listing := self.store.listing()):
             names = [(n, n) for n in listing[parts[0]]]
         else:
             raise _Refused(HTTPStatus.NOT_FOUND, "no such directory")
@@ -798,7 +797,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _put(self) -> None:
         parts = self._parts()
-        if len(parts) != 2 or not _STEP_DIR.fullmatch(parts[0]) or not PART_NAME.fullmatch(parts[1]):
+        if len(parts) != 2 or not STEP_DIR_RE.fullmatch(parts[0]) or not PART_NAME.fullmatch(parts[1]):
             raise _Refused(HTTPStatus.FORBIDDEN, "only checkpoint files inside step directories can be written: "
                            "/step-NNNNNNNNNNNN-XXXXXXXX/{manifest.json,objects.pt,rank-NNNNN.json,rank-NNNNN.safetensors}")
         step_dir, name = parts
@@ -839,7 +838,7 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             os.close(dfd)
         self._answer(status)
-        if status == HTTPStatus.CREATED and _RANK_INDEX.fullmatch(name):
+        if status == HTTPStatus.CREATED and RANK_INDEX_RE.fullmatch(name):
             self.store.gc()
 
     def _place(self, dfd: int, tmp: str, fd: int, step_dir: str, name: str, length: int) -> HTTPStatus:
@@ -875,7 +874,7 @@ class _Handler(BaseHTTPRequestHandler):
             step_dir, files = body["step_dir"], body["files"]
         except (ValueError, KeyError, TypeError):
             raise _Refused(HTTPStatus.BAD_REQUEST, 'expected {"step_dir": ..., "files": [...]}') from None
-        if not isinstance(step_dir, str) or not _STEP_DIR.fullmatch(step_dir) or not isinstance(files, list) \
+        if not isinstance(step_dir, str) or not STEP_DIR_RE.fullmatch(step_dir) or not isinstance(files, list) \
                 or not 0 < len(files) <= _MAX_FILES or not all(isinstance(f, str) and PART_NAME.fullmatch(f) for f in files):
             raise _Refused(HTTPStatus.BAD_REQUEST, "step_dir must be step-NNNNNNNNNNNN-XXXXXXXX and files 1 to "
                            f"{_MAX_FILES} checkpoint file names (manifest.json, objects.pt, rank-NNNNN.json/.safetensors)")

@@ -18,22 +18,27 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import _REUSED_PREFIX, open_sealed_json
+from ..checkpoint.format import (
+    MANIFEST_NAME,
+    RANK_INDEX_RE,
+    REUSED_PREFIX,
+    data_name,
+    index_name,
+    open_sealed_json,
+    parse_step_dir,
+)
 from ..errors import CheckpointError
 from ..ptc import dtype_from_str
+from .fuse import FuseOps, check_fuse, check_mountpoint, fuse_class, mfusepy
 from .tree import DIR, FILE, Node, VfsError
 
 __all__ = ["StoreTree", "mount_store"]
 
 log = logging.getLogger(__name__)
-
-_STEP = re.compile(r"^step-(\d{12})-([0-9a-f]{8})$")
-_RANK = re.compile(r"^rank-(\d{5})\.json$")
 
 
 class StoreTree:
@@ -51,28 +56,28 @@ class StoreTree:
     def _steps(self) -> dict[str, Path]:
         best: dict[int, Path] = {}
         for d in self.root.iterdir():
-            m = _STEP.match(d.name)
-            if (m and d.is_dir() and (d / "manifest.json").exists()
-                    and not any(f.name.startswith(_REUSED_PREFIX) for f in d.iterdir())):
-                step = int(m.group(1))
+            parsed = parse_step_dir(d.name)
+            if (parsed and d.is_dir() and (d / MANIFEST_NAME).exists()
+                    and not any(f.name.startswith(REUSED_PREFIX) for f in d.iterdir())):
+                step = parsed[0]
                 if step not in best or d.stat().st_mtime > best[step].stat().st_mtime:
                     best[step] = d
         return {f"step-{s}": d for s, d in sorted(best.items())}
 
     def _manifest(self, d: Path) -> dict[str, Any]:
-        p = d / "manifest.json"
+        p = d / MANIFEST_NAME
         return open_sealed_json(p.read_bytes(), str(p))
 
     def _ranks(self, d: Path) -> dict[str, int]:
         out = {}
         for f in d.iterdir():
-            m = _RANK.match(f.name)
-            if m and (d / f"rank-{m.group(1)}.safetensors").exists():
+            m = RANK_INDEX_RE.fullmatch(f.name)
+            if m and (d / data_name(int(m.group(1)))).exists():
                 out[f"rank-{int(m.group(1)):03d}"] = int(m.group(1))
         return dict(sorted(out.items()))
 
     def _chunks(self, d: Path, rank: int) -> dict[str, tuple[str, int, int]]:
-        p = d / f"rank-{rank:05d}.json"
+        p = d / index_name(rank)
         idx = open_sealed_json(p.read_bytes(), str(p))
         manifest = self._manifest(d)
         sizes = {t["name"]: dtype_from_str(t["dtype"]).itemsize for t in manifest["ptc"]["tensors"]}
@@ -96,9 +101,9 @@ class StoreTree:
             return Node(kind="missing"), None
         ranks = self._ranks(d)
         if len(parts) == 2:
-            return Node(kind=DIR, entries=("manifest.json", *ranks)), None
-        if len(parts) == 3 and parts[2] == "manifest.json":
-            p = d / "manifest.json"
+            return Node(kind=DIR, entries=(MANIFEST_NAME, *ranks)), None
+        if len(parts) == 3 and parts[2] == MANIFEST_NAME:
+            p = d / MANIFEST_NAME
             return Node(kind=FILE, size=p.stat().st_size), (str(p), 0, p.stat().st_size)
         if parts[2] not in ranks:
             return Node(kind="missing"), None
@@ -108,7 +113,7 @@ class StoreTree:
             return Node(kind=DIR, entries=("index.json", *chunks)), None
         if len(parts) == 4:
             if parts[3] == "index.json":
-                p = d / f"rank-{rank:05d}.json"
+                p = d / index_name(rank)
                 return Node(kind=FILE, size=p.stat().st_size), (str(p), 0, p.stat().st_size)
             if parts[3] in chunks:
                 span = chunks[parts[3]]
@@ -156,16 +161,14 @@ class StoreTree:
 
 def mount_store(root: str, mountpoint: str, *, debug: bool = False) -> None:
     """Serve ``StoreTree(root)`` at ``mountpoint`` in the foreground until unmounted or signalled."""
-    from .fuse import FuseOps, check_fuse, check_mountpoint, fuse_class as _fuse_class, mfusepy as _mfusepy
-
     mp = check_mountpoint(mountpoint)
     check_fuse()
-    mfusepy = _mfusepy()
+    fuse_mod = mfusepy()
     tree = StoreTree(root)
-    ops = type("TenplexStoreFS", (FuseOps, mfusepy.Operations), {})(tree, mfusepy)
+    ops = type("TenplexStoreFS", (FuseOps, fuse_mod.Operations), {})(tree, fuse_mod)
     try:
-        _fuse_class(mfusepy)(ops, mp, foreground=True, nothreads=False, ro=True, fsname="tenplex-store",
-                             subtype="tenplex", debug=debug)
+        fuse_class(fuse_mod)(ops, mp, foreground=True, nothreads=False, ro=True, fsname="tenplex-store",
+                            subtype="tenplex", debug=debug)
     except RuntimeError as e:
         if ops.started:
             return

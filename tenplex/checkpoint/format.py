@@ -1,0 +1,454 @@
+"""The checkpoint format, in one place: names, the data file's layout, checksums and metadata schemas.
+
+Every other module (the checkpoint writer and readers, the host stores, the store view,
+bubble snapshots) takes the format from here: the step directory and rank part names, the
+format tag and version, the safetensors header, the CRC block rule, the sealed-JSON rule,
+the manifest and rank index schemas with their verification, and which rank writes which
+chunk. Layout of a save attempt (see docs/format.md)::
+
+    URL/step-000000000042-<id>/manifest.json          PTC spec, layout, step, objects' digest (rank 0)
+    URL/step-000000000042-<id>/objects.pt             small objects and `extra` (rank 0)
+    URL/step-000000000042-<id>/rank-00003.safetensors  the chunks rank 3 wrote
+    URL/step-000000000042-<id>/rank-00003.json         their index: offsets and CRC32s; written
+                                                       last, so its presence marks the part complete
+
+No I/O here: the writer (``writer.py``) and the readers (``reader.py``) do that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import operator
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+
+from ..config import ParallelConfig
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointValueError
+from ..planner import holder_classes
+from ..ptc import PTC, Split
+
+try:  # ISA-L's CRC32 (same polynomial and values as zlib's) runs about 8x faster; both release the GIL
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - platforms without an isal wheel
+    from zlib import crc32
+
+__all__ = ["FORMAT", "VERSION", "MAX_STEP", "MANIFEST_NAME", "OBJECTS_NAME", "REUSED_PREFIX", "STEP_DIR_RE",
+           "RANK_INDEX_RE", "PART_NAME_RE", "SAVE_ID_RE", "BLOCK_SIZES", "MIN_BLOCK", "MAX_BLOCK", "Chunk", "crc32",
+           "step_dir_name", "step_dir", "parse_step_dir", "rank_stem", "data_name", "index_name", "part_files",
+           "check_step", "check_save_id", "seal_json", "open_sealed_json", "safetensors_header", "block_bytes",
+           "block_crcs_hex", "writer_assignment", "manifest_object", "index_object", "Manifest", "verify_manifest",
+           "Binding", "verify_index"]
+
+FORMAT = "tenplex-checkpoint"
+"""The format tag every manifest, rank index and safetensors header carries."""
+VERSION = 2
+MAX_STEP = 10**12
+"""Steps are in [0, MAX_STEP): directory names hold 12 digits."""
+MANIFEST_NAME, OBJECTS_NAME = "manifest.json", "objects.pt"
+REUSED_PREFIX = "reused-"
+"""Marker files ``reused-rank-NNNNN``: a save found its part already there (its save id was used twice)."""
+STEP_DIR_RE = re.compile(r"step-([0-9]{12})-([0-9a-f]{8})")
+"""A save attempt's directory name: step (12 digits) and save id (8 hex digits). Use ``.fullmatch``
+(``$`` would allow a trailing newline)."""
+RANK_INDEX_RE = re.compile(r"rank-([0-9]{5})\.json")
+"""A rank part's index name (use ``.fullmatch``); its presence marks the part complete."""
+PART_NAME_RE = re.compile(r"manifest\.json|objects\.pt|rank-[0-9]{5}\.(?:json|safetensors)")
+"""Names of the files of a save attempt (use ``.fullmatch``)."""
+SAVE_ID_RE = re.compile(r"[0-9a-f]{8}")
+MIN_BLOCK, MAX_BLOCK = 4096, 65536
+BLOCK_SIZES = frozenset(1 << k for k in range(12, 17))
+"""The legal checksum block sizes: powers of two in [MIN_BLOCK, MAX_BLOCK]."""
+
+Chunk = tuple[str, int, int, int]
+"""One chunk a rank writes: ``(tensor, local_offset, start, length)`` in elements."""
+
+
+# ---------------------------------------------------------------------------------------------
+# names
+# ---------------------------------------------------------------------------------------------
+def step_dir_name(step: int, save_id: str) -> str:
+    """The directory name of save attempt ``save_id`` of ``step``."""
+    return f"step-{step:012d}-{save_id}"
+
+
+def step_dir(root: str, step: int, save_id: str) -> str:
+    """The directory of save attempt ``save_id`` of ``step`` under ``root``."""
+    return f"{root}/{step_dir_name(step, save_id)}"
+
+
+def parse_step_dir(name: str) -> tuple[int, str] | None:
+    """``(step, save_id)`` of a step directory's name (its last path component), or None."""
+    m = STEP_DIR_RE.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def rank_stem(rank: int) -> str:
+    """``rank-NNNNN``: the stem of rank ``rank``'s part files."""
+    return f"rank-{rank:05d}"
+
+
+def data_name(rank: int) -> str:
+    """The name of rank ``rank``'s data file."""
+    return f"{rank_stem(rank)}.safetensors"
+
+
+def index_name(rank: int) -> str:
+    """The name of rank ``rank``'s index file."""
+    return f"{rank_stem(rank)}.json"
+
+
+def part_files(rank: int) -> list[str]:
+    """The files rank ``rank`` writes into a save attempt, in the order a replica needs them."""
+    own = [data_name(rank), index_name(rank)]
+    return [MANIFEST_NAME, OBJECTS_NAME, *own] if rank == 0 else own
+
+
+def check_step(step: Any) -> int:
+    """``step`` as an int in [0, MAX_STEP), or CheckpointValueError (a ValueError) saying why not."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        value = operator.index(step)
+    except TypeError:
+        raise CheckpointValueError(f"step must be a non-negative integer, got {step!r}") from None
+    if not 0 <= value < MAX_STEP:
+        raise CheckpointValueError(f"step must be in [0, {MAX_STEP}) (12 digits in directory names), got {value}")
+    return value
+
+
+def check_save_id(save_id: Any) -> str:
+    """``save_id`` if it is 8 lowercase hex digits, else CheckpointValueError."""
+    if not isinstance(save_id, str) or not SAVE_ID_RE.fullmatch(save_id):
+        raise CheckpointValueError(f"save_id must be 8 lowercase hex digits, got {save_id!r}")
+    return save_id
+
+
+# ---------------------------------------------------------------------------------------------
+# sealed JSON: a file whose last field is the SHA-256 of every byte before it
+# ---------------------------------------------------------------------------------------------
+_DIGEST_TAIL = re.compile(rb',"digest":"([0-9a-f]{64})"\}$')
+
+
+def seal_json(obj: Mapping[str, Any]) -> bytes:
+    """``obj`` as compact JSON whose last field ``digest`` is the SHA-256 of the bytes that
+    precede it followed by ``}`` (i.e. of the JSON without the digest)."""
+    if "digest" in obj:
+        raise CheckpointValueError("a sealed JSON object cannot have its own 'digest' field")
+    body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    if not body.endswith(b"}") or body == b"{}":
+        raise CheckpointValueError("seal_json needs a non-empty JSON object")
+    return body[:-1] + b',"digest":"' + hashlib.sha256(body).hexdigest().encode() + b'"}'
+
+
+def _no_constants(name: str) -> NoReturn:
+    raise CheckpointValueError(f"{name} is not JSON")  # caught below: the file is damaged
+
+
+def _parse_json(raw: bytes, path: str) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointCorruptError(f"{path} is not valid JSON ({e}); the file is damaged") from None
+
+
+def open_sealed_json(raw: bytes, path: str) -> dict[str, Any]:
+    """The object of a sealed JSON file (``seal_json``), after checking its digest.
+
+    Raises CheckpointCorruptError when the bytes do not match their digest or are no JSON
+    object, and CheckpointError for a checkpoint of format version 1 (no digests).
+    """
+    m = _DIGEST_TAIL.search(raw)
+    if m is None:
+        obj = _parse_json(raw, path)
+        if isinstance(obj, dict) and obj.get("format") == FORMAT and obj.get("version") == 1 and "digest" not in obj:
+            raise CheckpointError(
+                f"{path} belongs to a checkpoint of format version 1, which carries no digests and cannot be "
+                f"verified; this tenplex reads version {VERSION}: load it with the tenplex that wrote it and "
+                "save it again, or start fresh"
+            )
+        raise CheckpointCorruptError(f"{path} does not end in its SHA-256 digest; the file is damaged or truncated")
+    body = raw[: m.start()] + b"}"
+    if hashlib.sha256(body).hexdigest().encode() != m.group(1):
+        raise CheckpointCorruptError(f"{path}: SHA-256 digest mismatch; the file is damaged")
+    obj = _parse_json(raw, path)
+    if not isinstance(obj, dict):
+        raise CheckpointCorruptError(f"{path} holds no JSON object")
+    del obj["digest"]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# the data file: safetensors of 1-D chunks, CRC32 per block
+# ---------------------------------------------------------------------------------------------
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def safetensors_header(entries: list[tuple[str, torch.dtype, int]],
+                       metadata: Mapping[str, str]) -> tuple[bytes, list[tuple[int, int]]]:
+    """The 8-byte length and JSON header of a safetensors file of 1-D tensors stored in the given
+    order, and each tensor's (start, end) byte offsets in the data section."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offsets, off = [], 0
+    for key, dtype, n in entries:
+        nbytes = n * dtype.itemsize
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": [n], "data_offsets": [off, off + nbytes]}
+        offsets.append((off, off + nbytes))
+        off += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
+def block_bytes(nbytes: int) -> int:
+    """Checksum block size of a chunk of ``nbytes``: about 1/32 of it, a power of two in [4 KiB, 64 KiB]."""
+    b = MIN_BLOCK
+    while b < MAX_BLOCK and b * 32 < nbytes:
+        b *= 2
+    return b
+
+
+def block_crcs_hex(crcs: list[int]) -> str:
+    """A chunk's block CRC32s as its index stores them: 8 hex digits each."""
+    return "".join(f"{c:08x}" for c in crcs)
+
+
+# ---------------------------------------------------------------------------------------------
+# who writes what
+# ---------------------------------------------------------------------------------------------
+def writer_assignment(ptc: PTC, cfg: ParallelConfig) -> dict[int, list[Chunk]]:
+    """For every rank, the chunks it writes: ``(tensor, local_offset, start, length)``.
+
+    Each distinct interval is written once, by the holder (DP replica or tied copy) with the
+    fewest bytes assigned so far, so writes are balanced. Pure and deterministic: every rank
+    computes the same answer, and loaders use it to find chunks without listing files.
+    """
+    load = np.zeros(cfg.world_size + 1, dtype=np.float64)
+    load[-1] = np.inf
+    out: dict[int, list[Chunk]] = {r: [] for r in range(cfg.world_size)}
+    for name, spec in ptc.tensors.items():
+        table = ptc.holders(name, cfg)
+        if len(table) == 0:
+            continue
+        c_start, c_end, c_ranks, c_local = holder_classes(name, table)
+        for i in range(len(c_start)):
+            ranks = c_ranks[i]
+            col = int(np.argmin(load[ranks]))
+            w = int(ranks[col])
+            length = int(c_end[i] - c_start[i])
+            load[w] += length * spec.itemsize
+            out[w].append((name, int(c_local[i, col]), int(c_start[i]), length))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the manifest and the rank indexes
+# ---------------------------------------------------------------------------------------------
+def manifest_object(ptc: PTC, cfg: ParallelConfig, *, step: int, save_id: str, payload: bytes) -> dict[str, Any]:
+    """The manifest of a save attempt (before sealing); ``payload``: the objects file's bytes."""
+    return {"format": FORMAT, "version": VERSION, "step": step, "save_id": save_id, "layout": str(cfg),
+            "world_size": cfg.world_size, "created": time.time(), "fingerprint": ptc.fingerprint(),
+            "objects": {"file": OBJECTS_NAME, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()},
+            "ptc": ptc.to_json()}
+
+
+def index_object(rank: int, file_size: int, chunks: list[dict[str, Any]], *, step: int, save_id: str,
+                 cfg: ParallelConfig, fingerprint: str) -> dict[str, Any]:
+    """A rank part's index (before sealing), bound to its step, save id, rank, layout and model."""
+    return {"format": FORMAT, "version": VERSION, "step": step, "save_id": save_id, "rank": rank,
+            "layout": str(cfg), "world_size": cfg.world_size, "fingerprint": fingerprint,
+            "file": data_name(rank), "file_size": file_size, "chunks": chunks}
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A manifest that passed its digest and schema checks and is bound to its directory.
+
+    ``ptc`` is None after a listing, which checks everything but the PTC (the costly part
+    for large models); ``full()`` checks that too."""
+
+    raw: dict[str, Any]  # the JSON object, digest removed
+    ptc: PTC | None
+    layout: ParallelConfig
+    nbytes: int
+    path: str
+
+    def full(self) -> Manifest:
+        """This manifest with its PTC checked (CheckpointCorruptError if it does not pass)."""
+        if self.ptc is not None:
+            return self
+        return verify_manifest(self.raw, self.path, self.nbytes, step=self.step, save_id=self.save_id)
+
+    @property
+    def step(self) -> int:
+        return self.raw["step"]
+
+    @property
+    def save_id(self) -> str:
+        return self.raw["save_id"]
+
+    @property
+    def world_size(self) -> int:
+        return self.raw["world_size"]
+
+    @property
+    def created(self) -> float:
+        return float(self.raw["created"])
+
+    @property
+    def fingerprint(self) -> str:
+        return self.raw["fingerprint"]
+
+
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_MAX_LAYERS, _MAX_TENSOR_BYTES, _MAX_PAD = 1 << 20, 1 << 48, 1 << 16  # sizes beyond any model: a hostile manifest
+_METADATA_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, ZeroDivisionError,
+                    RecursionError)
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def verify_manifest(obj: dict[str, Any], path: str, nbytes: int, *, step: int | None = None,
+                    save_id: str | None = None, with_ptc: bool = True) -> Manifest:
+    """Check a (digest-verified) manifest object's schema and its binding to the directory
+    (``step``, ``save_id`` from the directory name); the PTC too unless ``with_ptc`` is False.
+    CheckpointCorruptError says what is wrong; CheckpointError for a format version this
+    tenplex does not read."""
+
+    def bad(what: str) -> NoReturn:
+        raise CheckpointCorruptError(f"{path}: {what}; the manifest is damaged")
+
+    if obj.get("format") != FORMAT:
+        bad(f"format is {obj.get('format')!r}, not {FORMAT!r}")
+    version = obj.get("version")
+    if not _is_int(version):
+        bad(f"version {version!r} is not an integer")
+    if version != VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {version} is not supported; this tenplex reads "
+                              f"version {VERSION}")
+    try:
+        s = obj["step"]
+        if not _is_int(s) or not 0 <= s < MAX_STEP:
+            bad(f"step {s!r} is not an integer in [0, {MAX_STEP})")
+        if step is not None and s != step:
+            bad(f"step {s} differs from its directory's step {step}")
+        sid = obj["save_id"]
+        if not isinstance(sid, str) or not SAVE_ID_RE.fullmatch(sid):
+            bad(f"save id {sid!r} is not 8 hex digits")
+        if save_id is not None and sid != save_id:
+            bad(f"save id {sid} differs from its directory's save id {save_id}")
+        if not isinstance(obj["layout"], str):
+            bad(f"layout {obj['layout']!r} is not a string")
+        layout = ParallelConfig.parse(obj["layout"])
+        if obj["world_size"] != layout.world_size or not _is_int(obj["world_size"]):
+            bad(f"world size {obj['world_size']!r} differs from layout {layout}'s {layout.world_size}")
+        created = obj["created"]
+        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+            bad(f"created {created!r} is not a time")
+        objects = obj["objects"]
+        if (not isinstance(objects, dict) or objects.get("file") != OBJECTS_NAME or not _is_int(objects.get("size"))
+                or objects["size"] < 0 or not isinstance(objects.get("sha256"), str)
+                or not _SHA256_RE.fullmatch(objects["sha256"])):
+            bad(f"objects {objects!r} is not {{file: objects.pt, size, sha256}}")
+        if not isinstance(obj["ptc"], dict) or not isinstance(obj["fingerprint"], str):
+            bad("ptc is not an object or fingerprint not a string")
+        if not with_ptc:
+            return Manifest(obj, None, layout, nbytes, path)
+        saved = PTC.from_json(obj["ptc"])
+        if not 0 <= saved.num_layers <= _MAX_LAYERS:
+            bad(f"num_layers {saved.num_layers} is not in [0, {_MAX_LAYERS}]")
+        for spec in saved.tensors.values():
+            pad = spec.tp.pad_multiple if isinstance(spec.tp, Split) else None
+            if spec.nbytes > _MAX_TENSOR_BYTES or (pad is not None and pad > _MAX_PAD):
+                bad(f"tensor {spec.name} claims {spec.nbytes} bytes (at most {_MAX_TENSOR_BYTES}) or a vocabulary "
+                    f"padding multiple of {pad} (at most {_MAX_PAD})")
+        if saved.fingerprint() != obj["fingerprint"]:
+            bad(f"fingerprint {obj['fingerprint']!r} is not that of its PTC ({saved.fingerprint()})")
+        saved.check(layout)
+    except CheckpointError:
+        raise
+    except _METADATA_ERRORS as e:
+        bad(f"{type(e).__name__}: {e}")
+    return Manifest(obj, saved, layout, nbytes, path)
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """What every rank index of one save attempt must agree with: its verified manifest's step,
+    save id, layout and model, and the chunks the layout assigns to each writer rank."""
+
+    step: int
+    save_id: str
+    layout: str
+    world_size: int
+    fingerprint: str
+    itemsize: Mapping[str, int]
+    writers: Mapping[int, list[Chunk]]
+
+    @classmethod
+    def of(cls, manifest: Manifest, writers: Mapping[int, list[Chunk]] | None = None) -> Binding:
+        saved = manifest.full().ptc
+        assert saved is not None
+        return cls(manifest.step, manifest.save_id, manifest.raw["layout"], manifest.world_size, manifest.fingerprint,
+                   {n: t.itemsize for n, t in saved.tensors.items()},
+                   writers if writers is not None else writer_assignment(saved, manifest.layout))
+
+
+_HEX_RE = re.compile(r"[0-9a-f]*")
+
+
+def verify_index(idx: Mapping[str, Any], path: str, rank: int, b: Binding) -> dict[tuple[str, int], dict[str, Any]]:
+    """Check a (digest-verified) rank index against its binding; returns its chunks by
+    (tensor, start). Every chunk must be one the saved layout assigns to ``rank``, with a
+    legal block size, a CRC per block and its bytes inside the data file."""
+
+    def bad(what: str) -> NoReturn:
+        raise CheckpointCorruptError(f"{path}: {what}; the rank index is damaged or belongs to another save")
+
+    if idx.get("format") != FORMAT or idx.get("version") != VERSION:
+        bad(f"format {idx.get('format')!r} version {idx.get('version')!r} is not {FORMAT!r} version {VERSION}")
+    for key, want in (("step", b.step), ("save_id", b.save_id), ("rank", rank), ("layout", b.layout),
+                      ("world_size", b.world_size), ("fingerprint", b.fingerprint), ("file", data_name(rank))):
+        got = idx.get(key)
+        if type(got) is not type(want) or got != want:
+            bad(f"{key} is {got!r} but the manifest and directory say {want!r}")
+    size = idx.get("file_size")
+    if not _is_int(size) or size < 0:
+        bad(f"file_size {size!r} is not a byte count")
+    chunks = idx.get("chunks")
+    expected = {(name, start): ln for name, _, start, ln in b.writers.get(rank, ())}
+    if not isinstance(chunks, list) or len(chunks) != len(expected):
+        bad(f"it lists {len(chunks) if isinstance(chunks, list) else repr(chunks)} chunks, the saved layout assigns "
+            f"{len(expected)} to rank {rank}")
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    itemsize, hexdigits = b.itemsize, _HEX_RE.fullmatch
+    for c in chunks:  # the hot loop of metadata checks (thousands of chunks per index): kept lean
+        try:
+            t, st, ln, off, blk, crc = c["tensor"], c["start"], c["length"], c["offset"], c["block"], c["crc32"]
+            known = type(t) is str and type(st) is int and type(ln) is int and expected.get((t, st)) == ln
+        except (TypeError, KeyError):
+            bad(f"chunk {c!r} is not an object with tensor, start, length, offset, block and crc32")
+        if not known:
+            bad(f"chunk {t!r}@{st!r} of {ln!r} elements is not one the saved layout assigns to rank {rank}")
+        nbytes = ln * itemsize[t]
+        if type(blk) is not int or blk not in BLOCK_SIZES:
+            bad(f"chunk {t}@{st}: block {blk!r} is not a power of two in [{MIN_BLOCK}, {MAX_BLOCK}]")
+        if type(off) is not int or off < 0 or off + nbytes > size:
+            bad(f"chunk {t}@{st}: bytes [{off!r}, {off!r}+{nbytes}) are not inside the data file's {size} bytes")
+        if type(crc) is not str or len(crc) != 8 * -(-nbytes // blk) or not hexdigits(crc):
+            bad(f"chunk {t}@{st}: crc32 must be {8 * -(-nbytes // blk)} hex digits (8 per {blk}-byte block)")
+        out[(t, st)] = c
+    if len(out) != len(chunks):
+        bad("a chunk is listed twice")
+    return out

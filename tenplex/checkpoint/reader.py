@@ -1,0 +1,788 @@
+"""Reading checkpoints: listing save attempts, planning a shard's reads as data, executing the plan.
+
+A load first computes its read plan, ``plan_reads``: a tuple of frozen ``ReadItem`` s (which
+elements of which writer rank's chunk go where in the new rank's flat buffers), pure and
+without I/O. A ``ShardReader`` then executes it: ``PartReader`` reads local files with
+``preadv`` straight into the destination and any fsspec filesystem with ranged reads, and
+verifies every checksum block it reads; the tiered readers of ``tenplex.store.recovery``
+execute the same plans across host stores and persistent storage. Every attempt is checked
+(manifest, indexes, objects) before a byte of it is used, and ``load`` falls back to the
+newest older step that verifies when a step is damaged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import fsspec
+import numpy as np
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from ..config import ParallelConfig
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from ..planner import intersect
+from ..ptc import PAD, PTC
+from .format import (
+    MANIFEST_NAME,
+    OBJECTS_NAME,
+    RANK_INDEX_RE,
+    REUSED_PREFIX,
+    Binding,
+    Chunk,
+    Manifest,
+    block_bytes,
+    crc32,
+    index_name,
+    open_sealed_json,
+    parse_step_dir,
+    verify_index,
+    verify_manifest,
+    writer_assignment,
+)
+
+__all__ = ["LoadStats", "LoadResult", "StepInfo", "ScannedAttempt", "url_fs", "local_path", "read_sealed",
+           "read_manifest_at", "scan_attempts", "list_steps", "read_manifest", "ReadItem", "plan_reads",
+           "shard_buffers", "ShardReader", "PartReader", "read_shard", "read_objects", "check_model",
+           "load_with_reader", "load"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStats:
+    """What a load read: ``bytes_read`` counts data bytes fetched (checksum blocks included),
+    ``metadata_bytes`` the JSON indexes, manifest and objects; ``bytes_needed`` is the real
+    (non-padding) size of the loaded shard. Counts are of the attempt that was loaded."""
+
+    bytes_needed: int
+    bytes_read: int
+    metadata_bytes: int
+    ranges: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """A loaded shard. ``skipped``: ``(step, save_id, reason)`` of every newer attempt passed
+    over because it did not verify (damaged, or its save id was reused), newest first."""
+
+    shard: dict[str, Any]
+    step: int
+    extra: Any
+    ptc: PTC
+    saved_layout: ParallelConfig
+    stats: LoadStats
+    skipped: tuple[tuple[int, str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """One save attempt of a step: ``path`` is its directory, ``save_id`` tells attempts apart.
+
+    ``problem``: why an attempt whose manifest exists cannot be used (a manifest that fails
+    verification, a reused save id); empty otherwise. Such an attempt is never ``complete``.
+    """
+
+    step: int
+    complete: bool
+    layout: ParallelConfig | None
+    world_size: int | None
+    ranks_done: int
+    nbytes: int
+    save_id: str = ""
+    path: str = ""
+    created: float = 0.0
+    problem: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+# ---------------------------------------------------------------------------------------------
+def url_fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem of ``url`` and its root path (no trailing slash)."""
+    fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    return fs, root.rstrip("/")
+
+
+def local_path(path: str) -> str:
+    """A local filesystem's path without its ``file://`` protocol, for ``os`` calls."""
+    return LocalFileSystem._strip_protocol(path)
+
+
+def read_sealed(fs: fsspec.AbstractFileSystem, path: str) -> tuple[dict[str, Any], int]:
+    """A sealed JSON file, verified, and its size. A missing file is CheckpointCorruptError
+    (callers read only files a listing showed)."""
+    try:
+        raw = fs.cat_file(path)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{path} is missing although its save attempt lists it") from None
+    except OSError as e:
+        raise CheckpointCorruptError(f"{path} cannot be read ({e})") from None
+    return open_sealed_json(raw, path), len(raw)
+
+
+def read_manifest_at(fs: fsspec.AbstractFileSystem, sdir: str, *, step: int | None = None,
+                     save_id: str | None = None, with_ptc: bool = True) -> Manifest:
+    """The manifest of save attempt ``sdir``, verified (digest, schema, directory; see ``verify_manifest``)."""
+    if step is None or save_id is None:
+        parsed = parse_step_dir(sdir)
+        if parsed:
+            step, save_id = parsed
+    path = f"{sdir}/{MANIFEST_NAME}"
+    obj, nbytes = read_sealed(fs, path)
+    return verify_manifest(obj, path, nbytes, step=step, save_id=save_id, with_ptc=with_ptc)
+
+
+# ---------------------------------------------------------------------------------------------
+# listing
+# ---------------------------------------------------------------------------------------------
+ScannedAttempt = tuple[StepInfo, "Manifest | CheckpointError | None"]
+"""A save attempt with its verified manifest, the error verifying it raised, or None (no manifest)."""
+
+
+def scan_attempts(fs: fsspec.AbstractFileSystem, root: str) -> list[ScannedAttempt]:
+    """Every save attempt under ``root`` with its verified manifest, or the error verifying it
+    raised, or None (no manifest); the newest complete attempt of a step sorts last."""
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return []
+    out = []
+    for entry in entries:
+        path = entry.rstrip("/")
+        parsed = parse_step_dir(path)
+        if not parsed:
+            continue
+        step, sid = parsed
+        try:
+            files = fs.ls(path, detail=True)
+        except FileNotFoundError:  # removed while listing
+            continue
+        names = {f["name"].rstrip("/").rsplit("/", 1)[-1]: f for f in files}
+        names = {n: f for n, f in names.items() if ".tmp-" not in n}
+        done = sum(1 for n in names if RANK_INDEX_RE.fullmatch(n))
+        nbytes = sum(int(f.get("size") or 0) for n, f in names.items() if n.endswith(".safetensors"))
+        layout = world = None
+        complete = False
+        created = 0.0
+        problem = ""
+        manifest: Manifest | CheckpointError | None = None
+        if any(n.startswith(REUSED_PREFIX) for n in names):
+            problem = (f"save id {sid} was used by two saves ({REUSED_PREFIX}* marker): its parts may mix them; "
+                       "this attempt is never loaded")
+        if MANIFEST_NAME in names:
+            try:
+                manifest = read_manifest_at(fs, path, step=step, save_id=sid, with_ptc=False)
+                layout, world, created = manifest.layout, manifest.world_size, manifest.created
+                complete = (not problem and OBJECTS_NAME in names
+                            and all(index_name(r) in names for r in range(world)))
+            except CheckpointError as e:
+                problem = problem or str(e)
+                manifest = e
+        out.append((StepInfo(step, complete, layout, world, done, nbytes, sid, path, created, problem), manifest))
+    return sorted(out, key=lambda x: (x[0].step, x[0].complete, x[0].created))
+
+
+def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None) -> list[StepInfo]:
+    """Every save attempt under ``url``, oldest first, with its layout, whether it is complete
+    and, where its manifest exists but it cannot be used, the problem."""
+    fs, root = url_fs(url, storage_options)
+    return [info for info, _ in scan_attempts(fs, root)]
+
+
+def _candidates(scan: list[ScannedAttempt], url: str, step: int | None) -> list[ScannedAttempt]:
+    """The attempts a load considers, newest first: complete ones (with their manifest) and,
+    to be reported as skipped, unusable ones whose manifest exists (with the error verifying
+    it raised, or None for a reused save id). Raises CheckpointNotFoundError when there is
+    nothing to try or report."""
+    infos = [i for i, _ in scan]
+    pool = [(i, m if i.complete or isinstance(m, CheckpointError) else None) for i, m in scan
+            if i.complete or i.problem]
+    if step is not None:
+        pool = [x for x in pool if x[0].step == step]
+    if not pool:
+        complete = sorted({i.step for i in infos if i.complete})
+        if step is None:
+            extra = f" ({len(infos)} incomplete steps found)" if infos else ""
+            raise CheckpointNotFoundError(f"no complete checkpoint under {url}{extra}")
+        state = "is incomplete" if any(i.step == step for i in infos) else "does not exist"
+        raise CheckpointNotFoundError(
+            f"checkpoint step {step} under {url} {state}; complete steps: {complete or 'none'}"
+        )
+    return sorted(pool, key=lambda x: (x[0].step, x[0].complete, x[0].created), reverse=True)
+
+
+def read_manifest(url: str, step: int | None = None, *,
+                  storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The verified manifest of ``step`` (default: the latest complete step), with ``ptc`` as a PTC.
+
+    Only the manifest is checked here; ``load`` also verifies the data and falls back to an
+    older step when it must.
+    """
+    fs, root = url_fs(url, storage_options)
+    scan = scan_attempts(fs, root)
+    problems = []
+    for info, manifest in _candidates(scan, url, step):
+        if isinstance(manifest, Manifest):
+            try:
+                full = manifest.full()
+            except CheckpointCorruptError as e:
+                problems.append(f"step {info.step} ({info.save_id}): {e}")
+                continue
+            return {**full.raw, "ptc": full.ptc}
+        if manifest is not None and not isinstance(manifest, CheckpointCorruptError):
+            raise manifest  # a format version this tenplex does not read
+        problems.append(f"step {info.step} ({info.save_id}): {info.problem}")
+    raise CheckpointCorruptError(f"no complete checkpoint{'' if step is None else f' of step {step}'} under {url} "
+                                 f"has a valid manifest: {'; '.join(problems)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# read plans
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ReadItem:
+    """One read of a plan: elements [a, b) of writer rank ``writer``'s chunk of ``tensor`` that
+    starts at global element ``chunk_start`` (``chunk_length`` elements; its key in the
+    writer's index, in file ``rank-NNNNN.safetensors``), into elements [dst, dst + b - a) of
+    the loading rank's flat buffer of ``tensor``. ``block``: the chunk's checksum block size by
+    the format's rule; a reader verifies blocks ``blocks`` and reads ``span`` (bytes of the
+    chunk, rounded out to whole blocks)."""
+
+    tensor: str
+    dst: int
+    writer: int
+    chunk_start: int
+    chunk_length: int
+    a: int
+    b: int
+    itemsize: int
+    block: int
+
+    @property
+    def length(self) -> int:
+        """Elements read."""
+        return self.b - self.a
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """Bytes [lo, hi) of the chunk this read fetches: the elements' bytes rounded out to blocks."""
+        return span_of(self.a, self.b, self.itemsize, self.block, self.chunk_length * self.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this read fetches (checksum blocks included)."""
+        lo, hi = self.span
+        return hi - lo
+
+    def into(self, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The elements of ``buffers[tensor]`` (a flat buffer, ``shard_buffers``) this read fills: a view."""
+        return buffers[self.tensor][self.dst : self.dst + self.length]
+
+    @property
+    def blocks(self) -> range:
+        """The checksum blocks of the chunk this read verifies."""
+        lo, hi = self.span
+        return range(lo // self.block, -(-hi // self.block))
+
+
+def span_of(a: int, b: int, itemsize: int, block: int, nbytes: int) -> tuple[int, int]:
+    """Bytes [lo, hi) of a chunk of ``nbytes`` to read for elements [a, b): rounded out to ``block``."""
+    return (a * itemsize) // block * block, min(-(-(b * itemsize) // block) * block, nbytes)
+
+
+def plan_reads(saved: PTC, old: ParallelConfig, new: ParallelConfig, rank: int, *,
+               writers: Mapping[int, list[Chunk]] | None = None) -> tuple[ReadItem, ...]:
+    """The reads that give rank ``rank`` under ``new`` its tensors from chunks written under ``old``.
+
+    Pure (no I/O): items in the order of the rank's tensors (``saved.rank_tensors``), each
+    tensor's in the order of its flat buffer. Raises CheckpointCorruptError when the old
+    layout's chunks do not cover an element the rank needs. ``writers``:
+    ``writer_assignment(saved, old)`` when the caller has it.
+    """
+    if writers is None:
+        writers = writer_assignment(saved, old)
+    rows: dict[str, list[tuple[int, int, int]]] = {}
+    for w, chunks in writers.items():
+        for name, _, start, ln in chunks:
+            rows.setdefault(name, []).append((start, start + ln, w))
+    by_tensor: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for name, r in rows.items():
+        arr = np.array(sorted(r), dtype=np.int64)
+        by_tensor[name] = (arr[:, 0], arr[:, 1], arr[:, 2])
+    items: list[ReadItem] = []
+    for name in saved.rank_tensors(new, rank):
+        itemsize = saved.tensors[name].itemsize
+        real = [(lo, g, ln) for lo, g, ln in saved.segments(name, new, rank) if g != PAD]
+        if not real:
+            continue
+        c_start, c_end, c_writer = by_tensor.get(name, (np.zeros(0, np.int64),) * 3)
+        q_lo = np.array([s[0] for s in real], dtype=np.int64)
+        q_start = np.array([s[1] for s in real], dtype=np.int64)
+        q_len = np.array([s[2] for s in real], dtype=np.int64)
+        qi, ci, ps, pe = intersect(q_start, q_len, c_start, c_end)
+        if int((pe - ps).sum()) != int(q_len.sum()):
+            raise CheckpointCorruptError(f"{name}: the checkpoint does not cover every element rank {rank} needs")
+        for q, c, s, e in zip(qi.tolist(), ci.tolist(), ps.tolist(), pe.tolist()):
+            cs, ce = int(c_start[c]), int(c_end[c])
+            items.append(ReadItem(name, int(q_lo[q]) + (s - int(q_start[q])), int(c_writer[c]), cs, ce - cs,
+                                  s - cs, e - cs, itemsize, block_bytes((ce - cs) * itemsize)))
+    return tuple(items)
+
+
+def shard_buffers(saved: PTC, cfg: ParallelConfig, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s flat buffers under ``cfg``, one per tensor, uninitialised except for the
+    padding (zeros): a plan's reads fill the rest."""
+    out = {}
+    for name in saved.rank_tensors(cfg, rank):
+        segs = saved.segments(name, cfg, rank)
+        local = torch.empty(sum(ln for _, _, ln in segs), dtype=saved.tensors[name].dtype)
+        for lo, g, ln in segs:
+            if g == PAD:
+                local[lo : lo + ln] = 0
+        out[name] = local
+    return out
+
+
+class ShardReader(Protocol):
+    """What executes a read plan: every reader of checkpoint data has these.
+
+    ``bind`` is called before the first read; ``read_items`` reads every item of a plan into
+    ``buffers`` (the flat buffers by tensor), verified, calling ``on_read(i)`` once item i's
+    bytes are in place (checksums may still be running; a mismatch raises before it returns)
+    so the caller may lay out a tensor whose reads are all in; after the last ``on_read`` of a
+    tensor the reader no longer touches its buffer, which the caller may drop. ``rank``: the
+    loading rank (readers may order reads by it). The counters cover what was read so far."""
+
+    @property
+    def bytes_read(self) -> int: ...
+
+    @property
+    def metadata_bytes(self) -> int: ...
+
+    @property
+    def ranges(self) -> int: ...
+
+    def bind(self, binding: Binding) -> None: ...
+
+    def read_items(self, items: Sequence[ReadItem], buffers: Mapping[str, torch.Tensor], *, rank: int,
+                   on_read: Callable[[int], None]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# the reader of one directory
+# ---------------------------------------------------------------------------------------------
+_PREFETCH = 64 << 20  # bytes a local load asks the kernel to fetch ahead of the reads
+_WHOLE_FILE = 0.99  # the share of a file's data a load must need for sequential read-ahead
+
+
+def _nothing() -> None:
+    return None
+
+
+class PartReader:
+    """Reads verified byte ranges of one save attempt's chunks (a ``ShardReader``): ``preadv``
+    straight into the destination for local files, ranged reads otherwise."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, sdir: str, binding: Binding | None = None) -> None:
+        self.fs, self.sdir = fs, sdir
+        self.local = isinstance(fs, LocalFileSystem)
+        self.binding = binding
+        self.indexes: dict[int, dict[str, Any]] = {}
+        self.handles: dict[int, int] = {}
+        self.bytes_read = 0
+        self.metadata_bytes = 0
+        self.ranges = 0
+
+    def bind(self, binding: Binding) -> None:
+        """What this attempt's indexes must agree with; set before the first read."""
+        self.binding = binding
+
+    def index(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s index, verified (digest, schema, binding) and checked against its data file's size."""
+        if rank not in self.indexes:
+            if self.binding is None:
+                raise RuntimeError("PartReader.bind() must be called before the first read")
+            path = f"{self.sdir}/{index_name(rank)}"
+            idx, n = read_sealed(self.fs, path)
+            self.metadata_bytes += n
+            by_key = verify_index(idx, path, rank, self.binding)
+            data_path = f"{self.sdir}/{idx['file']}"
+            try:
+                size = self.fs.size(data_path)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"{data_path} is missing although its index {path} exists") from None
+            except OSError as e:
+                raise CheckpointCorruptError(f"{data_path} cannot be read ({e})") from None
+            if size != idx["file_size"]:
+                raise CheckpointCorruptError(
+                    f"{data_path} has {size} bytes but its index says {idx['file_size']}: the file is truncated "
+                    "or was overwritten; load an earlier step or re-save this one"
+                )
+            idx["by_key"] = by_key
+            idx["path"] = data_path
+            self.indexes[rank] = idx
+        return self.indexes[rank]
+
+    def _fd(self, rank: int, path: str) -> int:
+        if rank not in self.handles:
+            fd = os.open(local_path(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            if hasattr(os, "posix_fadvise"):  # no read-ahead past the pieces: read_items prefetches exactly
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self.handles[rank] = fd
+        return self.handles[rank]
+
+    def _chunk(self, item: ReadItem) -> tuple[dict[str, Any], dict[str, Any]]:
+        idx = self.index(item.writer)
+        try:
+            return idx, idx["by_key"][(item.tensor, item.chunk_start)]
+        except KeyError:
+            raise CheckpointCorruptError(
+                f"{idx['path']}: no chunk of {item.tensor} at offset {item.chunk_start}; the index does not match "
+                "the manifest"
+            ) from None
+
+    def read_item(self, item: ReadItem, out: torch.Tensor) -> None:
+        """Read ``item`` into ``out`` (a contiguous 1-D tensor of its length) and verify it.
+
+        The bytes are read once: local files with one ``preadv`` that scatters the rounded-out
+        checksum blocks into small head/tail buffers and ``out`` itself; checksums are
+        computed over those buffers in place.
+        """
+        self.fetch(item, out)()
+
+    def fetch(self, item: ReadItem, out: torch.Tensor) -> Callable[[], None]:
+        """Read ``item`` into ``out`` without verifying; returns the check to run before using it.
+        The chunk's block size is the one its (verified) index records."""
+        idx, chunk = self._chunk(item)
+        itemsize, a, b = item.itemsize, item.a, item.b
+        block, nbytes = chunk["block"], chunk["length"] * itemsize
+        lo, hi = span_of(a, b, itemsize, block, nbytes)
+        if b <= a:
+            return _nothing
+        body = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        head = bytearray(a * itemsize - lo)
+        tail = bytearray(hi - b * itemsize)
+        segs = [m for m in (memoryview(head), body, memoryview(tail)) if len(m)]
+        if self.local:
+            got = _preadv_full(self._fd(item.writer, idx["path"]), segs, chunk["offset"] + lo)
+        else:
+            raw = memoryview(self.fs.cat_file(idx["path"], start=chunk["offset"] + lo, end=chunk["offset"] + hi))
+            got = min(len(raw), hi - lo)
+            pos = 0
+            for m in segs:
+                n = max(0, min(len(m), got - pos))
+                m[:n] = raw[pos : pos + n]
+                pos += len(m)
+        self.bytes_read += got
+        self.ranges += 1
+        if got != hi - lo:
+            raise CheckpointCorruptError(f"{idx['path']}: short read of {item.tensor} ({got} of {hi - lo} bytes)")
+
+        def verify() -> None:
+            crcs = chunk["crc32"]
+            for k, got_crc in _block_crcs(segs, lo, hi, block):
+                if got_crc != int(crcs[8 * k : 8 * k + 8], 16):
+                    off = k * block
+                    raise CheckpointCorruptError(
+                        f"{idx['path']}: checksum mismatch in {item.tensor} bytes [{off}, {min(off + block, nbytes)}) "
+                        f"of the chunk at offset {item.chunk_start}: the file is corrupted; load an earlier step"
+                    )
+
+        return verify
+
+    def read_items(self, items: Sequence[ReadItem], buffers: Mapping[str, torch.Tensor], *, rank: int = 0,
+                   on_read: Callable[[int], None] = lambda i: None) -> None:
+        """All of a plan's reads. Local files: in file order, with the kernel asked to fetch the
+        exact ranges about ``_PREFETCH`` bytes ahead (``POSIX_FADV_WILLNEED``), so the disk works
+        while checksums are computed (in a second thread) and nothing outside the needed blocks
+        is read; a file read (almost) whole gets sequential read-ahead instead. Loading rank
+        ``rank`` starts at its own place in the writer order, so ranks of one host that need the
+        same parts fetch different ones first and then find the others' in the page cache."""
+        if not self.local or not hasattr(os, "posix_fadvise"):
+            for i, item in enumerate(items):
+                self.read_item(item, item.into(buffers))
+                on_read(i)
+            return
+        spans = []
+        for i, item in enumerate(items):
+            idx, chunk = self._chunk(item)
+            if item.b <= item.a:
+                spans.append((item.writer, 0, 0, i))
+                continue
+            lo, hi = span_of(item.a, item.b, item.itemsize, chunk["block"], chunk["length"] * item.itemsize)
+            spans.append((item.writer, chunk["offset"] + lo, chunk["offset"] + hi, i))
+        writers = sorted({w for w, *_ in spans})
+        wanted: dict[int, int] = {}
+        for w, lo, hi, _ in spans:
+            wanted[w] = wanted.get(w, 0) + hi - lo
+        for w in writers:  # a file read (almost) whole: sequential read-ahead, which is faster than
+            idx = self.index(w)  # exact prefetching here and reads at most 1 % more than needed
+            if wanted[w] >= _WHOLE_FILE * idx["file_size"]:
+                os.posix_fadvise(self._fd(w, idx["path"]), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        turn = {w: (i - rank) % len(writers) for i, w in enumerate(writers)}
+        spans.sort(key=lambda x: (turn[x[0]], x[1], x[2], x[3]))
+        ahead, fetched = 0, 0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-verify") as pool:
+            checks = []
+            for k, (w, lo, hi, i) in enumerate(spans):
+                fetched = max(fetched, k)
+                while fetched < len(spans) and ahead < _PREFETCH:
+                    fw, flo, fhi, _ = spans[fetched]
+                    if fhi > flo:
+                        os.posix_fadvise(self._fd(fw, self.index(fw)["path"]), flo, fhi - flo,
+                                         os.POSIX_FADV_WILLNEED)
+                    ahead += fhi - flo
+                    fetched += 1
+                item = items[i]
+                # checksums in a second thread (the CRC releases the GIL) while the next piece is read
+                checks.append(pool.submit(self.fetch(item, item.into(buffers))))
+                on_read(i)
+                ahead -= hi - lo
+            for c in checks:
+                c.result()  # the first corrupt block raises
+
+    def close(self) -> None:
+        for fd in self.handles.values():
+            os.close(fd)
+        self.handles.clear()
+
+
+def _preadv_full(fd: int, segs: list[memoryview], offset: int) -> int:
+    """``preadv`` into ``segs`` until they are full or the file ends; returns the bytes read."""
+    total, segs = 0, list(segs)
+    while segs:
+        try:
+            n = os.preadv(fd, segs, offset + total)
+        except OSError as e:
+            raise CheckpointCorruptError(f"cannot read checkpoint data: {e.strerror}") from e
+        if n == 0:
+            break
+        total += n
+        while segs and n >= len(segs[0]):
+            n -= len(segs[0])
+            segs.pop(0)
+        if n:
+            segs[0] = segs[0][n:]
+    return total
+
+
+def _block_crcs(segs: list[memoryview], lo: int, hi: int, block: int) -> list[tuple[int, int]]:
+    """(block number, CRC32) of each checksum block of bytes [lo, hi) laid out across ``segs``."""
+    out, si, soff, pos = [], 0, 0, lo
+    while pos < hi:
+        end = min(pos + block, hi)
+        crc, need = 0, end - pos
+        while need:
+            seg = segs[si]
+            take = min(need, len(seg) - soff)
+            crc = crc32(seg[soff : soff + take], crc)
+            soff += take
+            need -= take
+            if soff == len(seg):
+                si, soff = si + 1, 0
+        out.append((pos // block, crc))
+        pos = end
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# executing a plan
+# ---------------------------------------------------------------------------------------------
+def read_shard(saved: PTC, old: ParallelConfig, cfg: ParallelConfig, rank: int, reader: ShardReader,
+               writers: Mapping[int, list[Chunk]] | None = None) -> tuple[dict[str, Any], int]:
+    """Rank ``rank``'s tensors under ``cfg`` from chunks written under ``old``: the plan
+    (``plan_reads``), executed by ``reader``; which file (or tier) each read comes from is the
+    reader's business. Returns the shard and the real (non-padding) bytes it needed.
+    ``writers``: ``writer_assignment(saved, old)`` when the caller has it."""
+    items = plan_reads(saved, old, cfg, rank, writers=writers)
+    buffers = shard_buffers(saved, cfg, rank)
+    needed = sum(item.length * item.itemsize for item in items)
+    return _read_and_relayout(saved, cfg, rank, reader, items, buffers), needed
+
+
+def _read_and_relayout(saved: PTC, cfg: ParallelConfig, rank: int, reader: ShardReader, items: Sequence[ReadItem],
+                       buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Execute ``items``; a tensor split on a dim > 0 is laid out in its natural shape (a strided
+    copy: the file holds it split dim first) in a second thread as soon as its last piece is in,
+    while later pieces are still being read. Each flat buffer is dropped once its copy is made,
+    so at most the tensors in flight exist twice (peak memory)."""
+    count: dict[str, int] = {}
+    for item in items:
+        count[item.tensor] = count.get(item.tensor, 0) + 1
+    done: dict[str, Any] = {}
+    lock = threading.Lock()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-relayout") as pool:
+
+        def on_read(i: int) -> None:
+            name = items[i].tensor
+            with lock:
+                count[name] -= 1
+                if count[name]:
+                    return
+            if saved.relaid(name):  # the flat buffer's last references are the relayout's (and the checksums')
+                done[name] = pool.submit(saved.from_local_flat, name, cfg, buffers.pop(name))
+
+        reader.read_items(items, buffers, rank=rank, on_read=on_read)
+        out = {name: fut.result() for name, fut in done.items()}
+    for name in [n for n in saved.rank_tensors(cfg, rank) if n not in out]:  # cheap reshapes, no copy
+        out[name] = saved.from_local_flat(name, cfg, buffers.pop(name))
+    return {name: out[name] for name in saved.rank_tensors(cfg, rank)}
+
+
+def read_objects(sources: Sequence[tuple[fsspec.AbstractFileSystem, str]],
+                 manifest: Manifest) -> tuple[dict[str, Any], Any, int]:
+    """The small objects and ``extra`` of a save attempt, from the first directory of ``sources``
+    whose ``objects.pt`` has the size and SHA-256 the manifest records (checked before
+    unpickling) and holds objects of the saved PTC; and the bytes read to find it."""
+    want = manifest.raw["objects"]
+    objects_of = manifest.full().ptc.objects  # type: ignore[union-attr]
+    errors = []
+    nread = 0
+    for fs, sdir in sources:
+        path = f"{sdir}/{OBJECTS_NAME}"
+        try:
+            raw = fs.cat_file(path)
+        except OSError as e:
+            errors.append(f"{path} cannot be read ({e})")
+            continue
+        nread += len(raw)
+        if len(raw) != want["size"]:
+            errors.append(f"{path} has {len(raw)} bytes but its manifest says {want['size']}")
+            continue
+        if hashlib.sha256(raw).hexdigest() != want["sha256"]:
+            errors.append(f"{path}: SHA-256 differs from the one its manifest records")
+            continue
+        try:
+            payload = torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+            errors.append(f"{path} cannot be read ({type(e).__name__}: {e})")
+            continue
+        if (not isinstance(payload, dict) or set(payload) != {"objects", "extra"}
+                or not isinstance(payload["objects"], dict) or not set(payload["objects"]) <= set(objects_of)):
+            errors.append(f"{path} does not hold the objects and extra of this checkpoint's PTC")
+            continue
+        return dict(payload["objects"]), payload["extra"], nread
+    raise CheckpointCorruptError("; ".join(errors) + "; the objects file is damaged")
+
+
+def check_model(saved: PTC, expected: PTC, where: str, *, allow_meta_change: bool = False) -> None:
+    """CheckpointMismatchError unless ``saved`` has ``expected``'s tensors and, unless
+    ``allow_meta_change``, its model settings (``meta["model"]``, where both record them)."""
+    if expected.fingerprint() != saved.fingerprint():
+        diff = "; ".join(expected.diff(saved)) or "specs differ"
+        raise CheckpointMismatchError(f"checkpoint {where} holds another model than the one requested: {diff}")
+    if (expected.num_layers, expected.objects) != (saved.num_layers, saved.objects):
+        raise CheckpointMismatchError(
+            f"checkpoint {where} holds another model than the one requested: {saved.num_layers} layers and objects "
+            f"{list(saved.objects)}, requested {expected.num_layers} layers and objects {list(expected.objects)}"
+        )
+    a, b = saved.meta.get("model"), expected.meta.get("model")
+    if allow_meta_change or not isinstance(a, dict) or not isinstance(b, dict):
+        return
+    a, b = json.loads(json.dumps(a)), json.loads(json.dumps(b))  # tuples and lists alike
+    diffs = [f"{k}: saved {a.get(k)!r}, requested {b.get(k)!r}" for k in sorted(set(a) | set(b))
+             if a.get(k) != b.get(k)]
+    if diffs:
+        raise CheckpointMismatchError(
+            f"checkpoint {where} was saved with other model settings ({'; '.join(diffs)}); its tensors have the "
+            "requested shapes, but training would continue another model: pass allow_meta_change=True to load "
+            "it anyway"
+        )
+
+
+def load_with_reader(manifest: Manifest, where: str, cfg: ParallelConfig, rank: int, reader: ShardReader,
+                     objects_from: Sequence[tuple[fsspec.AbstractFileSystem, str]], *, ptc: PTC | None,
+                     allow_meta_change: bool = False, t0: float) -> LoadResult:
+    """Check a verified ``manifest`` against ``ptc`` and ``cfg``, read the objects (from the
+    first of ``objects_from``'s directories whose copy matches the manifest), then ``rank``'s
+    shard through ``reader``. Shared by ``load`` and tiered recovery, whose readers differ."""
+    manifest = manifest.full()
+    saved, old = manifest.ptc, manifest.layout
+    assert saved is not None
+    if ptc is not None:
+        check_model(saved, ptc, where, allow_meta_change=allow_meta_change)
+    saved.check(cfg)
+    cfg.coords(rank)
+    writers = writer_assignment(saved, old)
+    reader.bind(Binding.of(manifest, writers))
+    try:
+        objects, extra, objects_bytes = read_objects(objects_from, manifest)  # small: fails fast, before the data
+        shard, needed = read_shard(saved, old, cfg, rank, reader, writers=writers)
+        shard.update(objects)
+    finally:
+        reader.close()
+    stats = LoadStats(needed, reader.bytes_read, reader.metadata_bytes + objects_bytes, reader.ranges,
+                      time.perf_counter() - t0)
+    return LoadResult(shard, manifest.step, extra, saved, old, stats)
+
+
+def load(
+    url: str,
+    cfg: ParallelConfig,
+    rank: int,
+    *,
+    step: int | None = None,
+    ptc: PTC | None = None,
+    allow_meta_change: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+) -> LoadResult:
+    """Load rank ``rank``'s shard under layout ``cfg`` from the newest complete save attempt
+    that verifies (of ``step`` when given).
+
+    Reads only the byte ranges this rank needs (rounded out to checksum blocks) and verifies
+    them, with the manifest, the indexes it reads and the objects file. Attempts are tried
+    newest first: one that fails any check (CheckpointCorruptError) is logged, reported in
+    ``LoadResult.skipped`` and passed over, so a damaged newest step never blocks recovery
+    from an intact older one; with ``step`` only that step's attempts are tried. Nothing
+    partial is returned: when no attempt verifies, CheckpointCorruptError lists why.
+    ``ptc``: the model the caller expects; a checkpoint of another model raises
+    CheckpointMismatchError, and so do other model settings (``ptc.meta["model"]``, e.g.
+    heads or norm eps) unless ``allow_meta_change``. Ranks that need different bytes can
+    see different damage and resume from different steps: under a process group make them
+    agree (``tenplex.elastic.agree_on_step``; docs/format.md, "Choosing a step").
+    """
+    t0 = time.perf_counter()
+    fs, root = url_fs(url, storage_options)
+    skipped: list[tuple[int, str, str]] = []
+    for info, manifest in _candidates(scan_attempts(fs, root), url, step):
+        if not isinstance(manifest, Manifest):
+            if manifest is not None and not isinstance(manifest, CheckpointCorruptError):
+                raise manifest  # a format version this tenplex does not read
+            skipped.append((info.step, info.save_id, info.problem))
+            continue
+        reader = PartReader(fs, info.path)
+        reader.metadata_bytes += manifest.nbytes
+        try:
+            result = load_with_reader(manifest, f"{url} step {info.step}", cfg, rank, reader, [(fs, info.path)],
+                                      ptc=ptc, allow_meta_change=allow_meta_change, t0=t0)
+        except CheckpointCorruptError as e:
+            log.warning("checkpoint %s step %d (save %s) does not verify, trying an older one: %s", url, info.step,
+                        info.save_id, e)
+            skipped.append((info.step, info.save_id, str(e)))
+            continue
+        stats = result.stats
+        log.debug("loaded step %d rank %d under %s: read %d of %d bytes needed in %.3fs", result.step, rank, cfg,
+                  stats.bytes_read, stats.bytes_needed, stats.seconds)
+        if skipped:
+            log.warning("loaded step %d of %s after passing over %d newer attempts: %s", result.step, url,
+                        len(skipped), "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in skipped))
+        return dataclasses.replace(result, skipped=tuple(skipped))
+    raise CheckpointCorruptError(
+        f"no complete checkpoint{'' if step is None else f' of step {step}'} under {url} verifies: "
+        + "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in skipped)
+    )

@@ -1,0 +1,450 @@
+"""Writing checkpoints: one rank's part of a save attempt, incrementally, and ``save``.
+
+``PartWriter`` lays out a rank's part (the chunks ``writer_assignment`` gives it, the
+safetensors header), checksums the bytes it is given block by block and publishes the part:
+the data file under its final name, rank 0's objects and manifest, then the rank index, whose
+presence marks the part complete. ``save`` streams a whole shard through it; the bubble
+``StoreWriteTask`` (``tenplex.bubbles``) writes the same part bucket by bucket in pipeline
+bubbles. Every file is written once, under a temporary name first, and never replaced: a
+writer that finds its own part already there refuses (the save id was reused) and marks the
+attempt unusable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from ..config import ParallelConfig
+from ..errors import CheckpointError, CheckpointValueError
+from ..ptc import PTC
+from .format import (
+    FORMAT,
+    MANIFEST_NAME,
+    OBJECTS_NAME,
+    REUSED_PREFIX,
+    Chunk,
+    block_bytes,
+    block_crcs_hex,
+    check_save_id,
+    check_step,
+    crc32,
+    data_name,
+    index_name,
+    index_object,
+    manifest_object,
+    rank_stem,
+    safetensors_header,
+    seal_json,
+    step_dir,
+    writer_assignment,
+)
+from .reader import local_path, scan_attempts, url_fs
+
+__all__ = ["SaveResult", "PartChunk", "PartWriter", "save", "default_save_id", "write_once", "publish",
+           "existing_files", "refuse_reuse", "payload_bytes", "write_rank0_meta", "write_index", "prune"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    step: int
+    rank: int
+    bytes_written: int
+    chunks: int
+    seconds: float
+    path: str = ""  # the save attempt's directory
+
+
+# ---------------------------------------------------------------------------------------------
+# save ids
+# ---------------------------------------------------------------------------------------------
+_NONCE_KEY = "tenplex/save-nonce"
+# id(default process group) -> (a weak reference to the group, its launch nonce). Weak: a strong one kept the
+# group alive past destroy_process_group until interpreter exit, where gloo's worker threads, freeing tensors
+# without the GIL, were killed by the finalising interpreter (abort, "terminate called without an active exception").
+_nonces: dict[int, tuple[Any, str]] = {}
+_nonce_lock = threading.Lock()
+
+
+def _launch_nonce() -> str:
+    """A value every rank of this launch shares and another launch does not ("" without a process group).
+
+    The first rank to ask sets a fresh uuid under a key of the default process group's store
+    (``compare_set``: first writer wins, everyone reads the same value). No collective is
+    involved, so a background save thread may ask. Asked once per process group.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        with _nonce_lock:
+            hit = _nonces.get(id(pg))
+            if hit is not None and hit[0]() is pg:
+                return hit[1]
+        value = dist.distributed_c10d._get_default_store().compare_set(_NONCE_KEY, "", uuid.uuid4().hex)
+        nonce = value.decode() if isinstance(value, bytes) else str(value)
+    except Exception as e:  # noqa: BLE001 - a store without compare_set: the environment alone
+        log.warning("no launch nonce from the process group's store (%s); save ids depend on the environment only", e)
+        return ""
+    with _nonce_lock:
+        _nonces[id(pg)] = (weakref.ref(pg), nonce)
+    return nonce
+
+
+def default_save_id(cfg: ParallelConfig, ptc: PTC) -> str:
+    """An id every rank of one save attempt derives alike, without a collective.
+
+    It changes with the launch (a nonce shared through the default process group's store
+    when ``torch.distributed`` is initialised), torchrun's run id, restart count and master
+    address, the layout and the model, so a relaunch never reuses the id of an earlier
+    attempt. Without a process group only the environment distinguishes launches: pass
+    ``save_id=`` explicitly where that is not enough.
+    """
+    env = os.environ
+    key = "|".join((env.get("TORCHELASTIC_RUN_ID", ""), env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                    env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""), _launch_nonce(), str(cfg),
+                    ptc.fingerprint()))
+    return hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+# ---------------------------------------------------------------------------------------------
+# write-once files
+# ---------------------------------------------------------------------------------------------
+def tmp_name(path: str) -> str:
+    """A fresh temporary name next to ``path`` (listings skip names containing ``.tmp-``)."""
+    return f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+
+
+def publish(fs: fsspec.AbstractFileSystem, tmp: str, path: str) -> bool:
+    """Give ``tmp`` the name ``path`` unless ``path`` exists; never replaces a file. False (and
+    ``tmp`` removed) when ``path`` exists. Local files: ``os.link`` (atomic); elsewhere an
+    existence check, then a move."""
+    if isinstance(fs, LocalFileSystem):
+        src, dst = local_path(tmp), local_path(path)
+        try:
+            os.link(src, dst)
+        except FileExistsError:
+            os.unlink(src)
+            return False
+        except OSError:  # a filesystem without hard links: check, then rename
+            if os.path.exists(dst):
+                os.unlink(src)
+                return False
+            os.rename(src, dst)
+            return True
+        os.unlink(src)
+        return True
+    fs.invalidate_cache(path.rsplit("/", 1)[0])  # listings cached by the filesystem may predate another writer
+    if fs.exists(path):
+        fs.rm(tmp)
+        return False
+    fs.mv(tmp, path)
+    return True
+
+
+def write_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    """Write ``data`` as ``path`` so that readers see the whole file or nothing; never replaces
+    an existing file (returns False then)."""
+    tmp = tmp_name(path)
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    return publish(fs, tmp, path)
+
+
+def existing_files(fs: fsspec.AbstractFileSystem, sdir: str) -> set[str]:
+    """Names of the published files of a save attempt's directory (temporary files left out)."""
+    fs.invalidate_cache(sdir)
+    try:
+        return {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(sdir, detail=False)} - {""}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+
+
+def refuse_reuse(fs: fsspec.AbstractFileSystem, sdir: str, rank: int, save_id: str, found: Sequence[str]) -> NoReturn:
+    """A save found files it was about to write: its save id was used before. Leave every file as
+    it is, mark the attempt unusable (this save's other ranks may be adding their parts to the
+    earlier attempt's, and an attempt that looks complete may be such a mix), and raise
+    CheckpointError."""
+    note = json.dumps({"rank": rank, "found": sorted(found), "time": time.time()}).encode()
+    write_once(fs, f"{sdir}/{REUSED_PREFIX}{rank_stem(rank)}", note)
+    raise CheckpointError(
+        f"save attempt {sdir} already holds {', '.join(sorted(found))} of rank {rank}: save id {save_id} was used "
+        "by an earlier save (a relaunch with the same run id?). Every existing file was left untouched and the "
+        "attempt is marked unusable, since it could now mix two saves; save again with a fresh save_id "
+        "(default_save_id derives one per launch once torch.distributed is initialised)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# rank 0's objects
+# ---------------------------------------------------------------------------------------------
+def _unsafe_part(value: Any, path: str) -> tuple[str, Any] | None:
+    """The innermost part of ``value`` that ``torch.load(weights_only=True)`` cannot read back."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            found = _unsafe_part(v, f"{path}[{k!r}]")
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _unsafe_part(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    try:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception:  # noqa: BLE001 - whatever fails, this part is the culprit
+        return path, value
+    return None
+
+
+def payload_bytes(objects: Mapping[str, Any], extra: Any) -> bytes:
+    """The small objects and ``extra`` serialised with ``torch.save``, after checking that they
+    load back with ``weights_only=True`` (what ``load`` does): a value that does not would make
+    the checkpoint unreadable. CheckpointValueError names the offending value."""
+    payload = {"objects": dict(objects), "extra": extra}
+    buf = io.BytesIO()
+    try:
+        torch.save(payload, buf)
+        raw = buf.getvalue()
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - pickling and unpickling fail in many ways
+        parts = [("extra", extra), *((f"object {k!r}", v) for k, v in objects.items())]
+        found = (f for name, v in parts if (f := _unsafe_part(v, name)) is not None)
+        where, bad = next(found, ("the payload", payload))
+        raise CheckpointValueError(
+            f"{where} = {bad!r} ({type(bad).__module__}.{type(bad).__qualname__}) cannot be stored: loads read it "
+            f"back with torch.load(weights_only=True), which refuses it ({type(e).__name__}); convert it to a plain "
+            "Python value (float(x), int(x), str(x)), a list or dict of them, or a torch tensor"
+        ) from None
+    return raw
+
+
+def write_rank0_meta(fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: ParallelConfig,
+                     shard: Mapping[str, Any], *, step: int, save_id: str, extra: Any = None,
+                     payload: bytes | None = None) -> int:
+    """Rank 0's part of a save attempt: the small objects and ``extra`` (``payload``: their
+    checked serialisation, when the caller made it), then the manifest, which records the
+    objects file's size and SHA-256. Write-once. Returns bytes written."""
+    if payload is None:
+        payload = payload_bytes({o: shard[o] for o in ptc.objects if o in shard}, extra)
+    if not write_once(fs, f"{sdir}/{OBJECTS_NAME}", payload):
+        refuse_reuse(fs, sdir, 0, save_id, [OBJECTS_NAME])
+    mbytes = seal_json(manifest_object(ptc, cfg, step=step, save_id=save_id, payload=payload))
+    if not write_once(fs, f"{sdir}/{MANIFEST_NAME}", mbytes):
+        refuse_reuse(fs, sdir, 0, save_id, [MANIFEST_NAME])
+    return len(mbytes) + len(payload)
+
+
+def write_index(fs: fsspec.AbstractFileSystem, sdir: str, rank: int, file_size: int, chunks: list[dict[str, Any]],
+                *, step: int, save_id: str, cfg: ParallelConfig, fingerprint: str) -> int:
+    """A rank part's index, bound to its step, save id, rank, layout and model; written last
+    (write-once): its presence marks the part complete."""
+    ibytes = seal_json(index_object(rank, file_size, chunks, step=step, save_id=save_id, cfg=cfg,
+                                    fingerprint=fingerprint))
+    if not write_once(fs, f"{sdir}/{index_name(rank)}", ibytes):
+        refuse_reuse(fs, sdir, rank, save_id, [index_name(rank)])
+    return len(ibytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank's part
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PartChunk:
+    """A chunk of a rank's part: ``length`` elements of ``tensor`` from global offset ``start``,
+    at ``local`` in the rank's canonical flat shard; ``offset``: its bytes' place in the data
+    file (header included); ``block``: its checksum block size."""
+
+    tensor: str
+    local: int
+    start: int
+    length: int
+    offset: int
+    nbytes: int
+    block: int
+
+
+class PartWriter:
+    """One rank's part of a save attempt, written incrementally.
+
+    ``begin()`` creates the attempt's directory and refuses (``refuse_reuse``) when this
+    rank's files exist already. The data goes to a temporary file (``tmp``): either streamed
+    (``stream``) or positioned (``write_at`` on a pre-sized local file from ``open_local``);
+    both checksum each whole block as it passes. ``assigned``: this rank's chunks
+    (``writer_assignment(ptc, cfg)[rank]``) when the caller has them. ``publish()`` then names the data file,
+    writes rank 0's objects and manifest and, last, the rank index.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: ParallelConfig, rank: int, *,
+                 step: int, save_id: str, assigned: Sequence[Chunk] | None = None) -> None:
+        self.fs, self.sdir, self.ptc, self.cfg, self.rank = fs, sdir, ptc, cfg, rank
+        self.step, self.save_id = step, save_id
+        if assigned is None:  # the caller may have it: writer_assignment(ptc, cfg)[rank]
+            assigned = writer_assignment(ptc, cfg)[rank]
+        self.header, offsets = safetensors_header(
+            [(f"{name}@{start}", ptc.tensors[name].dtype, ln) for name, _, start, ln in assigned],
+            {"format": FORMAT, "step": str(step), "save_id": save_id, "rank": str(rank)})
+        base = len(self.header)
+        self.chunks = tuple(PartChunk(name, lo, start, ln, base + b0, b1 - b0, block_bytes(b1 - b0))
+                            for (name, lo, start, ln), (b0, b1) in zip(assigned, offsets))
+        self.size = base + (offsets[-1][1] if offsets else 0)
+        self.path = f"{sdir}/{data_name(rank)}"
+        self.tmp = tmp_name(self.path)
+        self.crcs: list[list[int]] = [[0] * (-(-c.nbytes // c.block)) for c in self.chunks]
+
+    def begin(self) -> None:
+        """Create the attempt's directory; refuse when this rank's files are there already."""
+        self.fs.makedirs(self.sdir, exist_ok=True)
+        own = {data_name(self.rank), index_name(self.rank)} | (
+            {MANIFEST_NAME, OBJECTS_NAME} if self.rank == 0 else set())
+        found = own & existing_files(self.fs, self.sdir)
+        if found:  # the save id was used before: never write into that attempt
+            refuse_reuse(self.fs, self.sdir, self.rank, self.save_id, sorted(found))
+
+    def checksum(self, i: int, a: int, view: memoryview) -> None:
+        """Record the CRC32s of bytes [a, a + len(view)) of chunk ``i`` (``a`` on a block
+        boundary; the range ends on one or at the chunk's end)."""
+        block, crcs = self.chunks[i].block, self.crcs[i]
+        for pos in range(a, a + len(view), block):
+            crcs[pos // block] = crc32(view[pos - a : pos - a + block])
+
+    def stream(self, flats: Mapping[str, torch.Tensor]) -> None:
+        """Write the whole part to ``tmp`` in order, from each tensor's canonical flat shard
+        (``PTC.to_local_flat``): streamed from the shard's own memory, no serialised copy."""
+        with self.fs.open(self.tmp, "wb") as f:
+            f.write(self.header)
+            for i, c in enumerate(self.chunks):
+                view = memoryview(flats[c.tensor][c.local : c.local + c.length].contiguous().view(torch.uint8)
+                                  .numpy()).cast("B")
+                f.write(view)
+                self.checksum(i, 0, view)
+
+    def open_local(self) -> int:
+        """Create ``tmp`` (a local file) at its full size with the header written; returns its descriptor."""
+        fd = os.open(local_path(self.tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.ftruncate(fd, self.size)
+        os.pwrite(fd, self.header, 0)
+        return fd
+
+    def write_at(self, fd: int, i: int, a: int, view: memoryview) -> None:
+        """Write ``view`` as bytes [a, a + len(view)) of chunk ``i`` into ``fd`` (from ``open_local``), checksummed."""
+        os.pwrite(fd, view, self.chunks[i].offset + a)
+        self.checksum(i, a, view)
+
+    def index_chunks(self) -> list[dict[str, Any]]:
+        """The chunk entries of this part's index."""
+        return [{"tensor": c.tensor, "start": c.start, "length": c.length, "offset": c.offset, "block": c.block,
+                 "crc32": block_crcs_hex(crcs)} for c, crcs in zip(self.chunks, self.crcs)]
+
+    def publish(self, *, objects: Mapping[str, Any] | None = None, payload: bytes | None = None) -> int:
+        """Name the data file, write rank 0's objects (``payload``, else serialised from
+        ``objects``) and manifest, and last the index, which makes the part visible. Returns the
+        bytes of the files written besides the data file."""
+        if not publish(self.fs, self.tmp, self.path):
+            refuse_reuse(self.fs, self.sdir, self.rank, self.save_id, [data_name(self.rank)])
+        written = 0
+        if self.rank == 0:
+            written += write_rank0_meta(self.fs, self.sdir, self.ptc, self.cfg, objects or {}, step=self.step,
+                                        save_id=self.save_id, payload=payload)
+        return written + write_index(self.fs, self.sdir, self.rank, self.size, self.index_chunks(), step=self.step,
+                                     save_id=self.save_id, cfg=self.cfg, fingerprint=self.ptc.fingerprint())
+
+
+def save(
+    url: str,
+    ptc: PTC,
+    cfg: ParallelConfig,
+    rank: int,
+    shard: Mapping[str, Any],
+    *,
+    step: int,
+    extra: Any = None,
+    keep_last: int | None = None,
+    save_id: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> SaveResult:
+    """Save rank ``rank``'s shard of ``ptc`` under layout ``cfg`` as part of checkpoint ``step``.
+
+    Every rank of the layout calls this with its own shard; the step becomes visible to
+    ``load`` only once every rank's part is complete. Rank 0 also writes the manifest, the
+    PTC's small objects and ``extra`` (plain Python values, lists and dicts of them, tensors:
+    what ``torch.load(weights_only=True)`` reads back; checked up front on every rank), and
+    with ``keep_last=K`` removes steps older than the K newest complete ones.
+    ``step``: an int in [0, MAX_STEP). ``save_id`` (8 hex digits) names this save attempt;
+    every rank must pass the same one. The default (``default_save_id``) differs between
+    launches, restarts and layouts. Files are written once and never replaced: if this
+    rank's part of the attempt exists already, the save id was reused and ``save`` raises
+    CheckpointError without touching it (see ``refuse_reuse``).
+    """
+    t0 = time.perf_counter()
+    step = check_step(step)
+    if keep_last is not None and keep_last < 1:
+        raise CheckpointValueError(f"keep_last must be >= 1, got {keep_last}")
+    ptc.check(cfg)
+    cfg.coords(rank)
+    fs, root = url_fs(url, storage_options)
+    save_id = check_save_id(save_id or default_save_id(cfg, ptc))
+
+    expected = ptc.rank_tensors(cfg, rank)
+    missing = [n for n in expected if n not in shard]
+    if missing:
+        raise CheckpointValueError(
+            f"rank {rank} under {cfg} must hold {len(expected)} tensors; the shard lacks {missing[:3]}")
+    flats: dict[str, torch.Tensor] = {}
+    for name in expected:
+        t = shard[name]
+        want = ptc.local_shape(name, cfg)
+        if tuple(t.shape) != want:
+            raise CheckpointValueError(
+                f"{name}: rank {rank}'s shard has shape {tuple(t.shape)}, layout {cfg} needs {want}")
+        flats[name] = ptc.to_local_flat(name, t.detach().to("cpu", ptc.tensors[name].dtype))
+    if rank == 0:
+        payload = payload_bytes({o: shard[o] for o in ptc.objects if o in shard}, extra)
+    else:  # only rank 0 writes extra, but every rank learns of a value that cannot be stored
+        payload_bytes({}, extra)
+        payload = None
+
+    part = PartWriter(fs, step_dir(root, step, save_id), ptc, cfg, rank, step=step, save_id=save_id)
+    part.begin()  # only once the shard is valid: no empty step dir on error
+    part.stream(flats)
+    written = part.size + part.publish(payload=payload)
+    if rank == 0 and keep_last is not None:
+        prune(fs, root, keep_last)
+    result = SaveResult(step, rank, written, len(part.chunks), time.perf_counter() - t0, part.sdir)
+    log.debug("saved step %d rank %d: %d chunks, %d bytes in %.3fs", step, rank, len(part.chunks), written,
+              result.seconds)
+    return result
+
+
+def prune(fs: fsspec.AbstractFileSystem, root: str, keep_last: int) -> None:
+    """Remove the save attempts of steps older than the ``keep_last`` newest complete ones."""
+    if keep_last < 1:
+        raise CheckpointValueError(f"keep_last must be >= 1, got {keep_last}")
+    infos = [info for info, _ in scan_attempts(fs, root)]
+    complete = sorted({i.step for i in infos if i.complete})
+    if len(complete) <= keep_last:
+        return
+    oldest_kept = complete[-keep_last]
+    for info in infos:
+        if info.step < oldest_kept:
+            log.info("removing checkpoint step %d (keep_last=%d)", info.step, keep_last)
+            fs.rm(info.path, recursive=True)

@@ -1,0 +1,87 @@
+"""Read plans are data: ``plan_reads`` is pure, and executing a plan reads exactly the bytes it plans."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import uuid
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_checkpoint import CountingMemFS, assert_shard_equal, model_and_layouts, random_bits, save_all
+
+from tenplex.checkpoint import Binding, PartReader, ReadItem, list_steps, plan_reads
+from tenplex.checkpoint.format import data_name, writer_assignment
+from tenplex.checkpoint.reader import read_manifest_at, shard_buffers, url_fs
+
+
+def _data_reads(since: int) -> list:
+    return [r for r in CountingMemFS.reads[since:] if r[0].endswith(".safetensors")]
+
+
+def _no_io(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    raise AssertionError("plan_reads did I/O")
+
+
+def _check_plans(url: str, case) -> None:  # noqa: ANN001
+    _, ptc, a, b, seed = case
+    glob = random_bits(ptc, seed)
+    save_all(url, ptc, a, glob, step=3)
+    want = ptc.shard(glob, b)
+    fs, _ = url_fs(url, None)
+    sdir = list_steps(url)[-1].path
+    manifest = read_manifest_at(fs, sdir)
+    writers = writer_assignment(ptc, a)
+    for r in range(b.world_size):
+        fingerprint = ptc.fingerprint()
+        mark = len(CountingMemFS.reads)
+        with mock.patch("builtins.open", _no_io), mock.patch("os.open", _no_io), \
+                mock.patch("fsspec.core.url_to_fs", _no_io):
+            plan = plan_reads(ptc, a, b, r)
+        # pure: same inputs, same plan (of frozen, hashable items), inputs untouched, nothing read
+        assert plan == plan_reads(ptc, a, b, r, writers=writers) and len(set(plan)) == len(plan)
+        assert ptc.fingerprint() == fingerprint and len(CountingMemFS.reads) == mark
+        assert all(isinstance(item, ReadItem) for item in plan)
+        if plan:
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                plan[0].a = 0  # type: ignore[misc]
+        assert sum(item.length * item.itemsize for item in plan) == ptc.rank_nbytes(b, r)
+
+        # executing it: every item once, exactly the planned byte ranges of the planned files
+        buffers = shard_buffers(ptc, b, r)
+        reader = PartReader(fs, sdir)
+        reader.bind(Binding.of(manifest, writers))
+        done: list[int] = []
+        reader.read_items(plan, buffers, rank=r, on_read=done.append)
+        assert sorted(done) == list(range(len(plan)))
+        planned = []
+        for item in plan:
+            lo, hi = item.span
+            chunk = reader.index(item.writer)["by_key"][(item.tensor, item.chunk_start)]
+            assert chunk["block"] == item.block
+            planned.append((data_name(item.writer), chunk["offset"] + lo, chunk["offset"] + hi))
+        reader.close()
+        assert reader.bytes_read == sum(item.nbytes for item in plan)
+        assert reader.ranges == len(plan)
+        if url.startswith("countmem://"):
+            reads = _data_reads(mark)
+            got = sorted((p.rsplit("/", 1)[-1], start, end) for p, start, end, _ in reads)
+            assert got == sorted(planned) and sum(n for *_, n in reads) == reader.bytes_read
+        shard = {name: ptc.from_local_flat(name, b, buffers[name]) for name in ptc.rank_tensors(b, r)}
+        assert_shard_equal(shard, {n: t for n, t in want[r].items() if n in ptc.tensors}, f"{a} -> {b} rank {r}")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_and_layouts(), st.sampled_from(["local", "countmem"]))
+def test_plan_reads_is_pure_and_executing_it_reads_exactly_the_plan(case, where) -> None:  # noqa: ANN001
+    if where == "local":
+        with tempfile.TemporaryDirectory() as d:
+            _check_plans(os.path.join(d, "ckpt"), case)
+        return
+    try:
+        _check_plans(f"countmem://plan-{uuid.uuid4().hex[:8]}", case)
+    finally:
+        CountingMemFS.reset()
