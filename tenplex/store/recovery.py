@@ -44,6 +44,7 @@ from ..checkpoint import (
 )
 from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
+from ..planner import Plan
 from ..planner import plan as plan_moves
 from ..ptc import PTC
 from ..schedule import Demands, Schedule, schedule
@@ -298,7 +299,7 @@ def _host_stores(tiers: Sequence[Tier], topology: Topology, my_host: int) -> tup
 
 def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *,
                   gpus_per_host: int = 8, topology: Topology | None = None, method: str = "greedy",
-                  time_limit: float = 2.0) -> RecoveryPlan:
+                  time_limit: float = 2.0, moves: Plan | None = None) -> RecoveryPlan:
     """Schedule the reads between host stores that loading ``found`` under ``cfg`` needs.
 
     Every rank computes the same schedule (with the deterministic ``greedy`` method), so the
@@ -312,7 +313,8 @@ def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig,
     memory to the GPUs of the new ranks that need it (one flow for all of them: multicast).
     ``topology``: default ``Topology.from_spec("hosts=H,gpus=G," + RECOVERY_LINKS)`` with G =
     ``gpus_per_host`` and H the number of stores or of hosts the new world needs, whichever
-    is larger.
+    is larger. ``moves``: the repartition plan when the caller has it (used when it is the plan
+    of ``found``'s layout to ``cfg`` on the topology's hosts; otherwise computed here).
     """
     t0 = time.perf_counter()
     manifest = found.manifest
@@ -323,7 +325,8 @@ def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig,
         hosts_needed = max(len(stores) + (not any(t.kind == "local" for t in stores)),
                            math.ceil(cfg.world_size / gpus_per_host))
         topology = Topology.from_spec(f"hosts={hosts_needed},gpus={gpus_per_host},{RECOVERY_LINKS}")
-    moves = plan_moves(saved, old, cfg, gpus_per_host=topology.gpus_per_host)
+    if moves is None or (moves.old, moves.new, moves.gpus_per_host) != (old, cfg, topology.gpus_per_host):
+        moves = plan_moves(saved, old, cfg, gpus_per_host=topology.gpus_per_host)
     gpu_of = [topology.gpu(int(d)) for d in moves.devices]
     host_of = [int(topology.host_of(g)) for g in gpu_of]
     hosts = _host_stores(tiers, topology, host_of[rank])
@@ -534,11 +537,11 @@ class _RoundsReader(_TieredReader):
 
     def __init__(self, tiers: Sequence[Tier], found: UsableStep, cfg: ParallelConfig, rank: int, *,
                  gpus_per_host: int, topology: Topology | None, method: str, time_limit: float,
-                 max_workers: int, barrier: bool) -> None:
+                 max_workers: int, barrier: bool, moves: Plan | None = None) -> None:
         super().__init__(tiers, found.attempt)
         self.all_tiers, self.found, self.cfg, self.rank = tiers, found, cfg, rank
         self.options = {"gpus_per_host": gpus_per_host, "topology": topology, "method": method,
-                        "time_limit": time_limit}
+                        "time_limit": time_limit, "moves": moves}
         self.max_workers, self.barrier = max_workers, barrier
         self.report = RecoveryRounds(False, "no read")
 
@@ -628,7 +631,7 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
                 step: int | None = None, found: UsableStep | None = None, scan: TierScan | None = None,
                 allow_meta_change: bool = False, rounds: bool = True, gpus_per_host: int = 8,
                 topology: Topology | None = None, method: str = "greedy", time_limit: float = 2.0,
-                max_workers: int = 8, barrier: bool = False) -> TieredLoad:
+                max_workers: int = 8, barrier: bool = False, moves: Plan | None = None) -> TieredLoad:
     """Load ``rank``'s shard under ``cfg`` from the newest save attempt that verifies across ``tiers``.
 
     Tiers are tried in the given order for every part (put the cheapest first): a manifest,
@@ -647,7 +650,11 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
     time, and a fallback to another attempt on one rank would leave the others waiting: use
     it only with intact stores). If scheduling fails or takes too long, the reads run
     unscheduled (logged, and ``TieredLoad.rounds.reason`` says why). Bytes read are the same
-    either way.
+    either way. ``moves``: the repartition plan from the newest attempt's layout to ``cfg``,
+    when the caller has it, for the schedule (``plan_recovery``).
+
+    An attempt that a single storage tier holds (a checkpoint URL as the only tier) is read
+    as ``tenplex.checkpoint.load`` reads it: its reader's prefetching ``read_many``.
     """
     t0 = time.perf_counter()
     skipped: list[tuple[int, str, str]] = []
@@ -669,10 +676,14 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
         attempt = chosen.attempt
         verified = chosen.verified or _read_manifest(chosen.meta_tier.fs()[0], attempt.dirs[chosen.meta_tier.name],
                                                      step=chosen.step, save_id=chosen.save_id)
-        reader: _TieredReader
-        if rounds:
+        holders = [t for t in tiers if t.name in attempt.dirs]
+        reader: _TieredReader | _Reader
+        if len(holders) == 1 and holders[0].kind == "storage":  # one copy, no fallback: the plain reader
+            reader = _Reader(holders[0].fs()[0], attempt.dirs[holders[0].name])
+        elif rounds:
             reader = _RoundsReader(tiers, chosen, cfg, rank, gpus_per_host=gpus_per_host, topology=topology,
-                                   method=method, time_limit=time_limit, max_workers=max_workers, barrier=barrier)
+                                   method=method, time_limit=time_limit, max_workers=max_workers, barrier=barrier,
+                                   moves=moves)
         else:
             reader = _TieredReader(tiers, attempt)
         reader.metadata_bytes += chosen.manifest_bytes
@@ -692,13 +703,20 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
             log.warning("rank %d loaded step %d after passing over %d newer attempts: %s", rank, result.step,
                         len(passed), "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in passed))
         result = dataclasses.replace(result, skipped=tuple(passed))
+        if isinstance(reader, _Reader):
+            by_tier, fallbacks = {holders[0].name: reader.bytes_read}, 0
+            used = {r: holders[0].name for r in reader.indexes}
+            report = RecoveryRounds(False, "no peer store holds a part of this step" if rounds
+                                    else "disabled (rounds=False)")
+        else:
+            by_tier, fallbacks = dict(reader.bytes_by_tier), reader.fallbacks
+            used = {r: names_[0] for r, names_ in reader.choice.items() if names_}
+            report = (reader.report if isinstance(reader, _RoundsReader)
+                      else RecoveryRounds(False, "disabled (rounds=False)"))
         by_kind: dict[str, int] = {}
         for t in tiers:
-            by_kind[t.kind] = by_kind.get(t.kind, 0) + reader.bytes_by_tier.get(t.name, 0)
-        used = {r: names_[0] for r, names_ in reader.choice.items() if names_}
-        report = (reader.report if isinstance(reader, _RoundsReader)
-                  else RecoveryRounds(False, "disabled (rounds=False)"))
-        return TieredLoad(result, dict(reader.bytes_by_tier), by_kind, reader.fallbacks, used, report)
+            by_kind[t.kind] = by_kind.get(t.kind, 0) + by_tier.get(t.name, 0)
+        return TieredLoad(result, by_tier, by_kind, fallbacks, used, report)
     reasons = sorted([*skipped, *tried], key=lambda x: x[0], reverse=True)
     raise CheckpointCorruptError(f"no step{'' if step is None else f' {step}'} verifies across the tiers {names}: "
                                  + "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in reasons))
