@@ -20,6 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from .checkpoint import LoadStats, check_model
 from .config import ParallelConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, LayoutError
@@ -79,8 +82,6 @@ _REQUIRED = ("global_batch", "micro_batch", "seq_len", "gpu_mem")
 
 def device_memory() -> int:
     """Bytes of memory of this worker's accelerator: CUDA device 0, else the host's RAM."""
-    import torch
-
     if torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(0).total_memory)
     try:
@@ -282,9 +283,6 @@ def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Se
     verifies for it (fresh when none), and the ranks repeat until they agree. Returns
     ``result`` when all ranks agree already, else the reloaded state.
     """
-    import torch  # here, not at the top: rescale() alone runs without torch.distributed set up
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return result
     device = torch.device("cpu")

@@ -23,6 +23,7 @@ from ..data.index import DataIndex, build_index, load_index
 from ..data.partition import DataState, rank_batch_ids
 from ..data.view import RankReader
 from ..errors import ConfigError
+from ..vfs.control import mount_status, remount
 
 __all__ = ["corpus_index", "IndexBatches", "MountBatches"]
 
@@ -85,8 +86,6 @@ class MountBatches:
 
     @staticmethod
     def prepare(mountpoint: str, state: DataState, dp: int) -> dict[str, Any]:
-        from ..vfs.control import mount_status, remount
-
         status = mount_status(mountpoint)
         layout = status.get("layout", status)
         if int(layout.get("num_samples", -1)) != state.num_samples:

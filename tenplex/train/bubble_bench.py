@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from ..bubbles import BubbleRuntime, SnapshotTask, StoreWriteTask, side_task_memory_budget
 from ..config import ParallelConfig
 from ..data.corpus import stdlib_corpus
@@ -76,8 +79,6 @@ def _budget(text: str, ptc: Any, cfg: Any, stage: int, micro_batch: int, num_mb:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
     cfg = ParallelConfig.parse(args.layout)
     modes = _sequence(args.mode, args.warmup, args.rounds)
     tc = TrainConfig(model=args.model, steps=len(modes), global_batch=args.global_batch, micro_batch=args.micro_batch)
@@ -171,8 +172,6 @@ def _bench_device(pp: int, write: bool) -> tuple[str, bool]:
     With fewer GPUs than stages the bench runs on CPU (the workers get ``TENPLEX_DEVICE=cpu``);
     on GPUs snapshots copy to pinned host memory (``StoreWriteTask`` writes from host memory).
     """
-    import torch
-
     gpus = torch.cuda.device_count() if os.environ.get("TENPLEX_DEVICE", "") != "cpu" else 0
     if 0 < gpus < pp:
         print(f"bubbles bench: {gpus} CUDA device(s) for {pp} stages: running the stages on CPU with gloo",
@@ -245,7 +244,7 @@ def run_bench(*, model: str = "llama-small", pp: int = 2, rounds: int = 20, warm
 
 
 def _plot(ranks: list[dict], path: str) -> None:
-    import matplotlib
+    import matplotlib  # here: an optional dependency, needed only for the figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -13,6 +13,7 @@ store traffic cross a real network stack, and a host can also fail by losing its
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -139,8 +140,6 @@ class Agent:
 
 def read_train_log(path: str | Path) -> tuple[list[dict], list[dict]]:
     """The trainer's ``--log`` file: (per-step records, start records), in file order."""
-    import json
-
     steps: list[dict] = []
     starts: list[dict] = []
     p = Path(path)
