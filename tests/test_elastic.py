@@ -114,6 +114,25 @@ def test_rescale_plans_once_and_hands_the_plan_to_the_load(tmp_path: Path, monke
     assert res.plan_stats is plans[-1].stats
 
 
+def test_a_url_that_cannot_be_listed_is_an_error_not_a_fresh_start(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier scan passes over a tier it cannot list; a checkpoint URL it cannot list raises
+    (as list_steps did) instead of starting fresh over its checkpoints. Missing: fresh."""
+    ptc, root = _ptc(), tmp_path / "ckpt"
+    _save(str(root), ptc, ParallelConfig(), 1)
+    ls = LocalFileSystem.ls
+
+    def denied(fs: LocalFileSystem, path: str, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if fs._strip_protocol(path).rstrip("/") == str(root):
+            raise PermissionError(13, "Permission denied", str(root))
+        return ls(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "ls", denied)
+    with pytest.raises(PermissionError):
+        rescale(str(root), ptc, rank=0, world_size=1, parallel=ParallelConfig())
+    assert rescale(str(tmp_path / "none"), ptc, rank=0, world_size=1, parallel=ParallelConfig()).fresh
+
+
 def test_fresh_start_is_a_rescale_result_without_io(tmp_path: Path) -> None:
     """No URL: the layout only (what the trainer's side benchmarks use for a fresh Trainer)."""
     ptc = _ptc()
