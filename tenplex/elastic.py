@@ -195,8 +195,8 @@ def rescale(
     only ``url`` holds is read as ``tenplex.load`` reads it. Reads from peer stores follow the
     recovery schedule's rounds over ``topology`` (default: hosts of ``gpus_per_host`` GPUs
     with ``RECOVERY_LINKS``). ``plan_stats``: the repartition plan from the saved layout to
-    the new one (what a live reconfiguration would move), computed once and handed to the
-    recovery schedule.
+    the new one (what a live reconfiguration would move) on hosts of ``gpus_per_host`` GPUs
+    (``topology``'s when given), computed once and handed to the recovery schedule.
     """
     env_rank, env_size = env_world()
     rank = env_rank if rank is None else rank
@@ -260,9 +260,9 @@ def _resume(tiers: list[Tier], scan: TierScan, where: str, ptc: PTC, rank: int, 
     assert saved is not None and previous is not None
     # The repartition from the saved layout: what a live reconfiguration would move (plan_stats),
     # and the pieces the recovery schedule routes between host stores (one plan for both).
-    hosts_of = topology.gpus_per_host if topology is not None else gpus_per_host
+    plan_gpus = topology.gpus_per_host if topology is not None else gpus_per_host
     t0 = time.perf_counter()
-    moves = plan(saved, previous, cfg, gpus_per_host=hosts_of)
+    moves = plan(saved, previous, cfg, gpus_per_host=plan_gpus)
     timings["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     # ptc=None: the model was checked above, on the manifest the load uses unless it falls back
@@ -275,7 +275,7 @@ def _resume(tiers: list[Tier], scan: TierScan, where: str, ptc: PTC, rank: int, 
     if res.saved_layout != previous:  # ... saved under another layout: the plan of that move
         previous = res.saved_layout
         t0 = time.perf_counter()
-        moves = plan(res.ptc, previous, cfg, gpus_per_host=hosts_of)
+        moves = plan(res.ptc, previous, cfg, gpus_per_host=plan_gpus)
         timings["plan"] += time.perf_counter() - t0
     result = RescaleResult(cfg, rank, world, res.step, False, res.shard, res.extra, previous, moves.stats,
                            res.stats, timings, tiered.bytes_by_kind, res.skipped)
