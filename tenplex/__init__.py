@@ -12,8 +12,6 @@ Everything else is imported from its module (``from tenplex.planner import Move`
 ``__all__`` stay reachable as ``tenplex.<name>`` for code written against earlier versions.
 """
 
-from typing import TYPE_CHECKING, Any
-
 from .checkpoint import LoadResult, LoadStats, SaveResult, StepInfo, list_steps, load, read_manifest, save
 from .config import Coords, ParallelConfig
 from .elastic import RescaleResult, rescale
@@ -40,8 +38,7 @@ from .reshard import reshard
 from .schedule import Schedule, Transfer, schedule
 from .topology import Topology
 
-if TYPE_CHECKING:
-    from .store.recovery import Tier
+from .store.recovery import Tier
 
 __all__ = [
     # layouts
@@ -75,15 +72,3 @@ __all__ = [
     "CheckpointMismatchError",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "Tier":
-        # lazy: Tier lives in tenplex.store, whose server and client modules `import tenplex` need not load
-        from .store.recovery import Tier
-
-        return Tier
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | {"Tier"})

@@ -5,10 +5,14 @@ layout that is valid for the model and world size (memory-aware by default), pla
 from the saved layout, loads this rank's state reading only the bytes it needs, and returns
 the layout, the state and timings. A damaged newest step is passed over for the newest one
 that verifies (reported in ``skipped``). With no checkpoint (or no URL) it says to start fresh.
+
+There is one path: a checkpoint URL is a recovery tier (persistent storage), so every resume
+is one scan of the tiers, one model check and one tiered load (``tenplex.store.recovery``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -16,14 +20,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint import LoadStats, check_model, list_steps, load, read_manifest
+import torch
+import torch.distributed as dist
+
+from .checkpoint import LoadStats, check_model
 from .config import ParallelConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, LayoutError
+from .layouts import choose_layout
 from .planner import PlanStats, plan
 from .ptc import PTC
+from .store.recovery import Tier, TierScan, load_tiered, scan_tiers
 from .topology import Topology
 
-__all__ = ["RescaleResult", "rescale", "agree_on_step", "env_world", "layout_options_for", "device_memory"]
+__all__ = ["RescaleResult", "rescale", "agree_on_step", "env_world", "layout_options_for", "device_memory",
+           "default_chooser", "storage_tier"]
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +82,6 @@ _REQUIRED = ("global_batch", "micro_batch", "seq_len", "gpu_mem")
 
 def device_memory() -> int:
     """Bytes of memory of this worker's accelerator: CUDA device 0, else the host's RAM."""
-    import torch
-
     if torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(0).total_memory)
     try:
@@ -115,17 +123,32 @@ def layout_options_for(ptc: PTC, layout_options: Mapping[str, Any] | None = None
     return opts
 
 
-def _default_chooser(layout_options: Mapping[str, Any]) -> Chooser:
-    def choose(ptc: PTC, world: int, previous: ParallelConfig | None) -> ParallelConfig:
-        from .layouts import choose_layout
+def default_chooser(layout_options: Mapping[str, Any]) -> Chooser:
+    """The chooser ``rescale`` uses by default: ``tenplex.layouts.choose_layout`` with
+    ``layout_options`` (complete them with :func:`layout_options_for`)."""
+    options = dict(layout_options)
 
-        model = ptc.meta.get("model")
-        if model is None:
+    def choose(ptc: PTC, world: int, previous: ParallelConfig | None) -> ParallelConfig:
+        if ptc.meta.get("model") is None:
             raise LayoutError("the PTC has no model description (meta['model']); pass parallel= or choose=")
-        choice = choose_layout(ptc, world, current=previous, ptc=ptc, **dict(layout_options))
-        return choice.cfg
+        return choose_layout(ptc, world, current=previous, ptc=ptc, **options).cfg
 
     return choose
+
+
+def storage_tier(url: str, storage_options: Mapping[str, Any] | None = None) -> Tier:
+    """The checkpoints under ``url`` as the one tier of a recovery: persistent storage."""
+    return Tier("storage", url, "storage", storage_options)
+
+
+def _tiers_of(url: str | None, tiers: Sequence[Tier] | None,
+              storage_options: Mapping[str, Any] | None) -> tuple[list[Tier], str]:
+    """The tiers a resume reads (``tiers``, else ``url`` as storage, else none) and how to name them."""
+    if tiers:
+        return list(tiers), ", ".join(f"{t.name}={t.url}" for t in tiers)
+    if url:
+        return [storage_tier(url, storage_options)], url
+    return [], "(no checkpoint URL)"
 
 
 def rescale(
@@ -139,7 +162,7 @@ def rescale(
     layout_options: Mapping[str, Any] | None = None,
     gpus_per_host: int = 8,
     storage_options: Mapping[str, Any] | None = None,
-    tiers: Sequence[Any] | None = None,
+    tiers: Sequence[Tier] | None = None,
     topology: Topology | None = None,
     step: int | None = None,
     allow_meta_change: bool = False,
@@ -149,109 +172,118 @@ def rescale(
     ``url``: where the checkpoints are; None or "" (and no ``tiers``) is a fresh start that
     only chooses the layout. ``parallel`` pins the layout; otherwise ``choose(ptc,
     world_size, previous_layout)`` picks it, by default ``tenplex.layouts.choose_layout``
-    with ``layout_options`` completed by :func:`layout_options_for`: ``global_batch`` and
-    ``micro_batch`` must be given (ConfigError naming them otherwise); ``seq_len``,
-    ``precision`` and ``distributed_optimizer`` default to the PTC's, ``gpu_mem`` to this
-    worker's device memory, ``gpus_per_host`` to the argument. Raises CheckpointMismatchError for a
-    checkpoint of another model, or of other model settings (``ptc.meta["model"]``) unless
-    ``allow_meta_change``, and LayoutError when no layout fits the world size.
+    (:func:`default_chooser`) with ``layout_options`` completed by :func:`layout_options_for`:
+    ``global_batch`` and ``micro_batch`` must be given (ConfigError naming them otherwise);
+    ``seq_len``, ``precision`` and ``distributed_optimizer`` default to the PTC's,
+    ``gpu_mem`` to this worker's device memory, ``gpus_per_host`` to the argument. Raises
+    CheckpointMismatchError for a checkpoint of another model, or of other model settings
+    (``ptc.meta["model"]``) unless ``allow_meta_change``, and LayoutError when no layout fits
+    the world size.
 
     ``step``: resume from this step (default: the newest). The load falls back from a damaged
     attempt to the newest older one that verifies (only among ``step``'s attempts when
     given); ``RescaleResult.skipped`` lists what it passed over. Checkpoints that exist but of
     which none verifies raise CheckpointCorruptError rather than starting fresh.
 
-    ``tiers`` (``tenplex.store.Tier``, cheapest first: this host's store, peer stores,
-    persistent storage) switches to tiered recovery: the newest step whose parts all exist in
-    some tier is loaded, each part from the cheapest tier holding an intact copy; ``url`` is
-    then only used when ``tiers`` is empty. Reads from peer stores follow the recovery
-    schedule's rounds (``tenplex.store.recovery.load_tiered``) over ``topology`` (default:
-    hosts of ``gpus_per_host`` GPUs with ``RECOVERY_LINKS``).
+    Every resume is a tiered recovery (``tenplex.store.recovery``): ``tiers``
+    (``tenplex.store.Tier``, cheapest first: this host's store, peer stores, persistent
+    storage), or without them ``url`` as the one storage tier (:func:`storage_tier`, with
+    ``storage_options``). One scan of the tiers (``scan_tiers``: one listing, each manifest
+    read once) gives the steps and the newest manifest, whose model is checked once
+    (``check_model``); the newest step whose parts all exist in some tier is loaded
+    (``load_tiered``), each part from the cheapest tier holding an intact copy, and a step
+    only ``url`` holds is read as ``tenplex.load`` reads it. Reads from peer stores follow the
+    recovery schedule's rounds over ``topology`` (default: hosts of ``gpus_per_host`` GPUs
+    with ``RECOVERY_LINKS``). ``plan_stats``: the repartition plan from the saved layout to
+    the new one (what a live reconfiguration would move) on hosts of ``gpus_per_host`` GPUs
+    (``topology``'s when given), computed once and handed to the recovery schedule.
     """
     env_rank, env_size = env_world()
     rank = env_rank if rank is None else rank
     world = env_size if world_size is None else world_size
-    timings: dict[str, float] = {}
-    chooser = None
-    if parallel is None:  # options checked before any I/O
-        chooser = choose or _default_chooser(layout_options_for(ptc, layout_options, gpus_per_host=gpus_per_host))
+    chooser = (_pinned(parallel) if parallel is not None else  # options checked before any I/O
+               choose or default_chooser(layout_options_for(ptc, layout_options, gpus_per_host=gpus_per_host)))
+    found, where = _tiers_of(url, tiers, storage_options)
     t0 = time.perf_counter()
-    scan = None
-    damaged: list[str] = []
-    steps: list[int] = []
-    if tiers:
-        from .store.recovery import scan_tiers
+    scan = scan_tiers(found) if found else TierScan([])  # one scan serves the step choice and the load
+    if not tiers and url and not (scan.usable or scan.unusable):
+        _check_listable(found[0])
+    timings = {"list": time.perf_counter() - t0}
+    return _resume(found, scan, where, ptc, rank, world, chooser, step=step, allow_meta_change=allow_meta_change,
+                   gpus_per_host=gpus_per_host, topology=topology, timings=timings)
 
-        scan = scan_tiers(tiers)  # one scan of the tiers serves the step choice and the load
-        usable = [u for u in scan.usable if step is None or u.step == step]
-        damaged = [f"step {s} ({sid}): {why}" for s, sid, why in scan.unusable if step is None or s == step]
-        steps = [u.step for u in usable]
-    elif url:
-        infos = [i for i in list_steps(url, storage_options=storage_options) if step is None or i.step == step]
-        damaged = [f"step {i.step} ({i.save_id}): {i.problem}" for i in infos if i.problem]
-        steps = [i.step for i in infos if i.complete]
-    timings["list"] = time.perf_counter() - t0
-    where = ", ".join(f"{t.name}={t.url}" for t in tiers) if tiers else (url or "(no checkpoint URL)")
-    if not steps and damaged:
+
+def _check_listable(tier: Tier) -> None:
+    """Raise the error listing ``tier`` gives, unless it is missing (FileNotFoundError). The scan
+    passes over tiers it cannot list (a peer that is gone); a checkpoint URL that cannot be
+    read must not look like one without checkpoints: a fresh start would overwrite them."""
+    fs, root = tier.fs()
+    try:
+        fs.ls(root, detail=False)
+    except FileNotFoundError:
+        pass
+
+
+def _pinned(cfg: ParallelConfig) -> Chooser:
+    return lambda ptc, world, previous: cfg
+
+
+def _resume(tiers: list[Tier], scan: TierScan, where: str, ptc: PTC, rank: int, world: int, chooser: Chooser, *,
+            step: int | None, allow_meta_change: bool, gpus_per_host: int, topology: Topology | None,
+            timings: dict[str, float]) -> RescaleResult:
+    """``rescale`` after the scan: check the newest usable step's model, choose, plan, load."""
+    usable = [u for u in scan.usable if step is None or u.step == step]
+    damaged = [f"step {s} ({sid}): {why}" for s, sid, why in scan.unusable if step is None or s == step]
+    if not usable and damaged:
         raise CheckpointCorruptError(f"checkpoints exist under {where} but none can be used (refusing to start "
                                      f"fresh): {'; '.join(damaged)}")
-    if not steps and step is not None:
+    if not usable and step is not None:
         raise CheckpointNotFoundError(f"no complete checkpoint of step {step} under {where}")
+    saved: PTC | None = None
     previous = None
-    if steps:
-        if tiers:
-            newest = usable[-1]
-            manifest = {**newest.manifest, "ptc": newest.verified.ptc if newest.verified else PTC.from_json(
-                newest.manifest["ptc"])}
-        else:
-            assert url
-            manifest = read_manifest(url, steps[-1], storage_options=storage_options)
-        saved: PTC = manifest["ptc"]
-        check_model(saved, ptc, f"{where} step {manifest['step']}", allow_meta_change=allow_meta_change)
-        previous = ParallelConfig.parse(manifest["layout"])
+    if usable:
+        newest = usable[-1]
+        saved = newest.verified.ptc if newest.verified else None
+        saved = saved or PTC.from_json(newest.manifest["ptc"])
+        check_model(saved, ptc, f"{where} step {newest.step}", allow_meta_change=allow_meta_change)
+        previous = ParallelConfig.parse(newest.manifest["layout"])
 
     t0 = time.perf_counter()
-    if chooser is None:
-        assert parallel is not None
-        cfg = parallel
-    else:
-        cfg = chooser(ptc, world, previous)
+    cfg = chooser(ptc, world, previous)
     cfg.check_world_size(world)
     ptc.check(cfg)
     timings["choose"] = time.perf_counter() - t0
-
-    if not steps:
+    if not usable:
         log.info("no checkpoint under %s: fresh start under %s", where, cfg)
         return RescaleResult(cfg, rank, world, 0, True, timings=timings)
 
-    assert previous is not None
+    assert saved is not None and previous is not None
+    # The repartition from the saved layout: what a live reconfiguration would move (plan_stats),
+    # and the pieces the recovery schedule routes between host stores (one plan for both).
+    plan_gpus = topology.gpus_per_host if topology is not None else gpus_per_host
     t0 = time.perf_counter()
-    by_kind: dict[str, int] = {}
-    if tiers:
-        from .store.recovery import load_tiered
-
-        tiered = load_tiered(tiers, cfg, rank, ptc=ptc, step=step, scan=scan, allow_meta_change=allow_meta_change,
-                             gpus_per_host=gpus_per_host, topology=topology)
-        res, by_kind = tiered.result, tiered.bytes_by_kind
-    else:
-        assert url
-        res = load(url, cfg, rank, step=step, ptc=ptc, allow_meta_change=allow_meta_change,
-                   storage_options=storage_options)
-        by_kind = {"storage": res.stats.bytes_read}
-    timings["load"] = time.perf_counter() - t0
-    if res.saved_layout != previous:  # fell back to an older step saved under another layout
-        previous = res.saved_layout
-    t0 = time.perf_counter()
-    # What a live reconfiguration would move if the first ranks kept their state in memory.
-    stats = plan(ptc, previous, cfg, gpus_per_host=gpus_per_host).stats
+    moves = plan(saved, previous, cfg, gpus_per_host=plan_gpus)
     timings["plan"] = time.perf_counter() - t0
-    result = RescaleResult(cfg, rank, world, res.step, False, res.shard, res.extra, previous, stats, res.stats,
-                           timings, by_kind, res.skipped)
+    t0 = time.perf_counter()
+    # ptc=None: the model was checked above, on the manifest the load uses unless it falls back
+    tiered = load_tiered(tiers, cfg, rank, step=step, scan=scan, gpus_per_host=gpus_per_host, topology=topology,
+                         moves=moves)
+    res = tiered.result
+    timings["load"] = time.perf_counter() - t0
+    if res.ptc is not saved:  # fell back to an older attempt: its model is checked too
+        check_model(res.ptc, ptc, f"{where} step {res.step}", allow_meta_change=allow_meta_change)
+    if res.saved_layout != previous:  # ... saved under another layout: the plan of that move
+        previous = res.saved_layout
+        t0 = time.perf_counter()
+        moves = plan(res.ptc, previous, cfg, gpus_per_host=plan_gpus)
+        timings["plan"] += time.perf_counter() - t0
+    result = RescaleResult(cfg, rank, world, res.step, False, res.shard, res.extra, previous, moves.stats,
+                           res.stats, timings, tiered.bytes_by_kind, res.skipped)
     log.info("%s", result.summary())
     return result
 
 
-def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Sequence[Any] | None = None,
+def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Sequence[Tier] | None = None,
                   storage_options: Mapping[str, Any] | None = None, allow_meta_change: bool = False,
                   gpus_per_host: int = 8, topology: Topology | None = None, group: Any = None) -> RescaleResult:
     """Make every rank of the initialised process group resume from the same step.
@@ -264,14 +296,12 @@ def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Se
     verifies for it (fresh when none), and the ranks repeat until they agree. Returns
     ``result`` when all ranks agree already, else the reloaded state.
     """
-    import torch
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return result
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
+    found, where = _tiers_of(url, tiers, storage_options)
     current = result
     while True:
         mine = torch.tensor([-1 if current.fresh else current.step], dtype=torch.int64, device=device)
@@ -284,32 +314,26 @@ def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Se
         if int(mine.item()) > bound:
             log.warning("rank %d resumed from step %d, another rank from step %d: reloading", current.rank,
                         current.step, bound)
-            current = _newest_up_to(bound, current, url, ptc, tiers=tiers, storage_options=storage_options,
-                                    allow_meta_change=allow_meta_change, gpus_per_host=gpus_per_host,
-                                    topology=topology)
+            current = _newest_up_to(bound, current, found, where, ptc, allow_meta_change=allow_meta_change,
+                                    gpus_per_host=gpus_per_host, topology=topology)
 
 
-def _newest_up_to(bound: int, current: RescaleResult, url: str | None, ptc: PTC, **kw: Any) -> RescaleResult:
-    """This rank's state from the newest step <= ``bound`` that verifies for it (fresh when none)."""
-    steps: list[int] = []
-    if tiers := kw.get("tiers"):
-        from .store.recovery import scan_tiers
-
-        steps = sorted({u.step for u in scan_tiers(tiers).usable}, reverse=True)
-    elif url:
-        steps = sorted({i.step for i in list_steps(url, storage_options=kw.get("storage_options")) if i.complete},
-                       reverse=True)
+def _newest_up_to(bound: int, current: RescaleResult, tiers: list[Tier], where: str, ptc: PTC,
+                  **kw: Any) -> RescaleResult:
+    """This rank's state from the newest step <= ``bound`` that verifies for it (fresh when none),
+    from one scan of the tiers."""
+    t0 = time.perf_counter()
+    scan = scan_tiers(tiers) if tiers else TierScan([])
+    listed = time.perf_counter() - t0
     skipped: list[tuple[int, str, str]] = list(current.skipped)
-    for step in (s for s in steps if s <= bound):
+    for step in sorted({u.step for u in scan.usable if u.step <= bound}, reverse=True):
         try:
-            res = rescale(url, ptc, rank=current.rank, world_size=current.world_size, parallel=current.cfg,
-                          step=step, **kw)
+            res = _resume(tiers, scan, where, ptc, current.rank, current.world_size, _pinned(current.cfg),
+                          step=step, timings={"list": listed}, **kw)
         except CheckpointCorruptError as e:
             skipped.append((step, "", str(e)))
             continue
-        return RescaleResult(res.cfg, res.rank, res.world_size, res.step, res.fresh, res.shard, res.extra,
-                             res.previous, res.plan_stats, res.load_stats, res.timings, res.bytes_by_tier,
-                             tuple(skipped) + res.skipped)
+        return dataclasses.replace(res, skipped=tuple(skipped) + res.skipped)
     log.warning("rank %d: no step up to %d verifies; all ranks start fresh", current.rank, bound)
-    return RescaleResult(current.cfg, current.rank, current.world_size, 0, True, timings=current.timings,
-                         skipped=tuple(skipped))
+    return dataclasses.replace(current, step=0, fresh=True, shard=None, extra=None, previous=None, plan_stats=None,
+                               load_stats=None, bytes_by_tier={}, skipped=tuple(skipped))

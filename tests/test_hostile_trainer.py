@@ -4,7 +4,7 @@ newest steps, other data, other model settings.
 Each attempt ends in one outcome of the shared tally (area "trainer"): ``refused`` (exit code 2,
 one ``error:`` line, before any step), ``detected`` (resumed from an earlier step and the start
 record names the skipped one), ``identical`` (resumed with the losses of an uninterrupted run) or
-``silent`` (anything else). Most cases run in-process through :func:`tenplex.train.trainer.main`
+``silent`` (anything else). Most cases run in-process through :func:`tenplex.train.run.main`
 (the code path of ``python -m tenplex.train`` minus the interpreter start, single process); a
 sample runs as real subprocesses.
 """
@@ -23,7 +23,7 @@ import pytest
 import torch
 from hostile import Tally
 
-from tenplex.train.trainer import main
+from tenplex.train.run import main
 
 BASE = ["--model", "tiny", "--seed", "7", "--global-batch", "8", "--micro-batch", "2"]
 REL_TOL = 1e-6  # one process, same layout: the same arithmetic

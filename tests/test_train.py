@@ -449,7 +449,6 @@ def checkpoint_of(ckpt: Path, ptc, steps: int = 2) -> None:  # noqa: ANN001
     training steps on the stdlib corpus, written in-process by the trainer's own classes."""
     import tenplex
     from tenplex.data.corpus import stdlib_corpus
-    from tenplex.elastic import RescaleResult
     from tenplex.models import ModelSpec
     from tenplex.train import TrainConfig, Trainer
     from tenplex.train.parallel import Groups
@@ -457,8 +456,8 @@ def checkpoint_of(ckpt: Path, ptc, steps: int = 2) -> None:  # noqa: ANN001
     cfg = ParallelConfig()
     tc = TrainConfig(steps=steps, seed=7)
     corpus = stdlib_corpus(ModelSpec.from_json(ptc.meta["model"]).seq_len)
-    trainer = Trainer(tc, ptc, Groups(cfg, 0, None, None, torch.device("cpu")), RescaleResult(cfg, 0, 1, 0, True),
-                      corpus)
+    fresh = tenplex.rescale(None, ptc, rank=0, world_size=1, parallel=cfg)
+    trainer = Trainer(tc, ptc, Groups(cfg, 0, None, None, torch.device("cpu")), fresh, corpus)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the subprocesses (OMP_NUM_THREADS=1): much faster on a loaded 2-core machine
     try:

@@ -34,6 +34,7 @@ from ..checkpoint.format import Binding
 from ..checkpoint.reader import LoadResult, PartReader, ReadItem, load_with_reader, read_manifest_at
 from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..planner import Plan
 from ..ptc import PTC
 from ..topology import Topology
 from .recovery_plan import RECOVERY_LINKS, RecoveryPlan, order_reads, plan_recovery, schedule_recovery
@@ -278,7 +279,7 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
                 step: int | None = None, found: UsableStep | None = None, scan: TierScan | None = None,
                 allow_meta_change: bool = False, rounds: bool = True, gpus_per_host: int = 8,
                 topology: Topology | None = None, method: str = "greedy", time_limit: float = 2.0,
-                max_workers: int = 8, barrier: bool = False) -> TieredLoad:
+                max_workers: int = 8, barrier: bool = False, moves: Plan | None = None) -> TieredLoad:
     """Load ``rank``'s shard under ``cfg`` from the newest save attempt that verifies across ``tiers``.
 
     Tiers are tried in the given order for every part (put the cheapest first): a manifest,
@@ -297,7 +298,12 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
     time, and a fallback to another attempt on one rank would leave the others waiting: use
     it only with intact stores). If scheduling fails or takes too long, the reads run
     unscheduled (logged, and ``TieredLoad.rounds.reason`` says why). Bytes read are the same
-    either way.
+    either way. ``moves``: the repartition plan from the newest attempt's layout to ``cfg``,
+    when the caller has it, for the schedule (``plan_recovery``).
+
+    An attempt that a single storage tier holds (a checkpoint URL as the only tier) is read
+    as ``tenplex.checkpoint.load`` reads it: the directory's ``PartReader`` (prefetching,
+    checksums in a second thread), as there is no other copy to fall back to.
     """
     t0 = time.perf_counter()
     skipped: list[tuple[int, str, str]] = []
@@ -319,10 +325,13 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
         attempt = chosen.attempt
         verified = chosen.verified or read_manifest_at(chosen.meta_tier.fs()[0], attempt.dirs[chosen.meta_tier.name],
                                                      step=chosen.step, save_id=chosen.save_id)
-        reader: TieredReader
-        if rounds:  # the schedule first, then the reads
+        holders = [t for t in tiers if t.name in attempt.dirs]
+        reader: TieredReader | PartReader
+        if len(holders) == 1 and holders[0].kind == "storage":  # one copy, no fallback: the plain reader
+            reader = PartReader(holders[0].fs()[0], attempt.dirs[holders[0].name])
+        elif rounds:  # the schedule first, then the reads
             rplan, why = schedule_recovery(chosen, tiers, cfg, rank, gpus_per_host=gpus_per_host, topology=topology,
-                                           method=method, time_limit=time_limit)
+                                           method=method, time_limit=time_limit, moves=moves)
             reader = RoundsReader(tiers, attempt, rplan, why, max_workers=max_workers, barrier=barrier)
         else:
             reader = TieredReader(tiers, attempt)
@@ -343,13 +352,20 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
             log.warning("rank %d loaded step %d after passing over %d newer attempts: %s", rank, result.step,
                         len(passed), "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in passed))
         result = dataclasses.replace(result, skipped=tuple(passed))
+        if isinstance(reader, PartReader):
+            by_tier, fallbacks = {holders[0].name: reader.bytes_read}, 0
+            used = {r: holders[0].name for r in reader.indexes}
+            report = RecoveryRounds(False, "no peer store holds a part of this step" if rounds
+                                    else "disabled (rounds=False)")
+        else:
+            by_tier, fallbacks = dict(reader.bytes_by_tier), reader.fallbacks
+            used = {r: names_[0] for r, names_ in reader.choice.items() if names_}
+            report = (reader.report if isinstance(reader, RoundsReader)
+                      else RecoveryRounds(False, "disabled (rounds=False)"))
         by_kind: dict[str, int] = {}
         for t in tiers:
-            by_kind[t.kind] = by_kind.get(t.kind, 0) + reader.bytes_by_tier.get(t.name, 0)
-        used = {r: names_[0] for r, names_ in reader.choice.items() if names_}
-        report = (reader.report if isinstance(reader, RoundsReader)
-                  else RecoveryRounds(False, "disabled (rounds=False)"))
-        return TieredLoad(result, dict(reader.bytes_by_tier), by_kind, reader.fallbacks, used, report)
+            by_kind[t.kind] = by_kind.get(t.kind, 0) + by_tier.get(t.name, 0)
+        return TieredLoad(result, by_tier, by_kind, fallbacks, used, report)
     reasons = sorted([*skipped, *tried], key=lambda x: x[0], reverse=True)
     raise CheckpointCorruptError(f"no step{'' if step is None else f' {step}'} verifies across the tiers {names}: "
                                  + "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in reasons))

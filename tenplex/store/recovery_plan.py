@@ -22,6 +22,7 @@ from ..checkpoint.format import writer_assignment
 from ..checkpoint.reader import ReadItem
 from ..config import ParallelConfig
 from ..errors import ConfigError
+from ..planner import Plan
 from ..planner import plan as plan_moves
 from ..ptc import PTC
 from ..schedule import Demands, Schedule, schedule
@@ -75,7 +76,7 @@ def _host_stores(tiers: Sequence[Tier], topology: Topology, my_host: int) -> tup
 
 def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *,
                   gpus_per_host: int = 8, topology: Topology | None = None, method: str = "greedy",
-                  time_limit: float = 2.0) -> RecoveryPlan:
+                  time_limit: float = 2.0, moves: Plan | None = None) -> RecoveryPlan:
     """Schedule the reads between host stores that loading ``found`` under ``cfg`` needs.
 
     Every rank computes the same schedule (with the deterministic ``greedy`` method), so the
@@ -89,7 +90,8 @@ def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig,
     memory to the GPUs of the new ranks that need it (one flow for all of them: multicast).
     ``topology``: default ``Topology.from_spec("hosts=H,gpus=G," + RECOVERY_LINKS)`` with G =
     ``gpus_per_host`` and H the number of stores or of hosts the new world needs, whichever
-    is larger.
+    is larger. ``moves``: the repartition plan when the caller has it (used when it is the plan
+    of ``found``'s layout to ``cfg`` on the topology's hosts; otherwise computed here).
     """
     t0 = time.perf_counter()
     manifest = found.manifest
@@ -100,7 +102,8 @@ def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig,
         hosts_needed = max(len(stores) + (not any(t.kind == "local" for t in stores)),
                            math.ceil(cfg.world_size / gpus_per_host))
         topology = Topology.from_spec(f"hosts={hosts_needed},gpus={gpus_per_host},{RECOVERY_LINKS}")
-    moves = plan_moves(saved, old, cfg, gpus_per_host=topology.gpus_per_host)
+    if moves is None or (moves.old, moves.new, moves.gpus_per_host) != (old, cfg, topology.gpus_per_host):
+        moves = plan_moves(saved, old, cfg, gpus_per_host=topology.gpus_per_host)
     gpu_of = [topology.gpu(int(d)) for d in moves.devices]
     host_of = [int(topology.host_of(g)) for g in gpu_of]
     hosts = _host_stores(tiers, topology, host_of[rank])
@@ -212,7 +215,7 @@ def _round_of(index: _Index, name: str, lo: int, hi: int) -> int:
 
 def schedule_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *,
                       gpus_per_host: int = 8, topology: Topology | None = None, method: str = "greedy",
-                      time_limit: float = 2.0) -> tuple[RecoveryPlan | None, str]:
+                      time_limit: float = 2.0, moves: Plan | None = None) -> tuple[RecoveryPlan | None, str]:
     """``plan_recovery`` bounded in time, run before any read: the plan and "", or None and why
     there is none (no peer store holds a part of ``found``, scheduling failed, or it outlasted
     ``time_limit`` plus a grace period; failures are logged). The schedule runs in a daemon
@@ -224,7 +227,7 @@ def schedule_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelCon
     def run() -> None:
         try:
             box["plan"] = plan_recovery(found, tiers, cfg, rank, gpus_per_host=gpus_per_host, topology=topology,
-                                        method=method, time_limit=time_limit)
+                                        method=method, time_limit=time_limit, moves=moves)
         except Exception as e:  # noqa: BLE001 - any failure falls back to unscheduled reads
             box["error"] = e
 

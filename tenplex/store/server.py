@@ -101,7 +101,7 @@ def _load_json(dir_fd: int, name: str) -> Any:
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     with open(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{name} is not a regular file")
+            raise OSError(f"{name} is not a regular file")  # step_complete: not a complete part
         return json.loads(f.read())
 
 

@@ -2,6 +2,6 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .trainer import main
+from .run import main
 
 sys.exit(record(main)())

@@ -22,6 +22,8 @@ from ..data.corpus import TokenCorpus
 from ..data.index import DataIndex, build_index, load_index
 from ..data.partition import DataState, rank_batch_ids
 from ..data.view import RankReader
+from ..errors import ConfigError
+from ..vfs.control import mount_status, remount
 
 __all__ = ["corpus_index", "IndexBatches", "MountBatches"]
 
@@ -57,7 +59,8 @@ class IndexBatches:
         self.corpus = corpus
         self.path, self.index = corpus_index(corpus)
         if self.index.num_samples != corpus.num_samples:
-            raise ValueError(f"index {self.path} has {self.index.num_samples} samples, corpus {corpus.num_samples}")
+            raise ConfigError(f"index {self.path} has {self.index.num_samples} samples, corpus {corpus.num_samples}: "
+                              "rebuild the index of this corpus (corpus_index)")
 
     def batch(self, state: DataState, dp: int, dp_rank: int) -> torch.Tensor:
         samples = RankReader(self.index, state, dp, dp_rank).next_batch()
@@ -83,14 +86,12 @@ class MountBatches:
 
     @staticmethod
     def prepare(mountpoint: str, state: DataState, dp: int) -> dict[str, Any]:
-        from ..vfs.control import mount_status, remount
-
         status = mount_status(mountpoint)
         layout = status.get("layout", status)
         if int(layout.get("num_samples", -1)) != state.num_samples:
-            raise ValueError(f"the dataset mount {mountpoint} shows an index of {layout.get('num_samples')} samples "
-                             f"but the job's data has {state.num_samples}: mount the index of this corpus "
-                             f"(tenplex.train.batches.corpus_index)")
+            raise ConfigError(f"the dataset mount {mountpoint} shows an index of {layout.get('num_samples')} samples "
+                              f"but the job's data has {state.num_samples}: mount the index of this corpus "
+                              f"(tenplex.train.batches.corpus_index)")
         want = {"dp": dp, "progress": state.consumed, "global_batch": state.global_batch, "seed": state.seed}
         if all(layout.get(k) == v for k, v in want.items()) and layout.get("shuffle", True) == state.shuffle:
             return status
@@ -105,8 +106,8 @@ class MountBatches:
         gen_dir = Path(os.path.realpath(rank_dir)).parent
         self._job = json.loads((gen_dir / "job.json").read_text())
         if self._job["dp"] != dp:
-            raise ValueError(f"the dataset mount {self.mnt} shows dp={self._job['dp']}, the job runs dp={dp}: "
-                             "it was not re-sharded (MountBatches.prepare)")
+            raise ConfigError(f"the dataset mount {self.mnt} shows dp={self._job['dp']}, the job runs dp={dp}: "
+                              "it was not re-sharded (MountBatches.prepare)")
         self._file = open(gen_dir / rank_dir.name / "samples.bin", "rb")  # noqa: SIM115 - kept across steps
         self._ids = gen_dir / rank_dir.name / "ids.txt"
         self._key = (dp, dp_rank)
@@ -118,13 +119,14 @@ class MountBatches:
             first = np.loadtxt(self._ids, dtype=np.int64, max_rows=per, ndmin=1)
             expect = rank_batch_ids(state, dp, dp_rank)
             if not np.array_equal(first[: len(expect)], expect):
-                raise ValueError(f"the dataset mount {self.mnt} serves other samples than the job's data state "
-                                 f"(first ids {first[:4].tolist()} vs {expect[:4].tolist()})")
+                raise ConfigError(f"the dataset mount {self.mnt} serves other samples than the job's data state "
+                                  f"(first ids {first[:4].tolist()} vs {expect[:4].tolist()})")
         per = state.global_batch // dp
         done = state.consumed - int(self._job["progress"])
         if done < 0 or done % state.global_batch:
-            raise ValueError(f"data position {state.consumed} is not a batch boundary after the mount's progress "
-                             f"{self._job['progress']}")
+            raise ConfigError(f"data position {state.consumed} is not a batch boundary after the mount's progress "
+                              f"{self._job['progress']}: {state.consumed} - {self._job['progress']} = {done}, "
+                              f"not a multiple >= 0 of the global batch {state.global_batch}")
         self._file.seek(done // state.global_batch * per * self.sample_bytes)
         raw = self._file.read(per * self.sample_bytes)
         if len(raw) != per * self.sample_bytes:

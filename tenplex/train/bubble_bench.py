@@ -27,6 +27,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from ..bubbles import BubbleRuntime, SnapshotTask, StoreWriteTask, side_task_memory_budget
+from ..config import ParallelConfig
+from ..data.corpus import stdlib_corpus
+from ..elastic import device_memory, rescale
+from ..memory import estimate_memory, parse_size, resolve_model
+from ..models import ModelSpec
+from .launch import free_port
+from .parallel import init_distributed
+from .trainer import TrainConfig, Trainer, trainer_ptc
+
 __all__ = ["run_bench", "main"]
 
 MODES = ("none", "blocking", "bubbles")
@@ -55,10 +68,6 @@ class _OnlyWhenActive:
 def _budget(text: str, ptc: Any, cfg: Any, stage: int, micro_batch: int, num_mb: int) -> int | None:
     """The stage's side-task memory budget: a size, "none", or "auto" (what the memory
     estimator's 80 % rule leaves of this machine's device, host RAM on CPU)."""
-    from ..bubbles import side_task_memory_budget
-    from ..memory import estimate_memory, parse_size, resolve_model
-    from ..elastic import device_memory
-
     if text == "none":
         return None
     if text != "auto":
@@ -70,16 +79,6 @@ def _budget(text: str, ptc: Any, cfg: Any, stage: int, micro_batch: int, num_mb:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    from ..bubbles import BubbleRuntime, SnapshotTask, StoreWriteTask
-    from ..config import ParallelConfig
-    from ..data.corpus import stdlib_corpus
-    from ..elastic import RescaleResult
-    from ..models import ModelSpec
-    from .parallel import init_distributed
-    from .trainer import TrainConfig, Trainer, trainer_ptc
-
     cfg = ParallelConfig.parse(args.layout)
     modes = _sequence(args.mode, args.warmup, args.rounds)
     tc = TrainConfig(model=args.model, steps=len(modes), global_batch=args.global_batch, micro_batch=args.micro_batch)
@@ -87,7 +86,8 @@ def _worker(args: argparse.Namespace) -> int:
     spec = ModelSpec.from_json(ptc.meta["model"])
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     groups = init_distributed(cfg)
-    trainer = Trainer(tc, ptc, groups, RescaleResult(cfg, rank, world, 0, True), stdlib_corpus(spec.seq_len))
+    fresh = rescale(None, ptc, rank=rank, world_size=world, parallel=cfg)  # a fresh start: the layout, no I/O
+    trainer = Trainer(tc, ptc, groups, fresh, stdlib_corpus(spec.seq_len))
     stage = cfg.coords(rank).pp
     budget = _budget(args.memory_budget, ptc, cfg, stage, args.micro_batch, trainer.num_mb)
     runtime = BubbleRuntime(record=True, stage=stage, memory_budget=budget, device=groups.device)
@@ -143,8 +143,6 @@ def _worker(args: argparse.Namespace) -> int:
 def _launch(mode: str, tmp: str, *, model: str, pp: int, rounds: int, warmup: int, global_batch: int,
             micro_batch: int, bucket_bytes: int, write: bool, memory_budget: str, trace: bool,
             device: str) -> list[dict]:
-    from .launch import free_port
-
     out = Path(tmp) / mode
     store_dir = tempfile.mkdtemp(prefix="tenplex-bubble-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}",
@@ -174,8 +172,6 @@ def _bench_device(pp: int, write: bool) -> tuple[str, bool]:
     With fewer GPUs than stages the bench runs on CPU (the workers get ``TENPLEX_DEVICE=cpu``);
     on GPUs snapshots copy to pinned host memory (``StoreWriteTask`` writes from host memory).
     """
-    import torch
-
     gpus = torch.cuda.device_count() if os.environ.get("TENPLEX_DEVICE", "") != "cpu" else 0
     if 0 < gpus < pp:
         print(f"bubbles bench: {gpus} CUDA device(s) for {pp} stages: running the stages on CPU with gloo",
@@ -248,7 +244,7 @@ def run_bench(*, model: str = "llama-small", pp: int = 2, rounds: int = 20, warm
 
 
 def _plot(ranks: list[dict], path: str) -> None:
-    import matplotlib
+    import matplotlib  # here: an optional dependency, needed only for the figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

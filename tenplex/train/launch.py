@@ -13,6 +13,7 @@ store traffic cross a real network stack, and a host can also fail by losing its
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -24,6 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..errors import ConfigError
 from .netns import LOOPBACK, HostNet, HostNetwork
 
 __all__ = ["free_port", "RendezvousStore", "Agent", "StoreProcess", "SimulatedHost", "start_hosts", "read_train_log",
@@ -138,8 +140,6 @@ class Agent:
 
 def read_train_log(path: str | Path) -> tuple[list[dict], list[dict]]:
     """The trainer's ``--log`` file: (per-step records, start records), in file order."""
-    import json
-
     steps: list[dict] = []
     starts: list[dict] = []
     p = Path(path)
@@ -214,11 +214,11 @@ class SimulatedHost:
             self.kill()
         elif how == "network":
             if self.network is None:
-                raise ValueError(f"{self.name} runs on loopback: a network failure needs hosts in network "
-                                 "namespaces (start_hosts(..., network=HostNetwork.create(n)))")
+                raise ConfigError(f"{self.name} runs on loopback: a network failure needs hosts in network "
+                                  "namespaces (start_hosts(..., network=HostNetwork.create(n)))")
             self.network.set_link(self.agent.net, up=False)
         else:
-            raise ValueError(f"unknown failure {how!r}: use 'kill' or 'network'")
+            raise ConfigError(f"unknown failure {how!r}: use 'kill' or 'network'")
 
     def stop(self) -> None:
         self.agent.stop()
@@ -236,7 +236,8 @@ def start_hosts(n: int, work: str, train_args: Sequence[str], *, nproc: int, end
     namespaces (a ``RendezvousStore(net=network.switch)``)."""
     nets = network.hosts[:n] if network is not None else [LOOPBACK] * n
     if len(nets) < n:
-        raise ValueError(f"{n} hosts need a network of at least {n} host namespaces, it has {len(nets)}")
+        raise ConfigError(f"{n} hosts need a network of at least {n} host namespaces, it has {len(nets)} "
+                          f"({n} > {len(nets)})")
     env = dict(env or {})
     token = env.pop("TENPLEX_STORE_TOKEN", None) or secrets.token_urlsafe(32)  # one for the job's stores and workers
     ports = [free_port() for _ in range(n)]

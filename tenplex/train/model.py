@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ParallelConfig
+from ..errors import ConfigError
 from ..models import ModelSpec
 from ..ptc import PTC
 from .parallel import all_reduce, copy_to_tp, reduce_from_tp
@@ -90,7 +91,8 @@ class StageModel:
     def __init__(self, spec: ModelSpec, cfg: ParallelConfig, rank: int, params: dict[str, torch.Tensor],
                  tp_group: Any) -> None:
         if spec.arch != "llama":
-            raise ValueError("the reference trainer implements the Llama family (arch='llama')")
+            raise ConfigError(f"the reference trainer implements the Llama family (arch='llama'), not "
+                              f"arch={spec.arch!r}")
         assert spec.kv_heads is not None and spec.ffn_hidden is not None
         self.spec, self.cfg, self.params, self.group = spec, cfg, params, tp_group
         c = cfg.coords(rank)

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import NetnsUnavailableError
+from ..errors import ConfigError, NetnsUnavailableError
 
 __all__ = ["NetnsPlan", "HostNet", "LOOPBACK", "HostNetwork", "try_create", "unavailable_reason", "reap_stale",
            "our_namespaces", "NAME_PREFIX"]
@@ -90,9 +90,9 @@ class NetnsPlan:
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 252:
-            raise ValueError(f"a /24 holds the bridge and at most 252 hosts (.2 .. .253), got hosts={self.hosts}")
+            raise ConfigError(f"a /24 holds the bridge and at most 252 hosts (.2 .. .253), got hosts={self.hosts}")
         if self.owner < 0 or self.seq < 0:
-            raise ValueError(f"owner pid and sequence number must be >= 0, got {self.owner}, {self.seq}")
+            raise ConfigError(f"owner pid and sequence number must be >= 0, got {self.owner}, {self.seq}")
 
     @property
     def third_octet(self) -> int:
@@ -256,7 +256,7 @@ class HostNetwork:
         """Bring ``host``'s port on the bridge down (a cut cable: its peers' packets to it are
         dropped silently, no reset reaches anyone) or back up."""
         if not host.switch or not host.port:
-            raise ValueError(f"{host} is not a host of a namespace network; only those have a link to cut")
+            raise ConfigError(f"{host} is not a host of a namespace network; only those have a link to cut")
         res = _ip(["ip", "-n", host.switch, "link", "set", host.port, "up" if up else "down"])
         if res.returncode != 0:
             raise RuntimeError(f"could not set {host.port} in {host.switch} {'up' if up else 'down'}: {res.stderr}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ConfigError, LayoutError
+
 __all__ = ["Op", "one_f_one_b", "bubble_fraction"]
 
 
@@ -25,9 +27,9 @@ def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
     """Stage ``stage``'s ops: ``min(p - stage - 1, m)`` warm-up forwards, then alternate
     one forward and one backward, then the remaining backwards (cool-down)."""
     if not 0 <= stage < num_stages:
-        raise ValueError(f"stage {stage} is outside [0, {num_stages})")
+        raise LayoutError(f"stage {stage} is outside [0, {num_stages}) of a {num_stages}-stage pipeline")
     if num_microbatches < 1:
-        raise ValueError(f"need at least one micro-batch, got {num_microbatches}")
+        raise ConfigError(f"need at least one micro-batch, got {num_microbatches}")
     p, m = num_stages, num_microbatches
     first, last = stage == 0, stage == p - 1
     warmup = min(p - stage - 1, m)

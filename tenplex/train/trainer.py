@@ -1,28 +1,16 @@
-"""The reference trainer: a Llama-style decoder under real DP x TP x PP, resumable under any layout.
+"""The reference trainer's rank: a Llama-style decoder stage under real DP x TP x PP.
 
-Run alone (``python -m tenplex.train --model tiny --steps 20``) or under torchrun. At start-up
-it calls ``tenplex.rescale``: the newest checkpoint that verifies (or ``--resume-step``) is
-loaded under the layout chosen for the current world size, and training continues from the
-saved step and data position, on the same data and model settings unless told otherwise.
-
-Failures are loud: bad options, a checkpoint or store directory that cannot be written and a
-checkpoint that cannot be resumed stop every rank at start-up (exit code 2, one line); a
-checkpoint or snapshot that fails to save stops every rank at the next step or at exit (exit
-code 1, naming the step and the cause).
+``Trainer`` holds one rank's stage model, its AdamW state (sharded across DP with the
+distributed optimizer) and its slice of every batch; ``train_step`` runs one 1F1B step and
+``shard`` hands the state to a checkpoint. It starts from a ``RescaleResult`` (a resumed shard
+or a fresh start) and reads no files but its batches. The run driver (options, start-up
+checks, the training loop, checkpoint writes) is ``tenplex.train.run``.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import logging
-import math
 import os
-import sys
-import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,22 +19,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import ParallelConfig
-from ..data.corpus import TokenCorpus, stdlib_corpus
+from ..bubbles import Span
+from ..data.corpus import TokenCorpus
 from ..data.partition import DataState, global_batch_ids
-from ..elastic import RescaleResult, agree_on_step, env_world, rescale
-from ..errors import CheckpointMismatchError, CheckpointWriteError, ConfigError, TenplexError
+from ..elastic import RescaleResult
+from ..errors import CheckpointWriteError, ConfigError, LayoutError
 from ..models import ModelSpec, model_ptc, optimizer_names
 from ..ptc import PTC
+from .batches import IndexBatches, MountBatches
 from .model import StageModel, init_global_tensor
-from .parallel import Groups, all_reduce, init_distributed, join_process_group
+from .parallel import Groups, all_reduce
 from .schedule import Op, one_f_one_b
 
-__all__ = ["TrainConfig", "Trainer", "trainer_ptc", "main", "parse_args"]
-
-log = logging.getLogger(__name__)
-PROG = "python -m tenplex.train"
-PROCESS_START = time.time()  # close to when this worker process started (after the torch import)
+__all__ = ["TrainConfig", "Trainer", "trainer_ptc", "failure_message", "DATA_OBJECT"]
 
 DATA_OBJECT = "data"
 
@@ -140,32 +125,30 @@ class Trainer:
         self.step = int(shard["optimizer.step"])
         self.data = DataState.from_json(dict(shard[DATA_OBJECT]))
         if self.data.global_batch != tc.global_batch:  # run() refuses this earlier, on every rank
-            raise ValueError(f"the checkpoint was trained with global batch {self.data.global_batch}, "
-                             f"not {tc.global_batch}; keep the global batch when resuming")
+            raise ConfigError(f"the checkpoint was trained with global batch {self.data.global_batch}, "
+                              f"not {tc.global_batch}; keep the global batch when resuming")
         if self.data.consumed != self.step * self.data.global_batch:
-            raise ValueError(f"data state says {self.data.consumed} samples consumed, step {self.step} implies "
-                             f"{self.step * self.data.global_batch}")
+            raise ConfigError(f"data state says {self.data.consumed} samples consumed, step {self.step} implies "
+                              f"{self.step} x {self.data.global_batch} = {self.step * self.data.global_batch}")
         self.model = StageModel(self.spec, self.cfg, groups.rank, self.params, groups.tp).to(dev)
         c = self.cfg.coords(groups.rank)
         self.coords = c
         per_dp = tc.global_batch // self.cfg.dp
         if tc.global_batch % self.cfg.dp or per_dp % tc.micro_batch:
-            raise ValueError(f"global batch {tc.global_batch} must split into dp={self.cfg.dp} slices of whole "
-                             f"micro-batches of {tc.micro_batch}")
+            raise LayoutError(f"global batch {tc.global_batch} must split into dp={self.cfg.dp} slices of whole "
+                              f"micro-batches of {tc.micro_batch}: {tc.global_batch} % {self.cfg.dp} = "
+                              f"{tc.global_batch % self.cfg.dp}, {per_dp} % {tc.micro_batch} = "
+                              f"{per_dp % tc.micro_batch}")
         self.num_mb = per_dp // tc.micro_batch
         self.schedule = one_f_one_b(self.cfg.pp, self.num_mb, c.pp)
         self.batches: Any
         if tc.data_mount:
-            from .batches import MountBatches
-
             if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per host re-shards its mount
                 MountBatches.prepare(tc.data_mount, self.data, self.cfg.dp)
             if dist.is_initialized():
                 dist.barrier()
             self.batches = MountBatches(tc.data_mount, corpus)
         else:
-            from .batches import IndexBatches
-
             self.batches = IndexBatches(corpus)
         self.bubble_hook: Any = None  # called as hook(op, work) while a stage waits for a peer
         self.snapshot_task: Any = None  # tenplex.bubbles.SnapshotTask: begin at step start, finish before the update
@@ -227,8 +210,6 @@ class Trainer:
                 if x_in is not None:
                     pending.append(dist.isend(x_in.grad.contiguous(), self.g.stage_rank(prev)))
             if self.spans is not None:
-                from ..bubbles import Span
-
                 self.spans.append(Span(self.step, op.kind, t_op, time.perf_counter(), f"{op.kind}{op.mb}"))
         for w in pending:
             w.wait()
@@ -237,8 +218,6 @@ class Trainer:
             t_fin = time.perf_counter()
             self.snapshot_task.finish()  # buckets not copied in bubbles: the only blocking part
             if self.spans is not None:
-                from ..bubbles import Span
-
                 self.spans.append(Span(self.step, "snapshot-blocking", t_fin, time.perf_counter()))
         self._adamw()
         # the global loss: last-stage, TP rank 0 ranks hold their DP slice's mean; and the ranks whose save failed
@@ -250,7 +229,7 @@ class Trainer:
             dist.all_reduce(total)
         if failed := int(total[1].item()):
             everyone = " on every rank" if dist.is_initialized() else ""
-            raise CheckpointWriteError(f"{_fault_or_others(failure, failed, self.g.rank)}; training stopped at step "
+            raise CheckpointWriteError(f"{failure_message(failure, failed, self.g.rank)}; training stopped at step "
                                        f"{self.step + 1}{everyone}")
         samples = global_batch_ids(self.data)
         self.data = self.data.advance()
@@ -346,460 +325,8 @@ def _adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Te
     p.addcdiv_(m, denom, value=-lr / bc1)
 
 
-# -- command line -------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="model preset (Llama family), e.g. tiny")
-    ap.add_argument("--steps", type=int, default=20, help="train until this global step, resuming if possible")
-    ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--data", default=None, help="uint16 token file (default: the stdlib byte corpus)")
-    ap.add_argument("--ckpt", default=None,
-                    help="checkpoint URL (any fsspec URL; a directory that can be created and written)")
-    ap.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (and at the end); 0: at the end")
-    ap.add_argument("--keep-last", type=int, default=3, help="keep the K newest complete checkpoints (K >= 1)")
-    ap.add_argument("--resume-step", type=int, default=None, metavar="N",
-                    help="resume from step N (exit code 2 if it is missing or does not verify); default: the "
-                         "newest step that verifies on every rank")
-    ap.add_argument("--allow-data-change", action="store_true",
-                    help="resume although the data's fingerprint (SHA-256 of the token file) differs from the "
-                         "checkpoint's, continuing at the same sample position in this data's order")
-    ap.add_argument("--allow-model-change", action="store_true",
-                    help="resume although the checkpoint was saved with other model settings (heads, norm eps, "
-                         "...) whose tensors have the same shapes")
-    ap.add_argument("--parallel", default=None,
-                    help="pin the layout, e.g. dp=2,tp=2,pp=1; several separated by '/' pin one per world size "
-                         "(world sizes not listed are chosen by rescale)")
-    ap.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state across DP")
-    ap.add_argument("--gpus-per-host", type=int, default=8)
-    ap.add_argument("--log", default=None, help="rank 0 appends one JSON object per step here")
-    ap.add_argument("--store", default=None, metavar="auto|DIR",
-                    help="host tensor store for snapshots: 'auto' takes TENPLEX_STORE_ROOT/URL and TENPLEX_STORES "
-                         "from the launcher; a directory works without a store server (single host)")
-    ap.add_argument("--snapshot-every", type=int, default=0,
-                    help="snapshot to the host store (--store) every K steps")
-    ap.add_argument("--data-mount", default=None, metavar="DIR",
-                    help="read batches from a `tenplex mount` of the corpus index (re-sharded after a rescale); "
-                         "without it the same bytes come from the index reader")
-    ap.add_argument("--replicas", type=int, default=1,
-                    help="replicas the host stores keep of each snapshot (set on `tenplex store serve`)")
-    ap.add_argument("--measure-memory", default=None, metavar="DIR",
-                    help="measure this rank's peak memory during the second step into DIR/rank-N.json")
-    ap.add_argument("--fail-at-step", type=int, default=None,
-                    help="testing: every rank exits with an error after finishing this step (first run only)")
-    a = ap.parse_args(argv)
-    try:
-        return TrainConfig(model=a.model, steps=a.steps, global_batch=a.global_batch, micro_batch=a.micro_batch,
-                           seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data, ckpt=a.ckpt,
-                           ckpt_every=a.ckpt_every, keep_last=a.keep_last, parallel=a.parallel,
-                           distributed_optimizer=a.distributed_optimizer, log=a.log, gpus_per_host=a.gpus_per_host,
-                           fail_at_step=a.fail_at_step, measure_memory=a.measure_memory, store=a.store,
-                           snapshot_every=a.snapshot_every, replicas=a.replicas, data_mount=a.data_mount,
-                           resume_step=a.resume_step, allow_data_change=a.allow_data_change,
-                           allow_model_change=a.allow_model_change)
-    except ConfigError as e:
-        ap.error(str(e))  # exits 2
-
-
-@dataclass(frozen=True)
-class _Start:
-    """What a rank prepared before joining the process group."""
-
-    ptc: PTC
-    corpus: TokenCorpus
-    store: Any
-    tiers: list[Any] | None
-    state: RescaleResult
-
-
-# Start-up errors a user can fix (options, paths, checkpoints, data): one line, exit code 2.
-_USER_ERRORS = (TenplexError, ValueError, OSError)
-
-
-def _prepare(tc: TrainConfig, rank: int, world: int) -> _Start:
-    """Check the checkpoint and store directories, hash the data, and load this rank's state."""
-    ptc = trainer_ptc(tc.model, distributed_optimizer=tc.distributed_optimizer, seq_len=tc.seq_len)
-    spec = ModelSpec.from_json(ptc.meta["model"])
-    if tc.ckpt:
-        check_writable(tc.ckpt, "--ckpt")
-    store = _host_store(tc.store)
-    if store is not None:
-        check_writable(store.root, "--store")
-    corpus = TokenCorpus(tc.data, spec.seq_len) if tc.data else stdlib_corpus(spec.seq_len)
-    corpus.fingerprint()  # hashed (or read from its cache) now, not while the other ranks wait
-    tiers = None
-    if store is not None:
-        from ..store import recovery_tiers
-
-        urls = [u for u in os.environ.get("TENPLEX_STORES", "").split(",") if u]
-        tiers = recovery_tiers(store, urls, tc.ckpt, token=store.token)
-    try:
-        state = rescale(tc.ckpt, ptc, rank=rank, world_size=world, parallel=_pinned_layout(tc.parallel, world),
-                        layout_options=dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch),
-                        gpus_per_host=tc.gpus_per_host, tiers=tiers, step=tc.resume_step,
-                        allow_meta_change=tc.allow_model_change)
-    except CheckpointMismatchError as e:  # say how to override it here
-        raise CheckpointMismatchError(str(e).replace("allow_meta_change=True", "--allow-model-change")) from None
-    return _Start(ptc, corpus, store, tiers, state)
-
-
-def check_writable(url: str, option: str) -> None:
-    """ConfigError unless a file can be created in the directory ``url`` (created when missing).
-
-    Writes and removes an empty probe file, so a directory under /proc, a file where the
-    directory should be, a read-only mount or a missing permission stop the job at start-up
-    rather than at its first save."""
-    import fsspec
-
-    try:
-        fs, root = fsspec.core.url_to_fs(url)
-        root = root.rstrip("/") or "/"
-        fs.makedirs(root, exist_ok=True)
-        probe = f"{root.rstrip('/')}/.tenplex-probe-{uuid.uuid4().hex[:12]}"
-        with fs.open(probe, "wb") as f:
-            f.write(b"")
-        fs.rm(probe)
-    except (OSError, ValueError, ImportError, TypeError) as e:
-        raise ConfigError(f"{option} {url}: cannot create and write files there ({_describe(e)}); pass a directory "
-                          "this process can create and write") from None
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        return f"{type(e).__name__}: {e.strerror}" + (f": {e.filename}" if e.filename else "")
-    return f"{type(e).__name__}: {e}" if not isinstance(e, TenplexError) else str(e)
-
-
-def _failed_ranks(error: BaseException | str | None, device: torch.device) -> int:
-    """How many ranks report a failure (a collective over the default group; local without one)."""
-    flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(flag)
-    return int(flag.item())
-
-
-def _fault_or_others(fault: str | None, failed: int, rank: int) -> str:
+def failure_message(fault: str | None, failed: int, rank: int) -> str:
     """This rank's failure, or (on a healthy rank) how many others failed."""
     where = f"rank {rank}: " if dist.is_initialized() else ""
     return fault or (f"{where}{failed} other rank(s) could not write a checkpoint or snapshot (their output says "
                      "which and why)")
-
-
-def _check_resume(state: RescaleResult, corpus: TokenCorpus, tc: TrainConfig) -> RescaleResult:
-    """``state`` if its data state fits this job's batch and data, else ConfigError naming both
-    fingerprints; with ``allow_data_change`` the data state moves to this data (same position)."""
-    if state.fresh or state.shard is None:
-        return state
-    saved = DataState.from_json(dict(state.shard[DATA_OBJECT]))
-    if saved.global_batch != tc.global_batch:
-        raise ConfigError(f"checkpoint step {state.step} was trained with global batch {saved.global_batch}, "
-                          f"not {tc.global_batch}: keep --global-batch {saved.global_batch} when resuming")
-    now = corpus.fingerprint()
-    if saved.source == now and saved.num_samples == corpus.num_samples:
-        return state
-    what = (f"checkpoint step {state.step} was trained on data {saved.source or '(not recorded)'} "
-            f"({saved.num_samples} samples); {corpus.path} is {now} ({corpus.num_samples} samples of "
-            f"{corpus.seq_len + 1} tokens)")
-    if not tc.allow_data_change:
-        raise ConfigError(f"{what}: resume with the data it was trained on, or pass --allow-data-change to "
-                          "continue on this data")
-    log.warning("%s: continuing on this data from sample position %d (--allow-data-change)", what, saved.consumed)
-    data = dataclasses.replace(saved, source=now, num_samples=corpus.num_samples)
-    return dataclasses.replace(state, shard={**state.shard, DATA_OBJECT: data.to_json()})
-
-
-def _all_skipped(mine: tuple[tuple[int, str, str], ...]) -> list[dict[str, Any]]:
-    """The attempts any rank passed over at start-up, with the ranks that did (rank 0 reports them)."""
-    parts: list[Any] = [list(mine)]
-    if dist.is_initialized():
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, list(mine))
-    merged: dict[tuple[int, str], dict[str, Any]] = {}
-    for r, items in enumerate(parts):
-        for step, sid, why in items:
-            entry = merged.setdefault((step, sid), {"step": step, "save_id": sid, "reason": why, "ranks": []})
-            entry["ranks"].append(r)
-    return sorted(merged.values(), key=lambda e: (-e["step"], e["save_id"]))
-
-
-class _Writer:
-    """Background checkpoint writes, one at a time. An exception in the thread is kept as a
-    message for the main thread (``poll``, ``wait``), not printed by threading's hook and lost."""
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: str | None = None
-
-    def start(self, describe: Callable[[BaseException], str], fn: Callable[..., Any], *args: Any,
-              **kwargs: Any) -> None:
-        assert self._thread is None, "wait() for the previous write first"
-
-        def target() -> None:
-            try:
-                fn(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - any failure is the main thread's to report
-                log.debug("background save failed", exc_info=True)
-                self._error = describe(e)
-
-        self._thread = threading.Thread(target=target, name="tenplex-save", daemon=True)
-        self._thread.start()
-
-    def poll(self) -> str | None:
-        """The error of a finished write (None while one runs or when all succeeded)."""
-        if self._thread is not None and not self._thread.is_alive():
-            return self.wait()
-        return self._error
-
-    def wait(self) -> str | None:
-        """Wait for the write under way; the error of any write so far."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        return self._error
-
-
-def run(tc: TrainConfig) -> int:
-    """Train one rank; returns the exit code (2: the job could not start, on every rank).
-    Raises CheckpointWriteError on every rank when any rank's save or snapshot failed."""
-    rank, world = env_world()
-    if os.environ.get("TENPLEX_PID_DIR"):  # lets a simulated node failure kill this worker by pid
-        with open(os.path.join(os.environ["TENPLEX_PID_DIR"], f"local-{os.environ.get('LOCAL_RANK', '0')}.pid"),
-                  "w") as f:
-            f.write(str(os.getpid()))
-    t_start = time.perf_counter()
-    # Start-up: each rank finds its own problems (a directory it cannot write, damage only it
-    # reads, another model or data), then all ranks agree, so that all stop together (exit 2).
-    start: _Start | None = None
-    error: BaseException | None = None
-    try:
-        start = _prepare(tc, rank, world)
-    except Exception as e:  # noqa: BLE001 - reported once the ranks have agreed
-        error = e
-    device = join_process_group()
-    try:
-        failed = _failed_ranks(error, device)
-        if not failed:
-            assert start is not None
-            try:  # ranks that fell back to different steps settle on one, then the data is checked
-                state = agree_on_step(start.state, tc.ckpt, start.ptc, tiers=start.tiers,
-                                      allow_meta_change=tc.allow_model_change, gpus_per_host=tc.gpus_per_host)
-                state = _check_resume(state, start.corpus, tc)
-            except Exception as e:  # noqa: BLE001
-                error = e
-            failed = _failed_ranks(error, device)
-        if failed:
-            return _startup_failed(error, failed, rank, world)
-        assert start is not None
-        return _train(tc, start, state, rank, world, t_start)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _startup_failed(error: BaseException | None, failed: int, rank: int, world: int) -> int:
-    """Say why this rank stops at start-up; the exit code: 2, or 1 for an error that is no input's
-    fault (a bug: its traceback is logged)."""
-    bug = error is not None and not isinstance(error, _USER_ERRORS)
-    if bug:
-        log.error("rank %d could not start", rank, exc_info=error)
-    message = _describe(error) if error is not None else \
-        f"{failed} other rank(s) could not start (their output says why)"
-    where = f"rank {rank}: " if world > 1 else ""
-    print(f"{PROG}: error: {where}{_one_line(message)}", file=sys.stderr, flush=True)
-    return 1 if bug else 2
-
-
-def _one_line(message: str) -> str:
-    return " | ".join(ln.strip() for ln in message.strip().splitlines() if ln.strip()) or "failed (no message)"
-
-
-def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, world: int, t_start: float) -> int:
-    """The training loop of a rank whose start-up every rank agreed on."""
-    from ..checkpoint import save
-
-    ptc, store = start.ptc, start.store
-    groups = init_distributed(state.cfg)
-    trainer = Trainer(tc, ptc, groups, state, start.corpus)
-    tiers = ("local", "peer", "storage")
-    read = torch.tensor([state.load_stats.bytes_read if state.load_stats else 0,
-                         state.load_stats.bytes_needed if state.load_stats else 0,
-                         *(state.bytes_by_tier.get(t, 0) for t in tiers)], dtype=torch.float64, device=groups.device)
-    if dist.is_initialized():
-        dist.all_reduce(read)  # bytes every rank read from the checkpoint, for the start record
-    skipped = _all_skipped(state.skipped)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if rank == 0:
-        log.warning("%s", state.summary())
-        for s in skipped:
-            log.warning("passed over checkpoint step %d (%s) on ranks %s: %s", s["step"], s["save_id"], s["ranks"],
-                        s["reason"])
-        _emit(tc.log, {"event": "start", "step": trainer.step, "world_size": world, "layout": str(state.cfg),
-                       "previous": str(state.previous) if state.previous else None, "restart": restart,
-                       "resume_step": tc.resume_step, "skipped": skipped,
-                       "timings": state.timings, "startup_s": time.perf_counter() - t_start,
-                       "process_start": PROCESS_START, "wall": time.time(),
-                       "bytes_read": state.load_stats.bytes_read if state.load_stats else 0,
-                       "bytes_needed": state.load_stats.bytes_needed if state.load_stats else 0,
-                       "bytes_read_all": int(read[0]), "bytes_needed_all": int(read[1]),
-                       "plan_bytes_moved": state.plan_stats.bytes_moved if state.plan_stats else 0,
-                       "bytes_by_tier": state.bytes_by_tier,
-                       "bytes_by_tier_all": {t: int(read[2 + i]) for i, t in enumerate(tiers)}})
-    first_step = trainer.step
-    # Save ids must differ between launches. Under a process group the default does (a nonce shared
-    # through its store); a process alone has only its environment, the same at every launch, so a
-    # relaunch that saves a step again (after --resume-step, or passing over a damaged step) would
-    # reuse the id: it gets a random one.
-    save_id = None if dist.is_initialized() else uuid.uuid4().hex[:8]
-    writer = _Writer()
-    fault: str | None = None  # this rank's first failed save or snapshot: every rank stops at the next step
-    where = f"rank {rank}: " if world > 1 else ""
-
-    def pending_fault() -> str | None:  # a background write that failed by now counts in this step
-        return fault or writer.poll()
-
-    while trainer.step < tc.steps:
-        t0 = time.perf_counter()
-        if tc.measure_memory and trainer.step == first_step + 1:
-            loss, samples = measure_step_memory(trainer, tc.measure_memory, fault=pending_fault)
-        else:
-            loss, samples = trainer.train_step(fault=pending_fault)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {trainer.step}")
-        if rank == 0:
-            _emit(tc.log, {"step": trainer.step, "loss": loss, "world_size": world, "dp": state.cfg.dp,
-                           "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
-                           "time_s": time.perf_counter() - t0, "restart": restart, "wall": time.time()})
-        done = trainer.step >= tc.steps
-        step = trainer.step
-        if fault is None and store is not None and tc.snapshot_every and step % tc.snapshot_every == 0:
-            try:
-                store.snapshot(ptc, state.cfg, groups.rank, trainer.shard(), step=step, replicate=bool(store.url),
-                               save_id=save_id)
-            except Exception as e:  # noqa: BLE001 - reported on every rank at the next step
-                log.debug("snapshot failed", exc_info=True)
-                fault = f"{where}could not write the snapshot of step {step} to the host store {store.root}: " \
-                        f"{_describe(e)}"
-        if fault is None and tc.ckpt and ((tc.ckpt_every and step % tc.ckpt_every == 0) or done):
-            # persistent checkpoints run in the background: training waits only for the copy
-            shard = trainer.shard()
-            fault = writer.wait()  # one write at a time
-            if fault is None:
-                def describe(e: BaseException, step: int = step) -> str:
-                    return f"{where}could not write checkpoint step {step} to {tc.ckpt}: {_describe(e)}"
-
-                writer.start(describe, save, tc.ckpt, ptc, state.cfg, groups.rank, shard, step=step,
-                             keep_last=tc.keep_last, save_id=save_id)
-        if tc.fail_at_step is not None and trainer.step == tc.fail_at_step and restart == 0:
-            writer.wait()  # deterministic for tests: the pending checkpoint lands first
-            log.error("rank %d: simulated failure after step %d", rank, trainer.step)
-            os._exit(17)
-    fault = fault or writer.wait()
-    failed = _failed_ranks(fault, groups.device)  # the last saves, agreed by every rank before it exits
-    if failed:
-        raise CheckpointWriteError(f"{_fault_or_others(fault, failed, rank)}; training stopped after step "
-                                   f"{trainer.step}{' on every rank' if dist.is_initialized() else ''}")
-    return 0
-
-
-def _host_store(spec: str | None) -> Any:
-    if not spec:
-        return None
-    from ..store import HostStore
-
-    if spec == "auto":
-        store = HostStore.from_env()
-        if store is None:
-            raise ConfigError("--store auto needs TENPLEX_STORE_ROOT and TENPLEX_STORE_URL (set by the launcher)")
-        return store
-    return HostStore(spec, "")
-
-
-def measure_step_memory(trainer: Trainer, out_dir: str, *,
-                        fault: Callable[[], str | None] | None = None) -> tuple[float, np.ndarray]:
-    """Run one step and record this rank's peak memory in ``out_dir/rank-N.json``.
-
-    CUDA: the caching allocator's peak (``max_memory_allocated``). CPU: PyTorch's memory
-    profiler, which reports every allocation and free of the CPU allocator: peak = bytes of the
-    tensors alive when the step starts (parameters, gradients, optimizer state)
-    plus the highest running total of allocations minus frees during the step.
-    """
-    dev = trainer.g.device
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        loss, samples = trainer.train_step(fault=fault)
-        torch.cuda.synchronize(dev)
-        peak, method = torch.cuda.max_memory_allocated(dev), "cuda max_memory_allocated"
-    else:
-        from torch.profiler import ProfilerActivity, profile
-
-        from torch._C._profiler import _EventType
-
-        state = sum(p.numel() * p.element_size() for p in trainer.params.values())
-        state += sum(p.grad.numel() * p.grad.element_size() for p in trainer.params.values() if p.grad is not None)
-        state += sum(t.numel() * t.element_size() for t in trainer.opt.values())
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            loss, samples = trainer.train_step(fault=fault)
-        events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:  # every allocation (+) and free (-) the CPU allocator reported, in time order
-            node = stack.pop()
-            stack.extend(node.children)
-            if node.typed[0] == _EventType.Allocation:
-                events.append((node.start_time_ns, node.typed[1].alloc_size))
-        live = top = 0
-        for _, size in sorted(events):
-            live += size
-            top = max(top, live)
-        base, peak, method = state, state + top, "cpu torch.profiler allocation events"
-    c = trainer.coords
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"rank-{trainer.g.rank:05d}.json"), "w") as f:
-        json.dump({"rank": trainer.g.rank, "pp": c.pp, "dp": c.dp, "tp": c.tp, "layout": str(trainer.cfg),
-                   "state_bytes": base, "peak_bytes": peak, "method": method,
-                   "num_microbatches": trainer.num_mb}, f)
-    return loss, samples
-
-
-def _pinned_layout(text: str | None, world: int) -> ParallelConfig | None:
-    """The layout pinned for this world size: ``--parallel`` lists one or more layouts separated
-    by '/'; the one whose size matches is used, other world sizes are left to the chooser."""
-    if not text:
-        return None
-    layouts = [ParallelConfig.parse(t) for t in text.split("/") if t.strip()]
-    matching = [c for c in layouts if c.world_size == world]
-    if not matching:
-        log.warning("no pinned layout (%s) has world size %d: rescale chooses one", text, world)
-    return matching[0] if matching else None
-
-
-def _emit(path: str | None, obj: dict[str, Any]) -> None:
-    line = json.dumps(obj)
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-    elif "loss" in obj:
-        print(f"step {obj['step']:>5}  loss {obj['loss']:.5f}  layout dp={obj['dp']},tp={obj['tp']},pp={obj['pp']}",
-              flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 trained; 2 bad options or the job cannot start (one line on stderr, every
-    rank); 1 a checkpoint or snapshot could not be written (every rank stops, naming it)."""
-    logging.basicConfig(level=os.environ.get("TENPLEX_LOG", "WARNING"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    tc = parse_args(argv)
-    try:
-        return run(tc)
-    except CheckpointWriteError as e:
-        print(f"{PROG}: error: {_one_line(str(e))}", file=sys.stderr, flush=True)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
