@@ -15,8 +15,6 @@ import ast
 import importlib
 import inspect
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
