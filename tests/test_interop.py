@@ -338,3 +338,97 @@ def test_native_gpt_export_config_reproduces_the_spec(tmp_path: Path) -> None:
     model = _from_pretrained("gpt2", tmp_path / "out")
     assert model.config.n_inner == 192 and model.config.bos_token_id is None
     assert _logits(model).shape == (1, IDS.shape[1], 259)
+
+
+# ---------------------------------------------------------------------------------------------
+# storage options reach fsspec (a recording test filesystem, recfs://)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def recfs():  # type: ignore[no-untyped-def]
+    from recording_fs import RecordingFileSystem
+
+    RecordingFileSystem.reset()
+    yield RecordingFileSystem
+    RecordingFileSystem.reset()
+
+
+def _calls(recfs) -> list[dict]:  # type: ignore[no-untyped-def]
+    calls = list(recfs.calls)
+    recfs.calls.clear()
+    return calls
+
+
+SRC_OPTS = {"endpoint_url": "http://127.0.0.1:5000", "anon": False}
+CK_OPTS = {"key": "ck", "retries": 3}
+OUT_OPTS = {"key": "out", "client_kwargs": {"region_name": "x"}}
+
+
+def test_import_export_pass_storage_options(tmp_path: Path, recfs) -> None:  # type: ignore[no-untyped-def]
+    """HF source, tenplex checkpoint and export destination all remote: each URL's filesystem is built
+    with its own options, and the round trip is still bit for bit."""
+    src = _hf_by_hand("llama", tmp_path / "hf")
+    fs = recfs()
+    fs.put(str(src), "recfs://hf", recursive=True)
+    _calls(recfs)
+    assert detect_format("recfs://hf", storage_options=SRC_OPTS) == "hf"
+    res = import_hf("recfs://hf", "recfs://ck", layout=P("tp=2"), storage_options=CK_OPTS,
+                    source_storage_options=SRC_OPTS)
+    calls = _calls(recfs)
+    assert SRC_OPTS in calls and CK_OPTS in calls and all(c in (SRC_OPTS, CK_OPTS) for c in calls), calls
+    assert res.layout == P("tp=2")
+    path = export_hf("recfs://ck", "recfs://out", storage_options=CK_OPTS, out_storage_options=OUT_OPTS)
+    calls = _calls(recfs)
+    assert CK_OPTS in calls and OUT_OPTS in calls and all(c in (CK_OPTS, OUT_OPTS) for c in calls), calls
+    assert path == "recfs:///out/model.safetensors"
+    from safetensors.torch import load as load_bytes
+
+    a, b = load_file(str(src / "model.safetensors")), load_bytes(fs.cat_file("recfs://out/model.safetensors"))
+    assert set(a) == set(b) and all(_bits_equal(a[k], b[k]) for k in a)
+    assert json.loads(fs.cat_file("recfs://out/config.json")) == {
+        **json.loads((src / "config.json").read_text()), "torch_dtype": "float32", "dtype": "float32"}
+    _, glob, _ = load_global("recfs://ck", storage_options=CK_OPTS)
+    assert _calls(recfs) and set(glob) == set(hf_to_tenplex(a, hf_config_to_spec(LLAMA_CFG, torch.float32)))
+
+
+def test_dcp_import_from_a_url_passes_storage_options(tmp_path: Path, recfs) -> None:  # type: ignore[no-untyped-def]
+    ptc = model_ptc("tiny")
+    state = _random_state(ptc, seed=5)
+    _dcp_save(dict(state), tmp_path / "dcp")
+    recfs().put(str(tmp_path / "dcp"), "recfs://dcp", recursive=True)
+    _calls(recfs)
+    assert detect_format("recfs://dcp", storage_options=SRC_OPTS) == "dcp"
+    import_dcp("recfs://dcp", str(tmp_path / "t"), model="tiny", source_storage_options=SRC_OPTS)
+    calls = _calls(recfs)
+    assert calls and all(c == SRC_OPTS for c in calls), calls
+    got = _load_all(str(tmp_path / "t"), P("dp=1,tp=2,pp=2"))
+    assert all(_bits_equal(got[n], state[n]) for n in state)
+
+
+def test_bad_storage_options_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="source_storage_options must map option names"):
+        detect_format(tmp_path, storage_options=[("a", 1)])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="storage_options must map option names"):
+        load_global(str(tmp_path), storage_options={1: 2})  # type: ignore[dict-item]
+
+
+def test_cli_import_export_pass_storage_options(tmp_path: Path, recfs, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``--source-storage-option`` / ``--storage-option`` / ``--out-storage-option`` reach the
+    constructor of each URL's filesystem (values parsed as JSON when they parse)."""
+    src = _hf_by_hand("gpt2", tmp_path / "hf")
+    fs = recfs()
+    fs.put(str(src), "recfs://hf", recursive=True)
+    _calls(recfs)
+    assert cli_main(["import", "recfs://hf", "recfs://ck", "--json",
+                     "--source-storage-option", "endpoint_url=http://127.0.0.1:5000",
+                     "--source-storage-option", "anon=false",
+                     "--storage-option", "key=ck", "--storage-option", "retries=3"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "hf"
+    calls = _calls(recfs)
+    assert SRC_OPTS in calls and CK_OPTS in calls and all(c in (SRC_OPTS, CK_OPTS) for c in calls), calls
+    assert cli_main(["export", "recfs://ck", "recfs://out/m.safetensors", "--storage-option", "key=ck",
+                     "--storage-option", "retries=3", "--out-storage-option", "key=out",
+                     "--out-storage-option", 'client_kwargs={"region_name": "x"}']) == 0
+    assert "recfs:///out/m.safetensors" in capsys.readouterr().out
+    calls = _calls(recfs)
+    assert CK_OPTS in calls and OUT_OPTS in calls and all(c in (CK_OPTS, OUT_OPTS) for c in calls), calls
+    assert fs.exists("recfs://out/config.json")
