@@ -131,15 +131,93 @@ def _float_in(lo: float, hi: float, *, lo_open: bool = True) -> Callable[[str], 
 
 
 def _url(text: str) -> str:
-    """An argparse type: a local path or an fsspec URL whose protocol is known and installed."""
+    """An argparse type: a local path or an fsspec URL whose protocols are known and installed.
+
+    Only the protocols are checked here: the filesystem is built by the command, with the
+    ``--storage-option`` values it may need."""
     if not text:
         raise argparse.ArgumentTypeError("empty path: pass a local path or a URL")
+    parts = text.split("::")
     try:
-        fsspec.core.url_to_fs(text)
+        for i, part in enumerate(parts):
+            protocol = fsspec.core.split_protocol(part)[0] or (part if i < len(parts) - 1 else "file")
+            fsspec.get_filesystem_class(protocol)
     except (ValueError, ImportError, TypeError) as e:
         raise argparse.ArgumentTypeError(f"cannot use {text!r} ({e}): pass a local path or a URL of an installed "
                                          "fsspec protocol (file://, memory://, s3://, http://, ...)") from None
     return text
+
+
+def _storage_option(text: str) -> tuple[str, object]:
+    """An argparse type: ``KEY=VALUE`` of an fsspec storage option; VALUE is JSON when it parses
+    (``anon=false``, ``client_kwargs={"region_name": "x"}``), else the string."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE: write e.g. endpoint_url=http://127.0.0.1:5000 "
+                                         "or anon=false")
+    if not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"option name {key!r} is not a keyword name (letters, digits, _): "
+                                         "use the filesystem's parameter name, e.g. endpoint_url")
+    try:
+        value: object = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key, value
+
+
+def _add_storage_option(p: argparse.ArgumentParser, flag: str, dest: str, what: str) -> None:
+    p.add_argument(flag, dest=dest, type=_storage_option, action="append", default=[], metavar="KEY=VALUE",
+                   help=f"fsspec storage option of {what}, repeatable; VALUE is read as JSON when it parses, "
+                        f"else as a string (e.g. {flag} endpoint_url=http://127.0.0.1:5000 {flag} anon=false)")
+
+
+def _storage_options(pairs: Sequence[tuple[str, object]], flag: str) -> dict[str, object]:
+    """The options of repeated ``flag KEY=VALUE`` arguments (a key given twice is an error)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"{flag} {key} is given twice ({json.dumps(out[key])} and {json.dumps(value)}): "
+                              "give each option once")
+        out[key] = value
+    return out
+
+
+def _given(**flags: dict[str, object]) -> str:
+    """'--storage-option a, --out-storage-option b' for the options given (keyword: flag name with _)."""
+    return ", ".join(f"--{flag.replace('_', '-')} {key}" for flag, opts in flags.items() for key in opts)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _raised_in_package(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep)
+
+
+@contextmanager
+def _storage_errors(given: str) -> Iterator[None]:
+    """A TypeError raised inside a filesystem library while storage options were given (``given``,
+    from ``_given``): the options are what it refused (e.g. aiohttp's "unexpected keyword argument")."""
+    try:
+        yield
+    except TypeError as e:
+        if not given or _raised_in_package(e):
+            raise
+        raise ConfigError(f"the filesystem refused the storage options {given} ({e}): pass only parameters its "
+                          "fsspec implementation takes") from e
+
+
+def _url_fs(url: str, options: dict[str, object], flag: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem of ``url`` built with ``options``; options its class refuses are a ConfigError."""
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except TypeError as e:
+        raise ConfigError(f"cannot open {url} with {flag} {', '.join(options)} ({e}): pass options the "
+                          "filesystem's constructor takes") from None
 
 
 _POS = _int_in(1, MAX_WORLD_SIZE)
@@ -317,15 +395,16 @@ def _checkpoint_errors(url: str) -> Iterator[None]:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    fs, path = fsspec.core.url_to_fs(args.url)
+    opts = _storage_options(args.storage_option, "--storage-option")
+    fs, path = _url_fs(args.url, opts, "--storage-option")
     if isinstance(fs, LocalFileSystem) and not fs.exists(path):
         raise CheckpointNotFoundError(f"{args.url} does not exist: check the path")
-    with _checkpoint_errors(args.url):
-        return _inspect(args)
+    with _checkpoint_errors(args.url), _storage_errors(_given(storage_option=opts)):
+        return _inspect(args, opts)
 
 
-def _inspect(args: argparse.Namespace) -> int:
-    steps = list_steps(args.url)
+def _inspect(args: argparse.Namespace, opts: dict[str, object]) -> int:
+    steps = list_steps(args.url, storage_options=opts)
     if not steps:
         print(f"no checkpoint steps under {args.url}", file=sys.stderr)
         return 1
@@ -341,7 +420,7 @@ def _inspect(args: argparse.Namespace) -> int:
             f"step {i.step} ({i.save_id}): {i.problem}" for i in damaged[-3:]))
     manifest = None
     if args.step is not None or complete:
-        manifest = read_manifest(args.url, args.step)
+        manifest = read_manifest(args.url, args.step, storage_options=opts)
     if args.json:
         out: dict[str, object] = {"url": args.url, "steps": summary}
         if manifest is not None:
@@ -388,13 +467,20 @@ def _cmd_import(args: argparse.Namespace) -> int:
         if not isinstance(hf_config, dict):
             raise TenplexError(f"--hf-config {args.hf_config} holds a {type(hf_config).__name__}, not a JSON object; "
                                "pass the checkpoint's config.json")
-    kw: dict = {"layout": args.layout, "step": args.step}
+    src_opts = _storage_options(args.source_storage_option, "--source-storage-option")
+    opts = _storage_options(args.storage_option, "--storage-option")
+    _url_fs(args.src, src_opts, "--source-storage-option")
+    _url_fs(args.dst, opts, "--storage-option")
+    kw: dict = {"layout": args.layout, "step": args.step, "storage_options": opts,
+                "source_storage_options": src_opts}
     fmt = args.format
     if fmt == "auto":
-        fmt = detect_format(args.src)
+        with _storage_errors(_given(source_storage_option=src_opts)):
+            fmt = detect_format(args.src, storage_options=src_opts)
     if fmt == "dcp":
         kw.update(model=args.model, hf_config=hf_config, strip_prefix=args.strip_prefix)
-    res = import_checkpoint(args.src, args.dst, fmt=fmt, **kw)
+    with _storage_errors(_given(source_storage_option=src_opts, storage_option=opts)):
+        res = import_checkpoint(args.src, args.dst, fmt=fmt, **kw)
     if args.json:
         print(json.dumps({"format": res.source_format, "url": res.url, "layout": str(res.layout),
                           "step": res.step, "tensors": res.tensors, "bytes_written": res.nbytes}))
@@ -405,8 +491,12 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    with _checkpoint_errors(args.src):
-        path = export_hf(args.src, args.dst, step=args.step)
+    opts = _storage_options(args.storage_option, "--storage-option")
+    out_opts = _storage_options(args.out_storage_option, "--out-storage-option")
+    _url_fs(args.src, opts, "--storage-option")
+    _url_fs(args.dst, out_opts, "--out-storage-option")
+    with _checkpoint_errors(args.src), _storage_errors(_given(storage_option=opts, out_storage_option=out_opts)):
+        path = export_hf(args.src, args.dst, step=args.step, storage_options=opts, out_storage_options=out_opts)
     print(f"exported {args.src} to {path} (Hugging Face safetensors, config.json beside it)")
     return 0
 
@@ -492,11 +582,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", type=_url, help="checkpoint URL (local path, memory://, s3://, ...)")
     p.add_argument("--step", type=_STEP, default=None, help="step to describe (default: latest complete)")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
+    _add_storage_option(p, "--storage-option", "storage_option", "the checkpoint URL")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("import", help="import a DCP or Hugging Face (Llama, GPT-2) checkpoint as a tenplex checkpoint")
-    p.add_argument("src", help="DCP checkpoint directory, HF model directory or .safetensors file")
+    p.add_argument("src", type=_url, help="DCP checkpoint directory, HF model directory or .safetensors file "
+                                         "(local path or URL)")
     p.add_argument("dst", type=_url, help="tenplex checkpoint URL to write")
     p.add_argument("--format", choices=("auto", "dcp", "hf"), default="auto")
     p.add_argument("--layout", type=_layout, default=ParallelConfig(), metavar="LAYOUT",
@@ -506,13 +598,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DCP: model preset whose tenplex-named tensors the checkpoint holds (e.g. tiny)")
     p.add_argument("--hf-config", default=None, help="DCP: config.json of a checkpoint holding Hugging Face names")
     p.add_argument("--strip-prefix", default="", help="DCP: prefix removed from every tensor name, e.g. model.")
+    _add_storage_option(p, "--storage-option", "storage_option", "the tenplex checkpoint URL (dst)")
+    _add_storage_option(p, "--source-storage-option", "source_storage_option", "the source (src) when it is a URL")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_import)
 
     p = sub.add_parser("export", help="export a tenplex GPT/Llama checkpoint as Hugging Face safetensors")
     p.add_argument("src", type=_url, help="tenplex checkpoint URL")
-    p.add_argument("dst", help="output .safetensors file, or a directory (model.safetensors + config.json)")
+    p.add_argument("dst", type=_url, help="output .safetensors file, or a directory (model.safetensors + "
+                                         "config.json); local path or URL")
     p.add_argument("--step", type=_STEP, default=None, help="step to export (default: latest complete)")
+    _add_storage_option(p, "--storage-option", "storage_option", "the tenplex checkpoint URL (src)")
+    _add_storage_option(p, "--out-storage-option", "out_storage_option", "the output (dst) when it is a URL")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("store", help="the per-host tensor store")

@@ -10,7 +10,13 @@
   keep their TP/PP partitioning; Hugging Face names are mapped first; any other tensor is
   imported replicated on every stage.
 * ``export_hf``: a tenplex GPT/Llama checkpoint back to one Hugging Face style
-  ``model.safetensors`` (plus ``config.json``).
+  ``model.safetensors`` plus ``config.json``: the source's own config when the checkpoint was
+  imported from Hugging Face (kept in its ``extra["hf_config"]``; only the dtype is updated),
+  else a complete config of the model tenplex describes (``spec_to_hf_config``).
+
+Every URL can carry fsspec ``storage_options``: ``storage_options`` for the tenplex checkpoint,
+``source_storage_options`` for an import's source, ``out_storage_options`` for an export's
+destination (each may also be a local path).
 
 Name mapping (see docs/interop.md). Llama: ``model.embed_tokens`` -> ``embedding.word``;
 ``model.layers.{i}.input_layernorm`` -> ``layers.{i}.attn_norm``; ``self_attn.{q,k,v}_proj``
@@ -39,13 +45,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
-from .checkpoint import load, read_manifest, save
+from .checkpoint import LoadResult, load, save
 from .config import ParallelConfig
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from .models import ModelSpec, model_ptc, model_spec, optimizer_names
-from .ptc import PTC, TensorSpec
+from .models import NORM_EPS, ROPE_THETA, ModelSpec, model_ptc, model_spec, optimizer_names
+from .ptc import PTC, TensorSpec, dtype_to_str
 
 __all__ = [
     "ImportResult",
@@ -84,15 +92,23 @@ class ImportResult:
 # Hugging Face configs
 # ---------------------------------------------------------------------------------------------
 def hf_config_to_spec(config: Mapping[str, Any], dtype: torch.dtype, *, vocab_pad: int = 128) -> ModelSpec:
-    """The tenplex ModelSpec of a Hugging Face Llama or GPT-2 ``config.json``."""
+    """The tenplex ModelSpec of a Hugging Face Llama or GPT-2 ``config.json``.
+
+    The spec holds the dimensions only; norm epsilon, RoPE parameters and token ids stay in the
+    config, which ``import_hf`` keeps in the checkpoint's ``extra["hf_config"]`` for ``export_hf``.
+    """
     mtype = config.get("model_type")
     if mtype == "llama":
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise ConfigError("Llama checkpoints with attention or MLP biases have no tenplex equivalent")
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        head_dim = config.get("head_dim")
+        if head_dim is not None and int(head_dim) * heads != hidden:
+            raise ConfigError(f"head_dim={head_dim} times num_attention_heads={heads} is not hidden_size={hidden}: "
+                              "tenplex's Llama has head_dim = hidden_size / num_attention_heads")
         return ModelSpec(
-            arch="llama", num_layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
-            heads=int(config["num_attention_heads"]),
-            kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+            arch="llama", num_layers=int(config["num_hidden_layers"]), hidden=hidden, heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
             ffn_hidden=int(config["intermediate_size"]), vocab=int(config["vocab_size"]),
             seq_len=int(config.get("max_position_embeddings", 2048)),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)), dtype=dtype, vocab_pad=vocab_pad,
@@ -107,26 +123,77 @@ def hf_config_to_spec(config: Mapping[str, Any], dtype: torch.dtype, *, vocab_pa
     raise ConfigError(f"unsupported Hugging Face model_type {mtype!r}: tenplex imports 'llama' and 'gpt2'")
 
 
-def spec_to_hf_config(spec: ModelSpec) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` for ``spec`` (the inverse of ``hf_config_to_spec``)."""
-    dtype = str(spec.dtype).removeprefix("torch.")
+def _spec_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The ``config.json`` fields that ``spec`` determines (dimensions, vocabulary without padding)."""
     if spec.arch == "llama":
         return {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec.hidden,
             "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.heads,
-            "num_key_value_heads": spec.kv_heads, "intermediate_size": spec.ffn_hidden,
+            "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim, "intermediate_size": spec.ffn_hidden,
             "vocab_size": spec.vocab, "max_position_embeddings": spec.seq_len,
-            "tie_word_embeddings": bool(spec.tied_embeddings), "hidden_act": "silu", "rms_norm_eps": 1e-5,
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+            "tie_word_embeddings": bool(spec.tied_embeddings),
         }
     if not spec.tied_embeddings:
         raise ConfigError("GPT-2 ties its LM head to the word embedding; this GPT has an untied head")
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": spec.hidden,
         "n_layer": spec.num_layers, "n_head": spec.heads, "n_inner": spec.ffn_hidden, "vocab_size": spec.vocab,
-        "n_positions": spec.seq_len, "n_ctx": spec.seq_len, "activation_function": "gelu_new",
-        "tie_word_embeddings": True, "torch_dtype": dtype,
+        "n_positions": spec.seq_len, "n_ctx": spec.seq_len, "tie_word_embeddings": True,
     }
+
+
+# What tenplex's models compute with besides the dimensions (tenplex.models.NORM_EPS / ROPE_THETA).
+# No token ids are known: they are written as null so that transformers' defaults (1/2 for Llama,
+# 50256 for GPT-2) are not mistaken for this model's.
+_TENPLEX_LLAMA = {
+    "hidden_act": "silu", "rms_norm_eps": NORM_EPS, "rope_theta": ROPE_THETA,
+    "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
+    "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+}
+_TENPLEX_GPT = {
+    "activation_function": "gelu_new", "layer_norm_epsilon": NORM_EPS, "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+    "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+}
+
+
+def _with_dtype(config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """``config`` with its dtype set to ``dtype`` (the key(s) it uses: ``dtype`` since transformers 5,
+    ``torch_dtype`` before; both when it has neither)."""
+    keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype", "dtype"]
+    return {**config, **dict.fromkeys(keys, dtype_to_str(dtype))}
+
+
+def spec_to_hf_config(spec: ModelSpec, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` for ``spec`` (the inverse of ``hf_config_to_spec``).
+
+    ``base``: the config the model was imported with; it is returned as it is but for the dtype
+    (and ``architectures`` / ``model_type`` when missing), so norm epsilon, RoPE parameters,
+    token ids and the rest survive a round trip. A ``base`` whose dimensions differ from ``spec``
+    gets ``spec``'s (logged). Without ``base``: every field transformers' ``LlamaConfig`` /
+    ``GPT2Config`` needs to compute what tenplex's model computes (norm epsilon
+    ``tenplex.models.NORM_EPS``, RoPE base ``ROPE_THETA``, head_dim, KV heads, tying, the
+    vocabulary without tenplex's padding, dtype), no token ids.
+    """
+    fields = _spec_fields(spec)
+    if base is None:
+        defaults = _TENPLEX_LLAMA if spec.arch == "llama" else _TENPLEX_GPT
+        return _with_dtype({**defaults, **fields}, spec.dtype)
+    out = dict(base)
+    try:
+        same = hf_config_to_spec(base, spec.dtype, vocab_pad=spec.vocab_pad) == spec
+    except (ConfigError, KeyError, TypeError, ValueError):
+        same = False
+    if same:
+        for k in ("architectures", "model_type"):
+            if not out.get(k):
+                out[k] = fields[k]
+    else:
+        log.warning("the Hugging Face config kept from the import describes another model than the checkpoint; "
+                    "writing the checkpoint's dimensions into it")
+        out.update(fields)
+    return _with_dtype(out, spec.dtype)
 
 
 def _infer_hf_config(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -231,48 +298,91 @@ def tenplex_to_hf(state: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[st
 # ---------------------------------------------------------------------------------------------
 # reading sources
 # ---------------------------------------------------------------------------------------------
-def detect_format(src: str | Path) -> str:
-    """'dcp' for a directory with DCP's ``.metadata``, 'hf' for safetensors files."""
-    p = Path(src)
-    if p.is_dir() and (p / ".metadata").exists():
-        return "dcp"
-    if (p.is_file() and p.suffix == ".safetensors") or (p.is_dir() and any(p.glob("*.safetensors"))):
+def _options(storage_options: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
+    if storage_options is None:
+        return {}
+    if not isinstance(storage_options, Mapping) or not all(isinstance(k, str) for k in storage_options):
+        raise ConfigError(f"{what} must map option names (strings) to values, got {storage_options!r}")
+    return dict(storage_options)
+
+
+def _url_fs(src: str | Path, storage_options: Mapping[str, Any] | None,
+            what: str = "source_storage_options") -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and path of a local path or fsspec URL, built with ``storage_options``."""
+    return fsspec.core.url_to_fs(str(src), **_options(storage_options, what))
+
+
+def _names(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """Full paths of the entries of directory ``path``."""
+    return sorted(fs.ls(path, detail=False))
+
+
+def detect_format(src: str | Path, *, storage_options: Mapping[str, Any] | None = None) -> str:
+    """'dcp' for a directory with DCP's ``.metadata``, 'hf' for safetensors files (local or a URL)."""
+    fs, path = _url_fs(src, storage_options)
+    if fs.isdir(path):
+        names = _names(fs, path)
+        if any(n.rsplit("/", 1)[-1] == ".metadata" for n in names):
+            return "dcp"
+        if any(n.endswith(".safetensors") for n in names):
+            return "hf"
+    elif path.endswith(".safetensors") and fs.isfile(path):
         return "hf"
     raise CheckpointNotFoundError(
         f"{src} is neither a DCP checkpoint directory (with .metadata) nor a Hugging Face safetensors "
         "checkpoint (a .safetensors file or a directory holding them)")
 
 
-def read_hf_state(src: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+def read_hf_state(src: str | Path, *, storage_options: Mapping[str, Any] | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """Every tensor of a Hugging Face safetensors checkpoint (all shards) and its config.json."""
+    from safetensors.torch import load as load_bytes
     from safetensors.torch import load_file
 
-    p = Path(src)
-    files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
+    fs, path = _url_fs(src, storage_options)
+    if fs.isfile(path):
+        files, parent = [path], path.rsplit("/", 1)[0]
+    else:
+        files = [n for n in _names(fs, path) if n.endswith(".safetensors")] if fs.isdir(path) else []
+        parent = path.rstrip("/")
     if not files:
         raise CheckpointNotFoundError(f"no .safetensors files in {src}")
+    local = isinstance(fs, LocalFileSystem)
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        part = load_file(str(f))
+        part = load_file(f) if local else load_bytes(fs.cat_file(f))
         dup = set(part) & set(state)
         if dup:
             raise CheckpointError(f"{f} repeats tensors of another shard, e.g. {sorted(dup)[:3]}")
         state.update(part)
-    cfg_path = (p.parent if p.is_file() else p) / "config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.exists() else None
+    cfg_path = parent + "/config.json"
+    if not fs.exists(cfg_path):
+        return state, None
+    try:
+        config = json.loads(fs.cat_file(cfg_path))
+    except ValueError as e:
+        raise ConfigError(f"{cfg_path} is not JSON ({e}): write the model's config.json again") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{cfg_path} holds a {type(config).__name__}, not a JSON object")
     return state, config
 
 
-def read_dcp_state(src: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_dcp_state(src: str | Path, *, storage_options: Mapping[str, Any] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every tensor of a DCP checkpoint as a full (unsharded) tensor, and its non-tensor items.
 
     Reads in this process without a process group (``no_dist``); whatever sharding the
-    checkpoint was saved with, the result holds the global tensors.
+    checkpoint was saved with, the result holds the global tensors. A URL (or any
+    ``storage_options``) is read through fsspec (DCP's ``FsspecReader``).
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # public there (its __all__)
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(src))
+    opts = _options(storage_options, "source_storage_options")
+    fs, path = _url_fs(src, opts)
+    reader = (dcp.FileSystemReader(path) if isinstance(fs, LocalFileSystem) and not opts
+              else FsspecReader(str(src), **opts))
     try:
         md = reader.read_metadata()
     except FileNotFoundError:
@@ -304,21 +414,30 @@ def _state_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -
 
 
 def _save_all(url: str, ptc: PTC, state: Mapping[str, Any], layout: ParallelConfig, step: int,
-              extra: Any) -> int:
+              extra: Any, storage_options: Mapping[str, Any] | None) -> int:
     """Shard the global state under ``layout`` and save every rank's part (in this process)."""
+    opts = _options(storage_options, "storage_options")
     shards = ptc.shard(state, layout)
     written = 0
     for rank in range(layout.world_size):
-        written += save(url, ptc, layout, rank, shards[rank], step=step, extra=extra).bytes_written
+        written += save(url, ptc, layout, rank, shards[rank], step=step, extra=extra,
+                        storage_options=opts).bytes_written
         shards[rank] = {}
     return written
 
 
 def import_hf(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int = 0,
-              dtype: torch.dtype | None = None, vocab_pad: int = 128) -> ImportResult:
-    """Import a Hugging Face Llama or GPT-2 safetensors checkpoint as a tenplex checkpoint."""
+              dtype: torch.dtype | None = None, vocab_pad: int = 128,
+              storage_options: Mapping[str, Any] | None = None,
+              source_storage_options: Mapping[str, Any] | None = None) -> ImportResult:
+    """Import a Hugging Face Llama or GPT-2 safetensors checkpoint as a tenplex checkpoint.
+
+    The source's ``config.json`` is kept in the checkpoint's ``extra["hf_config"]`` (``export_hf``
+    writes it back). ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
+    ``source_storage_options``: of ``src`` when it is a URL.
+    """
     layout = layout or ParallelConfig()
-    hf_state, config = read_hf_state(src)
+    hf_state, config = read_hf_state(src, storage_options=source_storage_options)
     if config is None:
         _infer_hf_config(hf_state)
     assert config is not None
@@ -327,7 +446,8 @@ def import_hf(src: str | Path, url: str, *, layout: ParallelConfig | None = None
     state = {k: v.to(dt) for k, v in hf_to_tenplex(hf_state, spec).items()}
     ptc = _spec_ptc(spec, optimizer=False)
     _check_shapes(ptc, state)
-    n = _save_all(url, ptc, state, layout, step, extra={"imported_from": "hf", "hf_config": config})
+    n = _save_all(url, ptc, state, layout, step, extra={"imported_from": "hf", "hf_config": config},
+                  storage_options=storage_options)
     log.info("imported %s (%s, %d tensors) into %s under %s", src, config.get("model_type"), len(state), url, layout)
     return ImportResult(ptc, layout, step, url, "hf", len(state), n)
 
@@ -377,7 +497,8 @@ def _looks_hf(names: Any) -> bool:
 
 def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int = 0,
                model: ModelSpec | str | None = None, hf_config: Mapping[str, Any] | None = None,
-               strip_prefix: str = "") -> ImportResult:
+               strip_prefix: str = "", storage_options: Mapping[str, Any] | None = None,
+               source_storage_options: Mapping[str, Any] | None = None) -> ImportResult:
     """Import a torch.distributed.checkpoint directory as a tenplex checkpoint.
 
     ``model``: the ModelSpec (or preset name) whose tenplex-named tensors the checkpoint holds;
@@ -385,9 +506,11 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
     holds Hugging Face names of this config (mapped as in ``import_hf``). Neither: every tensor
     is imported replicated (loadable under any layout, but not TP-split).
     ``strip_prefix`` is removed from every name first (e.g. ``"model."`` of a wrapped module).
+    ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
+    ``source_storage_options``: of ``src`` when it is a URL.
     """
     layout = layout or ParallelConfig()
-    tensors, objects = read_dcp_state(src)
+    tensors, objects = read_dcp_state(src, storage_options=source_storage_options)
     if strip_prefix:
         tensors = {k.removeprefix(strip_prefix): v for k, v in tensors.items()}
     spec: ModelSpec | None
@@ -404,15 +527,19 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
     for o in ptc.objects:
         if o in objects:
             state[o] = objects[o]
-    extra = {"imported_from": "dcp", "objects": {k: v for k, v in objects.items() if k not in ptc.objects}}
-    n = _save_all(url, ptc, state, layout, step, extra=extra)
+    extra: dict[str, Any] = {"imported_from": "dcp",
+                             "objects": {k: v for k, v in objects.items() if k not in ptc.objects}}
+    if hf_config is not None:
+        extra["hf_config"] = dict(hf_config)
+    n = _save_all(url, ptc, state, layout, step, extra=extra, storage_options=storage_options)
     log.info("imported DCP checkpoint %s (%d tensors) into %s under %s", src, len(ptc), url, layout)
     return ImportResult(ptc, layout, step, url, "dcp", len(ptc), n)
 
 
 def import_checkpoint(src: str | Path, url: str, *, fmt: str = "auto", **kw: Any) -> ImportResult:
-    """``import_dcp`` or ``import_hf``, chosen by ``fmt`` or by what ``src`` holds."""
-    fmt = detect_format(src) if fmt == "auto" else fmt
+    """``import_dcp`` or ``import_hf``, chosen by ``fmt`` or by what ``src`` holds (keywords as
+    theirs, ``storage_options`` and ``source_storage_options`` included)."""
+    fmt = detect_format(src, storage_options=kw.get("source_storage_options")) if fmt == "auto" else fmt
     if fmt == "dcp":
         return import_dcp(src, url, **kw)
     if fmt == "hf":
@@ -425,35 +552,58 @@ def import_checkpoint(src: str | Path, url: str, *, fmt: str = "auto", **kw: Any
 # ---------------------------------------------------------------------------------------------
 # export
 # ---------------------------------------------------------------------------------------------
-def load_global(url: str, *, step: int | None = None) -> tuple[PTC, dict[str, Any], int]:
-    """Every tensor of a tenplex checkpoint as a global (unsharded, unpadded) tensor."""
-    info = read_manifest(url, step)
-    ptc = info["ptc"]
+def _load_global(url: str, step: int | None, storage_options: Mapping[str, Any] | None
+                 ) -> tuple[LoadResult, dict[str, Any]]:
     one = ParallelConfig()
-    res = load(url, one, 0, step=info["step"])
-    return ptc, ptc.unshard({0: res.shard}, one), res.step
+    res = load(url, one, 0, step=step, storage_options=_options(storage_options, "storage_options"))
+    return res, res.ptc.unshard({0: res.shard}, one)
 
 
-def export_hf(url: str, out: str | Path, *, step: int | None = None) -> Path:
+def load_global(url: str, *, step: int | None = None, storage_options: Mapping[str, Any] | None = None
+                ) -> tuple[PTC, dict[str, Any], int]:
+    """Every tensor of a tenplex checkpoint as a global (unsharded, unpadded) tensor."""
+    res, state = _load_global(url, step, storage_options)
+    return res.ptc, state, res.step
+
+
+def _hf_config_of(extra: Any) -> Mapping[str, Any] | None:
+    """The Hugging Face config an import kept in ``extra`` (None for checkpoints of other origin)."""
+    cfg = extra.get("hf_config") if isinstance(extra, Mapping) else None
+    return cfg if isinstance(cfg, Mapping) else None
+
+
+def export_hf(url: str, out: str | Path, *, step: int | None = None,
+              storage_options: Mapping[str, Any] | None = None,
+              out_storage_options: Mapping[str, Any] | None = None) -> Path | str:
     """Write a tenplex GPT/Llama checkpoint as Hugging Face safetensors (parameters only).
 
     ``out`` ending in ``.safetensors`` is the file written (``config.json`` goes beside it);
     otherwise ``out`` is a directory that receives ``model.safetensors`` and ``config.json``.
-    Returns the safetensors path.
+    ``config.json`` is the source's own when the checkpoint was imported from Hugging Face (dtype
+    updated), else ``spec_to_hf_config`` of the checkpoint's model. ``storage_options``: fsspec
+    options of the checkpoint ``url``; ``out_storage_options``: of ``out`` when it is a URL.
+    Returns the safetensors path (a URL for a remote ``out``).
     """
+    from safetensors.torch import save as save_bytes
     from safetensors.torch import save_file
 
-    ptc, state, got_step = load_global(url, step=step)
-    mj = ptc.meta.get("model")
+    res, state = _load_global(url, step, storage_options)
+    mj = res.ptc.meta.get("model")
     if not mj:
         raise CheckpointError(f"{url} holds no GPT/Llama model description (meta.model); "
                               "only model_ptc collections can be exported to Hugging Face format")
     spec = ModelSpec.from_json(dict(mj))
-    hf = tenplex_to_hf(state, spec)
-    p = Path(out)
-    path = p if p.suffix == ".safetensors" else p / "model.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in hf.items()}, str(path), metadata={"format": "pt"})
-    (path.parent / "config.json").write_text(json.dumps(spec_to_hf_config(spec), indent=2) + "\n")
-    log.info("exported %s step %d (%d tensors) to %s", url, got_step, len(hf), path)
-    return path
+    config = spec_to_hf_config(spec, _hf_config_of(res.extra))
+    hf = {k: v.contiguous() for k, v in tenplex_to_hf(state, spec).items()}
+    fs, p = _url_fs(out, out_storage_options, "out_storage_options")
+    path = p if p.endswith(".safetensors") else p.rstrip("/") + "/model.safetensors"
+    parent = path.rsplit("/", 1)[0]
+    fs.makedirs(parent, exist_ok=True)
+    local = isinstance(fs, LocalFileSystem)
+    if local:
+        save_file(hf, path, metadata={"format": "pt"})
+    else:
+        fs.pipe_file(path, save_bytes(hf, metadata={"format": "pt"}))
+    fs.pipe_file(parent + "/config.json", (json.dumps(config, indent=2) + "\n").encode())
+    log.info("exported %s step %d (%d tensors) to %s", url, res.step, len(hf), path)
+    return Path(path) if local else fs.unstrip_protocol(path)

@@ -11,7 +11,14 @@ import torch
 from .errors import LayoutError, SpecError
 from .ptc import PTC, Placement, Replicated, Split, TensorSpec, dtype_from_str, dtype_to_str
 
-__all__ = ["ModelSpec", "PRESETS", "model_spec", "model_ptc", "optimizer_names"]
+__all__ = ["ModelSpec", "PRESETS", "NORM_EPS", "ROPE_THETA", "model_spec", "model_ptc", "optimizer_names"]
+
+# What tenplex's models compute with beyond the ModelSpec dimensions (tenplex.train.model's Llama uses
+# these values; interop.export_hf writes them into the config.json of a checkpoint not imported from
+# Hugging Face): the epsilon of RMSNorm (Llama) and LayerNorm (GPT), and the RoPE base (rotate-half
+# RoPE, no scaling, head_dim = hidden / heads).
+NORM_EPS = 1e-5
+ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True, slots=True)

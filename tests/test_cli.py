@@ -88,6 +88,24 @@ def test_inspect_empty(tmp_path: Path) -> None:
     assert main(["inspect", str(tmp_path)]) == 1
 
 
+def test_inspect_passes_storage_options_to_fsspec(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--storage-option k=v`` reaches the filesystem's constructor (a recording test filesystem), every
+    time tenplex builds it for the URL; values are JSON when they parse, else strings."""
+    from recording_fs import RecordingFileSystem
+
+    RecordingFileSystem.reset()
+    ptc, cfg = tenplex.model_ptc("tiny", optimizer=False), tenplex.ParallelConfig()
+    shard = ptc.shard({n: torch.zeros(s.shape, dtype=s.dtype) for n, s in ptc.tensors.items()}, cfg)[0]
+    tenplex.save("recfs://ck", ptc, cfg, 0, shard, step=7)
+    RecordingFileSystem.calls.clear()
+    opts = {"endpoint_url": "http://127.0.0.1:5000", "anon": False, "retries": 3, "client_kwargs": {"region": "x"}}
+    assert main(["inspect", "recfs://ck", "--json", "--storage-option", "endpoint_url=http://127.0.0.1:5000",
+                 "--storage-option", "anon=false", "--storage-option", "retries=3",
+                 "--storage-option", 'client_kwargs={"region": "x"}']) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 7
+    assert RecordingFileSystem.calls and all(c == opts for c in RecordingFileSystem.calls), RecordingFileSystem.calls
+
+
 @pytest.mark.timeout(120)
 def test_console_script_and_module_entry() -> None:
     res = subprocess.run([sys.executable, "-m", "tenplex", "plan", "--model", "tiny", "--from", "dp=1",

@@ -178,6 +178,28 @@ CASES: list[tuple[list[str], str]] = [
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: command"),
     (["plan", "--model", "tiny", "--from", "dp=1"], "the following arguments are required: --to"),
+    # storage options (inspect / import / export): appended here so that SUBPROCESS's indexes stay
+    (["inspect", "{d}", "--storage-option", "anon"], "--storage-option: 'anon' is not KEY=VALUE"),
+    (["inspect", "{d}", "--storage-option", "=1"], "'=1' is not KEY=VALUE"),
+    (["inspect", "{d}", "--storage-option", "end point=x"], "option name 'end point' is not a keyword name"),
+    (["inspect", "{damaged}", "--storage-option", "a=1", "--storage-option", "a=[2]"],
+     "--storage-option a is given twice (1 and [2])"),
+    (["inspect", "http://127.0.0.1:{port}/", "--storage-option", "client_kwargs=5"],
+     "the filesystem refused the storage options --storage-option client_kwargs"),
+    (["inspect", "http://127.0.0.1:{port}/", "--storage-option", "bogus_option=1"],
+     "refused the storage options --storage-option bogus_option (ClientSession._request() got an unexpected"),
+    (["import", "{d}/x", "{d}/y", "--source-storage-option", "x"], "--source-storage-option: 'x' is not KEY=VALUE"),
+    (["import", "{d}/x", "{d}/y", "--storage-option", "9lives=1"], "option name '9lives' is not a keyword name"),
+    (["import", "{d}/x", "{d}/y", "--source-storage-option", "k=1", "--source-storage-option", "k=1"],
+     "--source-storage-option k is given twice"),
+    (["import", "http://127.0.0.1:{port}/hf", "{d}/y", "--source-storage-option", "bogus_option=1"],
+     "refused the storage options --source-storage-option bogus_option"),
+    (["export", "{damaged}", "{d}/out.safetensors", "--out-storage-option", ""], "'' is not KEY=VALUE"),
+    (["export", "{damaged}", "{d}/out.safetensors", "--storage-option", "t=1", "--storage-option", "t=2"],
+     "--storage-option t is given twice (1 and 2)"),
+    (["export", "http://127.0.0.1:{port}/ck", "{d}/out.safetensors", "--storage-option", "bogus_option=true"],
+     "refused the storage options --storage-option bogus_option"),
+    (["export", "{d}/nope", "foo://out", "--out-storage-option", "a=1"], "cannot use 'foo://out'"),
 ]
 SUBPROCESS = {2, 4, 16, 48, 55, 93}  # indexes of CASES also run as real processes (each imports torch: ~2 s)
 
