@@ -30,6 +30,7 @@ from .memory import estimate_memory, parse_size
 from .models import model_ptc
 from .planner import locality_order, plan
 from .schedule import lower_bound, naive_completion, schedule
+from .store import serve
 from .topology import Topology
 from .vfs.control import remount
 from .vfs.fuse import check_fuse, check_mountpoint, mount, spawn_mount
@@ -749,9 +750,6 @@ def _cmd_remount(args: argparse.Namespace) -> int:
 
 
 def _cmd_store_serve(args: argparse.Namespace) -> int:
-    # lazy: the store's server and client modules are needed by this command only
-    from .store import serve
-
     if args.token is not None:
         raise ConfigError("--token puts the secret in the process list: pass --token-file FILE (mode 0600) or set "
                           "TENPLEX_STORE_TOKEN")
