@@ -361,13 +361,21 @@ class SegmentTable:
     def __len__(self) -> int:
         return len(self.rank)
 
+    @classmethod
+    def from_columns(cls, rank: Any, local: Any, start: Any, length: Any) -> SegmentTable:
+        """A table from four equally long integer columns, stored as read-only contiguous int64
+        arrays (tables are cached and shared, so nobody may change one in place)."""
+        cols = [np.array(c, dtype=np.int64).reshape(-1) for c in (rank, local, start, length)]
+        if len({len(c) for c in cols}) != 1:
+            raise SpecError(f"segment table columns differ in length: {[len(c) for c in cols]}")
+        for c in cols:
+            c.setflags(write=False)
+        return cls(*cols)
+
 
 def _table(rows: list[tuple[int, int, int, int]]) -> SegmentTable:
     arr = np.array(rows, dtype=np.int64).reshape(-1, 4)
-    cols = [np.ascontiguousarray(arr[:, i]) for i in range(4)]
-    for c in cols:
-        c.setflags(write=False)
-    return SegmentTable(*cols)
+    return SegmentTable.from_columns(*arr.T)
 
 
 @lru_cache(maxsize=65536)
