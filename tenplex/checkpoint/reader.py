@@ -23,7 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,7 +64,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class LoadStats:
-    """What a load read: ``bytes_read`` counts data bytes fetched (checksum blocks included),
+    """What a load read: ``bytes_read`` counts data bytes fetched (checksum blocks and, on
+    remote filesystems, bridged gaps included), ``ranges`` the data reads issued,
     ``metadata_bytes`` the JSON indexes, manifest and objects; ``bytes_needed`` is the real
     (non-padding) size of the loaded shard. Counts are of the attempt that was loaded."""
 
@@ -602,7 +603,7 @@ class PartReader:
             return self.fs.cat_file(paths[w], start=lo, end=hi)
 
         with ThreadPoolExecutor(max_workers=_IN_FLIGHT, thread_name_prefix="tenplex-get") as pool:
-            pending: dict[Any, tuple[int, int, int, list[tuple[int, int, int]]]] = {}
+            pending: dict[Future[bytes], tuple[int, int, int, list[tuple[int, int, int]]]] = {}
             nxt = 0
             try:
                 while nxt < len(requests) or pending:
