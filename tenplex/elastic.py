@@ -206,22 +206,13 @@ def rescale(
     found, where = _tiers_of(url, tiers, storage_options)
     t0 = time.perf_counter()
     scan = scan_tiers(found) if found else TierScan([])  # one scan serves the step choice and the load
-    if not tiers and url and not (scan.usable or scan.unusable):
-        _check_listable(found[0])
+    if not tiers and found and found[0].name in scan.unavailable:
+        # the scan passes over tiers it cannot list (a peer that is gone); a checkpoint URL that
+        # cannot be read must not look like one without checkpoints: a fresh start would overwrite them
+        raise scan.unavailable[found[0].name]
     timings = {"list": time.perf_counter() - t0}
     return _resume(found, scan, where, ptc, rank, world, chooser, step=step, allow_meta_change=allow_meta_change,
                    gpus_per_host=gpus_per_host, topology=topology, timings=timings)
-
-
-def _check_listable(tier: Tier) -> None:
-    """Raise the error listing ``tier`` gives, unless it is missing (FileNotFoundError). The scan
-    passes over tiers it cannot list (a peer that is gone); a checkpoint URL that cannot be
-    read must not look like one without checkpoints: a fresh start would overwrite them."""
-    fs, root = tier.fs()
-    try:
-        fs.ls(root, detail=False)
-    except FileNotFoundError:
-        pass
 
 
 def _pinned(cfg: ParallelConfig) -> Chooser:

@@ -58,13 +58,17 @@ class Attempt:
     reused: list[str] = field(default_factory=list)  # tiers where a save marked the save id as used twice
 
 
-def _scan_tier(tier: Tier) -> dict[tuple[int, str], tuple[str, set[int], bool, bool]]:
+def _scan_tier(tier: Tier) -> tuple[dict[tuple[int, str], tuple[str, set[int], bool, bool]], OSError | None]:
+    """The tier's save attempts, and the error listing its root raised (None when it was listed
+    or does not exist: a missing root holds no checkpoints)."""
     try:
         fs, root = tier.fs()
         entries = fs.ls(root, detail=False)
-    except (FileNotFoundError, OSError) as e:
+    except FileNotFoundError:
+        return {}, None
+    except OSError as e:
         log.info("tier %s (%s) unavailable: %s", tier.name, tier.url, e)
-        return {}
+        return {}, e
     out = {}
     for entry in entries:
         parsed = parse_step_dir(entry)
@@ -78,13 +82,17 @@ def _scan_tier(tier: Tier) -> dict[tuple[int, str], tuple[str, set[int], bool, b
                  and data_name(int(mm.group(1))) in files}
         out[parsed] = (entry.rstrip("/"), ranks, {MANIFEST_NAME, OBJECTS_NAME} <= files,
                        any(f.startswith(REUSED_PREFIX) for f in files))
-    return out
+    return out, None
 
 
-def _attempts(tiers: Sequence[Tier]) -> list[Attempt]:
+def _attempts(tiers: Sequence[Tier]) -> tuple[list[Attempt], dict[str, OSError]]:
     merged: dict[tuple[int, str], Attempt] = {}
+    unavailable: dict[str, OSError] = {}
     for tier in tiers:
-        for key, (path, ranks, meta, reused) in _scan_tier(tier).items():
+        found, error = _scan_tier(tier)
+        if error is not None:
+            unavailable[tier.name] = error
+        for key, (path, ranks, meta, reused) in found.items():
             a = merged.setdefault(key, Attempt(key[0], key[1], {}, {}, []))
             a.dirs[tier.name] = path
             a.ranks[tier.name] = ranks
@@ -92,7 +100,7 @@ def _attempts(tiers: Sequence[Tier]) -> list[Attempt]:
                 a.meta_tiers.append(tier.name)
             if reused:
                 a.reused.append(tier.name)
-    return sorted(merged.values(), key=lambda a: a.step)
+    return sorted(merged.values(), key=lambda a: a.step), unavailable
 
 
 @dataclass(frozen=True)
@@ -113,10 +121,12 @@ class UsableStep:
 @dataclass(frozen=True)
 class TierScan:
     """One scan of the tiers: the usable attempts (oldest first) and, for reports, the attempts
-    whose parts all exist but that cannot be used: ``(step, save_id, reason)``."""
+    whose parts all exist but that cannot be used: ``(step, save_id, reason)``; ``unavailable``:
+    the tiers whose root could not be listed, with the error (a missing root is not one)."""
 
     usable: list[UsableStep]
     unusable: list[tuple[int, str, str]] = field(default_factory=list)
+    unavailable: dict[str, OSError] = field(default_factory=dict)
 
 
 def scan_tiers(tiers: Sequence[Tier]) -> TierScan:
@@ -124,7 +134,8 @@ def scan_tiers(tiers: Sequence[Tier]) -> TierScan:
     part exists in some tier and a copy of its manifest verifies (tiers tried in order)."""
     by_name = {t.name: t for t in tiers}
     usable, unusable = [], []
-    for a in _attempts(tiers):
+    attempts, unavailable = _attempts(tiers)
+    for a in attempts:
         if not a.meta_tiers:
             continue
         if a.reused:
@@ -149,7 +160,7 @@ def scan_tiers(tiers: Sequence[Tier]) -> TierScan:
             usable.append(UsableStep(a.step, a.save_id, verified.world_size, a, verified.raw, verified.nbytes, tier,
                                      verified))
     usable.sort(key=lambda u: (u.step, u.verified.created if u.verified else 0.0))
-    return TierScan(usable, unusable)
+    return TierScan(usable, unusable, unavailable)
 
 
 def find_usable(tiers: Sequence[Tier]) -> list[UsableStep]:
