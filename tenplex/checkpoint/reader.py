@@ -480,6 +480,13 @@ class PartReader:
                 "the manifest"
             ) from None
 
+    def _span(self, item: ReadItem) -> tuple[dict[str, Any], dict[str, Any], int, int]:
+        """``item``'s index, chunk, and bytes [lo, hi) of the chunk it reads: its elements rounded
+        out to the checksum blocks the (verified) index records."""
+        idx, chunk = self._chunk(item)
+        lo, hi = span_of(item.a, item.b, item.itemsize, chunk["block"], chunk["length"] * item.itemsize)
+        return idx, chunk, lo, hi
+
     def read_item(self, item: ReadItem, out: torch.Tensor) -> None:
         """Read ``item`` into ``out`` (a contiguous 1-D tensor of its length) and verify it.
 
@@ -492,10 +499,8 @@ class PartReader:
     def fetch(self, item: ReadItem, out: torch.Tensor) -> Callable[[], None]:
         """Read ``item`` into ``out`` without verifying; returns the check to run before using it.
         The chunk's block size is the one its (verified) index records."""
-        idx, chunk = self._chunk(item)
+        idx, chunk, lo, hi = self._span(item)
         itemsize, a, b = item.itemsize, item.a, item.b
-        block, nbytes = chunk["block"], chunk["length"] * itemsize
-        lo, hi = span_of(a, b, itemsize, block, nbytes)
         if b <= a:
             return _nothing
         body = memoryview(out.view(torch.uint8).numpy()).cast("B")
@@ -540,11 +545,10 @@ class PartReader:
             return
         spans = []
         for i, item in enumerate(items):
-            idx, chunk = self._chunk(item)
+            _, chunk, lo, hi = self._span(item)
             if item.b <= item.a:
                 spans.append((item.writer, 0, 0, i))
                 continue
-            lo, hi = span_of(item.a, item.b, item.itemsize, chunk["block"], chunk["length"] * item.itemsize)
             spans.append((item.writer, chunk["offset"] + lo, chunk["offset"] + hi, i))
         writers = sorted({w for w, *_ in spans})
         wanted: dict[int, int] = {}
@@ -587,8 +591,7 @@ class PartReader:
             if item.b <= item.a:
                 on_read(i)
                 continue
-            _, chunk = self._chunk(item)
-            lo, hi = span_of(item.a, item.b, item.itemsize, chunk["block"], chunk["length"] * item.itemsize)
+            _, chunk, lo, hi = self._span(item)
             spans.setdefault(item.writer, []).append((chunk["offset"] + lo, chunk["offset"] + hi, i))
         writers = sorted(spans)
         turn = {w: (k - rank) % len(writers) for k, w in enumerate(writers)}
@@ -627,10 +630,9 @@ class PartReader:
     def _scatter(self, item: ReadItem, raw: memoryview, want: int, buffers: Mapping[str, torch.Tensor]) -> None:
         """Copy ``item``'s elements from ``raw`` (its rounded-out span, ``want`` bytes unless the
         file ended early) into its destination and verify its checksum blocks."""
-        idx, chunk = self._chunk(item)
+        idx, chunk, lo, hi = self._span(item)
         if len(raw) != want:
             raise CheckpointCorruptError(f"{idx['path']}: short read of {item.tensor} ({len(raw)} of {want} bytes)")
-        lo, hi = span_of(item.a, item.b, item.itemsize, chunk["block"], chunk["length"] * item.itemsize)
         body = memoryview(item.into(buffers).view(torch.uint8).numpy()).cast("B")
         head = item.a * item.itemsize - lo
         body[:] = raw[head : head + len(body)]
