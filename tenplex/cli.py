@@ -21,6 +21,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .checkpoint import list_steps, read_manifest
+from .checkpoint.reader import url_fs
 from .config import MAX_WORLD_SIZE, ParallelConfig
 from .data.index import build_index, load_index
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError
@@ -213,9 +214,9 @@ def _storage_errors(given: str) -> Iterator[None]:
 
 
 def _url_fs(url: str, options: dict[str, object], flag: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem of ``url`` built with ``options``; options its class refuses are a ConfigError."""
+    """``url_fs`` of ``url`` with ``options``; options its class refuses are a ConfigError."""
     try:
-        return fsspec.core.url_to_fs(url, **options)
+        return url_fs(url, options)
     except TypeError as e:
         raise ConfigError(f"cannot open {url} with {flag} {', '.join(options)} ({e}): pass options the "
                           "filesystem's constructor takes") from None
