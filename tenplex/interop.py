@@ -50,6 +50,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from .checkpoint import LoadResult, load, save
+from .checkpoint.reader import url_fs
 from .config import ParallelConfig
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .models import NORM_EPS, ROPE_THETA, ModelSpec, model_ptc, model_spec, optimizer_names
@@ -309,7 +310,7 @@ def _options(storage_options: Mapping[str, Any] | None, what: str) -> dict[str, 
 def _url_fs(src: str | Path, storage_options: Mapping[str, Any] | None,
             what: str = "source_storage_options") -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and path of a local path or fsspec URL, built with ``storage_options``."""
-    return fsspec.core.url_to_fs(str(src), **_options(storage_options, what))
+    return url_fs(str(src), _options(storage_options, what))
 
 
 def _names(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
