@@ -3,7 +3,7 @@
 The public surface (``__all__``): layouts (:class:`ParallelConfig`), parallelizable tensor
 collections (:class:`PTC`, :class:`TensorSpec` and its partition specs :class:`Replicated`,
 :class:`Split`), model builders (:func:`model_ptc`), checkpoints (:func:`save`, :func:`load`,
-:func:`list_steps`), rescaling a job (:func:`rescale`, reading from :class:`Tier` s), the planner
+:func:`list_steps`; a torch-native job's own state dict: :func:`save_state_dict`, :func:`load_state_dict`), rescaling a job (:func:`rescale`, reading from :class:`Tier` s), the planner
 (:func:`plan`), choosing a layout (:func:`choose_layout`, :func:`estimate_memory`) and the errors
 (:class:`TenplexError` and its main subclasses; every error class is in :mod:`tenplex.errors`).
 
@@ -36,6 +36,7 @@ from .planner import Move, Plan, PlanStats, plan
 from .ptc import PTC, Replicated, Split, TensorSpec
 from .reshard import reshard
 from .schedule import Schedule, Transfer, schedule
+from .state_dict import StateDictLoad, load_state_dict, save_state_dict
 from .topology import Topology
 
 from .store.recovery import Tier
@@ -53,6 +54,9 @@ __all__ = [
     "save",
     "load",
     "list_steps",
+    # torch-native state dicts (DTensor, FSDP2, TP, PP), loaded in place
+    "save_state_dict",
+    "load_state_dict",
     # rescaling a running job
     "rescale",
     "Tier",

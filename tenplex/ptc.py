@@ -22,13 +22,19 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
 
 from .config import ParallelConfig
 from .errors import ConfigError, LayoutError, SpecError
+
+if TYPE_CHECKING:  # lazy: state_layout builds on this module
+    from .state_layout import StateLayout
+
+Layout = Union[ParallelConfig, "StateLayout"]
+"""A layout: (DP, TP, PP) derived from the specs, or a torch-native state dict's per-tensor placements."""
 
 __all__ = [
     "Replicated",
@@ -459,8 +465,11 @@ class PTC:
     def numel(self) -> int:
         return sum(s.numel for s in self.tensors.values())
 
-    def check(self, cfg: ParallelConfig) -> None:
+    def check(self, cfg: Layout) -> None:
         """Raise LayoutError/ConfigError if ``cfg`` cannot hold this collection."""
+        if not isinstance(cfg, ParallelConfig):
+            cfg.check(self)
+            return
         for what, value in self.meta.get("tp_divides", {}).items():
             if value % cfg.tp:
                 raise LayoutError(f"tp={cfg.tp} does not divide {what}={value} ({value} % {cfg.tp} = {value % cfg.tp})")
@@ -483,22 +492,31 @@ class PTC:
             return (0,) if cfg.pp == 1 else (0, cfg.pp - 1)
         return tuple(range(cfg.pp))
 
-    def holders(self, name: str, cfg: ParallelConfig) -> SegmentTable:
+    def holders(self, name: str, cfg: Layout) -> SegmentTable:
         """Every (rank, segment) holding real (non-padding) bytes of ``name`` under ``cfg``."""
         spec = self.tensors[name]
+        if not isinstance(cfg, ParallelConfig):
+            return cfg.holder_table(spec)
         return _holder_table(_spec_key(spec), self.stages_of(name, cfg), cfg)
 
-    def rank_tensors(self, cfg: ParallelConfig, rank: int) -> list[str]:
+    def rank_tensors(self, cfg: Layout, rank: int) -> list[str]:
         """Names of the tensors rank ``rank`` holds under ``cfg``, in collection order."""
+        if not isinstance(cfg, ParallelConfig):
+            return [n for n in self.tensors if cfg.holds(n, rank)]
         stage = cfg.coords(rank).pp
         return [n for n, s in self.tensors.items() if stage in self._stages(s.placement, cfg)]
 
-    def segments(self, name: str, cfg: ParallelConfig, rank: int) -> list[tuple[int, int, int]]:
+    def segments(self, name: str, cfg: Layout, rank: int) -> list[tuple[int, int, int]]:
         """Segments (local_off, global_off or -1 for padding, length) of ``rank``'s shard of ``name``."""
+        if not isinstance(cfg, ParallelConfig):
+            return cfg.segments(self.tensors[name], rank)
         c = cfg.coords(rank)
         return self.tensors[name].segments(cfg, c.tp, c.dp)
 
-    def local_shape(self, name: str, cfg: ParallelConfig) -> tuple[int, ...]:
+    def local_shape(self, name: str, cfg: Layout, rank: int = 0) -> tuple[int, ...]:
+        """Natural shape of ``rank``'s shard of ``name`` (the same for every rank under a ``ParallelConfig``)."""
+        if not isinstance(cfg, ParallelConfig):
+            return cfg.local_shape(self.tensors[name], rank)
         return self.tensors[name].local_shape(cfg)
 
     def rank_nbytes(self, cfg: ParallelConfig, rank: int) -> int:

@@ -33,7 +33,8 @@ import torch
 from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointValueError
 from ..planner import holder_classes
-from ..ptc import PTC, Split
+from ..ptc import PTC, Layout, Split
+from ..state_layout import StateLayout
 
 try:  # ISA-L's CRC32 (same polynomial and values as zlib's) runs about 8x faster; both release the GIL
     from isal.isal_zlib import crc32
@@ -225,7 +226,7 @@ def block_crcs_hex(crcs: list[int]) -> str:
 # ---------------------------------------------------------------------------------------------
 # who writes what
 # ---------------------------------------------------------------------------------------------
-def writer_assignment(ptc: PTC, cfg: ParallelConfig) -> dict[int, list[Chunk]]:
+def writer_assignment(ptc: PTC, cfg: Layout) -> dict[int, list[Chunk]]:
     """For every rank, the chunks it writes: ``(tensor, local_offset, start, length)``.
 
     Each distinct interval is written once, by the holder (DP replica or tied copy) with the
@@ -253,16 +254,20 @@ def writer_assignment(ptc: PTC, cfg: ParallelConfig) -> dict[int, list[Chunk]]:
 # ---------------------------------------------------------------------------------------------
 # the manifest and the rank indexes
 # ---------------------------------------------------------------------------------------------
-def manifest_object(ptc: PTC, cfg: ParallelConfig, *, step: int, save_id: str, payload: bytes) -> dict[str, Any]:
-    """The manifest of a save attempt (before sealing); ``payload``: the objects file's bytes."""
-    return {"format": FORMAT, "version": VERSION, "step": step, "save_id": save_id, "layout": str(cfg),
-            "world_size": cfg.world_size, "created": time.time(), "fingerprint": ptc.fingerprint(),
-            "objects": {"file": OBJECTS_NAME, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()},
-            "ptc": ptc.to_json()}
+def manifest_object(ptc: PTC, cfg: Layout, *, step: int, save_id: str, payload: bytes) -> dict[str, Any]:
+    """The manifest of a save attempt (before sealing); ``payload``: the objects file's bytes. A
+    torch-native state dict's layout (``StateLayout``) is stored whole under ``state_layout``."""
+    obj = {"format": FORMAT, "version": VERSION, "step": step, "save_id": save_id, "layout": str(cfg),
+           "world_size": cfg.world_size, "created": time.time(), "fingerprint": ptc.fingerprint(),
+           "objects": {"file": OBJECTS_NAME, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()},
+           "ptc": ptc.to_json()}
+    if isinstance(cfg, StateLayout):
+        obj["state_layout"] = cfg.to_json()
+    return obj
 
 
 def index_object(rank: int, file_size: int, chunks: list[dict[str, Any]], *, step: int, save_id: str,
-                 cfg: ParallelConfig, fingerprint: str) -> dict[str, Any]:
+                 cfg: Layout, fingerprint: str) -> dict[str, Any]:
     """A rank part's index (before sealing), bound to its step, save id, rank, layout and model."""
     return {"format": FORMAT, "version": VERSION, "step": step, "save_id": save_id, "rank": rank,
             "layout": str(cfg), "world_size": cfg.world_size, "fingerprint": fingerprint,
@@ -278,7 +283,7 @@ class Manifest:
 
     raw: dict[str, Any]  # the JSON object, digest removed
     ptc: PTC | None
-    layout: ParallelConfig
+    layout: Layout
     nbytes: int
     path: str
 
@@ -350,7 +355,13 @@ def verify_manifest(obj: dict[str, Any], path: str, nbytes: int, *, step: int | 
             bad(f"save id {sid} differs from its directory's save id {save_id}")
         if not isinstance(obj["layout"], str):
             bad(f"layout {obj['layout']!r} is not a string")
-        layout = ParallelConfig.parse(obj["layout"])
+        layout: Layout
+        if "state_layout" in obj:
+            layout = StateLayout.from_json(obj["state_layout"])
+            if str(layout) != obj["layout"]:
+                bad(f"layout {obj['layout']!r} is not that of its state_layout ({layout})")
+        else:
+            layout = ParallelConfig.parse(obj["layout"])
         if obj["world_size"] != layout.world_size or not _is_int(obj["world_size"]):
             bad(f"world size {obj['world_size']!r} differs from layout {layout}'s {layout.world_size}")
         created = obj["created"]
@@ -375,7 +386,10 @@ def verify_manifest(obj: dict[str, Any], path: str, nbytes: int, *, step: int | 
                     f"padding multiple of {pad} (at most {_MAX_PAD})")
         if saved.fingerprint() != obj["fingerprint"]:
             bad(f"fingerprint {obj['fingerprint']!r} is not that of its PTC ({saved.fingerprint()})")
-        saved.check(layout)
+        if isinstance(layout, StateLayout):
+            layout.check(saved, complete=True)
+        else:
+            saved.check(layout)
     except CheckpointError:
         raise
     except _METADATA_ERRORS as e:

@@ -35,7 +35,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from ..planner import intersect
-from ..ptc import PAD, PTC
+from ..ptc import PAD, PTC, Layout
 from .format import (
     MANIFEST_NAME,
     OBJECTS_NAME,
@@ -56,7 +56,7 @@ from .format import (
 
 __all__ = ["LoadStats", "LoadResult", "StepInfo", "ScannedAttempt", "url_fs", "local_path", "read_sealed",
            "read_manifest_at", "scan_attempts", "list_steps", "read_manifest", "ReadItem", "plan_reads",
-           "shard_buffers", "ShardReader", "PartReader", "CONCURRENT_ENV", "coalesce", "read_shard", "read_objects", "check_model",
+           "shard_buffers", "ShardReader", "ShardSink", "PartReader", "CONCURRENT_ENV", "coalesce", "read_shard", "read_objects", "check_model",
            "load_with_reader", "load"]
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class LoadResult:
     step: int
     extra: Any
     ptc: PTC
-    saved_layout: ParallelConfig
+    saved_layout: Layout
     stats: LoadStats
     skipped: tuple[tuple[int, str, str], ...] = ()
 
@@ -100,7 +100,7 @@ class StepInfo:
 
     step: int
     complete: bool
-    layout: ParallelConfig | None
+    layout: Layout | None
     world_size: int | None
     ranks_done: int
     nbytes: int
@@ -306,7 +306,7 @@ def span_of(a: int, b: int, itemsize: int, block: int, nbytes: int) -> tuple[int
     return (a * itemsize) // block * block, min(-(-(b * itemsize) // block) * block, nbytes)
 
 
-def plan_reads(saved: PTC, old: ParallelConfig, new: ParallelConfig, rank: int, *,
+def plan_reads(saved: PTC, old: Layout, new: Layout, rank: int, *,
                writers: Mapping[int, list[Chunk]] | None = None) -> tuple[ReadItem, ...]:
     """The reads that give rank ``rank`` under ``new`` its tensors from chunks written under ``old``.
 
@@ -731,24 +731,50 @@ def _block_crcs(segs: list[memoryview], lo: int, hi: int, block: int) -> list[tu
 # ---------------------------------------------------------------------------------------------
 # executing a plan
 # ---------------------------------------------------------------------------------------------
-def read_shard(saved: PTC, old: ParallelConfig, cfg: ParallelConfig, rank: int, reader: ShardReader,
-               writers: Mapping[int, list[Chunk]] | None = None) -> tuple[dict[str, Any], int]:
+class ShardSink(Protocol):
+    """Where a load puts a rank's tensors instead of new ones (``tenplex.state_dict`` loads in place).
+
+    ``buffer(name)``: the flat buffer, in the saved canonical order, that the reads fill (a view of
+    the caller's tensor when its memory has that order, else a temporary); ``copies(name)``: whether
+    ``finish`` copies (it then runs in a second thread as soon as the tensor's last read is in);
+    ``finish(name, flat)``: the shard's value once every read of ``name`` is in."""
+
+    def buffer(self, name: str) -> torch.Tensor: ...
+
+    def copies(self, name: str) -> bool: ...
+
+    def finish(self, name: str, flat: torch.Tensor) -> Any: ...
+
+
+def read_shard(saved: PTC, old: Layout, cfg: Layout, rank: int, reader: ShardReader,
+               writers: Mapping[int, list[Chunk]] | None = None,
+               sink: ShardSink | None = None) -> tuple[dict[str, Any], int]:
     """Rank ``rank``'s tensors under ``cfg`` from chunks written under ``old``: the plan
     (``plan_reads``), executed by ``reader``; which file (or tier) each read comes from is the
     reader's business. Returns the shard and the real (non-padding) bytes it needed.
-    ``writers``: ``writer_assignment(saved, old)`` when the caller has it."""
+    ``writers``: ``writer_assignment(saved, old)`` when the caller has it; ``sink``: where the
+    tensors go (default: new tensors in their natural local shape)."""
     items = plan_reads(saved, old, cfg, rank, writers=writers)
-    buffers = shard_buffers(saved, cfg, rank)
     needed = sum(item.length * item.itemsize for item in items)
-    return _read_and_relayout(saved, cfg, rank, reader, items, buffers), needed
+    if sink is None:
+        buffers = shard_buffers(saved, cfg, rank)
+        copies: Callable[[str], bool] = saved.relaid
+
+        def finish(name: str, flat: torch.Tensor) -> Any:
+            return saved.from_local_flat(name, cfg, flat)
+    else:
+        buffers = {name: sink.buffer(name) for name in saved.rank_tensors(cfg, rank)}
+        copies, finish = sink.copies, sink.finish
+    return _read_and_finish(saved.rank_tensors(cfg, rank), reader, items, buffers, copies, finish, rank), needed
 
 
-def _read_and_relayout(saved: PTC, cfg: ParallelConfig, rank: int, reader: ShardReader, items: Sequence[ReadItem],
-                       buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Execute ``items``; a tensor split on a dim > 0 is laid out in its natural shape (a strided
-    copy: the file holds it split dim first) in a second thread as soon as its last piece is in,
-    while later pieces are still being read. Each flat buffer is dropped once its copy is made,
-    so at most the tensors in flight exist twice (peak memory)."""
+def _read_and_finish(names: Sequence[str], reader: ShardReader, items: Sequence[ReadItem],
+                     buffers: dict[str, torch.Tensor], copies: Callable[[str], bool],
+                     finish: Callable[[str, torch.Tensor], Any], rank: int) -> dict[str, Any]:
+    """Execute ``items``; a tensor whose ``finish`` copies (split on a dim > 0: the file holds it
+    split dim first; or a caller's tensor the reads cannot fill directly) is finished in a second
+    thread as soon as its last piece is in, while later pieces are still being read. Each flat
+    buffer is dropped once finished, so at most the tensors in flight exist twice (peak memory)."""
     count: dict[str, int] = {}
     for item in items:
         count[item.tensor] = count.get(item.tensor, 0) + 1
@@ -762,14 +788,14 @@ def _read_and_relayout(saved: PTC, cfg: ParallelConfig, rank: int, reader: Shard
                 count[name] -= 1
                 if count[name]:
                     return
-            if saved.relaid(name):  # the flat buffer's last references are the relayout's (and the checksums')
-                done[name] = pool.submit(saved.from_local_flat, name, cfg, buffers.pop(name))
+            if copies(name):  # the flat buffer's last references are the copy's (and the checksums')
+                done[name] = pool.submit(finish, name, buffers.pop(name))
 
         reader.read_items(items, buffers, rank=rank, on_read=on_read)
         out = {name: fut.result() for name, fut in done.items()}
-    for name in [n for n in saved.rank_tensors(cfg, rank) if n not in out]:  # cheap reshapes, no copy
-        out[name] = saved.from_local_flat(name, cfg, buffers.pop(name))
-    return {name: out[name] for name in saved.rank_tensors(cfg, rank)}
+    for name in [n for n in names if n not in out]:  # cheap reshapes, no copy
+        out[name] = finish(name, buffers.pop(name))
+    return {name: out[name] for name in names}
 
 
 def read_objects(sources: Sequence[tuple[fsspec.AbstractFileSystem, str]],
@@ -833,24 +859,28 @@ def check_model(saved: PTC, expected: PTC, where: str, *, allow_meta_change: boo
         )
 
 
-def load_with_reader(manifest: Manifest, where: str, cfg: ParallelConfig, rank: int, reader: ShardReader,
+def load_with_reader(manifest: Manifest, where: str, cfg: Layout, rank: int, reader: ShardReader,
                      objects_from: Sequence[tuple[fsspec.AbstractFileSystem, str]], *, ptc: PTC | None,
-                     allow_meta_change: bool = False, t0: float) -> LoadResult:
+                     allow_meta_change: bool = False, t0: float, sink: ShardSink | None = None,
+                     check: Callable[[PTC], None] | None = None) -> LoadResult:
     """Check a verified ``manifest`` against ``ptc`` and ``cfg``, read the objects (from the
     first of ``objects_from``'s directories whose copy matches the manifest), then ``rank``'s
-    shard through ``reader``. Shared by ``load`` and tiered recovery, whose readers differ."""
+    shard through ``reader``. Shared by ``load`` and tiered recovery, whose readers differ.
+    ``check(saved)``: the caller's own model check (raise to refuse), before anything is read."""
     manifest = manifest.full()
     saved, old = manifest.ptc, manifest.layout
     assert saved is not None
     if ptc is not None:
         check_model(saved, ptc, where, allow_meta_change=allow_meta_change)
+    if check is not None:
+        check(saved)
     saved.check(cfg)
     cfg.coords(rank)
     writers = writer_assignment(saved, old)
     reader.bind(Binding.of(manifest, writers))
     try:
         objects, extra, objects_bytes = read_objects(objects_from, manifest)  # small: fails fast, before the data
-        shard, needed = read_shard(saved, old, cfg, rank, reader, writers=writers)
+        shard, needed = read_shard(saved, old, cfg, rank, reader, writers=writers, sink=sink)
         shard.update(objects)
     finally:
         reader.close()
@@ -861,13 +891,15 @@ def load_with_reader(manifest: Manifest, where: str, cfg: ParallelConfig, rank: 
 
 def load(
     url: str,
-    cfg: ParallelConfig,
+    cfg: Layout,
     rank: int,
     *,
     step: int | None = None,
     ptc: PTC | None = None,
     allow_meta_change: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    sink: ShardSink | None = None,
+    check: Callable[[PTC], None] | None = None,
 ) -> LoadResult:
     """Load rank ``rank``'s shard under layout ``cfg`` from the newest complete save attempt
     that verifies (of ``step`` when given).
@@ -883,6 +915,8 @@ def load(
     heads or norm eps) unless ``allow_meta_change``. Ranks that need different bytes can
     see different damage and resume from different steps: under a process group make them
     agree (``tenplex.elastic.agree_on_step``; docs/format.md, "Choosing a step").
+    ``sink`` / ``check``: see ``ShardSink`` and ``load_with_reader`` (``tenplex.state_dict``'s in-place
+    loads use them).
     """
     t0 = time.perf_counter()
     fs, root = url_fs(url, storage_options)
@@ -897,7 +931,7 @@ def load(
         reader.metadata_bytes += manifest.nbytes
         try:
             result = load_with_reader(manifest, f"{url} step {info.step}", cfg, rank, reader, [(fs, info.path)],
-                                      ptc=ptc, allow_meta_change=allow_meta_change, t0=t0)
+                                      ptc=ptc, allow_meta_change=allow_meta_change, t0=t0, sink=sink, check=check)
         except CheckpointCorruptError as e:
             log.warning("checkpoint %s step %d (save %s) does not verify, trying an older one: %s", url, info.step,
                         info.save_id, e)

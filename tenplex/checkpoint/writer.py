@@ -29,9 +29,8 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from ..config import ParallelConfig
 from ..errors import CheckpointError, CheckpointValueError
-from ..ptc import PTC
+from ..ptc import PTC, Layout
 from .format import (
     FORMAT,
     MANIFEST_NAME,
@@ -108,7 +107,7 @@ def _launch_nonce() -> str:
     return nonce
 
 
-def default_save_id(cfg: ParallelConfig, ptc: PTC) -> str:
+def default_save_id(cfg: Layout, ptc: PTC) -> str:
     """An id every rank of one save attempt derives alike, without a collective.
 
     It changes with the launch (a nonce shared through the default process group's store
@@ -238,7 +237,7 @@ def payload_bytes(objects: Mapping[str, Any], extra: Any) -> bytes:
     return raw
 
 
-def write_rank0_meta(fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: ParallelConfig,
+def write_rank0_meta(fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: Layout,
                      shard: Mapping[str, Any], *, step: int, save_id: str, extra: Any = None,
                      payload: bytes | None = None) -> int:
     """Rank 0's part of a save attempt: the small objects and ``extra`` (``payload``: their
@@ -255,7 +254,7 @@ def write_rank0_meta(fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: Pa
 
 
 def write_index(fs: fsspec.AbstractFileSystem, sdir: str, rank: int, file_size: int, chunks: list[dict[str, Any]],
-                *, step: int, save_id: str, cfg: ParallelConfig, fingerprint: str) -> int:
+                *, step: int, save_id: str, cfg: Layout, fingerprint: str) -> int:
     """A rank part's index, bound to its step, save id, rank, layout and model; written last
     (write-once): its presence marks the part complete."""
     ibytes = seal_json(index_object(rank, file_size, chunks, step=step, save_id=save_id, cfg=cfg,
@@ -294,7 +293,7 @@ class PartWriter:
     writes rank 0's objects and manifest and, last, the rank index.
     """
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: ParallelConfig, rank: int, *,
+    def __init__(self, fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: Layout, rank: int, *,
                  step: int, save_id: str, assigned: Sequence[Chunk] | None = None) -> None:
         self.fs, self.sdir, self.ptc, self.cfg, self.rank = fs, sdir, ptc, cfg, rank
         self.step, self.save_id = step, save_id
@@ -372,7 +371,7 @@ class PartWriter:
 def save(
     url: str,
     ptc: PTC,
-    cfg: ParallelConfig,
+    cfg: Layout,
     rank: int,
     shard: Mapping[str, Any],
     *,
@@ -412,7 +411,7 @@ def save(
     flats: dict[str, torch.Tensor] = {}
     for name in expected:
         t = shard[name]
-        want = ptc.local_shape(name, cfg)
+        want = ptc.local_shape(name, cfg, rank)
         if tuple(t.shape) != want:
             raise CheckpointValueError(
                 f"{name}: rank {rank}'s shard has shape {tuple(t.shape)}, layout {cfg} needs {want}")

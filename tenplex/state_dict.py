@@ -1,0 +1,338 @@
+"""Save and load torch-native state dicts (DTensors, plain tensors, other values) the DCP way (#17).
+
+``save_state_dict(state_dict, url, step=...)`` and ``load_state_dict(state_dict, url)`` are
+called by every rank, like ``torch.distributed.checkpoint.save`` / ``load``, with the state dict
+the job already has (``get_state_dict(model, optimizer)`` plus anything else). tenplex derives
+the layout from the values themselves: a DTensor's mesh and placements (FSDP2, HSDP, TP,
+FSDP2 over TP, pipeline stages on sub-meshes), a plain tensor is held whole by the ranks that
+have it, anything else is a small object. The result is an ordinary tenplex checkpoint (the
+same atomic steps, checksums and partial reads as ``tenplex.save``), and a load under any other
+mesh or world size reads only the byte ranges each rank's local tensors need, straight into the
+caller's memory.
+
+Keys: nested dicts are flattened with ``.`` (``{"model": {"w": t}}`` is ``model.w``), as DCP does.
+Values that differ between ranks under one key (an RNG state) are saved from one of them: give
+such values per-rank keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .checkpoint.reader import load
+from .checkpoint.writer import SaveResult, save
+from .dtensor import mesh_of, mesh_ranks, placement_of
+from .errors import CheckpointError, CheckpointMismatchError, CheckpointValueError, CheckpointWriteError
+from .mesh import MeshLayout
+from .ptc import PTC, dtype_to_str
+from .state_layout import Placed, StateLayout, parse_placement, placement_text, spec_for
+
+__all__ = ["StateDictLoad", "save_state_dict", "load_state_dict", "flatten_state_dict", "state_layout_of"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StateDictLoad:
+    """What ``load_state_dict`` loaded: the step, the ``extra`` saved with it, the data bytes this rank
+    read and the bytes its tensors needed (``bytes_read / bytes_needed`` is the read amplification),
+    and the newer attempts passed over because they did not verify."""
+
+    step: int
+    extra: Any
+    bytes_read: int
+    bytes_needed: int
+    seconds: float
+    skipped: tuple[tuple[int, str, str], ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# flattening
+# ---------------------------------------------------------------------------------------------
+Leaf = tuple[MutableMapping[str, Any], str, Any]
+"""A state-dict value with the mapping that holds it and its key there (to replace it in place)."""
+
+
+def flatten_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Leaf]:
+    """Every leaf of a nested state dict by its dotted key (DCP's flattening of nested dicts).
+    CheckpointValueError for keys that are not strings or that two paths share."""
+    out: dict[str, Leaf] = {}
+
+    def walk(mapping: Mapping[str, Any], prefix: str) -> None:
+        for key, value in mapping.items():
+            if not isinstance(key, str):
+                raise CheckpointValueError(f"state dict key {key!r} under {prefix or 'the top level'!r} is not a "
+                                           "string: use string keys (module and parameter names)")
+            name = f"{prefix}.{key}" if prefix else key
+            if isinstance(value, Mapping) and value and not isinstance(value, torch.Tensor):
+                walk(value, name)
+                continue
+            if name in out:
+                raise CheckpointValueError(f"two entries of the state dict flatten to the key {name!r}: rename one")
+            out[name] = (mapping, key, value)  # type: ignore[assignment]
+
+    if not isinstance(state_dict, Mapping):
+        raise CheckpointValueError(f"a state dict is a mapping of names to values, got {type(state_dict).__name__}")
+    walk(state_dict, "")
+    return out
+
+
+def _describe(value: torch.Tensor, group: Any) -> tuple[Any, ...]:
+    """A tensor's global shape, dtype and (DTensors) mesh, placements and job ranks, as plain data."""
+    shape, dtype = tuple(int(s) for s in value.shape), dtype_to_str(value.dtype)
+    if not isinstance(value, DTensor):
+        return (shape, dtype, None, None, None)
+    mesh = mesh_of(value.device_mesh)
+    placements = tuple(placement_text(placement_of(p, len(shape))) for p in value.placements)
+    ranks = mesh_ranks(value.device_mesh)
+    if group is not None:
+        ranks = tuple(dist.get_group_rank(group, r) for r in ranks)
+    return (shape, dtype, [list(d) for d in mesh.dims], list(placements), list(ranks))
+
+
+def state_layout_of(descriptions: list[dict[str, tuple[Any, ...]]]) -> tuple[PTC, StateLayout]:
+    """The collection and layout of a state dict from every rank's ``{key: description}`` (pure:
+    every rank computes the same from the same gathered list). CheckpointValueError names a key
+    that ranks describe differently."""
+    world = len(descriptions)
+    first: dict[str, tuple[int, tuple[Any, ...]]] = {}
+    holders: dict[str, list[int]] = {}
+    for rank, descs in enumerate(descriptions):
+        for key, desc in descs.items():
+            if key not in first:
+                first[key] = (rank, desc)
+            elif first[key][1] != desc:
+                r0, d0 = first[key]
+                raise CheckpointValueError(
+                    f"{key}: rank {r0} has {_text(d0)} but rank {rank} has {_text(desc)}; every rank holding a key "
+                    "must agree on its global shape, dtype and placement")
+            holders.setdefault(key, []).append(rank)
+    specs, placed = [], {}
+    for key in sorted(first):
+        shape, dtype, dims, placements, ranks = first[key][1]
+        if dims is None:
+            p = Placed.replicated(holders[key])
+        else:
+            p = Placed(MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(t) for t in placements),
+                       tuple(ranks))
+            if set(p.ranks) != set(holders[key]):
+                raise CheckpointValueError(
+                    f"{key} is a DTensor on ranks {sorted(p.ranks)} but ranks {sorted(holders[key])} hold it: pass "
+                    "every rank of its mesh the same state-dict entry")
+        specs.append(spec_for(key, shape, dtype, p.placements))
+        placed[key] = p
+    return PTC(specs, num_layers=0), StateLayout.of(world, placed)
+
+
+def _text(desc: tuple[Any, ...]) -> str:
+    shape, dtype, dims, placements, _ = desc
+    where = "a plain tensor" if dims is None else f"placements {placements} on mesh {dims}"
+    return f"shape {list(shape)} {dtype}, {where}"
+
+
+def _world(group: Any) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------------------------
+def save_state_dict(state_dict: Mapping[str, Any], url: str, *, step: int, extra: Any = None,
+                    process_group: Any = None, storage_options: Mapping[str, Any] | None = None) -> SaveResult:
+    """Save every rank's ``state_dict`` as checkpoint ``step`` under ``url`` (collective over the default
+    group or ``process_group``; without torch.distributed, one process saves alone).
+
+    One small collective gathers what each rank holds (keys, global shapes, placements, and the
+    non-tensor values); every distinct piece is then written once, by the least-loaded of the ranks
+    holding it (replicas deduplicated, nothing gathered to one rank). Returns when every rank's part
+    is written; CheckpointWriteError lists every rank's failure when any failed (no rank returns
+    normally then, and the step stays invisible to loads).
+    """
+    rank, world = _world(process_group)
+    leaves = flatten_state_dict(state_dict)
+    tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
+    objects = {k: v for k, (_, _, v) in leaves.items() if not isinstance(v, torch.Tensor)}
+    descs = {k: _describe(v, process_group) for k, v in tensors.items()}
+    gathered: list[Any] = [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, (descs, objects), group=process_group)
+    else:
+        gathered = [(descs, objects)]
+    ptc, layout = _collection([g[0] for g in gathered], [g[1] for g in gathered])
+    shard: dict[str, Any] = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in tensors.items()}
+    if rank == 0:
+        merged: dict[str, Any] = {}
+        for objs in gathered:
+            for k, v in objs[1].items():
+                merged.setdefault(k, v)
+        shard.update(merged)
+    error: str | None = None
+    failure: Exception | None = None
+    result: SaveResult | None = None
+    try:
+        result = save(url, ptc, layout, rank, shard, step=step, extra=extra, storage_options=storage_options)
+    except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised on each
+        error = f"{type(e).__name__}: {e}"
+        failure = e
+    errors: list[Any] = [error]
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=process_group)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        text = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        if len(failed) == 1 and isinstance(failure, CheckpointError):
+            raise failure
+        raise CheckpointWriteError(f"saving step {step} to {url} failed on {len(failed)} of {world} ranks: {text}")
+    assert result is not None
+    return result
+
+
+def _collection(descs: list[dict[str, tuple[Any, ...]]], objects: list[dict[str, Any]]) -> tuple[PTC, StateLayout]:
+    ptc, layout = state_layout_of(descs)
+    names = sorted({k for objs in objects for k in objs})
+    clash = sorted(set(names) & set(ptc.tensors))
+    if clash:
+        raise CheckpointValueError(f"{clash[:5]} are tensors on some ranks and other values on others")
+    layout.check(ptc, complete=True)
+    return PTC(ptc.tensors.values(), num_layers=0, objects=names, meta={"kind": "state_dict"}), layout
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------------
+class _InPlace:
+    """A ``ShardSink`` that reads into the caller's tensors: straight into their memory when it is a
+    contiguous CPU tensor in the saved canonical order, else through one temporary per tensor."""
+
+    def __init__(self, locals_: Mapping[str, torch.Tensor]) -> None:
+        self.locals = locals_
+        self.saved = PTC([])
+        self.direct: set[str] = set()
+
+    def bind(self, saved: PTC) -> None:
+        """The attempt about to be read (its canonical orders decide what can be read in place)."""
+        self.saved, self.direct = saved, set()
+
+    def buffer(self, name: str) -> torch.Tensor:
+        spec, loc = self.saved.tensors[name], self.locals[name]
+        if spec.split_dim in (None, 0) and loc.device.type == "cpu" and loc.is_contiguous():
+            self.direct.add(name)
+            return loc.view(-1)
+        return torch.empty(loc.numel(), dtype=spec.dtype)
+
+    def copies(self, name: str) -> bool:
+        return name not in self.direct
+
+    def finish(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        loc = self.locals[name]
+        if name in self.direct:
+            return loc
+        d = self.saved.tensors[name].split_dim
+        if d in (None, 0):
+            loc.copy_(flat.view(loc.shape))
+        else:
+            shape = (loc.shape[d],) + tuple(loc.shape[:d]) + tuple(loc.shape[d + 1:])
+            loc.copy_(flat.view(shape).movedim(0, d))
+        return loc
+
+
+def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int | None = None,
+                    storage_options: Mapping[str, Any] | None = None) -> StateDictLoad:
+    """Fill every rank's ``state_dict`` in place from checkpoint ``step`` (default: the newest that
+    verifies) under ``url``, whatever mesh and world size saved it. Collective over the default
+    group when torch.distributed is initialised.
+
+    Tensors (DTensors on any mesh, plain tensors, CPU or CUDA) are written into the caller's
+    memory, reading only the byte ranges this rank's local tensors need; other values are replaced
+    in their dicts. CheckpointMismatchError names the keys when the state dict does not match the
+    checkpoint (keys missing on either side, other global shapes or dtypes); nothing is read then.
+    A failed read may leave tensors partly overwritten: load again (an older step) before using them.
+    """
+    t0 = time.perf_counter()
+    rank, world = _world(None)
+    leaves = flatten_state_dict(state_dict)
+    tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
+    descs = {k: _describe(v, None) for k, v in tensors.items()}
+    keys: list[Any] = [sorted(leaves)]
+    if world > 1:
+        keys = [None] * world
+        dist.all_gather_object(keys, sorted(leaves))
+    wanted = set().union(*keys)
+    placed = {}
+    for k, v in tensors.items():
+        shape, dtype, dims, placements, ranks = descs[k]
+        placed[k] = Placed.replicated([rank]) if dims is None else Placed(
+            MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(t) for t in placements), tuple(ranks))
+    layout = StateLayout.of(world, placed)
+    locals_ = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in tensors.items()}
+
+    sink = _InPlace(locals_)
+
+    def check(saved: PTC) -> None:
+        _check_against(saved, descs, set(leaves) - set(tensors), wanted, url, layout, locals_, rank)
+        sink.bind(saved)
+
+    result = load(url, layout, rank, step=step, storage_options=storage_options, sink=sink, check=check)
+    if world > 1:
+        steps: list[Any] = [None] * world
+        dist.all_gather_object(steps, result.step)
+        if len(set(steps)) > 1:  # ranks saw different damage: all take the oldest step any rank could load
+            oldest = min(steps)
+            log.warning("ranks loaded steps %s of %s; reloading step %d everywhere", sorted(set(steps)), url, oldest)
+            if result.step != oldest:
+                result = load(url, layout, rank, step=oldest, storage_options=storage_options, sink=sink,
+                              check=check)
+    for k, (container, key, _) in leaves.items():
+        if k not in tensors and k in result.shard:
+            container[key] = result.shard[k]
+    s = result.stats
+    return StateDictLoad(result.step, result.extra, s.bytes_read, s.bytes_needed, time.perf_counter() - t0,
+                         result.skipped)
+
+
+def _check_against(saved: PTC, descs: Mapping[str, tuple[Any, ...]], objects: set[str], wanted: set[str], url: str,
+                   layout: StateLayout, locals_: Mapping[str, torch.Tensor], rank: int) -> None:
+    """CheckpointMismatchError unless the state dicts ask for exactly the checkpoint's keys, with its
+    global shapes and dtypes, and this rank's local tensors have the shapes their placements give."""
+    have = set(saved.tensors) | set(saved.objects)
+    problems = []
+    extra = sorted(wanted - have)
+    if extra:
+        problems.append(f"the checkpoint lacks {len(extra)} keys of the state dict, e.g. {extra[:5]}")
+    missing = sorted(have - wanted)
+    if missing:
+        problems.append(f"the state dict lacks {len(missing)} keys of the checkpoint, e.g. {missing[:5]}")
+    kinds = sorted(k for k in objects if k in saved.tensors) + sorted(k for k in descs if k in saved.objects)
+    if kinds:
+        problems.append(f"{kinds[:5]} are tensors on one side and other values on the other")
+    for k, desc in descs.items():
+        spec = saved.tensors.get(k)
+        if spec is None:
+            continue
+        shape, dtype = tuple(desc[0]), desc[1]
+        if spec.shape != shape or dtype_to_str(spec.dtype) != dtype:
+            problems.append(f"{k}: the checkpoint has shape {list(spec.shape)} {dtype_to_str(spec.dtype)}, the state "
+                            f"dict {list(shape)} {dtype}")
+        else:
+            want = layout.local_shape(spec, rank)
+            got = tuple(locals_[k].shape)
+            if want != got:
+                problems.append(f"{k}: rank {rank}'s local tensor has shape {list(got)} but its placements give "
+                                f"{list(want)} (a padded or otherwise unusual local tensor)")
+    if problems:
+        raise CheckpointMismatchError(
+            f"the state dict does not match checkpoint {url}: " + "; ".join(problems[:8])
+            + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            + ". Build the model and optimizer the checkpoint was saved from (and run one optimizer step, or use "
+            "get_state_dict, so the optimizer state exists) before loading")

@@ -1,0 +1,279 @@
+"""The layout of a torch-native state dict: every tensor's placement on its own named mesh (#17).
+
+A ``ParallelConfig`` derives every tensor's partitioning from (DP, TP, PP) and the tensor's
+spec. A torch-native job (DTensors from FSDP2, ``parallelize_module``, pipeline stages) says it
+per tensor instead: each state-dict entry lives on a (sub-)mesh of the job's ranks with one
+placement per mesh dim. ``StateLayout`` holds exactly that, and answers the questions
+``tenplex.ptc.PTC`` asks a layout (which ranks hold a tensor, which segments in canonical flat
+order), so the checkpoint writer, the read planner and the planner work on it unchanged: one
+representation (1-D intervals in canonical flat order) for both kinds of layout.
+
+Pure: no I/O and no torch.distributed (``tenplex.state_dict`` builds it from real DTensors).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from .errors import LayoutError, SpecError
+from .mesh import MeshLayout, MeshPlacement, Replicate, Shard, StridedShard, canonical_order, holder_table, local_box
+from .ptc import PTC, Replicated, SegmentTable, Split, TensorSpec, dtype_from_str
+
+__all__ = ["Placed", "StateLayout", "spec_for", "placement_text", "parse_placement"]
+
+
+def placement_text(p: MeshPlacement) -> str:
+    """``R``, ``S<dim>`` or ``SS<dim>/<split factor>``: a placement as a manifest stores it."""
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Shard):
+        return f"S{p.dim}"
+    return f"SS{p.dim}/{p.split_factor}"
+
+
+def parse_placement(text: str) -> MeshPlacement:
+    """Inverse of ``placement_text``; SpecError for anything else."""
+    if not isinstance(text, str):
+        raise SpecError(f"a placement is a string such as 'R', 'S0' or 'SS0/2', got {text!r}")
+    try:
+        if text == "R":
+            return Replicate()
+        if text.startswith("SS"):
+            dim, sf = text[2:].split("/")
+            return StridedShard(int(dim), int(sf))
+        if text.startswith("S"):
+            return Shard(int(text[1:]))
+    except ValueError:
+        pass
+    raise SpecError(f"placement {text!r} is not 'R', 'S<dim>' or 'SS<dim>/<split factor>'")
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Where one tensor lives: ``mesh`` (its named device mesh), one placement per mesh dim, and
+    ``ranks``: the job rank of every mesh rank (row-major, as ``DeviceMesh.mesh.flatten()``).
+
+    A pipeline stage's tensors live on the stage's sub-mesh (its ranks only); a plain tensor every
+    holder has whole lives on a one-dim mesh of its holders with ``Replicate()``.
+    """
+
+    mesh: MeshLayout
+    placements: tuple[MeshPlacement, ...]
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placements", tuple(self.placements))
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if len(self.placements) != self.mesh.ndim:
+            raise LayoutError(f"{len(self.placements)} placements for the {self.mesh.ndim}-dim mesh {self.mesh}: "
+                              "give one per mesh dim")
+        if len(self.ranks) != self.mesh.world_size:
+            raise LayoutError(f"mesh {self.mesh} has {self.mesh.world_size} ranks but {len(self.ranks)} job ranks "
+                              f"are given for them")
+        if len(set(self.ranks)) != len(self.ranks) or any(r < 0 for r in self.ranks):
+            raise LayoutError(f"the job ranks of mesh {self.mesh} must be distinct and >= 0, got {self.ranks}")
+
+    @classmethod
+    def replicated(cls, ranks: Sequence[int]) -> Placed:
+        """A tensor every one of ``ranks`` holds whole (a plain, non-DTensor tensor)."""
+        return cls(MeshLayout((("replica", len(ranks)),)), (Replicate(),), tuple(ranks))
+
+    def to_json(self) -> list[Any]:
+        return [[[n, s] for n, s in self.mesh.dims], [placement_text(p) for p in self.placements], list(self.ranks)]
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Placed:
+        try:
+            dims, placements, ranks = obj
+            if not all(type(r) is int for r in ranks):
+                raise SpecError(f"job ranks {ranks!r} are not integers")
+            return cls(MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(p) for p in placements),
+                       tuple(ranks))
+        except (TypeError, ValueError) as e:
+            if isinstance(e, SpecError):
+                raise
+            raise SpecError(f"a tensor's placement {obj!r} is not [mesh dims, placements, ranks] ({e})") from None
+
+
+def spec_for(name: str, shape: Sequence[int], dtype: Any, placements: Sequence[MeshPlacement]) -> TensorSpec:
+    """The PTC spec of a state-dict tensor: its canonical flat order is the one ``mesh.canonical_order``
+    picks for the placements it was saved with (``Split(d)`` when dim ``d > 0`` goes first), so a
+    shard of the saving mesh is as few intervals as possible."""
+    order = canonical_order(tuple(shape), tuple(placements))
+    tp = Split(order[0]) if order and order[0] != 0 else Replicated()
+    return TensorSpec(name, tuple(shape), dtype_from_str(dtype) if isinstance(dtype, str) else dtype, tp=tp)
+
+
+def _order(spec: TensorSpec) -> tuple[int, ...]:
+    d = spec.split_dim
+    n = len(spec.shape)
+    return tuple(range(n)) if d is None else (d,) + tuple(i for i in range(n) if i != d)
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    """Every tensor's ``Placed`` over a job of ``world_size`` ranks.
+
+    Duck-types the questions ``PTC`` asks a layout (``world_size``, ``holds``, ``holder_table``,
+    ``segments``, ``local_shape``, ``check``); a rank's local tensors are unpadded DTensor locals,
+    and FSDP2-over-TP tensors (``StridedShard``) are taken as FSDP2 stores them (the TP chunk
+    first, then FSDP2's chunk of it: ``mesh.local_box(right_to_left=True)``).
+    """
+
+    world_size: int
+    tensors: tuple[tuple[str, Placed], ...]
+
+    def __post_init__(self) -> None:
+        if type(self.world_size) is not int or self.world_size < 1:
+            raise LayoutError(f"a state-dict layout needs a world size >= 1, got {self.world_size!r}")
+        tensors = tuple((str(n), p) for n, p in self.tensors)
+        names = [n for n, _ in tensors]
+        if len(set(names)) != len(names):
+            raise LayoutError(f"tensor names repeat in the layout: {sorted({n for n in names if names.count(n) > 1})}")
+        for name, placed in tensors:
+            if not isinstance(placed, Placed):
+                raise LayoutError(f"{name}: expected a Placed, got {type(placed).__name__}")
+            bad = [r for r in placed.ranks if r >= self.world_size]
+            if bad:
+                raise LayoutError(f"{name} lives on ranks {bad} but the job has {self.world_size} ranks "
+                                  f"(0..{self.world_size - 1})")
+        object.__setattr__(self, "tensors", tensors)
+
+    @classmethod
+    def of(cls, world_size: int, tensors: Mapping[str, Placed] | Iterable[tuple[str, Placed]]) -> StateLayout:
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        return cls(world_size, tuple(items))
+
+    @property
+    def placed(self) -> dict[str, Placed]:
+        return _placed(self)
+
+    def __str__(self) -> str:
+        return f"state-dict layout of {self.world_size} ranks ({self.digest()})"
+
+    def digest(self) -> str:
+        """A short hash of the whole layout: rank indexes are bound to it."""
+        return _digest(self)
+
+    # -- what PTC asks a layout --------------------------------------------------------------
+    def coords(self, rank: int) -> int:
+        """Validate ``rank`` (LayoutError outside 0..world_size-1) and return it."""
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank!r} is outside the {self.world_size} ranks of this layout")
+        return int(rank)
+
+    def holds(self, name: str, rank: int) -> bool:
+        return rank in _rank_sets(self).get(name, ())
+
+    def holder_table(self, spec: TensorSpec) -> SegmentTable:
+        """Every (job rank, segment) of ``spec`` in its canonical order, sorted by rank."""
+        placed = self.placed[spec.name]
+        return _table(spec.shape, _order(spec), placed)
+
+    def segments(self, spec: TensorSpec, rank: int) -> list[tuple[int, int, int]]:
+        table = self.holder_table(spec)
+        lo, hi = np.searchsorted(table.rank, [rank, rank + 1])
+        return list(zip(table.local[lo:hi].tolist(), table.start[lo:hi].tolist(), table.length[lo:hi].tolist()))
+
+    def local_shape(self, spec: TensorSpec, rank: int) -> tuple[int, ...]:
+        placed = self.placed[spec.name]
+        box = local_box(spec.shape, placed.mesh, placed.placements, placed.mesh.coords(placed.ranks.index(rank)),
+                        right_to_left=True)
+        return tuple(sum(len(r) for r in ranges) for ranges in box)
+
+    def check(self, ptc: PTC, *, complete: bool = False) -> None:
+        """LayoutError unless every tensor placed here is one of ``ptc``'s and its placement fits its shape.
+
+        A layout may place a subset of the collection (a loading rank knows only its own tensors);
+        ``complete``: it must place every tensor and give every element a holder (a saved layout)."""
+        extra = sorted(set(self.placed) - set(ptc.tensors))
+        if extra:
+            raise LayoutError(f"the layout places {len(extra)} tensors the collection lacks, e.g. {extra[:5]}")
+        for name, placed in self.tensors:
+            spec = ptc.tensors[name]
+            for p in placed.placements:
+                if not isinstance(p, Replicate) and p.dim >= len(spec.shape):
+                    raise LayoutError(f"{name}: {p} shards dim {p.dim} but the tensor has shape {spec.shape}")
+        if not complete:
+            return
+        missing = sorted(set(ptc.tensors) - set(self.placed))
+        if missing:
+            raise LayoutError(f"the layout places no holder of {len(missing)} tensors, e.g. {missing[:5]}")
+        for name, placed in self.tensors:
+            spec = ptc.tensors[name]
+            table = self.holder_table(spec)
+            starts = np.argsort(table.start, kind="stable")
+            end = 0
+            for s, n in zip(table.start[starts].tolist(), table.length[starts].tolist()):
+                if s > end:
+                    break
+                end = max(end, s + n)
+            if end < spec.numel:
+                raise LayoutError(f"{name}: no rank of the layout holds element {end} (canonical order) of its "
+                                  f"{spec.numel}")
+
+    # -- (de)serialisation ----------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        meshes: dict[str, int] = {}
+        table = []
+        out_meshes = []
+        for name, placed in self.tensors:
+            key = json.dumps([placed.to_json()[0], placed.to_json()[2]])
+            if key not in meshes:
+                meshes[key] = len(out_meshes)
+                out_meshes.append([placed.to_json()[0], list(placed.ranks)])
+            table.append([name, meshes[key], [placement_text(p) for p in placed.placements]])
+        return {"world_size": self.world_size, "meshes": out_meshes, "tensors": table}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> StateLayout:
+        """The layout ``to_json`` wrote; SpecError / LayoutError saying what is wrong otherwise."""
+        try:
+            meshes = [(MeshLayout(tuple((n, s) for n, s in dims)), tuple(ranks)) for dims, ranks in obj["meshes"]]
+            tensors = []
+            for name, idx, placements in obj["tensors"]:
+                if not isinstance(name, str) or type(idx) is not int or not 0 <= idx < len(meshes):
+                    raise SpecError(f"tensor entry {[name, idx]!r} names no mesh of the layout")
+                mesh, ranks = meshes[idx]
+                if not all(type(r) is int for r in ranks):
+                    raise SpecError(f"job ranks {ranks!r} are not integers")
+                tensors.append((name, Placed(mesh, tuple(parse_placement(p) for p in placements), ranks)))
+            world = obj["world_size"]
+            if type(world) is not int:
+                raise SpecError(f"world_size {world!r} is not an integer")
+            return cls(world, tuple(tensors))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, (SpecError, LayoutError)):
+                raise
+            raise SpecError(f"malformed state-dict layout ({type(e).__name__}: {e})") from None
+
+
+@lru_cache(maxsize=64)
+def _placed(layout: StateLayout) -> dict[str, Placed]:
+    return dict(layout.tensors)
+
+
+@lru_cache(maxsize=64)
+def _rank_sets(layout: StateLayout) -> dict[str, frozenset[int]]:
+    return {name: frozenset(p.ranks) for name, p in layout.tensors}
+
+
+@lru_cache(maxsize=64)
+def _digest(layout: StateLayout) -> str:
+    return hashlib.sha256(json.dumps(layout.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@lru_cache(maxsize=4096)
+def _table(shape: tuple[int, ...], order: tuple[int, ...], placed: Placed) -> SegmentTable:
+    local = holder_table(shape, placed.mesh, placed.placements, order, right_to_left=True)
+    ranks = np.asarray(placed.ranks, dtype=np.int64)[local.rank]
+    by_rank = np.argsort(ranks, kind="stable")
+    return SegmentTable.from_columns(ranks[by_rank], local.local[by_rank], local.start[by_rank],
+                                     local.length[by_rank])
