@@ -27,13 +27,14 @@ from .checkpoint import LoadStats, check_model
 from .config import ParallelConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, LayoutError
 from .layouts import choose_layout
+from .models import model_spec
 from .planner import PlanStats, plan
 from .ptc import PTC
 from .store.recovery import Tier, TierScan, load_tiered, scan_tiers
 from .topology import Topology
 
 __all__ = ["RescaleResult", "rescale", "agree_on_step", "env_world", "layout_options_for", "device_memory",
-           "default_chooser", "storage_tier"]
+           "default_chooser", "storage_tier", "MeshChooser", "mesh_dims", "choose_mesh"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,56 @@ def default_chooser(layout_options: Mapping[str, Any]) -> Chooser:
         return choose_layout(ptc, world, current=previous, ptc=ptc, **options).cfg
 
     return choose
+
+
+MeshChooser = Callable[[int], Mapping[str, int]]
+"""A torch-native job's own rule: world size -> mesh dims (``{"dp_shard": 2, "tp": 2}``)."""
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+"""The mesh dim names ``mesh_dims`` uses, outermost first (torchtitan's order and names)."""
+
+
+def mesh_dims(cfg: ParallelConfig, *, replicate: bool = False) -> dict[str, int]:
+    """A (DP, TP, PP) layout as a torch-native mesh, outermost first, sizes of 1 left out:
+    ``pp``, then the data-parallel dim (``dp_shard`` for FSDP2, ``dp_replicate`` with
+    ``replicate=True`` for DDP-style replicas), then ``tp``."""
+    dims = {"pp": cfg.pp, "dp_replicate" if replicate else "dp_shard": cfg.dp, "tp": cfg.tp}
+    return {name: size for name, size in dims.items() if size > 1} or {"dp_shard": 1}
+
+
+def choose_mesh(world_size: int, *, choose: MeshChooser | None = None, model: Any = None,
+                **layout_options: Any) -> dict[str, int]:
+    """The mesh a torch-native job runs on ``world_size`` ranks, at start-up or after a rescale.
+
+    ``choose``: the job's own rule (its dims must multiply to ``world_size``). Else, with ``model``
+    (a ``tenplex.models.ModelSpec``, preset name or PTC of a Llama/GPT-like model),
+    ``tenplex.layouts.choose_layout`` picks the fastest (DP, TP, PP) that fits in memory
+    (``layout_options``: ``global_batch``, ``micro_batch``, ``gpu_mem``, ...; the estimate models
+    ZeRO-1 when ``distributed_optimizer=True``, an upper bound for FSDP2, which also shards the
+    parameters) and ``mesh_dims`` names it. Else plain FSDP2 over every rank: ``{"dp_shard": world_size}``.
+    ConfigError when the chosen dims do not multiply to the world size; LayoutError when nothing fits.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    if choose is not None:
+        dims = dict(choose(world_size))
+    elif model is not None:
+        if "seq_len" not in layout_options and not isinstance(model, PTC):
+            layout_options["seq_len"] = model_spec(model).seq_len if isinstance(model, str) else model.seq_len
+        dims = mesh_dims(choose_layout(model, world_size, **layout_options).cfg)
+    else:
+        dims = {"dp_shard": world_size}
+    sizes = list(dims.values())
+    if not dims or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ConfigError(f"mesh dims {dims} must be names with positive integer sizes")
+    product = 1
+    for s in sizes:
+        product *= s
+    if product != world_size:
+        raise ConfigError(f"mesh dims {dims} hold {'*'.join(map(str, sizes))} = {product} ranks, but the job has "
+                          f"{world_size}: the chooser must use every rank")
+    log.info("mesh for %d ranks: %s", world_size, dims)
+    return dims
 
 
 def storage_tier(url: str, storage_options: Mapping[str, Any] | None = None) -> Tier:

@@ -73,11 +73,13 @@ class RendezvousStore:
 
 
 class Agent:
-    """``torchrun`` for one simulated node: ``nproc`` workers running ``python -m tenplex.train``."""
+    """``torchrun`` for one simulated node: ``nproc`` workers running ``program`` (default
+    ``-m tenplex.train``; a script path runs a user's own training script)."""
 
     def __init__(self, name: str, endpoint: str, train_args: Sequence[str], *, nproc: int, min_nodes: int,
                  max_nodes: int, pid_dir: str, log_path: str, max_restarts: int = 3, run_id: str = "tenplex",
-                 env: dict[str, str] | None = None, net: HostNet = LOOPBACK) -> None:
+                 env: dict[str, str] | None = None, net: HostNet = LOOPBACK,
+                 program: Sequence[str] = ("-m", "tenplex.train")) -> None:
         self.name, self.pid_dir, self.net = name, Path(pid_dir) / name, net
         self.pid_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={min_nodes}:{max_nodes}",
@@ -86,7 +88,7 @@ class Agent:
                f"--max-restarts={max_restarts}", "--monitor-interval=0.5",
                # in a namespace the hostname resolves to no address of this host: name the node by
                # its address (workers' MASTER_ADDR comes from the rank-0 node's)
-               *([f"--local-addr={net.address}"] if net.netns else []), "-m", "tenplex.train", "--", *train_args]
+               *([f"--local-addr={net.address}"] if net.netns else []), *program, "--", *train_args]
         # Workers bootstrap from a per-round prefix of the rendezvous store rather than a TCP
         # store shared across rounds by the rank-0 agent: after a node failure, keys left by
         # the previous round's workers would otherwise send gloo to dead peers until timeout.
