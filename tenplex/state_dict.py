@@ -169,12 +169,9 @@ def save_state_dict(state_dict: Mapping[str, Any], url: str, *, step: int, extra
     else:
         gathered = [(descs, objects)]
     ptc, layout = _collection([g[0] for g in gathered], [g[1] for g in gathered])
+    merged = _merged_objects([g[1] for g in gathered])  # every rank refuses values that differ, not only rank 0
     shard: dict[str, Any] = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in tensors.items()}
     if rank == 0:
-        merged: dict[str, Any] = {}
-        for objs in gathered:
-            for k, v in objs[1].items():
-                merged.setdefault(k, v)
         shard.update(merged)
     error: str | None = None
     failure: Exception | None = None
@@ -196,6 +193,38 @@ def save_state_dict(state_dict: Mapping[str, Any], url: str, *, step: int, extra
         raise CheckpointWriteError(f"saving step {step} to {url} failed on {len(failed)} of {world} ranks: {text}")
     assert result is not None
     return result
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two state-dict values are equal (tensors by value, containers element-wise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
+            a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values without a usable ==
+        return False
+
+
+def _merged_objects(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's non-tensor values as one dict. A key whose value differs between ranks would be
+    saved from one rank only, silently dropping the others': CheckpointValueError names it."""
+    merged: dict[str, tuple[int, Any]] = {}
+    for rank, objs in enumerate(objects):
+        for k, v in objs.items():
+            if k not in merged:
+                merged[k] = (rank, v)
+            elif not _same(merged[k][1], v):
+                raise CheckpointValueError(
+                    f"state dict entry {k!r} differs between rank {merged[k][0]} ({merged[k][1]!r:.80}) and rank {rank} "
+                    f"({v!r:.80}): only one value per key is saved. Give per-rank values per-rank keys; for optimizer "
+                    "state under pipeline parallelism use get_state_dict(..., options=StateDictOptions("
+                    "flatten_optimizer_state_dict=True)), whose param groups are keyed by parameter name")
+    return {k: v for k, (_, v) in merged.items()}
 
 
 def _collection(descs: list[dict[str, tuple[Any, ...]]], objects: list[dict[str, Any]]) -> tuple[PTC, StateLayout]:
