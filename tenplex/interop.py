@@ -691,6 +691,9 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
         if model is not None or hf_config is not None:
             raise ConfigError("keep_partitioning keeps the DCP checkpoint's own names and chunks: it takes no "
                               "model or hf_config")
+        if layout is not None and layout != ParallelConfig():
+            log.warning("importing %s with its own partitioning: layout %s is not used (load the result with "
+                        "tenplex.load_state_dict under any mesh)", src, layout)
         return import_dcp_chunks(src, url, step=step, strip_prefix=strip_prefix, storage_options=storage_options,
                                  source_storage_options=source_storage_options)
     layout = layout or ParallelConfig()
@@ -727,7 +730,7 @@ def import_checkpoint(src: str | Path, url: str, *, fmt: str = "auto", **kw: Any
     if fmt == "dcp":
         return import_dcp(src, url, **kw)
     if fmt == "hf":
-        for k in ("model", "strip_prefix", "hf_config"):
+        for k in ("model", "strip_prefix", "hf_config", "keep_partitioning"):
             kw.pop(k, None)
         return import_hf(src, url, **kw)
     raise ConfigError(f"unknown import format {fmt!r}: use auto, dcp or hf")
