@@ -188,3 +188,28 @@ def test_sharded_dcp_import_keeps_chunks_and_loads_anywhere(tmp_path: Path) -> N
     assert "state_layout" in tenplex.read_manifest(str(tmp_path / "c"))
     assert cli_main(["import", str(src), str(tmp_path / "n"), "--no-keep-partitioning", "--json"]) == 0
     assert "state_layout" not in tenplex.read_manifest(str(tmp_path / "n"))
+
+
+@pytest.fixture
+def recfs():  # type: ignore[no-untyped-def]
+    from recording_fs import RecordingFileSystem
+
+    RecordingFileSystem.reset()
+    yield RecordingFileSystem
+    RecordingFileSystem.reset()
+
+
+def test_kept_partitioning_import_from_a_url_passes_storage_options(tmp_path: Path, recfs) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.randn(4, 3), "n": torch.arange(5), "meta": {"epoch": 2}}
+    dcp.save(dict(state), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    recfs().put(str(tmp_path / "dcp"), "recfs://dcp", recursive=True)
+    recfs.calls.clear()
+    opts = {"endpoint_url": "http://127.0.0.1:5000", "anon": False}
+    res = import_dcp("recfs://dcp", str(tmp_path / "t"), source_storage_options=opts)
+    assert recfs.calls and all(c == opts for c in recfs.calls), recfs.calls
+    assert isinstance(res.layout, StateLayout)
+    sd = {"w": torch.zeros(4, 3), "n": torch.zeros(5, dtype=torch.int64), "meta": {"epoch": None}}
+    tenplex.load_state_dict(sd, str(tmp_path / "t"))
+    assert torch.equal(sd["w"], state["w"]) and torch.equal(sd["n"], state["n"]) and sd["meta"] == {"epoch": 2}
