@@ -160,6 +160,9 @@ def _save_worker(rank: int, world: int, port: int, path: str) -> None:
                         "rows": distribute_tensor(g["rows"], mesh, [TShard(0)]), "plain": g["plain"]},
               "scalar": g["scalar"], "extra": {"step": 3, "name": "run"}}
         dcp.save(sd, checkpoint_id=path)
+        from tenplex.dcp_storage import TenplexStorageWriter
+
+        dcp.save(sd, storage_writer=TenplexStorageWriter(path + "_tenplex", step=1))
     finally:
         dist.destroy_process_group()
 
@@ -183,6 +186,20 @@ def test_sharded_dcp_import_keeps_chunks_and_loads_anywhere(tmp_path: Path) -> N
     assert got.bytes_read == got.bytes_needed == payload
     assert all(torch.equal(sd["model"][k.split(".")[1]], v) for k, v in want.items() if k.startswith("model."))
     assert torch.equal(sd["scalar"], g["scalar"]) and sd["extra"] == {"step": 3, "name": "run"}
+    # DCP's own save and load through the tenplex format, from 2 ranks, read back in one process
+    import torch.distributed.checkpoint as dcp
+
+    from tenplex.dcp_storage import TenplexStorageReader
+
+    direct = str(tmp_path / "dcp_tenplex")
+    layout = StateLayout.from_json(tenplex.read_manifest(direct)["state_layout"])
+    assert layout.placed["model.cols"] == Boxes(((0, (0, 0), (6, 3)), (1, (0, 3), (6, 2))))
+    for url in (direct, str(tmp_path / "t")):
+        back = {"model": {k.split(".")[1]: torch.zeros_like(v) for k, v in want.items() if k.startswith("model.")},
+                "scalar": torch.zeros(()), "extra": {"step": None, "name": None}}
+        dcp.load(back, storage_reader=TenplexStorageReader(url), no_dist=True)
+        assert all(torch.equal(back["model"][k.split(".")[1]], v) for k, v in want.items() if k.startswith("model."))
+        assert torch.equal(back["scalar"], g["scalar"]) and back["extra"] == {"step": 3, "name": "run"}
     # the CLI keeps the partitioning by default too; --no-keep-partitioning imports whole tensors
     assert cli_main(["import", str(src), str(tmp_path / "c"), "--json"]) == 0
     assert "state_layout" in tenplex.read_manifest(str(tmp_path / "c"))
@@ -213,3 +230,30 @@ def test_kept_partitioning_import_from_a_url_passes_storage_options(tmp_path: Pa
     sd = {"w": torch.zeros(4, 3), "n": torch.zeros(5, dtype=torch.int64), "meta": {"epoch": None}}
     tenplex.load_state_dict(sd, str(tmp_path / "t"))
     assert torch.equal(sd["w"], state["w"]) and torch.equal(sd["n"], state["n"]) and sd["meta"] == {"epoch": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP's own save / load through the tenplex format (tenplex.dcp_storage)
+# ---------------------------------------------------------------------------------------------
+def test_dcp_save_and_load_through_tenplex_storage(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from tenplex.dcp_storage import TenplexStorageReader, TenplexStorageWriter
+
+    g = torch.Generator().manual_seed(3)
+    sd = {"model": {"w": torch.randn(6, 4, generator=g), "b": torch.randn(4, generator=g).to(torch.bfloat16)},
+          "n": torch.arange(5), "step": torch.tensor(7.0), "meta": {"epoch": 2, "name": "run"}}
+    url = str(tmp_path / "t")
+    dcp.save(sd, storage_writer=TenplexStorageWriter(url, step=4), no_dist=True)
+    assert tenplex.read_manifest(url)["step"] == 4
+    back = {"model": {"w": torch.zeros(6, 4), "b": torch.zeros(4, dtype=torch.bfloat16)},
+            "n": torch.zeros(5, dtype=torch.int64), "step": torch.zeros(()), "meta": {"epoch": None, "name": None}}
+    dcp.load(back, storage_reader=TenplexStorageReader(url), no_dist=True)
+    assert torch.equal(back["model"]["w"], sd["model"]["w"]) and torch.equal(back["model"]["b"], sd["model"]["b"])
+    assert torch.equal(back["n"], sd["n"]) and torch.equal(back["step"], sd["step"])
+    assert back["meta"] == {"epoch": 2, "name": "run"}
+    # and tenplex's own loader reads what DCP wrote
+    again = {"model": {"w": torch.zeros(6, 4), "b": torch.zeros(4, dtype=torch.bfloat16)},
+             "n": torch.zeros(5, dtype=torch.int64), "step": torch.zeros(()), "meta": {"epoch": None, "name": None}}
+    tenplex.load_state_dict(again, url)
+    assert torch.equal(again["model"]["w"], sd["model"]["w"]) and again["meta"]["name"] == "run"
