@@ -576,6 +576,13 @@ def _load_world(rank: int, world: int, url: str, res: dict[str, Any]) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     ref = torch.load(f"{url}/../reference.pt", weights_only=True)
+    if world == 2:  # one rank's failure fails every rank, none is left waiting in a collective
+        errors = []
+        bad: dict[Any, Any] = {1: torch.zeros(2)} if rank == 1 else {"ok": torch.zeros(2)}
+        try:
+            save_state_dict(bad, f"{url}-bad", step=1)
+        except CheckpointValueError as e:
+            errors.append(str(e))
     if world == 2:  # TP only
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         model, optim = _model(mesh, True, None, 0.5, 1)
@@ -590,6 +597,16 @@ def _load_world(rank: int, world: int, url: str, res: dict[str, Any]) -> None:
           "x": {**{k: distribute_tensor(zeros[k], mesh, p) for k, p in x.items()}, "c": zeros["c"],
                 "meta": {"names": None, "n": 0}},  # nested dicts are flattened (as DCP does): same keys
           "step": 0, "groups": None}
+    if world == 2:  # a mismatch on rank 1 only: rank 0 raises too instead of waiting for it
+        c = sd["x"]["c"]
+        if rank == 1:
+            sd["x"]["c"] = torch.zeros(12)
+        try:
+            load_state_dict(sd, url)
+        except CheckpointMismatchError as e:
+            errors.append(str(e))
+        sd["x"]["c"] = c
+        res["collective_errors"] = errors
     ptrs = {k: (v.to_local() if hasattr(v, "to_local") else v).data_ptr() for k, v in _tensors(sd).items()}
     r = load_state_dict(sd, url)
     res["load"] = (r.step, r.extra, r.bytes_read, r.bytes_needed)
@@ -690,4 +707,10 @@ def test_real_dtensors_save_in_4_load_in_2_and_3(tmp_path: Path) -> None:
         assert (step, extra) == (3, {"loss": 0.5, "ranks": 4}) and needed <= read
         assert res["objects"] == (7, [{"lr": 0.25}], {"names": ["a", "b"], "n": 3}, True), res["objects"]
         assert res["lr"] == [0.01], res["lr"]
+        if phase == "load2":
+            save_error, load_error = res["collective_errors"]
+            assert "state dict key 1 under 'the top level' is not a string" in save_error
+            assert (rank == 1) != ("saving step 1" in save_error and "failed on 1 of 2 ranks: rank 1:" in save_error)
+            assert "x.c: the checkpoint has shape [11] float32, the state dict [12] float32" in load_error
+            assert (rank == 1) != ("failed on 1 of 2 ranks: rank 1: CheckpointMismatchError" in load_error)
     print("\n" + ", ".join(f"{ph}/{r}: {res['seconds']:.1f}s" for (ph, r), res in sorted(results.items())))
