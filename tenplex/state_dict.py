@@ -314,7 +314,8 @@ def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int
                 MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(t) for t in placements),
                 tuple(ranks))
         layout = StateLayout.of(world, placed)
-        locals_ = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in tensors.items()}
+        # detached: the same memory, written without autograd (parameters require grad)
+        locals_ = {k: (v.to_local() if isinstance(v, DTensor) else v).detach() for k, v in tensors.items()}
         mine = sorted(leaves)
     except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each
         failure = e

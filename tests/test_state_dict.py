@@ -714,3 +714,18 @@ def test_real_dtensors_save_in_4_load_in_2_and_3(tmp_path: Path) -> None:
             assert "x.c: the checkpoint has shape [11] float32, the state dict [12] float32" in load_error
             assert (rank == 1) != ("failed on 1 of 2 ranks: rank 1: CheckpointMismatchError" in load_error)
     print("\n" + ", ".join(f"{ph}/{r}: {res['seconds']:.1f}s" for (ph, r), res in sorted(results.items())))
+
+
+def test_load_into_parameters_that_require_grad(tmp_path: Path) -> None:
+    """A state dict of the module's parameters themselves (``named_parameters``, ``keep_vars=True``):
+    filled in place without autograd, in memory order and through a temporary (a transposed view)."""
+    src = torch.nn.Linear(3, 4)
+    save_state_dict({"w": src.weight, "t": src.weight.t(), "b": src.bias}, str(tmp_path), step=1)
+    dst = torch.nn.Linear(3, 4)
+    tp = torch.nn.Parameter(torch.zeros(4, 3).t())
+    sd = {"w": dst.weight, "t": tp, "b": dst.bias}
+    ptr = dst.weight.data_ptr()
+    load_state_dict(sd, str(tmp_path))
+    assert sd["w"] is dst.weight and dst.weight.data_ptr() == ptr and dst.weight.requires_grad
+    assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias) and torch.equal(tp, src.weight.t())
+    assert dst.weight.grad_fn is None and tp.grad_fn is None
