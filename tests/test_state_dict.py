@@ -225,13 +225,14 @@ def test_named_reshards() -> None:
     a sub-mesh (a pipeline stage), a 0-d and an empty tensor: saved, loaded under other meshes."""
     m22, m24 = MeshLayout.parse("dp_shard=2,tp=2"), MeshLayout.parse("dp_shard=2,tp=4")
     shapes = {"w": ((9, 5), torch.float32), "v": ((3, 4), torch.bfloat16), "h": ((7, 3, 2), torch.float16),
-              "u": ((9, 4), torch.float32),
+              "u": ((9, 4), torch.float32), "u3": ((7, 3), torch.float64),
               "stage1": ((6, 2), torch.float32), "s": ((), torch.int64), "e": ((0, 4), torch.float32)}
     saved = StateLayout.of(8, {
         "w": Placed(m22, (StridedShard(0, 2), Shard(0)), range(4)),
         "v": Placed(m24, (StridedShard(0, 4), Shard(0)), range(8)),
         # where FSDP2's storage and DTensor's StridedShard arithmetic differ (row 8 at (3, 1), not (3, 0))
         "u": Placed(MeshLayout.parse("dp_shard=4,tp=2"), (StridedShard(0, 2), Shard(0)), range(8)),
+        "u3": Placed(MeshLayout.parse("dp_shard=3,tp=2"), (StridedShard(0, 2), Shard(0)), (7, 6, 5, 4, 3, 2)),
         "h": Placed(MeshLayout.parse("r=2,s=2,tp=2"), (Replicate(), StridedShard(0, 2), Shard(0)), range(8)),
         "stage1": Placed(MeshLayout.parse("dp=2,tp=2"), (Shard(0), Shard(1)), (4, 5, 6, 7)),
         "s": Placed.replicated(range(8)),
