@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,demo]'
+	# torchtitan's own Llama 3 and CheckpointManager for the torch-native tests (docs/titan/README.md):
+	# without --no-deps it would pull wandb and datasets and downgrade fsspec
+	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3
+	$(PY) -m pip install -q tyro==1.0.17 torchdata==0.11.0 tensorboard==2.21.0
 	@touch $(STAMP)
 
 setup: $(STAMP)
