@@ -303,90 +303,106 @@ def worker(args) -> None:
     dist.init_process_group("gloo" if dev == "cpu" else None, rank=rank, world_size=world)
     out = Path(args.out)
 
-    cfg = Trainer.Config(
-        dump_folder=str(out),
-        loss=CrossEntropyLoss.Config(global_vocab_size=args.vocab),
-        training=TrainingConfig(
-            local_batch_size=args.batch, seq_len=args.seq_len, steps=args.steps,
-            mixed_precision_param="float32", dtype="float32", disable_cuda_graphs=True,
-            max_norm=1.0),
-        parallelism=ParallelismConfig(
-            data_parallel_replicate_degree=args.dp_replicate,
-            data_parallel_shard_degree=args.dp_shard,
-            tensor_parallel_degree=args.tp, pipeline_parallel_degree=args.pp,
-            pipeline_parallel_schedule=args.pp_schedule,
-            pipeline_parallel_microbatch_size=max(1, args.batch // 2) if args.pp > 1 else 1,
-            enable_sequence_parallel=not args.no_sp,  # torchtitan default True (also at tp=1)
-            spmd_backend=args.spmd_backend),
-        optimizer=OptimizersContainer.Config(
-            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=dict(
-                lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))],
-            implementation="foreach"),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1),
-        compile=CompileConfig(enable=False),
-        checkpoint=CheckpointManager.Config(
-            enable=True, folder="titan", interval=1, last_save_model_only=False,
-            keep_latest_k=0, initial_load_path=args.load, initial_load_model_only=False,
-            exclude_from_loading=[x for x in args.exclude_from_loading.split(",") if x]),
-    )
-    pd = ParallelDims.from_config(cfg.parallelism, world)
-    pd.build_mesh()
-    dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
-    torch.manual_seed(args.seed)
+    def setup(tp, dp_shard, dp_replicate, pp):
+        """torchtitan's config, mesh, model config, loss and a model builder for this mesh."""
+        cfg = Trainer.Config(
+            dump_folder=str(out),
+            loss=CrossEntropyLoss.Config(global_vocab_size=args.vocab),
+            training=TrainingConfig(
+                local_batch_size=args.batch, seq_len=args.seq_len, steps=args.steps,
+                mixed_precision_param="float32", dtype="float32", disable_cuda_graphs=True,
+                max_norm=1.0),
+            parallelism=ParallelismConfig(
+                data_parallel_replicate_degree=dp_replicate,
+                data_parallel_shard_degree=dp_shard,
+                tensor_parallel_degree=tp, pipeline_parallel_degree=pp,
+                pipeline_parallel_schedule=args.pp_schedule,
+                pipeline_parallel_microbatch_size=max(1, args.batch // 2) if pp > 1 else 1,
+                enable_sequence_parallel=not args.no_sp,  # torchtitan default True (also at tp=1)
+                spmd_backend=args.spmd_backend),
+            optimizer=OptimizersContainer.Config(
+                param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=dict(
+                    lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))],
+                implementation="foreach"),
+            lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1),
+            compile=CompileConfig(enable=False),
+            checkpoint=CheckpointManager.Config(
+                enable=True, folder="titan", interval=1, last_save_model_only=False,
+                keep_latest_k=0, initial_load_path=args.load, initial_load_model_only=False,
+                exclude_from_loading=[x for x in args.exclude_from_loading.split(",") if x]),
+        )
+        pd = ParallelDims.from_config(cfg.parallelism, world)
+        pd.build_mesh()
+        dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
+        torch.manual_seed(args.seed)
 
-    dim, heads, kv = args.dim, args.heads, args.kv_heads
-    mcfg = Llama3Model.Config(
-        dim=dim, vocab_size=args.vocab,
-        tok_embeddings=Embedding.Config(num_embeddings=args.vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=args.vocab, param_init=_output_linear_init(dim)),
-        layers=_build_llama3_layers(
-            fuse_qkv=not args.no_fuse_qkv, n_layers=args.layers, dim=dim, n_heads=heads, n_kv_heads=kv,
-            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=32),
-            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=max(args.seq_len, 64), theta=500000,
-                                    scaling="llama"),
-            attn_backend="flex"),
-    )
-    if args.attn == "sdpa":
-        # FlexAttention has no backward on CPU in torch 2.13 ("FlexAttention does not support
-        # backward on CPU"), varlen_attn is CUDA-only; torchtitan's SDPA inner attention
-        # (is_causal=True) equals block-causal flex for one document per row, as here.
-        from torchtitan.models.common.attention import ScaledDotProductAttention
-        for lc in mcfg.layers:
-            lc.attention.inner_attention = ScaledDotProductAttention.Config()
-    mcfg.update_from_config(config=cfg)
-    with torch.device("meta"):
-        model = mcfg.build()
-    loss_fn = cfg.loss.build(compile_config=cfg.compile)
+        dim, heads, kv = args.dim, args.heads, args.kv_heads
+        mcfg = Llama3Model.Config(
+            dim=dim, vocab_size=args.vocab,
+            tok_embeddings=Embedding.Config(num_embeddings=args.vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+            norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+            lm_head=Linear.Config(in_features=dim, out_features=args.vocab, param_init=_output_linear_init(dim)),
+            layers=_build_llama3_layers(
+                fuse_qkv=not args.no_fuse_qkv, n_layers=args.layers, dim=dim, n_heads=heads, n_kv_heads=kv,
+                hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=32),
+                rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=max(args.seq_len, 64), theta=500000,
+                                        scaling="llama"),
+                attn_backend="flex"),
+        )
+        if args.attn == "sdpa":
+            # FlexAttention has no backward on CPU in torch 2.13 ("FlexAttention does not support
+            # backward on CPU"), varlen_attn is CUDA-only; torchtitan's SDPA inner attention
+            # (is_causal=True) equals block-causal flex for one document per row, as here.
+            from torchtitan.models.common.attention import ScaledDotProductAttention
+            for lc in mcfg.layers:
+                lc.attention.inner_attention = ScaledDotProductAttention.Config()
+        mcfg.update_from_config(config=cfg)
+        loss_fn = cfg.loss.build(compile_config=cfg.compile)
 
-    pp_info = (None, True, True)
-    if pd.pp_enabled:
-        sched, parts, first, last = pipeline_llm(
-            model, parallel_dims=pd, training=cfg.training, parallelism=cfg.parallelism,
-            compile_config=cfg.compile, ac_config=None, dump_folder=str(out), device=device,
-            model_config=mcfg, parallelize_fn=parallelize_llama, loss_fn=loss_fn)
-        pp_info = (sched, first, last)
-        if not args.no_pp_shim:
-            _pp_step_shim(sched)
-    else:
-        parts = [parallelize_llama(
-            model, parallel_dims=pd, training=cfg.training, parallelism=cfg.parallelism,
-            compile_config=cfg.compile, ac_config=None, dump_folder=str(out))]
-    if dev == "cpu":
-        # torchtitan sets FSDP's gradient divide factor to 1.0 (it scales by the global token
-        # count itself), which FSDP2 turns into ReduceOp.PREMUL_SUM(1.0) -- unsupported by gloo
-        # ("Cannot use ReduceOp.PREMUL_SUM with Gloo").  Force plain SUM (+ post-divide by 1.0),
-        # what torchtitan's own enable_fsdp_symm_mem() does for symmetric-memory comms.
-        from torch.distributed.fsdp import FSDPModule
-        for m in parts:
-            for mod in m.modules():
-                if isinstance(mod, FSDPModule):
-                    mod.set_force_sum_reduction_for_comms(True)
-    for m in parts:
-        m.to_empty(device=device)
-        with torch.no_grad():
-            m.init_weights(buffer_device=None)
-        m.train()
+        def build_parts():  # torchtitan's model on this mesh, parallelized and initialised (seeded)
+            torch.manual_seed(args.seed)
+            with torch.device("meta"):
+                model = mcfg.build()
+            pp_info = (None, True, True)
+            if pd.pp_enabled:
+                sched, parts, first, last = pipeline_llm(
+                    model, parallel_dims=pd, training=cfg.training, parallelism=cfg.parallelism,
+                    compile_config=cfg.compile, ac_config=None, dump_folder=str(out), device=device,
+                    model_config=mcfg, parallelize_fn=parallelize_llama, loss_fn=loss_fn)
+                pp_info = (sched, first, last)
+                if not args.no_pp_shim:
+                    _pp_step_shim(sched)
+            else:
+                parts = [parallelize_llama(
+                    model, parallel_dims=pd, training=cfg.training, parallelism=cfg.parallelism,
+                    compile_config=cfg.compile, ac_config=None, dump_folder=str(out))]
+            if dev == "cpu":
+                # torchtitan sets FSDP's gradient divide factor to 1.0 (it scales by the global token
+                # count itself), which FSDP2 turns into ReduceOp.PREMUL_SUM(1.0) -- unsupported by gloo
+                # ("Cannot use ReduceOp.PREMUL_SUM with Gloo").  Force plain SUM (+ post-divide by 1.0),
+                # what torchtitan's own enable_fsdp_symm_mem() does for symmetric-memory comms.
+                from torch.distributed.fsdp import FSDPModule
+                for m in parts:
+                    for mod in m.modules():
+                        if isinstance(mod, FSDPModule):
+                            mod.set_force_sum_reduction_for_comms(True)
+            for m in parts:
+                m.to_empty(device=device)
+                with torch.no_grad():
+                    m.init_weights(buffer_device=None)
+                m.train()
+            return parts, pp_info
+
+        return cfg, pd, mcfg, loss_fn, build_parts
+
+    cfg, pd, mcfg, loss_fn, build_parts = setup(args.tp, args.dp_shard, args.dp_replicate, args.pp)
+
+    if args.check_load:
+        check_load(args.check_load, args.check_ref, cfg, pd, build_parts, rank, out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    parts, pp_info = build_parts()
     t_built = time.monotonic()
 
     # torchtitan's Trainer, assembled without its tokenizer/dataloader/metrics
@@ -529,7 +545,140 @@ def worker(args) -> None:
     print(json.dumps({"rank": rank, "losses": losses, "wall_s": summary["wall_s"]}))
     tr.checkpointer.close()
     dist.barrier()
+    if args.then_check:
+        then_check(args, setup, rank, out, out / "titan" / f"step-{tr.step}")
     dist.destroy_process_group()
+
+
+def checkpoint_sizes(tdir, tenplex_dir) -> dict:
+    """Bytes of the DCP checkpoint's tensors (its chunks, from .metadata), of its files, and of the
+    tenplex checkpoint's data files: the tensor payload (file minus safetensors header) and in all."""
+    import math
+    import struct
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(str(tdir)).read_metadata()
+    tensor_bytes = sum(math.prod(c.sizes) * torch.empty(0, dtype=m.properties.dtype).element_size()
+                       for m in md.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)
+                       for c in m.chunks)
+    payload = files = 0
+    for f in Path(tenplex_dir).glob("step-*/rank-*.safetensors"):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+        files += f.stat().st_size
+        payload += f.stat().st_size - 8 - n
+    return {"dcp_tensor_bytes": tensor_bytes, "dcp_files_bytes": sum(f.stat().st_size for f in Path(tdir).iterdir()),
+            "tenplex_data_payload_bytes": payload, "tenplex_data_files_bytes": files,
+            "tenplex_all_files_bytes": sum(f.stat().st_size for f in Path(tenplex_dir).rglob("*") if f.is_file())}
+
+
+def then_check(args, setup, rank, out, tdir) -> None:
+    """``--then-check MESH``: rank 0 runs ``tenplex import`` of the titan checkpoint just saved into
+    ``OUT/tenplex``; then every rank checks a load of it under MESH (``check_load``)."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from tenplex.cli import main as tenplex_cli
+
+    extra = None
+    if rank == 0:
+        t0 = time.monotonic()
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = tenplex_cli(["import", str(tdir), str(out / "tenplex"), "--json"])
+        if rc:
+            raise SystemExit(f"tenplex import failed with exit code {rc}")
+        extra = {"import": {**json.loads(buf.getvalue()), "wall_s": round(time.monotonic() - t0, 3)},
+                 "sizes": checkpoint_sizes(tdir, out / "tenplex")}
+    got = [extra]
+    dist.broadcast_object_list(got, src=0)
+    mesh = {"tp": 1, "dp_shard": 1, "dp_replicate": 1, "pp": 1}
+    for part in args.then_check.split(","):
+        k, _, v = part.partition("=")
+        mesh[k.strip().replace("-", "_")] = int(v)
+    cfg2, pd2, _, _, build2 = setup(mesh["tp"], mesh["dp_shard"], mesh["dp_replicate"], mesh["pp"])
+    check_load(str(out / "tenplex"), str(tdir), cfg2, pd2, build2, rank, out, extra=got[0])
+    dist.barrier()
+
+
+def check_load(url, ref, cfg, pd, build_parts, rank, out, extra=None) -> None:
+    """``--check-load URL --check-ref DIR`` (and ``--then-check``): under ``pd``'s mesh, build torchtitan's model and
+    optimizer twice, take the state dict its ``CheckpointManager`` saves (``ModelWrapper`` keys at
+    the top, ``OptimizersContainer``'s under ``optimizer.``, the checkpoint's other entries as
+    placeholders), fill one with ``tenplex.load_state_dict(URL)`` and the other with
+    ``torch.distributed.checkpoint.load`` of the titan checkpoint ``DIR``, and compare every entry
+    (DTensors as full tensors, bit for bit).  Rank 0 writes ``OUT/check.json``: per rank the bytes
+    tenplex read and needed, the load times, and every mismatch."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.tensor import DTensor
+    from torchtitan.components.checkpoint import ModelWrapper
+
+    import tenplex
+
+    md = dcp.FileSystemReader(ref).read_metadata()
+    saved_objects = [k for k, m in md.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)]
+
+    def state():
+        parts, _ = build_parts()
+        optimizers = cfg.optimizer.build(model_parts=parts)
+        sd = dict(ModelWrapper(parts).state_dict())
+        sd.update({f"optimizer.{k}": v for k, v in optimizers.state_dict().items()})
+        for k in saved_objects:
+            sd.setdefault(k, None)
+        return (parts, optimizers), sd
+
+    keep_a, sd_a = state()
+    keep_b, sd_b = state()
+    t0 = time.monotonic()
+    res = tenplex.load_state_dict(sd_a, url)
+    t_tenplex = time.monotonic() - t0
+    t0 = time.monotonic()
+    dcp.load(sd_b, checkpoint_id=ref)
+    t_dcp = time.monotonic() - t0
+
+    def bits(t):
+        t = t.detach().reshape(-1).contiguous()
+        return t.view(torch.uint8) if t.numel() else t
+
+    mismatches, n_dtensor, n_tensor, n_obj = [], 0, 0, 0
+    for k in sorted(sd_b):
+        a, b = sd_a.get(k), sd_b[k]
+        if isinstance(b, DTensor):
+            n_dtensor += 1
+            same = isinstance(a, DTensor) and a.placements == b.placements and torch.equal(
+                bits(a.full_tensor()), bits(b.full_tensor()))
+        elif isinstance(b, torch.Tensor):
+            n_tensor += 1
+            same = isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+        else:
+            n_obj += 1
+            same = pickle.dumps(a) == pickle.dumps(b)
+        if not same:
+            mismatches.append(k)
+    mine = {"rank": rank, "dtensors": n_dtensor, "tensors": n_tensor, "objects": n_obj,
+            "mismatches": mismatches, "bytes_read": res.bytes_read, "bytes_needed": res.bytes_needed,
+            "read_over_needed": round(res.bytes_read / max(1, res.bytes_needed), 5), "step": res.step,
+            "tenplex_load_s": round(t_tenplex, 3), "tenplex_load_internal_s": round(res.seconds, 3),
+            "dcp_load_s": round(t_dcp, 3)}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        summary = {"mesh": {k: getattr(pd, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "world_size")},
+                   "tenplex_url": url, "titan_checkpoint": ref, "ranks": every,
+                   "ok": all(not r["mismatches"] for r in every), **(extra or {})}
+        (out / "check.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(mine))
+    del keep_a, keep_b
 
 
 def _full_values(tr):
@@ -611,8 +760,19 @@ def main(argv=None):
     ap.add_argument("--exclude-from-loading", default="",
                     help="comma list for CheckpointManager exclude_from_loading, e.g. dataloader "
                          "(its state is keyed dp_rank_<i>: a larger DP degree misses keys)")
+    ap.add_argument("--check-load", default=None, metavar="URL",
+                    help="no training: load the tenplex checkpoint URL (e.g. a `tenplex import` of a titan "
+                         "checkpoint) under this run's mesh and compare with a DCP load of --check-ref "
+                         "(writes OUT/check.json)")
+    ap.add_argument("--check-ref", default=None, metavar="DIR",
+                    help="the titan checkpoint (titan/step-N) --check-load is compared with")
+    ap.add_argument("--then-check", default=None, metavar="MESH",
+                    help="after saving: `tenplex import` the titan checkpoint into OUT/tenplex and check a "
+                         "load of it under MESH on the same ranks, e.g. dp_shard=4 (as --check-load)")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args(argv)
+    if bool(args.check_load) != bool(args.check_ref):
+        ap.error("--check-load and --check-ref go together")
     if "RANK" not in os.environ:
         sys.exit(launch(args, argv))
     worker(args)

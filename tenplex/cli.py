@@ -480,7 +480,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
         with _storage_errors(_given(source_storage_option=src_opts)):
             fmt = detect_format(args.src, storage_options=src_opts)
     if fmt == "dcp":
-        kw.update(model=args.model, hf_config=hf_config, strip_prefix=args.strip_prefix)
+        kw.update(model=args.model, hf_config=hf_config, strip_prefix=args.strip_prefix,
+                  keep_partitioning=args.keep_partitioning)
     with _storage_errors(_given(source_storage_option=src_opts, storage_option=opts)):
         res = import_checkpoint(args.src, args.dst, fmt=fmt, **kw)
     if args.json:
@@ -600,6 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DCP: model preset whose tenplex-named tensors the checkpoint holds (e.g. tiny)")
     p.add_argument("--hf-config", default=None, help="DCP: config.json of a checkpoint holding Hugging Face names")
     p.add_argument("--strip-prefix", default="", help="DCP: prefix removed from every tensor name, e.g. model.")
+    p.add_argument("--keep-partitioning", action=argparse.BooleanOptionalAction, default=None,
+                   help="DCP: keep the checkpoint's own chunks (one part per DCP file; load with "
+                        "tenplex.load_state_dict under any mesh). Default: on unless --model or --hf-config is "
+                        "given or the names are Hugging Face's; --no-keep-partitioning imports whole tensors "
+                        "under --layout (replicated unless --model)")
     _add_storage_option(p, "--storage-option", "storage_option", "the tenplex checkpoint URL (dst)")
     _add_storage_option(p, "--source-storage-option", "source_storage_option", "the source (src) when it is a URL")
     p.add_argument("--json", action="store_true", help="print one JSON object")

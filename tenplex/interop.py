@@ -5,10 +5,15 @@
   matching ``model_ptc`` (parameters only), saved under a layout (default ``dp=1,tp=1,pp=1``)
   and loadable under any layout.
 * ``import_dcp``: a ``torch.distributed.checkpoint`` directory (any sharding, DTensor or
-  plain tensors) becomes a tenplex checkpoint. Tensors named like tenplex's GPT/Llama
-  collections (``embedding.word``, ``layers.{i}.attn.qkv.weight``, ``optimizer.exp_avg.*``)
-  keep their TP/PP partitioning; Hugging Face names are mapped first; any other tensor is
-  imported replicated on every stage.
+  plain tensors) becomes a tenplex checkpoint. By default (no ``model`` and no Hugging Face
+  names) it keeps the checkpoint's own partitioning: every DCP chunk becomes the box of a
+  pseudo writer rank (one per DCP file), the non-tensor entries become objects, and the
+  result is a state-dict checkpoint (``StateLayout`` of ``Boxes``) that
+  ``tenplex.load_state_dict`` loads under any mesh, reading only what each rank needs. With a
+  ``model`` (or ``hf_config``), tensors named like tenplex's GPT/Llama collections
+  (``embedding.word``, ``layers.{i}.attn.qkv.weight``, ``optimizer.exp_avg.*``) get their
+  TP/PP partitioning under ``layout``; Hugging Face names are mapped first; any other tensor
+  is imported replicated on every stage.
 * ``export_hf``: a tenplex GPT/Llama checkpoint back to one Hugging Face style
   ``model.safetensors`` plus ``config.json``: the source's own config when the checkpoint was
   imported from Hugging Face (kept in its ``extra["hf_config"]``; only the dtype is updated),
@@ -39,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,11 +56,13 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from .checkpoint import LoadResult, load, save
+from .checkpoint.writer import default_save_id
 from .checkpoint.reader import url_fs
 from .config import ParallelConfig
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, TenplexError
 from .models import NORM_EPS, ROPE_THETA, ModelSpec, model_ptc, model_spec, optimizer_names
-from .ptc import PTC, TensorSpec, dtype_to_str
+from .ptc import PTC, Layout, TensorSpec, dtype_to_str
+from .state_layout import Boxes, StateLayout, spec_for
 
 __all__ = [
     "ImportResult",
@@ -64,8 +72,10 @@ __all__ = [
     "spec_to_hf_config",
     "read_hf_state",
     "read_dcp_state",
+    "dcp_chunk_layout",
     "import_hf",
     "import_dcp",
+    "import_dcp_chunks",
     "import_checkpoint",
     "export_hf",
     "detect_format",
@@ -81,7 +91,7 @@ class ImportResult:
     """What an import wrote: the collection, the layout it was saved under, the step, bytes."""
 
     ptc: PTC
-    layout: ParallelConfig
+    layout: Layout
     step: int
     url: str
     source_format: str
@@ -377,17 +387,9 @@ def read_dcp_state(src: str | Path, *, storage_options: Mapping[str, Any] | None
     ``storage_options``) is read through fsspec (DCP's ``FsspecReader``).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # public there (its __all__)
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    opts = _options(storage_options, "source_storage_options")
-    fs, path = _url_fs(src, opts)
-    reader = (dcp.FileSystemReader(path) if isinstance(fs, LocalFileSystem) and not opts
-              else FsspecReader(str(src), **opts))
-    try:
-        md = reader.read_metadata()
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{src} has no DCP .metadata file") from None
+    reader, md = _dcp_metadata(src, storage_options)
     tensors: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
     for fqn, item in md.state_dict_metadata.items():
@@ -400,6 +402,173 @@ def read_dcp_state(src: str | Path, *, storage_options: Mapping[str, Any] | None
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(want, storage_reader=reader, no_dist=True)
     return {k: want[k] for k in tensors}, {k: want[k] for k in objects}
+
+
+def _dcp_metadata(src: str | Path, storage_options: Mapping[str, Any] | None) -> tuple[Any, Any]:
+    """A DCP ``StorageReader`` of ``src`` (``FsspecReader`` for a URL or with options) and its metadata."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # public there (its __all__)
+
+    opts = _options(storage_options, "source_storage_options")
+    fs, path = _url_fs(src, opts)
+    reader = (dcp.FileSystemReader(path) if isinstance(fs, LocalFileSystem) and not opts
+              else FsspecReader(str(src), **opts))
+    try:
+        md = reader.read_metadata()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{src} has no DCP .metadata file") from None
+    return reader, md
+
+
+@dataclass(frozen=True, slots=True)
+class DcpChunk:
+    """One saved DCP chunk: the tensor, its box, the pseudo rank that holds it, DCP's index of it."""
+
+    name: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rank: int
+    index: Any  # torch.distributed.checkpoint.metadata.MetadataIndex
+
+
+def dcp_chunk_layout(md: Any, *, strip_prefix: str = "") -> tuple[PTC, StateLayout, list[DcpChunk], list[Any]]:
+    """The collection and layout of a DCP checkpoint's metadata with its partitioning kept (pure).
+
+    Every chunk becomes the box of a pseudo writer rank: rank ``i`` holds the chunks stored in the
+    ``i``-th DCP file (sorted by name); a file holding several chunks of one tensor gives the
+    extra ones ranks of their own after those. Returns the PTC (tensors in DCP's dtypes, non-tensor
+    entries as objects), the ``StateLayout`` of ``Boxes``, every chunk, and the DCP indexes of the
+    non-tensor entries. CheckpointError for metadata it cannot place.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    storage = md.storage_data or {}
+    files = sorted({info.relative_path for info in storage.values()})
+    file_rank = {f: i for i, f in enumerate(files)}
+    extra_rank = len(files)
+    chunks: list[DcpChunk] = []
+    byte_items: list[Any] = []
+    specs: list[TensorSpec] = []
+    layout: dict[str, Boxes] = {}
+    objects: list[str] = []
+    by_name: dict[str, list[Any]] = {}
+    for index in storage:
+        by_name.setdefault(index.fqn, []).append(index)
+    for fqn, item in md.state_dict_metadata.items():
+        name = fqn.removeprefix(strip_prefix)
+        if isinstance(item, BytesStorageMetadata):
+            objects.append(name)
+            byte_items.extend((name, i) for i in by_name.get(fqn, []))
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise CheckpointError(f"{fqn}: DCP metadata of type {type(item).__name__} is neither a tensor nor bytes")
+        found = {tuple(int(x) for x in i.offset): i for i in by_name.get(fqn, [])}
+        held: set[int] = set()
+        boxes = []
+        for c in item.chunks:
+            offsets, sizes = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
+            index = found.get(offsets)
+            if index is None:
+                raise CheckpointError(f"{fqn}: the DCP metadata lists a chunk at offsets {list(offsets)} but no "
+                                      "storage entry for it (a damaged .metadata)")
+            rank = file_rank[storage[index].relative_path]
+            if rank in held:
+                rank, extra_rank = extra_rank, extra_rank + 1
+            held.add(rank)
+            boxes.append((rank, offsets, sizes))
+            chunks.append(DcpChunk(name, offsets, sizes, rank, index))
+        placed = Boxes(tuple(boxes))
+        specs.append(spec_for(name, tuple(int(x) for x in item.size), item.properties.dtype, placed))
+        layout[name] = placed
+    names = [s.name for s in specs] + objects
+    if len(set(names)) != len(names):
+        raise CheckpointError(f"names repeat after removing the prefix {strip_prefix!r}: "
+                              f"{sorted({n for n in names if names.count(n) > 1})[:5]}")
+    ptc = PTC(specs, num_layers=0, objects=objects, meta={"kind": "state_dict", "imported_from": "dcp"})
+    state_layout = StateLayout.of(max(extra_rank, 1), layout)
+    try:
+        state_layout.check(ptc, complete=True)
+    except TenplexError as e:
+        raise CheckpointError(f"the DCP checkpoint's chunks do not tile its tensors: {e}") from None
+    return ptc, state_layout, chunks, byte_items
+
+
+class _ChunkSink:
+    """The three ``LoadPlanner`` calls a DCP ``StorageReader.read_data`` makes: tensors into
+    preallocated chunk buffers, byte entries unpickled as DCP's own planner does."""
+
+    def __init__(self, buffers: Mapping[Any, torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.values: dict[Any, Any] = {}
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        return self.buffers[read_item.dest_index]
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        pass
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        self.values[read_item.dest_index] = torch.load(value, weights_only=False)  # as DCP's DefaultLoadPlanner
+
+
+def _read_chunks(reader: Any, md: Any, items: list[tuple[Any, torch.Size | None, torch.dtype | None]]) -> _ChunkSink:
+    """Read the DCP entries ``items`` (index, chunk size and dtype, or None for byte entries) with
+    ``reader``: each chunk once, into fresh buffers."""
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    buffers: dict[Any, torch.Tensor] = {}
+    reads = []
+    for index, size, dtype in items:
+        if size is None:
+            reads.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size((0,)),
+                                  storage_index=index, storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+            continue
+        buffers[index] = torch.empty(size, dtype=dtype)
+        zero = torch.Size((0,) * len(size))
+        reads.append(ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zero, storage_index=index,
+                              storage_offsets=zero, lengths=torch.Size(size)))
+    sink = _ChunkSink(buffers)
+    if reads:
+        reader.read_data(LoadPlan(reads), sink).wait()
+    return sink
+
+
+def import_dcp_chunks(src: str | Path, url: str, *, step: int = 0, strip_prefix: str = "",
+                      storage_options: Mapping[str, Any] | None = None,
+                      source_storage_options: Mapping[str, Any] | None = None) -> ImportResult:
+    """Import a DCP checkpoint keeping its partitioning: each DCP file becomes the part of one pseudo
+    writer rank holding the same chunks (``dcp_chunk_layout``), so nothing is duplicated, and the
+    result loads with ``tenplex.load_state_dict`` under any mesh (each rank reading only its
+    ranges). Streams: one DCP file's chunks in memory at a time, each read once.
+    """
+    t0 = time.perf_counter()
+    opts = _options(storage_options, "storage_options")
+    reader, md = _dcp_metadata(src, source_storage_options)
+    reader.set_up_storage_reader(md, True)
+    ptc, layout, chunks, byte_items = dcp_chunk_layout(md, strip_prefix=strip_prefix)
+    props = {fqn.removeprefix(strip_prefix): item.properties.dtype for fqn, item in md.state_dict_metadata.items()
+             if hasattr(item, "chunks")}
+    objs = _read_chunks(reader, md, [(i, None, None) for _, i in byte_items]).values
+    objects = {name: objs[i] for name, i in byte_items}
+    per_rank: dict[int, list[DcpChunk]] = {r: [] for r in range(layout.world_size)}
+    for c in chunks:
+        per_rank[c.rank].append(c)
+    save_id = default_save_id(layout, ptc)
+    extra = {"imported_from": "dcp", "source": str(src)}
+    written = 0
+    for rank in range(layout.world_size):
+        got = _read_chunks(reader, md, [(c.index, torch.Size(c.sizes), props[c.name]) for c in per_rank[rank]])
+        shard: dict[str, Any] = {c.name: got.buffers[c.index] for c in per_rank[rank]}
+        if rank == 0:
+            shard.update(objects)
+        written += save(url, ptc, layout, rank, shard, step=step, extra=extra, save_id=save_id,
+                        storage_options=opts).bytes_written
+        del got, shard
+    nbytes = sum(s.nbytes for s in ptc.tensors.values())
+    log.info("imported DCP checkpoint %s (%d tensors, %d objects, %d chunks in %d files) into %s keeping its "
+             "partitioning: %d tensor bytes, %d written in %.2fs", src, len(ptc), len(objects), len(chunks),
+             layout.world_size, url, nbytes, written, time.perf_counter() - t0)
+    return ImportResult(ptc, layout, step, url, "dcp", len(ptc), written)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,18 +667,35 @@ def _looks_hf(names: Any) -> bool:
 
 def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int = 0,
                model: ModelSpec | str | None = None, hf_config: Mapping[str, Any] | None = None,
-               strip_prefix: str = "", storage_options: Mapping[str, Any] | None = None,
+               strip_prefix: str = "", keep_partitioning: bool | None = None,
+               storage_options: Mapping[str, Any] | None = None,
                source_storage_options: Mapping[str, Any] | None = None) -> ImportResult:
     """Import a torch.distributed.checkpoint directory as a tenplex checkpoint.
 
-    ``model``: the ModelSpec (or preset name) whose tenplex-named tensors the checkpoint holds;
-    their TP/PP partitioning then applies under every layout. ``hf_config``: the checkpoint
-    holds Hugging Face names of this config (mapped as in ``import_hf``). Neither: every tensor
-    is imported replicated (loadable under any layout, but not TP-split).
+    ``keep_partitioning`` (default: when neither ``model`` nor ``hf_config`` is given and the names
+    are not Hugging Face's): keep the checkpoint's chunks as they are (``import_dcp_chunks``); the
+    result is loaded with ``tenplex.load_state_dict`` under any mesh, and ``layout`` is not used.
+    Otherwise the tensors are read whole and saved under ``layout``: ``model``: the ModelSpec (or
+    preset name) whose tenplex-named tensors the checkpoint holds; their TP/PP partitioning then
+    applies under every layout. ``hf_config``: the checkpoint holds Hugging Face names of this
+    config (mapped as in ``import_hf``). Neither (``keep_partitioning=False``): every tensor is
+    imported replicated (loadable under any layout, but not TP-split).
     ``strip_prefix`` is removed from every name first (e.g. ``"model."`` of a wrapped module).
     ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
     ``source_storage_options``: of ``src`` when it is a URL.
     """
+    if keep_partitioning is None:
+        keep_partitioning = model is None and hf_config is None and not _looks_hf(
+            k.removeprefix(strip_prefix) for k in _dcp_metadata(src, source_storage_options)[1].state_dict_metadata)
+    if keep_partitioning:
+        if model is not None or hf_config is not None:
+            raise ConfigError("keep_partitioning keeps the DCP checkpoint's own names and chunks: it takes no "
+                              "model or hf_config")
+        if layout is not None and layout != ParallelConfig():
+            log.warning("importing %s with its own partitioning: layout %s is not used (load the result with "
+                        "tenplex.load_state_dict under any mesh)", src, layout)
+        return import_dcp_chunks(src, url, step=step, strip_prefix=strip_prefix, storage_options=storage_options,
+                                 source_storage_options=source_storage_options)
     layout = layout or ParallelConfig()
     tensors, objects = read_dcp_state(src, storage_options=source_storage_options)
     if strip_prefix:
@@ -544,7 +730,7 @@ def import_checkpoint(src: str | Path, url: str, *, fmt: str = "auto", **kw: Any
     if fmt == "dcp":
         return import_dcp(src, url, **kw)
     if fmt == "hf":
-        for k in ("model", "strip_prefix", "hf_config"):
+        for k in ("model", "strip_prefix", "hf_config", "keep_partitioning"):
             kw.pop(k, None)
         return import_hf(src, url, **kw)
     raise ConfigError(f"unknown import format {fmt!r}: use auto, dcp or hf")

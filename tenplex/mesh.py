@@ -51,6 +51,7 @@ __all__ = [
     "canonical_order",
     "segments",
     "holder_table",
+    "box_segments",
 ]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -393,6 +394,24 @@ def _segment_arrays(
     local = np.zeros(len(length), dtype=np.int64)
     np.cumsum(length[:-1], out=local[1:])
     return local, start, length
+
+
+def box_segments(
+    shape: Sequence[int], box: Sequence[Sequence[range]], order: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(local, start, length)`` arrays of a box (per dim, the global index ranges it holds) of a
+    tensor of ``shape``: the box flattened in ``order`` (a permutation of the dims) as maximal runs of
+    consecutive offsets into the global tensor flattened the same way; ``local`` is each run's offset
+    in the box's own flat buffer."""
+    shape = tuple(int(s) for s in shape)
+    order = _check_order(order, len(shape))
+    box = tuple(tuple(ranges) for ranges in box)
+    if len(box) != len(shape):
+        raise LayoutError(f"a box of {len(box)} dims for a tensor of shape {shape}")
+    for d, (ranges, size) in enumerate(zip(box, shape)):
+        if any(r.step != 1 or r.start < 0 or r.stop > size or r.start > r.stop for r in ranges):
+            raise LayoutError(f"box dim {d} ranges {list(ranges)} do not lie in 0..{size}")
+    return _segment_arrays(shape, box, order)
 
 
 def segments(

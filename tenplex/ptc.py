@@ -538,9 +538,16 @@ class PTC:
                 local[lo : lo + ln] = flat[g : g + ln]
         return self.from_local_flat(name, cfg, local)
 
-    def from_local_flat(self, name: str, cfg: ParallelConfig, local: torch.Tensor) -> torch.Tensor:
-        """Reshape a canonical flat local shard into its natural local shape."""
+    def from_local_flat(self, name: str, cfg: Layout, local: torch.Tensor, rank: int = 0) -> torch.Tensor:
+        """Reshape a canonical flat local shard into its natural local shape (``rank``'s, under a
+        state-dict layout, where local shapes differ between ranks)."""
         spec = self.tensors[name]
+        if not isinstance(cfg, ParallelConfig):
+            shape = cfg.local_shape(spec, rank)
+            d = spec.split_dim
+            if d in (None, 0):
+                return local.reshape(shape)
+            return local.reshape((shape[d],) + shape[:d] + shape[d + 1:]).movedim(0, d).contiguous()
         if spec.dp_sharded or spec.split_dim is None:
             return local.reshape(spec.local_shape(cfg))
         return spec.from_canonical(local, rows=spec.local_rows(cfg.tp))

@@ -18,6 +18,7 @@ such values per-rank keys.
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -27,10 +28,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .checkpoint.reader import load
+from .checkpoint.reader import LoadResult, load
 from .checkpoint.writer import SaveResult, save
 from .dtensor import mesh_of, mesh_ranks, placement_of
-from .errors import CheckpointError, CheckpointMismatchError, CheckpointValueError, CheckpointWriteError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointValueError,
+    CheckpointWriteError,
+)
 from .mesh import MeshLayout
 from .ptc import PTC, dtype_to_str
 from .state_layout import Placed, StateLayout, parse_placement, placement_text, spec_for
@@ -138,6 +146,30 @@ def _text(desc: tuple[Any, ...]) -> str:
     return f"shape {list(shape)} {dtype}, {where}"
 
 
+_ERRORS = {c.__name__: c for c in (CheckpointValueError, CheckpointMismatchError, CheckpointCorruptError,
+                                   CheckpointNotFoundError, CheckpointWriteError)}
+
+
+def _gather_or_raise(value: Any, failure: Exception | None, world: int, group: Any, what: str) -> list[Any]:
+    """Every rank's ``value`` (``all_gather_object``), or, when the local step before it failed on any
+    rank (``failure``), an error on every rank: a failing rank raises its own, the others one of
+    the first failure's class (CheckpointError if it is not a checkpoint error) naming every
+    failing rank. So no rank is left waiting in a later collective for one that has raised."""
+    error = None if failure is None else (type(failure).__name__, str(failure))
+    got: list[Any] = [(value, error)]
+    if world > 1:
+        got = [None] * world
+        dist.all_gather_object(got, (value, error), group=group)
+    failed = [(r, e) for r, (_, e) in enumerate(got) if e is not None]
+    if failure is not None:
+        raise failure
+    if failed:
+        cls = _ERRORS.get(failed[0][1][0], CheckpointError)
+        raise cls(f"{what} failed on {len(failed)} of {world} ranks: "
+                  + "; ".join(f"rank {r}: {name}: {text}" for r, (name, text) in failed))
+    return [v for v, _ in got]
+
+
 def _world(group: Any) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
@@ -156,28 +188,30 @@ def save_state_dict(state_dict: Mapping[str, Any], url: str, *, step: int, extra
     non-tensor values); every distinct piece is then written once, by the least-loaded of the ranks
     holding it (replicas deduplicated, nothing gathered to one rank). Returns when every rank's part
     is written; CheckpointWriteError lists every rank's failure when any failed (no rank returns
-    normally then, and the step stays invisible to loads).
+    normally then, and the step stays invisible to loads). A state dict that one rank cannot
+    describe (a non-string key, a Partial DTensor) fails every rank before anything is written.
     """
     rank, world = _world(process_group)
-    leaves = flatten_state_dict(state_dict)
-    tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
-    objects = {k: v for k, (_, _, v) in leaves.items() if not isinstance(v, torch.Tensor)}
-    descs = {k: _describe(v, process_group) for k, v in tensors.items()}
-    gathered: list[Any] = [None] * world
-    if world > 1:
-        dist.all_gather_object(gathered, (descs, objects), group=process_group)
-    else:
-        gathered = [(descs, objects)]
+    tensors: dict[str, torch.Tensor] = {}
+    objects: dict[str, Any] = {}
+    descs: dict[str, tuple[Any, ...]] = {}
+    failure: Exception | None = None
+    try:  # a state dict one rank cannot describe fails every rank (none waits in the gather below)
+        leaves = flatten_state_dict(state_dict)
+        tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
+        objects = {k: v for k, (_, _, v) in leaves.items() if not isinstance(v, torch.Tensor)}
+        descs = {k: _describe(v, process_group) for k, v in tensors.items()}
+        if world > 1:
+            pickle.dumps(objects)  # all_gather_object pickles before its collective: fail here, not alone there
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each
+        failure = e
+    gathered = _gather_or_raise((descs, objects), failure, world, process_group, f"saving step {step} to {url}")
     ptc, layout = _collection([g[0] for g in gathered], [g[1] for g in gathered])
+    merged = _merged_objects([g[1] for g in gathered])  # every rank refuses values that differ, not only rank 0
     shard: dict[str, Any] = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in tensors.items()}
     if rank == 0:
-        merged: dict[str, Any] = {}
-        for objs in gathered:
-            for k, v in objs[1].items():
-                merged.setdefault(k, v)
         shard.update(merged)
     error: str | None = None
-    failure: Exception | None = None
     result: SaveResult | None = None
     try:
         result = save(url, ptc, layout, rank, shard, step=step, extra=extra, storage_options=storage_options)
@@ -196,6 +230,38 @@ def save_state_dict(state_dict: Mapping[str, Any], url: str, *, step: int, extra
         raise CheckpointWriteError(f"saving step {step} to {url} failed on {len(failed)} of {world} ranks: {text}")
     assert result is not None
     return result
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two state-dict values are equal (tensors by value, containers element-wise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
+            a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values without a usable ==
+        return False
+
+
+def _merged_objects(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's non-tensor values as one dict. A key whose value differs between ranks would be
+    saved from one rank only, silently dropping the others': CheckpointValueError names it."""
+    merged: dict[str, tuple[int, Any]] = {}
+    for rank, objs in enumerate(objects):
+        for k, v in objs.items():
+            if k not in merged:
+                merged[k] = (rank, v)
+            elif not _same(merged[k][1], v):
+                raise CheckpointValueError(
+                    f"state dict entry {k!r} differs between rank {merged[k][0]} ({merged[k][1]!r:.80}) and rank {rank} "
+                    f"({v!r:.80}): only one value per key is saved. Give per-rank values per-rank keys; for optimizer "
+                    "state under pipeline parallelism use get_state_dict(..., options=StateDictOptions("
+                    "flatten_optimizer_state_dict=True)), whose param groups are keyed by parameter name")
+    return {k: v for k, (_, v) in merged.items()}
 
 
 def _collection(descs: list[dict[str, tuple[Any, ...]]], objects: list[dict[str, Any]]) -> tuple[PTC, StateLayout]:
@@ -258,24 +324,31 @@ def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int
     in their dicts. CheckpointMismatchError names the keys when the state dict does not match the
     checkpoint (keys missing on either side, other global shapes or dtypes); nothing is read then.
     A failed read may leave tensors partly overwritten: load again (an older step) before using them.
+    When any rank fails (its state dict, its check or its reads), every rank raises: that rank its
+    own error, the others one of its class naming it.
     """
     t0 = time.perf_counter()
     rank, world = _world(None)
-    leaves = flatten_state_dict(state_dict)
-    tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
-    descs = {k: _describe(v, None) for k, v in tensors.items()}
-    keys: list[Any] = [sorted(leaves)]
-    if world > 1:
-        keys = [None] * world
-        dist.all_gather_object(keys, sorted(leaves))
-    wanted = set().union(*keys)
-    placed = {}
-    for k, v in tensors.items():
-        shape, dtype, dims, placements, ranks = descs[k]
-        placed[k] = Placed.replicated([rank]) if dims is None else Placed(
-            MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(t) for t in placements), tuple(ranks))
-    layout = StateLayout.of(world, placed)
-    locals_ = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in tensors.items()}
+    where = f"loading {url}"
+    mine: list[str] = []
+    failure: Exception | None = None
+    try:  # a state dict one rank cannot describe fails every rank (none waits in a later collective)
+        leaves = flatten_state_dict(state_dict)
+        tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
+        descs = {k: _describe(v, None) for k, v in tensors.items()}
+        placed = {}
+        for k, v in tensors.items():
+            shape, dtype, dims, placements, ranks = descs[k]
+            placed[k] = Placed.replicated([rank]) if dims is None else Placed(
+                MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(t) for t in placements),
+                tuple(ranks))
+        layout = StateLayout.of(world, placed)
+        # detached: the same memory, written without autograd (parameters require grad)
+        locals_ = {k: (v.to_local() if isinstance(v, DTensor) else v).detach() for k, v in tensors.items()}
+        mine = sorted(leaves)
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each
+        failure = e
+    wanted = set().union(*_gather_or_raise(mine, failure, world, None, where))
 
     sink = _InPlace(locals_)
 
@@ -283,16 +356,18 @@ def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int
         _check_against(saved, descs, set(leaves) - set(tensors), wanted, url, layout, locals_, rank)
         sink.bind(saved)
 
-    result = load(url, layout, rank, step=step, storage_options=storage_options, sink=sink, check=check)
-    if world > 1:
-        steps: list[Any] = [None] * world
-        dist.all_gather_object(steps, result.step)
-        if len(set(steps)) > 1:  # ranks saw different damage: all take the oldest step any rank could load
-            oldest = min(steps)
-            log.warning("ranks loaded steps %s of %s; reloading step %d everywhere", sorted(set(steps)), url, oldest)
-            if result.step != oldest:
-                result = load(url, layout, rank, step=oldest, storage_options=storage_options, sink=sink,
-                              check=check)
+    result: LoadResult | None = None
+    try:  # a rank whose check or read fails (its keys, its bytes) fails every rank, none waits below
+        result = load(url, layout, rank, step=step, storage_options=storage_options, sink=sink, check=check)
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each
+        failure = e
+    steps = _gather_or_raise(None if result is None else result.step, failure, world, None, where)
+    assert result is not None
+    if len(set(steps)) > 1:  # ranks saw different damage: all take the oldest step any rank could load
+        oldest = min(steps)
+        log.warning("ranks loaded steps %s of %s; reloading step %d everywhere", sorted(set(steps)), url, oldest)
+        if result.step != oldest:
+            result = load(url, layout, rank, step=oldest, storage_options=storage_options, sink=sink, check=check)
     for k, (container, key, _) in leaves.items():
         if k not in tensors and k in result.shard:
             container[key] = result.shard[k]

@@ -8,6 +8,10 @@ placement per mesh dim. ``StateLayout`` holds exactly that, and answers the ques
 order), so the checkpoint writer, the read planner and the planner work on it unchanged: one
 representation (1-D intervals in canonical flat order) for both kinds of layout.
 
+A tensor whose partitioning is known only as saved chunks (a ``torch.distributed.checkpoint``
+checkpoint's metadata: per chunk its offsets and sizes, one row-major blob) is placed by
+``Boxes`` instead: explicit boxes, one per holder rank, turned into the same segments.
+
 Pure: no I/O and no torch.distributed (``tenplex.state_dict`` builds it from real DTensors).
 """
 
@@ -18,15 +22,26 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
 from .errors import LayoutError, SpecError
-from .mesh import MeshLayout, MeshPlacement, Replicate, Shard, StridedShard, canonical_order, holder_table, local_box
+from .mesh import (
+    MeshLayout,
+    MeshPlacement,
+    Replicate,
+    Shard,
+    StridedShard,
+    box_segments,
+    canonical_order,
+    holder_table,
+    local_box,
+)
 from .ptc import PTC, Replicated, SegmentTable, Split, TensorSpec, dtype_from_str
 
-__all__ = ["Placed", "StateLayout", "spec_for", "placement_text", "parse_placement"]
+__all__ = ["Placed", "Boxes", "Placement", "StateLayout", "spec_for", "boxes_split_dim", "placement_text",
+           "parse_placement"]
 
 
 def placement_text(p: MeshPlacement) -> str:
@@ -102,10 +117,114 @@ class Placed:
             raise SpecError(f"a tensor's placement {obj!r} is not [mesh dims, placements, ranks] ({e})") from None
 
 
-def spec_for(name: str, shape: Sequence[int], dtype: Any, placements: Sequence[MeshPlacement]) -> TensorSpec:
+BoxChunk = tuple[int, tuple[int, ...], tuple[int, ...]]
+"""``(rank, offsets, sizes)``: the box ``rank`` holds, as global offsets and sizes per dim."""
+
+
+@dataclass(frozen=True, slots=True)
+class Boxes:
+    """Where one tensor lives when only its chunks are known: ``chunks`` of ``(rank, offsets, sizes)``,
+    each the box one rank holds, stored as one blob in the tensor's canonical order (a DCP chunk).
+
+    At most one chunk per rank (give further chunks of one holder ranks of their own); chunks of
+    different ranks may repeat each other (replicas). Usable wherever a ``Placed`` is.
+    """
+
+    chunks: tuple[BoxChunk, ...]
+
+    def __post_init__(self) -> None:
+        try:
+            chunks = tuple((r, tuple(o), tuple(z)) for r, o, z in self.chunks)
+        except (TypeError, ValueError):
+            raise LayoutError(f"boxes are (rank, offsets, sizes) triples, got {self.chunks!r}") from None
+        if not chunks:
+            raise LayoutError("a tensor placed by boxes needs at least one chunk")
+        ndim = len(chunks[0][1])
+        seen: set[int] = set()
+        for r, o, z in chunks:
+            if not all(_nonneg_int(v) for v in (r, *o, *z)):
+                raise LayoutError(f"chunk (rank {r!r}, offsets {list(o)}, sizes {list(z)}): the rank, offsets and "
+                                  "sizes must be integers >= 0")
+            if len(o) != ndim or len(z) != ndim:
+                raise LayoutError(f"chunk of rank {r} has {len(o)} offsets and {len(z)} sizes; every chunk of the "
+                                  f"tensor needs {ndim} of each (one per dim)")
+            if r in seen:
+                raise LayoutError(f"rank {r} holds two chunks of one tensor: give each chunk a rank of its own")
+            seen.add(r)
+        object.__setattr__(self, "chunks", tuple((int(r), tuple(map(int, o)), tuple(map(int, z)))
+                                                 for r, o, z in chunks))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.chunks[0][1])
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The holder ranks, in chunk order."""
+        return tuple(r for r, _, _ in self.chunks)
+
+    def box(self, rank: int) -> tuple[tuple[range, ...], ...]:
+        """The box ``rank`` holds (per dim, one global index range); LayoutError if it holds none."""
+        for r, o, z in self.chunks:
+            if r == rank:
+                return tuple((range(a, a + n),) for a, n in zip(o, z))
+        raise LayoutError(f"rank {rank} holds no chunk of this tensor (holders: {list(self.ranks)})")
+
+    def check_shape(self, shape: Sequence[int]) -> None:
+        """LayoutError unless every chunk lies inside a tensor of ``shape``."""
+        shape = tuple(shape)
+        if self.ndim != len(shape):
+            raise LayoutError(f"chunks of {self.ndim} dims for a tensor of shape {list(shape)}")
+        for r, o, z in self.chunks:
+            if any(a + n > s for a, n, s in zip(o, z, shape)):
+                raise LayoutError(f"rank {r}'s chunk (offsets {list(o)}, sizes {list(z)}) reaches outside the "
+                                  f"tensor's shape {list(shape)}")
+
+    def to_json(self) -> list[Any]:
+        return ["boxes", [[r, list(o), list(z)] for r, o, z in self.chunks]]
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Boxes:
+        try:
+            tag, chunks = obj
+            if tag != "boxes":
+                raise SpecError(f"a boxes placement starts with 'boxes', got {tag!r}")
+            for c in chunks:
+                r, o, z = c
+                if not all(type(v) is int for v in (r, *o, *z)):
+                    raise SpecError(f"chunk {c!r} holds values that are not integers")
+            return cls(tuple((r, tuple(o), tuple(z)) for r, o, z in chunks))
+        except (TypeError, ValueError) as e:
+            if isinstance(e, (SpecError, LayoutError)):
+                raise
+            raise SpecError(f"a tensor's boxes {obj!r} are not ['boxes', [[rank, offsets, sizes], ...]] ({e})") from None
+
+
+Placement = Union[Placed, Boxes]
+"""A tensor's placement in a ``StateLayout``: on a named mesh (``Placed``) or as explicit boxes."""
+
+
+def _nonneg_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0
+
+
+def boxes_split_dim(shape: Sequence[int], boxes: Boxes) -> int | None:
+    """The dim ``d`` that the chunks split when they all span every other dim whole (None when they
+    split several dims, or none)."""
+    shape = tuple(shape)
+    split = {d for _, o, z in boxes.chunks for d, (a, n, s) in enumerate(zip(o, z, shape)) if (a, n) != (0, s)}
+    return split.pop() if len(split) == 1 else None
+
+
+def spec_for(name: str, shape: Sequence[int], dtype: Any, placements: Sequence[MeshPlacement] | Boxes) -> TensorSpec:
     """The PTC spec of a state-dict tensor: its canonical flat order is the one ``mesh.canonical_order``
     picks for the placements it was saved with (``Split(d)`` when dim ``d > 0`` goes first), so a
-    shard of the saving mesh is as few intervals as possible."""
+    shard of the saving mesh is as few intervals as possible. For ``Boxes``: the natural order,
+    unless every chunk is a slice of one dim ``d > 0`` (then ``d`` first)."""
+    if isinstance(placements, Boxes):
+        d = boxes_split_dim(shape, placements)
+        tp = Split(d) if d else Replicated()
+        return TensorSpec(name, tuple(shape), dtype_from_str(dtype) if isinstance(dtype, str) else dtype, tp=tp)
     order = canonical_order(tuple(shape), tuple(placements))
     tp = Split(order[0]) if order and order[0] != 0 else Replicated()
     return TensorSpec(name, tuple(shape), dtype_from_str(dtype) if isinstance(dtype, str) else dtype, tp=tp)
@@ -119,7 +238,7 @@ def _order(spec: TensorSpec) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class StateLayout:
-    """Every tensor's ``Placed`` over a job of ``world_size`` ranks.
+    """Every tensor's ``Placed`` (or ``Boxes``) over a job of ``world_size`` ranks.
 
     Duck-types the questions ``PTC`` asks a layout (``world_size``, ``holds``, ``holder_table``,
     ``segments``, ``local_shape``, ``check``); a rank's local tensors are unpadded DTensor locals,
@@ -128,7 +247,7 @@ class StateLayout:
     """
 
     world_size: int
-    tensors: tuple[tuple[str, Placed], ...]
+    tensors: tuple[tuple[str, Placement], ...]
 
     def __post_init__(self) -> None:
         if type(self.world_size) is not int or self.world_size < 1:
@@ -138,8 +257,8 @@ class StateLayout:
         if len(set(names)) != len(names):
             raise LayoutError(f"tensor names repeat in the layout: {sorted({n for n in names if names.count(n) > 1})}")
         for name, placed in tensors:
-            if not isinstance(placed, Placed):
-                raise LayoutError(f"{name}: expected a Placed, got {type(placed).__name__}")
+            if not isinstance(placed, (Placed, Boxes)):
+                raise LayoutError(f"{name}: expected a Placed or Boxes, got {type(placed).__name__}")
             bad = [r for r in placed.ranks if r >= self.world_size]
             if bad:
                 raise LayoutError(f"{name} lives on ranks {bad} but the job has {self.world_size} ranks "
@@ -147,12 +266,12 @@ class StateLayout:
         object.__setattr__(self, "tensors", tensors)
 
     @classmethod
-    def of(cls, world_size: int, tensors: Mapping[str, Placed] | Iterable[tuple[str, Placed]]) -> StateLayout:
+    def of(cls, world_size: int, tensors: Mapping[str, Placement] | Iterable[tuple[str, Placement]]) -> StateLayout:
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         return cls(world_size, tuple(items))
 
     @property
-    def placed(self) -> dict[str, Placed]:
+    def placed(self) -> dict[str, Placement]:
         return _placed(self)
 
     def __str__(self) -> str:
@@ -175,6 +294,8 @@ class StateLayout:
     def holder_table(self, spec: TensorSpec) -> SegmentTable:
         """Every (job rank, segment) of ``spec`` in its canonical order, sorted by rank."""
         placed = self.placed[spec.name]
+        if isinstance(placed, Boxes):
+            return _box_table(spec.shape, _order(spec), placed)
         return _table(spec.shape, _order(spec), placed)
 
     def segments(self, spec: TensorSpec, rank: int) -> list[tuple[int, int, int]]:
@@ -184,6 +305,8 @@ class StateLayout:
 
     def local_shape(self, spec: TensorSpec, rank: int) -> tuple[int, ...]:
         placed = self.placed[spec.name]
+        if isinstance(placed, Boxes):
+            return tuple(sum(len(r) for r in ranges) for ranges in placed.box(rank))
         box = local_box(spec.shape, placed.mesh, placed.placements, placed.mesh.coords(placed.ranks.index(rank)),
                         right_to_left=True)
         return tuple(sum(len(r) for r in ranges) for ranges in box)
@@ -198,6 +321,12 @@ class StateLayout:
             raise LayoutError(f"the layout places {len(extra)} tensors the collection lacks, e.g. {extra[:5]}")
         for name, placed in self.tensors:
             spec = ptc.tensors[name]
+            if isinstance(placed, Boxes):
+                try:
+                    placed.check_shape(spec.shape)
+                except LayoutError as e:
+                    raise LayoutError(f"{name}: {e}") from None
+                continue
             for p in placed.placements:
                 if not isinstance(p, Replicate) and p.dim >= len(spec.shape):
                     raise LayoutError(f"{name}: {p} shards dim {p.dim} but the tensor has shape {spec.shape}")
@@ -225,6 +354,9 @@ class StateLayout:
         table = []
         out_meshes = []
         for name, placed in self.tensors:
+            if isinstance(placed, Boxes):
+                table.append([name, *placed.to_json()])
+                continue
             key = json.dumps([placed.to_json()[0], placed.to_json()[2]])
             if key not in meshes:
                 meshes[key] = len(out_meshes)
@@ -239,6 +371,9 @@ class StateLayout:
             meshes = [(MeshLayout(tuple((n, s) for n, s in dims)), tuple(ranks)) for dims, ranks in obj["meshes"]]
             tensors = []
             for name, idx, placements in obj["tensors"]:
+                if idx == "boxes" and isinstance(name, str):
+                    tensors.append((name, Boxes.from_json([idx, placements])))
+                    continue
                 if not isinstance(name, str) or type(idx) is not int or not 0 <= idx < len(meshes):
                     raise SpecError(f"tensor entry {[name, idx]!r} names no mesh of the layout")
                 mesh, ranks = meshes[idx]
@@ -256,7 +391,7 @@ class StateLayout:
 
 
 @lru_cache(maxsize=64)
-def _placed(layout: StateLayout) -> dict[str, Placed]:
+def _placed(layout: StateLayout) -> dict[str, Placement]:
     return dict(layout.tensors)
 
 
@@ -277,3 +412,16 @@ def _table(shape: tuple[int, ...], order: tuple[int, ...], placed: Placed) -> Se
     by_rank = np.argsort(ranks, kind="stable")
     return SegmentTable.from_columns(ranks[by_rank], local.local[by_rank], local.start[by_rank],
                                      local.length[by_rank])
+
+
+@lru_cache(maxsize=4096)
+def _box_table(shape: tuple[int, ...], order: tuple[int, ...], boxes: Boxes) -> SegmentTable:
+    """Every holder's segments of its box, in canonical order (``order``), sorted by rank."""
+    cols: list[tuple[np.ndarray, ...]] = []
+    for r, o, z in sorted(boxes.chunks):
+        local, start, length = box_segments(shape, tuple((range(a, a + n),) for a, n in zip(o, z)), order)
+        cols.append((np.full(len(local), r, dtype=np.int64), local, start, length))
+    if not cols:
+        empty = np.zeros(0, dtype=np.int64)
+        return SegmentTable.from_columns(empty, empty, empty, empty)
+    return SegmentTable.from_columns(*(np.concatenate(c) for c in zip(*cols)))

@@ -796,7 +796,7 @@ def read_shard(saved: PTC, old: Layout, cfg: Layout, rank: int, reader: ShardRea
         copies: Callable[[str], bool] = saved.relaid
 
         def finish(name: str, flat: torch.Tensor) -> Any:
-            return saved.from_local_flat(name, cfg, flat)
+            return saved.from_local_flat(name, cfg, flat, rank)
     else:
         buffers = {name: sink.buffer(name) for name in saved.rank_tensors(cfg, rank)}
         copies, finish = sink.copies, sink.finish
