@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Union
 
@@ -248,6 +248,9 @@ class StateLayout:
 
     world_size: int
     tensors: tuple[tuple[str, Placement], ...]
+    # derived lookups, computed once per layout: hashing or comparing the whole layout (an
+    # lru_cache keyed by it) costs O(tensors) a call, and loads ask per tensor
+    _memo: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if type(self.world_size) is not int or self.world_size < 1:
@@ -272,14 +275,21 @@ class StateLayout:
 
     @property
     def placed(self) -> dict[str, Placement]:
-        return _placed(self)
+        placed = self._memo.get("placed")
+        if placed is None:
+            placed = self._memo["placed"] = dict(self.tensors)
+        return placed
 
     def __str__(self) -> str:
         return f"state-dict layout of {self.world_size} ranks ({self.digest()})"
 
     def digest(self) -> str:
         """A short hash of the whole layout: rank indexes are bound to it."""
-        return _digest(self)
+        digest = self._memo.get("digest")
+        if digest is None:
+            digest = self._memo["digest"] = hashlib.sha256(
+                json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+        return digest
 
     # -- what PTC asks a layout --------------------------------------------------------------
     def coords(self, rank: int) -> int:
@@ -289,7 +299,10 @@ class StateLayout:
         return int(rank)
 
     def holds(self, name: str, rank: int) -> bool:
-        return rank in _rank_sets(self).get(name, ())
+        sets = self._memo.get("rank_sets")
+        if sets is None:
+            sets = self._memo["rank_sets"] = {n: frozenset(p.ranks) for n, p in self.tensors}
+        return rank in sets.get(name, ())
 
     def holder_table(self, spec: TensorSpec) -> SegmentTable:
         """Every (job rank, segment) of ``spec`` in its canonical order, sorted by rank."""
@@ -388,21 +401,6 @@ class StateLayout:
             if isinstance(e, (SpecError, LayoutError)):
                 raise
             raise SpecError(f"malformed state-dict layout ({type(e).__name__}: {e})") from None
-
-
-@lru_cache(maxsize=64)
-def _placed(layout: StateLayout) -> dict[str, Placement]:
-    return dict(layout.tensors)
-
-
-@lru_cache(maxsize=64)
-def _rank_sets(layout: StateLayout) -> dict[str, frozenset[int]]:
-    return {name: frozenset(p.ranks) for name, p in layout.tensors}
-
-
-@lru_cache(maxsize=64)
-def _digest(layout: StateLayout) -> str:
-    return hashlib.sha256(json.dumps(layout.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 @lru_cache(maxsize=4096)
