@@ -292,6 +292,19 @@ def load_phase(rank: int, job: dict[str, Any]) -> dict[str, Any]:
 
     for name in ("tenplex", "dcp"):  # first calls: lazy imports, first collectives
         _measure(load(name))
+    if job.get("profile"):  # one more (warm) load of each under cProfile, rank 0's stats kept
+        import cProfile
+        import pstats
+
+        for name in ("tenplex", "dcp"):
+            prof = cProfile.Profile()
+            _measure(lambda: prof.runcall(load(name)))
+            if rank == 0:
+                path = f"{job['profile']}.{job['pair']}.{name}"
+                prof.dump_stats(path + ".prof")
+                with open(path + ".txt", "w") as f:
+                    pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+                    pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
     cold_note = None
     runs: dict[str, list[dict[str, Any]]] = {"tenplex": [], "dcp": []}
     for rep in range(job["repeats"]):
@@ -388,7 +401,7 @@ def run_pair(pair: Pair, args: argparse.Namespace, root: Path) -> dict[str, Any]
     tdir.mkdir(parents=True)
     job = {"pair": pair.key, "preset": args.preset, "old": pair.old, "new": pair.new,
            "tenplex_url": str(tdir / "tenplex"), "dcp_dir": str(tdir / "dcp"), "dcp_sync": args.dcp_sync_files,
-           "repeats": args.repeats, "timeout": args.timeout, "result": str(tdir / "result.json")}
+           "repeats": args.repeats, "timeout": args.timeout, "profile": args.profile, "result": str(tdir / "result.json")}
     load0 = os.getloadavg()
     log(f"{pair.title}: save in a world of {world_of(pair.old)} ({dims_text(pair.old)})")
     saved = run_world(world_of(pair.old), "save", job, args.timeout)
@@ -464,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the list of per-pair results here")
     ap.add_argument("--tmpdir", help="where to write the checkpoints (default: a temporary directory)")
     ap.add_argument("--dcp-sync-files", action="store_true", help="DCP's default fsync of every file at save")
+    ap.add_argument("--profile", metavar="PREFIX", help="also profile one warm load of each (cProfile, rank 0): "
+                    "PREFIX.<pair>.<system>.{prof,txt}")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per world, seconds")
     args = ap.parse_args(argv)
     if args.quick:
