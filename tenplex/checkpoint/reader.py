@@ -590,21 +590,22 @@ class PartReader:
                     # checksums in a second thread (the CRC releases the GIL) while the next piece is read
                     checks.append(pool.submit(self.fetch(item, item.into(buffers))))
                 else:
-                    self._fetch_shared([items[i] for i in members], buffers)
+                    self._fetch_shared([items[i] for i in members], lo, hi, buffers)
                 for i in members:
                     on_read(i)
                 ahead -= hi - lo
             for c in checks:
                 c.result()  # the first corrupt block raises
 
-    def _fetch_shared(self, members: Sequence[ReadItem], buffers: Mapping[str, torch.Tensor]) -> None:
-        """Pieces of one chunk whose spans overlap (in file order): their blocks read once into a
-        temporary buffer, verified, then copied to each piece's destination."""
-        idx, chunk, lo, hi = self._span(members[0])
-        for item in members[1:]:
-            hi = max(hi, self._span(item)[3])
+    def _fetch_shared(self, members: Sequence[ReadItem], file_lo: int, file_hi: int,
+                      buffers: Mapping[str, torch.Tensor]) -> None:
+        """Pieces of one chunk whose spans overlap (in file order), bytes [file_lo, file_hi) of the
+        file together: their blocks read once into a temporary buffer, verified, then copied to
+        each piece's destination."""
+        idx, chunk = self._chunk(members[0])
+        lo, hi = file_lo - chunk["offset"], file_hi - chunk["offset"]
         raw = memoryview(bytearray(hi - lo))
-        got = _preadv_full(self._fd(members[0].writer, idx["path"]), [raw], chunk["offset"] + lo)
+        got = _preadv_full(self._fd(members[0].writer, idx["path"]), [raw], file_lo)
         self.bytes_read += got
         self.ranges += 1
         if got != hi - lo:
