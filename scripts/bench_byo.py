@@ -8,7 +8,8 @@ from one real optimizer step. For every pair (from-mesh -> to-mesh), in one run:
 * save: a gloo world of the from-mesh (one spawned process per rank, CPU) builds the model,
   parallelizes it (PP: ``pipeline_stage``, the stage modules keep global FQNs), takes one
   training step and saves the same state dict, ``get_state_dict(model, optimizer)`` plus a step
-  counter, with ``tenplex.save_state_dict`` and with ``dcp.save`` (``FileSystemWriter``,
+  counter (``flatten_optimizer_state_dict=True``: param groups keyed by parameter name, the same
+  under PP on every stage), with ``tenplex.save_state_dict`` and with ``dcp.save`` (``FileSystemWriter``,
   ``sync_files=False``: tenplex does not fsync either, so both leave the data in the page cache;
   ``--dcp-sync-files`` for DCP's default). Save time: the slowest rank, barrier to return.
 * load: a NEW gloo world of the to-mesh builds the model twice (different seeds), parallelizes
@@ -135,7 +136,7 @@ def build(cfg: Any, dims: dict[str, int], seed: int, *, train: bool) -> tuple[An
     """The model on mesh ``dims`` (PP: this rank's stage), its AdamW and ``get_state_dict`` of both.
     ``train``: one real step (loss, backward, AdamW); else the optimizer state is created without one."""
     import native_llama as nl
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model = nl.Llama(cfg).init_weights(seed=seed)
     mesh = nl.build_mesh(dims)
@@ -153,7 +154,9 @@ def build(cfg: Any, dims: dict[str, int], seed: int, *, train: bool) -> tuple[An
         nl.train_step(runner, opt, tokens, targets)
     else:
         nl.init_optimizer_state(opt)
-    msd, osd = get_state_dict(model, opt)
+    # flattened optimizer state: param groups keyed by parameter name, so that pipeline stages
+    # (which hold different parameters) save consistent values under every key
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
     return model, opt, {"model": msd, "optim": osd, "step": 7 if train else -1}
 
 
