@@ -24,9 +24,9 @@ from one real optimizer step. For every pair (from-mesh -> to-mesh), in one run:
 * per load and rank: the wall time (barrier to return; the slowest rank is reported), the
   bytes passed through read syscalls (delta of ``rchar`` in /proc/self/io: data and metadata,
   the same measure for both; gloo's socket traffic is not counted), and the peak host memory
-  of the load (``5`` written to /proc/self/clear_refs resets VmHWM; VmHWM after minus VmRSS
-  before; the largest rank). Bytes are summed over ranks; ``bytes_needed`` is the size of the
-  ranks' local tensors, summed.
+  of the load (freed heap returned to the OS with ``malloc_trim``, then ``5`` written to
+  /proc/self/clear_refs resets VmHWM; VmHWM after minus VmRSS before; the largest rank).
+  Bytes are summed over ranks; ``bytes_needed`` is the size of the ranks' local tensors, summed.
 
 Medians over the repeats, with min and max. The load average is printed at start and end.
 
@@ -107,6 +107,17 @@ def status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``), so that a load's peak is not
+    hidden by memory an earlier load freed but the process still holds."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def reset_hwm() -> bool:
@@ -244,6 +255,7 @@ def save_phase(rank: int, job: dict[str, Any]) -> dict[str, Any]:
 def _measure(fn: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
+    trim_heap()
     dist.barrier()
     rss0 = status_kib("VmRSS")
     reset_hwm()
