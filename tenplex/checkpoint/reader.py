@@ -391,6 +391,7 @@ class ShardReader(Protocol):
 # ---------------------------------------------------------------------------------------------
 _PREFETCH = 64 << 20  # bytes a local load asks the kernel to fetch ahead of the reads
 _WHOLE_FILE = 0.99  # the share of a file's data a load must need for sequential read-ahead
+_SHARED_BLOCKS_MAX = 4 << 20  # bytes one read of pieces sharing checksum blocks may span (a temporary buffer)
 # Remote (async fsspec) filesystems: pieces of one file closer than _MAX_GAP are fetched as one
 # ranged GET, the gap bytes read and thrown away. A GET costs a round trip (about a millisecond
 # on a LAN, tens to an object store) and a gap of 64 KiB costs less than that at 1 GB/s. Gaps
@@ -551,34 +552,69 @@ class PartReader:
                 continue
             spans.append((item.writer, chunk["offset"] + lo, chunk["offset"] + hi, i))
         writers = sorted({w for w, *_ in spans})
+        turn = {w: (i - rank) % len(writers) for i, w in enumerate(writers)}
+        spans.sort(key=lambda x: (turn[x[0]], x[1], x[2], x[3]))
+        # Pieces whose rounded-out spans overlap share checksum blocks (a column slice of a
+        # row-major chunk: one small piece per row, each rounded out to a whole block); they are
+        # read as one range, each block once, and scattered from there.
+        groups: list[tuple[int, int, int, list[int]]] = []
+        for w, lo, hi, i in spans:
+            if groups and groups[-1][0] == w and lo < groups[-1][2] and max(hi, groups[-1][2]) - groups[-1][1] \
+                    <= _SHARED_BLOCKS_MAX:
+                gw, glo, ghi, members = groups[-1]
+                members.append(i)
+                groups[-1] = (gw, glo, max(ghi, hi), members)
+            else:
+                groups.append((w, lo, hi, [i]))
         wanted: dict[int, int] = {}
-        for w, lo, hi, _ in spans:
+        for w, lo, hi, _ in groups:
             wanted[w] = wanted.get(w, 0) + hi - lo
         for w in writers:  # a file read (almost) whole: sequential read-ahead, which is faster than
             idx = self.index(w)  # exact prefetching here and reads at most 1 % more than needed
             if wanted[w] >= _WHOLE_FILE * idx["file_size"]:
                 os.posix_fadvise(self._fd(w, idx["path"]), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        turn = {w: (i - rank) % len(writers) for i, w in enumerate(writers)}
-        spans.sort(key=lambda x: (turn[x[0]], x[1], x[2], x[3]))
         ahead, fetched = 0, 0
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-verify") as pool:
             checks = []
-            for k, (w, lo, hi, i) in enumerate(spans):
+            for k, (w, lo, hi, members) in enumerate(groups):
                 fetched = max(fetched, k)
-                while fetched < len(spans) and ahead < _PREFETCH:
-                    fw, flo, fhi, _ = spans[fetched]
+                while fetched < len(groups) and ahead < _PREFETCH:
+                    fw, flo, fhi, _ = groups[fetched]
                     if fhi > flo:
                         os.posix_fadvise(self._fd(fw, self.index(fw)["path"]), flo, fhi - flo,
                                          os.POSIX_FADV_WILLNEED)
                     ahead += fhi - flo
                     fetched += 1
-                item = items[i]
-                # checksums in a second thread (the CRC releases the GIL) while the next piece is read
-                checks.append(pool.submit(self.fetch(item, item.into(buffers))))
-                on_read(i)
+                if len(members) == 1:
+                    item = items[members[0]]
+                    # checksums in a second thread (the CRC releases the GIL) while the next piece is read
+                    checks.append(pool.submit(self.fetch(item, item.into(buffers))))
+                else:
+                    self._fetch_shared([items[i] for i in members], lo, hi, buffers)
+                for i in members:
+                    on_read(i)
                 ahead -= hi - lo
             for c in checks:
                 c.result()  # the first corrupt block raises
+
+    def _fetch_shared(self, members: Sequence[ReadItem], file_lo: int, file_hi: int,
+                      buffers: Mapping[str, torch.Tensor]) -> None:
+        """Pieces of one chunk whose spans overlap (in file order), bytes [file_lo, file_hi) of the
+        file together: their blocks read once into a temporary buffer, verified, then copied to
+        each piece's destination."""
+        idx, chunk = self._chunk(members[0])
+        lo, hi = file_lo - chunk["offset"], file_hi - chunk["offset"]
+        raw = memoryview(bytearray(hi - lo))
+        got = _preadv_full(self._fd(members[0].writer, idx["path"]), [raw], file_lo)
+        self.bytes_read += got
+        self.ranges += 1
+        if got != hi - lo:
+            raise CheckpointCorruptError(f"{idx['path']}: short read of {members[0].tensor} ({got} of {hi - lo} bytes)")
+        _check_blocks(idx["path"], members[0], chunk, [raw], lo, hi)
+        for item in members:
+            body = memoryview(item.into(buffers).view(torch.uint8).numpy()).cast("B")
+            start = item.a * item.itemsize - lo
+            body[:] = raw[start : start + len(body)]
 
     def _read_remote(self, items: Sequence[ReadItem], buffers: Mapping[str, torch.Tensor], rank: int,
                      on_read: Callable[[int], None]) -> None:

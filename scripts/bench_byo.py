@@ -1,0 +1,522 @@
+#!/usr/bin/env python3
+"""Bring your own model: tenplex's ``save_state_dict`` / ``load_state_dict`` versus DCP on a torch-native job (#17 item 7).
+
+The model is ``examples/native_llama.py`` (a plain-torch Llama, parallelized with torch's own TP,
+FSDP2, HSDP and pipelining APIs; ``--preset 100m``: 110.5M parameters, fp32) with AdamW state
+from one real optimizer step. For every pair (from-mesh -> to-mesh), in one run:
+
+* save: a gloo world of the from-mesh (one spawned process per rank, CPU) builds the model,
+  parallelizes it (PP: ``pipeline_stage``, the stage modules keep global FQNs), takes one
+  training step and saves the same state dict, ``get_state_dict(model, optimizer)`` plus a step
+  counter (``flatten_optimizer_state_dict=True``: param groups keyed by parameter name, the same
+  under PP on every stage), with ``tenplex.save_state_dict`` and with ``dcp.save`` (``FileSystemWriter``,
+  ``sync_files=False``: tenplex does not fsync either, so both leave the data in the page cache;
+  ``--dcp-sync-files`` for DCP's default). Save time: the slowest rank, barrier to return.
+* load: a NEW gloo world of the to-mesh builds the model twice (different seeds), parallelizes
+  both, creates their optimizer state and takes their state dicts; every tensor of the two is
+  overwritten with a different fill value first. One is loaded with ``tenplex.load_state_dict``,
+  the other with ``dcp.load`` (``FileSystemReader``), each once unmeasured (first-call imports),
+  then ``--repeats`` times cold (``sync; echo 1 > /proc/sys/vm/drop_caches`` before, when this
+  process may write it) and right after warm (the files just read are in the shared page
+  cache); which system goes first alternates between repeats. Then every tensor's
+  ``full_tensor()`` and every other value is compared between the two state dicts:
+  ``identical`` (bit for bit).
+* per load and rank: the wall time (barrier to return; the slowest rank is reported), the
+  bytes passed through read syscalls (delta of ``rchar`` in /proc/self/io: data and metadata,
+  the same measure for both; gloo's socket traffic is not counted), and the peak host memory
+  of the load (freed heap returned to the OS with ``malloc_trim``, then ``5`` written to
+  /proc/self/clear_refs resets VmHWM; VmHWM after minus VmRSS before; the largest rank).
+  Bytes are summed over ranks; ``bytes_needed`` is the size of the ranks' local tensors, summed.
+
+Medians over the repeats, with min and max. The load average is printed at start and end.
+
+    python scripts/bench_byo.py                       # 100m, 3 repeats, all pairs
+    python scripts/bench_byo.py --json docs/bench_byo.json
+    python scripts/bench_byo.py --quick --pairs fsdp4-fsdp2 --json /tmp/x.json   # tiny, 1 repeat
+
+Progress goes to stderr, tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO))
+MiB = 2**20
+
+
+def log(msg: str) -> None:
+    print(f"[bench_byo {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Pair:
+    key: str
+    title: str
+    old: dict[str, int]
+    new: dict[str, int]
+
+
+PAIRS = [
+    Pair("fsdp4-fsdp2", "FSDP2 4 -> FSDP2 2", {"dp_shard": 4}, {"dp_shard": 2}),
+    Pair("tp2-fsdp2tp2", "TP 2 -> FSDP2 2 x TP 2", {"tp": 2}, {"dp_shard": 2, "tp": 2}),
+    Pair("hsdp2x2-tp4", "HSDP 2x2 -> TP 4", {"dp_replicate": 2, "dp_shard": 2}, {"tp": 4}),
+    Pair("pp2-tp2", "PP 2 -> PP 1 x TP 2", {"pp": 2}, {"tp": 2}),
+]
+
+
+def dims_text(dims: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in dims.items())
+
+
+def world_of(dims: dict[str, int]) -> int:
+    n = 1
+    for v in dims.values():
+        n *= v
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# /proc measurements
+# ---------------------------------------------------------------------------------------------
+def rchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("no rchar in /proc/self/io")
+
+
+def status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``), so that a load's peak is not
+    hidden by memory an earlier load freed but the process still holds."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def drop_caches() -> str | None:
+    """Drop the page cache (after sync); None when done, else why not."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the job (in the spawned ranks)
+# ---------------------------------------------------------------------------------------------
+def build(cfg: Any, dims: dict[str, int], seed: int, *, train: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """The model on mesh ``dims`` (PP: this rank's stage), its AdamW and ``get_state_dict`` of both.
+    ``train``: one real step (loss, backward, AdamW); else the optimizer state is created without one."""
+    import native_llama as nl
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model = nl.Llama(cfg).init_weights(seed=seed)
+    mesh = nl.build_mesh(dims)
+    pp = dims.get("pp", 1)
+    if pp > 1:
+        model, _stage, runner = nl.pipeline_stage(model, mesh, n_microbatches=pp)
+    else:
+        model = nl.parallelize(model, mesh)
+        runner = model
+    opt = nl.make_optimizer(model)
+    if train:
+        seq = min(cfg.seq_len, 32)
+        dp_rank, dp_size = nl.dp_rank_and_size(mesh)
+        tokens, targets = nl.dp_slice(nl.batch(0, 2 * dp_size * pp, seq, cfg.vocab_size, seed=0), dp_rank, dp_size)
+        nl.train_step(runner, opt, tokens, targets)
+    else:
+        nl.init_optimizer_state(opt)
+    # flattened optimizer state: param groups keyed by parameter name, so that pipeline stages
+    # (which hold different parameters) save consistent values under every key
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return model, opt, {"model": msd, "optim": osd, "step": 7 if train else -1}
+
+
+def local_tensors(sd: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from tenplex.state_dict import flatten_state_dict
+
+    out = {}
+    for k, (_, _, v) in flatten_state_dict(sd).items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.to_local() if isinstance(v, DTensor) else v
+    return out
+
+
+def _max(x: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _sum(x: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t[0])
+
+
+def _gather(x: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
+def worker(rank: int, world: int, port: int, phase: str, job: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_dt.timedelta(seconds=job["timeout"]))
+    if rank == 0:
+        log(f"  {job['pair']} {phase}: world of {world} up")
+    try:
+        result = (save_phase if phase == "save" else load_phase)(rank, job)
+        if rank == 0:
+            Path(job["result"]).write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def save_phase(rank: int, job: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    import native_llama as nl
+    import tenplex
+
+    cfg = nl.PRESETS[job["preset"]]
+    _model, _opt, sd = build(cfg, job["old"], seed=0, train=True)
+    dist.barrier()
+    if rank == 0:
+        log(f"  {job['pair']}: trained one step; saving")
+    t0 = time.perf_counter()
+    tenplex.save_state_dict(sd, job["tenplex_url"], step=sd["step"])
+    t_tenplex = _max(time.perf_counter() - t0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.save(sd, storage_writer=FileSystemWriter(job["dcp_dir"], sync_files=job["dcp_sync"]))
+    t_dcp = _max(time.perf_counter() - t0)
+    dist.barrier()
+    return {"tenplex_save_s": t_tenplex, "dcp_save_s": t_dcp}
+
+
+def _measure(fn: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    trim_heap()
+    dist.barrier()
+    rss0 = status_kib("VmRSS")
+    reset_hwm()
+    r0 = rchar()
+    t0 = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+    r1 = rchar()
+    hwm = status_kib("VmHWM")
+    dist.barrier()
+    return {"s": _max(dt), "rchar": _sum(r1 - r0), "peak_mib": _max((hwm - rss0) / 1024), "out": out}
+
+
+def _bits(t: Any) -> Any:
+    import torch
+
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype.is_floating_point else t
+
+
+def load_phase(rank: int, job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.tensor import DTensor
+
+    import native_llama as nl
+    import tenplex
+    from tenplex.state_dict import flatten_state_dict
+
+    cfg = nl.PRESETS[job["preset"]]
+    models = {"tenplex": build(cfg, job["new"], seed=1, train=False),
+              "dcp": build(cfg, job["new"], seed=2, train=False)}
+    sds = {name: m[2] for name, m in models.items()}
+    for name, fill in (("tenplex", float("nan")), ("dcp", -3.0)):  # nothing survives but what a load writes
+        for t in local_tensors(sds[name]).values():
+            t.fill_(fill)
+        sds[name]["step"] = -1
+    locals_ = local_tensors(sds["tenplex"])
+    bytes_needed = _sum(sum(t.numel() * t.element_size() for t in locals_.values()))
+    if rank == 0:
+        log(f"  {job['pair']}: built two state dicts; loading")
+
+    def load(name: str) -> Any:
+        if name == "tenplex":
+            return lambda: tenplex.load_state_dict(sds["tenplex"], job["tenplex_url"])
+        return lambda: dcp.load(sds["dcp"], storage_reader=FileSystemReader(job["dcp_dir"]))
+
+    for name in ("tenplex", "dcp"):  # first calls: lazy imports, first collectives
+        _measure(load(name))
+    if job.get("profile"):  # one more (warm) load of each under cProfile, rank 0's stats kept
+        import cProfile
+        import pstats
+
+        for name in ("tenplex", "dcp"):
+            prof = cProfile.Profile()
+            _measure(lambda: prof.runcall(load(name)))
+            if rank == 0:
+                path = f"{job['profile']}.{job['pair']}.{name}"
+                prof.dump_stats(path + ".prof")
+                with open(path + ".txt", "w") as f:
+                    pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+                    pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
+    cold_note = None
+    runs: dict[str, list[dict[str, Any]]] = {"tenplex": [], "dcp": []}
+    for rep in range(job["repeats"]):
+        order = ("tenplex", "dcp") if rep % 2 == 0 else ("dcp", "tenplex")
+        for name in order:
+            dist.barrier()
+            if rank == 0:
+                cold_note = drop_caches()
+            cold = _measure(load(name))
+            warm = _measure(load(name))
+            stats = None
+            if name == "tenplex":
+                res = cold["out"]
+                stats = _sum(res.bytes_read)
+                assert _sum(res.bytes_needed) == bytes_needed, (res.bytes_needed, bytes_needed)
+            runs[name].append({"cold_s": cold["s"], "warm_s": warm["s"], "rchar": cold["rchar"],
+                               "rchar_warm": warm["rchar"], "peak_mib": cold["peak_mib"],
+                               "peak_warm_mib": warm["peak_mib"], "stats_bytes_read": stats})
+            log(f"  {job['pair']} rep {rep + 1} {name}: cold {cold['s']:.3f} s, warm {warm['s']:.3f} s, "
+                f"{cold['rchar'] / MiB:.1f} MiB read, peak {cold['peak_mib']:.0f} MiB") if rank == 0 else None
+
+    # bit identity of the two loaded state dicts
+    flat = {name: flatten_state_dict(sd) for name, sd in sds.items()}
+    diffs = []
+    if set(flat["tenplex"]) != set(flat["dcp"]):
+        diffs.append(f"keys differ: {sorted(set(flat['tenplex']) ^ set(flat['dcp']))[:5]}")
+    n_tensors, tensor_diffs = 0, 0
+    for key in sorted(set(flat["tenplex"]) & set(flat["dcp"])):
+        a, b = flat["tenplex"][key][2], flat["dcp"][key][2]
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            n_tensors += 1
+            fa = a.full_tensor() if isinstance(a, DTensor) else a
+            fb = b.full_tensor() if isinstance(b, DTensor) else b
+            if fa.dtype != fb.dtype or fa.shape != fb.shape or not torch.equal(_bits(fa), _bits(fb)):
+                diffs.append(f"{key}: tensors differ")
+                tensor_diffs += 1
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
+            diffs.append(f"{key}: {a!r} != {b!r}"[:300])
+    if sds["tenplex"]["step"] != 7:
+        diffs.append(f"step: tenplex loaded {sds['tenplex']['step']!r}, saved 7")
+    all_diffs = [d for ds in _gather(diffs) for d in ds]
+    tensors_identical = _sum(tensor_diffs) == 0
+    return {"tensors_identical": tensors_identical, "bytes_needed": bytes_needed, "runs": runs, "cold": cold_note is None, "cold_note": cold_note,
+            "identical": not all_diffs, "diffs": sorted(set(all_diffs))[:20], "tensors_compared": n_tensors}
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int, phase: str, job: dict[str, Any], timeout: float) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, phase, job), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    failed = None
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
+            failed = f"timed out after {timeout:.0f} s"
+            break
+        if p.exitcode != 0 and failed is None:
+            failed = f"a rank exited with {p.exitcode}"
+            break
+    if failed:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+        raise RuntimeError(f"{phase} world of {world} ({job['pair']}): {failed}")
+    return json.loads(Path(job["result"]).read_text())
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def run_pair(pair: Pair, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    tdir = root / pair.key
+    tdir.mkdir(parents=True)
+    job = {"pair": pair.key, "preset": args.preset, "old": pair.old, "new": pair.new,
+           "tenplex_url": str(tdir / "tenplex"), "dcp_dir": str(tdir / "dcp"), "dcp_sync": args.dcp_sync_files,
+           "repeats": args.repeats, "timeout": args.timeout, "profile": args.profile, "result": str(tdir / "result.json")}
+    load0 = os.getloadavg()
+    log(f"{pair.title}: save in a world of {world_of(pair.old)} ({dims_text(pair.old)})")
+    saved = run_world(world_of(pair.old), "save", job, args.timeout)
+    log(f"{pair.title}: load in a new world of {world_of(pair.new)} ({dims_text(pair.new)})")
+    loaded = run_world(world_of(pair.new), "load", job, args.timeout)
+    runs = loaded["runs"]
+    row: dict[str, Any] = {
+        "pair": pair.key, "title": pair.title, "from": dims_text(pair.old), "to": dims_text(pair.new),
+        "preset": args.preset, "repeats": args.repeats,
+        "bytes_needed": loaded["bytes_needed"],
+        "tenplex_ckpt_bytes": du(tdir / "tenplex"), "dcp_ckpt_bytes": du(tdir / "dcp"),
+        "tenplex_save_s": saved["tenplex_save_s"], "dcp_save_s": saved["dcp_save_s"],
+        "dcp_sync_files": args.dcp_sync_files,
+        "identical": loaded["identical"], "tensors_identical": loaded["tensors_identical"], "diffs": loaded["diffs"], "tensors_compared": loaded["tensors_compared"],
+        "cold": loaded["cold"], "cold_note": loaded["cold_note"] or "page cache dropped before every cold load",
+        "loadavg_start": list(load0),
+    }
+    for name in ("tenplex", "dcp"):
+        rs = runs[name]
+        row[f"{name}_bytes_read"] = int(statistics.median(r["rchar"] for r in rs))
+        for key, col in (("cold_s", "load_s"), ("warm_s", "load_warm_s"), ("peak_mib", "peak_mib"),
+                         ("peak_warm_mib", "peak_warm_mib")):
+            med, lo, hi = spread([r[key] for r in rs])
+            row[f"{name}_{col}"] = med
+            row[f"{name}_{col}_min"] = lo
+            row[f"{name}_{col}_max"] = hi
+    row["tenplex_stats_bytes_read"] = int(statistics.median(r["stats_bytes_read"] for r in runs["tenplex"]))
+    row["loadavg_end"] = list(os.getloadavg())
+    shutil.rmtree(tdir, ignore_errors=True)
+    return row
+
+
+def _fmt_s(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.3f} ({row[key + '_min']:.3f}-{row[key + '_max']:.3f})"
+
+
+def _fmt_m(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.0f} ({row[key + '_min']:.0f}-{row[key + '_max']:.0f})"
+
+
+def table(row: dict[str, Any]) -> str:
+    mb = lambda n: f"{n / MiB:.1f} MiB"  # noqa: E731
+    lines = [
+        f"### {row['title']}  ({row['from']} -> {row['to']}, {row['preset']}, median (min-max) of {row['repeats']})",
+        "",
+        "| | tenplex | DCP |",
+        "|---|---:|---:|",
+        f"| save (s) | {row['tenplex_save_s']:.3f} | {row['dcp_save_s']:.3f} |",
+        f"| checkpoint size | {mb(row['tenplex_ckpt_bytes'])} | {mb(row['dcp_ckpt_bytes'])} |",
+        f"| load, cold (s) | {_fmt_s(row, 'tenplex_load_s')} | {_fmt_s(row, 'dcp_load_s')} |",
+        f"| load, warm (s) | {_fmt_s(row, 'tenplex_load_warm_s')} | {_fmt_s(row, 'dcp_load_warm_s')} |",
+        f"| bytes read (rchar, all ranks) | {mb(row['tenplex_bytes_read'])} | {mb(row['dcp_bytes_read'])} |",
+        f"| read / needed ({mb(row['bytes_needed'])}) | {row['tenplex_bytes_read'] / row['bytes_needed']:.3f} | "
+        f"{row['dcp_bytes_read'] / row['bytes_needed']:.3f} |",
+        f"| peak load memory, cold (MiB, max rank) | {_fmt_m(row, 'tenplex_peak_mib')} | {_fmt_m(row, 'dcp_peak_mib')} |",
+        f"| peak load memory, warm (MiB, max rank) | {_fmt_m(row, 'tenplex_peak_warm_mib')} | "
+        f"{_fmt_m(row, 'dcp_peak_warm_mib')} |",
+        "",
+        f"tenplex's own bytes_read: {mb(row['tenplex_stats_bytes_read'])}; identical: {row['identical']} "
+        f"(tensors: {row['tensors_identical']}, {row['tensors_compared']} compared){'' if row['identical'] else ' ' + '; '.join(row['diffs'])}; "
+        f"cold: {row['cold_note']}; load average {row['loadavg_start'][0]:.2f} -> {row['loadavg_end'][0]:.2f}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="100m", help="native_llama preset (default 100m; tiny for seconds)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="--preset tiny --repeats 1")
+    ap.add_argument("--pairs", default="all", help=f"comma-separated, of {[p.key for p in PAIRS]}")
+    ap.add_argument("--json", metavar="PATH", help="write the list of per-pair results here")
+    ap.add_argument("--tmpdir", help="where to write the checkpoints (default: a temporary directory)")
+    ap.add_argument("--dcp-sync-files", action="store_true", help="DCP's default fsync of every file at save")
+    ap.add_argument("--profile", metavar="PREFIX", help="also profile one warm load of each (cProfile, rank 0): "
+                    "PREFIX.<pair>.<system>.{prof,txt}")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per world, seconds")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.preset, args.repeats = "tiny", 1
+    chosen = PAIRS if args.pairs == "all" else [p for k in args.pairs.split(",") for p in PAIRS if p.key == k.strip()]
+    if not chosen or (args.pairs != "all" and len(chosen) != len(args.pairs.split(","))):
+        ap.error(f"--pairs: choose from {[p.key for p in PAIRS]}")
+    la = os.getloadavg()
+    print(f"load average at start: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}  ({os.cpu_count()} CPUs)", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_byo_", dir=args.tmpdir) as tmp:
+        for pair in chosen:
+            row = run_pair(pair, args, Path(tmp))
+            rows.append(row)
+            print(table(row), flush=True)
+    la = os.getloadavg()
+    print(f"load average at end: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        log(f"wrote {args.json}")
+    return 0 if all(r["tensors_identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
