@@ -37,7 +37,7 @@ from .config import ParallelConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, MigrationError, PlanError
 from .planner import CROSS_HOST, KIND_NAMES, LOCAL, SAME_HOST, STORAGE, Plan, intersect
 from .planner import plan as make_plan
-from .ptc import PTC
+from .ptc import PAD, PTC
 
 if TYPE_CHECKING:
     from .schedule import Schedule, Transfer
@@ -366,7 +366,8 @@ def migrate(
     URL for pieces no survivor holds (``step``: which one; default the newest complete).
     ``rounds``: a schedule of the plan to send in its rounds (default: all at once). ``plan`` /
     ``exchange``: computed before (every rank must use the same). ``device``: where buffers live
-    (default: the current CUDA device under nccl, else the CPU). Objects come from group rank 0.
+    (default: the current CUDA device under nccl, else the CPU). Objects come from group rank 0's
+    shard (none when no survivor is left).
     A transfer that fails raises MigrationError on that rank; the old shard is never modified.
     """
     import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
@@ -394,6 +395,11 @@ def migrate(
     held: Mapping[str, Any] = (shard or {}) if mine is not None else {}
     if mine is None and shard:
         raise PlanError(f"group rank {rank} is a fresh joiner (beyond the {len(alive)} survivors) but passed a shard")
+    if storage is None and np.any(ex.columns["kind"] == STORAGE):  # every rank sees it: none starts sending
+        rows = np.flatnonzero(ex.columns["kind"] == STORAGE)
+        raise PlanError(f"new ranks {sorted(set(ex.columns['dst'][rows].tolist()))} need "
+                        f"{int(ex.columns['nbytes'][rows].sum())} bytes that no survivor holds (e.g. "
+                        f"{ex.tensor_names[ex.columns['tensor'][rows[0]]]}); pass storage= a checkpoint URL")
     backend = dist.get_backend(group)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -414,15 +420,18 @@ def migrate(
     flats: dict[str, torch.Tensor] = {}
     if is_new:
         for name in ptc.rank_tensors(new_cfg, rank):
-            n = sum(ln for _, _, ln in ptc.segments(name, new_cfg, rank))
-            flats[name] = torch.zeros(n, dtype=specs[name].dtype, device=device)  # padding stays zero
+            segs = ptc.segments(name, new_cfg, rank)
+            flats[name] = flat = torch.empty(sum(ln for _, _, ln in segs), dtype=specs[name].dtype, device=device)
+            for lo, g, ln in segs:  # pieces fill the rest
+                if g == PAD:
+                    flat[lo : lo + ln] = 0
     src_bytes: dict[str, torch.Tensor] = {}
 
     def old_bytes(name: str) -> torch.Tensor:
         if name not in src_bytes:
             if name not in held:
                 raise PlanError(f"the plan reads {name} from old rank {mine}, whose shard lacks it")
-            flat = ptc.to_local_flat(name, held[name])
+            flat = ptc.to_local_flat(name, held[name].detach())
             if flat.device != device:
                 flat = flat.to(device)
             src_bytes[name] = flat.view(torch.uint8)
@@ -436,30 +445,33 @@ def migrate(
         a = int(off[i]) * specs[name].itemsize
         return a, a + int(nbytes[i])
 
-    # local pieces
-    local_rows = ex.rows(rank, LOCAL) if is_new else np.zeros(0, dtype=np.int64)
-    bytes_local = 0
-    for i in local_rows.tolist():
-        name = names[tensor[i]]
-        a, b = byte_range(i, so, name)
-        x, y = byte_range(i, do, name)
-        dst_bytes[name][x:y].copy_(old_bytes(name)[a:b])
-        bytes_local += b - a
-    t_local = time.perf_counter()
-
     # storage pieces, read while the rounds run
+    t_rounds = time.perf_counter()
     st_rows = ex.rows(rank, STORAGE) if is_new else np.zeros(0, dtype=np.int64)
     pool: ThreadPoolExecutor | None = None
     st_future = None
     st_seconds = [0.0]
     if len(st_rows):
-        if storage is None:
-            raise PlanError(f"new rank {rank} needs {int(nbytes[st_rows].sum())} bytes that no survivor holds "
-                            f"(e.g. {names[tensor[st_rows[0]]]}); pass storage= a checkpoint URL")
         pieces = [(names[tensor[i]], int(c["start"][i]), int(c["length"][i])) for i in st_rows.tolist()]
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-migrate-storage")
         st_future = pool.submit(_read_storage, storage, ptc, new_cfg, rank, pieces, flats, st_rows, ex, device,
                                 step, storage_options, st_seconds)
+
+    # local pieces: copied while the first round's transfers are in flight
+    local_rows = ex.rows(rank, LOCAL) if is_new else np.zeros(0, dtype=np.int64)
+    bytes_local = 0
+    local_s = 0.0
+
+    def copy_local() -> None:
+        nonlocal bytes_local, local_s
+        t = time.perf_counter()
+        for i in local_rows.tolist():
+            name = names[tensor[i]]
+            a, b = byte_range(i, so, name)
+            x, y = byte_range(i, do, name)
+            dst_bytes[name][x:y].copy_(old_bytes(name)[a:b])
+            bytes_local += b - a
+        local_s = time.perf_counter() - t
 
     # peer rounds
     sends, recvs = ex.sends(rank), ex.recvs(rank)
@@ -484,12 +496,20 @@ def migrate(
             while ri < len(recvs) and recvs[ri].round == rnd:
                 m = recvs[ri]
                 ri += 1
-                buf = torch.empty(m.nbytes, dtype=torch.uint8, device=device)
+                if m.last - m.first == 1:  # one piece: straight into its place
+                    name = names[tensor[m.first]]
+                    x, y = byte_range(m.first, do, name)
+                    buf = dst_bytes[name][x:y]
+                else:
+                    buf = torch.empty(m.nbytes, dtype=torch.uint8, device=device)
+                    bufs.append((m, buf))
                 ops.append(dist.P2POp(dist.irecv, buf, gr(m.src), group))
-                bufs.append((m, buf))
-            if ops:
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
+                received += m.nbytes
+            reqs = dist.batch_isend_irecv(ops) if ops else []
+            if rnd == 0:
+                copy_local()
+            for req in reqs:
+                req.wait()
             for m, buf in bufs:
                 pos = 0
                 for i in range(m.first, m.last):
@@ -497,12 +517,13 @@ def migrate(
                     x, y = byte_range(i, do, name)
                     dst_bytes[name][x:y].copy_(buf[pos : pos + y - x])
                     pos += y - x
-                received += m.nbytes
     except RuntimeError as e:  # gloo/nccl report a dead or broken peer as RuntimeError
         raise MigrationError(f"live migration {old_cfg} -> {new_cfg} failed on group rank {rank}: {e}") from e
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
+    if ex.num_rounds == 0:
+        copy_local()
     t_transfer = time.perf_counter()
     if st_future is not None:
         storage_read = st_future.result()
@@ -511,7 +532,7 @@ def migrate(
         out = {name: ptc.from_local_flat(name, new_cfg, f, rank) for name, f in flats.items()}
         out.update(objects)
     t_end = time.perf_counter()
-    timings = {"plan": t_plan - t0, "local": t_local - t_plan, "transfer": t_transfer - t_local,
+    timings = {"plan": t_plan - t0, "local": local_s, "transfer": t_transfer - t_rounds - local_s,
                "storage": st_seconds[0], "finish": t_end - t_transfer}
     bytes_storage = int(nbytes[st_rows].sum()) if len(st_rows) else 0
     log.info("migrated rank %d %s -> %s in %.3fs: sent %d B, received %d B, local %d B, storage %d B, %d rounds",

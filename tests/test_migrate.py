@@ -333,8 +333,54 @@ def test_live_migration_in_a_gloo_world(tmp_path: Path) -> None:
             assert s.bytes_storage == 0
         if sc[6]:
             assert max(x["rounds"] for x in rs) >= 1
+    assert results[(1, 2)]["sent"] > 0 and results[(1, 2)]["received"] == 0  # the survivor outside the new world
     fresh = results[(2, 2)]
     assert fresh["sent"] == 0 and fresh["local"] == 0 and fresh["received"] == _plan_of(SCENARIOS[2]).received_bytes()[2]
     print(f"\nmigrations in {time.monotonic() - t0:.1f}s: "
           + "; ".join(f"{sc[0]}: {max(results[(k, r)]['seconds'] for r in range(3)) * 1e3:.0f} ms"
                       for k, sc in enumerate(SCENARIOS)))
+
+
+def test_one_process_group_local_storage_and_refusals(tmp_path: Path) -> None:
+    """A world of one: the survivor of tp=2 keeps its half and reads the dead rank's half from the
+    checkpoint; a wrong group size, a missing storage URL and a shard on a fresh joiner are refused."""
+    import torch.distributed as dist
+
+    from tenplex.errors import PlanError
+    from tenplex.migrate import migrate
+
+    ptc = trainer_ptc("tiny", distributed_optimizer=True)
+    glob = random_global(ptc, seed=3)
+    old, new = P(tp=2), P()
+    url = str(tmp_path / "ck")
+    for r, shard in ptc.shard(glob, old).items():
+        tenplex.save(url, ptc, old, r, shard, step=2, save_id=SAVE_ID)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mine = ptc.shard(glob, old)[1]
+        res = migrate(ptc, old, new, mine, alive=[1], storage=url)
+        want = ptc.shard(glob, new)[0]
+        for n, t in want.items():
+            if isinstance(t, torch.Tensor):
+                assert_same(res.shard[n], t, n)
+        s = tenplex.plan(ptc, old, new, alive=[1]).stats
+        assert res.bytes_sent == res.bytes_received == 0
+        assert (res.bytes_local, res.bytes_storage) == (s.bytes_local, s.bytes_storage) and s.bytes_storage > 0
+        assert res.storage_read is not None and res.storage_read.bytes_needed == s.bytes_storage
+        assert res.storage_read.step == 2
+        with pytest.raises(PlanError, match="pass storage="):
+            migrate(ptc, old, new, mine, alive=[1])
+        with pytest.raises(PlanError, match="group has 1 ranks"):
+            migrate(ptc, old, P(tp=2), mine, alive=[1, 0], storage=url)
+        with pytest.raises(PlanError, match="fresh joiner"):
+            migrate(ptc, old, new, mine, alive=[], storage=url)
+        with pytest.raises(PlanError, match="old rank"):
+            migrate(ptc, old, new, mine, alive=[1], old_rank=0, storage=url)
+        # a fresh joiner alone: every byte from storage
+        res = migrate(ptc, old, new, None, alive=[], storage=url)
+        assert res.bytes_storage == tenplex.plan(ptc, old, new, alive=[]).stats.bytes_needed
+        for n, t in want.items():
+            if isinstance(t, torch.Tensor):
+                assert_same(res.shard[n], t, n)
+    finally:
+        dist.destroy_process_group()
