@@ -198,11 +198,14 @@ def test_storage_items_read_only_the_pieces() -> None:
 # ---------------------------------------------------------------------------------------------
 SAVE_ID = "0000cafe"
 
-# name, distributed optimizer, old layout, alive, new layout, storage, rounds (schedule)
-SCENARIOS: list[tuple[str, bool, ParallelConfig, list[int], ParallelConfig, bool, bool]] = [
-    ("dead rank, pieces from storage", True, P(dp=2, tp=2), [0, 2, 3], P(pp=3), True, False),
-    ("reordered survivors in schedule rounds, one only sends", False, P(dp=2, tp=2), [3, 0, 2], P(tp=2), False, True),
-    ("scale up: a fresh rank", True, P(tp=2), [0, 1], P(dp=3), False, False),
+# name, distributed optimizer, old layout, alive, new layout, storage, rounds (schedule), group members
+# (global ranks of a subgroup; None: the default group)
+SCENARIOS: list[tuple[str, bool, ParallelConfig, list[int], ParallelConfig, bool, bool, list[int] | None]] = [
+    ("dead rank, pieces from storage", True, P(dp=2, tp=2), [0, 2, 3], P(pp=3), True, False, None),
+    ("reordered survivors in schedule rounds, one only sends", False, P(dp=2, tp=2), [3, 0, 2], P(tp=2), False, True,
+     None),
+    ("scale up: a fresh rank", True, P(tp=2), [0, 1], P(dp=3), False, False, None),
+    ("a subgroup (group ranks are not global ranks)", True, P(tp=2), [1, 0], P(dp=2), False, False, [1, 2]),
 ]
 
 
@@ -211,7 +214,7 @@ def _ptc(dist_opt: bool) -> tenplex.PTC:
 
 
 def _plan_of(sc: tuple) -> Plan:
-    _, dist_opt, old, alive, new, _, _ = sc
+    _, dist_opt, old, alive, new, _, _, _ = sc
     return tenplex.plan(_ptc(dist_opt), old, new, alive=alive, gpus_per_host=4)
 
 
@@ -226,23 +229,29 @@ def _migrate_worker(rank: int, port: int, url: str, out: Any) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
     try:
         for k, sc in enumerate(SCENARIOS):
-            name, dist_opt, old, alive, new, use_storage, use_rounds = sc
-            res: dict[str, Any] = {"error": None}
+            name, dist_opt, old, alive, new, use_storage, use_rounds, members = sc
+            res: dict[str, Any] = {"error": None, "sent": 0, "received": 0, "local": 0, "storage": 0, "rounds": 0,
+                                   "seconds": 0.0}
+            group = dist.new_group(members) if members else None  # every rank joins new_group calls
+            if members and rank not in members:
+                out.put((k, rank, res))
+                continue
+            grank = dist.get_rank(group)
             try:
                 ptc = _ptc(dist_opt)
                 glob = random_global(ptc, seed=k)
-                old_rank = alive[rank] if rank < len(alive) else None
+                old_rank = alive[grank] if grank < len(alive) else None
                 shard = ptc.shard(glob, old)[old_rank] if old_rank is not None else None
                 p = tenplex.plan(ptc, old, new, alive=alive, gpus_per_host=4)
                 rounds = schedule(p, Topology.from_spec("hosts=1,gpus=4"), time_limit=1.0) if use_rounds else None
-                r = migrate(ptc, old, new, shard, alive=alive, old_rank=old_rank, new_rank=rank, gpus_per_host=4,
-                            storage=url if use_storage else None, rounds=rounds, plan=p)
+                r = migrate(ptc, old, new, shard, alive=alive, group=group, old_rank=old_rank, new_rank=grank,
+                            gpus_per_host=4, storage=url if use_storage else None, rounds=rounds, plan=p)
                 res.update(sent=r.bytes_sent, received=r.bytes_received, local=r.bytes_local,
                            storage=r.bytes_storage, rounds=r.rounds, seconds=r.seconds,
                            storage_read=(r.storage_read.bytes_needed, r.storage_read.bytes_read)
                            if r.storage_read else None)
-                if rank < new.world_size:
-                    want = ptc.shard(glob, new)[rank]
+                if grank < new.world_size:
+                    want = ptc.shard(glob, new)[grank]
                     assert set(r.shard) == set(want), (sorted(set(r.shard) ^ set(want)))
                     for n, t in want.items():
                         if isinstance(t, torch.Tensor):
@@ -250,7 +259,7 @@ def _migrate_worker(rank: int, port: int, url: str, out: Any) -> None:
                         else:
                             assert r.shard[n] == t, n
                     if use_storage and r.bytes_storage:
-                        res["load_read"] = tenplex.load(url, new, rank).stats.bytes_read
+                        res["load_read"] = tenplex.load(url, new, grank).stats.bytes_read
                 else:
                     assert r.shard == {} and r.new_rank is None
                 assert shard is None or all(torch.equal(shard[n], t) for n, t in ptc.shard(glob, old)[old_rank].items()
@@ -333,6 +342,7 @@ def test_live_migration_in_a_gloo_world(tmp_path: Path) -> None:
             assert s.bytes_storage == 0
         if sc[6]:
             assert max(x["rounds"] for x in rs) >= 1
+    assert _plan_of(SCENARIOS[3]).stats.bytes_moved > 0 and results[(3, 0)]["seconds"] == 0  # not a member
     assert results[(1, 2)]["sent"] > 0 and results[(1, 2)]["received"] == 0  # the survivor outside the new world
     fresh = results[(2, 2)]
     assert fresh["sent"] == 0 and fresh["local"] == 0 and fresh["received"] == _plan_of(SCENARIOS[2]).received_bytes()[2]
