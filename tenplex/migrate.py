@@ -411,7 +411,11 @@ def migrate(
 
     # objects first: the first collective every rank joins (nccl's communicator comes up here)
     box = [{k: held[k] for k in ptc.objects if k in held} if rank == 0 else None]
-    dist.broadcast_object_list(box, src=gr(0), group=group, device=device if backend == "nccl" else None)
+    try:
+        dist.broadcast_object_list(box, src=gr(0), group=group, device=device if backend == "nccl" else None)
+    except RuntimeError as e:  # gloo/nccl report a dead or broken peer as RuntimeError
+        raise MigrationError(f"live migration {old_cfg} -> {new_cfg} failed on group rank {rank} before any "
+                             f"transfer: {e}") from e
     objects: dict[str, Any] = dict(box[0] or {})
 
     names = ex.tensor_names

@@ -394,3 +394,49 @@ def test_one_process_group_local_storage_and_refusals(tmp_path: Path) -> None:
                 assert_same(res.shard[n], t, n)
     finally:
         dist.destroy_process_group()
+
+
+def _dying_worker(rank: int, port: int, out: Any) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from tenplex.migrate import migrate
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=10))
+    ptc = trainer_ptc("tiny", distributed_optimizer=False)
+    old, new = P(tp=2), P(dp=2)
+    shard = ptc.shard(random_global(ptc, seed=1), old)[rank]
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)  # dies just before the migration
+    time.sleep(0.5)
+    try:
+        migrate(ptc, old, new, shard, alive=[0, 1])
+        out.put("no error")
+    except BaseException as e:  # reported to the parent
+        out.put(f"{type(e).__name__}: {e}")
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_dying_raises_migration_error() -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [ctx.Process(target=_dying_worker, args=(r, port, q)) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        got = q.get(timeout=45)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    assert got.startswith("MigrationError: live migration"), got
