@@ -24,6 +24,7 @@ __all__ = [
     "SourceReadError",
     "VfsError",
     "SideTaskMemoryError",
+    "MigrationError",
 ]
 
 
@@ -108,3 +109,8 @@ class VfsError(TenplexError, ValueError):
 
 class SideTaskMemoryError(TenplexError, ValueError):
     """A side task needs more memory than the stage's side-task budget has left."""
+
+
+class MigrationError(TenplexError, RuntimeError):
+    """A live state migration failed while moving bytes (a peer died or a transfer broke); the
+    survivors' state is unchanged and the caller falls back to loading from stores or storage."""
