@@ -552,7 +552,7 @@ def run_world(world: int, n_cases: int, seed: int, timeout: float = 120.0) -> di
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("world", "n_cases"), [(4, 120), (8, 60)])
+@pytest.mark.parametrize(("world", "n_cases"), [(4, 80), (8, 30)])  # kept small: the suite has a 10-minute budget
 def test_segments_match_real_dtensors(world: int, n_cases: int) -> None:
     results = run_world(world, n_cases, seed=17 + world)
     errors = [f"rank {r}: {res['error']}" for r, res in results.items() if res["error"]]
