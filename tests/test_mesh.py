@@ -9,9 +9,6 @@ DTensors in a spawned gloo world (``distribute_tensor``; FSDP2 ``fully_shard`` o
 from __future__ import annotations
 
 import math
-import os
-import queue
-import socket
 import time
 from typing import Any
 
@@ -24,6 +21,7 @@ from torch.distributed.tensor import placement_types as tpt
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from conftest import examples
+from spawned import free_port, run_spawned
 from tenplex.config import ParallelConfig
 from tenplex.errors import ConfigError, LayoutError, SpecError
 from tenplex.mesh import (
@@ -508,46 +506,11 @@ def _dtensor_worker(rank: int, world: int, port: int, n_cases: int, seed: int, o
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_world(world: int, n_cases: int, seed: int, timeout: float = 120.0) -> dict[int, dict[str, Any]]:
     """Spawn ``world`` gloo ranks running ``_dtensor_worker``; their results by rank."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    procs = [ctx.Process(target=_dtensor_worker, args=(r, world, port, n_cases, seed, q)) for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
-        results: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + timeout
-        while len(results) < world:
-            try:
-                rank, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"world {world}: only ranks {sorted(results)} reported within {timeout:.0f}s")
-            results[rank] = res
-        return results
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    port = free_port()
+    return run_spawned(_dtensor_worker, [(r, world, port, n_cases, seed) for r in range(world)], expect=world,
+                       timeout=timeout)
 
 
 @pytest.mark.slow

@@ -12,8 +12,6 @@ them only sends), and a scale-up where a fresh rank receives everything; every r
 from __future__ import annotations
 
 import os
-import queue
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_same, examples, layouts, model_kwargs, random_global
+from spawned import free_port, run_spawned
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -275,53 +274,16 @@ def _migrate_worker(rank: int, port: int, url: str, out: Any) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(60)
 def test_live_migration_in_a_gloo_world(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
     url = str(tmp_path / "ck")
     ptc = _ptc(True)
     old = SCENARIOS[0][2]
     for r, shard in ptc.shard(random_global(ptc, seed=0), old).items():  # what the dead rank left behind
         tenplex.save(url, ptc, old, r, shard, step=5, save_id=SAVE_ID)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-    saved_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    port = _free_port()
-    procs = [ctx.Process(target=_migrate_worker, args=(r, port, url, q)) for r in range(3)]
-    results: dict[tuple[int, int], dict[str, Any]] = {}
     t0 = time.monotonic()
-    try:
-        for p in procs:
-            p.start()
-        deadline = t0 + 40
-        while len(results) < 3 * len(SCENARIOS):
-            try:
-                k, rank, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"only {sorted(results)} reported within 40 s")
-            results[(k, rank)] = res
-            if res["error"]:
-                break
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    port = free_port()
+    results = run_spawned(_migrate_worker, [(r, port, url) for r in range(3)], expect=3 * len(SCENARIOS), timeout=40)
     errors = [f"{SCENARIOS[k][0]}, rank {r}: {res['error']}" for (k, r), res in results.items() if res["error"]]
     assert not errors, "\n".join(errors)
     for k, sc in enumerate(SCENARIOS):
@@ -426,7 +388,7 @@ def test_a_peer_dying_raises_migration_error() -> None:
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs = [ctx.Process(target=_dying_worker, args=(r, port, q)) for r in range(2)]
     try:
