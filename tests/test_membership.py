@@ -299,3 +299,59 @@ def test_second_failure_during_agreement_moves_to_a_later_round(tmp_path: Path) 
                           f"{v['nm'].regroup_s:.3f}s" for r, v in sorted(res.items())))
     else:
         assert all(isinstance(o, str) for o in outcomes.values()), outcomes
+
+
+@pytest.mark.timeout(30)
+def test_agreement_timeouts_and_exclusion_in_one_process() -> None:
+    """Member 0 of a world of 2 in this process, member 1 simulated by its heartbeat key: alive but
+    never joining, the round ends in MembershipError after ``agree_timeout``; silent, it is found
+    dead and member 0 forms a group of 1 in round 2; a decision stored without member 0 leaves it
+    out with MembershipError. Nothing waits longer than its bound."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from tenplex.membership import Membership
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    store.add("t/hb/1", 1)
+    stop = threading.Event()
+
+    def beat() -> None:  # member 1: alive, but it never joins a round
+        while not stop.wait(0.05):
+            store.add("t/hb/1", 1)
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    m = Membership(store, "t", rank=0, world_size=2, backend="gloo", interval=0.05, dead_after=0.3,
+                   agree_timeout=1.0, pg_timeout=datetime.timedelta(seconds=5))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(MembershipError, match=r"round 1 did not decide within 1.0 s; members \[1\] neither joined"):
+            m.agree(1, m.members)
+        assert 1.0 <= time.monotonic() - t0 < 3
+        assert not m.failed and m.dead() == frozenset()
+        stop.set()  # member 1 dies
+        beater.join()
+        deadline = time.monotonic() + 5
+        while not m.failed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert m.failed and m.dead() == {1}
+        with pytest.raises(PeerFailure, match=r"members \[1\] stopped their heartbeats"):
+            m.check()
+        m.round = 1  # round 1 was tried (and left undecided): recover in round 2
+        nm = m.recover()
+        assert (nm.round, nm.members, nm.alive, nm.new_rank, nm.world_size) == (2, (0,), (0,), 0, 1)
+        assert nm.detect_s > 0.3 and dist.get_world_size() == 1 and not m.failed
+        dist.destroy_process_group()
+        # round 3 was decided without member 0 (the others found it dead): it is left out
+        store.set("t/round3/decision", encode_decision(Decision(3, (5,))))
+        with pytest.raises(MembershipError, match="left out of round 3"):
+            m.recover()
+    finally:
+        stop.set()
+        m.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
