@@ -36,7 +36,22 @@ gloo: ``abort()`` / ``shutdown()`` / ``_abort_process_group`` do not interrupt a
 already blocked (measured, torch 2.13: the op waits for its timeout). What unblocks it is a peer
 closing its connections: a survivor that catches the error destroys its group, and the peers
 blocked on it fail at once ("Connection closed by peer"). A member blocked on a hung but living
-peer waits for the group's ``timeout``; pass a short one to ``init_process_group``.
+peer waits for the group's ``timeout``; pass a short one to ``init_process_group`` (abandoning
+an ``async_op`` collective does not help: ``destroy_process_group`` then waits for it to time out).
+
+Use::
+
+    m = Membership(store, f"job/{run_id}")
+    while training:
+        try:
+            with m.guard():
+                step()             # its collectives
+            m.check()              # a death seen by the heartbeats between collectives
+        except PeerFailure:
+            nm = m.recover()       # the survivors' group is the default group again
+            new = chooser(ptc, nm.world_size, old)
+            shard = migrate(ptc, old, new, shard, alive=nm.alive, storage=url).shard
+            old = new
 """
 
 from __future__ import annotations
