@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_same, random_global
+from spawned import gloo_env, reap
 
 import tenplex
 from tenplex import ParallelConfig
@@ -204,9 +205,6 @@ def _run_world(tmp_path: Path, scenario: str, budget: float = 25.0,
     rdzv = RendezvousStore()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-    saved_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     procs = [ctx.Process(target=_worker, args=(r, rdzv.port, url, scenario, q)) for r in range(4)]
     pids: dict[int, int] = {}
     results: dict[int, dict[str, Any]] = {}
@@ -214,8 +212,9 @@ def _run_world(tmp_path: Path, scenario: str, budget: float = 25.0,
     deadline = time.monotonic() + budget  # start-up (slow on a loaded machine: 4 torch imports)
     t_kill = 0.0
     try:
-        for p in procs:
-            p.start()
+        with gloo_env():  # the children take the environment at start
+            for p in procs:
+                p.start()
         while len(pids) < 4:
             try:
                 kind, rank, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
@@ -240,16 +239,7 @@ def _run_world(tmp_path: Path, scenario: str, budget: float = 25.0,
             elif kind == "phase":
                 phases[rank].append((val, round(time.time() - t_kill, 3)))
     finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        reap(procs, timeout=5)
         rdzv.stop()
     errors = [f"rank {r}: {v['error']}" for r, v in results.items() if v.get("error")]
     assert not errors, "\n".join(errors)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_same, examples, layouts, model_kwargs, random_global
-from spawned import free_port, run_spawned
+from spawned import free_port, reap, run_spawned
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -396,9 +396,5 @@ def test_a_peer_dying_raises_migration_error() -> None:
             p.start()
         got = q.get(timeout=45)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        reap(procs)
     assert got.startswith("MigrationError: live migration"), got
