@@ -27,7 +27,7 @@ from .data.index import build_index, load_index
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError
 from .interop import detect_format, export_hf, import_checkpoint
 from .layouts import Hardware, rank_layouts
-from .memory import estimate_memory, parse_size
+from .memory import RECOMPUTE, estimate_memory, parse_size
 from .models import model_ptc
 from .planner import locality_order, plan
 from .schedule import lower_bound, naive_completion, schedule
@@ -230,7 +230,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     cfg = args.layout or ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp)
     est = estimate_memory(args.model, cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, cp=args.cp,
                           distributed_optimizer=not args.no_distributed_optimizer,
-                          num_microbatches=args.num_microbatches, precision=args.precision)
+                          num_microbatches=args.num_microbatches, precision=args.precision,
+                          recompute=args.recompute)
     limit = args.mem_fraction * args.gpu_mem
     if args.json:
         out = est.to_json()
@@ -243,7 +244,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         print(json.dumps(out))
         return 0
     print(f"{args.model}: {cfg}, cp={args.cp}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
-          f"{est.num_microbatches} micro-batches, {args.precision}, "
+          f"{est.num_microbatches} micro-batches, {args.precision}, recompute {args.recompute}, "
           f"{'distributed' if not args.no_distributed_optimizer else 'replicated'} optimizer; "
           f"GPU {human_bytes(args.gpu_mem)}, limit {args.mem_fraction:.0%}")
     head = ("stage", "layers", "params", "weights", "grads", "optimizer", "activations", "total", "of GPU", "fits")
@@ -266,7 +267,8 @@ def _cmd_configs(args: argparse.Namespace) -> int:
                            seq_len=args.seq_len, micro_batch=args.micro_batch, gpus_per_host=args.gpus_per_host,
                            cp=args.cp, distributed_optimizer=not args.no_distributed_optimizer,
                            precision=args.precision, current=args.from_, horizon_steps=args.horizon_steps,
-                           hardware=hw)
+                           hardware=hw, recompute=args.recompute, allow_idle=args.allow_idle,
+                           uneven_batch=args.uneven_batch)
     feasible = [c for c in choices if c.feasible]
     if args.json:
         out = {"model": args.model, "gpus": args.gpus, "gpu_mem": args.gpu_mem, "global_batch": args.global_batch,
@@ -281,12 +283,13 @@ def _cmd_configs(args: argparse.Namespace) -> int:
           + (f", from {args.from_}" if args.from_ else ""))
     if feasible:
         moved = args.from_ is not None
-        print(f"  {'#':>3} {'layout':<22} {'step':>9} {'tokens/s':>12} {'peak':>12} {'of GPU':>7}"
-              + (f" {'moved':>12} {'cross-host':>12} {'reconfig':>9}" if moved else ""))
+        print(f"  {'#':>3} {'layout':<22} {'step':>9} {'tokens/s':>12} {'peak':>12} {'of GPU':>7} {'recompute':>9} "
+              f"{'idle':>5}" + (f" {'moved':>12} {'cross-host':>12} {'reconfig':>9}" if moved else ""))
         for i, c in enumerate(feasible, 1):
             assert c.step_seconds is not None and c.tokens_per_second is not None and c.peak_bytes is not None
             line = (f"  {i:>3} {str(c.cfg):<22} {c.step_seconds:>8.3f}s {c.tokens_per_second:>12,.0f} "
-                    f"{human_bytes(c.peak_bytes):>12} {c.peak_bytes / args.gpu_mem:>7.0%}")
+                    f"{human_bytes(c.peak_bytes):>12} {c.peak_bytes / args.gpu_mem:>7.0%} {c.recompute:>9} "
+                    f"{c.idle_gpus:>5}")
             if moved:
                 line += (f" {human_bytes(c.bytes_moved or 0):>12} {human_bytes(c.bytes_cross_host or 0):>12} "
                          f"{c.reconfig_seconds or 0:>8.2f}s")
@@ -538,6 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction", type=_float_in(0, 1), default=0.8,
                    help="usable fraction of GPU memory, in (0, 1] (default 0.8)")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="activation recomputation: none, selective (norms, MLP activation) or full (default none)")
     p.add_argument("--no-distributed-optimizer", action="store_true", help="optimizer state replicated across DP")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_estimate)
@@ -560,6 +565,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flops", type=float, default=400e12, help="effective FLOP/s per GPU")
     p.add_argument("--intra-host-bw", type=float, default=300e9, help="bytes/s within a host")
     p.add_argument("--inter-host-bw", type=float, default=50e9, help="bytes/s between hosts, per GPU")
+    p.add_argument("--recompute", choices=("auto", *RECOMPUTE), default="auto",
+                   help="activation recomputation; auto: per layout the cheapest that fits (default)")
+    p.add_argument("--allow-idle", action="store_true",
+                   help="also layouts that leave some of the GPUs idle as spares")
+    p.add_argument("--uneven-batch", action="store_true",
+                   help="DP replicas may take micro-batch counts that differ by one")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_configs)
 
