@@ -31,6 +31,7 @@ from .memory import RECOMPUTE, estimate_memory, parse_size
 from .models import model_ptc
 from .planner import locality_order, plan
 from .schedule import lower_bound, naive_completion, schedule
+from .simulate import CostModel, draw_trace, plot_simulation, read_trace, simulate_trace
 from .store import serve
 from .topology import Topology
 from .vfs.control import remount
@@ -336,6 +337,28 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    trace = read_trace(args.trace) if args.trace else draw_trace(days=args.days, failures=args.failures, seed=args.seed)
+    costs = CostModel(restart_s=args.restart_s, ckpt_interval_h=args.ckpt_interval_h, storage_bw=args.storage_bw)
+    say = None if args.json else (lambda line: print(line, flush=True))
+    if say:
+        print(f"{args.model} on {args.gpus} GPUs ({args.gpus_per_host} per host, {args.spare_hosts} spare hosts): "
+              f"{len(trace)} interruptions over {args.days if not args.trace else 'the trace'} days", flush=True)
+    res = simulate_trace(args.model, args.gpus, trace, gpus_per_host=args.gpus_per_host, spare_hosts=args.spare_hosts,
+                   hours=None if args.trace else 24.0 * args.days,
+                   global_batch=args.global_batch, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                   gpu_mem=args.gpu_mem, topology=args.topology, costs=costs, schedule_limit=args.schedule_limit,
+                   seed=args.seed, progress=say)
+    if args.plot:
+        plot_simulation(res, args.plot)
+    if args.json:
+        print(json.dumps(res.to_json()))
+        return 0
+    print(f"goodput: tenplex in-process {res.goodput_tenplex:.4f}, tenplex restart {res.goodput_tenplex_restart:.4f}, "
+          f"checkpoint restart {res.goodput_checkpoint_restart:.4f} (simulated in {res.simulate_s:.1f} s)")
+    return 0
+
+
 def _cmd_schedule(args: argparse.Namespace) -> int:
     import scipy.optimize  # noqa: F401  (loaded here so that solve_s times the solve, not imports)
     import scipy.sparse.csgraph  # noqa: F401
@@ -591,6 +614,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded across DP")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_schedule)
+
+    p = sub.add_parser("simulate", help="replay a failure trace on a large job: layouts, planning, goodput")
+    p.add_argument("--model", default="llama3-405b", help="model preset (default llama3-405b)")
+    p.add_argument("--gpus", type=_POS, default=16384, help="GPUs of the job (default 16384)")
+    p.add_argument("--gpus-per-host", type=_POS, default=8)
+    p.add_argument("--spare-hosts", type=_int_in(0, MAX_WORLD_SIZE), default=16, help="spare hosts (default 16)")
+    p.add_argument("--global-batch", type=_POS, default=2048, help="sequences per step (default 2048)")
+    p.add_argument("--seq-len", type=_POS, default=8192)
+    p.add_argument("--micro-batch", type=_POS, default=1)
+    p.add_argument("--gpu-mem", type=_size, default=_size("80GiB"))
+    p.add_argument("--trace", default=None, help="JSON-lines trace ({\"time_h\": .., \"cause\": ..} per line); "
+                   "default: drawn from the Llama 3 rates")
+    p.add_argument("--days", type=_float_in(0, 3650), default=54.0, help="length of a drawn trace (default 54)")
+    p.add_argument("--failures", type=_int_in(0, 10**6), default=419, help="interruptions of a drawn trace (419)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--topology", default="nvlink=300GB/s,pcie=32GB/s,nic=50GB/s",
+                   help="link bandwidths (hosts and gpus come from the job)")
+    p.add_argument("--restart-s", type=_float_in(0, 86400, lo_open=False), default=120.0,
+                   help="seconds to relaunch every process (restart paths; default 120)")
+    p.add_argument("--ckpt-interval-h", type=_float_in(0, 1000), default=1.0,
+                   help="persistent checkpoint interval of the baseline (default 1 h)")
+    p.add_argument("--storage-bw", type=_size, default=_size("5GB"), help="per-GPU storage read bytes/s (5GB)")
+    p.add_argument("--schedule-limit", type=_float_in(0, 600), default=10.0, help="scheduler time limit (10 s)")
+    p.add_argument("--plot", default=None, help="write a PNG of world size and goodput over time")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_simulate)
 
     p = sub.add_parser("inspect", help="list a checkpoint's steps, layouts, completeness and tensors")
     p.add_argument("url", type=_url, help="checkpoint URL (local path, memory://, s3://, ...)")
