@@ -50,7 +50,7 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
 
 #: Activation recomputation modes, cheapest in compute first: ``none`` keeps every tensor the
 #: backward pass needs; ``selective`` recomputes the norms and the MLP's activation function
-#: (elementwise work) from the tensors around them; ``full`` keeps only each layer's input and
+#: (elementwise work) from their inputs; ``full`` keeps only each layer's input and
 #: recomputes the whole layer's forward pass before its backward pass. See docs/memory.md.
 RECOMPUTE = ("none", "selective", "full")
 
@@ -241,20 +241,20 @@ def layer_params(model: ModelSpec, tp: int) -> tuple[int, int]:
 
 def _activation_per_layer(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, act_bytes: int,
                           recompute: str = "none") -> int:
-    """Activation bytes one layer keeps per micro-batch on one GPU (flash attention, SP, no dropout)
-    under ``recompute``: all it saves (``none``), without the norm outputs and the MLP
-    activation's outputs (``selective``), its input only (``full``)."""
+    """Activation bytes one layer keeps per micro-batch on one GPU (flash attention, SP, no dropout,
+    fused norms) under ``recompute``: all it saves (``none``), without SiLU(gate), which the
+    SwiGLU recomputes from the saved gate and up (``selective``; a GELU MLP saves the same as
+    without), its input only (``full``)."""
     assert model.kv_heads is not None and model.ffn_hidden is not None
     h, f = model.hidden, model.ffn_hidden
     if recompute == "full":
         base: Fraction | int = 2
     else:
         gqa = Fraction(4 * model.kv_heads, model.heads)
-        llama = model.arch == "llama"
-        if recompute == "selective":  # norm outputs (2 x 2) and SiLU(gate), SiLU(gate)*up / GELU(x) recomputed
-            base = 8 + gqa + (Fraction(4 * f, h) if llama else Fraction(2 * f, h))
+        if model.arch == "llama":
+            base = 12 + gqa + Fraction((6 if recompute == "selective" else 8) * f, h)
         else:
-            base = 12 + gqa + (Fraction(8 * f, h) if llama else Fraction(4 * f, h))
+            base = 12 + gqa + Fraction(4 * f, h)
     per = seq_len * micro_batch * h * base / (tp * cp)  # bytes at 2 bytes per element
     return _ceil(per * act_bytes / 2)
 
@@ -264,8 +264,9 @@ def recompute_flops(model: ModelSpec, tokens: int, recompute: str) -> int:
 
     ``full``: one more forward pass of every layer, 2 x (layer parameters) per token;
     ``selective``: the two norms (about 4 FLOPs per element of h each) and the MLP activation
-    (SiLU and product: about 6 per element of f; GELU: about 8), elementwise work that is
-    memory-bound on a GPU, so this FLOP count understates its time (see docs/memory.md).
+    (SiLU and product: about 6 per element of f; GELU: about 8), as the reference trainer's
+    ``--recompute selective`` does; elementwise work that is memory-bound on a GPU, so this FLOP
+    count understates its time (see docs/memory.md).
     """
     if recompute not in RECOMPUTE:
         raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")

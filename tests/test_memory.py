@@ -88,15 +88,15 @@ def test_tiny_llama_every_term_by_hand() -> None:
 
 
 def test_recompute_terms_by_hand() -> None:
-    """selective drops the two norm outputs and SiLU(gate), SiLU(gate)*up; full keeps each layer's
-    input and adds one layer's full activations (the layer being recomputed)."""
+    """selective drops SiLU(gate) (recomputed from gate and up); full keeps each layer's input and
+    adds one layer's full activations (the layer being recomputed)."""
     kw: dict = dict(seq_len=16, micro_batch=2)
     none = estimate_memory(TINY_LLAMA, P(dp=2, tp=2, pp=2), **kw)
     sel = estimate_memory(TINY_LLAMA, P(dp=2, tp=2, pp=2), recompute="selective", **kw)
     full = estimate_memory(TINY_LLAMA, P(dp=2, tp=2, pp=2), recompute="full", **kw)
     sbh = 16 * 2 * 8
     assert none.stages[0].activation_bytes_per_layer == sbh * (12 + 2 + 12) // 2
-    assert sel.stages[0].activation_bytes_per_layer == sbh * (8 + 2 + 4 * 12 // 8) // 2 == 2048
+    assert sel.stages[0].activation_bytes_per_layer == sbh * (12 + 2 + 6 * 12 // 8) // 2 == 2944
     assert full.stages[0].activation_bytes_per_layer == sbh * 2 // 2 == 256
     for est in (none, sel):
         assert all(st.recompute_bytes == 0 for st in est.stages)
@@ -116,7 +116,7 @@ def test_llama3_405b_published_layout_needs_recompute() -> None:
     kw: dict = dict(seq_len=8192, micro_batch=1, num_microbatches=16)
     none = estimate_memory("llama3-405b", cfg, **kw)
     assert f"{none.peak_bytes / GiB:.1f}" == "96.1" and not none.fits("80GiB")  # the issue's figure
-    assert estimate_memory("llama3-405b", cfg, recompute="selective", **kw).fits("80GiB")
+    assert f"{estimate_memory('llama3-405b', cfg, recompute='selective', **kw).peak_bytes / GiB:.1f}" == "83.1"
     assert estimate_memory("llama3-405b", cfg, recompute="full", **kw).fits("80GiB")
 
 
