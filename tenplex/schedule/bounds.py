@@ -58,6 +58,14 @@ class _Cuts:
     unions: np.ndarray  # (unions, hosts + 1) bool
     union_in: np.ndarray
     union_out: np.ndarray
+    # beyond _ALL_UNIONS hosts: single hosts, pairs joined by a link, and (per demands) pairs that
+    # hold every replica of a piece; bandwidth into / out of each host and between linked pairs
+    host_in: np.ndarray
+    host_out: np.ndarray
+    pair_bw: dict[tuple[int, int], float]
+
+
+_ALL_UNIONS = 10  # hosts up to which the lower bound checks every union of hosts
 
 
 @functools.lru_cache(maxsize=16)
@@ -76,25 +84,46 @@ def _cuts(topology: Topology) -> _Cuts:
                           else len(hosts) for n in nodes], dtype=np.int64)
     onehot = np.zeros((len(nodes), len(hosts) + 1), dtype=np.float64)
     onehot[np.arange(len(nodes)), node_host] = 1.0
-    if len(hosts) <= 10:
+    hs, hd = node_host[l_src], node_host[l_dst]
+    across = hs != hd
+    nh = len(hosts) + 1
+    host_in = np.bincount(hd[across], weights=bw[across], minlength=nh)
+    host_out = np.bincount(hs[across], weights=bw[across], minlength=nh)
+    pair_bw: dict[tuple[int, int], float] = {}
+    for a, b, w in zip(hs[across].tolist(), hd[across].tolist(), bw[across].tolist()):
+        if a < len(hosts) and b < len(hosts):
+            key = (min(a, b), max(a, b))
+            pair_bw[key] = pair_bw.get(key, 0.0) + w
+    if len(hosts) <= _ALL_UNIONS:
         sizes = range(1, len(hosts) + (len(hosts) == 1))  # a proper union (the whole cluster has no cut)
         combos = [c for r in sizes for c in itertools.combinations(range(len(hosts)), r)]
     else:
-        combos = [(a,) for a in range(len(hosts))] + list(itertools.combinations(range(len(hosts)), 2))
-    u = np.zeros((len(combos), len(hosts) + 1), dtype=bool)
+        combos = [(a,) for a in range(len(hosts))] + sorted(pair_bw)
+    u, u_in, u_out = _unions(combos, nh, host_in, host_out, pair_bw)
+    if len(hosts) <= _ALL_UNIONS:  # as before: the links crossing each union
+        lin = u[:, hd] & ~u[:, hs]
+        lout = u[:, hs] & ~u[:, hd]
+        u_in, u_out = lin.astype(np.float64) @ bw, lout.astype(np.float64) @ bw
+    return _Cuts(idx, node_host, onehot, single, single_in, single_out, u, u_in, u_out, host_in, host_out, pair_bw)
+
+
+def _unions(combos: list[tuple[int, ...]], nh: int, host_in: np.ndarray, host_out: np.ndarray,
+            pair_bw: dict[tuple[int, int], float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Masks of unions of one or two hosts (``nh`` columns) and the bandwidth into and out of each:
+    its hosts' less the links between them."""
+    u = np.zeros((len(combos), nh), dtype=bool)
     for i, cmb in enumerate(combos):
         u[i, list(cmb)] = True
-    lin = u[:, node_host[l_dst]] & ~u[:, node_host[l_src]]
-    lout = u[:, node_host[l_src]] & ~u[:, node_host[l_dst]]
-    return _Cuts(idx, node_host, onehot, single, single_in, single_out, u,
-                 lin.astype(np.float64) @ bw, lout.astype(np.float64) @ bw)
+    inner = np.array([pair_bw.get((c[0], c[-1]), 0.0) if len(c) == 2 else 0.0 for c in combos])
+    return u, u.astype(np.float64) @ host_in - inner, u.astype(np.float64) @ host_out - inner
 
 
 def lower_bound(dem: Demands, topology: Topology) -> float:
     """Seconds no schedule can beat: the largest of a cut bound and a latency bound.
 
     Cut bound: for each GPU, storage, and every union of hosts (all unions up to 10 hosts, else
-    single hosts and pairs), the bytes that must cross into (out of) the node set divided by
+    single hosts and the pairs that can bound more than each of their hosts: joined by a link, or
+    holding every replica of a piece), the bytes that must cross into (out of) the node set divided by
     the bandwidth of the links entering (leaving) it. A piece counts once per cut (multicast)
     and only when no candidate source (any live replica) is inside (for ingress) or some is
     outside (for egress), so the best choice of sources is assumed. Latency bound: the largest,
@@ -126,12 +155,22 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
         inn = _dot(nb, d1 & ~s1)
         out = _dot(nb, (src.sum(1) == 1)[:, None] & s1 & ((dst.sum(1)[:, None] - d1) > 0))
         best = max(best, worst(inn, out, cut.single_in, cut.single_out))
-    if len(cut.unions):  # unions of hosts (column H: nodes on no host, never inside a union)
-        hosts_of = np.einsum("kn,nh->kh", sets, cut.onehot) > 0  # (sets, hosts + 1)
-        in_u = np.einsum("kh,uh->ku", hosts_of, cut.unions, dtype=np.int64)  # (sets, unions): hosts inside
+    unions, union_in, union_out = cut.unions, cut.union_in, cut.union_out
+    hosts_of = np.einsum("kn,nh->kh", sets, cut.onehot) > 0  # (sets, hosts + 1)
+    if len(cut.host_in) - 1 > _ALL_UNIONS:
+        # a pair of hosts bounds more than each alone only through the links between them or
+        # pieces whose every replica lies in the pair (egress): those pairs are added
+        cnt_s = hosts_of[:, :-1].sum(1)
+        two = {tuple(np.flatnonzero(hosts_of[j, :-1]).tolist()) for j in np.unique(ps).tolist() if cnt_s[j] == 2}
+        extra = sorted(two - set(cut.pair_bw))
+        if extra:
+            u2, i2, o2 = _unions(extra, len(cut.host_in), cut.host_in, cut.host_out, cut.pair_bw)
+            unions, union_in, union_out = np.vstack([unions, u2]), np.r_[union_in, i2], np.r_[union_out, o2]
+    if len(unions):  # unions of hosts (column H: nodes on no host, never inside a union)
+        in_u = np.einsum("kh,uh->ku", hosts_of, unions, dtype=np.int32)  # (sets, unions): hosts inside
         cnt = hosts_of.sum(1)[:, None]
         s_in, d_in = in_u[ps], in_u[pd]
         inn = _dot(nb, (s_in == 0) & (d_in > 0))
         out = _dot(nb, (s_in == cnt[ps]) & (d_in < cnt[pd]))
-        best = max(best, worst(inn, out, cut.union_in, cut.union_out))
+        best = max(best, worst(inn, out, union_in, union_out))
     return max(best, _path_latency(topology, src, dst))
