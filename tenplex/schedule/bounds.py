@@ -13,9 +13,8 @@ from ..topology import Topology
 from .commodities import Demands
 
 
-@functools.lru_cache(maxsize=16)
-def _min_latency(topology: Topology) -> np.ndarray:
-    """(nodes, nodes) smallest latency of any path (inf: unreachable), in graph node order."""
+def _min_latency(topology: Topology, sources: np.ndarray) -> np.ndarray:
+    """(sources, nodes) smallest latency of any path from each source (inf: unreachable)."""
     # lazy: importing scipy takes ~0.45 s, which `import tenplex` should not pay
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import dijkstra
@@ -23,20 +22,38 @@ def _min_latency(topology: Topology) -> np.ndarray:
     nn = len(topology.node_names)
     # csgraph drops zero weights (no edge): zero-latency links get a weight far below any real one
     w = np.maximum(topology.latency, 1e-30)
-    dist = dijkstra(csr_matrix((w, (topology.link_src, topology.link_dst)), shape=(nn, nn)), directed=True)
+    dist = dijkstra(csr_matrix((w, (topology.link_src, topology.link_dst)), shape=(nn, nn)), directed=True,
+                    indices=sources)
     return np.where(dist < 1e-20, 0.0, dist)
 
 
-def _path_latency(topology: Topology, src: np.ndarray, dst: np.ndarray) -> float:
+def _path_latency(topology: Topology, ps: np.ndarray, dk: np.ndarray, dn: np.ndarray, outside: np.ndarray,
+                  set_ptr: np.ndarray, set_nodes: np.ndarray) -> float:
     """Longest latency of any destination's nearest source (a schedule cannot beat it).
 
-    ``src``, ``dst``: (commodities, nodes) masks in graph node order."""
-    lat = _min_latency(topology)
-    keys = _dot(np.random.default_rng(3).random(src.shape[1]), src.T)  # one key per source set
-    uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
-    near = np.stack([lat[src[i]].min(0) for i in first.tolist()])[inv.reshape(-1)]  # (commodities, nodes)
-    near = np.where(dst & np.isfinite(near), near, 0.0)
-    return float(near.max(initial=0.0))
+    ``ps``: each commodity's source set; ``dk``, ``dn``: (commodity, destination node) pairs,
+    ``outside``: which of them is not a source of its commodity; sets as CSR rows. Beyond
+    ``_LAT_CELLS`` (sources x nodes) the latency of the fastest link into each destination (the
+    bound is microseconds where cut bounds are seconds)."""
+    nn = len(topology.node_names)
+    used = np.unique(ps)
+    srcs = np.unique(np.concatenate([set_nodes[set_ptr[j]:set_ptr[j + 1]] for j in used.tolist()]))
+    if len(srcs) * nn > _LAT_CELLS:
+        inb = np.full(nn, np.inf)
+        real = topology.link_src != topology.link_dst
+        np.minimum.at(inb, topology.link_dst[real], topology.latency[real])
+        lat = inb[dn[outside]]
+        return float(lat[np.isfinite(lat)].max(initial=0.0))
+    lat = _min_latency(topology, srcs)
+    row = np.full(nn, -1, dtype=np.int64)
+    row[srcs] = np.arange(len(srcs))
+    order = np.argsort(ps[dk], kind="stable")  # destination pairs grouped by source set
+    bounds = np.searchsorted(ps[dk][order], np.r_[used, np.iinfo(np.int64).max])
+    best = 0.0
+    for i, j in enumerate(used.tolist()):
+        near = lat[row[set_nodes[set_ptr[j]:set_ptr[j + 1]]]].min(0)[dn[order[bounds[i]:bounds[i + 1]]]]
+        best = max(best, float(near[np.isfinite(near)].max(initial=0.0)))
+    return best
 
 
 def _dot(w: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -66,6 +83,7 @@ class _Cuts:
 
 
 _ALL_UNIONS = 10  # hosts up to which the lower bound checks every union of hosts
+_LAT_CELLS = 4_000_000  # sources x nodes of the exact latency bound
 
 
 @functools.lru_cache(maxsize=16)
@@ -133,15 +151,22 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
         return 0.0
     cut = _cuts(topology)
     nn = len(cut.node_host)
-    # node sets (sources or destinations) are shared by many commodities: masks per distinct set
+    # node sets (sources or destinations) are shared by many commodities: one row per distinct set
     set_id: dict[tuple[str, ...], int] = {}
     ps = np.array([set_id.setdefault(c.sources, len(set_id)) for c in dem.commodities], dtype=np.int64)
     pd = np.array([set_id.setdefault(c.dests, len(set_id)) for c in dem.commodities], dtype=np.int64)
-    sets = np.zeros((len(set_id), nn), dtype=bool)
-    for names, j in set_id.items():
-        sets[j, [cut.idx[x] for x in names]] = True
+    size = np.array([len(names) for names in set_id], dtype=np.int64)
+    set_ptr = np.concatenate([[0], np.cumsum(size)])
+    set_nodes = np.array([cut.idx[x] for names in set_id for x in names], dtype=np.int64)
     nb = np.array([c.nbytes for c in dem.commodities], dtype=np.float64)
-    src, dst = sets[ps], sets[pd]  # (commodities, nodes)
+    nk = len(nb)
+    # (commodity, destination) pairs, and whether the destination is also a source of it
+    dk = np.repeat(np.arange(nk), size[pd])
+    dn = set_nodes[np.arange(len(dk)) - np.repeat(_excl(size[pd]), size[pd]) + np.repeat(set_ptr[pd], size[pd])]
+    sk = np.repeat(np.arange(nk), size[ps])
+    s_keys = np.sort(sk * nn + set_nodes[np.arange(len(sk)) - np.repeat(_excl(size[ps]), size[ps])
+                                         + np.repeat(set_ptr[ps], size[ps])])
+    outside = ~np.isin(dk * nn + dn, s_keys)
     best = 0.0
 
     def worst(inn: np.ndarray, out: np.ndarray, bw_in: np.ndarray, bw_out: np.ndarray) -> float:
@@ -151,12 +176,18 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
         return float(max(a.max(initial=0.0), b.max(initial=0.0)))
 
     if len(cut.single):  # single GPUs and storage
-        s1, d1 = src[:, cut.single], dst[:, cut.single]
-        inn = _dot(nb, d1 & ~s1)
-        out = _dot(nb, (src.sum(1) == 1)[:, None] & s1 & ((dst.sum(1)[:, None] - d1) > 0))
+        pos = np.full(nn, -1, dtype=np.int64)
+        pos[cut.single] = np.arange(len(cut.single))
+        m = outside & (pos[dn] >= 0)
+        inn = np.bincount(pos[dn[m]], weights=nb[dk[m]], minlength=len(cut.single))
+        s0 = set_nodes[set_ptr[:-1][ps]]  # the first source
+        rest = size[pd] - np.bincount(dk[~outside], minlength=nk)  # destinations that are not a source
+        m = (size[ps] == 1) & (pos[s0] >= 0) & (rest > 0)
+        out = np.bincount(pos[s0[m]], weights=nb[m], minlength=len(cut.single))
         best = max(best, worst(inn, out, cut.single_in, cut.single_out))
     unions, union_in, union_out = cut.unions, cut.union_in, cut.union_out
-    hosts_of = np.einsum("kn,nh->kh", sets, cut.onehot) > 0  # (sets, hosts + 1)
+    hosts_of = np.zeros((len(size), len(cut.host_in)), dtype=bool)  # (sets, hosts + 1)
+    hosts_of[np.repeat(np.arange(len(size)), size), cut.node_host[set_nodes]] = True
     if len(cut.host_in) - 1 > _ALL_UNIONS:
         # a pair of hosts bounds more than each alone only through the links between them or
         # pieces whose every replica lies in the pair (egress): those pairs are added
@@ -167,10 +198,20 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
             u2, i2, o2 = _unions(extra, len(cut.host_in), cut.host_in, cut.host_out, cut.pair_bw)
             unions, union_in, union_out = np.vstack([unions, u2]), np.r_[union_in, i2], np.r_[union_out, o2]
     if len(unions):  # unions of hosts (column H: nodes on no host, never inside a union)
-        in_u = np.einsum("kh,uh->ku", hosts_of, unions, dtype=np.int32)  # (sets, unions): hosts inside
+        if len(cut.host_in) - 1 > _ALL_UNIONS:  # single hosts and pairs: two columns each
+            first = unions.argmax(1)
+            second = unions.shape[1] - 1 - unions[:, ::-1].argmax(1)
+            in_u = hosts_of[:, first].astype(np.int32) + (hosts_of[:, second] & (second != first))
+        else:
+            in_u = np.einsum("kh,uh->ku", hosts_of, unions, dtype=np.int32)  # (sets, unions): hosts inside
         cnt = hosts_of.sum(1)[:, None]
         s_in, d_in = in_u[ps], in_u[pd]
         inn = _dot(nb, (s_in == 0) & (d_in > 0))
         out = _dot(nb, (s_in == cnt[ps]) & (d_in < cnt[pd]))
         best = max(best, worst(inn, out, union_in, union_out))
-    return max(best, _path_latency(topology, src, dst))
+    return max(best, _path_latency(topology, ps, dk, dn, outside, set_ptr, set_nodes))
+
+
+def _excl(x: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums."""
+    return np.concatenate([[0], np.cumsum(x)[:-1]]) if len(x) else x
