@@ -194,9 +194,10 @@ def maxmin_completion(paths: list[np.ndarray], nbytes: np.ndarray, bw: np.ndarra
 
 
 def maxmin_bounds(paths: list[np.ndarray], nbytes: np.ndarray, bw: np.ndarray, lat: np.ndarray, *,
-                  deadline: float = math.inf) -> tuple[float, float]:
+                  deadline: float = math.inf, max_events: float = math.inf) -> tuple[float, float]:
     """``(low, high)`` bounds of :func:`maxmin_completion`, equal (its value) unless the
-    progressive filling was still running at ``deadline`` (``time.perf_counter()``).
+    progressive filling was still running at ``deadline`` (``time.perf_counter()``) or after
+    ``max_events`` flow ends (for tests).
 
     Exact: the same progressive filling, float operation for float operation, but each level
     updates the live flows per link from the flows it freezes (through link -> flow and
@@ -229,8 +230,9 @@ def maxmin_bounds(paths: list[np.ndarray], nbytes: np.ndarray, bw: np.ndarray, l
     done = np.zeros(nf)
     share = np.empty(ne)
     stamp = np.zeros(nf, dtype=np.int64)
+    events = 0
     while active.any():
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > deadline or events >= max_events:
             lo, hi = _cut_short(now, left, active, done, lat, col, inc_flow, cap, ne)
             log.info("max-min fair completion cut short at %.4fs of %d flows (%d left): in [%.6f, %.6f]s",
                      now, nf, int(active.sum()), lo, hi)
@@ -266,6 +268,7 @@ def maxmin_bounds(paths: list[np.ndarray], nbytes: np.ndarray, bw: np.ndarray, l
         left[fin] = 0
         active &= ~fin
         n_act -= np.bincount(flinks[fin].reshape(-1), minlength=ne + 1)[:ne]
+        events += 1
     end = float(np.max(done + lat))
     return end, end
 
