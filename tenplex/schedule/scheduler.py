@@ -31,6 +31,8 @@ _TARGET_CHUNKS = 2000
 _TARGET_EPOCHS = 128
 _PACE = 0.9  # sources release chunks at this fraction of the lower bound's pace (see _schedule_demands)
 _GOOD_ENOUGH = 1.03  # auto stops at the greedy schedule when it is this close to the lower bound
+_NET_CELLS = 2500**2  # topology nodes^2 up to which auto builds greedy routes (routes.net_of's tables)
+_NAIVE_CHUNK_S = 2e-5  # seconds a chunk of the naive schedule takes (list scheduling), for its reserve
 
 
 def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", time_limit: float = 10.0,
@@ -82,6 +84,19 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
                         slice_hop=empty, slice_epoch=empty, slice_nbytes=np.zeros(0),
                         solve_seconds=time.perf_counter() - t0, info={"lower_bound_s": 0.0})
     ref = float(chunk_bytes)
+    if method == "auto" and len(topology.node_names) ** 2 > _NET_CELLS:
+        # greedy routes need fastest-path tables of nodes^2 x path length (issue #20: 64 s and
+        # GBs at 512 hosts), where the naive flows need a Dijkstra per source: naive only
+        log.info("%d topology nodes: beyond the greedy routes' tables (%d^2 > %d); the naive schedule",
+                 len(topology.node_names), len(topology.node_names), _NET_CELLS)
+        info: dict[str, Any] = {"lower_bound_s": lower_bound(dem, topology), "candidates": {},
+                                "greedy_skipped": "topology too large for its tables"}
+        flows = naive_flows(plan if plan is not None else dem, topology)
+        info["naive_floor_s"] = flows.floor(topology)
+        reserve = 0.05 * (limit_at - t0) + _NAIVE_CHUNK_S * len(flows.nbytes)  # the naive schedule's chunks
+        lo, hi = flows.bounds(topology, deadline=limit_at - reserve)
+        info.update({"naive_s": lo} if lo == hi else {"naive_bounds_s": [lo, hi]})
+        return _naive_schedule(plan, topology, flows, lo, hi, chunk_bytes, epochs, t0, info)
     small = len(dem.commodities) * max(len(c.sources) for c in dem.commodities) <= 64
     opts: list[list[Option]] | None = None
     if small:  # greedy may also take a second, link-avoiding path
@@ -152,7 +167,7 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
         if comp > floor * (1 - 1e-6):  # else: faster than anything naive can be
             # exact where it finishes by the limit, else bounds; naive when it may be faster
             # what is left of the limit, less a reserve for the naive schedule (about a greedy one)
-            lo, hi = flows.bounds(topology, deadline=limit_at - 2 * t_greedy - 0.02 * (limit_at - t0))
+            lo, hi = flows.bounds(topology, deadline=limit_at - 2 * t_greedy - 0.05 * (limit_at - t0))
             if lo == hi:
                 info["naive_s"] = lo
             else:
