@@ -23,7 +23,8 @@ from tenplex.cli import main
 from tenplex.schedule import Demands, demands, lower_bound, naive_completion, schedule, simulate, validate
 from tenplex.schedule.commodities import rep_pieces
 from tenplex.schedule.listsched import link_levels
-from tenplex.schedule.naive import maxmin_bounds, maxmin_completion
+from tenplex.schedule import naive as naive_module
+from tenplex.schedule.naive import flow_paths, maxmin_bounds, maxmin_completion
 from tenplex.schedule.simulator import simulate_seq
 from tenplex.topology import Topology
 
@@ -547,3 +548,18 @@ def test_schedule_honours_its_limit_where_naive_takes_longer() -> None:
     assert s.method == "naive" or s.completion_s <= lo
     if s.method == "naive":
         validate(s)
+
+
+def test_flow_paths_are_the_topologys_fastest_paths_also_through_hubs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Naive flows' paths are those of ``Topology.shortest_paths``, also when large topologies
+    start them from the sources' heads (a Dijkstra per host's NVSwitch and memory, not per GPU)."""
+    t = Topology.from_spec("hosts=4,gpus=8,storage=10GB/s")
+    names = [(t.gpu(s), t.gpu(d)) for s in range(32) for d in range(0, 32, 3) if s != d]
+    names += [(t.storage(), t.gpu(5)), (t.gpu(7), t.storage())]
+    paths, lat = flow_paths(t, names)
+    for (s, d), p in zip(names, paths):
+        assert p.tolist() == t.path_links(t.shortest_paths(s)[1][d])
+    monkeypatch.setattr(naive_module, "_HUB_NODES", 0)
+    hub_paths, hub_lat = flow_paths(t, names)
+    assert [p.tolist() for p in hub_paths] == [p.tolist() for p in paths]
+    assert np.array_equal(hub_lat, lat)

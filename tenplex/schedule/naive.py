@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _REF = float(2**24)  # message size of the fastest paths (Topology.shortest_paths' default)
 _BATCH = 512  # sources per Dijkstra call: (batch, nodes) predecessor rows
+_HUB_NODES = 2500  # topology nodes beyond which fastest paths start from the sources' heads
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
@@ -118,7 +120,6 @@ def flow_paths(topology: Topology, names: list[tuple[str, str]]) -> tuple[list[n
     13,550 flows of 1,024 GPUs, most of it building them)."""
     # lazy: importing scipy takes ~0.45 s, which `import tenplex` should not pay
     from scipy.sparse import csr_matrix
-    from scipy.sparse.csgraph import dijkstra
 
     if not names:
         return [], np.zeros(0)
@@ -134,33 +135,80 @@ def flow_paths(topology: Topology, names: list[tuple[str, str]]) -> tuple[list[n
     skey = key[kord]
     last = np.r_[skey[1:] != skey[:-1], True]
     skey, slink = skey[last], kord[last]
-    sources, row = np.unique(src, return_inverse=True)
-    row = row.reshape(-1)
-    hop_flow, hop_link, hop_pos = [], [], []
-    for b0 in range(0, len(sources), _BATCH):
-        sel = np.flatnonzero((row >= b0) & (row < b0 + _BATCH))
-        _, pred = dijkstra(mat, directed=True, indices=sources[b0:b0 + _BATCH], return_predecessors=True)
-        r, cur, s_ = row[sel] - b0, dst[sel], src[sel]
-        pos = 0
-        on = cur != s_
-        while on.any():
-            f = np.flatnonzero(on)
-            prev = pred[r[f], cur[f]].astype(np.int64)
-            if np.any(prev < 0):
-                bad = int(sel[f[np.flatnonzero(prev < 0)[0]]])
-                raise PlanError(f"the topology has no path from {names[bad][0]} to {names[bad][1]}")
-            hop_flow.append(sel[f])
-            hop_link.append(slink[np.searchsorted(skey, prev * nn + cur[f])])
-            hop_pos.append(np.full(len(f), -pos))  # walked backwards: later hops first
-            cur[f] = prev
-            pos += 1
-            on = cur != s_
+    sources = np.unique(src)
+    # through hubs: a path leaves its source by one of the source's links, so where the sources'
+    # heads are fewer (GPUs sharing a host's NVSwitch and memory), one Dijkstra per head, and per
+    # pair the head with the shortest total (on large topologies only: ties may pick another of
+    # equally fast paths than Topology.shortest_paths)
+    heads = np.unique(mat.indices[np.concatenate([np.arange(mat.indptr[x], mat.indptr[x + 1]) for x in sources])])
+    if nn > _HUB_NODES and 2 * len(heads) < len(sources):  # (a single Dijkstra per source below)
+        deg = np.diff(mat.indptr)[src]
+        cf = np.repeat(np.arange(len(src)), deg)  # candidates: (flow, first link)
+        ci = np.arange(len(cf)) - np.repeat(np.cumsum(deg) - deg, deg) + np.repeat(mat.indptr[src], deg)
+        ch, cw = mat.indices[ci].astype(np.int64), mat.data[ci]
+        keep = (ch != src[cf]) & (src[cf] != dst[cf])
+        cf, ch, cw = cf[keep], ch[keep], cw[keep]
+        pf, pl, pp, cost = _walk(mat, ch, dst[cf], skey, slink, nn)
+        cost = cost + cw
+        best = np.full(len(src), np.inf)
+        np.minimum.at(best, cf, cost)
+        best[src == dst] = 0.0
+        first = np.zeros(len(src), dtype=np.int64) - 1
+        won = np.flatnonzero(cost == best[cf])
+        first[cf[won[::-1]]] = won[::-1]  # the first candidate with the shortest total
+        chosen = np.zeros(len(cf), dtype=bool)
+        chosen[first[first >= 0]] = True
+        on = chosen[pf]
+        trivial = src == dst
+        lead = np.flatnonzero(~trivial)
+        first_link = slink[np.searchsorted(skey, src[lead] * nn + ch[first[lead]])]
+        hop_flow = [cf[pf[on]], lead]
+        hop_link = [pl[on], first_link]
+        hop_pos = [pp[on], np.full(len(lead), -(1 << 30))]  # the first hop leads
+    else:
+        pf, pl, pp, best = _walk(mat, src, dst, skey, slink, nn)
+        hop_flow, hop_link, hop_pos = [pf], [pl], [pp]
+    if not np.all(np.isfinite(best)):
+        bad = int(np.flatnonzero(~np.isfinite(best))[0])
+        raise PlanError(f"the topology has no path from {names[bad][0]} to {names[bad][1]}")
     hf, hl, hp = (np.concatenate(x) if x else np.zeros(0, dtype=np.int64) for x in (hop_flow, hop_link, hop_pos))
     o = np.lexsort((hp, hf))  # per flow, source to destination
     hf, links = hf[o], hl[o].astype(np.int64)
     ptr = np.searchsorted(hf, np.arange(len(names) + 1))
     links.setflags(write=False)
     return np.split(links, ptr[1:-1]), path_latency(topology.latency, links, ptr)
+
+
+def _walk(mat: Any, start: np.ndarray, dst: np.ndarray, skey: np.ndarray, slink: np.ndarray,
+          nn: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Fastest paths ``start[i] -> dst[i]`` from one Dijkstra per distinct start (in batches),
+    walked back from the predecessor rows for all pairs at once: per hop its pair, link and
+    minus its distance from the destination; and each pair's path weight (inf: no path)."""
+    # lazy: importing scipy takes ~0.45 s, which `import tenplex` should not pay
+    from scipy.sparse.csgraph import dijkstra
+
+    roots, row = np.unique(start, return_inverse=True)
+    row = row.reshape(-1)
+    cost = np.zeros(len(start))
+    pairs, links, pos_ = [], [], []
+    for b0 in range(0, len(roots), _BATCH):
+        sel = np.flatnonzero((row >= b0) & (row < b0 + _BATCH))
+        dist, pred = dijkstra(mat, directed=True, indices=roots[b0:b0 + _BATCH], return_predecessors=True)
+        r, cur, s_ = row[sel] - b0, dst[sel].copy(), start[sel]
+        cost[sel] = dist[r, cur]
+        pos = 0
+        reach = np.isfinite(cost[sel])
+        on = (cur != s_) & reach
+        while on.any():
+            f = np.flatnonzero(on)
+            prev = pred[r[f], cur[f]].astype(np.int64)
+            pairs.append(sel[f])
+            links.append(slink[np.searchsorted(skey, prev * nn + cur[f])])
+            pos_.append(np.full(len(f), -pos))  # walked backwards: later hops first
+            cur[f] = prev
+            pos += 1
+            on = (cur != s_) & reach
+    return (*(np.concatenate(x) if x else np.zeros(0, dtype=np.int64) for x in (pairs, links, pos_)), cost)
 
 
 def path_latency(latency: np.ndarray, links: np.ndarray, ptr: np.ndarray) -> np.ndarray:
