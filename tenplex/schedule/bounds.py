@@ -94,8 +94,9 @@ def _cuts(topology: Topology) -> _Cuts:
     l_src, l_dst = topology.link_src, topology.link_dst
     single = np.array([idx[n] for n, kind in topology.graph.nodes(data="kind") if kind in ("gpu", "storage")],
                       dtype=np.int64)
-    single_in = np.array([bw[(l_dst == j) & (l_src != j)].sum() for j in single])
-    single_out = np.array([bw[(l_src == j) & (l_dst != j)].sum() for j in single])
+    real = l_src != l_dst  # (a per-node mask over all links was quadratic: 5 s at 16,384 GPUs)
+    single_in = np.bincount(l_dst[real], weights=bw[real], minlength=len(nodes))[single]
+    single_out = np.bincount(l_src[real], weights=bw[real], minlength=len(nodes))[single]
     hosts = sorted({h for _, h in topology.graph.nodes(data="host") if h is not None})
     hpos = {h: i for i, h in enumerate(hosts)}
     node_host = np.array([hpos.get(topology.host_of(n), len(hosts)) if topology.host_of(n) is not None
