@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -30,7 +31,7 @@ from .layouts import Hardware, rank_layouts
 from .memory import RECOMPUTE, estimate_memory, parse_size
 from .models import model_ptc
 from .planner import locality_order, plan
-from .schedule import lower_bound, naive_completion, schedule
+from .schedule import lower_bound, naive_bounds, schedule
 from .simulate import CostModel, draw_trace, plot_simulation, read_trace, simulate_trace
 from .store import serve
 from .topology import Topology
@@ -386,12 +387,26 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
                         f"{topo.num_gpus} GPUs: pass a topology with at least {need} GPUs "
                         f"(e.g. hosts={-(-need // topo.gpus_per_host)},gpus={topo.gpus_per_host})")
     s = schedule(result, topo, method=args.method, time_limit=args.time_limit, chunk_bytes=args.chunk_bytes)
-    completion, naive = s.completion_s, naive_completion(result, topo)
+    # the naive figures the scheduler found (auto), else computed here in the same time limit
+    if "naive_s" in s.info:
+        naive_lo = naive_hi = s.info["naive_s"]
+    elif "naive_bounds_s" in s.info:
+        naive_lo, naive_hi = s.info["naive_bounds_s"]
+    else:
+        naive_lo, naive_hi = naive_bounds(result, topo, deadline=time.perf_counter() + args.time_limit)
+    if s.method == "naive":  # its completion is the naive one
+        done_lo, done_hi = naive_lo, naive_hi
+    else:
+        done_lo = done_hi = s.completion_s
+    completion = done_hi if done_lo == done_hi else None
+    naive = naive_hi if naive_lo == naive_hi else None
     lb = s.info.get("lower_bound_s") or lower_bound(s.demands, topo)  # of the plan, also when auto returns naive flows
     rounds = s.num_epochs
     if args.json:
         out = {"model": args.model, "from": str(args.from_), "to": str(args.to), "topology": topo.name,
                "completion_s": completion, "naive_s": naive, "lower_bound_s": lb, "solve_s": s.solve_seconds,
+               **({} if completion is not None else {"completion_bounds_s": [done_lo, done_hi]}),
+               **({} if naive is not None else {"naive_bounds_s": [naive_lo, naive_hi]}),
                "method": s.method, "rounds": rounds, "bytes_moved": result.stats.bytes_moved,
                "bytes_sent_once": s.demands.bytes_unique, **{k: v for k, v in s.to_json().items()
                                                            if k not in ("method", "solve_s", "lower_bound_s")}}
@@ -403,12 +418,18 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     print(f"  {'commodities / chunks':<26} {len(s.demands.commodities):>5} / {len(s.chunk_nbytes)} of "
           f"{human_bytes(s.chunk_bytes)}")
     print(f"  {'method':<26} {s.method:>12}")
-    print(f"  {'completion':<26} {completion * 1e3:>10.2f}ms  ({rounds} rounds of {s.tau * 1e3:.3f} ms)")
-    print(f"  {'naive (all at once)':<26} {naive * 1e3:>10.2f}ms  ({naive / completion:.2f}x)" if completion else
-          f"  {'naive (all at once)':<26} {naive * 1e3:>10.2f}ms")
-    print(f"  {'lower bound':<26} {lb * 1e3:>10.2f}ms" + (f"  (completion {completion / lb:.3f}x)" if lb else ""))
+    print(f"  {'completion':<26} {_ms(done_lo, done_hi)}  ({rounds} rounds of {s.tau * 1e3:.3f} ms)")
+    print(f"  {'naive (all at once)':<26} {_ms(naive_lo, naive_hi)}" +
+          (f"  ({naive / completion:.2f}x)" if completion and naive is not None else ""))
+    print(f"  {'lower bound':<26} {lb * 1e3:>10.2f}ms" + (f"  (completion {completion / lb:.3f}x)"
+                                                          if lb and completion is not None else ""))
     print(f"  {'solve time':<26} {s.solve_seconds * 1e3:>10.2f}ms")
     return 0
+
+
+def _ms(lo: float, hi: float) -> str:
+    """Seconds as milliseconds, or their range where only bounds are known (a computation cut short)."""
+    return f"{hi * 1e3:>10.2f}ms" if lo == hi else f"{lo * 1e3:.2f} to {hi * 1e3:.2f}ms (bounds: cut short at the time limit)"
 
 
 @contextmanager

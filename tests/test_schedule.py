@@ -23,6 +23,8 @@ from tenplex.cli import main
 from tenplex.schedule import Demands, demands, lower_bound, naive_completion, schedule, simulate, validate
 from tenplex.schedule.commodities import rep_pieces
 from tenplex.schedule.listsched import link_levels
+from tenplex.schedule import naive as naive_module
+from tenplex.schedule.naive import flow_paths, maxmin_bounds, maxmin_completion
 from tenplex.schedule.simulator import simulate_seq
 from tenplex.topology import Topology
 
@@ -469,3 +471,95 @@ def test_auto_is_never_slower_than_naive_on_flows(data: st.DataObject) -> None:
     s = schedule(d, t, method="auto", chunk_bytes=data.draw(st.sampled_from([None, MB, 4 * MB])))
     validate(s)
     assert simulate(s) <= naive_completion(d, t) * (1 + 1e-9)
+
+
+def _maxmin_reference(paths: list[np.ndarray], nbytes: np.ndarray, bw: np.ndarray, lat: np.ndarray) -> float:
+    """The progressive filling before issue #20 (a bincount over every incidence per level), verbatim."""
+    n_hops = np.array([len(p) for p in paths], dtype=np.int64)
+    links = np.concatenate(paths)
+    used, inc_col = np.unique(links, return_inverse=True)
+    inc_col = inc_col.reshape(-1)
+    inc_flow = np.repeat(np.arange(len(paths)), n_hops)
+    cap = bw[used]
+    left = nbytes.astype(np.float64).copy()
+    active = left > 0
+    now = 0.0
+    done = np.zeros(len(paths))
+    share = np.empty(len(used))
+    while active.any():
+        rate = np.zeros(len(paths))
+        live = active.copy()
+        capleft = cap.copy()
+        while live.any():
+            n = np.bincount(inc_col[live[inc_flow]], minlength=len(used)).astype(np.float64)
+            has = n > 0
+            share.fill(np.inf)
+            np.divide(capleft, n, out=share, where=has)
+            inc = float(share.min())
+            rate[live] += inc
+            capleft -= inc * n
+            sat = has & (capleft <= cap * 1e-9)
+            live[inc_flow[sat[inc_col]]] = False
+        with np.errstate(divide="ignore"):
+            t_left = np.where(active, left / np.maximum(rate, 1e-300), np.inf)
+        dt = float(t_left.min())
+        now += dt
+        left[active] -= rate[active] * dt
+        fin = active & (t_left <= dt * (1 + 1e-9))
+        done[fin] = now
+        left[fin] = 0
+        active &= ~fin
+    return float(np.max(done + lat))
+
+
+@settings(max_examples=examples(60))
+@given(st.data())
+def test_maxmin_equals_the_reference_filling_and_its_bounds_hold(data: st.DataObject) -> None:
+    """Issue #20: the faster progressive filling gives the old one's completion bit for bit
+    (random flows, ties included); cut short after any number of flow ends, its bounds hold."""
+    n_links = data.draw(st.integers(1, 8))
+    bw = np.array(data.draw(st.lists(st.sampled_from([1e9, 2e9, 5e9]) | st.floats(1e8, 1e11), min_size=n_links,
+                                     max_size=n_links)))
+    n = data.draw(st.integers(1, 12))
+    paths = [np.array(data.draw(st.lists(st.integers(0, n_links - 1), min_size=1, max_size=4, unique=True)))
+             for _ in range(n)]
+    nbytes = np.array(data.draw(st.lists(st.sampled_from([0.0, 1e6, 4e6]) | st.floats(1.0, 1e9), min_size=n,
+                                         max_size=n)))
+    lat = np.array(data.draw(st.lists(st.sampled_from([0.0, 5e-6]) | st.floats(0.0, 1e-4), min_size=n, max_size=n)))
+    want = _maxmin_reference(paths, nbytes, bw, lat)
+    assert maxmin_completion(paths, nbytes, bw, lat) == want
+    lo, hi = maxmin_bounds(paths, nbytes, bw, lat, max_events=data.draw(st.integers(0, n)))
+    assert lo <= want <= hi
+
+
+def test_schedule_honours_its_limit_where_naive_takes_longer() -> None:
+    """Issue #20: on 256 GPUs with 1,536 flows the exact naive completion takes seconds; under a
+    0.5 s limit ``auto`` returns in time (here: at most twice the limit) and never above naive:
+    the naive schedule itself where the naive bounds leave its pick possibly slower."""
+    rng = np.random.default_rng(0)
+    t = Topology.from_spec("hosts=32,gpus=8")
+    flows = [((f"gpu{s}",), (f"gpu{int(d)}",), int(rng.integers(1, 64)) * 2**20) for s in range(256)
+             for d in rng.choice([x for x in range(256) if x != s], 6, replace=False)]
+    start = time.perf_counter()
+    s = schedule(Demands.of(flows), t, time_limit=0.5)
+    assert time.perf_counter() - start <= 1.0
+    lo, hi = s.info["naive_bounds_s"] if "naive_bounds_s" in s.info else [s.info["naive_s"]] * 2
+    assert s.info["naive_floor_s"] * (1 - 1e-9) <= lo <= hi
+    assert s.method == "naive" or s.completion_s <= lo
+    if s.method == "naive":
+        validate(s)
+
+
+def test_flow_paths_are_the_topologys_fastest_paths_also_through_hubs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Naive flows' paths are those of ``Topology.shortest_paths``, also when large topologies
+    start them from the sources' heads (a Dijkstra per host's NVSwitch and memory, not per GPU)."""
+    t = Topology.from_spec("hosts=4,gpus=8,storage=10GB/s")
+    names = [(t.gpu(s), t.gpu(d)) for s in range(32) for d in range(0, 32, 3) if s != d]
+    names += [(t.storage(), t.gpu(5)), (t.gpu(7), t.storage())]
+    paths, lat = flow_paths(t, names)
+    for (s, d), p in zip(names, paths):
+        assert p.tolist() == t.path_links(t.shortest_paths(s)[1][d])
+    monkeypatch.setattr(naive_module, "_HUB_NODES", 0)
+    hub_paths, hub_lat = flow_paths(t, names)
+    assert [p.tolist() for p in hub_paths] == [p.tolist() for p in paths]
+    assert np.array_equal(hub_lat, lat)

@@ -31,10 +31,10 @@ assignment, MILP), ``bounds`` (lower bound), ``naive`` (the naive baseline), ``s
 
 from .bounds import lower_bound
 from .commodities import Commodity, Demands, demands
-from .naive import naive_completion
+from .naive import naive_bounds, naive_completion
 from .result import Schedule, Transfer
 from .scheduler import METHODS, schedule
 from .simulator import simulate, validate
 
-__all__ = ["Commodity", "Demands", "Transfer", "Schedule", "schedule", "demands", "simulate", "naive_completion",
+__all__ = ["Commodity", "Demands", "Transfer", "Schedule", "schedule", "demands", "simulate", "naive_completion", "naive_bounds",
            "lower_bound", "validate", "METHODS"]

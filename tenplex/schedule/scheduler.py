@@ -31,6 +31,8 @@ _TARGET_CHUNKS = 2000
 _TARGET_EPOCHS = 128
 _PACE = 0.9  # sources release chunks at this fraction of the lower bound's pace (see _schedule_demands)
 _GOOD_ENOUGH = 1.03  # auto stops at the greedy schedule when it is this close to the lower bound
+_NET_CELLS = 2500**2  # topology nodes^2 up to which auto builds greedy routes (routes.net_of's tables)
+_NAIVE_CHUNK_S = 2e-5  # seconds a chunk of the naive schedule takes (list scheduling), for its reserve
 
 
 def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", time_limit: float = 10.0,
@@ -66,6 +68,7 @@ def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", 
 
 def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, method: str, t0: float,
                       deadline: float, chunk_bytes: int | None, epochs: int) -> Schedule:
+    limit_at = deadline  # `deadline` may shrink below (auto: no longer than improving could save)
     total = dem.bytes_unique
     if chunk_bytes is None:  # fewer chunks when the time limit is short (list scheduling is ~50 us a chunk)
         target = min(_TARGET_CHUNKS, max(200, int((deadline - time.perf_counter()) * 4000)))
@@ -81,6 +84,19 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
                         slice_hop=empty, slice_epoch=empty, slice_nbytes=np.zeros(0),
                         solve_seconds=time.perf_counter() - t0, info={"lower_bound_s": 0.0})
     ref = float(chunk_bytes)
+    if method == "auto" and len(topology.node_names) ** 2 > _NET_CELLS:
+        # greedy routes need fastest-path tables of nodes^2 x path length (issue #20: 64 s and
+        # GBs at 512 hosts), where the naive flows need a Dijkstra per source: naive only
+        log.info("%d topology nodes: beyond the greedy routes' tables (%d^2 > %d); the naive schedule",
+                 len(topology.node_names), len(topology.node_names), _NET_CELLS)
+        info: dict[str, Any] = {"lower_bound_s": lower_bound(dem, topology), "candidates": {},
+                                "greedy_skipped": "topology too large for its tables"}
+        flows = naive_flows(plan if plan is not None else dem, topology)
+        info["naive_floor_s"] = flows.floor(topology)
+        reserve = 0.05 * (limit_at - t0) + _NAIVE_CHUNK_S * len(flows.nbytes)  # the naive schedule's chunks
+        lo, hi = flows.bounds(topology, deadline=limit_at - reserve)
+        info.update({"naive_s": lo} if lo == hi else {"naive_bounds_s": [lo, hi]})
+        return _naive_schedule(plan, topology, flows, lo, hi, chunk_bytes, epochs, t0, info)
     small = len(dem.commodities) * max(len(c.sources) for c in dem.commodities) <= 64
     opts: list[list[Option]] | None = None
     if small:  # greedy may also take a second, link-avoiding path
@@ -105,8 +121,10 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
         candidates.append((simulate(s), name, arrays, tau_))
 
     # greedy: always (the fallback)
+    t_greedy = time.perf_counter()
     routes = assign_greedy(cands, cand, chunk_com, chunk_nb, key, order, topology)
     finish("greedy", list_schedule(topology, routes, chunk_nb, order, tau, release), tau)
+    t_greedy = time.perf_counter() - t_greedy
     lp_t = None
     done = method == "auto" and candidates[0][0] <= _GOOD_ENOUGH * lb  # auto: stop improving
     if method == "auto":  # never spend longer improving a schedule than the improvement could save
@@ -144,10 +162,18 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
         info["lp_s"] = lp_t
     if method == "auto":  # never slower than the naive baseline
         flows = naive_flows(plan if plan is not None else dem, topology)
-        if comp > flows.floor(topology) * (1 - 1e-6):  # else: faster than anything naive can be
-            naive_s = flows.completion(topology)
-            if comp > naive_s:
-                return _naive_schedule(plan, topology, flows, naive_s, chunk_bytes, epochs, t0, info)
+        floor = flows.floor(topology)
+        info["naive_floor_s"] = floor
+        if comp > floor * (1 - 1e-6):  # else: faster than anything naive can be
+            # exact where it finishes by the limit, else bounds; naive when it may be faster
+            # what is left of the limit, less a reserve for the naive schedule (about a greedy one)
+            lo, hi = flows.bounds(topology, deadline=limit_at - 2 * t_greedy - 0.05 * (limit_at - t0))
+            if lo == hi:
+                info["naive_s"] = lo
+            else:
+                info["naive_bounds_s"] = [lo, hi]
+            if comp > lo:
+                return _naive_schedule(plan, topology, flows, lo, hi, chunk_bytes, epochs, t0, info)
     s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
                  **{k: v for k, v in arrays.items() if k != "tau"}, solve_seconds=time.perf_counter() - t0,
                  info=info)
@@ -172,22 +198,24 @@ def _capped(dem: Demands, chunk_bytes: int) -> int:
     return new
 
 
-def _naive_schedule(plan: Plan | None, topology: Topology, flows: NaiveFlows, naive_s: float, chunk_bytes: int,
-                    epochs: int, t0: float, info: dict[str, Any]) -> Schedule:
+def _naive_schedule(plan: Plan | None, topology: Topology, flows: NaiveFlows, lo: float, hi: float,
+                    chunk_bytes: int, epochs: int, t0: float, info: dict[str, Any]) -> Schedule:
     """The naive baseline as a schedule (method ``"naive"``): its flows' chunks on their shortest
     paths, all released at once and list-scheduled in epochs, a store-and-forward rendering that
     :func:`validate` checks and :meth:`Schedule.rounds` orders for a transport. Its completion is
-    the naive model's (see :func:`simulate`); ``info["store_and_forward_s"]``: that of its epochs."""
+    the naive model's (see :func:`simulate`), ``lo`` and ``hi`` its bounds (equal: its value);
+    ``info["store_and_forward_s"]``: that of its epochs."""
     dem = flows.demands
     chunk_bytes = _capped(dem, chunk_bytes)
     chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
     routes = Routes.of([(p, np.arange(len(p)) - 1) for p in flows.paths], chunk_com)  # one path per flow
     order = np.lexsort((chunk_com, _progress(chunk_com, chunk_idx)))
-    tau = max(naive_s, 1e-9) / max(epochs, 1)
+    tau = max(lo, 1e-9) / max(epochs, 1)
     arrays = list_schedule(topology, routes, chunk_nb, order, tau, np.zeros(len(chunk_com), dtype=np.int64))
     s = Schedule(plan, topology, dem, "naive", tau, chunk_bytes, chunk_com, chunk_off, chunk_nb, **arrays)
-    info = {**info, "candidates": {**info["candidates"], "naive": naive_s}, "store_and_forward_s": store_and_forward(s)}
+    naive = {"naive": lo} if lo == hi else {}
+    info = {**info, "candidates": {**info["candidates"], **naive}, "store_and_forward_s": store_and_forward(s)}
     s = dataclasses.replace(s, solve_seconds=time.perf_counter() - t0, info=info)
-    log.info("scheduled %d chunks with naive in %.3fs: %.4fs; the solved ones took longer (%s)", len(chunk_com),
-             s.solve_seconds, naive_s, info["candidates"])
+    log.info("scheduled %d chunks with naive in %.3fs: %.4f to %.4fs; the solved ones took longer, or may (%s)",
+             len(chunk_com), s.solve_seconds, lo, hi, info["candidates"])
     return s

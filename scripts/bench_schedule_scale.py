@@ -1,0 +1,114 @@
+"""Scheduler at the scale of the largest jobs (issue #20, item 5): one node lost mid-job.
+
+Cases (``--case``, default all): GPT-3 175B with a distributed optimizer, TP8 x PP16, on 1,024
+GPUs (DP8 -> DP7) and 4,096 GPUs (DP32 -> DP31); Llama 3 405B, TP8 x PP16 x DP128 -> DP127 on
+16,384 GPUs with ZeRO-1 and with replicated Adam. The alive list is the default device order
+(the first half of the devices, the lost host, the rest), the topology the preset with 8 GPUs a
+host. Each run is a fresh process (peak RSS is the process's, plan included); ``--runs`` runs,
+median and min-max. Per run: plan seconds, schedule seconds (``time_limit`` 10 s) and its CPU
+seconds (near its wall time on an idle machine; the 2-core machine is often shared), method,
+completion, naive and lower bound (``[low, high]`` where a computation was cut short at the
+limit), peak RSS, and the load average before the run.
+
+    .venv/bin/python scripts/bench_schedule_scale.py [--json] [--runs 3] [--case gpt3-1024 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+CASES = ("gpt3-1024", "gpt3-4096", "405b-zero1", "405b-adam")
+LLAMA3_405B = dict(arch="llama", num_layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
+                   vocab=128256, seq_len=8192)
+
+
+def run_case(case: str, time_limit: float) -> dict[str, Any]:
+    """One run of ``case`` in this process."""
+    from tenplex.config import ParallelConfig
+    from tenplex.models import model_ptc
+    from tenplex.planner import plan
+    from tenplex.schedule import schedule
+    from tenplex.topology import Topology
+
+    if case.startswith("gpt3-"):
+        gpus = int(case.split("-")[1])
+        ptc = model_ptc("gpt3-175b", optimizer=True, distributed_optimizer=True)
+    else:
+        gpus = 16384
+        ptc = model_ptc(**LLAMA3_405B, optimizer=True, distributed_optimizer=case.endswith("zero1"))
+    dp = gpus // 128
+    hosts = gpus // 8
+    alive = list(range(gpus // 2)) + list(range(gpus // 2 + 8, gpus))
+    t = time.perf_counter()
+    p = plan(ptc, ParallelConfig(dp=dp, tp=8, pp=16), ParallelConfig(dp=dp - 1, tp=8, pp=16), alive=alive,
+             gpus_per_host=8)
+    plan_s = time.perf_counter() - t
+    rss_plan = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    topo = Topology.from_spec(f"hosts={hosts},gpus=8,nvlink=300GB/s,pcie=32GB/s,nic=50GB/s")
+    t, cpu = time.perf_counter(), time.process_time()
+    s = schedule(p, topo, time_limit=time_limit)
+    solve, cpu = time.perf_counter() - t, time.process_time() - cpu
+    info = s.info
+    naive = info.get("naive_s", info.get("naive_bounds_s"))
+    completion = naive if s.method == "naive" else s.completion_s
+    return {"case": case, "gpus": gpus, "plan_s": plan_s, "schedule_s": solve, "schedule_cpu_s": cpu, "method": s.method,
+            "completion_s": completion, "naive_s": naive, "naive_floor_s": info.get("naive_floor_s"),
+            "lower_bound_s": info.get("lower_bound_s"), "candidates": info.get("candidates"),
+            "moves": len(p.columns["kind"]), "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "plan_rss_gib": rss_plan}
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", nargs="*", default=list(CASES), choices=CASES)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one case in this process
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run_case(args.one, args.time_limit)))
+        return 0
+    out: dict[str, Any] = {"time_limit_s": args.time_limit, "cases": {}}
+    for case in args.case:
+        runs = []
+        for _ in range(args.runs):
+            load = os.getloadavg()[0]
+            cmd = [sys.executable, __file__, "--one", case, "--time-limit", str(args.time_limit)]
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                runs.append({"error": f"killed after {args.timeout:.0f} s", "load_avg": load})
+                continue
+            if r.returncode:
+                runs.append({"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"rc {r.returncode}",
+                             "load_avg": load})
+                continue
+            runs.append({**json.loads(r.stdout.strip().splitlines()[-1]), "load_avg": load})
+            if not args.json:
+                print(json.dumps(runs[-1]), flush=True)
+        ok = [r for r in runs if "error" not in r]
+        summary: dict[str, Any] = {"runs": runs}
+        if ok:
+            for key in ("plan_s", "schedule_s", "schedule_cpu_s", "peak_rss_gib", "load_avg"):
+                summary[key] = _summary([r[key] for r in ok])
+        out["cases"][case] = summary
+    print(json.dumps(out, indent=None if args.json else 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
