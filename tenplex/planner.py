@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from .config import ParallelConfig
+from .assignment import locality_order
 from .errors import PlanError
+from .overlap import holder_classes, intersect
 from .ptc import PTC
 
 __all__ = ["LOCAL", "SAME_HOST", "CROSS_HOST", "STORAGE", "KIND_NAMES", "Move", "PlanStats", "Plan", "plan", "holder_classes",
@@ -80,28 +82,6 @@ class PlanStats:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d["bytes_moved"] = self.bytes_moved
         return d
-
-
-def intersect(
-    q_start: np.ndarray, q_len: np.ndarray, c_start: np.ndarray, c_end: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Overlaps of query intervals with sorted, disjoint class intervals.
-
-    Returns ``(query_index, class_index, piece_start, piece_end)`` for every non-empty
-    overlap, queries in order. Cost is ``O((q + c) log c + overlaps)``.
-    """
-    q_end = q_start + q_len
-    i0 = np.searchsorted(c_start, q_start, side="right") - 1
-    i0 = np.maximum(i0, 0)
-    i1 = np.searchsorted(c_start, q_end, side="left")
-    counts = np.maximum(i1 - i0, 0)
-    qi = np.repeat(np.arange(len(q_start)), counts)
-    first = np.cumsum(counts) - counts
-    ci = i0[qi] + (np.arange(len(qi)) - first[qi])
-    ps = np.maximum(q_start[qi], c_start[ci])
-    pe = np.minimum(q_end[qi], c_end[ci])
-    keep = pe > ps
-    return qi[keep], ci[keep], ps[keep], pe[keep]
 
 
 def device_assignment(old: ParallelConfig, new: ParallelConfig, alive: Sequence[int] | None) -> np.ndarray:
@@ -284,34 +264,6 @@ def plan(
     return result
 
 
-def holder_classes(name: str, table: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Group an old layout's segments into disjoint intervals with their holders.
-
-    Returns sorted starts, ends, a (classes, k) matrix of holder ranks (-1 padded) and the
-    matching matrix of offsets in the holders' local shards.
-    """
-    order = np.lexsort((table.rank, table.start))
-    start, length = table.start[order], table.length[order]
-    ranks, local = table.rank[order], table.local[order]
-    new_class = np.ones(len(start), dtype=bool)
-    new_class[1:] = start[1:] != start[:-1]
-    cid = np.cumsum(new_class) - 1
-    firsts = np.flatnonzero(new_class)
-    c_start, c_len = start[firsts], length[firsts]
-    if np.any(length != c_len[cid]):
-        raise PlanError(f"{name}: replicas of one piece disagree on its length; the layout spec is inconsistent")
-    c_end = c_start + c_len
-    if np.any(c_end[:-1] > c_start[1:]):
-        raise PlanError(f"{name}: pieces of the old layout overlap; the layout spec is inconsistent")
-    pos = np.arange(len(start)) - firsts[cid]
-    k = int(pos.max()) + 1 if len(pos) else 1
-    c_ranks = np.full((len(firsts) + 1, k), -1, dtype=np.int64)
-    c_local = np.zeros((len(firsts) + 1, k), dtype=np.int64)
-    c_ranks[cid, pos] = ranks
-    c_local[cid, pos] = local
-    return c_start, c_end, c_ranks[:-1], c_local[:-1]
-
-
 def _stats(c: dict[str, np.ndarray], old: ParallelConfig, new: ParallelConfig, seconds: float) -> PlanStats:
     nbytes, kind = c["nbytes"], c["kind"]
 
@@ -336,43 +288,3 @@ def _stats(c: dict[str, np.ndarray], old: ParallelConfig, new: ParallelConfig, s
         num_moves=len(nbytes),
         plan_seconds=seconds,
     )
-
-
-def locality_order(
-    ptc: PTC,
-    old_cfg: ParallelConfig,
-    new_cfg: ParallelConfig,
-    survivors: Sequence[int],
-) -> list[int]:
-    """``survivors`` reordered so that new rank i runs where most of its state already is.
-
-    Pass the result as ``plan(..., alive=...)``: new rank i then runs on its i-th entry. The
-    assignment maximises the bytes kept in place (an optimal assignment over the matrix of
-    bytes each surviving device holds of each new rank's shard, solved with
-    ``scipy.optimize.linear_sum_assignment``); survivors left over keep their order at the end.
-    """
-    from scipy.optimize import linear_sum_assignment
-
-    surv = np.asarray(list(survivors), dtype=np.int64)
-    if len(np.unique(surv)) != len(surv) or (len(surv) and (surv.min() < 0 or surv.max() >= old_cfg.world_size)):
-        raise PlanError(f"survivors must be distinct old ranks in [0, {old_cfg.world_size}), got {surv.tolist()}")
-    col = np.full(old_cfg.world_size, -1, dtype=np.int64)
-    col[surv] = np.arange(len(surv))
-    held = np.zeros((new_cfg.world_size, len(surv)))
-    for name, spec in ptc.tensors.items():
-        old_t, new_t = ptc.holders(name, old_cfg), ptc.holders(name, new_cfg)
-        if len(old_t) == 0 or len(new_t) == 0:
-            continue
-        c_start, c_end, c_ranks, _ = holder_classes(name, old_t)
-        qi, ci, ps, pe = intersect(new_t.start, new_t.length, c_start, c_end)
-        for k in range(c_ranks.shape[1]):
-            r = c_ranks[ci, k]
-            ok = (r >= 0) & (col[np.maximum(r, 0)] >= 0)
-            np.add.at(held, (new_t.rank[qi][ok], col[r[ok]]), (pe - ps)[ok] * spec.itemsize)
-    rows, cols = linear_sum_assignment(held, maximize=True)
-    order = [-1] * min(new_cfg.world_size, len(surv))
-    for r, c in zip(rows, cols):
-        if r < len(order):
-            order[r] = int(surv[c])
-    used = set(order)
-    return order + [int(s) for s in surv if int(s) not in used]
