@@ -486,8 +486,11 @@ class PTC:
                 raise LayoutError(f"tp={cfg.tp} does not divide {what}={value} ({value} % {cfg.tp} = {value % cfg.tp})")
         if self.num_layers:
             cfg.layers_per_stage(self.num_layers)
-        for spec in self.tensors.values():
-            spec.check_tp(cfg.tp)
+        checked = set()
+        for spec in self.tensors.values():  # one check per distinct (shape, split)
+            if (spec.shape, spec.tp) not in checked:
+                spec.check_tp(cfg.tp)
+                checked.add((spec.shape, spec.tp))
 
     def stages_of(self, name: str, cfg: ParallelConfig) -> tuple[int, ...]:
         return self._stages(self.tensors[name].placement, cfg)
