@@ -387,14 +387,25 @@ def _table(rows: list[tuple[int, int, int, int]]) -> SegmentTable:
 @lru_cache(maxsize=65536)
 def _holder_table(spec_key: tuple, stages: tuple[int, ...], cfg: ParallelConfig) -> SegmentTable:
     spec = _spec_from_key(spec_key)
-    rows = []
+    # rows in the order (TP index, DP index, stage, segment), vectorised over DP and stages
+    parts = []
+    d = np.arange(cfg.dp, dtype=np.int64)[:, None, None]
+    st = np.asarray(stages, dtype=np.int64)[None, :, None]
     for t in range(cfg.tp):
-        for d in range(cfg.dp):
-            segs = [s for s in spec.segments(cfg, t, d) if s[1] != PAD]
-            for stage in stages:
-                r = cfg.rank(pp=stage, dp=d, tp=t)
-                rows.extend((r, lo, g, ln) for lo, g, ln in segs)
-    return _table(rows)
+        segs = np.array([s for s in spec.tp_segments(cfg.tp, t) if s[1] != PAD], dtype=np.int64).reshape(-1, 3)
+        lo, g, ln = (segs[:, i][None, None, :] for i in range(3))
+        if spec.dp_sharded:  # a DP rank's fragment [f0, f1) of the TP shard's flat order
+            c = -(-spec.tp_local_numel(cfg.tp) // cfg.dp)
+            f0 = d * c
+            s0, e0 = np.maximum(lo, f0), np.minimum(lo + ln, f0 + c)
+            lo, g, ln = s0 - f0, g + (s0 - lo), e0 - s0
+        shape = (cfg.dp, len(stages), len(segs))
+        keep = np.broadcast_to(ln > 0, shape)
+        rank = t + cfg.tp * (d + cfg.dp * st)
+        parts.append([np.broadcast_to(x, shape)[keep] for x in (rank, lo, g, ln)])
+    if not parts:
+        return _table([])
+    return SegmentTable.from_columns(*(np.concatenate(col) for col in zip(*parts)))
 
 
 def _spec_key(spec: TensorSpec) -> tuple:
@@ -475,8 +486,11 @@ class PTC:
                 raise LayoutError(f"tp={cfg.tp} does not divide {what}={value} ({value} % {cfg.tp} = {value % cfg.tp})")
         if self.num_layers:
             cfg.layers_per_stage(self.num_layers)
-        for spec in self.tensors.values():
-            spec.check_tp(cfg.tp)
+        checked = set()
+        for spec in self.tensors.values():  # one check per distinct (shape, split)
+            if (spec.shape, spec.tp) not in checked:
+                spec.check_tp(cfg.tp)
+                checked.add((spec.shape, spec.tp))
 
     def stages_of(self, name: str, cfg: ParallelConfig) -> tuple[int, ...]:
         return self._stages(self.tensors[name].placement, cfg)

@@ -497,3 +497,45 @@ def test_locality_order_keeps_state_in_place() -> None:
         assert old.coords(order[r]).pp == new.coords(r).pp
     with pytest.raises(PlanError):
         locality_order(ptc, old, new, [0, 0])
+
+
+# -- a rank's own part ------------------------------------------------------------------------------
+def rows_of(p, sel=None) -> set[tuple]:
+    c = p.columns
+    idx = range(len(c["new_rank"])) if sel is None else np.flatnonzero(sel)
+    return {tuple(int(c[k][i]) for k in p.columns) for i in idx}
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(scenarios(), st.data())
+def test_rank_parts_are_the_plan(sc, data):
+    """plan(ranks=[r]) is exactly the whole plan's rows r receives and r's device sends; the parts
+    of all ranks together are the plan (so the same bytes per kind and the same balance)."""
+    kw, old, new, alive, gph = sc
+    ptc = model_ptc(**kw)
+    whole = plan(ptc, old, new, alive=alive, gpus_per_host=gph)
+    c = whole.columns
+    peer = (c["kind"] == KIND_NAMES.index("same_host")) | (c["kind"] == KIND_NAMES.index("cross_host"))
+    union: set[tuple] = set()
+    for r in range(new.world_size):
+        part = plan(ptc, old, new, alive=alive, gpus_per_host=gph, ranks=[r])
+        want = rows_of(whole, (c["new_rank"] == r) | (peer & (c["src_rank"] == whole.device_of(r))))
+        got = rows_of(part)
+        assert got == want, r
+        assert part.stats.num_moves == len(got) and part.ranks == (r,)
+        order = part.columns["tensor"]
+        assert np.all(np.diff(order) >= 0)  # plan order: grouped by tensor
+        union |= got
+    assert union == rows_of(whole)
+    some = data.draw(st.lists(st.integers(0, new.world_size - 1), max_size=3))
+    part = plan(ptc, old, new, alive=alive, gpus_per_host=gph, ranks=some)
+    sel = np.isin(c["new_rank"], some) | (peer & np.isin(c["src_rank"], [whole.device_of(r) for r in some]))
+    assert rows_of(part) == rows_of(whole, sel)
+
+
+def test_rank_part_errors():
+    ptc = model_ptc(**TINY)
+    with pytest.raises(PlanError, match=r"ranks \[4\] are outside the new world \[0, 4\)"):
+        plan(ptc, ParallelConfig(dp=2, tp=2), ParallelConfig(dp=1, tp=2, pp=2), ranks=[0, 4])
+    part = plan(ptc, ParallelConfig(dp=2, tp=2), ParallelConfig(dp=1, tp=2, pp=2), ranks=[3])
+    assert "part of new ranks [3]" in repr(part) and part.ranks == (3,)

@@ -1,0 +1,199 @@
+"""Planning at scale (issue #20): survivor assignment and plans for Llama 3 405B on up to 131,072 GPUs.
+
+    python scripts/bench_scale.py --json            # all sections, writes docs/bench_scale.json
+    python scripts/bench_scale.py --only plan_rank  # one section (names: see SECTIONS)
+
+Every figure is measured in a fresh process (so holder tables are built, as after a restart): 3
+runs, median and min-max, the child's peak RSS (``resource.getrusage``) and the load average.
+Scenario: TP8 x PP16 x DP(n/128), one node (8 GPUs: one stage's TP group of one replica) lost,
+new layout DP one smaller; ``zero``: distributed optimizer (ZeRO-1), ``rep``: replicated Adam.
+Sections are functions that return rows; another section (chooser, scheduler) is one more function
+in SECTIONS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from tenplex import ParallelConfig, model_ptc  # noqa: E402
+from tenplex.models import PRESETS  # noqa: E402
+from tenplex.overlap import holder_classes, intersect  # noqa: E402
+from tenplex.planner import locality_order, plan  # noqa: E402
+
+LLAMA3_405B = dict(arch="llama", num_layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
+                   vocab=128256, seq_len=8192)
+RUNS = 3
+
+
+def ptc_405b(zero: bool):
+    """The 405B PTC with Adam state (the preset where this branch has it, else its dimensions)."""
+    if "llama3-405b" in PRESETS:
+        return model_ptc("llama3-405b", optimizer=True, distributed_optimizer=zero)
+    return model_ptc(**LLAMA3_405B, optimizer=True, distributed_optimizer=zero)
+
+
+def scenario(gpus: int, zero: bool):
+    """PTC, old and new layouts, the survivors (one node lost) and the lost node's first rank."""
+    dp = gpus // 128
+    old, new = ParallelConfig(dp=dp, tp=8, pp=16), ParallelConfig(dp=dp - 1, tp=8, pp=16)
+    lost = old.rank(pp=5, dp=min(3, dp - 1), tp=0)
+    survivors = [r for r in range(old.world_size) if not lost <= r < lost + 8]
+    return ptc_405b(zero), old, new, survivors, lost
+
+
+def dense_locality_order(ptc, old_cfg, new_cfg, survivors):
+    """The previous locality_order: a dense new-rank x survivor byte matrix and linear_sum_assignment."""
+    from scipy.optimize import linear_sum_assignment
+
+    surv = np.asarray(survivors, dtype=np.int64)
+    col = np.full(old_cfg.world_size, -1, dtype=np.int64)
+    col[surv] = np.arange(len(surv))
+    held = np.zeros((new_cfg.world_size, len(surv)))
+    for name, spec in ptc.tensors.items():
+        old_t, new_t = ptc.holders(name, old_cfg), ptc.holders(name, new_cfg)
+        if len(old_t) == 0 or len(new_t) == 0:
+            continue
+        c_start, c_end, c_ranks, _ = holder_classes(name, old_t)
+        qi, ci, ps, pe = intersect(new_t.start, new_t.length, c_start, c_end)
+        for k in range(c_ranks.shape[1]):
+            r = c_ranks[ci, k]
+            ok = (r >= 0) & (col[np.maximum(r, 0)] >= 0)
+            np.add.at(held, (new_t.rank[qi][ok], col[r[ok]]), (pe - ps)[ok] * spec.itemsize)
+    rows, cols = linear_sum_assignment(held[: min(new_cfg.world_size, len(surv))], maximize=True)
+    order = [int(surv[c]) for c in cols[np.argsort(rows)]]
+    return order + [int(s) for s in surv if int(s) not in set(order)]
+
+
+# -- measured things (each runs once in a child process and returns its figures) --------------------
+def one_locality(gpus: int, zero: bool, old: bool) -> dict[str, Any]:
+    ptc, old_cfg, new_cfg, surv, _ = scenario(gpus, zero)
+    t = time.perf_counter()
+    order = (dense_locality_order if old else locality_order)(ptc, old_cfg, new_cfg, surv)
+    seconds = time.perf_counter() - t
+    stats = plan(ptc, old_cfg, new_cfg, alive=order, ranks=[0]).stats  # cheap check of the result
+    return {"seconds": seconds, "rank0_bytes_moved": stats.bytes_moved}
+
+
+def one_plan(gpus: int, zero: bool, order: str, ranks: str) -> dict[str, Any]:
+    ptc, old_cfg, new_cfg, surv, lost = scenario(gpus, zero)
+    out: dict[str, Any] = {}
+    t = time.perf_counter()
+    if order == "locality":
+        surv = locality_order(ptc, old_cfg, new_cfg, surv)
+        out["assignment_seconds"] = time.perf_counter() - t
+    t1 = time.perf_counter()
+    p = plan(ptc, old_cfg, new_cfg, alive=surv, ranks=None if ranks == "all" else [lost])
+    out["plan_seconds"] = time.perf_counter() - t1
+    out["seconds"] = time.perf_counter() - t
+    s = p.stats
+    out.update(num_moves=s.num_moves, bytes_moved=s.bytes_moved, bytes_local=s.bytes_local,
+               bytes_same_host=s.bytes_same_host, bytes_cross_host=s.bytes_cross_host, bytes_storage=s.bytes_storage,
+               max_send_bytes=s.max_send_bytes)
+    return out
+
+
+ONE: dict[str, Callable[..., dict[str, Any]]] = {"locality": one_locality, "plan": one_plan}
+
+
+def measure(what: str, **kw: Any) -> dict[str, Any]:
+    """RUNS fresh child processes of ``what(**kw)``: median and min-max seconds, peak RSS, load."""
+    runs = []
+    for _ in range(RUNS):
+        load = os.getloadavg()[0]
+        out = subprocess.run([sys.executable, __file__, "--child", json.dumps({"what": what, **kw})],
+                             capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        res["load_before"] = load
+        runs.append(res)
+    secs = [r["seconds"] for r in runs]
+    row = {"what": what, **kw, "median_s": statistics.median(secs), "min_s": min(secs), "max_s": max(secs),
+           "peak_rss_gib": max(r["peak_rss_gib"] for r in runs), "load_avg_1min": [round(r["load_before"], 2) for r in runs],
+           "last": runs[-1]}
+    for k in ("assignment_seconds", "plan_seconds"):
+        if k in runs[0]:
+            row[k.replace("seconds", "median_s")] = statistics.median(r[k] for r in runs)
+    print(f"{what} {kw}: median {row['median_s']:.3f} s (min {row['min_s']:.3f}, max {row['max_s']:.3f}), "
+          f"peak RSS {row['peak_rss_gib']:.2f} GiB, load {row['load_avg_1min']}", flush=True)
+    return row
+
+
+# -- sections -----------------------------------------------------------------------------------------
+def section_locality() -> list[dict[str, Any]]:
+    """locality_order, previous (dense LSA, where it finishes in reasonable time) and new."""
+    rows = []
+    for gpus in (1024, 4096, 16384, 131072):
+        for zero in (False, True):
+            if gpus <= 4096:
+                rows.append(measure("locality", gpus=gpus, zero=zero, old=True))
+            rows.append(measure("locality", gpus=gpus, zero=zero, old=False))
+    return rows
+
+
+def section_plan_global() -> list[dict[str, Any]]:
+    """The whole plan: survivors in rank order (what rescale() uses) and in locality order."""
+    rows = []
+    for gpus in (1024, 4096, 16384):
+        for zero in (False, True):
+            for order in ("rank", "locality") if gpus == 16384 else ("rank",):
+                rows.append(measure("plan", gpus=gpus, zero=zero, order=order, ranks="all"))
+    return rows
+
+
+def section_plan_rank() -> list[dict[str, Any]]:
+    """One rank's part (the new rank at the lost node's place), and at 131,072 GPUs assignment + part."""
+    rows = []
+    for gpus in (1024, 4096, 16384):
+        for zero in (False, True):
+            for order in ("rank", "locality"):
+                rows.append(measure("plan", gpus=gpus, zero=zero, order=order, ranks="one"))
+    for zero in (False, True):
+        rows.append(measure("plan", gpus=131072, zero=zero, order="locality", ranks="one"))
+    return rows
+
+
+SECTIONS: dict[str, Callable[[], list[dict[str, Any]]]] = {
+    "locality": section_locality, "plan_global": section_plan_global, "plan_rank": section_plan_rank,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="write docs/bench_scale.json (merged with what is there)")
+    ap.add_argument("--only", action="append", choices=sorted(SECTIONS), help="run only these sections")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench_scale.json"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        kw = json.loads(args.child)
+        res = ONE[kw.pop("what")](**kw)
+        res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(json.dumps(res))
+        return
+    out: dict[str, Any] = {}
+    if args.json and Path(args.out).exists():
+        out = json.loads(Path(args.out).read_text())
+    out.setdefault("sections", {})
+    out["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "runs": RUNS}
+    for name in args.only or SECTIONS:
+        print(f"== {name}: {SECTIONS[name].__doc__}", flush=True)
+        out["sections"][name] = SECTIONS[name]()
+        if args.json:
+            Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

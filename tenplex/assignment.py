@@ -1,0 +1,359 @@
+"""Survivor assignment: which surviving device each new rank runs on (pure: no I/O, no processes).
+
+``locality_order`` maximises the bytes every new rank finds on its own device, the optimum of an
+assignment over the matrix of bytes survivor ``s`` holds of new rank ``i``'s shard, without ever
+building that matrix. Under (DP, TP, PP) layouts the matrix has structure:
+
+* a tensor that is not DP-sharded is held alike by every DP replica, so its bytes depend on the
+  ranks' (stage, TP index) only: a small class matrix ``A[new class, old class]``;
+* the DP-sharded fragments (distributed optimizer) overlap few others: a sparse matrix ``Z``.
+
+``W[i, s] = A[class(i), class(s)] + Z[i, s]``. The bipartite graph splits into connected components
+(usually one per (stage, TP index) pair that share data); each is solved exactly:
+
+* one uniform class block (``A`` constant over the component, the common case of a DP change):
+  a full matching with the best sparse matching of ``Z`` (scipy's LAPJVsp), the rest in order;
+* small components: ``scipy.optimize.linear_sum_assignment`` on the component's dense block;
+* large ones: the min-cost flow through class hubs (new rank -> its class -> old class ->
+  survivor, plus direct ``Z`` edges) as a linear program (HiGHS; a network matrix, so its vertex
+  optimum is integral).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import linear_sum_assignment, linprog
+from scipy.sparse.csgraph import connected_components, min_weight_full_bipartite_matching
+
+from .config import ParallelConfig
+from .errors import PlanError
+from .overlap import holder_classes, intersect
+from .ptc import PTC
+
+__all__ = ["SurvivorWeights", "survivor_weights", "max_weight_assignment", "locality_order"]
+
+log = logging.getLogger(__name__)
+
+#: A component with at most this many (new rank, survivor) pairs is solved densely.
+DENSE_LIMIT = 1 << 21
+
+
+class SurvivorWeights:
+    """``W[i, s] = A[row_class[i], col_class[s]] + Z[i, s]``: bytes survivor ``s`` (an index into the
+    survivors) holds of new rank ``i``'s shard, for new ranks ``0 .. rows - 1``.
+
+    ``z_row``, ``z_col``, ``z_bytes``: the sparse part, one entry per pair (no duplicates).
+    """
+
+    def __init__(self, row_class: np.ndarray, col_class: np.ndarray, a: np.ndarray,
+                 z_row: np.ndarray, z_col: np.ndarray, z_bytes: np.ndarray) -> None:
+        self.row_class, self.col_class, self.a = row_class, col_class, a
+        self.z_row, self.z_col, self.z_bytes = z_row, z_col, z_bytes
+
+    @property
+    def rows(self) -> int:
+        return len(self.row_class)
+
+    @property
+    def cols(self) -> int:
+        return len(self.col_class)
+
+    def dense(self, rows: np.ndarray | None = None, cols: np.ndarray | None = None, a: np.ndarray | None = None
+              ) -> np.ndarray:
+        """The dense block ``W[rows][:, cols]`` (all by default; class matrix ``a``, default ``self.a``)."""
+        rows = np.arange(self.rows) if rows is None else rows
+        cols = np.arange(self.cols) if cols is None else cols
+        a = self.a if a is None else a
+        w = a[self.row_class[rows]][:, self.col_class[cols]].astype(np.int64)
+        rpos = np.full(self.rows, -1, dtype=np.int64)
+        rpos[rows] = np.arange(len(rows))
+        cpos = np.full(self.cols, -1, dtype=np.int64)
+        cpos[cols] = np.arange(len(cols))
+        ok = (rpos[self.z_row] >= 0) & (cpos[self.z_col] >= 0)
+        w[rpos[self.z_row[ok]], cpos[self.z_col[ok]]] += self.z_bytes[ok]
+        return w
+
+    def value(self, rows: np.ndarray, cols: np.ndarray) -> int:
+        """Total weight of the pairs ``(rows[k], cols[k])``."""
+        total = int(self.a[self.row_class[rows], self.col_class[cols]].sum())
+        key = self.z_row * self.cols + self.z_col
+        order = np.argsort(key)
+        want = rows.astype(np.int64) * self.cols + cols
+        pos = np.minimum(np.searchsorted(key[order], want), max(len(key) - 1, 0))
+        if len(key):
+            hit = key[order][pos] == want
+            total += int(self.z_bytes[order][pos][hit].sum())
+        return total
+
+
+def _uniform_tensor(old_cfg: Any, new_cfg: Any, dp_sharded: bool) -> bool:
+    """Whether a tensor's bytes depend only on the ranks' (stage, TP index) under both layouts."""
+    return isinstance(old_cfg, ParallelConfig) and isinstance(new_cfg, ParallelConfig) and not dp_sharded
+
+
+def _classes(cfg: Any, ranks: np.ndarray) -> np.ndarray:
+    """Class (stage * tp + TP index) of every rank of a (DP, TP, PP) layout."""
+    return (ranks // (cfg.tp * cfg.dp)) * cfg.tp + ranks % cfg.tp
+
+
+def survivor_weights(ptc: PTC, old_cfg: Any, new_cfg: Any, survivors: np.ndarray, rows: int) -> SurvivorWeights:
+    """The bytes every surviving old rank holds of every new rank ``< rows``'s shard, as class
+    matrix plus sparse part (see the module docstring); vectorised per group of tensors that share
+    their holder tables (the layers of a stage)."""
+    world_old = old_cfg.world_size
+    col_of = np.full(world_old + 1, -1, dtype=np.int64)  # last slot: no holder (-1)
+    col_of[survivors] = np.arange(len(survivors))
+    structured = isinstance(old_cfg, ParallelConfig) and isinstance(new_cfg, ParallelConfig)
+    if structured:
+        row_class = _classes(new_cfg, np.arange(rows, dtype=np.int64))
+        col_class = _classes(old_cfg, survivors)
+        a = np.zeros((new_cfg.pp * new_cfg.tp, old_cfg.pp * old_cfg.tp), dtype=np.int64)
+        new_rep = np.zeros(new_cfg.world_size, dtype=bool)  # DP index 0 stands for its class
+        new_rep[(np.arange(new_cfg.world_size) // new_cfg.tp) % new_cfg.dp == 0] = True
+        old_rep = np.zeros(world_old + 1, dtype=bool)
+        old_rep[:-1] = (np.arange(world_old) // old_cfg.tp) % old_cfg.dp == 0
+    else:
+        row_class = np.zeros(rows, dtype=np.int64)
+        col_class = np.zeros(len(survivors), dtype=np.int64)
+        a = np.zeros((1, 1), dtype=np.int64)
+    # tensors that share both holder tables contribute alike: one pass per group, weighted by item sizes
+    groups: dict[tuple[int, int], list[Any]] = {}
+    for name, spec in ptc.tensors.items():
+        old_t, new_t = ptc.holders(name, old_cfg), ptc.holders(name, new_cfg)
+        if len(old_t) == 0 or len(new_t) == 0:
+            continue
+        g = groups.setdefault((id(old_t), id(new_t)), [name, old_t, new_t, 0, spec.dp_sharded])
+        g[3] += spec.itemsize
+    classes: dict[int, tuple[np.ndarray, ...]] = {}
+    z_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for name, old_t, new_t, itemsize, dp_sharded in groups.values():
+        if id(old_t) not in classes:
+            classes[id(old_t)] = holder_classes(name, old_t)
+        c_start, c_end, c_ranks, _ = classes[id(old_t)]
+        uniform = _uniform_tensor(old_cfg, new_cfg, dp_sharded)
+        sel = new_rep[new_t.rank] if uniform else new_t.rank < rows
+        nr = new_t.rank[sel]
+        qi, ci, ps, pe = intersect(new_t.start[sel], new_t.length[sel], c_start, c_end)
+        if not len(qi):
+            continue
+        hr = c_ranks[ci]  # (pieces, holders), -1 padded
+        nbytes = np.broadcast_to(((pe - ps) * itemsize)[:, None], hr.shape)
+        rr = np.broadcast_to(nr[qi][:, None], hr.shape)
+        if uniform:
+            ok = old_rep[hr]
+            np.add.at(a, (_classes(new_cfg, rr[ok]), _classes(old_cfg, hr[ok])), nbytes[ok])
+        else:
+            ok = col_of[hr] >= 0
+            z_parts.append((rr[ok], col_of[hr[ok]], nbytes[ok]))
+    if z_parts:
+        zr, zc, zb = (np.concatenate(p) for p in zip(*z_parts))
+        key, inv = np.unique(zr * len(survivors) + zc, return_inverse=True)
+        z_bytes = np.bincount(inv.reshape(-1), weights=zb, minlength=len(key)).astype(np.int64)
+        z_row, z_col = key // len(survivors), key % len(survivors)
+    else:
+        z_row = z_col = z_bytes = np.zeros(0, dtype=np.int64)
+    return SurvivorWeights(row_class, col_class, a, z_row, z_col, z_bytes)
+
+
+def _sparse_matching(rows: np.ndarray, cols: np.ndarray, w: np.ndarray, n_rows: int, n_cols: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """A maximum-weight (not necessarily full) matching of positive edges ``(rows, cols, w)``.
+
+    The standard reduction to a full matching: left = rows + mirror columns, right = columns +
+    mirror rows; an edge, its mirror, and a zero-gain edge from every node to its own mirror (left
+    unmatched). Costs ``big - w`` (``big - 0`` elsewhere): no cost is zero, and every full matching
+    has ``n_rows + n_cols`` edges, so the least cost is the largest weight.
+    """
+    keep = w > 0
+    rows, cols, w = rows[keep], cols[keep], w[keep].astype(np.float64)
+    if not len(w):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    big = float(w.max()) + 1.0
+    n = n_rows + n_cols
+    ids_r, ids_c = np.arange(n_rows), np.arange(n_cols)
+    left = np.concatenate([rows, n_rows + cols, ids_r, n_rows + ids_c])
+    right = np.concatenate([cols, n_cols + rows, n_cols + ids_r, ids_c])
+    cost = np.concatenate([big - w, np.full(len(w) + n, big)])
+    graph = sparse.csr_matrix((cost, (left, right)), shape=(n, n))
+    match = min_weight_full_bipartite_matching(graph)[1]  # right node of every left node
+    real = np.flatnonzero(match[:n_rows] < n_cols)
+    return real, match[real].astype(np.int64)
+
+
+def _flow_matching(w: SurvivorWeights, a: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Maximum-weight matching of a component through class hubs, as a min-cost flow LP.
+
+    Arcs: source -> row (cap 1); row -> its class hub; row hub -> column hub (cost ``-A``, uncapped);
+    column hub -> column; column -> sink (cap 1); and row -> column directly (cost ``-(A + Z)``)
+    for the sparse pairs. A direct arc is never worse than the hub path, so the flow optimum is
+    the matching optimum; the constraint matrix is a network matrix, so HiGHS's vertex is integral.
+    """
+    nr, nc = len(rows), len(cols)
+    rpos = np.full(w.rows, -1, dtype=np.int64)
+    rpos[rows] = np.arange(nr)
+    cpos = np.full(w.cols, -1, dtype=np.int64)
+    cpos[cols] = np.arange(nc)
+    rcls, rcls_of = np.unique(w.row_class[rows], return_inverse=True)
+    ccls, ccls_of = np.unique(w.col_class[cols], return_inverse=True)
+    hub = a[rcls][:, ccls]
+    hb, ha = np.nonzero(hub > 0)
+    zk = (rpos[w.z_row] >= 0) & (cpos[w.z_col] >= 0)
+    zr, zc = rpos[w.z_row[zk]], cpos[w.z_col[zk]]
+    zw = w.z_bytes[zk] + a[w.row_class[w.z_row[zk]], w.col_class[w.z_col[zk]]]
+    # nodes: rows [0, nr), cols [nr, nr + nc), row hubs, column hubs (source and sink implicit)
+    off_rh, off_ch = nr + nc, nr + nc + len(rcls)
+    n_nodes = off_ch + len(ccls)
+    tails = [np.full(nr, -1), np.arange(nr), off_rh + hb, off_ch + ccls_of, np.arange(nc) + nr, zr]
+    heads = [np.arange(nr), off_rh + rcls_of, off_ch + ha, nr + np.arange(nc), np.full(nc, -1), nr + zc]
+    costs = [np.zeros(nr), np.zeros(nr), -hub[hb, ha].astype(np.float64), np.zeros(nc), np.zeros(nc),
+             -zw.astype(np.float64)]
+    tail, head, cost = np.concatenate(tails), np.concatenate(heads), np.concatenate(costs)
+    scale = float(np.gcd.reduce(np.abs(cost[cost != 0]).astype(np.int64))) if np.any(cost != 0) else 1.0
+    ub = np.ones(len(cost))
+    ub[2 * nr : 2 * nr + len(hb)] = np.inf
+    arcs = np.arange(len(cost))
+    inner_t, inner_h = tail >= 0, head >= 0
+    # conservation at every node: inflow - outflow = 0
+    a_eq = sparse.csr_matrix(
+        (np.concatenate([np.ones(inner_h.sum()), -np.ones(inner_t.sum())]),
+         (np.concatenate([head[inner_h], tail[inner_t]]), np.concatenate([arcs[inner_h], arcs[inner_t]]))),
+        shape=(n_nodes, len(cost)))
+    res = linprog(cost / scale, A_eq=a_eq, b_eq=np.zeros(n_nodes), bounds=np.stack([np.zeros(len(cost)), ub], 1),
+                  method="highs-ds")
+    if res.status != 0:
+        raise PlanError(f"the survivor assignment's flow problem did not solve: {res.message}")
+    x = np.rint(res.x).astype(np.int64)
+    if np.abs(res.x - x).max(initial=0) > 1e-6:
+        raise PlanError("the survivor assignment's flow solution is not integral; report this layout pair")
+    # pairs: direct arcs, then hub flows split among the rows and columns each hub path carries
+    direct = x[len(cost) - len(zr):] > 0
+    pr, pc = [zr[direct]], [zc[direct]]
+    row_free = np.ones(nr, dtype=bool)
+    row_free[zr[direct]] = False
+    col_free = np.ones(nc, dtype=bool)
+    col_free[zc[direct]] = False
+    # A hub path's rows (columns) are interchangeable within their class: take the lowest free ones.
+    flow = x[2 * nr : 2 * nr + len(hb)]
+    need_r = np.bincount(hb, weights=flow, minlength=len(rcls)).astype(np.int64)
+    need_c = np.bincount(ha, weights=flow, minlength=len(ccls)).astype(np.int64)
+    r_by = [np.flatnonzero(row_free & (rcls_of == b))[: need_r[b]] for b in range(len(rcls))]
+    c_by = [np.flatnonzero(col_free & (ccls_of == k))[: need_c[k]] for k in range(len(ccls))]
+    r_at, c_at = np.zeros(len(rcls), dtype=np.int64), np.zeros(len(ccls), dtype=np.int64)
+    for b, k, f in zip(hb.tolist(), ha.tolist(), flow.tolist()):
+        if f:
+            pr.append(r_by[b][r_at[b] : r_at[b] + f])
+            pc.append(c_by[k][c_at[k] : c_at[k] + f])
+            r_at[b] += f
+            c_at[k] += f
+    return rows[np.concatenate(pr).astype(np.int64)], cols[np.concatenate(pc).astype(np.int64)]
+
+
+def _components(w: SurvivorWeights, a: np.ndarray, rows: np.ndarray, cols: np.ndarray, z_idx: np.ndarray
+                ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Connected components (rows, cols, sparse entries; rows and cols ascending) of the graph of
+    positive weights between ``rows`` and ``cols`` under the class matrix ``a``; components
+    without a row or without a column are left out (nothing to match)."""
+    rcls, rc_of = np.unique(w.row_class[rows], return_inverse=True)
+    ccls, cc_of = np.unique(w.col_class[cols], return_inverse=True)
+    nr, nc, nb = len(rows), len(cols), len(rcls)
+    hb, ha = np.nonzero(a[rcls][:, ccls] > 0)
+    zr = np.searchsorted(rows, w.z_row[z_idx])
+    zc = np.searchsorted(cols, w.z_col[z_idx])
+    # nodes: rows, cols, row classes, column classes
+    src = np.concatenate([zr, np.arange(nr), nr + np.arange(nc), nr + nc + hb])
+    dst = np.concatenate([nr + zc, nr + nc + rc_of, nr + nc + nb + cc_of, nr + nc + nb + ha])
+    n = nr + nc + nb + len(ccls)
+    graph = sparse.csr_matrix((np.ones(len(src), dtype=np.int8), (src, dst)), shape=(n, n))
+    _, label = connected_components(graph, directed=False)
+    row_lab, col_lab, z_lab = label[:nr], label[nr : nr + nc], label[zr]
+    labels = np.intersect1d(row_lab, col_lab)
+    r_order = np.argsort(row_lab, kind="stable")
+    c_order = np.argsort(col_lab, kind="stable")
+    z_order = np.argsort(z_lab, kind="stable")
+    rl, cl, zl = row_lab[r_order], col_lab[c_order], z_lab[z_order]
+    out = []
+    for lab in labels.tolist():
+        r = r_order[np.searchsorted(rl, lab) : np.searchsorted(rl, lab, side="right")]
+        c = c_order[np.searchsorted(cl, lab) : np.searchsorted(cl, lab, side="right")]
+        z = z_order[np.searchsorted(zl, lab) : np.searchsorted(zl, lab, side="right")]
+        out.append((rows[r], cols[c], z_idx[z]))
+    return out
+
+
+def _solve(w: SurvivorWeights, a: np.ndarray, rows: np.ndarray, cols: np.ndarray, z_idx: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Maximum-weight matching between ``rows`` and ``cols`` (ascending) under the class matrix
+    ``a`` and the sparse entries ``z_idx``, component by component."""
+    out_r, out_c = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for r, c, z in _components(w, a, rows, cols, z_idx):
+        mr, mc = _solve_component(w, a, r, c, z)
+        out_r.append(mr)
+        out_c.append(mc)
+    return np.concatenate(out_r).astype(np.int64), np.concatenate(out_c).astype(np.int64)
+
+
+def _solve_component(w: SurvivorWeights, a: np.ndarray, rows: np.ndarray, cols: np.ndarray, z_idx: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Maximum-weight matching of one connected component."""
+    rcls, ccls = np.unique(w.row_class[rows]), np.unique(w.col_class[cols])
+    block = a[np.ix_(rcls, ccls)]
+    c0 = int(block.min())
+    if c0 > 0:
+        # Every pair gains c0, so the optimum is a full matching: take c0 off the block, match
+        # what is left (it may split into smaller components), complete in order.
+        a = a.copy()
+        a[np.ix_(rcls, ccls)] -= c0
+        mr, mc = _solve(w, a, rows, cols, z_idx)
+        fr = np.setdiff1d(rows, mr)
+        fc = np.setdiff1d(cols, mc)
+        k = min(len(fr), len(fc))
+        return np.concatenate([mr, fr[:k]]), np.concatenate([mc, fc[:k]])
+    if not block.any():  # only the sparse part
+        rpos = np.searchsorted(rows, w.z_row[z_idx])
+        cpos = np.searchsorted(cols, w.z_col[z_idx])
+        mr, mc = _sparse_matching(rpos, cpos, w.z_bytes[z_idx], len(rows), len(cols))
+        return rows[mr], cols[mc]
+    if len(rows) * len(cols) <= DENSE_LIMIT:
+        dense = w.dense(rows, cols, a).astype(np.float64)
+        r, c = linear_sum_assignment(dense, maximize=True)
+        keep = dense[r, c] > 0
+        return rows[r[keep]], cols[c[keep]]
+    return _flow_matching(w, a, rows, cols)
+
+
+def max_weight_assignment(w: SurvivorWeights) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs (new rank, survivor index) of a maximum-weight matching of ``w`` (pairs of weight 0 left out)."""
+    return _solve(w, w.a, np.arange(w.rows), np.arange(w.cols), np.arange(len(w.z_row)))
+
+
+def locality_order(ptc: PTC, old_cfg: ParallelConfig, new_cfg: ParallelConfig, survivors: Sequence[int]) -> list[int]:
+    """``survivors`` reordered so that new rank i runs where most of its state already is.
+
+    Pass the result as ``plan(..., alive=...)``: new rank i then runs on its i-th entry (new ranks
+    beyond the survivors run on fresh devices). The assignment maximises the bytes kept in place,
+    the optimum ``scipy.optimize.linear_sum_assignment`` finds on the dense matrix of bytes each
+    surviving device holds of each new rank's shard, found here from that matrix's structure (see
+    the module docstring); new ranks with nothing in place take the remaining survivors in order,
+    and survivors left over keep their order at the end.
+    """
+    surv = np.asarray(list(survivors), dtype=np.int64)
+    if len(np.unique(surv)) != len(surv) or (len(surv) and (surv.min() < 0 or surv.max() >= old_cfg.world_size)):
+        raise PlanError(f"survivors must be distinct old ranks in [0, {old_cfg.world_size}), got {surv.tolist()}")
+    rows = min(new_cfg.world_size, len(surv))
+    w = survivor_weights(ptc, old_cfg, new_cfg, surv, rows)
+    mr, mc = max_weight_assignment(w)
+    col = np.full(rows, -1, dtype=np.int64)
+    col[mr] = mc
+    used = np.zeros(len(surv), dtype=bool)
+    used[mc] = True
+    free_rows = np.flatnonzero(col < 0)
+    free_cols = np.flatnonzero(~used)
+    col[free_rows] = free_cols[: len(free_rows)]
+    used[free_cols[: len(free_rows)]] = True
+    log.debug("locality order: %d new ranks on survivors, %d of them matched", rows, len(mr))
+    return surv[col].tolist() + surv[~used].tolist()
