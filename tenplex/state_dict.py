@@ -40,7 +40,7 @@ from .errors import (
     CheckpointWriteError,
 )
 from .mesh import MeshLayout
-from .ptc import PTC, dtype_to_str
+from .ptc import PTC, TensorSpec, dtype_to_str
 from .state_layout import Placed, StateLayout, parse_placement, placement_text, spec_for
 
 __all__ = ["StateDictLoad", "save_state_dict", "load_state_dict", "flatten_state_dict", "state_layout_of"]
@@ -279,10 +279,12 @@ def _collection(descs: list[dict[str, tuple[Any, ...]]], objects: list[dict[str,
 # ---------------------------------------------------------------------------------------------
 class _InPlace:
     """A ``ShardSink`` that reads into the caller's tensors: straight into their memory when it is a
-    contiguous CPU tensor in the saved canonical order, else through one temporary per tensor."""
+    contiguous CPU tensor in the saved canonical order, else through one temporary per tensor
+    (a panel-ordered tensor's is copied into the caller's tensor panel by panel)."""
 
-    def __init__(self, locals_: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, locals_: Mapping[str, torch.Tensor], layout: StateLayout, rank: int) -> None:
         self.locals = locals_
+        self.layout, self.rank = layout, rank
         self.saved = PTC([])
         self.direct: set[str] = set()
 
@@ -290,9 +292,14 @@ class _InPlace:
         """The attempt about to be read (its canonical orders decide what can be read in place)."""
         self.saved, self.direct = saved, set()
 
+    def _natural(self, spec: TensorSpec) -> bool:
+        if spec.panels is not None:
+            return not self.layout.panel_copies(spec, self.rank)
+        return spec.split_dim in (None, 0)
+
     def buffer(self, name: str) -> torch.Tensor:
         spec, loc = self.saved.tensors[name], self.locals[name]
-        if spec.split_dim in (None, 0) and loc.device.type == "cpu" and loc.is_contiguous():
+        if self._natural(spec) and loc.device.type == "cpu" and loc.is_contiguous():
             self.direct.add(name)
             return loc.view(-1)
         return torch.empty(loc.numel(), dtype=spec.dtype)
@@ -304,8 +311,14 @@ class _InPlace:
         loc = self.locals[name]
         if name in self.direct:
             return loc
-        d = self.saved.tensors[name].split_dim
-        if d in (None, 0):
+        spec = self.saved.tensors[name]
+        d = spec.split_dim
+        if spec.panels is not None and self.layout.panel_copies(spec, self.rank):
+            if loc.device.type == "cpu":
+                self.layout.from_local_flat(spec, self.rank, flat, loc)
+            else:
+                loc.copy_(self.layout.from_local_flat(spec, self.rank, flat, torch.empty(loc.shape, dtype=flat.dtype)))
+        elif d in (None, 0) or spec.panels is not None:
             loc.copy_(flat.view(loc.shape))
         else:
             shape = (loc.shape[d],) + tuple(loc.shape[:d]) + tuple(loc.shape[d + 1:])
@@ -350,7 +363,7 @@ def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int
         failure = e
     wanted = set().union(*_gather_or_raise(mine, failure, world, None, where))
 
-    sink = _InPlace(locals_)
+    sink = _InPlace(locals_, layout, rank)
 
     def check(saved: PTC) -> None:
         _check_against(saved, descs, set(leaves) - set(tensors), wanted, url, layout, locals_, rank)

@@ -12,6 +12,7 @@ Mismatches, disagreeing ranks and failing saves raise the documented errors; a t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import queue
@@ -37,8 +38,8 @@ from tenplex.errors import (
     CheckpointWriteError,
 )
 from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard, local_box
-from tenplex.ptc import PTC, dtype_to_str
-from tenplex.state_dict import load_state_dict, save_state_dict, state_layout_of
+from tenplex.ptc import PTC, Panels, dtype_to_str
+from tenplex.state_dict import _InPlace, load_state_dict, save_state_dict, state_layout_of
 from tenplex.state_layout import Placed, StateLayout, placement_text
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.uint8, torch.bool, torch.float64)
@@ -121,14 +122,21 @@ def placed_on(draw: st.DrawFn, ndim: int, world: int) -> Placed:
 
 
 @st.composite
-def reshard_cases(draw: st.DrawFn) -> tuple[dict, StateLayout, StateLayout]:
+def reshard_cases(draw: st.DrawFn, panels: bool = False) -> tuple[Any, ...]:
+    """(shapes, saving layout, loading layout); ``panels``: also a panel count per tensor of >= 2
+    dims (dim 1 a multiple of it, the tensors saved in ``Panels`` order), as a fourth element."""
     n = draw(st.integers(1, 3))
     shapes = {}
+    counts: dict[str, int] = {}
     for i in range(n):
-        ndim = draw(st.integers(0, 3))
+        ndim = draw(st.integers(2, 3)) if panels else draw(st.integers(0, 3))
         shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
         if ndim:  # rows that FSDP2 over TP splits unevenly more often
             shape = (draw(st.one_of(st.integers(0, 17), st.sampled_from([7, 9, 13, 17]))),) + shape[1:]
+        if panels and ndim >= 2:
+            count = draw(st.integers(1, 4))
+            shape = (shape[0], count * draw(st.integers(0, 4))) + shape[2:]
+            counts[f"t{i}"] = count
         shapes[f"t{i}"] = (shape, draw(st.sampled_from(DTYPES)))
     layouts = []
     for _ in range(2):
@@ -141,15 +149,20 @@ def reshard_cases(draw: st.DrawFn) -> tuple[dict, StateLayout, StateLayout]:
             else:
                 placed[name] = draw(placed_on(len(shape), world))
         layouts.append(StateLayout.of(world, placed))
+    if panels:
+        return shapes, layouts[0], layouts[1], counts
     return shapes, layouts[0], layouts[1]
 
 
 def _save_all(url: str, shapes: dict, layout: StateLayout, seed: int, *, step: int = 1,
-              objects: dict | None = None) -> tuple[PTC, dict[str, torch.Tensor]]:
-    """Save every rank's part of ``layout`` from one process; the collection and global tensors."""
+              objects: dict | None = None, panels: dict[str, int] | None = None) -> tuple[PTC, dict[str, torch.Tensor]]:
+    """Save every rank's part of ``layout`` from one process; the collection and global tensors.
+    ``panels``: tensors saved in the panel order of that many panels instead of ``spec_for``'s."""
     ptc, again = state_layout_of(descriptions(layout, shapes))
     assert again.placed == layout.placed
-    ptc = PTC(ptc.tensors.values(), num_layers=0, objects=sorted(objects or {}), meta={"kind": "state_dict"})
+    specs = [dataclasses.replace(s, tp=Panels(1, panels[s.name])) if s.name in (panels or {}) else s
+             for s in ptc.tensors.values()]
+    ptc = PTC(specs, num_layers=0, objects=sorted(objects or {}), meta={"kind": "state_dict"})
     globals_ = {name: global_tensor(shape, dtype, seed + i) for i, (name, (shape, dtype)) in enumerate(shapes.items())}
     for rank in range(layout.world_size):
         shard: dict[str, Any] = {name: local_of(globals_[name], p, rank) for name, p in layout.tensors
@@ -212,9 +225,24 @@ def check_writers(ptc: PTC, layout: StateLayout, sdir: Path) -> None:
 @given(reshard_cases(), st.integers(0, 2**16))
 @settings(max_examples=examples(40))
 def test_save_under_one_layout_load_under_another(case: tuple, seed: int) -> None:
-    shapes, saved, new = case
+    _reshard_round_trip(*case, seed)
+
+
+@given(reshard_cases(panels=True), st.integers(0, 2**16))
+@settings(max_examples=examples(40))
+def test_panels_save_under_one_layout_load_under_another(case: tuple, seed: int) -> None:
+    """The same with 2-D and 3-D tensors in panel order (any panel count dividing dim 1, uneven row
+    and column splits included), loaded both into new tensors and in place (``load_state_dict``'s sink)."""
+    shapes, saved, new, counts = case
+    _reshard_round_trip(shapes, saved, new, seed, counts)
+
+
+def _reshard_round_trip(shapes: dict, saved: StateLayout, new: StateLayout, seed: int,
+                        panels: dict[str, int] | None = None) -> None:
     with tempfile.TemporaryDirectory() as url:
-        ptc, globals_ = _save_all(url, shapes, saved, seed, objects={"step": seed, "groups": [{"lr": 0.5}]})
+        ptc, globals_ = _save_all(url, shapes, saved, seed, objects={"step": seed, "groups": [{"lr": 0.5}]},
+                                  panels=panels)
+        assert all(ptc.tensors[n].panels == c for n, c in (panels or {}).items())
         sdir = next(Path(url).iterdir())
         check_writers(ptc, saved, sdir)
         for rank in range(new.world_size):
@@ -233,6 +261,14 @@ def test_save_under_one_layout_load_under_another(case: tuple, seed: int) -> Non
             assert res.stats.bytes_read == blocks_once(items)
             # each read rounds out to whole checksum blocks at its two ends, at most
             assert res.stats.bytes_read <= exact + sum(2 * (i.block - 1) for i in items)
+            if panels:  # in place, into the caller's tensors (pre-filled with other values)
+                locals_ = {n: torch.zeros_like(local_of(globals_[n], new.placed[n], rank)) for n in mine}
+                sink = _InPlace(locals_, new, rank)
+                got = load(url, new, rank, sink=sink, check=sink.bind)
+                assert got.stats.bytes_needed == exact
+                for name in mine:
+                    assert got.shard[name] is locals_[name]
+                    assert same(locals_[name], local_of(globals_[name], new.placed[name], rank)), (name, rank)
 
 
 def test_named_reshards() -> None:

@@ -415,7 +415,7 @@ def save(
         if tuple(t.shape) != want:
             raise CheckpointValueError(
                 f"{name}: rank {rank}'s shard has shape {tuple(t.shape)}, layout {cfg} needs {want}")
-        flats[name] = ptc.to_local_flat(name, t.detach().to("cpu", ptc.tensors[name].dtype))
+        flats[name] = ptc.to_local_flat(name, t.detach().to("cpu", ptc.tensors[name].dtype), cfg, rank)
     if rank == 0:
         payload = payload_bytes({o: shard[o] for o in ptc.objects if o in shard}, extra)
     else:  # only rank 0 writes extra, but every rank learns of a value that cannot be stored
