@@ -40,7 +40,7 @@ from tenplex.errors import (
 from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard, local_box
 from tenplex.ptc import PTC, Panels, dtype_to_str
 from tenplex.state_dict import _InPlace, load_state_dict, save_state_dict, state_layout_of
-from tenplex.state_layout import Placed, StateLayout, placement_text
+from tenplex.state_layout import PANELS, Placed, StateLayout, placement_text, spec_for
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.uint8, torch.bool, torch.float64)
 
@@ -781,3 +781,23 @@ def test_load_into_parameters_that_require_grad(tmp_path: Path) -> None:
     assert sd["w"] is dst.weight and dst.weight.data_ptr() == ptr and dst.weight.requires_grad
     assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias) and torch.equal(tp, src.weight.t())
     assert dst.weight.grad_fn is None and tp.grad_fn is None
+
+
+def test_spec_for_panels_rule_and_in_place_round_trip(tmp_path: Path) -> None:
+    """``spec_for`` puts big 2-D tensors (64 x 64 and up, columns a multiple of 8) in panel order,
+    small ones and 1-D ones not; ``save_state_dict`` / ``load_state_dict`` round-trip them in place."""
+    assert spec_for("w", (64, 64), "float32", (Shard(0),)).panels == PANELS
+    assert spec_for("w", (64, 64, 2), "float32", (Shard(1),)).panels == PANELS
+    assert spec_for("w", (64, 64, 2), "float32", (Shard(2),)).split_dim == 2
+    assert spec_for("w", (63, 64), "float32", (Shard(1),)).split_dim == 1
+    assert spec_for("w", (64, 60), "float32", (Replicate(),)).panels is None
+    assert spec_for("w", (4096,), "float32", (Shard(0),)).panels is None
+    sd = {"w": global_tensor((96, 64), torch.float32, 1), "e": global_tensor((128, 72), torch.bfloat16, 2),
+          "b": global_tensor((64,), torch.float32, 3)}
+    save_state_dict(sd, str(tmp_path), step=1)
+    into = {k: torch.zeros_like(v) for k, v in sd.items()}
+    ptrs = {k: v.data_ptr() for k, v in into.items()}
+    res = load_state_dict(into, str(tmp_path))
+    assert res.bytes_read == res.bytes_needed == sum(v.numel() * v.element_size() for v in sd.values())
+    for k in sd:
+        assert same(into[k], sd[k]) and into[k].data_ptr() == ptrs[k], k
