@@ -553,7 +553,15 @@ class PartReader:
             spans.append((item.writer, chunk["offset"] + lo, chunk["offset"] + hi, i))
         writers = sorted({w for w, *_ in spans})
         turn = {w: (i - rank) % len(writers) for i, w in enumerate(writers)}
-        spans.sort(key=lambda x: (turn[x[0]], x[1], x[2], x[3]))
+        # tensor by tensor (in the plan's tensor order), each tensor's pieces by writer turn and
+        # offset: every file is still read front to back, and a tensor read through a temporary
+        # (panel order, a split on dim > 0) is finished and its temporary freed before the next
+        # tensor's are filled, so the temporaries in flight are about one tensor's, not the
+        # whole shard's (which they were in file order when tensors span several files)
+        first: dict[str, int] = {}
+        for item in items:
+            first.setdefault(item.tensor, len(first))
+        spans.sort(key=lambda x: (first[items[x[3]].tensor], turn[x[0]], x[1], x[2], x[3]))
         # Pieces whose rounded-out spans overlap share checksum blocks (a column slice of a
         # row-major chunk: one small piece per row, each rounded out to a whole block); they are
         # read as one range, each block once, and scattered from there.
