@@ -391,6 +391,11 @@ class ShardReader(Protocol):
 # ---------------------------------------------------------------------------------------------
 _PREFETCH = 64 << 20  # bytes a local load asks the kernel to fetch ahead of the reads
 _WHOLE_FILE = 0.99  # the share of a file's data a load must need for sequential read-ahead
+_CHECK_AHEAD = 64 << 20
+"""Bytes read but not yet verified that a local load lets run ahead of its checksum thread: the
+reads wait for older checks beyond it, so the buffers the checks still hold (temporaries of relaid
+tensors, which are freed only once verified and finished) stay bounded when checksums are slower
+than the reads."""
 _SHARED_BLOCKS_MAX = 4 << 20  # bytes one read of pieces sharing checksum blocks may span (a temporary buffer)
 # Remote (async fsspec) filesystems: pieces of one file closer than _MAX_GAP are fetched as one
 # ranged GET, the gap bytes read and thrown away. A GET costs a round trip (about a millisecond
@@ -583,7 +588,9 @@ class PartReader:
                 os.posix_fadvise(self._fd(w, idx["path"]), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         ahead, fetched = 0, 0
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-verify") as pool:
-            checks = []
+            checks: list[Any] = []
+            pending = 0  # bytes of the checks from `waited` on
+            waited = 0
             for k, (w, lo, hi, members) in enumerate(groups):
                 fetched = max(fetched, k)
                 while fetched < len(groups) and ahead < _PREFETCH:
@@ -596,13 +603,19 @@ class PartReader:
                 if len(members) == 1:
                     item = items[members[0]]
                     # checksums in a second thread (the CRC releases the GIL) while the next piece is read
-                    checks.append(pool.submit(self.fetch(item, item.into(buffers))))
+                    checks.append((pool.submit(self.fetch(item, item.into(buffers))), hi - lo))
+                    pending += hi - lo
+                    while pending > _CHECK_AHEAD and waited < len(checks) - 1:
+                        done, n = checks[waited]
+                        done.result()  # the first corrupt block raises
+                        pending -= n
+                        waited += 1
                 else:
                     self._fetch_shared([items[i] for i in members], lo, hi, buffers)
                 for i in members:
                     on_read(i)
                 ahead -= hi - lo
-            for c in checks:
+            for c, _ in checks[waited:]:
                 c.result()  # the first corrupt block raises
 
     def _fetch_shared(self, members: Sequence[ReadItem], file_lo: int, file_hi: int,
@@ -824,6 +837,9 @@ def _read_and_finish(names: Sequence[str], reader: ShardReader, items: Sequence[
         count[item.tensor] = count.get(item.tensor, 0) + 1
     done: dict[str, Any] = {}
     lock = threading.Lock()
+    waiting = threading.Lock()
+    queued: list[tuple[Any, int]] = []  # finishes submitted and not yet waited for, with their bytes
+    ahead = [0]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-relayout") as pool:
 
         def on_read(i: int) -> None:
@@ -833,7 +849,15 @@ def _read_and_finish(names: Sequence[str], reader: ShardReader, items: Sequence[
                 if count[name]:
                     return
             if copies(name):  # the flat buffer's last references are the copy's (and the checksums')
-                done[name] = pool.submit(finish, name, buffers.pop(name))
+                flat = buffers.pop(name)
+                with waiting:  # bounded temporaries awaiting their copy (on_read may run in several threads)
+                    done[name] = pool.submit(finish, name, flat)
+                    queued.append((done[name], flat.numel() * flat.element_size()))
+                    ahead[0] += queued[-1][1]
+                    while ahead[0] > _CHECK_AHEAD and len(queued) > 1:
+                        fut, n = queued.pop(0)
+                        fut.result()
+                        ahead[0] -= n
 
         reader.read_items(items, buffers, rank=rank, on_read=on_read)
         out = {name: fut.result() for name, fut in done.items()}
