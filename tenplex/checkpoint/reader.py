@@ -820,9 +820,32 @@ def read_shard(saved: PTC, old: Layout, cfg: Layout, rank: int, reader: ShardRea
         def finish(name: str, flat: torch.Tensor) -> Any:
             return saved.from_local_flat(name, cfg, flat, rank)
     else:
-        buffers = {name: sink.buffer(name) for name in saved.rank_tensors(cfg, rank)}
+        buffers = _LazyBuffers(sink.buffer)
         copies, finish = sink.copies, sink.finish
     return _read_and_finish(saved.rank_tensors(cfg, rank), reader, items, buffers, copies, finish, rank), needed
+
+
+class _LazyBuffers(dict):  # type: ignore[type-arg]
+    """A sink's flat buffers, each made when its tensor's first read asks for it (or ``pop`` does),
+    not all up front: a temporary made after earlier ones were freed reuses their memory, where
+    temporaries all allocated at the start each touch fresh pages that the allocator keeps once
+    freed (the process's peak memory grew with the whole shard). Thread-safe creation."""
+
+    def __init__(self, make: Callable[[str], torch.Tensor]) -> None:
+        super().__init__()
+        self.make = make
+        self.lock = threading.Lock()
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        with self.lock:
+            if not dict.__contains__(self, name):
+                dict.__setitem__(self, name, self.make(name))
+            return dict.__getitem__(self, name)
+
+    def pop(self, name: str, *default: Any) -> torch.Tensor:  # type: ignore[override]
+        if not default:
+            self[name]  # noqa: B018 - made if no read asked for it yet (a tensor with nothing to read)
+        return dict.pop(self, name, *default)
 
 
 def _read_and_finish(names: Sequence[str], reader: ShardReader, items: Sequence[ReadItem],
