@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_reshard.py
 	$(PY) scripts/bench_vs_dcp.py
 	$(PY) scripts/bench_byo.py --json docs/bench_byo.json   # drops the page cache before cold loads when run as root
+	PYTHONPATH=. $(PY) scripts/bench_migrate.py --json
 	$(PY) scripts/bench_remote.py --json   # needs moto[server] and s3fs (the test extras)
 	$(PY) scripts/bench_recovery.py
 	$(PY) scripts/bench_schedule.py

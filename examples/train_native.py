@@ -49,7 +49,6 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--log", default="", help="JSON lines: one per step (rank 0) and one per start")
-    p.add_argument("--fail-at", type=int, default=-1, help="rank 0 of a 4-worker run stops here (tests)")
     args = p.parse_args()
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -95,8 +94,6 @@ def main() -> None:
 
     # 3. train; save every K steps
     while step < args.steps:
-        if step == args.fail_at and world == 4 and rank == 0:
-            os._exit(1)
         raw = batches.batch(data, dp, dp_rank).to(device)
         loss = nl.train_step(model, optimizer, raw[:, :-1], raw[:, 1:])
         if rank == 0 and args.log:

@@ -24,6 +24,9 @@ __all__ = [
     "SourceReadError",
     "VfsError",
     "SideTaskMemoryError",
+    "MigrationError",
+    "PeerFailure",
+    "MembershipError",
 ]
 
 
@@ -108,3 +111,19 @@ class VfsError(TenplexError, ValueError):
 
 class SideTaskMemoryError(TenplexError, ValueError):
     """A side task needs more memory than the stage's side-task budget has left."""
+
+
+class MigrationError(TenplexError, RuntimeError):
+    """A live state migration failed while moving bytes (a peer died or a transfer broke); the
+    survivors' state is unchanged and the caller falls back to loading from stores or storage."""
+
+
+class PeerFailure(TenplexError, RuntimeError):
+    """A peer of this process's group died or its connection broke (a collective failed, or the
+    heartbeats stopped); call ``Membership.recover()`` to form the survivors' group."""
+
+
+class MembershipError(TenplexError, RuntimeError):
+    """The survivors could not form a new group: this member was left out of the decision, a round
+    did not decide within its timeout, or the rounds allowed ran out. The caller falls back to a
+    restart (torchrun's, or its own)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,12 +125,10 @@ def state_layout_of(descriptions: list[dict[str, tuple[Any, ...]]]) -> tuple[PTC
             holders.setdefault(key, []).append(rank)
     specs, placed = [], {}
     for key in sorted(first):
-        shape, dtype, dims, placements, ranks = first[key][1]
-        if dims is None:
-            p = Placed.replicated(holders[key])
-        else:
-            p = Placed(MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(t) for t in placements),
-                       tuple(ranks))
+        desc = first[key][1]
+        shape, dtype, dims = desc[:3]
+        p = _placed(desc, holders[key])
+        if dims is not None:
             if set(p.ranks) != set(holders[key]):
                 raise CheckpointValueError(
                     f"{key} is a DTensor on ranks {sorted(p.ranks)} but ranks {sorted(holders[key])} hold it: pass "
@@ -138,6 +136,16 @@ def state_layout_of(descriptions: list[dict[str, tuple[Any, ...]]]) -> tuple[PTC
         specs.append(spec_for(key, shape, dtype, p.placements))
         placed[key] = p
     return PTC(specs, num_layers=0), StateLayout.of(world, placed)
+
+
+def _placed(desc: tuple[Any, ...], holders: Sequence[int]) -> Placed:
+    """A description's placement: its DTensor mesh, placements and ranks, or (a plain tensor) held
+    whole by ``holders``."""
+    _, _, dims, placements, ranks = desc
+    if dims is None:
+        return Placed.replicated(holders)
+    return Placed(MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(t) for t in placements),
+                  tuple(ranks))
 
 
 def _text(desc: tuple[Any, ...]) -> str:
@@ -349,13 +357,7 @@ def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int
         leaves = flatten_state_dict(state_dict)
         tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
         descs = {k: _describe(v, None) for k, v in tensors.items()}
-        placed = {}
-        for k, v in tensors.items():
-            shape, dtype, dims, placements, ranks = descs[k]
-            placed[k] = Placed.replicated([rank]) if dims is None else Placed(
-                MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(t) for t in placements),
-                tuple(ranks))
-        layout = StateLayout.of(world, placed)
+        layout = StateLayout.of(world, {k: _placed(d, [rank]) for k, d in descs.items()})
         # detached: the same memory, written without autograd (parameters require grad)
         locals_ = {k: (v.to_local() if isinstance(v, DTensor) else v).detach() for k, v in tensors.items()}
         mine = sorted(leaves)

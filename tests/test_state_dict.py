@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import queue
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +26,7 @@ from hypothesis import strategies as st
 
 from conftest import examples
 from hostile import Tally
+from spawned import free_port, run_spawned
 from tenplex.checkpoint import load, open_sealed_json, plan_reads, save, seal_json, writer_assignment
 from tenplex.errors import (
     CheckpointCorruptError,
@@ -703,48 +701,11 @@ def _world_worker(rank: int, ports: tuple[int, int, int], url: str, out: Any) ->
             return
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(180)
 def test_real_dtensors_save_in_4_load_in_2_and_3(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
     url = str(tmp_path / "ck")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ports = (_free_port(), _free_port(), _free_port())
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-    saved_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    procs = [ctx.Process(target=_world_worker, args=(r, ports, url, q)) for r in range(4)]
-    results: dict[tuple[str, int], dict[str, Any]] = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 150
-        while len(results) < 9:
-            try:
-                phase, rank, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"only {sorted(results)} reported within 150 s")
-            results[(phase, rank)] = res
-            if res["error"]:
-                break
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    ports = (free_port(), free_port(), free_port())
+    results = run_spawned(_world_worker, [(r, ports, url) for r in range(4)], expect=9, timeout=150)
     errors = [f"{phase} rank {r}: {res['error']}" for (phase, r), res in results.items() if res["error"]]
     assert not errors, "\n".join(errors)
     placements = results[("save", 0)]["placements"]

@@ -1,0 +1,532 @@
+"""In-process failure detection and new membership through the job's c10d store (issue #18, items 1-2).
+
+Each worker creates a :class:`Membership` after ``init_process_group``, given a ``TCPStore`` that
+outlives the workers (the job's rendezvous store) and a job prefix. Then:
+
+* a heartbeat thread (its own store connection, so a blocking wait of the main thread never
+  delays it) bumps this member's counter every ``interval`` seconds and reads the others'; a
+  member whose counter has not moved for ``dead_after`` seconds is dead. A death, or a failure
+  flagged by another member, sets :meth:`Membership.failed` and calls ``on_failure``;
+* :meth:`Membership.guard` turns a ``RuntimeError`` raised by a collective (gloo: "Connection
+  reset/closed by peer", nccl, ``DistError``) into :class:`~tenplex.errors.PeerFailure` and flags
+  the failure in the store, so every member learns at once;
+* :meth:`Membership.recover` destroys the broken group (nccl: aborts its communicators first),
+  agrees with the other survivors on the next round and its members through the store alone, and
+  re-forms the default group on the fresh prefix ``{prefix}/round{n}/pg``. It returns a
+  :class:`NewMembership`; its ``alive`` is what :func:`tenplex.migrate.migrate` takes.
+
+Members are named by their rank in the first group (``id``, stable over rounds); group rank i of
+round n is ``members[i]``. The agreement rule is pure (:func:`propose`): in round n every member
+of round n-1's candidates either joined (``{prefix}/round{n}/joined``, appended) or is dead by this
+member's heartbeats; then the joined, live ones, ordered by ``order`` (default: by old rank), are
+proposed with ``compare_set`` on ``{prefix}/round{n}/decision``: the first proposal stored wins and
+every member reads that one. A member not in the decision raises :class:`~tenplex.errors.MembershipError`;
+one of the decision that dies before the group forms sends the rest to round n+1; a round that
+does not decide within ``agree_timeout`` raises MembershipError. Nothing waits without a bound.
+
+Which store: in tests and simulated nodes the :class:`~tenplex.train.launch.RendezvousStore`
+process (``TCPStore(host, port, is_master=False)`` in every worker). Under torchrun the store must
+outlive the failed node: the c10d rendezvous store run standalone (``--rdzv-conf is_host=false``,
+the server in a process of its own, as ``RendezvousStore`` does), connected to directly from the
+worker with the ``--rdzv-endpoint`` address. The store torchrun hands workers (``MASTER_ADDR``:
+``MASTER_PORT``) is hosted by the rank-0 agent unless the rendezvous store is shared and standalone,
+so it dies with node 0. Not yet exercised under torchrun (see docs/architecture.md).
+
+gloo: ``abort()`` / ``shutdown()`` / ``_abort_process_group`` do not interrupt a collective
+already blocked (measured, torch 2.13: the op waits for its timeout). What unblocks it is a peer
+closing its connections: a survivor that catches the error destroys its group, and the peers
+blocked on it fail at once ("Connection closed by peer"). A member blocked on a hung but living
+peer waits for the group's ``timeout``; pass a short one to ``init_process_group`` (abandoning
+an ``async_op`` collective does not help: ``destroy_process_group`` then waits for it to time out).
+
+Use::
+
+    m = Membership(store, f"job/{run_id}")
+    while training:
+        try:
+            with m.guard():
+                step()             # its collectives
+            m.check()              # a death seen by the heartbeats between collectives
+        except PeerFailure:
+            nm = m.recover()       # the survivors' group is the default group again
+            new = chooser(ptc, nm.world_size, old)
+            shard = migrate(ptc, old, new, shard, alive=nm.alive, storage=url).shard
+            old = new
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import ConfigError, MembershipError, PeerFailure
+
+__all__ = ["NewMembership", "Decision", "HeartbeatMonitor", "propose", "encode_decision", "decode_decision",
+           "old_ranks", "is_peer_error", "Membership"]
+
+log = logging.getLogger(__name__)
+
+#: Substrings of collective errors that mean a peer died or a connection broke (gloo, nccl).
+PEER_ERROR_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
+                      "socket", "peer")
+
+
+# ---------------------------------------------------------------------------------------------
+# pure parts
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class NewMembership:
+    """The group a recovery formed.
+
+    ``round``: its number (the first group is round 0); ``members``: member ids (ranks in round
+    0) by new rank; ``alive``: for each new rank, its rank in the previous group (what
+    ``migrate(alive=...)`` takes); ``new_rank`` / ``world_size``: this process in the new group;
+    ``failed_at``: ``time.time()`` when this process first learned of the failure; timings in
+    seconds: ``detect_s`` (from the dead peer's last heartbeat seen moving to that moment; 0 when
+    no peer was found dead by heartbeat), ``agree_s`` (recovery start to decision), ``regroup_s``
+    (decision to a group that answered an all_reduce); ``rounds_tried``: rounds this recovery used.
+    """
+
+    round: int
+    members: tuple[int, ...]
+    alive: tuple[int, ...]
+    new_rank: int
+    world_size: int
+    failed_at: float
+    detect_s: float
+    agree_s: float
+    regroup_s: float
+    rounds_tried: int = 1
+    dead: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The members of round ``round`` by new rank (ids), as stored under its decision key."""
+
+    round: int
+    members: tuple[int, ...]
+
+
+def propose(candidates: Sequence[int], joined: Iterable[int], dead: Iterable[int],
+            order: Callable[[Sequence[int]], Sequence[int]] | None = None) -> tuple[int, ...] | None:
+    """The members to propose for a round, or None while a candidate is still neither joined nor dead.
+
+    ``candidates``: the previous round's members by rank; ``joined``: ids that joined this
+    round; ``dead``: ids this member's heartbeats found dead. Proposed: the joined, live
+    candidates in candidate order, then ``order`` (given and returning those ids) applied.
+    Ids that are not candidates (late or unknown) are ignored. Pure.
+    """
+    cand = list(candidates)
+    j, d = set(joined), set(dead)
+    if any(c not in j and c not in d for c in cand):
+        return None
+    members = [c for c in cand if c in j and c not in d]
+    if not members:
+        return None
+    if order is not None:
+        ordered = [int(x) for x in order(members)]
+        if sorted(ordered) != sorted(members):
+            raise ConfigError(f"order must return the members it was given in some order: {members} -> {ordered}")
+        members = ordered
+    return tuple(members)
+
+
+def old_ranks(previous: Sequence[int], members: Sequence[int]) -> tuple[int, ...]:
+    """For each new rank, the rank its member had in the group ``previous`` (ids by rank). Pure."""
+    index = {m: i for i, m in enumerate(previous)}
+    missing = [m for m in members if m not in index]
+    if missing:
+        raise MembershipError(f"members {missing} were not in the previous group {list(previous)}")
+    return tuple(index[m] for m in members)
+
+
+def encode_decision(d: Decision) -> str:
+    """The store value of a decision (JSON)."""
+    return json.dumps({"round": d.round, "members": list(d.members)})
+
+
+def decode_decision(raw: bytes | str) -> Decision:
+    """A decision read back from the store; MembershipError when it is not one."""
+    try:
+        obj = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        return Decision(int(obj["round"]), tuple(int(x) for x in obj["members"]))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MembershipError(f"the store holds no valid membership decision ({raw!r}): {e}") from e
+
+
+def parse_joined(raw: bytes | str) -> list[int]:
+    """Ids appended as ``"id,"`` to a round's joined key, in order of arrival."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def is_peer_error(e: BaseException) -> bool:
+    """Whether a collective's exception says a peer died or a connection broke."""
+    import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+    if isinstance(e, dist.DistError):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and any(m in msg for m in PEER_ERROR_MARKERS)
+
+
+class HeartbeatMonitor:
+    """Which members are dead, from counters observed over time (pure: the caller passes the clock).
+
+    A member is dead once its counter has not changed for ``dead_after`` seconds of observation.
+    When the observer itself stalls (two observations more than ``dead_after / 2`` apart), the
+    gap is not held against the others: their last-change times move forward by it.
+    """
+
+    def __init__(self, dead_after: float) -> None:
+        if dead_after <= 0:
+            raise ConfigError(f"dead_after must be positive, got {dead_after}")
+        self.dead_after = dead_after
+        self.last_value: dict[int, int] = {}
+        self.last_change: dict[int, float] = {}
+        self.dead: dict[int, float] = {}  # id -> time found dead
+        self.last_observe: float | None = None
+
+    def observe(self, now: float, counters: Mapping[int, int]) -> frozenset[int]:
+        """Record ``counters`` seen at ``now``; the ids newly found dead."""
+        if self.last_observe is not None and now - self.last_observe > self.dead_after / 2:
+            gap = now - self.last_observe
+            for k in self.last_change:
+                self.last_change[k] += gap
+        self.last_observe = now
+        newly: set[int] = set()
+        for k, v in counters.items():
+            if k in self.dead:
+                continue
+            if self.last_value.get(k) != v:
+                self.last_value[k] = v
+                self.last_change[k] = now
+            elif now - self.last_change[k] > self.dead_after:
+                self.dead[k] = now
+                newly.add(k)
+        return frozenset(newly)
+
+    def last_alive(self, member: int) -> float | None:
+        """When ``member``'s counter was last seen moving (observer clock)."""
+        return self.last_change.get(member)
+
+
+# ---------------------------------------------------------------------------------------------
+# the store and thread adapter
+# ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _State:
+    """What the heartbeat thread and the main thread share (under ``lock``)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    watched: tuple[int, ...] = ()
+    round: int = 0
+    failed_at: float | None = None  # time.time()
+    failed_mono: float | None = None
+    reason: str = ""
+    detect_s: float = 0.0
+
+
+class Membership:
+    """This worker's view of the job's members; see the module docstring.
+
+    ``store``: a ``TCPStore`` (or a ``PrefixStore`` over one) that outlives workers; ``prefix``:
+    the job's key prefix (one per job, or per restart of a job); ``rank`` / ``world_size``: this
+    process in the current default group (default: from it); ``backend``: of the groups
+    re-formed (default: the current group's). ``interval`` / ``dead_after``: heartbeat period and
+    silence that means death; ``agree_timeout``: bound of one round's agreement and of the group
+    start; ``max_rounds``: rounds one recovery may use; ``on_failure(reason)``: called from the
+    heartbeat thread on the first failure it sees; ``order``: how a decision orders its members
+    (ids in, ids out; default by previous rank); ``pg_timeout``: the new groups' collective timeout.
+    """
+
+    def __init__(self, store: Any, prefix: str, *, rank: int | None = None, world_size: int | None = None,
+                 backend: str | None = None, interval: float = 0.2, dead_after: float = 0.8,
+                 agree_timeout: float = 20.0, max_rounds: int = 4, start_timeout: float = 30.0,
+                 on_failure: Callable[[str], None] | None = None,
+                 order: Callable[[Sequence[int]], Sequence[int]] | None = None,
+                 pg_timeout: datetime.timedelta = datetime.timedelta(seconds=30)) -> None:
+        import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+        if interval <= 0 or dead_after <= interval:
+            raise ConfigError(f"need 0 < interval < dead_after, got interval={interval}, dead_after={dead_after}")
+        initialized = dist.is_available() and dist.is_initialized()
+        if rank is None or world_size is None or backend is None:
+            if not initialized:
+                raise ConfigError("Membership needs rank, world_size and backend, or an initialised default group "
+                                  "(call dist.init_process_group first)")
+        self.rank = int(dist.get_rank() if rank is None else rank)
+        self.world_size = int(dist.get_world_size() if world_size is None else world_size)
+        self.backend = str(dist.get_backend() if backend is None else backend)
+        self.store, self.prefix = store, prefix.rstrip("/")
+        self.interval, self.dead_after = interval, dead_after
+        self.agree_timeout, self.max_rounds = agree_timeout, max_rounds
+        self.on_failure, self.order, self.pg_timeout = on_failure, order, pg_timeout
+        self.id = self.rank
+        self.round = 0
+        self.members: tuple[int, ...] = tuple(range(self.world_size))
+        self.monitor = HeartbeatMonitor(dead_after)
+        self._state = _State(watched=tuple(m for m in self.members if m != self.id))
+        self._stop = threading.Event()
+        self._hb_store = store.clone()  # its own connection: the main thread's blocking waits hold theirs
+        self._hb_store.add(self._hb_key(self.id), 1)
+        self._failures_seen = int(self._hb_store.add(self._failures_key(0), 0))
+        keys = [self._hb_key(m) for m in self.members]
+        try:
+            self._hb_store.wait(keys, datetime.timedelta(seconds=start_timeout))
+        except RuntimeError as e:
+            raise MembershipError(f"not every member of {self.prefix} started its heartbeat within {start_timeout} s "
+                                  f"(keys {keys}): {e}") from e
+        self._thread = threading.Thread(target=self._beat, name=f"tenplex-heartbeat-{self.id}", daemon=True)
+        self._thread.start()
+
+    # -- keys ----------------------------------------------------------------------------------
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *(str(p) for p in parts)])
+
+    def _hb_key(self, member: int) -> str:
+        return self._key("hb", member)
+
+    def _failures_key(self, round: int) -> str:
+        return self._key(f"round{round}", "failures")  # per round: late flags of a past round are no news
+
+    # -- failure state -------------------------------------------------------------------------
+    @property
+    def failed(self) -> bool:
+        """Whether this member knows of a failure since its group formed."""
+        return self._state.failed_at is not None
+
+    def dead(self) -> frozenset[int]:
+        """Member ids the heartbeats found dead (ever)."""
+        with self._state.lock:
+            return frozenset(self.monitor.dead)
+
+    def _fail(self, reason: str, *, publish: bool) -> None:
+        first = False
+        with self._state.lock:
+            if self._state.failed_at is None:
+                self._state.failed_at, self._state.failed_mono = time.time(), time.monotonic()
+                self._state.reason = reason
+                first = True
+        if first:
+            log.warning("member %d (round %d): failure: %s", self.id, self.round, reason)
+            if publish:
+                try:
+                    self._hb_store.add(self._failures_key(self._state.round), 1)
+                except RuntimeError as e:  # the store itself gone: nothing left to tell
+                    log.error("member %d could not flag the failure in the store: %s", self.id, e)
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(reason)
+                except Exception:  # a callback's bug must not kill the heartbeat
+                    log.exception("on_failure callback raised")
+
+    def check(self) -> None:
+        """Raise PeerFailure if a failure is known (call between steps)."""
+        if self._state.failed_at is not None:
+            raise PeerFailure(f"member {self.id} (round {self.round}): {self._state.reason}")
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Run collectives: a peer error they raise becomes PeerFailure, flagged to all members, and
+        the broken group is destroyed right away (gloo: its closed connections fail the collectives
+        of peers blocked on this member, which an abort would not)."""
+        self.check()
+        try:
+            yield
+        except PeerFailure:
+            raise
+        except RuntimeError as e:
+            if not (is_peer_error(e) or self.failed):
+                raise
+            self._fail(f"collective failed: {str(e).splitlines()[0][:300]}", publish=True)
+            self.destroy_group()  # at once: closing its connections fails the peers blocked on this member
+            raise PeerFailure(f"member {self.id} (round {self.round}): a collective failed: {e}") from e
+
+    # -- heartbeat thread ----------------------------------------------------------------------
+    def _beat(self) -> None:
+        store = self._hb_store
+        while not self._stop.wait(self.interval):
+            try:
+                store.add(self._hb_key(self.id), 1)
+                with self._state.lock:
+                    watched, rnd, baseline = self._state.watched, self._state.round, self._failures_seen
+                vals = store.multi_get([self._hb_key(m) for m in watched]) if watched else []
+                failures = int(store.add(self._failures_key(rnd), 0))
+            except RuntimeError as e:
+                if self._stop.is_set():
+                    return
+                self._fail(f"the membership store is unreachable: {e}", publish=False)
+                continue
+            now = time.monotonic()
+            with self._state.lock:
+                seen = {m: int(v) for m, v in zip(watched, vals)}
+                last = {m: self.monitor.last_alive(m) for m in watched}
+                newly = self.monitor.observe(now, seen)
+                if newly and self._state.failed_at is None:
+                    self._state.detect_s = max(now - (last[m] or now) for m in newly)
+            if newly:
+                self._fail(f"members {sorted(newly)} stopped their heartbeats", publish=True)
+                if self.backend == "nccl":
+                    self._abort()
+            elif failures != baseline and not self.failed:
+                self._fail("another member flagged a failure", publish=False)
+                if self.backend == "nccl":
+                    self._abort()
+
+    def _abort(self) -> None:
+        """nccl: abort the communicators so that a blocked collective returns (not gloo: no effect)."""
+        import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+        try:
+            # private torch API, the documented way to abort nccl communicators in torch 2.x
+            dist.distributed_c10d._abort_process_group()
+        except (RuntimeError, ValueError, AssertionError) as e:
+            log.warning("aborting the process group failed: %s", e)
+
+    def close(self) -> None:
+        """Stop the heartbeat (others will find this member dead after ``dead_after``)."""
+        self._stop.set()
+        self._thread.join(timeout=5 * self.interval + 1)
+
+    # -- recovery ------------------------------------------------------------------------------
+    def destroy_group(self) -> None:
+        """Drop the broken default group without exiting (nccl: abort its communicators first).
+
+        Destroying a gloo group closes its connections: peers blocked on this member fail at once.
+        """
+        import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+        if not dist.is_initialized():
+            return
+        if self.backend == "nccl":
+            self._abort()
+            return
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError, AssertionError) as e:
+            log.warning("destroying the process group failed: %s", e)
+
+    def agree(self, round: int, candidates: Sequence[int]) -> Decision:
+        """Join round ``round`` and return its decision (the store's first proposal)."""
+        store = self.store
+        base = self._key(f"round{round}")
+        store.append(f"{base}/joined", f"{self.id},")
+        deadline = time.monotonic() + self.agree_timeout
+        dkey = f"{base}/decision"
+        while True:
+            if store.check([dkey]):
+                d = decode_decision(store.get(dkey))
+                break
+            joined = parse_joined(store.get(f"{base}/joined"))
+            members = propose(candidates, joined, self.dead(), self.order)
+            if members is not None:
+                won = store.compare_set(dkey, "", encode_decision(Decision(round, members)))
+                d = decode_decision(won)
+                break
+            if time.monotonic() > deadline:
+                waiting = [c for c in candidates if c not in set(joined) and c not in self.dead()]
+                raise MembershipError(f"member {self.id}: round {round} did not decide within {self.agree_timeout} s; "
+                                      f"members {waiting} neither joined nor stopped their heartbeats")
+            time.sleep(0.01)
+        if d.round != round:
+            raise MembershipError(f"round {round}'s decision names round {d.round}; the store is shared by another job "
+                                  f"(use a prefix of its own)")
+        log.info("member %d: round %d decided: %s", self.id, round, list(d.members))
+        return d
+
+    def regroup(self, d: Decision) -> None:
+        """Form the default group of decision ``d``; MembershipError (retry a round) when one of
+        its members dies first."""
+        import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+        base = self._key(f"round{d.round}")
+        new_rank = d.members.index(self.id)
+        store = self.store
+        store.set(f"{base}/ready/{self.id}", "1")
+        deadline = time.monotonic() + self.agree_timeout
+        keys = [f"{base}/ready/{m}" for m in d.members]
+        while not store.check(keys):  # every member ready, or one of them dead: never a blind wait
+            gone = self.dead() & set(d.members)
+            if gone:
+                raise MembershipError(f"members {sorted(gone)} of round {d.round} died before its group formed")
+            if time.monotonic() > deadline:
+                raise MembershipError(f"round {d.round}: not every member was ready within {self.agree_timeout} s")
+            time.sleep(0.01)
+        try:  # every member is in: the group's rendezvous waits no longer than they take to connect
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"{base}/pg", store), rank=new_rank,
+                                    world_size=len(d.members), timeout=self.pg_timeout)
+            dev = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+            one = torch.ones(1, device=dev)
+            dist.all_reduce(one)  # every member formed the group
+            if int(one.item()) != len(d.members):
+                raise MembershipError(f"round {d.round}: the check all_reduce gave {one.item()}, not {len(d.members)}")
+        except RuntimeError as e:
+            self.destroy_group()
+            raise MembershipError(f"round {d.round}: the group of {list(d.members)} did not form: {e}") from e
+
+    def recover(self) -> NewMembership:
+        """After a failure: destroy the group, agree on the next round, form its group.
+
+        Raises MembershipError when this member is left out of the decision, when ``max_rounds``
+        rounds do not form a group, or when a round does not decide in time.
+        """
+        t0 = time.monotonic()
+        if self._state.failed_at is None:
+            self._fail("recover() called", publish=True)
+        st = self._state
+        failed_at = st.failed_at if st.failed_at is not None else time.time()
+        self.destroy_group()
+        previous, candidates = self.members, self.members
+        first_round = self.round + 1
+        t_decided = t0
+        for n in range(first_round, first_round + self.max_rounds):
+            try:
+                d = self.agree(n, candidates)
+            except MembershipError:
+                raise
+            except RuntimeError as e:  # the store itself failed (DistStoreError ...)
+                raise MembershipError(f"member {self.id}: round {n}: the membership store failed: {e}") from e
+            t_decided = time.monotonic()
+            if self.id not in d.members:
+                self.close()
+                raise MembershipError(f"member {self.id} was left out of round {n} ({list(d.members)}): the others "
+                                      f"found it dead; restart it as a new member")
+            try:
+                self.regroup(d)
+            except MembershipError as e:
+                log.warning("member %d: %s; trying round %d", self.id, e, n + 1)
+                candidates = d.members
+                continue
+            t_end = time.monotonic()
+            alive = old_ranks(previous, d.members)
+            self.round, self.members = n, d.members
+            with st.lock:
+                detect_s = st.detect_s
+                if st.failed_mono is not None and st.detect_s == 0.0:
+                    gone = set(previous) - set(d.members)
+                    seen = [self.monitor.last_alive(m) for m in gone]
+                    seen_at = [s for s in seen if s is not None]
+                    detect_s = max(0.0, st.failed_mono - min(seen_at)) if seen_at else 0.0
+                st.watched = tuple(m for m in d.members if m != self.id)
+                st.failed_at = st.failed_mono = None
+                st.reason, st.detect_s, st.round = "", 0.0, n
+                self._failures_seen = int(self.store.add(self._failures_key(n), 0))
+            res = NewMembership(n, d.members, alive, d.members.index(self.id), len(d.members), failed_at, detect_s,
+                                t_decided - t0, t_end - t_decided,
+                                n - first_round + 1, self.dead())
+            log.info("member %d: round %d formed: new rank %d of %d (old ranks %s); detect %.3fs agree %.3fs "
+                     "regroup %.3fs", self.id, n, res.new_rank, res.world_size, list(alive), res.detect_s,
+                     res.agree_s, res.regroup_s)
+            return res
+        raise MembershipError(f"member {self.id}: {self.max_rounds} rounds from {first_round} formed no group")

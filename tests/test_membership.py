@@ -1,0 +1,347 @@
+"""In-process failure detection and new membership (``tenplex.membership``, issue #18 items 1-2).
+
+The agreement rule, rank assignment and the heartbeat verdicts are pure and checked over every
+small case. Then spawned gloo worlds of 4 workers around a standalone TCPStore process (the
+``RendezvousStore``): one worker is SIGKILLed while the others run an all_reduce loop; the
+survivors detect it, agree on the same 3 members and round, re-form a group of 3, all_reduce in
+it and migrate the tiny trainer state (dp=2,tp=2 -> the layout ``choose_layout`` picks for 3,
+the pieces only the dead rank held read from a checkpoint) bit for bit. A second failure during
+the agreement sends the survivors to a later round (or a clean MembershipError), never a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_same, random_global
+from spawned import gloo_env, reap
+
+import tenplex
+from tenplex import ParallelConfig
+from tenplex.errors import ConfigError, MembershipError, PeerFailure
+from tenplex.membership import (Decision, HeartbeatMonitor, decode_decision, encode_decision, is_peer_error,
+                                old_ranks, parse_joined, propose)
+from tenplex.train.launch import RendezvousStore
+
+P = ParallelConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# pure parts
+# ---------------------------------------------------------------------------------------------
+def test_propose_every_small_case() -> None:
+    """Over every candidate set of <= 5 and every (joined, dead) split: propose waits while some
+    candidate is neither joined nor dead, and then proposes exactly the joined, live candidates in
+    candidate order; every member evaluating the same inputs gets the same answer."""
+    for n in range(1, 6):
+        for cand in itertools.permutations(range(n)):
+            if cand != tuple(sorted(cand)) and n > 3:
+                continue
+            for states in itertools.product("jdbn", repeat=n):  # joined, dead, both, neither
+                joined = {c for c, s in zip(cand, states) if s in "jb"} | {99}  # 99: not a candidate
+                dead = {c for c, s in zip(cand, states) if s in "db"}
+                got = propose(cand, joined, dead)
+                want = tuple(c for c, s in zip(cand, states) if s == "j")
+                if "n" in states or not want:
+                    assert got is None, (cand, states)
+                else:
+                    assert got == want and propose(list(cand), sorted(joined), sorted(dead)) == got
+
+
+def test_propose_order_and_old_ranks() -> None:
+    assert propose([0, 1, 2, 3], [3, 2, 0], [1], order=lambda m: sorted(m, reverse=True)) == (3, 2, 0)
+    with pytest.raises(ConfigError, match="order must return"):
+        propose([0, 1], [0, 1], [], order=lambda m: [0])
+    assert old_ranks((0, 1, 2, 3), (0, 2, 3)) == (0, 2, 3)
+    assert old_ranks((5, 2, 7), (7, 5)) == (2, 0)  # ids by the previous group's rank
+    with pytest.raises(MembershipError, match="not in the previous group"):
+        old_ranks((0, 1), (0, 4))
+
+
+def test_decision_round_trip() -> None:
+    d = Decision(3, (2, 0, 1))
+    assert decode_decision(encode_decision(d).encode()) == d
+    with pytest.raises(MembershipError, match="no valid membership decision"):
+        decode_decision(b"garbage")
+    assert parse_joined(b"3,1,,0,") == [3, 1, 0]
+
+
+def test_heartbeat_monitor() -> None:
+    m = HeartbeatMonitor(dead_after=0.9)
+    t = 0.0
+    for i in range(10):  # both beat
+        assert m.observe(t, {1: i, 2: i}) == frozenset()
+        t += 0.2
+    # 2 stops: dead once it has been still for more than 0.9 s, reported once
+    verdicts = []
+    for i in range(10, 20):
+        verdicts.append(m.observe(t, {1: i, 2: 9}))
+        t += 0.2
+    assert verdicts[:4] == [frozenset()] * 4 and verdicts[4] == {2} and all(v == frozenset() for v in verdicts[5:])
+    assert m.dead == {2: pytest.approx(2.8)} and m.last_alive(2) == pytest.approx(1.8)
+    # the observer stalls for 3 s: nobody is dead for that
+    m2 = HeartbeatMonitor(dead_after=0.9)
+    m2.observe(0.0, {1: 0})
+    assert m2.observe(3.0, {1: 0}) == frozenset() and m2.observe(3.2, {1: 0}) == frozenset()
+    assert [m2.observe(t, {1: 0}) for t in (3.4, 3.6, 3.8, 4.05)] == [frozenset()] * 3 + [{1}]
+    with pytest.raises(ConfigError):
+        HeartbeatMonitor(0)
+
+
+def test_is_peer_error() -> None:
+    import torch.distributed as dist
+
+    assert is_peer_error(RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert is_peer_error(dist.DistBackendError("NCCL communicator was aborted"))
+    assert not is_peer_error(RuntimeError("The size of tensor a (3) must match the size of tensor b (4)"))
+    assert not is_peer_error(ValueError("gloo"))
+
+
+# ---------------------------------------------------------------------------------------------
+# spawned worlds of 4 around a standalone store
+# ---------------------------------------------------------------------------------------------
+SAVE_ID = "0000beef"
+OLD = P(dp=2, tp=2)
+LAYOUT_OPTIONS = dict(global_batch=6, micro_batch=1)
+
+
+def _ptc() -> tenplex.PTC:
+    from tenplex.train.trainer import trainer_ptc
+
+    return trainer_ptc("tiny", distributed_optimizer=True)
+
+
+def _worker(rank: int, port: int, url: str, scenario: str, out: Any) -> None:
+    """A worker: all_reduce loop until a peer dies, then recover, all_reduce, migrate (main)."""
+    import datetime
+    import traceback
+
+    import torch.distributed as dist
+
+    from tenplex import elastic
+    from tenplex.membership import Membership
+    from tenplex.migrate import migrate
+
+    torch.set_num_threads(1)
+    res: dict[str, Any] = {"error": None}
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        dist.init_process_group("gloo", store=dist.PrefixStore("job/round0/pg", store), rank=rank, world_size=4,
+                                timeout=datetime.timedelta(seconds=20))
+        m = Membership(store, "job", agree_timeout=10.0, pg_timeout=datetime.timedelta(seconds=10))
+        ptc = _ptc()
+        glob = random_global(ptc, seed=7)
+        shard = ptc.shard(glob, OLD)[rank]
+        out.put(("ready", rank, os.getpid()))
+        x = torch.ones(256)
+        steps = 0
+        try:
+            while time.monotonic():
+                with m.guard():
+                    dist.all_reduce(x)
+                x.fill_(1.0)
+                steps += 1
+        except PeerFailure as e:
+            res["caught_at"] = time.time()
+            res["how"] = str(e)[:200]
+        res["steps"] = steps
+        out.put(("phase", rank, "caught"))
+        if scenario == "second" and rank == 2:
+            m.agree(m.round + 1, m.members)  # joins the agreement, then dies before the group forms
+            out.put(("dying", rank, None))
+            os._exit(1)
+        try:
+            nm = m.recover()
+        except MembershipError as e:
+            res["membership_error"] = str(e)
+            out.put(("done", rank, res))
+            return
+        out.put(("phase", rank, f"round {nm.round} formed"))
+        mono = time.monotonic()
+        res["hb_dead_at"] = {k: time.time() - (mono - v) for k, v in m.monitor.dead.items()}
+        res["nm"] = nm
+        y = torch.full((1,), float(rank))
+        with m.guard():
+            dist.all_reduce(y)
+        res["sum"] = float(y.item())
+        if scenario == "main":
+            chooser = elastic.default_chooser(elastic.layout_options_for(ptc, LAYOUT_OPTIONS))
+            new = chooser(ptc, nm.world_size, OLD)
+            r = migrate(ptc, OLD, new, shard, alive=nm.alive, storage=url, gpus_per_host=4)
+            want = ptc.shard(glob, new)[nm.new_rank]
+            assert set(r.shard) == set(want), sorted(set(r.shard) ^ set(want))
+            for n, t in want.items():
+                if isinstance(t, torch.Tensor):
+                    assert_same(r.shard[n], t, n)
+                else:
+                    assert r.shard[n] == t, n
+            out.put(("phase", rank, "migrated"))
+            res.update(new=str(new), bytes_sent=r.bytes_sent, bytes_storage=r.bytes_storage, migrate_s=r.seconds)
+        m.close()
+        dist.destroy_process_group()
+    except BaseException as e:  # reported to the parent, which fails the test with it
+        res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}"
+    out.put(("done", rank, res))
+
+
+def _run_world(tmp_path: Path, scenario: str, budget: float = 25.0,
+               recovery_budget: float = 20.0) -> tuple[float, dict[int, dict[str, Any]]]:
+    """Start the store and 4 workers, SIGKILL rank 3 mid-loop; (kill time, results of the others)."""
+    import torch.multiprocessing as mp
+
+    url = str(tmp_path / "ck")
+    if scenario == "main":
+        ptc = _ptc()
+        for r, shard in ptc.shard(random_global(ptc, seed=7), OLD).items():  # saved before the failure
+            tenplex.save(url, ptc, OLD, r, shard, step=3, save_id=SAVE_ID)
+    rdzv = RendezvousStore()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, rdzv.port, url, scenario, q)) for r in range(4)]
+    pids: dict[int, int] = {}
+    results: dict[int, dict[str, Any]] = {}
+    phases: dict[int, list[tuple[str, float]]] = {r: [] for r in range(4)}
+    deadline = time.monotonic() + budget  # start-up (slow on a loaded machine: 4 torch imports)
+    t_kill = 0.0
+    try:
+        with gloo_env():  # the children take the environment at start
+            for p in procs:
+                p.start()
+        while len(pids) < 4:
+            try:
+                kind, rank, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"only ranks {sorted(pids)} started within {budget} s (load average {os.getloadavg()})")
+            if kind == "done":
+                pytest.fail(f"rank {rank} ended before the failure: {val}")
+            pids[rank] = val
+        time.sleep(0.5)  # the loop runs
+        t_kill = time.time()
+        os.kill(pids[3], signal.SIGKILL)
+        want = {0, 1} if scenario == "second" else {0, 1, 2}
+        deadline = time.monotonic() + recovery_budget
+        while set(results) < want:
+            try:
+                kind, rank, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"only ranks {sorted(results)} finished within {recovery_budget} s of the kill (a hang?); "
+                            f"phases: {phases}; load average {os.getloadavg()}")
+            if kind == "done":
+                results[rank] = val
+            elif kind == "phase":
+                phases[rank].append((val, round(time.time() - t_kill, 3)))
+    finally:
+        reap(procs, timeout=5)
+        rdzv.stop()
+    errors = [f"rank {r}: {v['error']}" for r, v in results.items() if v.get("error")]
+    assert not errors, "\n".join(errors)
+    return t_kill, results
+
+
+@pytest.mark.timeout(60)
+def test_kill_a_worker_mid_collective_survivors_regroup_and_migrate(tmp_path: Path) -> None:
+    t_kill, res = _run_world(tmp_path, "main")
+    nms = {r: v["nm"] for r, v in res.items()}
+    # detection: the collective error, and the heartbeats, each within 3 s of the kill
+    for r, v in res.items():
+        assert v["steps"] > 0
+        assert 0 <= v["caught_at"] - t_kill < 3, (r, v["caught_at"] - t_kill)
+        assert 0 <= nms[r].failed_at - t_kill < 3
+    hb = [v["hb_dead_at"][3] - t_kill for v in res.values() if 3 in v["hb_dead_at"]]
+    assert hb and all(0 < h < 3 for h in hb), hb
+    # the same round, members, ranks
+    assert {(nm.round, nm.members, nm.alive, nm.world_size) for nm in nms.values()} == {(1, (0, 1, 2), (0, 1, 2), 3)}
+    assert sorted(nm.new_rank for nm in nms.values()) == [0, 1, 2]
+    assert all(v["sum"] == 3.0 for v in res.values())  # 0 + 1 + 2 in the new group
+    # the live migration: the layout chosen for 3, the dead rank's pieces from the checkpoint
+    assert {v["new"] for v in res.values()} == {"dp=1,tp=1,pp=3"}
+    p = tenplex.plan(_ptc(), OLD, P(pp=3), alive=[0, 1, 2], gpus_per_host=4)
+    assert sum(v["bytes_storage"] for v in res.values()) == p.stats.bytes_storage > 0
+    assert sum(v["bytes_sent"] for v in res.values()) == p.stats.bytes_moved - p.stats.bytes_storage
+    print("\n" + "; ".join(f"rank {r}: caught {v['caught_at'] - t_kill:.3f}s, heartbeat verdict "
+                           f"{v['hb_dead_at'].get(3, float('nan')) - t_kill:.3f}s, detect {nms[r].detect_s:.3f}s "
+                           f"agree {nms[r].agree_s:.3f}s regroup {nms[r].regroup_s:.3f}s, migrate {v['migrate_s']:.3f}s"
+                           for r, v in sorted(res.items())))
+
+
+@pytest.mark.timeout(60)
+def test_second_failure_during_agreement_moves_to_a_later_round(tmp_path: Path) -> None:
+    """Rank 3 dies mid-collective; rank 2 joins the agreement and dies before the group forms.
+    Ranks 0 and 1 end in one group of 2 in the same round (2: round 1's decision had rank 2 in
+    it), or both with MembershipError; never a hang."""
+    t_kill, res = _run_world(tmp_path, "second")
+    outcomes = {r: (v["nm"].round, v["nm"].members, v["nm"].new_rank) if "nm" in v else v["membership_error"]
+                for r, v in res.items()}
+    if all(isinstance(o, tuple) for o in outcomes.values()):
+        assert {o[:2] for o in outcomes.values()} in ({(1, (0, 1))}, {(2, (0, 1))}), outcomes
+        assert sorted(o[2] for o in outcomes.values()) == [0, 1]
+        assert all(v["sum"] == 1.0 for v in res.values())
+        print(f"\nsecond failure: survivors {outcomes}, "
+              + ", ".join(f"rank {r}: {v['nm'].rounds_tried} rounds, agree {v['nm'].agree_s:.3f}s regroup "
+                          f"{v['nm'].regroup_s:.3f}s" for r, v in sorted(res.items())))
+    else:
+        assert all(isinstance(o, str) for o in outcomes.values()), outcomes
+
+
+@pytest.mark.timeout(30)
+def test_agreement_timeouts_and_exclusion_in_one_process() -> None:
+    """Member 0 of a world of 2 in this process, member 1 simulated by its heartbeat key: alive but
+    never joining, the round ends in MembershipError after ``agree_timeout``; silent, it is found
+    dead and member 0 forms a group of 1 in round 2; a decision stored without member 0 leaves it
+    out with MembershipError. Nothing waits longer than its bound."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from tenplex.membership import Membership
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    store.add("t/hb/1", 1)
+    stop = threading.Event()
+
+    def beat() -> None:  # member 1: alive, but it never joins a round
+        while not stop.wait(0.05):
+            store.add("t/hb/1", 1)
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    m = Membership(store, "t", rank=0, world_size=2, backend="gloo", interval=0.05, dead_after=0.3,
+                   agree_timeout=1.0, pg_timeout=datetime.timedelta(seconds=5))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(MembershipError, match=r"round 1 did not decide within 1.0 s; members \[1\] neither joined"):
+            m.agree(1, m.members)
+        assert 1.0 <= time.monotonic() - t0 < 3
+        assert not m.failed and m.dead() == frozenset()
+        stop.set()  # member 1 dies
+        beater.join()
+        deadline = time.monotonic() + 5
+        while not m.failed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert m.failed and m.dead() == {1}
+        with pytest.raises(PeerFailure, match=r"members \[1\] stopped their heartbeats"):
+            m.check()
+        m.round = 1  # round 1 was tried (and left undecided): recover in round 2
+        nm = m.recover()
+        assert (nm.round, nm.members, nm.alive, nm.new_rank, nm.world_size) == (2, (0,), (0,), 0, 1)
+        assert nm.detect_s > 0.3 and dist.get_world_size() == 1 and not m.failed
+        dist.destroy_process_group()
+        # round 3 was decided without member 0 (the others found it dead): it is left out
+        store.set("t/round3/decision", encode_decision(Decision(3, (5,))))
+        with pytest.raises(MembershipError, match="left out of round 3"):
+            m.recover()
+    finally:
+        stop.set()
+        m.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
