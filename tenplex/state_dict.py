@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .checkpoint.reader import LoadResult, load
+from .checkpoint.reader import LoadResult, Scatter, load
 from .checkpoint.writer import SaveResult, save
 from .dtensor import mesh_of, mesh_ranks, placement_of
 from .errors import (
@@ -287,8 +287,10 @@ def _collection(descs: list[dict[str, tuple[Any, ...]]], objects: list[dict[str,
 # ---------------------------------------------------------------------------------------------
 class _InPlace:
     """A ``ShardSink`` that reads into the caller's tensors: straight into their memory when it is a
-    contiguous CPU tensor in the saved canonical order, else through one temporary per tensor
-    (a panel-ordered tensor's is copied into the caller's tensor panel by panel)."""
+    contiguous CPU tensor in the saved canonical order, as a ``Scatter`` of it when that is a
+    panel-ordered tensor's row or column shard (each panel's rows are runs at a stride: the reader
+    copies verified windows into them, no temporary of the tensor), else through one temporary per
+    tensor (CUDA tensors, tensors stored split on a dim > 0)."""
 
     def __init__(self, locals_: Mapping[str, torch.Tensor], layout: StateLayout, rank: int) -> None:
         self.locals = locals_
@@ -305,11 +307,15 @@ class _InPlace:
             return not self.layout.panel_copies(spec, self.rank)
         return spec.split_dim in (None, 0)
 
-    def buffer(self, name: str) -> torch.Tensor:
+    def buffer(self, name: str) -> torch.Tensor | Scatter:
         spec, loc = self.saved.tensors[name], self.locals[name]
-        if self._natural(spec) and loc.device.type == "cpu" and loc.is_contiguous():
-            self.direct.add(name)
-            return loc.view(-1)
+        if loc.device.type == "cpu" and loc.is_contiguous():
+            if self._natural(spec):
+                self.direct.add(name)
+                return loc.view(-1)
+            if spec.panels is not None:
+                self.direct.add(name)
+                return Scatter(self.layout.panel_views(spec, self.rank, loc), spec.dtype)
         return torch.empty(loc.numel(), dtype=spec.dtype)
 
     def copies(self, name: str) -> bool:

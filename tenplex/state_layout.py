@@ -373,6 +373,13 @@ class StateLayout:
             part.movedim(1, 0).copy_(flat[pos:pos + n].view(flat_shape))
         return out
 
+    def panel_views(self, spec: TensorSpec, rank: int, local: Any) -> list[tuple[int, int, Any]]:
+        """Per panel piece of ``rank``'s natural local tensor ``local`` of a panel-ordered ``spec``: its
+        offset and length in the flat buffer and its view of ``local`` as ``(panels, rows, inner)``,
+        whose row-major index order is the flat buffer's (the parts of a ``checkpoint.reader.Scatter``)."""
+        return [(pos, n, part.movedim(1, 0).view(flat_shape[0], flat_shape[1], -1))
+                for pos, n, part, flat_shape in self._panel_parts(spec, rank, local)]
+
     def _panel_parts(self, spec: TensorSpec, rank: int, local: Any) -> list[tuple[int, int, Any, tuple[int, ...]]]:
         """Per panel piece: its offset and length in the flat buffer, its view of ``local`` as
         (rows, panels, W, ...) and the shape of its flat buffer (panels, rows, W, ...)."""

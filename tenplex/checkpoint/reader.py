@@ -13,12 +13,14 @@ newest older step that verifies when a step is damaged.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import io
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from collections import Counter
@@ -56,7 +58,7 @@ from .format import (
 
 __all__ = ["LoadStats", "LoadResult", "StepInfo", "ScannedAttempt", "url_fs", "local_path", "read_sealed",
            "read_manifest_at", "scan_attempts", "list_steps", "read_manifest", "ReadItem", "plan_reads",
-           "shard_buffers", "ShardReader", "ShardSink", "PartReader", "CONCURRENT_ENV", "coalesce", "read_shard", "read_objects", "check_model",
+           "shard_buffers", "ShardReader", "ShardSink", "Scatter", "PartReader", "CONCURRENT_ENV", "coalesce", "read_shard", "read_objects", "check_model",
            "load_with_reader", "load"]
 
 log = logging.getLogger(__name__)
@@ -397,6 +399,11 @@ reads wait for older checks beyond it, so the buffers the checks still hold (tem
 tensors, which are freed only once verified and finished) stay bounded when checksums are slower
 than the reads."""
 _SHARED_BLOCKS_MAX = 4 << 20  # bytes one read of pieces sharing checksum blocks may span (a temporary buffer)
+_STAGE = 4 << 20
+_STAGES = 3
+"""Pieces bound for a ``Scatter`` (strided destinations) are read in windows of at most ``_STAGE``
+bytes (whole checksum blocks) into one of ``_STAGES`` reused staging buffers, verified and copied
+into place in the checksum thread while the next window is read: 12 MiB whatever the tensor."""
 # Remote (async fsspec) filesystems: pieces of one file closer than _MAX_GAP are fetched as one
 # ranged GET, the gap bytes read and thrown away. A GET costs a round trip (about a millisecond
 # on a LAN, tens to an object store) and a gap of 64 KiB costs less than that at 1 GB/s. Gaps
@@ -437,6 +444,7 @@ class PartReader:
         self.bytes_read = 0
         self.metadata_bytes = 0
         self.ranges = 0
+        self.scatters = True  # buffers may be Scatters (read_shard gives other readers temporaries)
 
     def bind(self, binding: Binding) -> None:
         """What this attempt's indexes must agree with; set before the first read."""
@@ -546,7 +554,13 @@ class PartReader:
             return
         if not self.local or not hasattr(os, "posix_fadvise"):
             for i, item in enumerate(items):
-                self.read_item(item, item.into(buffers))
+                dest = buffers[item.tensor]
+                if isinstance(dest, Scatter):
+                    tmp = torch.empty(item.length, dtype=dest.dtype)
+                    self.read_item(item, tmp)
+                    dest.put(item.dst, tmp)
+                else:
+                    self.read_item(item, item.into(buffers))
                 on_read(i)
             return
         spans = []
@@ -587,6 +601,8 @@ class PartReader:
             if wanted[w] >= _WHOLE_FILE * idx["file_size"]:
                 os.posix_fadvise(self._fd(w, idx["path"]), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         ahead, fetched = 0, 0
+        stages: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        staged = 0  # staging buffers made so far (at most _STAGES, made when a Scatter needs one)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-verify") as pool:
             checks: list[Any] = []
             pending = 0  # bytes of the checks from `waited` on
@@ -600,7 +616,20 @@ class PartReader:
                                          os.POSIX_FADV_WILLNEED)
                     ahead += fhi - flo
                     fetched += 1
-                if len(members) == 1:
+                dest = buffers[items[members[0]].tensor] if hi > lo else None
+                if isinstance(dest, Scatter):
+                    chunk = self._chunk(items[members[0]])[1]
+                    step = max(chunk["block"], _STAGE // chunk["block"] * chunk["block"])
+                    for wlo in range(lo, hi, step):
+                        if staged < _STAGES and stages.empty():
+                            stages.put(torch.empty(max(_STAGE, step), dtype=torch.uint8))
+                            staged += 1
+                        stage = stages.get()  # waits for the checksum thread to give one back
+                        whi = min(hi, wlo + step)
+                        self._read_stage(items[members[0]], stage, wlo, whi)
+                        checks.append((pool.submit(self._put_stage, [items[i] for i in members], dest, stage,
+                                                   wlo, whi, stages), whi - wlo))
+                elif len(members) == 1:
                     item = items[members[0]]
                     # checksums in a second thread (the CRC releases the GIL) while the next piece is read
                     checks.append((pool.submit(self.fetch(item, item.into(buffers))), hi - lo))
@@ -636,6 +665,33 @@ class PartReader:
             body = memoryview(item.into(buffers).view(torch.uint8).numpy()).cast("B")
             start = item.a * item.itemsize - lo
             body[:] = raw[start : start + len(body)]
+
+    def _read_stage(self, item: ReadItem, stage: torch.Tensor, file_lo: int, file_hi: int) -> None:
+        """Bytes [file_lo, file_hi) of ``item``'s data file into the front of ``stage``, unverified."""
+        idx = self._chunk(item)[0]
+        raw = memoryview(stage.numpy()).cast("B")[: file_hi - file_lo]
+        got = _preadv_full(self._fd(item.writer, idx["path"]), [raw], file_lo)
+        self.bytes_read += got
+        self.ranges += 1
+        if got != file_hi - file_lo:
+            raise CheckpointCorruptError(f"{idx['path']}: short read of {item.tensor} ({got} of "
+                                         f"{file_hi - file_lo} bytes)")
+
+    def _put_stage(self, members: Sequence[ReadItem], dest: Scatter, stage: torch.Tensor, file_lo: int,
+                   file_hi: int, stages: queue.SimpleQueue[torch.Tensor]) -> None:
+        """Verify the window [file_lo, file_hi) in ``stage`` (whole checksum blocks of one chunk), copy
+        the elements of ``members`` it holds into ``dest``, and give ``stage`` back."""
+        try:
+            idx, chunk = self._chunk(members[0])
+            lo, hi = file_lo - chunk["offset"], file_hi - chunk["offset"]
+            _check_blocks(idx["path"], members[0], chunk, [memoryview(stage.numpy()).cast("B")[: hi - lo]], lo, hi)
+            for item in members:
+                size = item.itemsize
+                a, b = max(item.a * size, lo), min(item.b * size, hi)
+                if a < b:
+                    dest.put(item.dst + a // size - item.a, stage[a - lo : b - lo])
+        finally:
+            stages.put(stage)
 
     def _read_remote(self, items: Sequence[ReadItem], buffers: Mapping[str, torch.Tensor], rank: int,
                      on_read: Callable[[int], None]) -> None:
@@ -690,8 +746,14 @@ class PartReader:
         idx, chunk, lo, hi = self._span(item)
         if len(raw) != want:
             raise CheckpointCorruptError(f"{idx['path']}: short read of {item.tensor} ({len(raw)} of {want} bytes)")
-        body = memoryview(item.into(buffers).view(torch.uint8).numpy()).cast("B")
         head = item.a * item.itemsize - lo
+        dest = buffers[item.tensor]
+        if isinstance(dest, Scatter):
+            _check_blocks(idx["path"], item, chunk, [raw], lo, hi)
+            dest.put(item.dst, torch.frombuffer(bytearray(raw[head : head + item.length * item.itemsize]),
+                                                dtype=torch.uint8))
+            return
+        body = memoryview(item.into(buffers).view(torch.uint8).numpy()).cast("B")
         body[:] = raw[head : head + len(body)]
         _check_blocks(idx["path"], item, chunk, [raw], lo, hi)
 
@@ -788,15 +850,68 @@ def _block_crcs(segs: list[memoryview], lo: int, hi: int, block: int) -> list[tu
 # ---------------------------------------------------------------------------------------------
 # executing a plan
 # ---------------------------------------------------------------------------------------------
+class Scatter:
+    """A flat buffer in canonical order that is not one range of memory: the caller's tensor, whose
+    row-major memory holds the canonical order's runs at strides (a panel-ordered tensor's row shard:
+    each panel's rows are every ``C``-th run of ``W`` elements). ``parts``: ``(pos, n, view)`` with
+    flat elements [pos, pos + n) laid out in ``view`` (3-D, ``(panels, rows, inner)``, any strides)
+    in its row-major index order, parts in flat order and covering [0, numel). Readers copy verified
+    bytes in (``put``) instead of reading into a temporary of the whole tensor."""
+
+    def __init__(self, parts: Sequence[tuple[int, int, torch.Tensor]], dtype: torch.dtype) -> None:
+        self.parts = list(parts)
+        self.starts = [pos for pos, _, _ in self.parts]
+        self.dtype = dtype
+        self.numel = sum(n for _, n, _ in self.parts)
+
+    def put(self, dst: int, src: torch.Tensor) -> None:
+        """Flat elements [dst, dst + len(src)) from ``src`` (1-D, this dtype, or its bytes as uint8)."""
+        if src.dtype != self.dtype:
+            src = src.view(self.dtype)
+        while len(src):
+            k = bisect.bisect_right(self.starts, dst) - 1
+            pos, n, view = self.parts[k]
+            take = min(len(src), pos + n - dst)
+            _put_range(view, dst - pos, src[:take])
+            src, dst = src[take:], dst + take
+
+    def fill(self, flat: torch.Tensor) -> None:
+        """All of it from ``flat`` (a whole flat buffer)."""
+        self.put(0, flat)
+
+
+def _put_range(view: torch.Tensor, s: int, src: torch.Tensor) -> None:
+    """Elements [s, s + len(src)) of ``view`` (3-D) in its row-major index order from ``src``: at
+    most a partial row, whole rows of one panel, whole panels, rows, a partial row (a few copies)."""
+    _, rows, inner = view.shape
+    e, per = s + len(src), rows * inner
+    while s < e:
+        p, rem = divmod(s, per)
+        r, c = divmod(rem, inner)
+        if c or e - s < inner:
+            k = min(inner - c, e - s)
+            view[p, r, c : c + k].copy_(src[:k])
+        elif r or e - s < per:
+            nr = min(rows - r, (e - s) // inner)
+            k = nr * inner
+            view[p, r : r + nr].copy_(src[:k].view(nr, inner))
+        else:
+            npan = (e - s) // per
+            k = npan * per
+            view[p : p + npan].copy_(src[:k].view(npan, rows, inner))
+        src, s = src[k:], s + k
+
+
 class ShardSink(Protocol):
     """Where a load puts a rank's tensors instead of new ones (``tenplex.state_dict`` loads in place).
 
     ``buffer(name)``: the flat buffer, in the saved canonical order, that the reads fill (a view of
-    the caller's tensor when its memory has that order, else a temporary); ``copies(name)``: whether
-    ``finish`` copies (it then runs in a second thread as soon as the tensor's last read is in);
-    ``finish(name, flat)``: the shard's value once every read of ``name`` is in."""
+    the caller's tensor when its memory has that order, a ``Scatter`` of it when its memory holds
+    that order's runs at strides, else a temporary); ``copies(name)``: whether ``finish`` copies (it
+    then runs in a second thread as soon as the tensor's last read is in); ``finish(name, flat)``:
+    the shard's value once every read of ``name`` is in (``flat``: what ``buffer`` gave)."""
 
-    def buffer(self, name: str) -> torch.Tensor: ...
+    def buffer(self, name: str) -> torch.Tensor | Scatter: ...
 
     def copies(self, name: str) -> bool: ...
 
@@ -820,9 +935,32 @@ def read_shard(saved: PTC, old: Layout, cfg: Layout, rank: int, reader: ShardRea
         def finish(name: str, flat: torch.Tensor) -> Any:
             return saved.from_local_flat(name, cfg, flat, rank)
     else:
-        buffers = _LazyBuffers(sink.buffer)
-        copies, finish = sink.copies, sink.finish
+        buffers, copies, finish = _sink_buffers(sink, getattr(reader, "scatters", False))
     return _read_and_finish(saved.rank_tensors(cfg, rank), reader, items, buffers, copies, finish, rank), needed
+
+
+def _sink_buffers(sink: ShardSink, scatters: bool) -> tuple[_LazyBuffers, Callable[[str], bool],
+                                                              Callable[[str, Any], Any]]:
+    """A sink's buffers, ``copies`` and ``finish`` for a reader; one that cannot ``scatters`` gets a
+    temporary for each ``Scatter``, copied into it by ``finish``."""
+    if scatters:
+        return _LazyBuffers(sink.buffer), sink.copies, sink.finish
+    later: dict[str, Scatter] = {}
+
+    def make(name: str) -> torch.Tensor:
+        out = sink.buffer(name)
+        if isinstance(out, Scatter):
+            later[name] = out
+            return torch.empty(out.numel, dtype=out.dtype)
+        return out
+
+    def finish(name: str, flat: Any) -> Any:
+        scatter = later.pop(name, None)
+        if scatter is not None:
+            scatter.fill(flat)
+        return sink.finish(name, flat)
+
+    return _LazyBuffers(make), lambda name: name in later or sink.copies(name), finish
 
 
 class _LazyBuffers(dict):  # type: ignore[type-arg]
