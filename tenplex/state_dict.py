@@ -93,17 +93,22 @@ def flatten_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Leaf]:
     return out
 
 
-def _describe(value: torch.Tensor, group: Any) -> tuple[Any, ...]:
-    """A tensor's global shape, dtype and (DTensors) mesh, placements and job ranks, as plain data."""
+def _describe(value: torch.Tensor, group: Any, meshes: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
+    """A tensor's global shape, dtype and (DTensors) mesh, placements and job ranks, as plain data.
+    ``meshes``: a cache by DeviceMesh object over one state dict (its tensors share a few meshes, and
+    ``DeviceMesh.mesh`` costs about 0.5 ms: 0.2 s for a 444-tensor state dict)."""
     shape, dtype = tuple(int(s) for s in value.shape), dtype_to_str(value.dtype)
     if not isinstance(value, DTensor):
         return (shape, dtype, None, None, None)
-    mesh = mesh_of(value.device_mesh)
-    placements = tuple(placement_text(placement_of(p, len(shape))) for p in value.placements)
-    ranks = mesh_ranks(value.device_mesh)
-    if group is not None:
-        ranks = tuple(dist.get_group_rank(group, r) for r in ranks)
-    return (shape, dtype, [list(d) for d in mesh.dims], list(placements), list(ranks))
+    device_mesh = value.device_mesh
+    known = meshes.get(id(device_mesh))
+    if known is None or known[0] is not device_mesh:
+        ranks = mesh_ranks(device_mesh)
+        if group is not None:
+            ranks = tuple(dist.get_group_rank(group, r) for r in ranks)
+        known = meshes[id(device_mesh)] = (device_mesh, [list(d) for d in mesh_of(device_mesh).dims], list(ranks))
+    placements = [placement_text(placement_of(p, len(shape))) for p in value.placements]
+    return (shape, dtype, [list(d) for d in known[1]], placements, list(known[2]))
 
 
 def state_layout_of(descriptions: list[dict[str, tuple[Any, ...]]]) -> tuple[PTC, StateLayout]:
@@ -208,7 +213,8 @@ def save_state_dict(state_dict: Mapping[str, Any], url: str, *, step: int, extra
         leaves = flatten_state_dict(state_dict)
         tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
         objects = {k: v for k, (_, _, v) in leaves.items() if not isinstance(v, torch.Tensor)}
-        descs = {k: _describe(v, process_group) for k, v in tensors.items()}
+        meshes: dict[int, tuple[Any, ...]] = {}
+        descs = {k: _describe(v, process_group, meshes) for k, v in tensors.items()}
         if world > 1:
             pickle.dumps(objects)  # all_gather_object pickles before its collective: fail here, not alone there
     except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each
@@ -362,7 +368,8 @@ def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int
     try:  # a state dict one rank cannot describe fails every rank (none waits in a later collective)
         leaves = flatten_state_dict(state_dict)
         tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
-        descs = {k: _describe(v, None) for k, v in tensors.items()}
+        meshes: dict[int, tuple[Any, ...]] = {}
+        descs = {k: _describe(v, None, meshes) for k, v in tensors.items()}
         layout = StateLayout.of(world, {k: _placed(d, [rank]) for k, d in descs.items()})
         # detached: the same memory, written without autograd (parameters require grad)
         locals_ = {k: (v.to_local() if isinstance(v, DTensor) else v).detach() for k, v in tensors.items()}

@@ -46,6 +46,7 @@ from .format import (
     Chunk,
     Manifest,
     block_bytes,
+    panel_block,
     crc32,
     index_name,
     open_sealed_json,
@@ -328,7 +329,8 @@ def plan_reads(saved: PTC, old: Layout, new: Layout, rank: int, *,
         by_tensor[name] = (arr[:, 0], arr[:, 1], arr[:, 2])
     items: list[ReadItem] = []
     for name in saved.rank_tensors(new, rank):
-        itemsize = saved.tensors[name].itemsize
+        spec = saved.tensors[name]
+        itemsize, fixed = spec.itemsize, panel_block(spec)
         real = [(lo, g, ln) for lo, g, ln in saved.segments(name, new, rank) if g != PAD]
         if not real:
             continue
@@ -342,7 +344,7 @@ def plan_reads(saved: PTC, old: Layout, new: Layout, rank: int, *,
         for q, c, s, e in zip(qi.tolist(), ci.tolist(), ps.tolist(), pe.tolist()):
             cs, ce = int(c_start[c]), int(c_end[c])
             items.append(ReadItem(name, int(q_lo[q]) + (s - int(q_start[q])), int(c_writer[c]), cs, ce - cs,
-                                  s - cs, e - cs, itemsize, block_bytes((ce - cs) * itemsize)))
+                                  s - cs, e - cs, itemsize, fixed or block_bytes((ce - cs) * itemsize)))
     return tuple(items)
 
 

@@ -37,7 +37,7 @@ from .format import (
     OBJECTS_NAME,
     REUSED_PREFIX,
     Chunk,
-    block_bytes,
+    chunk_block,
     block_crcs_hex,
     check_save_id,
     check_step,
@@ -303,7 +303,7 @@ class PartWriter:
             [(f"{name}@{start}", ptc.tensors[name].dtype, ln) for name, _, start, ln in assigned],
             {"format": FORMAT, "step": str(step), "save_id": save_id, "rank": str(rank)})
         base = len(self.header)
-        self.chunks = tuple(PartChunk(name, lo, start, ln, base + b0, b1 - b0, block_bytes(b1 - b0))
+        self.chunks = tuple(PartChunk(name, lo, start, ln, base + b0, b1 - b0, chunk_block(ptc.tensors[name], b1 - b0))
                             for (name, lo, start, ln), (b0, b1) in zip(assigned, offsets))
         self.size = base + (offsets[-1][1] if offsets else 0)
         self.path = f"{sdir}/{data_name(rank)}"
