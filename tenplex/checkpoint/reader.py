@@ -46,10 +46,10 @@ from .format import (
     Chunk,
     Manifest,
     block_bytes,
-    panel_block,
     crc32,
     index_name,
     open_sealed_json,
+    panel_block,
     parse_step_dir,
     verify_index,
     verify_manifest,
@@ -370,7 +370,9 @@ class ShardReader(Protocol):
     bytes are in place (checksums may still be running; a mismatch raises before it returns)
     so the caller may lay out a tensor whose reads are all in; after the last ``on_read`` of a
     tensor the reader no longer touches its buffer, which the caller may drop. ``rank``: the
-    loading rank (readers may order reads by it). The counters cover what was read so far."""
+    loading rank (readers may order reads by it). The counters cover what was read so far.
+    A reader whose ``scatters`` attribute is true also takes ``Scatter`` buffers (``read_shard``
+    gives other readers a temporary instead)."""
 
     @property
     def bytes_read(self) -> int: ...
