@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .checkpoint.format import block_bytes, check_step, step_dir, writer_assignment
+from .checkpoint.format import check_step, chunk_block, step_dir, writer_assignment
 from .checkpoint.reader import url_fs
 from .checkpoint.writer import PartWriter, default_save_id
 from .errors import CheckpointValueError, ConfigError, SideTaskMemoryError
@@ -430,7 +430,7 @@ class StoreWriteTask:
         shapes = {n: ptc.local_shape(n, cfg) for n in relaid}
         self._row_bytes = max((math.prod(s) // s[ptc.tensors[n].split_dim] * ptc.tensors[n].dtype.itemsize
                                for n, s in shapes.items()), default=0)
-        self._max_block = max((block_bytes(ln * ptc.tensors[n].dtype.itemsize) for n, _, _, ln in self.chunks),
+        self._max_block = max((chunk_block(ptc.tensors[n], ln * ptc.tensors[n].itemsize) for n, _, _, ln in self.chunks),
                               default=0)
         self.completed = 0
         self.bubble_bytes = 0

@@ -47,6 +47,7 @@ __all__ = [
     "TensorPlacement",
     "chunk_range",
     "local_box",
+    "panel_pieces",
     "local_shape",
     "canonical_order",
     "segments",
@@ -396,22 +397,113 @@ def _segment_arrays(
     return local, start, length
 
 
+PanelPiece = tuple[int, int, tuple[tuple[range, ...], ...]]
+"""``(local column, columns, refined box)``: a run of a box's local columns that one panel range
+holds, and the box over the panel view ``(R, P, W, *rest)`` it is."""
+
+
+def panel_pieces(shape: Sequence[int], box: Sequence[Sequence[range]], count: int) -> list[PanelPiece]:
+    """A box of a tensor of ``shape`` (R, C, ...) cut into the pieces the panel order sees: dim 1 cut
+    into ``count`` panels of ``W = C // count`` columns, each column range of the box becomes at most
+    three boxes over the panel view ``(R, count, W, *rest)`` (a partial first panel, whole panels, a
+    partial last panel). Each piece: the local column where it starts, its number of columns, its
+    refined box. A box's local flat buffer in panel order is its pieces' flat buffers (each the
+    piece flattened in order ``(1, 0, 2, ...)``), concatenated in piece order."""
+    shape = tuple(shape)
+    width = shape[1] // count
+    rows, rest = tuple(box[0]), tuple(tuple(r) for r in box[2:])
+    out: list[PanelPiece] = []
+    pos = 0
+    for r in box[1]:
+        a, b = r.start, r.stop
+        cuts = [a]
+        first = -(-a // width) * width if width else b
+        if a < first < b:
+            cuts.append(first)
+        last = (b // width) * width if width else a
+        if max(a, first) < last < b:
+            cuts.append(last)
+        cuts.append(b)
+        for lo, hi in zip(cuts, cuts[1:]):
+            if hi <= lo:
+                continue
+            p0, p1 = lo // width, -(-hi // width)
+            if p1 - p0 == 1:
+                w = (range(lo - p0 * width, hi - p0 * width),)
+            else:
+                w = (range(0, width),)
+            out.append((pos + lo - a, hi - lo, (rows, (range(p0, p1),), w, *rest)))
+        pos += b - a
+    return out
+
+
+def _panel_segment_arrays(
+    shape: tuple[int, ...], box: tuple[tuple[range, ...], ...], count: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_segment_arrays`` of a box in panel order (``panel_pieces``), maximal runs."""
+    if len(shape) < 2 or any(sum(len(r) for r in b) == 0 for b in box):
+        return _EMPTY, _EMPTY, _EMPTY
+    view = (shape[0], count, shape[1] // count) + shape[2:]
+    order = (1, 0) + tuple(range(2, len(view)))
+    rows = sum(len(r) for r in box[0])
+    inner = math.prod(sum(len(r) for r in ranges) for ranges in box[2:])
+    locs, starts, lengths = [], [], []
+    pos = 0
+    for _, ncols, pbox in panel_pieces(shape, box, count):
+        local, start, length = _segment_arrays(view, pbox, order)
+        locs.append(local + pos)
+        starts.append(start)
+        lengths.append(length)
+        pos += rows * ncols * inner
+    if not locs:
+        return _EMPTY, _EMPTY, _EMPTY
+    local, start, length = np.concatenate(locs), np.concatenate(starts), np.concatenate(lengths)
+    if len(start) > 1:  # join runs that continue each other in both orders across pieces
+        brk = np.empty(len(start), dtype=bool)
+        brk[0] = True
+        np.not_equal(start[1:], start[:-1] + length[:-1], out=brk[1:])
+        brk[1:] |= local[1:] != local[:-1] + length[:-1]
+        keep = np.flatnonzero(brk)
+        local, start, length = local[keep], start[keep], np.add.reduceat(length, keep)
+    return local, start, length
+
+
+def _ordered_segment_arrays(
+    shape: tuple[int, ...], box: tuple[tuple[range, ...], ...], order: tuple[int, ...], panels: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if panels:
+        return _panel_segment_arrays(shape, box, panels)
+    return _segment_arrays(shape, box, order)
+
+
+def _check_panels(shape: tuple[int, ...], panels: int | None) -> int | None:
+    if panels is None:
+        return None
+    if isinstance(panels, bool) or not isinstance(panels, (int, np.integer)) or panels < 1:
+        raise SpecError(f"a panel count is an integer >= 1, got {panels!r}")
+    if len(shape) < 2 or shape[1] % panels:
+        raise SpecError(f"{panels} panels need a tensor of >= 2 dims whose dim 1 they divide, got shape {shape}")
+    return int(panels)
+
+
 def box_segments(
-    shape: Sequence[int], box: Sequence[Sequence[range]], order: Sequence[int]
+    shape: Sequence[int], box: Sequence[Sequence[range]], order: Sequence[int], *, panels: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(local, start, length)`` arrays of a box (per dim, the global index ranges it holds) of a
     tensor of ``shape``: the box flattened in ``order`` (a permutation of the dims) as maximal runs of
     consecutive offsets into the global tensor flattened the same way; ``local`` is each run's offset
-    in the box's own flat buffer."""
+    in the box's own flat buffer. ``panels``: the panel order instead (``panel_pieces``; ``order``
+    is then ignored)."""
     shape = tuple(int(s) for s in shape)
     order = _check_order(order, len(shape))
+    panels = _check_panels(shape, panels)
     box = tuple(tuple(ranges) for ranges in box)
     if len(box) != len(shape):
         raise LayoutError(f"a box of {len(box)} dims for a tensor of shape {shape}")
     for d, (ranges, size) in enumerate(zip(box, shape)):
         if any(r.step != 1 or r.start < 0 or r.stop > size or r.start > r.stop for r in ranges):
             raise LayoutError(f"box dim {d} ranges {list(ranges)} do not lie in 0..{size}")
-    return _segment_arrays(shape, box, order)
+    return _ordered_segment_arrays(shape, box, order, panels)
 
 
 def segments(
@@ -441,11 +533,13 @@ def holder_table(
     order: Sequence[int] | None = None,
     *,
     right_to_left: bool = False,
+    panels: int | None = None,
 ) -> SegmentTable:
-    """Every rank's segments of the tensor (``segments`` for each rank of ``mesh``), sorted by rank."""
+    """Every rank's segments of the tensor (``segments`` for each rank of ``mesh``), sorted by rank;
+    ``panels``: in the panel order of that many panels (``panel_pieces``) instead of ``order``."""
     shape = _check(shape, mesh, placements)
     order = canonical_order(shape, placements) if order is None else _check_order(order, len(shape))
-    return _holder_table(shape, mesh, tuple(placements), order, right_to_left)
+    return _holder_table(shape, mesh, tuple(placements), order, right_to_left, _check_panels(shape, panels))
 
 
 @lru_cache(maxsize=4096)
@@ -455,6 +549,7 @@ def _holder_table(
     placements: tuple[MeshPlacement, ...],
     order: tuple[int, ...],
     right_to_left: bool,
+    panels: int | None = None,
 ) -> SegmentTable:
     # Coordinates on replicating mesh dims do not change a piece: compute each distinct piece once.
     sharding = [i for i, p in enumerate(placements) if not isinstance(p, Replicate)]
@@ -466,7 +561,7 @@ def _holder_table(
         for i, c in zip(sharding, key):
             coords[i] = where[i] = c
         box = local_box(shape, mesh, placements, coords, right_to_left=right_to_left)
-        local, start, length = _segment_arrays(shape, box, order)
+        local, start, length = _ordered_segment_arrays(shape, box, order, panels)
         ranks = grid[tuple(where)].ravel()
         cols[0].append(np.repeat(ranks, len(local)))
         for col, values in zip(cols[1:], (local, start, length)):

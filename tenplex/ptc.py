@@ -39,6 +39,7 @@ Layout = Union[ParallelConfig, "StateLayout"]
 __all__ = [
     "Replicated",
     "Split",
+    "Panels",
     "TPSpec",
     "Placement",
     "TensorSpec",
@@ -115,7 +116,27 @@ class Split:
             raise SpecError(f"Split.pad_multiple must be >= 1, got {self.pad_multiple}")
 
 
-TPSpec = Union[Replicated, Split]
+@dataclass(frozen=True, slots=True)
+class Panels:
+    """Not a TP split but a canonical order, for torch-native state dicts (``tenplex.state_layout``):
+    dim ``dim`` (the columns, only dim 1) of a tensor of shape ``(R, C, ...)`` cut into ``count``
+    equal panels of ``W = C // count`` columns, stored panel after panel, each panel row-major: the
+    order of ``t.reshape(R, count, W, ...).permute(1, 0, 2, ...).flatten()``. A row range is
+    ``count`` intervals, a column range that panels align with one interval per run of whole
+    panels, both together (rows of a column shard) one interval per panel. ``ParallelConfig``
+    layouts do not take it (SpecError)."""
+
+    dim: int = 1
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dim != 1:
+            raise SpecError(f"Panels cuts dim 1 (the columns) only, got dim={self.dim}")
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise SpecError(f"Panels.count must be an integer >= 1, got {self.count!r}")
+
+
+TPSpec = Union[Replicated, Split, Panels]
 
 # Pipeline placement: a layer index, or one of these words.
 Placement = Union[int, str]
@@ -152,6 +173,9 @@ class TensorSpec:
                 f"{self.name}: placement must be a layer index >= 0 or one of {_PLACEMENT_WORDS}, "
                 f"got {self.placement!r}"
             )
+        if isinstance(self.tp, Panels) and (len(self.shape) < 2 or self.shape[1] % self.tp.count):
+            raise SpecError(f"{self.name}: {self.tp.count} panels need >= 2 dims and a dim 1 they divide, "
+                            f"got shape {self.shape}")
         if isinstance(self.tp, Split):
             if self.tp.dim >= len(self.shape):
                 raise SpecError(f"{self.name}: split dim {self.tp.dim} but the tensor has {len(self.shape)} dims")
@@ -178,7 +202,30 @@ class TensorSpec:
     def split_dim(self) -> int | None:
         return self.tp.dim if isinstance(self.tp, Split) else None
 
+    @property
+    def panels(self) -> int | None:
+        """The panel count of a panel-ordered tensor (``Panels``), else None."""
+        return self.tp.count if isinstance(self.tp, Panels) else None
+
+    @property
+    def natural(self) -> bool:
+        """Whether the canonical order is the natural row-major order (no split dim > 0, no panels),
+        so a contiguous local tensor is its own flat buffer."""
+        return self.split_dim in (None, 0) and self.panels is None
+
+    def _no_panels(self, what: str) -> None:
+        if isinstance(self.tp, Panels):
+            raise SpecError(f"{self.name}: a panel-ordered tensor (Panels({self.tp.count})) is for state-dict "
+                            f"layouts (tenplex.state_layout.StateLayout); a ParallelConfig layout cannot {what} it")
+
+    def _panel_view(self) -> tuple[int, ...]:
+        assert isinstance(self.tp, Panels)
+        return (self.shape[0], self.tp.count, self.shape[1] // self.tp.count) + self.shape[2:]
+
     def canonical_shape(self) -> tuple[int, ...]:
+        if isinstance(self.tp, Panels):
+            v = self._panel_view()
+            return (v[1], v[0]) + v[2:]
         d = self.split_dim
         if d is None:
             return self.shape
@@ -186,12 +233,17 @@ class TensorSpec:
 
     def to_canonical(self, tensor: torch.Tensor) -> torch.Tensor:
         """The global tensor as a contiguous 1-D tensor in canonical order."""
+        if isinstance(self.tp, Panels):
+            return tensor.reshape(self._panel_view()).movedim(1, 0).contiguous().reshape(-1)
         d = self.split_dim
         t = tensor if d in (None, 0) else tensor.movedim(d, 0)
         return t.contiguous().reshape(-1)
 
     def from_canonical(self, flat: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """Inverse of ``to_canonical`` for a (local) tensor with ``rows`` along the split dim."""
+        if isinstance(self.tp, Panels):
+            v = self._panel_view()
+            return flat.reshape((v[1], v[0]) + v[2:]).movedim(0, 1).contiguous().reshape(self.shape)
         d = self.split_dim
         if d is None:
             return flat.reshape(self.shape)
@@ -201,7 +253,8 @@ class TensorSpec:
         return t if d == 0 else t.movedim(0, d).contiguous()
 
     def check_tp(self, tp: int) -> None:
-        """Raise LayoutError if ``tp`` cannot split this tensor."""
+        """Raise LayoutError if ``tp`` cannot split this tensor (SpecError for a panel-ordered one)."""
+        self._no_panels("split")
         if not isinstance(self.tp, Split) or self.tp.pad_multiple is not None:
             return
         d = self.tp.dim
@@ -224,6 +277,7 @@ class TensorSpec:
 
     def tp_segments(self, tp: int, t: int) -> list[tuple[int, int, int]]:
         """Segments (local_off, global_off, length) of TP rank ``t``'s shard in canonical order."""
+        self._no_panels("split")
         if not isinstance(self.tp, Split):
             return [(0, 0, self.numel)]
         self.check_tp(tp)
@@ -258,6 +312,7 @@ class TensorSpec:
         return self.padded_rows(tp) // tp
 
     def tp_local_numel(self, tp: int) -> int:
+        self._no_panels("split")
         if not isinstance(self.tp, Split):
             return self.numel
         rows = self.shape[self.tp.dim]
@@ -289,6 +344,7 @@ class TensorSpec:
 
     def local_shape(self, cfg: ParallelConfig) -> tuple[int, ...]:
         """Natural shape of a rank's local shard (1-D for a DP-sharded tensor)."""
+        self._no_panels("place")
         if self.dp_sharded:
             return (self.fragment_numel(cfg),)
         if not isinstance(self.tp, Split):
@@ -300,6 +356,8 @@ class TensorSpec:
     # -- (de)serialisation ----------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         tp: dict[str, Any] = {"kind": "replicated"}
+        if isinstance(self.tp, Panels):
+            tp = {"kind": "panels", "dim": self.tp.dim, "count": self.tp.count}
         if isinstance(self.tp, Split):
             tp = {"kind": "split", "dim": self.tp.dim}
             if self.tp.blocks is not None:
@@ -332,12 +390,16 @@ class TensorSpec:
                             f"{type(obj.get('dtype')).__name__}")
         if not ints(obj.get("shape")):
             raise SpecError(f"{where}: shape {obj.get('shape')!r} is not a list of integers")
-        if not isinstance(tpj, Mapping) or tpj.get("kind") not in ("replicated", "split"):
-            raise SpecError(f"{where}: tp {tpj!r} is not {{kind: replicated|split, ...}}")
+        if not isinstance(tpj, Mapping) or tpj.get("kind") not in ("replicated", "split", "panels"):
+            raise SpecError(f"{where}: tp {tpj!r} is not {{kind: replicated|split|panels, ...}}")
         placement, dp_sharded = obj.get("placement"), obj.get("dp_sharded")
         if type(placement) not in (int, str) or type(dp_sharded) is not bool:
             raise SpecError(f"{where}: placement {placement!r} or dp_sharded {dp_sharded!r} has the wrong type")
         tp: TPSpec = Replicated()
+        if tpj["kind"] == "panels":
+            if type(tpj.get("dim")) is not int or type(tpj.get("count")) is not int:
+                raise SpecError(f"{where}: panels {tpj!r} needs an integer dim and count")
+            tp = Panels(dim=tpj["dim"], count=tpj["count"])
         if tpj["kind"] == "split":
             blocks, pad = tpj.get("blocks"), tpj.get("pad_multiple")
             if type(tpj.get("dim")) is not int or not (blocks is None or ints(blocks)) or not (
@@ -558,6 +620,10 @@ class PTC:
         spec = self.tensors[name]
         if not isinstance(cfg, ParallelConfig):
             shape = cfg.local_shape(spec, rank)
+            if spec.panels is not None:
+                out = local.new_empty(shape)
+                cfg.from_local_flat(spec, rank, local, out)
+                return out
             d = spec.split_dim
             if d in (None, 0):
                 return local.reshape(shape)
@@ -567,16 +633,22 @@ class PTC:
         return spec.from_canonical(local, rows=spec.local_rows(cfg.tp))
 
     def relaid(self, name: str) -> bool:
-        """Whether a local shard's canonical (split dim first) order differs from its natural
-        row-major order, so converting between them is a strided copy, not a reshape."""
+        """Whether a local shard's canonical (split dim first, or panel) order may differ from its
+        natural row-major order, so converting between them is a strided copy, not a reshape."""
         spec = self.tensors[name]
-        return not spec.dp_sharded and spec.split_dim not in (None, 0)
+        return not spec.dp_sharded and not spec.natural
 
-    def to_local_flat(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """A local shard in canonical flat order (inverse of ``from_local_flat``)."""
+    def to_local_flat(self, name: str, local: torch.Tensor, cfg: Layout | None = None, rank: int = 0) -> torch.Tensor:
+        """A local shard in canonical flat order (inverse of ``from_local_flat``); a panel-ordered
+        tensor's needs the state-dict layout ``cfg`` and the ``rank`` holding it (which columns it has)."""
+        spec = self.tensors[name]
+        if spec.panels is not None:
+            if cfg is None or isinstance(cfg, ParallelConfig):
+                spec._no_panels("lay out")
+            return cfg.to_local_flat(spec, rank, local)  # type: ignore[union-attr]
         if not self.relaid(name):
             return local.contiguous().reshape(-1)
-        return local.movedim(self.tensors[name].split_dim, 0).contiguous().reshape(-1)
+        return local.movedim(spec.split_dim, 0).contiguous().reshape(-1)
 
     def shard(self, global_state: Mapping[str, Any], cfg: ParallelConfig) -> dict[int, dict[str, Any]]:
         """Split global tensors into ``{rank: {name: local shard}}``; objects go to every rank."""

@@ -37,11 +37,19 @@ from .mesh import (
     canonical_order,
     holder_table,
     local_box,
+    panel_pieces,
 )
-from .ptc import PTC, Replicated, SegmentTable, Split, TensorSpec, dtype_from_str
+from .ptc import PTC, Panels, Replicated, SegmentTable, Split, TensorSpec, dtype_from_str
 
 __all__ = ["Placed", "Boxes", "Placement", "StateLayout", "spec_for", "boxes_split_dim", "placement_text",
-           "parse_placement"]
+           "parse_placement", "PANELS", "PANEL_MIN_ROWS", "PANEL_MIN_COLS"]
+
+PANELS = 8
+"""Panel count ``spec_for`` gives 2-D and higher tensors (the lcm of the TP sizes 1, 2, 4, 8: a TP
+column shard of any of them is whole panels)."""
+PANEL_MIN_ROWS = 64
+PANEL_MIN_COLS = 64
+"""Smaller tensors keep the dim-permutation order: a few reads of them cost little either way."""
 
 
 def placement_text(p: MeshPlacement) -> str:
@@ -220,14 +228,27 @@ def spec_for(name: str, shape: Sequence[int], dtype: Any, placements: Sequence[M
     """The PTC spec of a state-dict tensor: its canonical flat order is the one ``mesh.canonical_order``
     picks for the placements it was saved with (``Split(d)`` when dim ``d > 0`` goes first), so a
     shard of the saving mesh is as few intervals as possible. For ``Boxes``: the natural order,
-    unless every chunk is a slice of one dim ``d > 0`` (then ``d`` first)."""
+    unless every chunk is a slice of one dim ``d > 0`` (then ``d`` first).
+
+    Panels: a tensor of >= 2 dims with at least ``PANEL_MIN_ROWS`` rows and ``PANEL_MIN_COLS``
+    columns (dim 1), the columns a multiple of ``PANELS``, that no placement shards on a dim > 1,
+    is stored in the panel order of ``PANELS`` panels (``Panels``): then both a row range (FSDP2,
+    any uneven ``torch.chunk``) and a column range of whole panels (TP 1, 2, 4, 8 on dim 1), and
+    rows of such a column range (FSDP2 over TP), are a few intervals each, whichever of them saved
+    and whichever loads. (A split on dim 1 that panels do not align with costs one interval per row
+    in its boundary panels only.)"""
+    shape = tuple(shape)
+    dt = dtype_from_str(dtype) if isinstance(dtype, str) else dtype
     if isinstance(placements, Boxes):
         d = boxes_split_dim(shape, placements)
         tp = Split(d) if d else Replicated()
-        return TensorSpec(name, tuple(shape), dtype_from_str(dtype) if isinstance(dtype, str) else dtype, tp=tp)
-    order = canonical_order(tuple(shape), tuple(placements))
+        return TensorSpec(name, shape, dt, tp=tp)
+    if (len(shape) >= 2 and shape[0] >= PANEL_MIN_ROWS and shape[1] >= PANEL_MIN_COLS and shape[1] % PANELS == 0
+            and not any(isinstance(p, (Shard, StridedShard)) and p.dim > 1 for p in placements)):
+        return TensorSpec(name, shape, dt, tp=Panels(1, PANELS))
+    order = canonical_order(shape, tuple(placements))
     tp = Split(order[0]) if order and order[0] != 0 else Replicated()
-    return TensorSpec(name, tuple(shape), dtype_from_str(dtype) if isinstance(dtype, str) else dtype, tp=tp)
+    return TensorSpec(name, shape, dt, tp=tp)
 
 
 def _order(spec: TensorSpec) -> tuple[int, ...]:
@@ -310,21 +331,73 @@ class StateLayout:
         """Every (job rank, segment) of ``spec`` in its canonical order, sorted by rank."""
         placed = self.placed[spec.name]
         if isinstance(placed, Boxes):
-            return _box_table(spec.shape, _order(spec), placed)
-        return _table(spec.shape, _order(spec), placed)
+            return _box_table(spec.shape, _order(spec), placed, spec.panels)
+        return _table(spec.shape, _order(spec), placed, spec.panels)
 
     def segments(self, spec: TensorSpec, rank: int) -> list[tuple[int, int, int]]:
         table = self.holder_table(spec)
         lo, hi = np.searchsorted(table.rank, [rank, rank + 1])
         return list(zip(table.local[lo:hi].tolist(), table.start[lo:hi].tolist(), table.length[lo:hi].tolist()))
 
-    def local_shape(self, spec: TensorSpec, rank: int) -> tuple[int, ...]:
+    def local_box(self, spec: TensorSpec, rank: int) -> tuple[tuple[range, ...], ...]:
+        """Per dim, the global index ranges ``rank``'s local tensor of ``spec`` holds, in local order."""
         placed = self.placed[spec.name]
         if isinstance(placed, Boxes):
-            return tuple(sum(len(r) for r in ranges) for ranges in placed.box(rank))
-        box = local_box(spec.shape, placed.mesh, placed.placements, placed.mesh.coords(placed.ranks.index(rank)),
-                        right_to_left=True)
-        return tuple(sum(len(r) for r in ranges) for ranges in box)
+            return placed.box(rank)
+        return local_box(spec.shape, placed.mesh, placed.placements, placed.mesh.coords(placed.ranks.index(rank)),
+                         right_to_left=True)
+
+    def local_shape(self, spec: TensorSpec, rank: int) -> tuple[int, ...]:
+        return tuple(sum(len(r) for r in ranges) for ranges in self.local_box(spec, rank))
+
+    def panel_copies(self, spec: TensorSpec, rank: int) -> bool:
+        """Whether ``rank``'s local tensor of a panel-ordered ``spec`` differs from its flat buffer
+        (False when it holds one row or columns of one panel only: then it is one block already)."""
+        box = self.local_box(spec, rank)
+        if sum(len(r) for r in box[0]) <= 1:
+            return False
+        pieces = _pieces(spec.shape, box, spec.panels or 1)
+        return not (len(pieces) <= 1 and (not pieces or len(pieces[0][2][1][0]) == 1))
+
+    def to_local_flat(self, spec: TensorSpec, rank: int, local: Any) -> Any:
+        """``rank``'s natural local tensor of a panel-ordered ``spec`` as its flat buffer (the pieces of
+        ``mesh.panel_pieces``, each permuted panel first); a new tensor."""
+        out = local.new_empty(local.numel())
+        for pos, n, part, flat_shape in self._panel_parts(spec, rank, local):
+            out[pos:pos + n].view(flat_shape).copy_(part.movedim(1, 0))
+        return out
+
+    def from_local_flat(self, spec: TensorSpec, rank: int, flat: Any, out: Any) -> Any:
+        """Inverse of ``to_local_flat``: ``flat`` copied into ``out`` (the natural local tensor)."""
+        for pos, n, part, flat_shape in self._panel_parts(spec, rank, out):
+            part.movedim(1, 0).copy_(flat[pos:pos + n].view(flat_shape))
+        return out
+
+    def panel_views(self, spec: TensorSpec, rank: int, local: Any) -> list[tuple[int, int, Any]]:
+        """Per panel piece of ``rank``'s natural local tensor ``local`` of a panel-ordered ``spec``: its
+        offset and length in the flat buffer and its view of ``local`` as ``(panels, rows, inner)``,
+        whose row-major index order is the flat buffer's (the parts of a ``checkpoint.reader.Scatter``)."""
+        return [(pos, n, part.movedim(1, 0).view(flat_shape[0], flat_shape[1], -1))
+                for pos, n, part, flat_shape in self._panel_parts(spec, rank, local)]
+
+    def _panel_parts(self, spec: TensorSpec, rank: int, local: Any) -> list[tuple[int, int, Any, tuple[int, ...]]]:
+        """Per panel piece: its offset and length in the flat buffer, its view of ``local`` as
+        (rows, panels, W, ...) and the shape of its flat buffer (panels, rows, W, ...)."""
+        count = spec.panels
+        if count is None:
+            raise SpecError(f"{spec.name} is not panel-ordered")
+        shape = tuple(local.shape)
+        if shape != self.local_shape(spec, rank):
+            raise LayoutError(f"{spec.name}: rank {rank}'s local tensor has shape {list(shape)}, its placements give "
+                              f"{list(self.local_shape(spec, rank))}")
+        out, pos = [], 0
+        for col, ncols, pbox in _pieces(spec.shape, self.local_box(spec, rank), count):
+            npan, width = len(pbox[1][0]), len(pbox[2][0])
+            part = local.narrow(1, col, ncols).unflatten(1, (npan, width))
+            n = part.numel()
+            out.append((pos, n, part, (npan, shape[0], width) + shape[2:]))
+            pos += n
+        return out
 
     def check(self, ptc: PTC, *, complete: bool = False) -> None:
         """LayoutError unless every tensor placed here is one of ``ptc``'s and its placement fits its shape.
@@ -405,9 +478,13 @@ class StateLayout:
             raise SpecError(f"malformed state-dict layout ({type(e).__name__}: {e})") from None
 
 
+def _pieces(shape: tuple[int, ...], box: tuple[tuple[range, ...], ...], count: int) -> list[Any]:
+    return [] if any(sum(len(r) for r in b) == 0 for b in box) else panel_pieces(shape, box, count)
+
+
 @lru_cache(maxsize=4096)
-def _table(shape: tuple[int, ...], order: tuple[int, ...], placed: Placed) -> SegmentTable:
-    local = holder_table(shape, placed.mesh, placed.placements, order, right_to_left=True)
+def _table(shape: tuple[int, ...], order: tuple[int, ...], placed: Placed, panels: int | None = None) -> SegmentTable:
+    local = holder_table(shape, placed.mesh, placed.placements, order, right_to_left=True, panels=panels)
     ranks = np.asarray(placed.ranks, dtype=np.int64)[local.rank]
     by_rank = np.argsort(ranks, kind="stable")
     return SegmentTable.from_columns(ranks[by_rank], local.local[by_rank], local.start[by_rank],
@@ -415,11 +492,12 @@ def _table(shape: tuple[int, ...], order: tuple[int, ...], placed: Placed) -> Se
 
 
 @lru_cache(maxsize=4096)
-def _box_table(shape: tuple[int, ...], order: tuple[int, ...], boxes: Boxes) -> SegmentTable:
+def _box_table(shape: tuple[int, ...], order: tuple[int, ...], boxes: Boxes, panels: int | None = None) -> SegmentTable:
     """Every holder's segments of its box, in canonical order (``order``), sorted by rank."""
     cols: list[tuple[np.ndarray, ...]] = []
     for r, o, z in sorted(boxes.chunks):
-        local, start, length = box_segments(shape, tuple((range(a, a + n),) for a, n in zip(o, z)), order)
+        local, start, length = box_segments(shape, tuple((range(a, a + n),) for a, n in zip(o, z)), order,
+                                            panels=panels)
         cols.append((np.full(len(local), r, dtype=np.int64), local, start, length))
     if not cols:
         empty = np.zeros(0, dtype=np.int64)

@@ -31,6 +31,7 @@ from tenplex.mesh import (
     Shard,
     StridedShard,
     TensorPlacement,
+    box_segments,
     canonical_order,
     chunk_range,
     holder_table,
@@ -536,3 +537,76 @@ def test_segments_match_real_dtensors(world: int, n_cases: int) -> None:
     assert total["fail"] == 0 and total["module_fail"] == 0 and total["module_rtl_fail"] == 0, first
     assert total["pass"] >= world * (n_cases - len(refused)) and total["module_pass"] > 0
     assert len(refused) <= n_cases // 10, refused[:5]
+
+
+# ---------------------------------------------------------------------------------------------
+# the panel order (Panels): box -> segments against a brute-force reference
+# ---------------------------------------------------------------------------------------------
+def _panel_reference(shape: tuple[int, ...], box: tuple[tuple[range, ...], ...], count: int) -> np.ndarray:
+    """Global panel-order offsets of a box's elements in its local flat order: per column range of
+    the box, its elements sorted by their position in the panel order of the whole tensor (an index
+    tensor reshaped to (R, P, W, ...), permuted panel first, flattened)."""
+    idx = torch.arange(math.prod(shape)).reshape(shape)
+    order = idx.reshape(shape[0], count, shape[1] // count, *shape[2:]).movedim(1, 0).reshape(-1)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(len(order))
+    out = []
+    for cols in box[1]:
+        sel = idx
+        for d, ranges in enumerate((box[0], (cols,), *box[2:])):
+            sel = sel.index_select(d, torch.tensor([i for r in ranges for i in r], dtype=torch.long))
+        out.append(torch.sort(pos[sel.reshape(-1)]).values.numpy())
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+@st.composite
+def panel_boxes(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[tuple[range, ...], ...], int]:
+    count = draw(st.integers(1, 5))
+    shape = (draw(st.integers(1, 7)), count * draw(st.integers(1, 5))) + tuple(
+        draw(st.lists(st.integers(1, 3), max_size=1)))
+    box = []
+    for size in shape:
+        cuts = sorted(set(draw(st.lists(st.integers(0, size), min_size=2, max_size=4))))
+        ranges = tuple(range(a, b) for a, b in zip(cuts[::2], cuts[1::2]) if b > a)
+        box.append(ranges or (range(0, size),))
+    return shape, tuple(box), count
+
+
+@given(panel_boxes())
+@settings(max_examples=examples(300))
+def test_panel_segments_match_brute_force(case: tuple) -> None:
+    shape, box, count = case
+    local, start, length = box_segments(shape, box, tuple(range(len(shape))), panels=count)
+    ref = _panel_reference(shape, box, count)
+    got = np.concatenate([np.arange(s, s + n) for s, n in zip(start, length)]) if len(start) else np.zeros(0)
+    assert np.array_equal(got, ref)
+    assert np.array_equal(local, np.concatenate([[0], np.cumsum(length)[:-1]]) if len(length) else local)
+    assert not np.any(start[1:] == start[:-1] + length[:-1])  # maximal runs
+
+
+def test_panel_segments_are_few() -> None:
+    """Rows, aligned columns and rows of aligned columns are one run per panel (or fewer); an
+    unaligned column boundary costs a run per row inside its boundary panel only."""
+    shape, count = (64, 128), 8  # panels of 16 columns
+    rows = box_segments(shape, ((range(5, 37),), (range(0, 128),)), (0, 1), panels=count)
+    assert len(rows[0]) == count and set(rows[2].tolist()) == {32 * 16}
+    cols = box_segments(shape, ((range(0, 64),), (range(32, 96),)), (0, 1), panels=count)
+    assert cols[1].tolist() == [2 * 64 * 16] and cols[2].tolist() == [4 * 64 * 16]
+    both = box_segments(shape, ((range(10, 20),), (range(32, 64),)), (0, 1), panels=count)
+    assert len(both[0]) == 2
+    odd = box_segments(shape, ((range(0, 64),), (range(40, 88),)), (0, 1), panels=count)  # 40..48 | 48..80 | 80..88
+    # a run per row in panels 2 and 5, the whole panels 3-4 joined to the last row before and the first after
+    assert len(odd[0]) == 64 + 64 - 1
+    with pytest.raises(SpecError, match="panels"):
+        box_segments((4, 6), ((range(0, 4),), (range(0, 6),)), (0, 1), panels=4)
+
+
+def test_panel_holder_table_covers_every_rank() -> None:
+    mesh = MeshLayout.parse("dp_shard=2,tp=2")
+    placements = (StridedShard(0, 2), Shard(0))
+    table = holder_table((9, 16), mesh, placements, (0, 1), right_to_left=True, panels=4)
+    assert sorted(set(table.rank.tolist())) == [0, 1, 2, 3]
+    covered = np.zeros(9 * 16, dtype=int)
+    for s, n in zip(table.start.tolist(), table.length.tolist()):
+        covered[s:s + n] += 1
+    assert (covered == 1).all()

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tenplex import PTC, LayoutError, ParallelConfig, Replicated, Split, TensorSpec, model_ptc
-from tenplex.ptc import PAD, dtype_from_str, dtype_to_str
+from tenplex.errors import SpecError
+from tenplex.ptc import PAD, Panels, dtype_from_str, dtype_to_str
 
 
 @st.composite
@@ -501,3 +502,29 @@ def test_shard_casts_to_spec_dtype():
     shards = ptc.shard({"w": w}, ParallelConfig(tp=2))
     assert shards[1]["w"].dtype == torch.bfloat16
     assert shards[1]["w"].tolist() == [-3.0, 4.0]
+
+
+def test_panels_spec_json_round_trip_and_refused_by_parallel_config() -> None:
+    spec = TensorSpec("w", (6, 8, 2), tp=Panels(1, 4))
+    assert spec.panels == 4 and not spec.natural and spec.split_dim is None
+    assert TensorSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    assert spec.to_json()["tp"] == {"kind": "panels", "dim": 1, "count": 4}
+    a, b = PTC([spec]), PTC([TensorSpec("w", (6, 8, 2))])
+    assert a.fingerprint() != b.fingerprint() and a.diff(b)
+    t = torch.arange(96.0).reshape(6, 8, 2)
+    flat = spec.to_canonical(t)
+    assert torch.equal(flat, t.reshape(6, 4, 2, 2).permute(1, 0, 2, 3).reshape(-1))
+    assert torch.equal(spec.from_canonical(flat), t)
+    with pytest.raises(SpecError, match="ParallelConfig layout cannot split"):
+        a.check(ParallelConfig(tp=2))
+    with pytest.raises(SpecError, match="ParallelConfig"):
+        a.holders("w", ParallelConfig(dp=2))
+    with pytest.raises(SpecError, match="ParallelConfig"):
+        a.to_local_flat("w", t)
+    for bad in (dict(dim=0, count=2), dict(count=0)):
+        with pytest.raises(SpecError):
+            Panels(**bad)
+    with pytest.raises(SpecError, match="panels need"):
+        TensorSpec("w", (6, 6), tp=Panels(1, 4))
+    with pytest.raises(SpecError, match="panels"):
+        TensorSpec.from_json({**spec.to_json(), "tp": {"kind": "panels", "dim": 1}})

@@ -12,12 +12,14 @@ Mismatches, disagreeing ranks and failing saves raise the documented errors; a t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -26,7 +28,10 @@ from hypothesis import strategies as st
 from conftest import examples
 from hostile import Tally
 from spawned import free_port, run_spawned
+import tenplex.checkpoint.reader as reader_mod
 from tenplex.checkpoint import load, open_sealed_json, plan_reads, save, seal_json, writer_assignment
+from tenplex.checkpoint.format import Binding, panel_block
+from tenplex.checkpoint.reader import PartReader, Scatter, list_steps, read_manifest_at, read_shard
 from tenplex.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -35,9 +40,9 @@ from tenplex.errors import (
     CheckpointWriteError,
 )
 from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard, local_box
-from tenplex.ptc import PTC, dtype_to_str
-from tenplex.state_dict import load_state_dict, save_state_dict, state_layout_of
-from tenplex.state_layout import Placed, StateLayout, placement_text
+from tenplex.ptc import PTC, Panels, dtype_to_str
+from tenplex.state_dict import _InPlace, load_state_dict, save_state_dict, state_layout_of
+from tenplex.state_layout import PANELS, Placed, StateLayout, placement_text, spec_for
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.uint8, torch.bool, torch.float64)
 
@@ -119,14 +124,21 @@ def placed_on(draw: st.DrawFn, ndim: int, world: int) -> Placed:
 
 
 @st.composite
-def reshard_cases(draw: st.DrawFn) -> tuple[dict, StateLayout, StateLayout]:
+def reshard_cases(draw: st.DrawFn, panels: bool = False) -> tuple[Any, ...]:
+    """(shapes, saving layout, loading layout); ``panels``: also a panel count per tensor of >= 2
+    dims (dim 1 a multiple of it, the tensors saved in ``Panels`` order), as a fourth element."""
     n = draw(st.integers(1, 3))
     shapes = {}
+    counts: dict[str, int] = {}
     for i in range(n):
-        ndim = draw(st.integers(0, 3))
+        ndim = draw(st.integers(2, 3)) if panels else draw(st.integers(0, 3))
         shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
         if ndim:  # rows that FSDP2 over TP splits unevenly more often
             shape = (draw(st.one_of(st.integers(0, 17), st.sampled_from([7, 9, 13, 17]))),) + shape[1:]
+        if panels and ndim >= 2:
+            count = draw(st.integers(1, 4))
+            shape = (shape[0], count * draw(st.integers(0, 4))) + shape[2:]
+            counts[f"t{i}"] = count
         shapes[f"t{i}"] = (shape, draw(st.sampled_from(DTYPES)))
     layouts = []
     for _ in range(2):
@@ -139,15 +151,20 @@ def reshard_cases(draw: st.DrawFn) -> tuple[dict, StateLayout, StateLayout]:
             else:
                 placed[name] = draw(placed_on(len(shape), world))
         layouts.append(StateLayout.of(world, placed))
+    if panels:
+        return shapes, layouts[0], layouts[1], counts
     return shapes, layouts[0], layouts[1]
 
 
 def _save_all(url: str, shapes: dict, layout: StateLayout, seed: int, *, step: int = 1,
-              objects: dict | None = None) -> tuple[PTC, dict[str, torch.Tensor]]:
-    """Save every rank's part of ``layout`` from one process; the collection and global tensors."""
+              objects: dict | None = None, panels: dict[str, int] | None = None) -> tuple[PTC, dict[str, torch.Tensor]]:
+    """Save every rank's part of ``layout`` from one process; the collection and global tensors.
+    ``panels``: tensors saved in the panel order of that many panels instead of ``spec_for``'s."""
     ptc, again = state_layout_of(descriptions(layout, shapes))
     assert again.placed == layout.placed
-    ptc = PTC(ptc.tensors.values(), num_layers=0, objects=sorted(objects or {}), meta={"kind": "state_dict"})
+    specs = [dataclasses.replace(s, tp=Panels(1, panels[s.name])) if s.name in (panels or {}) else s
+             for s in ptc.tensors.values()]
+    ptc = PTC(specs, num_layers=0, objects=sorted(objects or {}), meta={"kind": "state_dict"})
     globals_ = {name: global_tensor(shape, dtype, seed + i) for i, (name, (shape, dtype)) in enumerate(shapes.items())}
     for rank in range(layout.world_size):
         shard: dict[str, Any] = {name: local_of(globals_[name], p, rank) for name, p in layout.tensors
@@ -210,9 +227,24 @@ def check_writers(ptc: PTC, layout: StateLayout, sdir: Path) -> None:
 @given(reshard_cases(), st.integers(0, 2**16))
 @settings(max_examples=examples(40))
 def test_save_under_one_layout_load_under_another(case: tuple, seed: int) -> None:
-    shapes, saved, new = case
+    _reshard_round_trip(*case, seed)
+
+
+@given(reshard_cases(panels=True), st.integers(0, 2**16))
+@settings(max_examples=examples(40))
+def test_panels_save_under_one_layout_load_under_another(case: tuple, seed: int) -> None:
+    """The same with 2-D and 3-D tensors in panel order (any panel count dividing dim 1, uneven row
+    and column splits included), loaded both into new tensors and in place (``load_state_dict``'s sink)."""
+    shapes, saved, new, counts = case
+    _reshard_round_trip(shapes, saved, new, seed, counts)
+
+
+def _reshard_round_trip(shapes: dict, saved: StateLayout, new: StateLayout, seed: int,
+                        panels: dict[str, int] | None = None) -> None:
     with tempfile.TemporaryDirectory() as url:
-        ptc, globals_ = _save_all(url, shapes, saved, seed, objects={"step": seed, "groups": [{"lr": 0.5}]})
+        ptc, globals_ = _save_all(url, shapes, saved, seed, objects={"step": seed, "groups": [{"lr": 0.5}]},
+                                  panels=panels)
+        assert all(ptc.tensors[n].panels == c for n, c in (panels or {}).items())
         sdir = next(Path(url).iterdir())
         check_writers(ptc, saved, sdir)
         for rank in range(new.world_size):
@@ -231,6 +263,14 @@ def test_save_under_one_layout_load_under_another(case: tuple, seed: int) -> Non
             assert res.stats.bytes_read == blocks_once(items)
             # each read rounds out to whole checksum blocks at its two ends, at most
             assert res.stats.bytes_read <= exact + sum(2 * (i.block - 1) for i in items)
+            if panels:  # in place, into the caller's tensors (pre-filled with other values)
+                locals_ = {n: torch.zeros_like(local_of(globals_[n], new.placed[n], rank)) for n in mine}
+                sink = _InPlace(locals_, new, rank)
+                got = load(url, new, rank, sink=sink, check=sink.bind)
+                assert got.stats.bytes_needed == exact
+                for name in mine:
+                    assert got.shard[name] is locals_[name]
+                    assert same(locals_[name], local_of(globals_[name], new.placed[name], rank)), (name, rank)
 
 
 def test_named_reshards() -> None:
@@ -706,3 +746,107 @@ def test_load_into_parameters_that_require_grad(tmp_path: Path) -> None:
     assert sd["w"] is dst.weight and dst.weight.data_ptr() == ptr and dst.weight.requires_grad
     assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias) and torch.equal(tp, src.weight.t())
     assert dst.weight.grad_fn is None and tp.grad_fn is None
+
+
+def test_spec_for_panels_rule_and_in_place_round_trip(tmp_path: Path) -> None:
+    """``spec_for`` puts big 2-D tensors (64 x 64 and up, columns a multiple of 8) in panel order,
+    small ones and 1-D ones not; ``save_state_dict`` / ``load_state_dict`` round-trip them in place."""
+    assert spec_for("w", (64, 64), "float32", (Shard(0),)).panels == PANELS
+    assert spec_for("w", (64, 64, 2), "float32", (Shard(1),)).panels == PANELS
+    assert spec_for("w", (64, 64, 2), "float32", (Shard(2),)).split_dim == 2
+    assert spec_for("w", (63, 64), "float32", (Shard(1),)).split_dim == 1
+    assert spec_for("w", (64, 60), "float32", (Replicate(),)).panels is None
+    assert spec_for("w", (4096,), "float32", (Shard(0),)).panels is None
+    sd = {"w": global_tensor((96, 64), torch.float32, 1), "e": global_tensor((128, 72), torch.bfloat16, 2),
+          "b": global_tensor((64,), torch.float32, 3)}
+    save_state_dict(sd, str(tmp_path), step=1)
+    into = {k: torch.zeros_like(v) for k, v in sd.items()}
+    ptrs = {k: v.data_ptr() for k, v in into.items()}
+    res = load_state_dict(into, str(tmp_path))
+    assert res.bytes_read == res.bytes_needed == sum(v.numel() * v.element_size() for v in sd.values())
+    for k in sd:
+        assert same(into[k], sd[k]) and into[k].data_ptr() == ptrs[k], k
+
+
+# ---------------------------------------------------------------------------------------------
+# panel-ordered tensors read in place: Scatter copies, staging windows, block alignment
+# ---------------------------------------------------------------------------------------------
+@given(st.integers(1, 40), st.integers(1, 3), st.sampled_from([1, 2, 4]), st.integers(0, 2),
+       st.lists(st.integers(1, 200), min_size=1, max_size=30))
+@settings(max_examples=examples(60))
+def test_scatter_puts_any_flat_range_in_panel_order(rows: int, width: int, count: int, shard: int,
+                                                    cuts: list[int]) -> None:
+    """``Scatter.put`` of the flat (panel order) buffer in pieces of any sizes, across part, panel and
+    row boundaries, lays out exactly what ``from_local_flat`` does (columns split by ``tp=3``: parts
+    of partial and whole panels)."""
+    shape = (rows, 3 * count * width)
+    layout = StateLayout.of(3, {"w": Placed(MeshLayout.parse("tp=3"), (Shard(1),), (0, 1, 2))})
+    spec = dataclasses.replace(spec_for("w", shape, "float32", (Shard(1),)), tp=Panels(1, count))
+    g = global_tensor(shape, torch.float32, rows)
+    local = local_of(g, layout.placed["w"], shard)
+    flat = layout.to_local_flat(spec, shard, local)
+    out = torch.full_like(local, float("nan"))
+    scatter = Scatter(layout.panel_views(spec, shard, out), torch.float32)
+    pos = 0
+    for n in cuts * (1 + flat.numel() // max(1, sum(cuts))):
+        if pos >= flat.numel():
+            break
+        scatter.put(pos, flat[pos : pos + n])
+        pos += len(flat[pos : pos + n])
+    scatter.put(pos, flat[pos:])
+    assert same(out, local)
+
+
+def test_panel_loads_in_place_read_exactly_their_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Panel-ordered tensors (R a multiple of 8) saved under row, column and no split load under the
+    others in place, bit exact, reading exactly the bytes they need (checksum blocks are rows of a
+    panel that divide R / 8); through staging windows smaller than a piece, over a filesystem
+    that is not local (one range per piece), with the concurrent remote path, and through a reader
+    that cannot scatter (temporaries)."""
+    monkeypatch.setattr(reader_mod, "_STAGE", 16 << 10)  # windows of a 64 KiB panel, and runs of pieces
+    shapes = {"w": ((256, 512), torch.float32), "e": ((256, 512), torch.bfloat16)}  # blocks: 32 rows
+    m4, m2, m22 = MeshLayout.parse("dp_shard=4"), MeshLayout.parse("tp=2"), MeshLayout.parse("dp_shard=2,tp=2")
+
+    def on(mesh: MeshLayout, placements: tuple) -> StateLayout:
+        return StateLayout.of(mesh.world_size, {n: Placed(mesh, placements, tuple(range(mesh.world_size)))
+                                                for n in shapes})
+
+    layouts = {"fsdp4": on(m4, (Shard(0),)), "tp2cols": on(m2, (Shard(1),)), "tp2rows": on(m2, (Shard(0),)),
+               "fsdp2xtp2": on(m22, (Shard(0), Shard(1))), "whole": on(MeshLayout.parse("dp=1"), (Replicate(),))}
+    for saved_name in ("fsdp4", "tp2cols", "whole"):
+        url = str(tmp_path / saved_name)
+        ptc, globals_ = _save_all(url, shapes, layouts[saved_name], 7, panels={n: PANELS for n in shapes})
+        assert all(panel_block(s) for s in ptc.tensors.values())
+        for new_name, new in layouts.items():
+            for rank in range(new.world_size):
+                want = {n: local_of(globals_[n], new.placed[n], rank) for n in shapes}
+                locals_ = {n: torch.zeros_like(t) for n, t in want.items()}
+                sink = _InPlace(locals_, new, rank)
+                got = load(url, new, rank, sink=sink, check=sink.bind)
+                needed = sum(t.numel() * t.element_size() for t in want.values())
+                assert got.stats.bytes_needed == needed == got.stats.bytes_read, (saved_name, new_name, rank)
+                assert all(same(locals_[n], want[n]) and got.shard[n] is locals_[n] for n in shapes)
+    # the other readers' paths, on one pair (rows from columns and the reverse)
+    mem = fsspec.filesystem("memory")
+    for saved_name, new_name in (("tp2cols", "fsdp2xtp2"), ("fsdp4", "tp2cols")):
+        url = f"memory://panels-{saved_name}"
+        _save_all(url, shapes, layouts[saved_name], 3, panels={n: PANELS for n in shapes})
+        ptc, globals_ = _save_all(str(tmp_path / "ref"), shapes, layouts[saved_name], 3, step=2,
+                                  panels={n: PANELS for n in shapes})
+        new = layouts[new_name]
+        sdir = list_steps(url)[-1].path
+        manifest = read_manifest_at(mem, sdir)
+        for how in ("sync", "concurrent", "temporaries"):
+            for rank in range(new.world_size):
+                want = {n: local_of(globals_[n], new.placed[n], rank) for n in shapes}
+                locals_ = {n: torch.zeros_like(t) for n, t in want.items()}
+                sink = _InPlace(locals_, new, rank)
+                sink.bind(manifest.full().ptc)
+                reader = PartReader(mem, sdir, concurrent=how == "concurrent")
+                reader.bind(Binding.of(manifest))
+                if how == "temporaries":
+                    reader.scatters = False
+                shard, needed = read_shard(manifest.full().ptc, manifest.layout, new, rank, reader, sink=sink)
+                assert needed == sum(t.numel() * t.element_size() for t in want.values())
+                assert all(same(locals_[n], want[n]) and shard[n] is locals_[n] for n in shapes), (how, rank)
+        mem.rm(url, recursive=True)

@@ -13,6 +13,7 @@ newest older step that verifies when a step is damaged.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import io
@@ -48,6 +49,7 @@ from .format import (
     crc32,
     index_name,
     open_sealed_json,
+    panel_block,
     parse_step_dir,
     verify_index,
     verify_manifest,
@@ -56,7 +58,7 @@ from .format import (
 
 __all__ = ["LoadStats", "LoadResult", "StepInfo", "ScannedAttempt", "url_fs", "local_path", "read_sealed",
            "read_manifest_at", "scan_attempts", "list_steps", "read_manifest", "ReadItem", "plan_reads",
-           "shard_buffers", "ShardReader", "ShardSink", "PartReader", "CONCURRENT_ENV", "coalesce", "read_shard", "read_objects", "check_model",
+           "shard_buffers", "ShardReader", "ShardSink", "Scatter", "PartReader", "CONCURRENT_ENV", "coalesce", "read_shard", "read_objects", "check_model",
            "load_with_reader", "load"]
 
 log = logging.getLogger(__name__)
@@ -327,7 +329,8 @@ def plan_reads(saved: PTC, old: Layout, new: Layout, rank: int, *,
         by_tensor[name] = (arr[:, 0], arr[:, 1], arr[:, 2])
     items: list[ReadItem] = []
     for name in saved.rank_tensors(new, rank):
-        itemsize = saved.tensors[name].itemsize
+        spec = saved.tensors[name]
+        itemsize, fixed = spec.itemsize, panel_block(spec)
         real = [(lo, g, ln) for lo, g, ln in saved.segments(name, new, rank) if g != PAD]
         if not real:
             continue
@@ -341,7 +344,7 @@ def plan_reads(saved: PTC, old: Layout, new: Layout, rank: int, *,
         for q, c, s, e in zip(qi.tolist(), ci.tolist(), ps.tolist(), pe.tolist()):
             cs, ce = int(c_start[c]), int(c_end[c])
             items.append(ReadItem(name, int(q_lo[q]) + (s - int(q_start[q])), int(c_writer[c]), cs, ce - cs,
-                                  s - cs, e - cs, itemsize, block_bytes((ce - cs) * itemsize)))
+                                  s - cs, e - cs, itemsize, fixed or block_bytes((ce - cs) * itemsize)))
     return tuple(items)
 
 
@@ -367,7 +370,9 @@ class ShardReader(Protocol):
     bytes are in place (checksums may still be running; a mismatch raises before it returns)
     so the caller may lay out a tensor whose reads are all in; after the last ``on_read`` of a
     tensor the reader no longer touches its buffer, which the caller may drop. ``rank``: the
-    loading rank (readers may order reads by it). The counters cover what was read so far."""
+    loading rank (readers may order reads by it). The counters cover what was read so far.
+    A reader whose ``scatters`` attribute is true also takes ``Scatter`` buffers (``read_shard``
+    gives other readers a temporary instead)."""
 
     @property
     def bytes_read(self) -> int: ...
@@ -391,7 +396,17 @@ class ShardReader(Protocol):
 # ---------------------------------------------------------------------------------------------
 _PREFETCH = 64 << 20  # bytes a local load asks the kernel to fetch ahead of the reads
 _WHOLE_FILE = 0.99  # the share of a file's data a load must need for sequential read-ahead
+_CHECK_AHEAD = 64 << 20
+"""Bytes read but not yet verified that a local load lets run ahead of its checksum thread: the
+reads wait for older checks beyond it, so the buffers the checks still hold (temporaries of relaid
+tensors, which are freed only once verified and finished) stay bounded when checksums are slower
+than the reads."""
 _SHARED_BLOCKS_MAX = 4 << 20  # bytes one read of pieces sharing checksum blocks may span (a temporary buffer)
+_STAGE = 4 << 20
+"""Pieces bound for a ``Scatter`` (strided destinations) are read into one reused staging buffer
+of ``_STAGE`` bytes (a large piece in windows of whole checksum blocks, small pieces that follow
+each other in a file together), verified and copied into place, all in the reading thread: a
+second thread would only trade the GIL back and forth (measured: 25 % more CPU time)."""
 # Remote (async fsspec) filesystems: pieces of one file closer than _MAX_GAP are fetched as one
 # ranged GET, the gap bytes read and thrown away. A GET costs a round trip (about a millisecond
 # on a LAN, tens to an object store) and a gap of 64 KiB costs less than that at 1 GB/s. Gaps
@@ -432,6 +447,7 @@ class PartReader:
         self.bytes_read = 0
         self.metadata_bytes = 0
         self.ranges = 0
+        self.scatters = True  # buffers may be Scatters (read_shard gives other readers temporaries)
 
     def bind(self, binding: Binding) -> None:
         """What this attempt's indexes must agree with; set before the first read."""
@@ -541,7 +557,13 @@ class PartReader:
             return
         if not self.local or not hasattr(os, "posix_fadvise"):
             for i, item in enumerate(items):
-                self.read_item(item, item.into(buffers))
+                dest = buffers[item.tensor]
+                if isinstance(dest, Scatter):
+                    tmp = torch.empty(item.length, dtype=dest.dtype)
+                    self.read_item(item, tmp)
+                    dest.put(item.dst, tmp)
+                else:
+                    self.read_item(item, item.into(buffers))
                 on_read(i)
             return
         spans = []
@@ -553,7 +575,15 @@ class PartReader:
             spans.append((item.writer, chunk["offset"] + lo, chunk["offset"] + hi, i))
         writers = sorted({w for w, *_ in spans})
         turn = {w: (i - rank) % len(writers) for i, w in enumerate(writers)}
-        spans.sort(key=lambda x: (turn[x[0]], x[1], x[2], x[3]))
+        # tensor by tensor (in the plan's tensor order), each tensor's pieces by writer turn and
+        # offset: every file is still read front to back, and a tensor read through a temporary
+        # (panel order, a split on dim > 0) is finished and its temporary freed before the next
+        # tensor's are filled, so the temporaries in flight are about one tensor's, not the
+        # whole shard's (which they were in file order when tensors span several files)
+        first: dict[str, int] = {}
+        for item in items:
+            first.setdefault(item.tensor, len(first))
+        spans.sort(key=lambda x: (first[items[x[3]].tensor], turn[x[0]], x[1], x[2], x[3]))
         # Pieces whose rounded-out spans overlap share checksum blocks (a column slice of a
         # row-major chunk: one small piece per row, each rounded out to a whole block); they are
         # read as one range, each block once, and scattered from there.
@@ -574,9 +604,14 @@ class PartReader:
             if wanted[w] >= _WHOLE_FILE * idx["file_size"]:
                 os.posix_fadvise(self._fd(w, idx["path"]), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         ahead, fetched = 0, 0
+        stage: np.ndarray | None = None  # made when a Scatter needs it
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-verify") as pool:
-            checks = []
-            for k, (w, lo, hi, members) in enumerate(groups):
+            checks: list[Any] = []
+            pending = 0  # bytes of the checks from `waited` on
+            waited = 0
+            k = 0
+            while k < len(groups):
+                w, lo, hi, members = groups[k]
                 fetched = max(fetched, k)
                 while fetched < len(groups) and ahead < _PREFETCH:
                     fw, flo, fhi, _ = groups[fetched]
@@ -585,16 +620,48 @@ class PartReader:
                                          os.POSIX_FADV_WILLNEED)
                     ahead += fhi - flo
                     fetched += 1
-                if len(members) == 1:
+                end = k + 1  # groups done in this turn: [k, end)
+                dest = buffers[items[members[0]].tensor] if hi > lo else None
+                if isinstance(dest, Scatter):
+                    if stage is None:
+                        stage = np.empty(_STAGE, dtype=np.uint8)
+                    first = items[members[0]]
+                    if hi - lo > _STAGE:  # one large piece: windows of whole blocks
+                        block = self._chunk(first)[1]["block"]
+                        step = _STAGE // block * block
+                        for wlo in range(lo, hi, step):
+                            whi = min(hi, wlo + step)
+                            self._read_stage(first, stage, wlo, whi)
+                            self._put_stage([items[i] for i in members], dest, stage, wlo, whi)
+                    else:  # with the following pieces that continue it in the file: one read
+                        run_hi = hi
+                        while (end < len(groups) and groups[end][0] == w and groups[end][1] == run_hi
+                               and groups[end][2] - lo <= _STAGE
+                               and isinstance(buffers[items[groups[end][3][0]].tensor], Scatter)):
+                            run_hi = groups[end][2]
+                            end += 1
+                        self._read_stage(first, stage, lo, run_hi)
+                        for _, glo, ghi, gmembers in groups[k:end]:
+                            self._put_stage([items[i] for i in gmembers], buffers[items[gmembers[0]].tensor],
+                                            stage[glo - lo :], glo, ghi)
+                elif len(members) == 1:
                     item = items[members[0]]
                     # checksums in a second thread (the CRC releases the GIL) while the next piece is read
-                    checks.append(pool.submit(self.fetch(item, item.into(buffers))))
+                    checks.append((pool.submit(self.fetch(item, item.into(buffers))), hi - lo))
+                    pending += hi - lo
+                    while pending > _CHECK_AHEAD and waited < len(checks) - 1:
+                        done, n = checks[waited]
+                        done.result()  # the first corrupt block raises
+                        pending -= n
+                        waited += 1
                 else:
                     self._fetch_shared([items[i] for i in members], lo, hi, buffers)
-                for i in members:
-                    on_read(i)
-                ahead -= hi - lo
-            for c in checks:
+                for _, glo, ghi, gmembers in groups[k:end]:
+                    for i in gmembers:
+                        on_read(i)
+                    ahead -= ghi - glo
+                k = end
+            for c, _ in checks[waited:]:
                 c.result()  # the first corrupt block raises
 
     def _fetch_shared(self, members: Sequence[ReadItem], file_lo: int, file_hi: int,
@@ -615,6 +682,29 @@ class PartReader:
             body = memoryview(item.into(buffers).view(torch.uint8).numpy()).cast("B")
             start = item.a * item.itemsize - lo
             body[:] = raw[start : start + len(body)]
+
+    def _read_stage(self, item: ReadItem, stage: np.ndarray, file_lo: int, file_hi: int) -> None:
+        """Bytes [file_lo, file_hi) of ``item``'s data file into the front of ``stage``, unverified."""
+        idx = self._chunk(item)[0]
+        got = _preadv_full(self._fd(item.writer, idx["path"]), [memoryview(stage[: file_hi - file_lo])], file_lo)
+        self.bytes_read += got
+        self.ranges += 1
+        if got != file_hi - file_lo:
+            raise CheckpointCorruptError(f"{idx['path']}: short read of {item.tensor} ({got} of "
+                                         f"{file_hi - file_lo} bytes)")
+
+    def _put_stage(self, members: Sequence[ReadItem], dest: Scatter, raw: np.ndarray, file_lo: int,
+                   file_hi: int) -> None:
+        """Verify bytes [file_lo, file_hi) of the file, at the front of ``raw`` (whole checksum blocks
+        of one chunk), then copy the elements of ``members`` they hold into ``dest``."""
+        idx, chunk = self._chunk(members[0])
+        lo, hi = file_lo - chunk["offset"], file_hi - chunk["offset"]
+        _check_blocks(idx["path"], members[0], chunk, [memoryview(raw[: hi - lo])], lo, hi)
+        for item in members:
+            size = item.itemsize
+            a, b = max(item.a * size, lo), min(item.b * size, hi)
+            if a < b:
+                dest.put(item.dst + a // size - item.a, raw[a - lo : b - lo])
 
     def _read_remote(self, items: Sequence[ReadItem], buffers: Mapping[str, torch.Tensor], rank: int,
                      on_read: Callable[[int], None]) -> None:
@@ -669,8 +759,14 @@ class PartReader:
         idx, chunk, lo, hi = self._span(item)
         if len(raw) != want:
             raise CheckpointCorruptError(f"{idx['path']}: short read of {item.tensor} ({len(raw)} of {want} bytes)")
-        body = memoryview(item.into(buffers).view(torch.uint8).numpy()).cast("B")
         head = item.a * item.itemsize - lo
+        dest = buffers[item.tensor]
+        if isinstance(dest, Scatter):
+            _check_blocks(idx["path"], item, chunk, [raw], lo, hi)
+            dest.put(item.dst, torch.frombuffer(bytearray(raw[head : head + item.length * item.itemsize]),
+                                                dtype=torch.uint8))
+            return
+        body = memoryview(item.into(buffers).view(torch.uint8).numpy()).cast("B")
         body[:] = raw[head : head + len(body)]
         _check_blocks(idx["path"], item, chunk, [raw], lo, hi)
 
@@ -731,22 +827,31 @@ def coalesce(pieces: Sequence[tuple[int, int, int]], max_gap: int, budget: int,
     return out
 
 
-def _check_blocks(path: str, item: ReadItem, chunk: Mapping[str, Any], segs: list[memoryview], lo: int,
+def _check_blocks(path: str, item: ReadItem, chunk: dict[str, Any], segs: list[memoryview], lo: int,
                   hi: int) -> None:
-    """CheckpointCorruptError unless bytes [lo, hi) of ``item``'s chunk, laid out across
-    ``segs``, match the block CRCs its index records."""
-    block, nbytes, crcs = chunk["block"], chunk["length"] * item.itemsize, chunk["crc32"]
-    for k, got_crc in _block_crcs(segs, lo, hi, block):
-        if got_crc != int(crcs[8 * k : 8 * k + 8], 16):
-            off = k * block
-            raise CheckpointCorruptError(
-                f"{path}: checksum mismatch in {item.tensor} bytes [{off}, {min(off + block, nbytes)}) "
-                f"of the chunk at offset {item.chunk_start}: the file is corrupted; load an earlier step"
-            )
+    """CheckpointCorruptError unless bytes [lo, hi) of ``item``'s chunk (``lo`` on a block boundary),
+    laid out across ``segs``, match the block CRCs its index records."""
+    block = chunk["block"]
+    if len(segs) == 1:
+        raw = segs[0]
+        got = [crc32(raw[p : p + block]) for p in range(0, hi - lo, block)]
+    else:
+        got = _block_crcs(segs, lo, hi, block)
+    want = chunk.get("crc32_words")
+    if want is None:  # the index's hex digits as numbers, once per chunk (a race only computes it twice)
+        want = chunk["crc32_words"] = np.frombuffer(bytes.fromhex(chunk["crc32"]), dtype=">u4")
+    k0 = lo // block
+    bad = np.flatnonzero(np.asarray(got, dtype=np.uint32) != want[k0 : k0 + len(got)])
+    if len(bad):
+        off = (k0 + int(bad[0])) * block
+        raise CheckpointCorruptError(
+            f"{path}: checksum mismatch in {item.tensor} bytes [{off}, {min(off + block, chunk['length'] * item.itemsize)}) "
+            f"of the chunk at offset {item.chunk_start}: the file is corrupted; load an earlier step"
+        )
 
 
-def _block_crcs(segs: list[memoryview], lo: int, hi: int, block: int) -> list[tuple[int, int]]:
-    """(block number, CRC32) of each checksum block of bytes [lo, hi) laid out across ``segs``."""
+def _block_crcs(segs: list[memoryview], lo: int, hi: int, block: int) -> list[int]:
+    """The CRC32 of each checksum block of bytes [lo, hi) laid out across ``segs``."""
     out, si, soff, pos = [], 0, 0, lo
     while pos < hi:
         end = min(pos + block, hi)
@@ -759,7 +864,7 @@ def _block_crcs(segs: list[memoryview], lo: int, hi: int, block: int) -> list[tu
             need -= take
             if soff == len(seg):
                 si, soff = si + 1, 0
-        out.append((pos // block, crc))
+        out.append(crc)
         pos = end
     return out
 
@@ -767,15 +872,74 @@ def _block_crcs(segs: list[memoryview], lo: int, hi: int, block: int) -> list[tu
 # ---------------------------------------------------------------------------------------------
 # executing a plan
 # ---------------------------------------------------------------------------------------------
+class Scatter:
+    """A flat buffer in canonical order that is not one range of memory: the caller's tensor, whose
+    row-major memory holds the canonical order's runs at strides (a panel-ordered tensor's row shard:
+    each panel's rows are every ``C``-th run of ``W`` elements). ``parts``: ``(pos, n, view)`` with
+    flat elements [pos, pos + n) laid out in ``view`` (3-D, ``(panels, rows, inner)``, any strides
+    but a contiguous last dim) in its row-major index order, parts in flat order and covering
+    [0, numel). Readers copy verified bytes in (``put``) instead of reading into a temporary of the
+    whole tensor. The copies go through numpy byte views (any dtype; a small one costs about a
+    microsecond, a torch one about 15)."""
+
+    def __init__(self, parts: Sequence[tuple[int, int, torch.Tensor]], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.numel = sum(n for _, n, _ in parts)
+        self.starts = [pos * self.itemsize for pos, _, _ in parts]
+        self.parts = [(pos * self.itemsize, n * self.itemsize, view.view(torch.uint8).numpy())
+                      for pos, n, view in parts]
+
+    def put(self, dst: int, src: torch.Tensor | np.ndarray) -> None:
+        """Flat elements [dst, dst + n) from ``src``: n elements of this dtype (a 1-D tensor), or
+        their bytes (a 1-D uint8 array)."""
+        if isinstance(src, torch.Tensor):
+            src = src.contiguous().view(torch.uint8).numpy()
+        pos = dst * self.itemsize
+        while len(src):
+            k = bisect.bisect_right(self.starts, pos) - 1
+            start, n, view = self.parts[k]
+            take = min(len(src), start + n - pos)
+            _put_range(view, pos - start, src[:take])
+            src, pos = src[take:], pos + take
+
+    def fill(self, flat: torch.Tensor) -> None:
+        """All of it from ``flat`` (a whole flat buffer)."""
+        self.put(0, flat)
+
+
+def _put_range(view: np.ndarray, s: int, src: np.ndarray) -> None:
+    """Bytes [s, s + len(src)) of ``view`` (3-D) in its row-major index order from ``src``: at most
+    a partial row, whole rows of one panel, whole panels, rows, a partial row (a few copies)."""
+    _, rows, inner = view.shape
+    e, per = s + len(src), rows * inner
+    while s < e:
+        p, rem = divmod(s, per)
+        r, c = divmod(rem, inner)
+        if c or e - s < inner:
+            k = min(inner - c, e - s)
+            view[p, r, c : c + k] = src[:k]
+        elif r or e - s < per:
+            nr = min(rows - r, (e - s) // inner)
+            k = nr * inner
+            view[p, r : r + nr] = src[:k].reshape(nr, inner)
+        else:
+            npan = (e - s) // per
+            k = npan * per
+            view[p : p + npan] = src[:k].reshape(npan, rows, inner)
+        src, s = src[k:], s + k
+
+
 class ShardSink(Protocol):
     """Where a load puts a rank's tensors instead of new ones (``tenplex.state_dict`` loads in place).
 
     ``buffer(name)``: the flat buffer, in the saved canonical order, that the reads fill (a view of
-    the caller's tensor when its memory has that order, else a temporary); ``copies(name)``: whether
-    ``finish`` copies (it then runs in a second thread as soon as the tensor's last read is in);
-    ``finish(name, flat)``: the shard's value once every read of ``name`` is in."""
+    the caller's tensor when its memory has that order, a ``Scatter`` of it when its memory holds
+    that order's runs at strides, else a temporary); ``copies(name)``: whether ``finish`` copies (it
+    then runs in a second thread as soon as the tensor's last read is in); ``finish(name, flat)``:
+    the shard's value once every read of ``name`` is in (``flat``: what ``buffer`` gave)."""
 
-    def buffer(self, name: str) -> torch.Tensor: ...
+    def buffer(self, name: str) -> torch.Tensor | Scatter: ...
 
     def copies(self, name: str) -> bool: ...
 
@@ -799,9 +963,55 @@ def read_shard(saved: PTC, old: Layout, cfg: Layout, rank: int, reader: ShardRea
         def finish(name: str, flat: torch.Tensor) -> Any:
             return saved.from_local_flat(name, cfg, flat, rank)
     else:
-        buffers = {name: sink.buffer(name) for name in saved.rank_tensors(cfg, rank)}
-        copies, finish = sink.copies, sink.finish
+        buffers, copies, finish = _sink_buffers(sink, getattr(reader, "scatters", False))
     return _read_and_finish(saved.rank_tensors(cfg, rank), reader, items, buffers, copies, finish, rank), needed
+
+
+def _sink_buffers(sink: ShardSink, scatters: bool) -> tuple[_LazyBuffers, Callable[[str], bool],
+                                                              Callable[[str, Any], Any]]:
+    """A sink's buffers, ``copies`` and ``finish`` for a reader; one that cannot ``scatters`` gets a
+    temporary for each ``Scatter``, copied into it by ``finish``."""
+    if scatters:
+        return _LazyBuffers(sink.buffer), sink.copies, sink.finish
+    later: dict[str, Scatter] = {}
+
+    def make(name: str) -> torch.Tensor:
+        out = sink.buffer(name)
+        if isinstance(out, Scatter):
+            later[name] = out
+            return torch.empty(out.numel, dtype=out.dtype)
+        return out
+
+    def finish(name: str, flat: Any) -> Any:
+        scatter = later.pop(name, None)
+        if scatter is not None:
+            scatter.fill(flat)
+        return sink.finish(name, flat)
+
+    return _LazyBuffers(make), lambda name: name in later or sink.copies(name), finish
+
+
+class _LazyBuffers(dict):  # type: ignore[type-arg]
+    """A sink's flat buffers, each made when its tensor's first read asks for it (or ``pop`` does),
+    not all up front: a temporary made after earlier ones were freed reuses their memory, where
+    temporaries all allocated at the start each touch fresh pages that the allocator keeps once
+    freed (the process's peak memory grew with the whole shard). Thread-safe creation."""
+
+    def __init__(self, make: Callable[[str], torch.Tensor]) -> None:
+        super().__init__()
+        self.make = make
+        self.lock = threading.Lock()
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        with self.lock:
+            if not dict.__contains__(self, name):
+                dict.__setitem__(self, name, self.make(name))
+            return dict.__getitem__(self, name)
+
+    def pop(self, name: str, *default: Any) -> torch.Tensor:  # type: ignore[override]
+        if not default:
+            self[name]  # noqa: B018 - made if no read asked for it yet (a tensor with nothing to read)
+        return dict.pop(self, name, *default)
 
 
 def _read_and_finish(names: Sequence[str], reader: ShardReader, items: Sequence[ReadItem],
@@ -816,6 +1026,9 @@ def _read_and_finish(names: Sequence[str], reader: ShardReader, items: Sequence[
         count[item.tensor] = count.get(item.tensor, 0) + 1
     done: dict[str, Any] = {}
     lock = threading.Lock()
+    waiting = threading.Lock()
+    queued: list[tuple[Any, int]] = []  # finishes submitted and not yet waited for, with their bytes
+    ahead = [0]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-relayout") as pool:
 
         def on_read(i: int) -> None:
@@ -825,7 +1038,15 @@ def _read_and_finish(names: Sequence[str], reader: ShardReader, items: Sequence[
                 if count[name]:
                     return
             if copies(name):  # the flat buffer's last references are the copy's (and the checksums')
-                done[name] = pool.submit(finish, name, buffers.pop(name))
+                flat = buffers.pop(name)
+                with waiting:  # bounded temporaries awaiting their copy (on_read may run in several threads)
+                    done[name] = pool.submit(finish, name, flat)
+                    queued.append((done[name], flat.numel() * flat.element_size()))
+                    ahead[0] += queued[-1][1]
+                    while ahead[0] > _CHECK_AHEAD and len(queued) > 1:
+                        fut, n = queued.pop(0)
+                        fut.result()
+                        ahead[0] -= n
 
         reader.read_items(items, buffers, rank=rank, on_read=on_read)
         out = {name: fut.result() for name, fut in done.items()}

@@ -37,7 +37,7 @@ from .format import (
     OBJECTS_NAME,
     REUSED_PREFIX,
     Chunk,
-    block_bytes,
+    chunk_block,
     block_crcs_hex,
     check_save_id,
     check_step,
@@ -303,7 +303,7 @@ class PartWriter:
             [(f"{name}@{start}", ptc.tensors[name].dtype, ln) for name, _, start, ln in assigned],
             {"format": FORMAT, "step": str(step), "save_id": save_id, "rank": str(rank)})
         base = len(self.header)
-        self.chunks = tuple(PartChunk(name, lo, start, ln, base + b0, b1 - b0, block_bytes(b1 - b0))
+        self.chunks = tuple(PartChunk(name, lo, start, ln, base + b0, b1 - b0, chunk_block(ptc.tensors[name], b1 - b0))
                             for (name, lo, start, ln), (b0, b1) in zip(assigned, offsets))
         self.size = base + (offsets[-1][1] if offsets else 0)
         self.path = f"{sdir}/{data_name(rank)}"
@@ -408,14 +408,14 @@ def save(
     if missing:
         raise CheckpointValueError(
             f"rank {rank} under {cfg} must hold {len(expected)} tensors; the shard lacks {missing[:3]}")
-    flats: dict[str, torch.Tensor] = {}
+    flats = _LocalFlats(ptc, cfg, rank)
     for name in expected:
         t = shard[name]
         want = ptc.local_shape(name, cfg, rank)
         if tuple(t.shape) != want:
             raise CheckpointValueError(
                 f"{name}: rank {rank}'s shard has shape {tuple(t.shape)}, layout {cfg} needs {want}")
-        flats[name] = ptc.to_local_flat(name, t.detach().to("cpu", ptc.tensors[name].dtype))
+        flats.add(name, t.detach().to("cpu", ptc.tensors[name].dtype))
     if rank == 0:
         payload = payload_bytes({o: shard[o] for o in ptc.objects if o in shard}, extra)
     else:  # only rank 0 writes extra, but every rank learns of a value that cannot be stored
@@ -432,6 +432,36 @@ def save(
     log.debug("saved step %d rank %d: %d chunks, %d bytes in %.3fs", step, rank, len(part.chunks), written,
               result.seconds)
     return result
+
+
+class _LocalFlats(Mapping[str, torch.Tensor]):
+    """Every local tensor's canonical flat shard (``PTC.to_local_flat``) as ``PartWriter.stream`` asks
+    for them: a tensor whose canonical order is its natural one is a view of its memory; one that
+    needs a copy (split on a dim > 0, panel order) is converted when first asked for and only the
+    latest such copy is kept (the part's chunks come tensor by tensor), so a save holds at most
+    one relaid copy at a time, not one per tensor."""
+
+    def __init__(self, ptc: PTC, cfg: Layout, rank: int) -> None:
+        self.ptc, self.cfg, self.rank = ptc, cfg, rank
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.last: tuple[str, torch.Tensor] | None = None
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self.tensors[name] = t.contiguous().reshape(-1) if not self.ptc.relaid(name) else t
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if not self.ptc.relaid(name):
+            return self.tensors[name]
+        if self.last is None or self.last[0] != name:
+            self.last = None  # drop the previous copy first
+            self.last = (name, self.ptc.to_local_flat(name, self.tensors[name], self.cfg, self.rank))
+        return self.last[1]
+
+    def __iter__(self) -> Any:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 def prune(fs: fsspec.AbstractFileSystem, root: str, keep_last: int) -> None:
