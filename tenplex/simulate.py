@@ -346,7 +346,7 @@ def simulate_trace(
         since_ckpt = (t_h * HOUR) % ckpt_interval_s
         if cls.hosts == 0:  # a process crash: same hosts, the crashed rank's state comes from its peers
             victim = int(rng.integers(before.cfg.world_size))
-            key = ("restart", str(before.cfg), _stage_of(before.cfg, victim))
+            key = ("restart", str(before.cfg), _stage_of(before.cfg, victim, spec.num_layers))
             shape, cached = measure(before.cfg, before.cfg, [victim], key, world_before + 1)
             e = record(t_h, "restart", ev.cause, 0, before, before, shape, cached)
             lost_s["tenplex"] += e.recovery_s
@@ -359,7 +359,7 @@ def simulate_trace(
         victim_host = int(rng.integers(job_hosts))
         lost = [r for r in range(victim_host * gpus_per_host, (victim_host + 1) * gpus_per_host)
                 if r < before.cfg.world_size]
-        stage = _stage_of(before.cfg, lost[0]) if lost else -1
+        stage = _stage_of(before.cfg, lost[0], spec.num_layers) if lost else -1
         if spares > 0:
             spares -= 1
             after = before
@@ -396,9 +396,16 @@ def simulate_trace(
                             time.perf_counter() - t_start, end_h, str(full.cfg), tuple(timeline))
 
 
-def _stage_of(cfg: ParallelConfig, rank: int) -> int:
-    """The pipeline stage of ``rank`` (ranks ordered tp, dp, pp)."""
-    return rank // (cfg.tp * cfg.dp)
+def _stage_of(cfg: ParallelConfig, rank: int, num_layers: int) -> str:
+    """The kind of pipeline stage of ``rank`` (ranks ordered tp, dp, pp): ``first`` (it holds the
+    embedding), ``last`` (the head) or ``middle``; stages of one kind hold the same bytes per
+    rank when their layer counts match, so their events are one shape."""
+    stage = rank // (cfg.tp * cfg.dp)
+    if stage == 0:
+        return "first"
+    if stage == cfg.pp - 1:
+        return "last"
+    return f"middle-{cfg.layers_per_stage(num_layers)[stage]}"
 
 
 def plot_simulation(res: SimulationResult, path: str | Path) -> bool:
