@@ -61,6 +61,7 @@ class RescaleResult:
     bytes_by_tier: dict[str, int] = field(default_factory=dict)  # "local", "peer", "storage"
     skipped: tuple[tuple[int, str, str], ...] = ()  # (step, save id, reason) of newer attempts passed over
     live: bool = False  # True: moved live between survivors (``bytes_by_tier``: "local", "live", "storage")
+    storage_url: str | None = None  # live: where this rank read the pieces no survivor holds (None: nothing read)
 
     def summary(self) -> str:
         if self.fresh:
@@ -303,7 +304,7 @@ def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *, gpus_per_host:
     timings.update({"migrate": res.seconds, **{f"migrate_{k}": v for k, v in res.timings.items()}})
     result = RescaleResult(cfg, rank, world, step, False, dict(res.shard), None, live.cfg, moves.stats, None, timings,
                            {"local": res.bytes_local, "live": res.bytes_received, "storage": res.bytes_storage},
-                           live=True)
+                           live=True, storage_url=url if needs else None)
     log.info("%s", result.summary())
     return result
 

@@ -43,7 +43,7 @@ from ..ptc import PTC
 from ..store import HostStore, recovery_tiers
 from .memory_probe import measure_step_memory
 from .live import DIE_POINTS, MEMBERSHIP_STORE_ENV, RECOVERY_FAILED, DieAt, LiveRecovery, StateRing, membership_store, recover_live, \
-    start_membership
+    start_membership, warm_up
 from .parallel import init_distributed, join_process_group
 from .trainer import DATA_OBJECT, TrainConfig, Trainer, failure_message, trainer_ptc
 
@@ -377,6 +377,8 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
         ring = StateRing(tc.live_keep)
         _record(ring, trainer)
     choose = _chooser(tc, ptc)
+    if membership is not None:
+        warm_up(ptc, state.cfg, choose, membership.members)
     recovered: Any = None  # the in-process recovery whose first step is still to come
 
     def pending_fault() -> str | None:  # a background write that failed by now counts in this step
@@ -493,9 +495,11 @@ def _chooser(tc: TrainConfig, ptc: PTC) -> Chooser:
     options = layout_options_for(ptc, dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch),
                                  gpus_per_host=tc.gpus_per_host)
     chooser = default_chooser(options)
+    pinned = {c.world_size: c for c in reversed([ParallelConfig.parse(t) for t in (tc.parallel or "").split("/")
+                                                 if t.strip()])}  # the first layout of a size wins
 
     def choose(ptc: PTC, world: int, previous: ParallelConfig | None) -> ParallelConfig:
-        return _pinned_layout(tc.parallel, world) or chooser(ptc, world, previous)
+        return pinned.get(world) or chooser(ptc, world, previous)
 
     return choose
 
@@ -512,9 +516,9 @@ def _recovery_record(rec: LiveRecovery, before: ParallelConfig, step: int) -> di
             "previous": str(before), "live": res.live, "step": step, "newest": rec.newest,
             "steps_lost": max(0, rec.newest - step), "alive": list(nm.alive), "round": nm.round,
             "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,
-            "recover_s": rec.recover_s, "rescale_s": rec.rescale_s, "timings": res.timings,
+            "recover_s": rec.recover_s, "rescale_s": rec.rescale_s, "timings": dict(rec.slowest),
             "bytes_live": rec.bytes["live"], "bytes_storage": rec.bytes["storage"],
-            "bytes_local": rec.bytes["local"],
+            "bytes_local": rec.bytes["local"], "storage_urls": list(rec.storage_urls),
             "plan_bytes_moved": stats.bytes_moved if stats else 0,
             "plan_bytes_peer": (stats.bytes_same_host + stats.bytes_cross_host) if stats else 0,
             "plan_bytes_storage": stats.bytes_storage if stats else 0}
