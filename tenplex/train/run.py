@@ -9,6 +9,11 @@ Failures are loud: bad options, a checkpoint or store directory that cannot be w
 checkpoint that cannot be resumed stop every rank at start-up (exit code 2, one line); a
 checkpoint or snapshot that fails to save stops every rank at the next step or at exit (exit
 code 1, naming the step and the cause).
+
+With ``--in-process`` a peer failure does not stop the survivors: they agree on a new group,
+``rescale(live=...)`` moves their state to the layout chosen for their number and training goes
+on (``tenplex.train.live``, docs/inprocess.md); a failure during that recovery exits with code
+75 so that torchrun's agent restarts the job.
 """
 
 from __future__ import annotations
@@ -559,7 +564,8 @@ def _emit(path: str | None, obj: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained; 2 bad options or the job cannot start (one line on stderr, every
-    rank); 1 a checkpoint or snapshot could not be written (every rank stops, naming it)."""
+    rank); 1 a checkpoint or snapshot could not be written (every rank stops, naming it); 75 an
+    in-process recovery failed (``--in-process``: the launcher's restart takes over)."""
     logging.basicConfig(level=os.environ.get("TENPLEX_LOG", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tc = parse_args(argv)
