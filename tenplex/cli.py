@@ -27,10 +27,11 @@ from .data.index import build_index, load_index
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError
 from .interop import detect_format, export_hf, import_checkpoint
 from .layouts import Hardware, rank_layouts
-from .memory import estimate_memory, parse_size
+from .memory import RECOMPUTE, estimate_memory, parse_size
 from .models import model_ptc
 from .planner import locality_order, plan
 from .schedule import lower_bound, naive_completion, schedule
+from .simulate import CostModel, draw_trace, plot_simulation, read_trace, simulate_trace
 from .store import serve
 from .topology import Topology
 from .vfs.control import remount
@@ -230,7 +231,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     cfg = args.layout or ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp)
     est = estimate_memory(args.model, cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, cp=args.cp,
                           distributed_optimizer=not args.no_distributed_optimizer,
-                          num_microbatches=args.num_microbatches, precision=args.precision)
+                          num_microbatches=args.num_microbatches, precision=args.precision,
+                          recompute=args.recompute)
     limit = args.mem_fraction * args.gpu_mem
     if args.json:
         out = est.to_json()
@@ -243,7 +245,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         print(json.dumps(out))
         return 0
     print(f"{args.model}: {cfg}, cp={args.cp}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
-          f"{est.num_microbatches} micro-batches, {args.precision}, "
+          f"{est.num_microbatches} micro-batches, {args.precision}, recompute {args.recompute}, "
           f"{'distributed' if not args.no_distributed_optimizer else 'replicated'} optimizer; "
           f"GPU {human_bytes(args.gpu_mem)}, limit {args.mem_fraction:.0%}")
     head = ("stage", "layers", "params", "weights", "grads", "optimizer", "activations", "total", "of GPU", "fits")
@@ -266,7 +268,8 @@ def _cmd_configs(args: argparse.Namespace) -> int:
                            seq_len=args.seq_len, micro_batch=args.micro_batch, gpus_per_host=args.gpus_per_host,
                            cp=args.cp, distributed_optimizer=not args.no_distributed_optimizer,
                            precision=args.precision, current=args.from_, horizon_steps=args.horizon_steps,
-                           hardware=hw)
+                           hardware=hw, recompute=args.recompute, allow_idle=args.allow_idle,
+                           uneven_batch=args.uneven_batch)
     feasible = [c for c in choices if c.feasible]
     if args.json:
         out = {"model": args.model, "gpus": args.gpus, "gpu_mem": args.gpu_mem, "global_batch": args.global_batch,
@@ -281,12 +284,13 @@ def _cmd_configs(args: argparse.Namespace) -> int:
           + (f", from {args.from_}" if args.from_ else ""))
     if feasible:
         moved = args.from_ is not None
-        print(f"  {'#':>3} {'layout':<22} {'step':>9} {'tokens/s':>12} {'peak':>12} {'of GPU':>7}"
-              + (f" {'moved':>12} {'cross-host':>12} {'reconfig':>9}" if moved else ""))
+        print(f"  {'#':>3} {'layout':<22} {'step':>9} {'tokens/s':>12} {'peak':>12} {'of GPU':>7} {'recompute':>9} "
+              f"{'idle':>5}" + (f" {'moved':>12} {'cross-host':>12} {'reconfig':>9}" if moved else ""))
         for i, c in enumerate(feasible, 1):
             assert c.step_seconds is not None and c.tokens_per_second is not None and c.peak_bytes is not None
             line = (f"  {i:>3} {str(c.cfg):<22} {c.step_seconds:>8.3f}s {c.tokens_per_second:>12,.0f} "
-                    f"{human_bytes(c.peak_bytes):>12} {c.peak_bytes / args.gpu_mem:>7.0%}")
+                    f"{human_bytes(c.peak_bytes):>12} {c.peak_bytes / args.gpu_mem:>7.0%} {c.recompute:>9} "
+                    f"{c.idle_gpus:>5}")
             if moved:
                 line += (f" {human_bytes(c.bytes_moved or 0):>12} {human_bytes(c.bytes_cross_host or 0):>12} "
                          f"{c.reconfig_seconds or 0:>8.2f}s")
@@ -330,6 +334,28 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"  {label:<30} {human_bytes(value):>12}")
     print(f"  {'moves':<30} {s.num_moves:>12}")
     print(f"  {'plan time':<30} {s.plan_seconds:>11.3f}s")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    trace = read_trace(args.trace) if args.trace else draw_trace(days=args.days, failures=args.failures, seed=args.seed)
+    costs = CostModel(restart_s=args.restart_s, ckpt_interval_h=args.ckpt_interval_h, storage_bw=args.storage_bw)
+    say = None if args.json else (lambda line: print(line, flush=True))
+    if say:
+        print(f"{args.model} on {args.gpus} GPUs ({args.gpus_per_host} per host, {args.spare_hosts} spare hosts): "
+              f"{len(trace)} interruptions over {args.days if not args.trace else 'the trace'} days", flush=True)
+    res = simulate_trace(args.model, args.gpus, trace, gpus_per_host=args.gpus_per_host, spare_hosts=args.spare_hosts,
+                   hours=None if args.trace else 24.0 * args.days,
+                   global_batch=args.global_batch, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                   gpu_mem=args.gpu_mem, topology=args.topology, costs=costs, schedule_limit=args.schedule_limit,
+                   seed=args.seed, progress=say)
+    if args.plot:
+        plot_simulation(res, args.plot)
+    if args.json:
+        print(json.dumps(res.to_json()))
+        return 0
+    print(f"goodput: tenplex in-process {res.goodput_tenplex:.4f}, tenplex restart {res.goodput_tenplex_restart:.4f}, "
+          f"checkpoint restart {res.goodput_checkpoint_restart:.4f} (simulated in {res.simulate_s:.1f} s)")
     return 0
 
 
@@ -538,6 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction", type=_float_in(0, 1), default=0.8,
                    help="usable fraction of GPU memory, in (0, 1] (default 0.8)")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="activation recomputation: none, selective (norms, MLP activation) or full (default none)")
     p.add_argument("--no-distributed-optimizer", action="store_true", help="optimizer state replicated across DP")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_estimate)
@@ -560,6 +588,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flops", type=float, default=400e12, help="effective FLOP/s per GPU")
     p.add_argument("--intra-host-bw", type=float, default=300e9, help="bytes/s within a host")
     p.add_argument("--inter-host-bw", type=float, default=50e9, help="bytes/s between hosts, per GPU")
+    p.add_argument("--recompute", choices=("auto", *RECOMPUTE), default="auto",
+                   help="activation recomputation; auto: per layout the cheapest that fits (default)")
+    p.add_argument("--allow-idle", action="store_true",
+                   help="also layouts that leave some of the GPUs idle as spares")
+    p.add_argument("--uneven-batch", action="store_true",
+                   help="DP replicas may take micro-batch counts that differ by one")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_configs)
 
@@ -580,6 +614,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded across DP")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_schedule)
+
+    p = sub.add_parser("simulate", help="replay a failure trace on a large job: layouts, planning, goodput")
+    p.add_argument("--model", default="llama3-405b", help="model preset (default llama3-405b)")
+    p.add_argument("--gpus", type=_POS, default=16384, help="GPUs of the job (default 16384)")
+    p.add_argument("--gpus-per-host", type=_POS, default=8)
+    p.add_argument("--spare-hosts", type=_int_in(0, MAX_WORLD_SIZE), default=16, help="spare hosts (default 16)")
+    p.add_argument("--global-batch", type=_POS, default=2048, help="sequences per step (default 2048)")
+    p.add_argument("--seq-len", type=_POS, default=8192)
+    p.add_argument("--micro-batch", type=_POS, default=1)
+    p.add_argument("--gpu-mem", type=_size, default=_size("80GiB"))
+    p.add_argument("--trace", default=None, help="JSON-lines trace ({\"time_h\": .., \"cause\": ..} per line); "
+                   "default: drawn from the Llama 3 rates")
+    p.add_argument("--days", type=_float_in(0, 3650), default=54.0, help="length of a drawn trace (default 54)")
+    p.add_argument("--failures", type=_int_in(0, 10**6), default=419, help="interruptions of a drawn trace (419)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--topology", default="nvlink=300GB/s,pcie=32GB/s,nic=50GB/s",
+                   help="link bandwidths (hosts and gpus come from the job)")
+    p.add_argument("--restart-s", type=_float_in(0, 86400, lo_open=False), default=120.0,
+                   help="seconds to relaunch every process (restart paths; default 120)")
+    p.add_argument("--ckpt-interval-h", type=_float_in(0, 1000), default=1.0,
+                   help="persistent checkpoint interval of the baseline (default 1 h)")
+    p.add_argument("--storage-bw", type=_size, default=_size("5GB"), help="per-GPU storage read bytes/s (5GB)")
+    p.add_argument("--schedule-limit", type=_float_in(0, 600), default=10.0, help="scheduler time limit (10 s)")
+    p.add_argument("--plot", default=None, help="write a PNG of world size and goodput over time")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_simulate)
 
     p = sub.add_parser("inspect", help="list a checkpoint's steps, layouts, completeness and tensors")
     p.add_argument("url", type=_url, help="checkpoint URL (local path, memory://, s3://, ...)")

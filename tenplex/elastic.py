@@ -107,7 +107,7 @@ def layout_options_for(ptc: PTC, layout_options: Mapping[str, Any] | None = None
 
     Defaults: ``seq_len``, ``precision`` (from the dtype) and ``distributed_optimizer`` from the
     PTC's ``meta`` (``meta["model"]``, as ``model_ptc`` records it), ``gpus_per_host`` from the
-    argument, ``gpu_mem`` from this worker's device (:func:`device_memory`). The job's
+    argument, ``recompute="none"`` (pass the mode the job runs with), ``gpu_mem`` from this worker's device (:func:`device_memory`). The job's
     ``global_batch`` and ``micro_batch`` have no default: ConfigError names what is missing and
     how to pass it.
     """
@@ -121,6 +121,8 @@ def layout_options_for(ptc: PTC, layout_options: Mapping[str, Any] | None = None
     if isinstance(ptc.meta.get("distributed_optimizer"), bool):
         opts.setdefault("distributed_optimizer", ptc.meta["distributed_optimizer"])
     opts.setdefault("gpus_per_host", gpus_per_host)
+    # the layout must fit as the job runs: without recomputation unless the caller's job recomputes
+    opts.setdefault("recompute", "none")
     if "gpu_mem" not in opts:
         opts["gpu_mem"] = device_memory()
     missing = [k for k in _REQUIRED if opts.get(k) is None]

@@ -20,13 +20,13 @@ import numpy as np
 
 from .config import MAX_WORLD_SIZE, ParallelConfig
 from .errors import ConfigError, LayoutError
-from .memory import GiB, PRECISIONS, MemoryEstimate, estimate_memory, parse_size, resolve_model
+from .memory import GiB, PRECISIONS, RECOMPUTE, MemoryEstimate, estimate_memory, parse_size, recompute_flops, resolve_model
 from .models import ModelSpec, model_ptc
 from .planner import CROSS_HOST, SAME_HOST, STORAGE, Plan, plan
 from .ptc import PTC
 
 __all__ = ["Hardware", "LayoutChoice", "valid_layouts", "rank_layouts", "choose_layout", "divisors", "step_time",
-           "reconfig_time"]
+           "reconfig_time", "batch_split"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,11 @@ class LayoutChoice:
 
     ``reason`` says why an infeasible layout was rejected (None when feasible). Times are in
     seconds; ``bytes_moved`` / ``bytes_cross_host`` / ``reconfig_seconds`` describe the move
-    from the current layout (None without one, or for infeasible layouts).
+    from the current layout (None without one, for infeasible layouts, and for feasible ones
+    whose step time alone is above the best score: they cannot win, so they are not planned).
+    ``recompute``: the activation recomputation the layout needs to fit (``RECOMPUTE``);
+    ``idle_gpus``: GPUs of the job the layout leaves as spares; ``micro_batches``: micro-batches
+    of the most loaded DP replica (``batch_split`` gives every replica's).
     """
 
     cfg: ParallelConfig
@@ -71,6 +75,9 @@ class LayoutChoice:
     bytes_cross_host: int | None = None
     reconfig_seconds: float | None = None
     score: float | None = None
+    recompute: str = "none"
+    idle_gpus: int = 0
+    micro_batches: int | None = None
 
     def __post_init__(self) -> None:
         if self.feasible == (self.reason is not None):
@@ -97,6 +104,9 @@ class LayoutChoice:
             "bytes_cross_host": self.bytes_cross_host,
             "reconfig_seconds": self.reconfig_seconds,
             "score": self.score,
+            "recompute": self.recompute,
+            "idle_gpus": self.idle_gpus,
+            "micro_batches": self.micro_batches,
         }
 
 
@@ -114,8 +124,23 @@ def _check_common(gpus: int, global_batch: int, micro_batch: int, gpus_per_host:
         raise ConfigError(f"gpus={gpus} is more than the {MAX_WORLD_SIZE} GPUs a layout may have: check --gpus")
 
 
+def batch_split(global_batch: int, micro_batch: int, dp: int) -> tuple[int, ...]:
+    """Micro-batches of each DP replica when ``global_batch`` samples (a multiple of
+    ``micro_batch``) are split over ``dp`` replicas as evenly as whole micro-batches allow:
+    counts differ by at most one, the first replicas take the extra ones. Pure."""
+    if global_batch % micro_batch:
+        raise LayoutError(f"global batch {global_batch} is not a multiple of micro_batch {micro_batch} "
+                          f"({global_batch} % {micro_batch} = {global_batch % micro_batch})")
+    total = global_batch // micro_batch
+    if not 1 <= dp <= total:
+        raise LayoutError(f"dp={dp} replicas cannot each take a micro-batch of the {total} in a global batch of "
+                          f"{global_batch} (micro_batch {micro_batch})")
+    q, r = divmod(total, dp)
+    return tuple(q + (i < r) for i in range(dp))
+
+
 def _structural_reason(spec: ModelSpec, cfg: ParallelConfig, *, global_batch: int, micro_batch: int,
-                       gpus_per_host: int) -> str | None:
+                       gpus_per_host: int, uneven_batch: bool = False) -> str | None:
     """Why ``cfg`` cannot run the model or the batch at all (None if it can); memory is checked later."""
     assert spec.kv_heads is not None and spec.ffn_hidden is not None
     tp, pp, dp = cfg.tp, cfg.pp, cfg.dp
@@ -130,19 +155,54 @@ def _structural_reason(spec: ModelSpec, cfg: ParallelConfig, *, global_batch: in
                     f"but the model has {spec.num_layers}")
     elif pp > spec.num_layers:
         return f"pp={pp} is more than the model's {spec.num_layers} layers"
-    if global_batch % (dp * micro_batch):
+    if uneven_batch:
+        if global_batch % micro_batch:
+            return f"global batch {global_batch} not divisible by micro_batch={micro_batch}"
+        if dp * micro_batch > global_batch:
+            return f"dp*micro_batch={dp}*{micro_batch}={dp * micro_batch} is more than the global batch {global_batch}"
+    elif global_batch % (dp * micro_batch):
         return f"global batch {global_batch} not divisible by dp*micro_batch={dp}*{micro_batch}={dp * micro_batch}"
     return None
 
 
-def _candidates(spec: ModelSpec, gpus: int, *, global_batch: int, micro_batch: int,
-                gpus_per_host: int) -> Iterator[tuple[ParallelConfig, str | None]]:
-    """Every (dp, tp, pp) with dp*tp*pp == gpus, by tp then pp, with the reason it cannot run (None if it can)."""
-    for tp in divisors(gpus):
-        for pp in divisors(gpus // tp):
-            cfg = ParallelConfig(dp=gpus // (tp * pp), tp=tp, pp=pp)
-            yield cfg, _structural_reason(spec, cfg, global_batch=global_batch, micro_batch=micro_batch,
-                                          gpus_per_host=gpus_per_host)
+def _candidates(spec: ModelSpec, gpus: int, *, global_batch: int, micro_batch: int, gpus_per_host: int,
+                allow_idle: bool = False, uneven_batch: bool = False) -> Iterator[tuple[ParallelConfig, str | None]]:
+    """The layouts to consider, by tp then pp, with the reason each cannot run (None if it can).
+
+    Default: every (dp, tp, pp) with dp*tp*pp == gpus. ``allow_idle``: every tp up to a host's
+    GPUs and pp up to the model's layers, each with the most DP replicas that fit in ``gpus`` and
+    take the batch (a divisor of its micro-batch count, or with ``uneven_batch`` any count up
+    to it); the GPUs left over wait as spares. Replica counts tried per (tp, pp): the ends of
+    the two ranges in which the step-time model is monotone in dp. With p stages and M
+    micro-batches a step, compute x bubble is K/dp + const and DP traffic 2 G (1 - 1/dp) / bw,
+    so the step is (K - 2 G / bw) / dp + const while bw stays the same: within the counts whose
+    DP groups stay in a host (tp*dp divides it) and within those that span hosts the best is at
+    an end (1 and the largest local count; the smallest spanning count and the most). Memory
+    only falls with more replicas. tests/test_layouts.py checks this against brute force."""
+    if not allow_idle:
+        for tp in divisors(gpus):
+            for pp in divisors(gpus // tp):
+                cfg = ParallelConfig(dp=gpus // (tp * pp), tp=tp, pp=pp)
+                yield cfg, _structural_reason(spec, cfg, global_batch=global_batch, micro_batch=micro_batch,
+                                              gpus_per_host=gpus_per_host, uneven_batch=uneven_batch)
+        return
+    total = max(1, global_batch // micro_batch)
+    for tp in range(1, min(gpus, gpus_per_host) + 1):
+        for pp in range(1, min(spec.num_layers, gpus // tp) + 1):
+            most = min(gpus // (tp * pp), total)
+            counts = range(1, most + 1) if uneven_batch else divisors(total)
+            counts = [d for d in counts if d <= most]
+
+            def local(d: int, tp: int = tp, pp: int = pp) -> bool:  # DP groups (ranks tp-dp-pp) within a host
+                return tp * d <= gpus_per_host and (pp == 1 or gpus_per_host % (tp * d) == 0)
+
+            near = [d for d in counts if local(d)]
+            far = [d for d in counts if not local(d)]
+            ends = sorted({e for side in (near, far) if side for e in (side[0], side[-1])}, reverse=True)
+            for dp in ends:
+                cfg = ParallelConfig(dp=dp, tp=tp, pp=pp)
+                yield cfg, _structural_reason(spec, cfg, global_batch=global_batch, micro_batch=micro_batch,
+                                              gpus_per_host=gpus_per_host, uneven_batch=uneven_batch)
 
 
 def valid_layouts(
@@ -167,13 +227,8 @@ def valid_layouts(
 def _dp_spans_hosts(cfg: ParallelConfig, cp: int, gpus_per_host: int) -> bool:
     """True when some data-parallel group (ranks ordered tp-cp-dp-pp) has ranks on two hosts."""
     t, d = cfg.tp, cfg.dp * cp  # gradients are reduced over DP x CP
-    for pp in range(cfg.pp):
-        base = pp * t * d
-        for tp in range(t):
-            ranks = base + tp + t * np.arange(d)
-            if ranks[0] // gpus_per_host != ranks[-1] // gpus_per_host:
-                return True
-    return False
+    first = (np.arange(cfg.pp) * t * d)[:, None] + np.arange(t)[None, :]  # each group's first rank
+    return bool((first // gpus_per_host != (first + t * (d - 1)) // gpus_per_host).any())
 
 
 def step_time(
@@ -183,34 +238,46 @@ def step_time(
     global_batch: int,
     gpus_per_host: int,
     hardware: Hardware,
+    micro_batches: int | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Estimated seconds per training step of ``est``'s layout and the terms that make it up.
 
-    compute = 6 N tokens / (gpus flops); TP = per micro-batch and layer, sequence parallelism
+    compute = (6 N tokens + recomputation FLOPs, ``recompute_flops``) / (gpus flops); TP = per micro-batch and layer, sequence parallelism
     all-gathers and reduce-scatters an (s/c) x b x h activation 4 times forward and 4 times
     backward, each moving (t-1)/t of it, over NVLink. Both run inside the pipeline, so both
     are divided by (1 - bubble), bubble = (p-1)/(m+p-1). The DP gradient all-reduce
     2(d-1)/d x gradient bytes of the most loaded stage then runs over the network when the DP
-    group spans hosts, else over NVLink.
+    group spans hosts, else over NVLink. ``micro_batches``: those of the most loaded replica
+    (default ``global_batch / (dp micro_batch)``); with an uneven split every replica runs as
+    long as that one, so compute counts ``dp x micro_batches`` micro-batches.
     """
     cfg, cp = est.cfg, est.cp
-    t, p, d = cfg.tp, cfg.pp, cfg.dp
-    m = global_batch // (d * est.micro_batch)
-    gpus = cfg.world_size * cp
-    tokens = global_batch * est.seq_len
-    compute = 6 * spec.num_params() * tokens / (gpus * hardware.flops)
-    act_bytes = PRECISIONS[est.precision][3]
+    m = global_batch // (cfg.dp * est.micro_batch) if micro_batches is None else micro_batches
     layers = max(s.layers for s in est.stages)
-    tp_bytes = 8 * (t - 1) / t * (est.seq_len / cp) * est.micro_batch * spec.hidden * act_bytes
-    tp_comm = layers * m * tp_bytes / hardware.intra_host_bw
-    bubble = (p - 1) / (m + p - 1)
+    compute, tp_comm, bubble = _pipeline_terms(spec, cfg, cp, m, est.seq_len, est.micro_batch, est.precision,
+                                               est.recompute, layers, hardware,
+                                               global_batch if micro_batches is None else None)
     pipeline = (compute + tp_comm) / (1 - bubble)
-    ranks = d * cp
+    ranks = cfg.dp * cp
     grad = max(s.grad_bytes for s in est.stages)
     bw = hardware.inter_host_bw if _dp_spans_hosts(cfg, cp, gpus_per_host) else hardware.intra_host_bw
     dp_comm = 2 * (ranks - 1) / ranks * grad / bw
     terms = {"compute": compute, "tp_comm": tp_comm, "bubble": bubble, "dp_comm": dp_comm}
     return pipeline + dp_comm, terms
+
+
+def _pipeline_terms(spec: ModelSpec, cfg: ParallelConfig, cp: int, m: int, seq_len: int, micro_batch: int,
+                    precision: str, recompute: str, layers: int, hardware: Hardware,
+                    global_batch: int | None = None) -> tuple[float, float, float]:
+    """(compute, tp_comm, bubble) of ``step_time``: the terms that need no memory estimate.
+    Tokens: ``global_batch`` sequences, else every replica's ``m`` micro-batches."""
+    t, p, d = cfg.tp, cfg.pp, cfg.dp
+    tokens = (d * m * micro_batch if global_batch is None else global_batch) * seq_len
+    compute = (6 * spec.num_params() * tokens + recompute_flops(spec, tokens, recompute)) / (
+        cfg.world_size * cp * hardware.flops)
+    tp_bytes = 8 * (t - 1) / t * (seq_len / cp) * micro_batch * spec.hidden * PRECISIONS[precision][3]
+    tp_comm = layers * m * tp_bytes / hardware.intra_host_bw
+    return compute, tp_comm, (p - 1) / (m + p - 1)
 
 
 def reconfig_time(moves: Plan, hardware: Hardware) -> float:
@@ -262,14 +329,25 @@ def rank_layouts(
     horizon_steps: int = 1000,
     hardware: Hardware = Hardware(),
     only: list[ParallelConfig] | None = None,
+    recompute: str = "auto",
+    allow_idle: bool = False,
+    uneven_batch: bool = False,
+    best_only: bool = False,
 ) -> list[LayoutChoice]:
     """Every candidate layout of ``gpus`` GPUs: feasible ones best first, then the rejected ones.
 
     Feasible ones are sorted by ``step_seconds + reconfig_seconds / horizon_steps``; the
     reconfiguration cost is planned from ``current`` with ``ptc`` (built from the model, with
-    Adam state, when not given) and ``alive``. Rejected ones keep the enumeration order (tp,
-    then pp) and say why in ``reason``. ``gpu_mem``: bytes or a size such as ``"80GiB"``.
-    ``only``: evaluate these layouts (e.g. with uneven stages) instead of enumerating.
+    Adam state, when not given) and ``alive``, in order of step time until no remaining
+    layout can beat the best score. Rejected ones keep the enumeration order (tp, then pp) and
+    say why in ``reason``. ``gpu_mem``: bytes or a size such as ``"80GiB"``. ``only``:
+    evaluate these layouts (e.g. with uneven stages) instead of enumerating. ``recompute``: a
+    mode of ``RECOMPUTE``, or ``"auto"``: per layout the cheapest that fits. ``allow_idle``:
+    also layouts that leave GPUs idle as spares (``LayoutChoice.idle_gpus``); ``uneven_batch``:
+    replicas may take micro-batch counts that differ by one (``batch_split``). ``best_only``:
+    return only the best feasible layout, evaluating candidates in order of a bound on their
+    step time until none left can beat it (what ``choose_layout`` needs; much faster at
+    thousands of GPUs); when none is feasible, every candidate as without it.
     """
     spec = resolve_model(model)
     _check_common(gpus, global_batch, micro_batch, gpus_per_host)
@@ -282,47 +360,92 @@ def rank_layouts(
         raise ConfigError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
     if horizon_steps < 1:
         raise ConfigError(f"horizon_steps must be >= 1, got {horizon_steps}")
+    if recompute != "auto" and recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute must be 'auto' or one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    modes = RECOMPUTE if recompute == "auto" else (recompute,)
     if current is not None and ptc is None:
         ptc = model if isinstance(model, PTC) else model_ptc(
             **{f: getattr(spec, f) for f in spec.__dataclass_fields__},
             optimizer=True, distributed_optimizer=distributed_optimizer)
     if only is None:
         candidates = list(_candidates(spec, gpus // cp, global_batch=global_batch, micro_batch=micro_batch,
-                                      gpus_per_host=gpus_per_host))
+                                      gpus_per_host=gpus_per_host, allow_idle=allow_idle, uneven_batch=uneven_batch))
     else:
         candidates = []
         for cfg in only:
-            if cfg.world_size * cp != gpus:
+            if cfg.world_size * cp > gpus or (cfg.world_size * cp < gpus and not allow_idle):
                 raise ConfigError(f"layout {cfg} with cp={cp} needs dp*tp*pp*cp = {cfg.world_size}*{cp} = "
                                   f"{cfg.world_size * cp} GPUs but there are {gpus}")
             candidates.append((cfg, _structural_reason(spec, cfg, global_batch=global_batch, micro_batch=micro_batch,
-                                                       gpus_per_host=gpus_per_host)))
+                                                       gpus_per_host=gpus_per_host, uneven_batch=uneven_batch)))
 
+    def evaluate(cfg: ParallelConfig, reason: str | None) -> LayoutChoice:
+        idle = gpus - cfg.world_size * cp
+        if reason is not None:
+            return LayoutChoice(cfg, None, False, reason, idle_gpus=idle)
+        m = -(-global_batch // (cfg.dp * micro_batch))  # the most loaded replica's (all equal when even)
+        for mode in modes:  # cheapest compute first
+            est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=micro_batch, cp=cp,
+                                  distributed_optimizer=distributed_optimizer, num_microbatches=m,
+                                  precision=precision, gpus_per_host=gpus_per_host, recompute=mode)
+            reason = _memory_reason(est, mem, mem_fraction)
+            if reason is None:
+                break
+        step, _ = step_time(spec, est, global_batch=global_batch, gpus_per_host=gpus_per_host, hardware=hardware,
+                            micro_batches=m)
+        tps = global_batch * seq_len / step
+        common: dict[str, Any] = dict(recompute=est.recompute, idle_gpus=idle, micro_batches=m)
+        if reason is not None:
+            if len(modes) > 1:
+                reason += f" even with {est.recompute} recomputation"
+            return LayoutChoice(cfg, est, False, reason, step, tps, **common)
+        return LayoutChoice(cfg, est, True, None, step, tps, score=step, **common)
+
+    def with_move(choice: LayoutChoice) -> LayoutChoice:
+        assert ptc is not None and current is not None
+        moves = plan(ptc, current, choice.cfg, alive=alive, gpus_per_host=gpus_per_host)
+        seconds = reconfig_time(moves, hardware)
+        return replace(choice, bytes_moved=moves.stats.bytes_moved, bytes_cross_host=moves.stats.bytes_cross_host,
+                       reconfig_seconds=seconds, score=choice.score + seconds / horizon_steps)  # type: ignore[operator]
+
+    if best_only:
+        # candidates in order of a bound on their step time (no DP traffic, the cheapest
+        # recomputation): once the bound reaches the best score, no later one can win
+        def bound(cfg: ParallelConfig) -> float:
+            m = -(-global_batch // (cfg.dp * micro_batch))
+            layers = max(cfg.layers_per_stage(spec.num_layers))
+            compute, tp_comm, bubble = _pipeline_terms(spec, cfg, cp, m, seq_len, micro_batch, precision, modes[0],
+                                                       layers, hardware)
+            return (compute + tp_comm) / (1 - bubble)
+
+        valid = sorted((bound(cfg), i, cfg) for i, (cfg, reason) in enumerate(candidates) if reason is None)
+        top: LayoutChoice | None = None
+        for lower, _, cfg in valid:
+            if top is not None and lower > top.score:  # type: ignore[operator]
+                break
+            choice = evaluate(cfg, None)
+            if choice.feasible and current is not None and (top is None or choice.score < top.score):
+                choice = with_move(choice)
+            if choice.feasible and (top is None or (choice.score, choice.idle_gpus, cfg.tp, cfg.pp)
+                                    < (top.score, top.idle_gpus, top.cfg.tp, top.cfg.pp)):
+                top = choice
+        if top is not None:
+            log.info("%d GPUs: best %s of %d candidates", gpus, top.cfg, len(candidates))
+            return [top]
     feasible: list[LayoutChoice] = []
     rejected: list[LayoutChoice] = []
     for cfg, reason in candidates:
-        if reason is not None:
-            rejected.append(LayoutChoice(cfg, None, False, reason))
-            continue
-        m = global_batch // (cfg.dp * micro_batch)
-        est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=micro_batch, cp=cp,
-                              distributed_optimizer=distributed_optimizer, num_microbatches=m,
-                              precision=precision, gpus_per_host=gpus_per_host)
-        step, _ = step_time(spec, est, global_batch=global_batch, gpus_per_host=gpus_per_host, hardware=hardware)
-        tps = global_batch * seq_len / step
-        reason = _memory_reason(est, mem, mem_fraction)
-        if reason is not None:
-            rejected.append(LayoutChoice(cfg, est, False, reason, step, tps))
-            continue
-        choice = LayoutChoice(cfg, est, True, None, step, tps, score=step)
-        if current is not None:
-            assert ptc is not None
-            moves = plan(ptc, current, cfg, alive=alive, gpus_per_host=gpus_per_host)
-            seconds = reconfig_time(moves, hardware)
-            choice = replace(choice, bytes_moved=moves.stats.bytes_moved, bytes_cross_host=moves.stats.bytes_cross_host,
-                             reconfig_seconds=seconds, score=step + seconds / horizon_steps)
-        feasible.append(choice)
-    feasible.sort(key=lambda c: (c.score, c.cfg.tp, c.cfg.pp))
+        choice = evaluate(cfg, reason)
+        (feasible if choice.feasible else rejected).append(choice)
+    if current is not None:
+        feasible.sort(key=lambda c: (c.score, c.cfg.tp, c.cfg.pp))
+        best = float("inf")
+        for i, choice in enumerate(feasible):
+            if choice.step_seconds is not None and choice.step_seconds >= best:
+                break  # score >= step time: no later layout can beat the best any more
+            feasible[i] = with_move(choice)
+            best = min(best, feasible[i].score)  # type: ignore[type-var]
+    feasible.sort(key=lambda c: (c.score, c.idle_gpus, c.cfg.tp, c.cfg.pp))
     log.info("%d GPUs: %d feasible layouts of %d candidates%s", gpus, len(feasible), len(candidates),
              f", best {feasible[0].cfg}" if feasible else "")
     return feasible + rejected
@@ -348,7 +471,7 @@ def choose_layout(
         if not choice.feasible:
             raise LayoutError(f"pinned layout {pin} cannot run: {choice.reason}")
         return choice
-    choices = rank_layouts(model, gpus, **options)
+    choices = rank_layouts(model, gpus, best_only=rank is None, **options)
     feasible = [c for c in choices if c.feasible]
     if not feasible:
         reasons = "; ".join(f"{c.cfg}: {c.reason}" for c in choices)

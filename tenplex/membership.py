@@ -311,9 +311,14 @@ class Membership:
         with self._state.lock:
             return frozenset(self.monitor.dead)
 
-    def _fail(self, reason: str, *, publish: bool) -> None:
+    def _fail(self, reason: str, *, publish: bool, round: int | None = None) -> None:
+        """Record the first failure of the current round (``round``: the one it was seen in; a
+        failure seen in a round that has been replaced meanwhile is no news and is dropped)."""
         first = False
         with self._state.lock:
+            if round is not None and round != self._state.round:
+                return
+            round = self._state.round
             if self._state.failed_at is None:
                 self._state.failed_at, self._state.failed_mono = time.time(), time.monotonic()
                 self._state.reason = reason
@@ -322,7 +327,7 @@ class Membership:
             log.warning("member %d (round %d): failure: %s", self.id, self.round, reason)
             if publish:
                 try:
-                    self._hb_store.add(self._failures_key(self._state.round), 1)
+                    self._hb_store.add(self._failures_key(round), 1)
                 except RuntimeError as e:  # the store itself gone: nothing left to tell
                     log.error("member %d could not flag the failure in the store: %s", self.id, e)
             if self.on_failure is not None:
@@ -370,17 +375,19 @@ class Membership:
                 continue
             now = time.monotonic()
             with self._state.lock:
+                if self._state.round != rnd:  # a recovery formed a new group while the store answered
+                    continue
                 seen = {m: int(v) for m, v in zip(watched, vals)}
                 last = {m: self.monitor.last_alive(m) for m in watched}
                 newly = self.monitor.observe(now, seen)
                 if newly and self._state.failed_at is None:
                     self._state.detect_s = max(now - (last[m] or now) for m in newly)
             if newly:
-                self._fail(f"members {sorted(newly)} stopped their heartbeats", publish=True)
+                self._fail(f"members {sorted(newly)} stopped their heartbeats", publish=True, round=rnd)
                 if self.backend == "nccl":
                     self._abort()
             elif failures != baseline and not self.failed:
-                self._fail("another member flagged a failure", publish=False)
+                self._fail("another member flagged a failure", publish=False, round=rnd)
                 if self.backend == "nccl":
                     self._abort()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
@@ -24,10 +24,12 @@ from .ptc import PTC
 __all__ = [
     "GiB",
     "PRECISIONS",
+    "RECOMPUTE",
     "StageMemory",
     "MemoryEstimate",
     "estimate_memory",
     "layer_params",
+    "recompute_flops",
     "resolve_model",
     "parse_size",
 ]
@@ -46,6 +48,13 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
 }
 
 
+#: Activation recomputation modes, cheapest in compute first: ``none`` keeps every tensor the
+#: backward pass needs; ``selective`` recomputes the norms and the MLP's activation function
+#: (elementwise work) from their inputs; ``full`` keeps only each layer's input and
+#: recomputes the whole layer's forward pass before its backward pass. See docs/memory.md.
+RECOMPUTE = ("none", "selective", "full")
+
+
 def _ceil(x: Fraction | int) -> int:
     return math.ceil(x)
 
@@ -56,7 +65,8 @@ class StageMemory:
 
     ``params``: parameters held by that GPU (padded vocabulary included). ``in_flight``:
     micro-batches whose activations 1F1B keeps alive on the stage; ``activation_bytes`` =
-    ``in_flight * layers * activation_bytes_per_layer``.
+    ``in_flight * layers * activation_bytes_per_layer``. ``recompute_bytes``: under full
+    recomputation, the activations of the one layer being recomputed for its backward pass.
     """
 
     stage: int
@@ -68,6 +78,7 @@ class StageMemory:
     activation_bytes_per_layer: int
     in_flight: int
     activation_bytes: int
+    recompute_bytes: int = 0
 
     def __post_init__(self) -> None:
         expected = self.in_flight * self.layers * self.activation_bytes_per_layer
@@ -84,7 +95,7 @@ class StageMemory:
 
     @property
     def total_bytes(self) -> int:
-        return self.model_state_bytes + self.activation_bytes
+        return self.model_state_bytes + self.activation_bytes + self.recompute_bytes
 
     def to_json(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -106,20 +117,27 @@ class MemoryEstimate:
     num_microbatches: int
     distributed_optimizer: bool
     precision: str
+    recompute: str = "none"
+    _peak: tuple[int, int] = field(init=False, repr=False, compare=False, default=(0, 0))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if len(self.stages) != self.cfg.pp:
             raise ConfigError(f"{len(self.stages)} stage estimates for pp={self.cfg.pp}")
+        totals = [st.total_bytes for st in self.stages]
+        peak = max(totals)
+        object.__setattr__(self, "_peak", (peak, totals.index(peak)))  # the first stage on ties
 
     @property
     def peak_bytes(self) -> int:
-        return max(s.total_bytes for s in self.stages)
+        return self._peak[0]
 
     @property
     def peak_stage(self) -> int:
         """Index of the stage with the largest total (the first one on ties)."""
-        return max(range(len(self.stages)), key=lambda i: (self.stages[i].total_bytes, -i))
+        return self._peak[1]
 
     def fits(self, gpu_mem_bytes: int | float | str, fraction: float = 0.8) -> bool:
         """True when every stage needs at most ``fraction`` of the GPU memory (the paper's 80 % rule)."""
@@ -137,6 +155,7 @@ class MemoryEstimate:
             "num_microbatches": self.num_microbatches,
             "distributed_optimizer": self.distributed_optimizer,
             "precision": self.precision,
+            "recompute": self.recompute,
             "peak_bytes": self.peak_bytes,
             "peak_stage": self.peak_stage,
             "stages": [s.to_json() for s in self.stages],
@@ -220,14 +239,45 @@ def layer_params(model: ModelSpec, tp: int) -> tuple[int, int]:
     return split // tp, replicated
 
 
-def _activation_per_layer(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, act_bytes: int) -> int:
-    """Activation bytes one layer keeps per micro-batch on one GPU (flash attention, SP, no dropout)."""
+def _activation_per_layer(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, act_bytes: int,
+                          recompute: str = "none") -> int:
+    """Activation bytes one layer keeps per micro-batch on one GPU (flash attention, SP, no dropout,
+    fused norms) under ``recompute``: all it saves (``none``), without SiLU(gate), which the
+    SwiGLU recomputes from the saved gate and up (``selective``; a GELU MLP saves the same as
+    without), its input only (``full``)."""
     assert model.kv_heads is not None and model.ffn_hidden is not None
     h, f = model.hidden, model.ffn_hidden
-    gqa = Fraction(4 * model.kv_heads, model.heads)
-    mlp = Fraction(8 * f, h) if model.arch == "llama" else Fraction(4 * f, h)
-    per = seq_len * micro_batch * h * (12 + gqa + mlp) / (tp * cp)  # bytes at 2 bytes per element
+    if recompute == "full":
+        base: Fraction | int = 2
+    else:
+        gqa = Fraction(4 * model.kv_heads, model.heads)
+        if model.arch == "llama":
+            base = 12 + gqa + Fraction((6 if recompute == "selective" else 8) * f, h)
+        else:
+            base = 12 + gqa + Fraction(4 * f, h)
+    per = seq_len * micro_batch * h * base / (tp * cp)  # bytes at 2 bytes per element
     return _ceil(per * act_bytes / 2)
+
+
+def recompute_flops(model: ModelSpec, tokens: int, recompute: str) -> int:
+    """FLOPs a step spends recomputing activations over ``tokens`` tokens (all layers, all GPUs).
+
+    ``full``: one more forward pass of every layer, 2 x (layer parameters) per token;
+    ``selective``: the two norms (about 4 FLOPs per element of h each) and the MLP activation
+    (SiLU and product: about 6 per element of f; GELU: about 8), as the reference trainer's
+    ``--recompute selective`` does; elementwise work that is memory-bound on a GPU, so this FLOP
+    count understates its time (see docs/memory.md).
+    """
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    assert model.ffn_hidden is not None
+    if recompute == "none":
+        return 0
+    if recompute == "full":
+        split, replicated = layer_params(model, 1)
+        return 2 * (split + replicated) * model.num_layers * tokens
+    act = 6 if model.arch == "llama" else 8
+    return (8 * model.hidden + act * model.ffn_hidden) * model.num_layers * tokens
 
 
 #: Upper bounds of the estimator's counts: far beyond any real job, they catch typos (10**30) that
@@ -255,12 +305,14 @@ def estimate_memory(
     num_microbatches: int | None = None,
     precision: str = "bf16",
     gpus_per_host: int | None = None,
+    recompute: str = "none",
 ) -> MemoryEstimate:
     """Memory of the most loaded GPU of every pipeline stage of ``cfg`` (Fujii et al.'s estimator).
 
     ``num_microbatches`` (default ``cfg.pp``) bounds the 1F1B in-flight count: stage i keeps
     ``min(pp - i, m)`` micro-batches. With ``gpus_per_host``, a TP group larger than a host
-    is rejected (TP traffic must stay on the intra-host links). Raises LayoutError when the
+    is rejected (TP traffic must stay on the intra-host links). ``recompute``: activation
+    recomputation, one of ``RECOMPUTE``. Raises LayoutError when the
     layout cannot split the model and ConfigError for malformed arguments.
     """
     spec = resolve_model(model)
@@ -273,6 +325,8 @@ def estimate_memory(
     m = cfg.pp if num_microbatches is None else _positive("num_microbatches", num_microbatches)
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     if gpus_per_host is not None and cfg.tp > _positive("gpus_per_host", gpus_per_host):
         raise LayoutError(f"tp={cfg.tp} is larger than a host's {gpus_per_host} GPUs; keep TP within a host")
     t, p = cfg.tp, cfg.pp
@@ -286,7 +340,8 @@ def estimate_memory(
     head = 0 if spec.tied_embeddings else vocab_shard
     w_b, g_b, o_b, a_b = PRECISIONS[precision]
     shards = cfg.dp * cp if distributed_optimizer else 1
-    act_layer = _activation_per_layer(spec, seq_len, micro_batch, t, cp, a_b)
+    act_layer = _activation_per_layer(spec, seq_len, micro_batch, t, cp, a_b, recompute)
+    workspace = _activation_per_layer(spec, seq_len, micro_batch, t, cp, a_b) if recompute == "full" else 0
 
     stages = []
     for i, n in enumerate(layers):
@@ -304,11 +359,13 @@ def estimate_memory(
             params=params,
             param_bytes=w_b * params,
             grad_bytes=g_b * params,
-            optimizer_bytes=_ceil(Fraction(o_b * params, shards)),
+            optimizer_bytes=-(-(o_b * params) // shards),
             activation_bytes_per_layer=act_layer,
             in_flight=in_flight,
             activation_bytes=in_flight * n * act_layer,
+            recompute_bytes=workspace if n else 0,
         ))
-    est = MemoryEstimate(spec, cfg, tuple(stages), seq_len, micro_batch, cp, m, distributed_optimizer, precision)
+    est = MemoryEstimate(spec, cfg, tuple(stages), seq_len, micro_batch, cp, m, distributed_optimizer, precision,
+                         recompute)
     log.debug("memory of %s (cp=%d): peak %.2f GiB on stage %d", cfg, cp, est.peak_bytes / GiB, est.peak_stage)
     return est

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,11 @@ __all__ = ["ModelSpec", "PRESETS", "NORM_EPS", "ROPE_THETA", "model_spec", "mode
 # RoPE, no scaling, head_dim = hidden / heads).
 NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
+
+
+@functools.lru_cache(maxsize=256)
+def _num_params(spec: ModelSpec) -> int:
+    return sum(s.numel for s in spec.param_specs())
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +92,8 @@ class ModelSpec:
                 raise LayoutError(f"tp={tp} does not divide {what}={value} ({value} % {tp} = {value % tp})")
 
     def num_params(self) -> int:
-        return sum(s.numel for s in self.param_specs())
+        """Parameters of the model (computed once per spec: the chooser asks for every layout)."""
+        return _num_params(self)
 
     def param_specs(self) -> list[TensorSpec]:
         """The model's parameters (no optimizer state) as tensor specs."""
@@ -172,6 +179,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                       vocab=128256, seq_len=8192),
     "llama3-70b": dict(arch="llama", num_layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
                        vocab=128256, seq_len=8192),
+    # The Llama 3 report's flagship (arXiv 2407.21783, table 3): trained on 16,384 H100-80GB as
+    # TP8 x PP16 x DP128, 2,048 sequences of 8,192 tokens a step.
+    "llama3-405b": dict(arch="llama", num_layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
+                        vocab=128256, seq_len=8192),
 }
 
 

@@ -7,6 +7,8 @@ import re
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tenplex
 from tenplex import (
@@ -23,7 +25,7 @@ from tenplex import (
     valid_layouts,
 )
 from tenplex.cli import main
-from tenplex.layouts import step_time
+from tenplex.layouts import batch_split, reconfig_time, step_time
 from tenplex.memory import GiB
 
 P = ParallelConfig
@@ -89,7 +91,8 @@ def test_rank_layouts_lists_every_factorisation_with_reasons() -> None:
 
 
 def test_llama3_70b_at_80gib_rejects_small_tp_for_memory() -> None:
-    choices = rank_layouts("llama3-70b", 64, gpu_mem="80GiB", global_batch=512, seq_len=8192, micro_batch=1)
+    choices = rank_layouts("llama3-70b", 64, gpu_mem="80GiB", global_batch=512, seq_len=8192, micro_batch=1,
+                           recompute="none")
     by = {str(c.cfg): c for c in choices}
     bad = by["dp=16,tp=1,pp=4"]
     assert not bad.feasible and bad.estimate is not None
@@ -101,7 +104,8 @@ def test_llama3_70b_at_80gib_rejects_small_tp_for_memory() -> None:
     assert feasible and all(c.cfg.tp == 8 for c in feasible)
     assert all(c.peak_bytes is not None and c.peak_bytes <= 0.8 * 80 * GiB for c in feasible)
     with pytest.raises(LayoutError, match=r"no layout of 64 GPUs fits llama3-70b: .*dp=64,tp=1,pp=1: stage 0 needs"):
-        choose_layout("llama3-70b", 64, gpu_mem="40GiB", global_batch=512, seq_len=8192, micro_batch=1)
+        choose_layout("llama3-70b", 64, gpu_mem="40GiB", global_batch=512, seq_len=8192, micro_batch=1,
+                      recompute="none")
 
 
 # -- the throughput model --------------------------------------------------------------------------
@@ -141,15 +145,24 @@ def test_step_time_terms_by_hand() -> None:
 def test_bytes_moved_come_from_the_planner() -> None:
     current = P(dp=2, tp=2, pp=2)
     ptc = model_ptc("tiny")
-    choices = rank_layouts(ptc, 8, current=current, gpus_per_host=4, **TINY)
-    by = {str(c.cfg): c for c in choices if c.feasible}
-    assert by[str(current)].bytes_moved == 0 and by[str(current)].reconfig_seconds == 0
-    for c in by.values():
+    # horizon 1: moving costs as much as a step, so most layouts are planned before the bound stops
+    choices = rank_layouts(ptc, 8, current=current, gpus_per_host=4, horizon_steps=1, **TINY)
+    feasible = [c for c in choices if c.feasible]
+    planned = [c for c in feasible if c.bytes_moved is not None]
+    assert len(planned) >= 2 and feasible[0] in planned
+    for c in planned:
         ref = tenplex.plan(ptc, current, c.cfg, gpus_per_host=4).stats
         assert (c.bytes_moved, c.bytes_cross_host) == (ref.bytes_moved, ref.bytes_cross_host)
-        assert c.score == pytest.approx(c.step_seconds + c.reconfig_seconds / 1000)
+        assert c.score == pytest.approx(c.step_seconds + c.reconfig_seconds / 1)
+    # the layouts not planned cannot win: their step time alone is at least the best score,
+    # and planning every one gives the same best layout (brute force)
+    best = feasible[0]
+    assert all(c.step_seconds >= best.score for c in feasible if c.bytes_moved is None)
+    brute = min(feasible, key=lambda c: (c.step_seconds + reconfig_time(
+        tenplex.plan(ptc, current, c.cfg, gpus_per_host=4), Hardware()), c.cfg.tp, c.cfg.pp))
+    assert brute.cfg == best.cfg
     # Scale down after losing ranks 0-3: everything kept by ranks 4-7, new ranks run there.
-    down = rank_layouts(ptc, 4, current=current, alive=[4, 5, 6, 7], gpus_per_host=4, **TINY)
+    down = rank_layouts(ptc, 4, current=current, alive=[4, 5, 6, 7], gpus_per_host=4, horizon_steps=1, **TINY)
     c = next(c for c in down if c.cfg == P(dp=1, tp=2, pp=2))
     ref = tenplex.plan(ptc, current, c.cfg, alive=[4, 5, 6, 7], gpus_per_host=4).stats
     assert c.bytes_moved == ref.bytes_moved > 0
@@ -160,7 +173,7 @@ def test_short_horizon_prefers_not_moving() -> None:
                               current=P(dp=2, tp=2, pp=2))
     best_long = rank_layouts("gpt-100m", 8, horizon_steps=10**9, **kw)[0]
     best_short = rank_layouts("gpt-100m", 8, horizon_steps=1, **kw)[0]
-    assert best_short.cfg == P(dp=2, tp=2, pp=2) and best_short.bytes_moved == 0
+    assert best_short.cfg == P(dp=2, tp=2, pp=2) and best_short.bytes_moved == 0 == best_short.reconfig_seconds
     assert best_long.cfg != best_short.cfg
     assert best_long.step_seconds < best_short.step_seconds  # type: ignore[operator]
     assert best_long.reconfig_seconds > 0  # type: ignore[operator]
@@ -265,3 +278,92 @@ def test_cli_configs_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["configs", "--model", "llama3-70b", "--gpus", "8", "--gpu-mem", "40GiB", "--global-batch", "8",
                  "--seq-len", "8192", "--micro-batch", "1"]) == 1
     assert "no layout fits" in capsys.readouterr().out
+
+
+# -- every world size: spares and uneven batches ------------------------------------------------
+@given(st.integers(1, 64), st.integers(1, 4), st.integers(1, 64))
+def test_batch_split_is_even_to_one_micro_batch(micro_batches: int, micro_batch: int, dp: int) -> None:
+    gb = micro_batches * micro_batch
+    if dp > micro_batches:
+        with pytest.raises(LayoutError, match="cannot each take a micro-batch"):
+            batch_split(gb, micro_batch, dp)
+        return
+    split = batch_split(gb, micro_batch, dp)
+    assert len(split) == dp and sum(split) == micro_batches
+    assert max(split) - min(split) <= 1 and list(split) == sorted(split, reverse=True)
+
+
+def test_batch_split_refuses_a_partial_micro_batch() -> None:
+    with pytest.raises(LayoutError, match="global batch 9 is not a multiple of micro_batch 2"):
+        batch_split(9, 2, 3)
+
+
+IDLE: dict[str, Any] = dict(allow_idle=True, uneven_batch=True)
+
+
+@pytest.mark.parametrize(("preset", "top", "gb", "mb"), [("tiny", 16, 8, 2), ("llama-100m", 64, 64, 1)])
+def test_every_world_size_gets_a_layout(preset: str, top: int, gb: int, mb: int) -> None:
+    kw: dict[str, Any] = dict(gpu_mem="80GiB", global_batch=gb, seq_len=64, micro_batch=mb)
+    for gpus in range(1, top + 1):
+        best = choose_layout(preset, gpus, **kw, **IDLE)
+        assert best.feasible and best.cfg.world_size + best.idle_gpus == gpus
+        assert best.micro_batches == max(batch_split(gb, mb, best.cfg.dp))
+        exact = [c for c in rank_layouts(preset, gpus, **kw) if c.feasible]
+        if exact:  # a layout using every GPU with an even batch exists: it is a candidate too
+            assert best.score <= exact[0].score
+    with pytest.raises(LayoutError, match="no layout of 5 GPUs fits tiny"):  # without the options: as before
+        choose_layout("tiny", 5, **(TINY | {"global_batch": 8, "micro_batch": 2}))
+
+
+@pytest.mark.parametrize("gpus", [3, 5, 7, 11])
+def test_idle_and_uneven_best_equals_brute_force(gpus: int) -> None:
+    """The chooser's candidates (the most replicas per tp, pp) find the best of every layout of at
+    most ``gpus`` GPUs, each evaluated on its own."""
+    kw: dict[str, Any] = dict(gpu_mem="80GiB", global_batch=24, seq_len=64, micro_batch=1, gpus_per_host=4)
+    best = choose_layout("tiny", gpus, **kw, **IDLE)
+    every = []
+    for dp in range(1, gpus + 1):
+        for tp in range(1, gpus + 1):
+            for pp in range(1, gpus + 1):
+                if dp * tp * pp <= gpus:
+                    (c,) = rank_layouts("tiny", gpus, only=[P(dp=dp, tp=tp, pp=pp)], **kw, **IDLE)
+                    if c.feasible:
+                        every.append(c)
+    top = min(every, key=lambda c: c.score)
+    assert best.score == pytest.approx(top.score, rel=1e-12)
+
+
+def test_recompute_is_searched_cheapest_first() -> None:
+    kw: dict[str, Any] = dict(gpu_mem="80GiB", global_batch=2048, seq_len=8192, micro_batch=1)
+    published = P(dp=128, tp=8, pp=16)
+    with pytest.raises(LayoutError, match=r"stage 0 needs 96.1 GiB = 120% of 80 GiB > 80%$"):
+        choose_layout("llama3-405b", 16384, pin=published, recompute="none", **kw)
+    auto = choose_layout("llama3-405b", 16384, pin=published, **kw)
+    assert auto.recompute == "full" and auto.peak_bytes <= 0.8 * 80 * GiB  # selective needs 83.1 GiB
+    sel = choose_layout("llama3-70b", 64, pin=P(dp=8, tp=8), **(kw | {"global_batch": 64, "gpu_mem": "105GiB"}))
+    assert sel.recompute == "selective"  # where dropping SiLU(gate) is enough, the cheaper mode
+    full = choose_layout("llama3-70b", 64, pin=P(dp=8, tp=8), recompute="full", **(kw | {"global_batch": 64,
+                                                                                             "gpu_mem": "105GiB"}))
+    assert full.step_seconds > sel.step_seconds  # one more forward pass
+    # a tiny model fits without recomputation: the cheapest mode wins
+    assert all(c.recompute == "none" for c in rank_layouts("tiny", 8, **TINY) if c.feasible)
+    # one node (8 GPUs) lost: a layout is found, leaving GPUs idle
+    after = choose_layout("llama3-405b", 16376, **kw, **IDLE)
+    assert after.feasible and after.idle_gpus == 16376 - after.cfg.world_size > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["tiny", "llama-100m"]), st.integers(1, 40), st.sampled_from([8, 24, 64]),
+       st.booleans(), st.sampled_from(["1MiB", "64MiB", "2GiB", "80GiB"]), st.booleans())
+def test_best_only_equals_the_full_ranking(preset: str, gpus: int, gb: int, idle: bool, mem: str,
+                                           moving: bool) -> None:
+    kw: dict[str, Any] = dict(gpu_mem=mem, global_batch=gb, seq_len=64, micro_batch=1, gpus_per_host=4,
+                              allow_idle=idle, uneven_batch=idle, horizon_steps=3)
+    if moving and gpus % 2 == 0 and model_spec(preset).heads % 2 == 0:
+        kw |= dict(current=P(dp=gpus // 2, tp=2))
+    full = [c for c in rank_layouts(preset, gpus, **kw) if c.feasible]
+    best = rank_layouts(preset, gpus, best_only=True, **kw)
+    if not full:
+        assert not any(c.feasible for c in best)
+        return
+    assert best[0] == full[0]

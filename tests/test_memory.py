@@ -22,7 +22,7 @@ from tenplex import (
     model_ptc,
     model_spec,
 )
-from tenplex.memory import GiB, parse_size
+from tenplex.memory import GiB, layer_params, parse_size, recompute_flops
 
 P = ParallelConfig
 
@@ -85,6 +85,47 @@ def test_tiny_llama_every_term_by_hand() -> None:
     assert (s1.in_flight, s1.activation_bytes) == (1, 1 * 2 * 3328)
     assert s0.total_bytes == 18 * 736 - 6 * 736 + 13312
     assert est.peak_bytes == max(s0.total_bytes, s1.total_bytes)
+
+
+def test_recompute_terms_by_hand() -> None:
+    """selective drops SiLU(gate) (recomputed from gate and up); full keeps each layer's input and
+    adds one layer's full activations (the layer being recomputed)."""
+    kw: dict = dict(seq_len=16, micro_batch=2)
+    none = estimate_memory(TINY_LLAMA, P(dp=2, tp=2, pp=2), **kw)
+    sel = estimate_memory(TINY_LLAMA, P(dp=2, tp=2, pp=2), recompute="selective", **kw)
+    full = estimate_memory(TINY_LLAMA, P(dp=2, tp=2, pp=2), recompute="full", **kw)
+    sbh = 16 * 2 * 8
+    assert none.stages[0].activation_bytes_per_layer == sbh * (12 + 2 + 12) // 2
+    assert sel.stages[0].activation_bytes_per_layer == sbh * (12 + 2 + 6 * 12 // 8) // 2 == 2944
+    assert full.stages[0].activation_bytes_per_layer == sbh * 2 // 2 == 256
+    for est in (none, sel):
+        assert all(st.recompute_bytes == 0 for st in est.stages)
+    assert all(st.recompute_bytes == 3328 for st in full.stages)
+    for a, b in zip(none.stages, full.stages):
+        assert a.model_state_bytes == b.model_state_bytes
+        assert b.total_bytes == b.model_state_bytes + b.in_flight * b.layers * 256 + 3328
+    assert none.peak_bytes > sel.peak_bytes > full.peak_bytes
+    assert full.to_json()["recompute"] == "full" and full.to_json()["stages"][0]["recompute_bytes"] == 3328
+    with pytest.raises(ConfigError, match="recompute must be one of none, selective, full, got 'some'"):
+        estimate_memory(TINY_LLAMA, P(), recompute="some", **kw)
+
+
+def test_llama3_405b_published_layout_needs_recompute() -> None:
+    """The Llama 3 report's 405B run: TP8 x PP16 x DP128 on 16,384 80 GiB GPUs, 2,048 x 8,192 tokens."""
+    cfg = P(dp=128, tp=8, pp=16)
+    kw: dict = dict(seq_len=8192, micro_batch=1, num_microbatches=16)
+    none = estimate_memory("llama3-405b", cfg, **kw)
+    assert f"{none.peak_bytes / GiB:.1f}" == "96.1" and not none.fits("80GiB")  # the issue's figure
+    assert f"{estimate_memory('llama3-405b', cfg, recompute='selective', **kw).peak_bytes / GiB:.1f}" == "83.1"
+    assert estimate_memory("llama3-405b", cfg, recompute="full", **kw).fits("80GiB")
+
+
+def test_recompute_flops() -> None:
+    spec = model_spec("llama-100m")
+    split, replicated = layer_params(spec, 1)
+    assert recompute_flops(spec, 1000, "none") == 0
+    assert recompute_flops(spec, 1000, "full") == 2 * (split + replicated) * 12 * 1000
+    assert 0 < recompute_flops(spec, 1000, "selective") < recompute_flops(spec, 1000, "full") / 20
 
 
 def test_single_stage_holds_embedding_and_head() -> None:

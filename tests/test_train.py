@@ -550,3 +550,30 @@ def test_corpus_fingerprint_names_the_content_and_is_cached(tmp_path: Path) -> N
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     again = corpus.fingerprint()
     assert again == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest() != first
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_gives_bit_identical_steps(mode: str) -> None:
+    """--recompute (torch.utils.checkpoint) changes what the backward pass keeps, not the numbers:
+    losses, parameters and optimizer state after two steps equal those without it bit for bit."""
+    import tenplex
+    from tenplex.data.corpus import stdlib_corpus
+    from tenplex.train import TrainConfig, Trainer, trainer_ptc
+    from tenplex.train.parallel import Groups
+
+    cfg = ParallelConfig()
+    ptc = trainer_ptc("tiny", distributed_optimizer=False)
+    corpus = stdlib_corpus(64)
+    out = []
+    for recompute in ("none", mode):
+        tc = TrainConfig(steps=2, seed=7, recompute=recompute)
+        fresh = tenplex.rescale(None, ptc, rank=0, world_size=1, parallel=cfg)
+        trainer = Trainer(tc, ptc, Groups(cfg, 0, None, None, torch.device("cpu")), fresh, corpus)
+        assert trainer.model.recompute == recompute
+        losses = [trainer.train_step()[0] for _ in range(2)]
+        out.append((losses, trainer.state_tensors()))
+    (l0, s0), (l1, s1) = out
+    assert l0 == l1
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    with pytest.raises(tenplex.ConfigError, match="--recompute must be one of none, selective, full"):
+        TrainConfig(recompute="most")

@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..config import ParallelConfig
 from ..errors import ConfigError
+from ..memory import RECOMPUTE
 from ..models import ModelSpec
 from ..ptc import PTC
 from .parallel import all_reduce, copy_to_tp, reduce_from_tp
@@ -79,6 +81,11 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tens
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def _swiglu(gu: torch.Tensor, ffn: int) -> torch.Tensor:
+    """SiLU(gate) * up of the fused [gate; up] projection's output."""
+    return F.silu(gu[..., :ffn]) * gu[..., ffn:]
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -86,15 +93,23 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class StageModel:
-    """The layers of one pipeline stage on one TP rank, as a functional forward over ``params``."""
+    """The layers of one pipeline stage on one TP rank, as a functional forward over ``params``.
+
+    ``recompute`` (``tenplex.memory.RECOMPUTE``): ``full`` keeps only each layer's input and
+    recomputes the layer in the backward pass; ``selective`` recomputes the norms and the SwiGLU
+    activation (``torch.utils.checkpoint``, non-reentrant). Results are bit-identical.
+    """
 
     def __init__(self, spec: ModelSpec, cfg: ParallelConfig, rank: int, params: dict[str, torch.Tensor],
-                 tp_group: Any) -> None:
+                 tp_group: Any, recompute: str = "none") -> None:
         if spec.arch != "llama":
             raise ConfigError(f"the reference trainer implements the Llama family (arch='llama'), not "
                               f"arch={spec.arch!r}")
         assert spec.kv_heads is not None and spec.ffn_hidden is not None
+        if recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
         self.spec, self.cfg, self.params, self.group = spec, cfg, params, tp_group
+        self.recompute = recompute
         c = cfg.coords(rank)
         self.tp_rank = c.tp
         self.is_first, self.is_last = c.pp == 0, c.pp == cfg.pp - 1
@@ -123,10 +138,25 @@ class StageModel:
         out = F.embedding(torch.where(mask, local, torch.zeros_like(local)), w) * mask.unsqueeze(-1).to(w.dtype)
         return reduce_from_tp(out, self.group)
 
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            return checkpoint(_rms_norm, x, w, use_reentrant=False)
+        return _rms_norm(x, w)
+
+    def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            return checkpoint(_swiglu, gu, self.ffn, use_reentrant=False)
+        return _swiglu(gu, self.ffn)
+
     def layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._layer, i, x, use_reentrant=False)
+        return self._layer(i, x)
+
+    def _layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p, pre = self.params, f"layers.{i}."
         b, s, _ = x.shape
-        h = copy_to_tp(_rms_norm(x, p[pre + "attn_norm.weight"]), self.group)
+        h = copy_to_tp(self._norm(x, p[pre + "attn_norm.weight"]), self.group)
         qkv = h @ p[pre + "attn.qkv.weight"].t()
         q_n, kv_n = self.heads * self.hd, self.kv_heads * self.hd
         q = qkv[..., :q_n].reshape(b, s, self.heads, self.hd).transpose(1, 2)
@@ -140,9 +170,8 @@ class StageModel:
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         a = a.transpose(1, 2).reshape(b, s, q_n)
         x = x + reduce_from_tp(a @ p[pre + "attn.proj.weight"].t(), self.group)
-        h = copy_to_tp(_rms_norm(x, p[pre + "mlp_norm.weight"]), self.group)
-        gu = h @ p[pre + "mlp.gate_up.weight"].t()
-        m = F.silu(gu[..., : self.ffn]) * gu[..., self.ffn :]
+        h = copy_to_tp(self._norm(x, p[pre + "mlp_norm.weight"]), self.group)
+        m = self._swiglu(h @ p[pre + "mlp.gate_up.weight"].t())
         return x + reduce_from_tp(m @ p[pre + "mlp.down.weight"].t(), self.group)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ from ..data.corpus import TokenCorpus, stdlib_corpus
 from ..data.partition import DataState
 from ..elastic import Chooser, RescaleResult, agree_on_step, default_chooser, env_world, layout_options_for, rescale
 from ..errors import CheckpointMismatchError, CheckpointWriteError, ConfigError, PeerFailure, TenplexError
+from ..memory import RECOMPUTE
 from ..models import ModelSpec
 from ..ptc import PTC
 from ..store import HostStore, recovery_tiers
@@ -103,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                     help="replicas the host stores keep of each snapshot (set on `tenplex store serve`)")
     ap.add_argument("--measure-memory", default=None, metavar="DIR",
                     help="measure this rank's peak memory during the second step into DIR/rank-N.json")
+    ap.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                    help="activation recomputation (torch.utils.checkpoint): none, selective (norms, SwiGLU) or "
+                         "full (each layer); the layout chooser counts its memory (default none)")
     ap.add_argument("--fail-at-step", type=int, default=None,
                     help="testing: every rank exits with an error after finishing this step (first run only)")
     ap.add_argument("--in-process", action="store_true",
@@ -128,8 +132,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                            fail_at_step=a.fail_at_step, measure_memory=a.measure_memory, store=a.store,
                            snapshot_every=a.snapshot_every, replicas=a.replicas, data_mount=a.data_mount,
                            resume_step=a.resume_step, allow_data_change=a.allow_data_change,
-                           allow_model_change=a.allow_model_change, in_process=a.in_process,
-                           live_keep=a.live_keep, die_at=a.die_at, dead_after=a.dead_after)
+                           allow_model_change=a.allow_model_change, recompute=a.recompute,
+                           in_process=a.in_process, live_keep=a.live_keep, die_at=a.die_at,
+                           dead_after=a.dead_after)
         DieAt.parse(a.die_at)
     except ConfigError as e:
         ap.error(str(e))  # exits 2
@@ -167,7 +172,8 @@ def _prepare(tc: TrainConfig, rank: int, world: int) -> _Start:
         tiers = recovery_tiers(store, urls, tc.ckpt, token=store.token)
     try:
         state = rescale(tc.ckpt, ptc, rank=rank, world_size=world, parallel=_pinned_layout(tc.parallel, world),
-                        layout_options=dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch),
+                        layout_options=dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch,
+                                            recompute=tc.recompute),
                         gpus_per_host=tc.gpus_per_host, tiers=tiers, step=tc.resume_step,
                         allow_meta_change=tc.allow_model_change)
     except CheckpointMismatchError as e:  # say how to override it here
@@ -497,8 +503,8 @@ def _save(die: Callable[[str, int], None] | None, *args: Any, **kwargs: Any) -> 
 def _chooser(tc: TrainConfig, ptc: PTC) -> Chooser:
     """How an in-process recovery picks the layout: the layout ``--parallel`` pins for the world
     size, else ``choose_layout`` as at start-up."""
-    options = layout_options_for(ptc, dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch),
-                                 gpus_per_host=tc.gpus_per_host)
+    options = layout_options_for(ptc, dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch,
+                                           recompute=tc.recompute), gpus_per_host=tc.gpus_per_host)
     chooser = default_chooser(options)
     pinned = {c.world_size: c for c in reversed([ParallelConfig.parse(t) for t in (tc.parallel or "").split("/")
                                                  if t.strip()])}  # the first layout of a size wins

@@ -24,6 +24,7 @@ from ..data.corpus import TokenCorpus
 from ..data.partition import DataState, global_batch_ids
 from ..elastic import RescaleResult
 from ..errors import CheckpointWriteError, ConfigError, LayoutError
+from ..memory import RECOMPUTE
 from ..models import ModelSpec, model_ptc, optimizer_names
 from ..ptc import PTC
 from .batches import IndexBatches, MountBatches
@@ -67,6 +68,7 @@ class TrainConfig:
     resume_step: int | None = None
     allow_data_change: bool = False
     allow_model_change: bool = False
+    recompute: str = "none"
     in_process: bool = False
     live_keep: int = 3
     dead_after: float = 0.8
@@ -91,6 +93,8 @@ class TrainConfig:
                 raise ConfigError(f"--{name} is empty: pass a path or URL, or leave the option out")
         if self.resume_step is not None and not (self.ckpt or self.store):
             raise ConfigError("--resume-step needs checkpoints to resume from: pass --ckpt (or --store)")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.snapshot_every and not self.store:
             raise ConfigError(f"--snapshot-every {self.snapshot_every} needs a host store to snapshot to: pass --store")
 
@@ -137,7 +141,7 @@ class Trainer:
         if self.data.consumed != self.step * self.data.global_batch:
             raise ConfigError(f"data state says {self.data.consumed} samples consumed, step {self.step} implies "
                               f"{self.step} x {self.data.global_batch} = {self.step * self.data.global_batch}")
-        self.model = StageModel(self.spec, self.cfg, groups.rank, self.params, groups.tp).to(dev)
+        self.model = StageModel(self.spec, self.cfg, groups.rank, self.params, groups.tp, tc.recompute).to(dev)
         c = self.cfg.coords(groups.rank)
         self.coords = c
         per_dp = tc.global_batch // self.cfg.dp

@@ -1,0 +1,434 @@
+"""Replaying a failure trace on a large job: layouts, planning, transfers and goodput.
+
+A trace is a list of :class:`FailureEvent` (a JSON-lines file, or drawn from the failure rates
+and classes the Llama 3 report gives for 16,384 H100s: 419 unexpected interruptions in 54
+days). :func:`simulate_trace` replays it on a job of ``gpus`` GPUs in hosts of ``gpus_per_host``
+with a pool of spare hosts. A failed host goes to repair and comes back as a spare
+``repair_h`` hours later; a spare replaces a failed host at once when one is free, else the job
+shrinks to the GPUs it has and grows back when hosts return.
+
+For every event it runs the real code, timed: the chooser (``choose_layout`` with spares and
+uneven batches), the survivor assignment (``locality_order``), the planner and the transfer
+scheduler over the cluster's topology. Events of the same shape (layouts before and after,
+the pipeline stage of the failed host, how the job changes) reuse the first one's results
+and are marked ``cached``. Over the run it compares the goodput of tenplex (in-process and
+restart paths) with restarting from the last persistent checkpoint: see docs/scale.md for the
+cost model and its parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import ParallelConfig
+from .errors import ConfigError
+from .layouts import Hardware, LayoutChoice, choose_layout
+from .memory import resolve_model
+from .models import ModelSpec, model_ptc
+from .planner import locality_order, plan
+from .schedule import schedule
+from .topology import Topology
+
+__all__ = ["FailureClass", "FAILURE_CLASSES", "FailureEvent", "draw_trace", "read_trace", "CostModel",
+           "EventResult", "SimulationResult", "simulate_trace", "plot_simulation"]
+
+log = logging.getLogger(__name__)
+
+HOUR = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class FailureClass:
+    """A class of interruption: its share of all of them, the hosts it takes out and for how
+    long (``repair_h``; 0: the host is back at once, e.g. a crashed process)."""
+
+    share: float
+    hosts: int
+    repair_h: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.share <= 1 or self.hosts < 0 or self.repair_h < 0:
+            raise ConfigError(f"a failure class needs 0 < share <= 1, hosts >= 0, repair_h >= 0, got {self}")
+
+
+#: The Llama 3 report's root causes of its 419 unexpected interruptions (arXiv 2407.21783, table 5),
+#: grouped: GPU faults (faulty GPU 30.1 %, HBM3 17.2 %, SRAM, system processor, thermal, silent data
+#: corruption), other host hardware and maintenance, network (switch and cable 8.4 %, NIC), and
+#: software (bugs, NCCL watchdog, dependencies), whose process restarts on the same host.
+FAILURE_CLASSES: dict[str, FailureClass] = {
+    "gpu": FailureClass(0.587, 1, 24.0),
+    "host": FailureClass(0.126, 1, 12.0),
+    "network": FailureClass(0.101, 1, 4.0),
+    "software": FailureClass(0.186, 0, 0.0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FailureEvent:
+    """An interruption at ``time_h`` hours into the run, of class ``cause`` (a key of the classes
+    given to :func:`simulate_trace`)."""
+
+    time_h: float
+    cause: str
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.time_h, (int, float)) and math.isfinite(self.time_h) and self.time_h >= 0):
+            raise ConfigError(f"a failure event's time_h must be a finite number >= 0, got {self.time_h!r}")
+
+
+def draw_trace(*, days: float = 54.0, failures: int = 419, seed: int = 0,
+               classes: Mapping[str, FailureClass] = FAILURE_CLASSES) -> list[FailureEvent]:
+    """``failures`` interruptions at uniformly random times over ``days`` (a Poisson process
+    conditioned on its count), each of a class drawn by the classes' shares. Pure given ``seed``."""
+    if days <= 0 or failures < 0:
+        raise ConfigError(f"draw_trace needs days > 0 and failures >= 0, got days={days}, failures={failures}")
+    rng = np.random.default_rng(seed)
+    names = list(classes)
+    p = np.array([classes[n].share for n in names], dtype=np.float64)
+    times = np.sort(rng.uniform(0.0, days * 24.0, failures))
+    causes = rng.choice(len(names), size=failures, p=p / p.sum())
+    return [FailureEvent(float(t), names[int(c)]) for t, c in zip(times, causes)]
+
+
+def read_trace(path: str | Path) -> list[FailureEvent]:
+    """A JSON-lines trace: one object per line with ``time_h`` and ``cause``; blank lines and
+    lines starting with ``#`` are skipped."""
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            obj = json.loads(line)
+            out.append(FailureEvent(float(obj["time_h"]), str(obj["cause"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{path}:{i}: expected {{\"time_h\": hours, \"cause\": class}}, got {line!r} ({e})") \
+                from None
+    return sorted(out, key=lambda e: e.time_h)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Seconds and rates the goodput comparison uses (docs/scale.md).
+
+    ``detect_s``: failure to detection (heartbeats; all paths). ``restart_s``: relaunching
+    every process and rendezvous (tenplex's restart path and checkpoint restart).
+    ``ckpt_interval_h``: persistent checkpoint interval of the baseline; ``storage_bw``: bytes/s
+    one GPU reads from persistent storage; ``host_store_bw``: bytes/s one GPU reads its state
+    from the host stores after a restart (tenplex's restart path)."""
+
+    detect_s: float = 1.0
+    restart_s: float = 120.0
+    ckpt_interval_h: float = 1.0
+    storage_bw: float = 5e9
+    host_store_bw: float = 25e9
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ConfigError(f"CostModel.{f.name} must be a finite number >= 0, got {v!r}")
+        if self.ckpt_interval_h <= 0 or self.storage_bw <= 0 or self.host_store_bw <= 0:
+            raise ConfigError("CostModel.ckpt_interval_h, storage_bw and host_store_bw must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class EventResult:
+    """One event of the replay. ``kind``: ``fail`` (a host lost, replaced by a spare or the job
+    shrinks), ``restart`` (a process crash, same hosts) or ``grow`` (a repaired host rejoins).
+    Times in seconds except ``time_h``; ``plan_s``: chooser + assignment + planner, measured;
+    ``transfer_s``: the schedule's completion over the topology; ``recovery_s``: failure to
+    the first step under the new layout on tenplex's in-process path; ``cached``: the figures are
+    those of an earlier event of the same shape."""
+
+    time_h: float
+    kind: str
+    cause: str
+    gpus_lost: int
+    layout_before: str
+    layout_after: str
+    idle_gpus: int
+    chooser_s: float
+    assign_s: float
+    plan_s: float
+    bytes_moved: int
+    transfer_s: float
+    recovery_s: float
+    cached: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationResult:
+    """A replay: its events and the goodput (useful tokens over those of an uninterrupted run at
+    the starting layout) of tenplex in-process, tenplex with restarts, and checkpoint restart."""
+
+    events: tuple[EventResult, ...]
+    goodput_tenplex: float
+    goodput_tenplex_restart: float
+    goodput_checkpoint_restart: float
+    simulate_s: float
+    hours: float
+    layout: str
+    timeline: tuple[tuple[float, int, float], ...] = field(default=(), repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"events": [e.to_json() for e in self.events], "goodput_tenplex": self.goodput_tenplex,
+                "goodput_tenplex_restart": self.goodput_tenplex_restart,
+                "goodput_checkpoint_restart": self.goodput_checkpoint_restart, "simulate_s": self.simulate_s,
+                "hours": self.hours, "layout": self.layout,
+                "timeline": [list(t) for t in self.timeline]}
+
+
+@dataclass(slots=True)
+class _Shape:
+    """What one event shape costs (measured once)."""
+
+    chooser_s: float
+    assign_s: float
+    plan_s: float
+    bytes_moved: int
+    transfer_s: float
+    max_rank_bytes: int
+
+
+def simulate_trace(
+    model: ModelSpec | str,
+    gpus: int,
+    trace: Sequence[FailureEvent],
+    *,
+    gpus_per_host: int = 8,
+    spare_hosts: int = 16,
+    hours: float | None = None,
+    global_batch: int,
+    seq_len: int,
+    micro_batch: int = 1,
+    gpu_mem: int | str = "80GiB",
+    distributed_optimizer: bool = True,
+    topology: str = "nvlink=300GB/s,pcie=32GB/s,nic=50GB/s",
+    classes: Mapping[str, FailureClass] = FAILURE_CLASSES,
+    costs: CostModel = CostModel(),
+    schedule_limit: float = 10.0,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> SimulationResult:
+    """Replay ``trace`` on a job of ``gpus`` GPUs (see the module docstring); ``hours``: the
+    run's length (default: the last event, rounded up to a day). ``topology``: link
+    bandwidths of the cluster (``tenplex.topology.Topology.from_spec`` without hosts and gpus,
+    which come from the job). ``progress``: called with a line per event."""
+    t_start = time.perf_counter()
+    spec = resolve_model(model)
+    if gpus % gpus_per_host:
+        raise ConfigError(f"gpus={gpus} is not a multiple of gpus_per_host={gpus_per_host}")
+    unknown = sorted({e.cause for e in trace} - set(classes))
+    if unknown:
+        raise ConfigError(f"the trace names failure classes {unknown} that are not among {sorted(classes)}")
+    hosts = gpus // gpus_per_host
+    end_h = hours if hours is not None else 24.0 * math.ceil(max([e.time_h for e in trace], default=0.0) / 24.0 + 1e-9)
+    opts: dict[str, Any] = dict(gpu_mem=gpu_mem, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch,
+                                gpus_per_host=gpus_per_host, distributed_optimizer=distributed_optimizer,
+                                allow_idle=True, uneven_batch=True)
+    ptc = model_ptc(**{f: getattr(spec, f) for f in spec.__dataclass_fields__}, optimizer=True,
+                    distributed_optimizer=distributed_optimizer)
+    choices: dict[int, tuple[LayoutChoice, float]] = {}
+
+    def choose(n: int) -> tuple[LayoutChoice, float]:
+        if n not in choices:
+            t0 = time.perf_counter()
+            choices[n] = (choose_layout(spec, n, **opts), time.perf_counter() - t0)
+        return choices[n]
+
+    full, _ = choose(gpus)
+    ideal_tps = full.tokens_per_second or 0.0
+    assert full.estimate is not None
+    state_per_gpu = max(st.param_bytes + st.optimizer_bytes for st in full.estimate.stages)  # what a restart reads
+    shapes: dict[tuple[Any, ...], _Shape] = {}
+    rng = np.random.default_rng(seed)
+
+    def measure(old: ParallelConfig, new: ParallelConfig, lost: Sequence[int], key: tuple[Any, ...],
+                old_world: int) -> tuple[_Shape, bool]:
+        """Plan and schedule the move from ``old`` (ranks ``lost`` gone) to ``new``."""
+        if key in shapes:
+            return shapes[key], True
+        _, chooser_s = choose(new.world_size) if new.world_size in choices else (None, 0.0)
+        gone = set(lost)
+        survivors = [r for r in range(old.world_size) if r not in gone]
+        t0 = time.perf_counter()
+        alive = locality_order(ptc, old, new, survivors) if new.world_size <= len(survivors) else survivors
+        assign_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        moves = plan(ptc, old, new, alive=alive, gpus_per_host=gpus_per_host)
+        plan_s = time.perf_counter() - t0
+        need = max(old_world, int(moves.devices.max()) + 1 if len(moves.devices) else 0)
+        topo = Topology.from_spec(f"hosts={-(-need // gpus_per_host)},gpus={gpus_per_host},{topology}")
+        sched = schedule(moves, topo, time_limit=schedule_limit)
+        c = moves.columns
+        per_rank = np.bincount(c["new_rank"], weights=c["nbytes"], minlength=new.world_size) if len(c["nbytes"]) \
+            else np.zeros(1)
+        shape = _Shape(chooser_s, assign_s, plan_s, int(moves.stats.bytes_moved), float(sched.completion_s),
+                       int(per_rank.max()))
+        shapes[key] = shape
+        return shape, False
+
+    # the replay: job hosts (with their layout), spares, repairs in flight
+    cfg_choice = full
+    job_hosts = hosts
+    spares = spare_hosts
+    events: list[EventResult] = []
+    timeline: list[tuple[float, int, float]] = [(0.0, full.cfg.world_size, 1.0)]
+    lost_s = {"tenplex": 0.0, "restart": 0.0, "ckpt": 0.0}  # seconds of full-speed training lost
+    degraded: list[tuple[float, float]] = []  # (hours at this rate, tokens/s ratio to ideal)
+    last_h, rate = 0.0, 1.0
+    step_s = full.step_seconds or 0.0
+
+    def advance(to_h: float) -> None:
+        nonlocal last_h
+        degraded.append((to_h - last_h, rate))
+        last_h = to_h
+
+    def record(time_h: float, kind: str, cause: str, lost_gpus: int, before: LayoutChoice, after: LayoutChoice,
+               shape: _Shape, cached: bool) -> EventResult:
+        transfer = shape.transfer_s
+        recovery = costs.detect_s + shape.chooser_s + shape.assign_s + shape.plan_s + transfer + step_s / 2
+        ev = EventResult(time_h, kind, cause, lost_gpus, str(before.cfg), str(after.cfg), after.idle_gpus,
+                         shape.chooser_s, shape.assign_s, shape.plan_s, shape.bytes_moved, transfer, recovery, cached)
+        events.append(ev)
+        if progress is not None:
+            progress(f"{time_h:8.2f} h {kind:<7} {cause:<8} {before.cfg} -> {after.cfg} idle {after.idle_gpus}: "
+                     f"plan {shape.plan_s:.2f}s transfer {transfer:.2f}s recovery {recovery:.2f}s"
+                     f"{' (cached)' if cached else ''}")
+        return ev
+
+    queue = [(e.time_h, 1, i, e) for i, e in enumerate(trace) if e.time_h <= end_h]
+    heapq.heapify(queue)
+    ckpt_interval_s = costs.ckpt_interval_h * HOUR
+    load_s = state_per_gpu / costs.storage_bw  # the baseline's checkpoint load, per GPU in parallel
+    ckpt_down_since: float | None = None  # hours: the baseline waits for hosts since then
+    while queue:
+        t_h, order, _, ev = heapq.heappop(queue)
+        if t_h > end_h:
+            break
+        advance(t_h)
+        before = cfg_choice
+        world_before = job_hosts * gpus_per_host
+        if order == 0:  # a repaired host returns: to the job if it is short, else to the spares
+            if job_hosts < hosts:
+                job_hosts += 1
+                after, _ = choose(job_hosts * gpus_per_host)
+                key = ("grow", str(before.cfg), str(after.cfg))
+                shape, cached = measure(before.cfg, after.cfg, (), key, world_before)
+                e = record(t_h, "grow", "repair", 0, before, after, shape, cached)
+                lost_s["tenplex"] += e.recovery_s
+                lost_s["restart"] += costs.restart_s + shape.max_rank_bytes / costs.host_store_bw + shape.plan_s
+                cfg_choice = after
+                if job_hosts == hosts and ckpt_down_since is not None:  # the baseline runs again: restart, load
+                    lost_s["ckpt"] += (t_h - ckpt_down_since) * HOUR + costs.restart_s + load_s
+                    ckpt_down_since = None
+            else:
+                spares += 1
+            rate = (cfg_choice.tokens_per_second or 0.0) / ideal_tps if ideal_tps else 1.0
+            timeline.append((t_h, cfg_choice.cfg.world_size, rate))
+            continue
+        cls = classes[ev.cause]
+        since_ckpt = (t_h * HOUR) % ckpt_interval_s
+        if cls.hosts == 0:  # a process crash: same hosts, the crashed rank's state comes from its peers
+            victim = int(rng.integers(before.cfg.world_size))
+            key = ("restart", str(before.cfg), _stage_of(before.cfg, victim))
+            shape, cached = measure(before.cfg, before.cfg, [victim], key, world_before + 1)
+            e = record(t_h, "restart", ev.cause, 0, before, before, shape, cached)
+            lost_s["tenplex"] += e.recovery_s
+            lost_s["restart"] += costs.detect_s + costs.restart_s + state_per_gpu / costs.host_store_bw + step_s / 2
+            if ckpt_down_since is None:
+                lost_s["ckpt"] += costs.detect_s + costs.restart_s + load_s + since_ckpt
+            continue
+        # a host fails: it goes to repair; a spare replaces it, else the job shrinks
+        heapq.heappush(queue, (t_h + cls.repair_h, 0, len(trace) + len(events), ev))
+        victim_host = int(rng.integers(job_hosts))
+        lost = [r for r in range(victim_host * gpus_per_host, (victim_host + 1) * gpus_per_host)
+                if r < before.cfg.world_size]
+        stage = _stage_of(before.cfg, lost[0]) if lost else -1
+        if spares > 0:
+            spares -= 1
+            after = before
+            key = ("replace", str(before.cfg), stage)
+            shape, cached = measure(before.cfg, after.cfg, lost, key, world_before + gpus_per_host)
+            e = record(t_h, "fail", ev.cause, gpus_per_host, before, after, shape, cached)
+            if ckpt_down_since is None:
+                lost_s["ckpt"] += costs.detect_s + costs.restart_s + load_s + since_ckpt
+        else:
+            job_hosts -= 1
+            after, _ = choose(job_hosts * gpus_per_host)
+            key = ("shrink", str(before.cfg), str(after.cfg), stage)
+            shape, cached = measure(before.cfg, after.cfg, lost, key, world_before)
+            e = record(t_h, "fail", ev.cause, gpus_per_host, before, after, shape, cached)
+            cfg_choice = after
+            # the baseline cannot run short of hosts: it stops (losing the work since its last
+            # checkpoint) until the job has all its hosts again
+            if ckpt_down_since is None:
+                lost_s["ckpt"] += costs.detect_s + since_ckpt
+                ckpt_down_since = t_h
+        lost_s["tenplex"] += e.recovery_s
+        lost_s["restart"] += costs.detect_s + costs.restart_s + shape.max_rank_bytes / costs.host_store_bw \
+            + shape.plan_s + step_s / 2
+        rate = (cfg_choice.tokens_per_second or 0.0) / ideal_tps if ideal_tps else 1.0
+        timeline.append((t_h, cfg_choice.cfg.world_size, rate))
+    advance(end_h)
+    if ckpt_down_since is not None:
+        lost_s["ckpt"] += (end_h - ckpt_down_since) * HOUR
+    total_s = end_h * HOUR
+    useful = sum(h * r for h, r in degraded) * HOUR  # full-speed-equivalent seconds while degraded
+    goodput = {k: max(0.0, (useful - v) / total_s) for k, v in lost_s.items()}
+    goodput["ckpt"] = max(0.0, (total_s - lost_s["ckpt"]) / total_s)  # it runs at full speed or not at all
+    return SimulationResult(tuple(events), goodput["tenplex"], goodput["restart"], goodput["ckpt"],
+                            time.perf_counter() - t_start, end_h, str(full.cfg), tuple(timeline))
+
+
+def _stage_of(cfg: ParallelConfig, rank: int) -> int:
+    """The pipeline stage of ``rank`` (ranks ordered tp, dp, pp)."""
+    return rank // (cfg.tp * cfg.dp)
+
+
+def plot_simulation(res: SimulationResult, path: str | Path) -> bool:
+    """A PNG of the job's world size and its throughput relative to the start over time, the
+    events marked; False (and nothing written) without matplotlib."""
+    try:
+        import matplotlib  # lazy: optional (the demo extras install it)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # lazy: optional, see above
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot written to %s", path)
+        return False
+    t = [p[0] / 24.0 for p in res.timeline] + [res.hours / 24.0]
+    world = [p[1] for p in res.timeline] + [res.timeline[-1][1]]
+    rate = [p[2] for p in res.timeline] + [res.timeline[-1][2]]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    a.step(t, world, where="post", color="tab:blue")
+    a.set_ylabel("GPUs in the layout")
+    b.step(t, rate, where="post", color="tab:green", label="throughput / start")
+    b.axhline(res.goodput_tenplex, color="tab:green", ls="--", lw=1, label=f"goodput tenplex {res.goodput_tenplex:.3f}")
+    b.axhline(res.goodput_checkpoint_restart, color="tab:red", ls="--", lw=1,
+              label=f"goodput checkpoint restart {res.goodput_checkpoint_restart:.3f}")
+    b.set_ylabel("relative throughput")
+    b.set_xlabel("days")
+    b.legend(loc="lower left", fontsize=8)
+    for e in res.events:
+        a.axvline(e.time_h / 24.0, color="0.85", lw=0.5, zorder=0)
+    a.set_title(f"{len(res.events)} events, starting layout {res.layout}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
