@@ -109,10 +109,12 @@ class DieAt:
 
     @staticmethod
     def hook(items: Sequence[DieAt], rank: int) -> Callable[[str, int], None] | None:
-        """``die(point, step)``, killing this process when ``(rank, step, point)`` is listed."""
-        mine = {(d.step, d.point) for d in items if d.rank == rank}
-        if not mine:
+        """``die(point, step)``, killing this process when ``(rank, step, point)`` is listed; None
+        when nothing is listed (for any rank: ranks must agree on whether it exists, the
+        ``migrate`` point runs after a barrier)."""
+        if not items:
             return None
+        mine = {(d.step, d.point) for d in items if d.rank == rank}
 
         def die(point: str, step: int) -> None:
             if (step, point) in mine:
