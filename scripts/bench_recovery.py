@@ -7,6 +7,13 @@ dp=1,tp=2,pp=2) train; after a given step one host dies (store, agent and worker
 and the survivor recovers from memory. Mode "persistent": only persistent checkpoints (a
 local directory here) every K steps, as peers do. Reported per mode: recovery time (failure
 to the first step finished after resuming), its parts, steps lost, bytes per tier.
+
+`--json` runs the two paths of issue #18 side by side on the same job (host stores, a snapshot
+every step): "in_process" (the survivors keep running, agree, move their state live and read
+only the dead host's pieces from their host store) and "restart" (torchrun's agent restarts the
+survivors, rescale() loads from the stores), `--repeats` times each (alternating), for tiny and
+llama-100m (`--quick`: tiny only); it prints medians with min/max, every repeat and the load
+average, and writes docs/bench_inprocess.json (not with --quick).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -37,8 +45,10 @@ def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: i
     log = work / "log.jsonl"
     args = ["--model", model, "--steps", str(steps), "--parallel", "dp=1,tp=2,pp=2", "--ckpt", str(work / "ckpt"),
             "--log", str(log), *extra]
-    if mode == "stores":
+    if mode in ("stores", "in_process"):
         args += ["--store", "auto", "--snapshot-every", str(snapshot_every), "--ckpt-every", str(10**6)]
+        if mode == "in_process":
+            args += ["--in-process"]
     else:
         args += ["--ckpt-every", str(ckpt_every)]
     rdzv = RendezvousStore()
@@ -51,8 +61,16 @@ def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: i
         if not wait_for(lambda: four() >= fail_after, 900):
             raise RuntimeError(f"{model}/{mode}: did not reach step {fail_after}; see {work}")
         fail_step, t_fail = four(), time.time()
+        load_at_failure = os.getloadavg()[0]
         hosts[1].kill()
-        rc = hosts[0].agent.wait(timeout=1800)
+        if mode == "in_process":
+            # the survivors' agent knows nothing of the recovery and would wait up to 300 s in torchrun's
+            # exit barrier for the dead host's agent: done when the last step is logged and its workers exited
+            wait_for(lambda: max([o["step"] for o in read_train_log(log)[0]] or [0]) >= steps, 1800)
+            wait_for(lambda: not any(_running(p) for p in hosts[0].agent.worker_pids()), 120)
+            rc = 0 if max(o["step"] for o in read_train_log(log)[0]) >= steps else 1
+        else:
+            rc = hosts[0].agent.wait(timeout=1800)
         if rc != 0:
             raise RuntimeError(f"{model}/{mode}: survivor failed ({rc}); see {work}")
     finally:
@@ -60,20 +78,47 @@ def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: i
             h.stop()
         rdzv.stop()
     runs, starts = read_train_log(log)
-    resume = [s for s in starts if s["wall"] > t_fail][-1]
-    first = min((r for r in runs if r["wall"] > t_fail), key=lambda r: r["wall"])
-    out = {
-        "model": model, "mode": mode, "fail_step": fail_step, "resumed_step": resume["step"],
-        "steps_lost": fail_step - resume["step"],
-        "recovery_s": first["wall"] - t_fail,
-        "restart_s": resume["process_start"] - t_fail,
-        "startup_s": resume["wall"] - resume["process_start"],
-        "load_s": resume["timings"].get("load", 0.0),
-        "first_step_s": first["wall"] - resume["wall"],
-        "step_s": sorted(r["time_s"] for r in runs if r["world_size"] == 4)[len([r for r in runs if r["world_size"] == 4]) // 2],
-        "bytes_by_tier": resume.get("bytes_by_tier_all", {}),
-        "bytes_needed": resume.get("bytes_needed_all", 0),
-    }
+    step_s = sorted(r["time_s"] for r in runs if r["world_size"] == 4)
+    final = {r["step"]: r for r in runs}
+    if mode == "in_process":
+        rec = [s for s in starts if s.get("event") == "recover"][0]
+        first = min((r for r in runs if r["wall"] > rec["wall"]), key=lambda r: r["wall"])
+        t = rec["timings"]
+        persistent = any(str(work / "ckpt") in u for u in rec.get("storage_urls", []))
+        out = {
+            "model": model, "mode": mode, "fail_step": fail_step, "resumed_step": rec["step"],
+            "steps_lost": fail_step - rec["step"], "recovery_s": first["wall"] - t_fail,
+            "detect_s": rec["failed_at"] - t_fail, "agree_s": rec["agree_s"], "regroup_s": rec["regroup_s"],
+            "choose_plan_s": t.get("choose", 0) + t.get("plan", 0) + t.get("agree", 0),
+            "transfer_s": t.get("migrate_transfer", 0), "storage_s": t.get("migrate_storage", 0),
+            "first_step_s": first["wall"] - rec["wall"], "first_step_compute_s": first["time_s"],
+            "ready_s": first["wall"] - first["time_s"] - t_fail, "step_s": step_s[len(step_s) // 2],
+            "layout_after": rec["layout"], "bytes_live": rec["bytes_live"], "plan_bytes_peer": rec["plan_bytes_peer"],
+            "plan_bytes_moved": rec["plan_bytes_moved"], "bytes_storage": rec["bytes_storage"],
+            "bytes_persistent": rec["bytes_storage"] if persistent else 0, "storage_urls": rec.get("storage_urls", []),
+            "bytes_local": rec["bytes_local"], "load_at_failure": load_at_failure,
+            "losses": {s: final[s]["loss"] for s in sorted(final)},
+            "samples": [x for s in sorted(final) for x in final[s]["samples"]],
+        }
+    else:
+        resume = [s for s in starts if s["wall"] > t_fail and s.get("event") == "start"][-1]
+        first = min((r for r in runs if r["wall"] > t_fail), key=lambda r: r["wall"])
+        out = {
+            "model": model, "mode": mode, "fail_step": fail_step, "resumed_step": resume["step"],
+            "steps_lost": fail_step - resume["step"],
+            "recovery_s": first["wall"] - t_fail,
+            "restart_s": resume["process_start"] - t_fail,
+            "startup_s": resume["wall"] - resume["process_start"],
+            "load_s": resume["timings"].get("load", 0.0),
+            "first_step_s": first["wall"] - resume["wall"], "first_step_compute_s": first["time_s"],
+            "ready_s": first["wall"] - first["time_s"] - t_fail,
+            "step_s": step_s[len(step_s) // 2],
+            "bytes_by_tier": resume.get("bytes_by_tier_all", {}),
+            "bytes_needed": resume.get("bytes_needed_all", 0),
+            "load_at_failure": load_at_failure,
+            "losses": {s: final[s]["loss"] for s in sorted(final)},
+            "samples": [x for s in sorted(final) for x in final[s]["samples"]],
+        }
     # time to get back to where the failure struck: recovery plus redoing the lost steps
     out["time_to_catch_up_s"] = out["recovery_s"] + max(0, out["steps_lost"] - 1) * out["step_s"]
     shutil.rmtree(work, ignore_errors=True)
@@ -81,12 +126,81 @@ def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: i
     return out
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has exited
+    except (OSError, IndexError):
+        return False
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
+
+
+def side_by_side(cases: list[tuple[str, dict]], repeats: int, shm: str) -> dict:
+    """Both paths of #18 on the same job, alternating, ``repeats`` times each."""
+    models = {}
+    for model, kw in cases:
+        runs: dict[str, list[dict]] = {"in_process": [], "restart": []}
+        for i in range(repeats):
+            for mode in ("in_process", "restart"):
+                print(f"{model} / {mode} {i + 1}/{repeats} (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr,
+                      flush=True)
+                r = run(model, "in_process" if mode == "in_process" else "stores", shm=shm, **kw)
+                print(f"  recovery {r['recovery_s']:.2f}s, steps lost {r['steps_lost']}", file=sys.stderr, flush=True)
+                runs[mode].append(r)
+        ip, rs = runs["in_process"], runs["restart"]
+        rel = max(abs(a["losses"][s] - b["losses"][s]) / abs(b["losses"][s])
+                  for a in ip for b in rs for s in b["losses"])
+        same_data = all(a["samples"] == rs[0]["samples"] for a in ip + rs)
+        for r in ip + rs:
+            r.pop("samples")
+        models[model] = {
+            "in_process_s": _spread([r["recovery_s"] for r in ip]),
+            "restart_s": _spread([r["recovery_s"] for r in rs]),
+            # the same without the first step's own compute (failure -> that step starts)
+            "in_process_ready_s": _spread([r["ready_s"] for r in ip]),
+            "restart_ready_s": _spread([r["ready_s"] for r in rs]),
+            "speedup": statistics.median(r["recovery_s"] for r in rs) / statistics.median(r["recovery_s"] for r in ip),
+            "bytes_live": _spread([r["bytes_live"] for r in ip]),
+            "plan_bytes_peer": _spread([r["plan_bytes_peer"] for r in ip]),
+            "bytes_storage": _spread([r["bytes_storage"] for r in ip]),
+            "bytes_persistent": _spread([r["bytes_persistent"] for r in ip]),
+            "steps_lost_in_process": _spread([r["steps_lost"] for r in ip]),
+            "steps_lost_restart": _spread([r["steps_lost"] for r in rs]),
+            "losses_equal": rel <= 1e-6 and same_data, "max_rel_loss_diff": rel, "same_samples": same_data,
+            "load_at_failure": _spread([r["load_at_failure"] for r in ip + rs]),
+            "in_process_runs": ip, "restart_runs": rs,
+        }
+    return models
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only")
     ap.add_argument("--shm", default="/dev/shm", help="tmpfs for the host stores")
     ap.add_argument("--out", default=str(ROOT / "docs"))
+    ap.add_argument("--json", action="store_true", help="in-process vs restart path, side by side (issue #18)")
+    ap.add_argument("--repeats", type=int, default=3, help="--json: runs of each path per model")
     args = ap.parse_args()
+    if args.json:
+        cases = [("tiny", dict(steps=16, fail_after=9, snapshot_every=1, ckpt_every=5,
+                               extra=["--global-batch", "8", "--micro-batch", "2"]))]
+        if not args.quick:
+            cases.append(("llama-100m", dict(steps=11, fail_after=7, snapshot_every=1, ckpt_every=4,
+                                             extra=["--global-batch", "4", "--micro-batch", "2", "--lr", "1e-3"])))
+        load_before = os.getloadavg()
+        models = side_by_side(cases, args.repeats, args.shm)
+        result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(), "cpus": os.cpu_count(),
+                  "command": "python scripts/bench_recovery.py --json" + (" --quick" if args.quick else ""),
+                  "repeats": args.repeats, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                  "models": models}
+        text = json.dumps(result, indent=1)
+        print(text)
+        if not args.quick:
+            (Path(args.out) / "bench_inprocess.json").write_text(text + "\n")
+        return 0
     cases = [("tiny", dict(steps=16, fail_after=9, snapshot_every=1, ckpt_every=5,
                            extra=["--global-batch", "8", "--micro-batch", "2"]))]
     if not args.quick:
@@ -97,6 +211,8 @@ def main() -> int:
         for mode in ("stores", "persistent"):
             print(f"{model} / {mode} ...", file=sys.stderr, flush=True)
             r = run(model, mode, shm=args.shm, **kw)
+            r.pop("samples")
+            r.pop("losses")
             print(f"  recovery {r['recovery_s']:.1f}s, steps lost {r['steps_lost']}, tiers {r['bytes_by_tier']}",
                   file=sys.stderr, flush=True)
             rows.append(r)

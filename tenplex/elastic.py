@@ -23,17 +23,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import LoadStats, check_model
+from .checkpoint import LoadStats, check_model, list_steps
 from .config import ParallelConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, LayoutError
 from .layouts import choose_layout
+from .membership import old_ranks
+from .migrate import migrate
 from .models import model_spec
-from .planner import PlanStats, plan
+from .planner import STORAGE, PlanStats, locality_order, plan
 from .ptc import PTC
 from .store.recovery import Tier, TierScan, load_tiered, scan_tiers
 from .topology import Topology
 
-__all__ = ["RescaleResult", "rescale", "agree_on_step", "env_world", "layout_options_for", "device_memory",
+__all__ = ["RescaleResult", "LiveState", "live_step", "live_order", "rescale", "agree_on_step", "env_world", "layout_options_for", "device_memory",
            "default_chooser", "storage_tier", "MeshChooser", "mesh_dims", "choose_mesh"]
 
 log = logging.getLogger(__name__)
@@ -58,11 +60,19 @@ class RescaleResult:
     timings: dict[str, float] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)  # "local", "peer", "storage"
     skipped: tuple[tuple[int, str, str], ...] = ()  # (step, save id, reason) of newer attempts passed over
+    live: bool = False  # True: moved live between survivors (``bytes_by_tier``: "local", "live", "storage")
+    storage_url: str | None = None  # live: where this rank read the pieces no survivor holds (None: nothing read)
 
     def summary(self) -> str:
         if self.fresh:
             return f"fresh start under {self.cfg} ({self.world_size} ranks)"
         t = self.timings
+        if self.live:
+            b = self.bytes_by_tier
+            return (f"moved live at step {self.step}: {self.previous} -> {self.cfg} ({self.world_size} ranks); "
+                    f"choose {t.get('choose', 0):.3f}s plan {t.get('plan', 0):.3f}s agree {t.get('agree', 0):.3f}s "
+                    f"migrate {t.get('migrate', 0):.3f}s; received {b.get('live', 0)} B live, "
+                    f"{b.get('storage', 0)} B from storage")
         parts = [f"resumed step {self.step}: {self.previous} -> {self.cfg} ({self.world_size} ranks)",
                  f"choose {t.get('choose', 0):.3f}s plan {t.get('plan', 0):.3f}s load {t.get('load', 0):.3f}s"]
         if self.load_stats:
@@ -204,6 +214,103 @@ def _tiers_of(url: str | None, tiers: Sequence[Tier] | None,
     return [], "(no checkpoint URL)"
 
 
+@dataclass(frozen=True)
+class LiveState:
+    """What a surviving process holds when ``rescale`` runs in-process after a peer failure.
+
+    ``cfg``: the layout the job ran; ``states``: consistent copies of this process's shard under
+    ``cfg`` by step (the trainer keeps the last few steps: a failure in the middle of a step
+    leaves the working state mixed, never these); ``alive``: for each rank of the current
+    default group (the survivors' group, ``Membership.recover``), its rank under ``cfg``;
+    ``sources``: checkpoint URLs, cheapest first (this host's store, then persistent storage),
+    that pieces no survivor holds are read from.
+    """
+
+    cfg: ParallelConfig
+    states: Mapping[int, Mapping[str, Any]]
+    alive: Sequence[int]
+    sources: Sequence[str] = ()
+
+
+def live_step(held: Sequence[Sequence[int]], stored: Sequence[Sequence[int]],
+              needs_storage: Sequence[bool]) -> int | None:
+    """The step an in-process rescale moves: the newest one every survivor holds in memory
+    (``held[r]``) and at which every rank that needs pieces no survivor holds
+    (``needs_storage[r]``) finds a complete checkpoint (``stored[r]``); None when there is none
+    (then the state is loaded from the stores' and storage's newest common step). Pure."""
+    if not held:
+        return None
+    common = set(held[0]).intersection(*map(set, held[1:]))
+    for r, needs in enumerate(needs_storage):
+        if needs:
+            common &= set(stored[r])
+    return max(common) if common else None
+
+
+def live_order(ptc: PTC, cfg: ParallelConfig, choose: Chooser,
+               previous: Sequence[int]) -> Callable[[Sequence[int]], list[int]]:
+    """A ``Membership(order=...)``: the survivors (member ids of the group ``previous``, ids by
+    rank) ordered by ``locality_order`` for the layout ``choose`` picks for their number, so that
+    new rank i runs where most of its state already is."""
+
+    def order(members: Sequence[int]) -> list[int]:
+        ranks = old_ranks(previous, members)
+        new = choose(ptc, len(ranks), cfg)
+        return [previous[r] for r in locality_order(ptc, cfg, new, ranks)]
+
+    return order
+
+
+def _stored_steps(sources: Sequence[str]) -> dict[int, str]:
+    """Step -> the first source holding a complete attempt of it (unreadable sources skipped)."""
+    out: dict[int, str] = {}
+    for url in sources:
+        try:
+            infos = list_steps(url)
+        except (OSError, ValueError) as e:
+            log.warning("cannot list %s for pieces no survivor holds: %s", url, e)
+            continue
+        for info in infos:
+            if info.complete:
+                out.setdefault(info.step, url)
+    return out
+
+
+def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *, gpus_per_host: int) -> RescaleResult | None:
+    """The live branch of ``rescale``: every survivor of the default group together; None when no
+    step is held by every survivor and stored where needed (the caller then loads)."""
+    t0 = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = chooser(ptc, world, live.cfg)
+    cfg.check_world_size(world)
+    ptc.check(cfg)
+    t1 = time.perf_counter()
+    moves = plan(ptc, live.cfg, cfg, alive=list(live.alive), gpus_per_host=gpus_per_host)
+    t2 = time.perf_counter()
+    c = moves.columns
+    needs = bool(((c["kind"] == STORAGE) & (c["new_rank"] == rank)).any())
+    stored = _stored_steps(live.sources) if needs else {}
+    views: list[Any] = [None] * world
+    dist.all_gather_object(views, (sorted(live.states), sorted(stored), needs))
+    step = live_step([v[0] for v in views], [v[1] for v in views], [v[2] for v in views])
+    t3 = time.perf_counter()
+    timings = {"choose": t1 - t0, "plan": t2 - t1, "agree": t3 - t2}
+    if step is None:
+        log.warning("rank %d: no step is held by every survivor and stored where needed (held %s, stored %s); "
+                    "loading from the stores and storage", rank, [v[0] for v in views], sorted(stored))
+        return None
+    # migrate() wants a URL on every rank once any rank reads from storage; ranks that read nothing pass any
+    url = stored.get(step) if needs else (live.sources[0] if live.sources else None)
+    res = migrate(ptc, live.cfg, cfg, live.states[step], alive=list(live.alive), storage=url, step=step, plan=moves,
+                  gpus_per_host=gpus_per_host)
+    timings.update({"migrate": res.seconds, **{f"migrate_{k}": v for k, v in res.timings.items()}})
+    result = RescaleResult(cfg, rank, world, step, False, dict(res.shard), None, live.cfg, moves.stats, None, timings,
+                           {"local": res.bytes_local, "live": res.bytes_received, "storage": res.bytes_storage},
+                           live=True, storage_url=url if needs else None)
+    log.info("%s", result.summary())
+    return result
+
+
 def rescale(
     url: str | None,
     ptc: PTC,
@@ -219,8 +326,19 @@ def rescale(
     topology: Topology | None = None,
     step: int | None = None,
     allow_meta_change: bool = False,
+    live: LiveState | None = None,
 ) -> RescaleResult:
-    """Pick this worker's layout and load its state from the latest complete checkpoint.
+    """Pick this worker's layout and move its state live from the survivors, or load it from the
+    latest complete checkpoint.
+
+    ``live`` (in-process, after ``Membership.recover``; every process of the survivors' default
+    group together): the layout is chosen for the group's size, ``plan`` with ``alive`` = the
+    survivors gives every piece its source, and ``tenplex.migrate.migrate`` moves the state held
+    in memory between the survivors; pieces no survivor holds are read from ``live.sources`` at
+    the same step. The step is the newest one every survivor holds in memory and, for those
+    pieces, a source holds complete (``live_step``); when there is none, the state is loaded as
+    below (from ``tiers`` / ``url``) under the chosen layout and ``agree_on_step`` settles the
+    ranks on one step. ``RescaleResult.live`` says which happened.
 
     ``url``: where the checkpoints are; None or "" (and no ``tiers``) is a fresh start that
     only chooses the layout. ``parallel`` pins the layout; otherwise ``choose(ptc,
@@ -256,6 +374,17 @@ def rescale(
     world = env_size if world_size is None else world_size
     chooser = (_pinned(parallel) if parallel is not None else  # options checked before any I/O
                choose or default_chooser(layout_options_for(ptc, layout_options, gpus_per_host=gpus_per_host)))
+    if live is not None:
+        moved = _rescale_live(ptc, live, chooser, gpus_per_host=gpus_per_host)
+        if moved is not None:
+            return moved
+        rank, world = dist.get_rank(), dist.get_world_size()
+        new = chooser(ptc, world, live.cfg)
+        loaded = rescale(url, ptc, rank=rank, world_size=world, parallel=new, gpus_per_host=gpus_per_host,
+                         storage_options=storage_options, tiers=tiers, topology=topology, step=step,
+                         allow_meta_change=allow_meta_change)
+        return agree_on_step(loaded, url, ptc, tiers=tiers, storage_options=storage_options,
+                             allow_meta_change=allow_meta_change, gpus_per_host=gpus_per_host, topology=topology)
     found, where = _tiers_of(url, tiers, storage_options)
     t0 = time.perf_counter()
     scan = scan_tiers(found) if found else TierScan([])  # one scan serves the step choice and the load

@@ -92,7 +92,9 @@ class Agent:
         # Workers bootstrap from a per-round prefix of the rendezvous store rather than a TCP
         # store shared across rounds by the rank-0 agent: after a node failure, keys left by
         # the previous round's workers would otherwise send gloo to dead peers until timeout.
-        full_env = {**os.environ, **(env or {}), **net.env(), "TENPLEX_PID_DIR": str(self.pid_dir),
+        # --in-process workers keep their membership in the rendezvous store: it outlives every node
+        full_env = {**os.environ, "TENPLEX_MEMBERSHIP_STORE": endpoint, **(env or {}), **net.env(),
+                    "TENPLEX_PID_DIR": str(self.pid_dir),
                     "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         self.log_file = open(log_path, "w")  # noqa: SIM115 - closed in wait/kill
         self.proc = subprocess.Popen(net.command(cmd), stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env,

@@ -68,7 +68,8 @@ def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
 
     Without torchrun (no WORLD_SIZE) and a one-rank layout, runs without torch.distributed.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # the current default group's size: after an in-process recovery it is the survivors', not torchrun's
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     cfg.check_world_size(world)
     device = join_process_group(timeout_s=timeout_s)
     if not dist.is_initialized():

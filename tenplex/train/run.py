@@ -9,11 +9,17 @@ Failures are loud: bad options, a checkpoint or store directory that cannot be w
 checkpoint that cannot be resumed stop every rank at start-up (exit code 2, one line); a
 checkpoint or snapshot that fails to save stops every rank at the next step or at exit (exit
 code 1, naming the step and the cause).
+
+With ``--in-process`` a peer failure does not stop the survivors: they agree on a new group,
+``rescale(live=...)`` moves their state to the layout chosen for their number and training goes
+on (``tenplex.train.live``, docs/inprocess.md); a failure during that recovery exits with code
+75 so that torchrun's agent restarts the job.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -35,13 +41,15 @@ from ..checkpoint import save
 from ..config import ParallelConfig
 from ..data.corpus import TokenCorpus, stdlib_corpus
 from ..data.partition import DataState
-from ..elastic import RescaleResult, agree_on_step, env_world, rescale
-from ..errors import CheckpointMismatchError, CheckpointWriteError, ConfigError, TenplexError
+from ..elastic import Chooser, RescaleResult, agree_on_step, default_chooser, env_world, layout_options_for, rescale
+from ..errors import CheckpointMismatchError, CheckpointWriteError, ConfigError, PeerFailure, TenplexError
 from ..memory import RECOMPUTE
 from ..models import ModelSpec
 from ..ptc import PTC
 from ..store import HostStore, recovery_tiers
 from .memory_probe import measure_step_memory
+from .live import DIE_POINTS, MEMBERSHIP_STORE_ENV, RECOVERY_FAILED, DieAt, LiveRecovery, StateRing, membership_store, recover_live, \
+    start_membership, warm_up
 from .parallel import init_distributed, join_process_group
 from .trainer import DATA_OBJECT, TrainConfig, Trainer, failure_message, trainer_ptc
 
@@ -101,6 +109,20 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                          "full (each layer); the layout chooser counts its memory (default none)")
     ap.add_argument("--fail-at-step", type=int, default=None,
                     help="testing: every rank exits with an error after finishing this step (first run only)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="recover from a peer failure in-process: survivors agree on a new group through the store "
+                         f"{MEMBERSHIP_STORE_ENV} names (host:port), choose the layout for their number and move "
+                         f"their state live; a failure during that recovery exits with code {RECOVERY_FAILED} "
+                         "(the launcher restarts the job)")
+    ap.add_argument("--live-keep", type=int, default=3,
+                    help="--in-process: consistent states kept in memory (CPU copies of this rank's state after "
+                         "each of the last K steps, K >= 2)")
+    ap.add_argument("--dead-after", type=float, default=0.8,
+                    help="--in-process: seconds without a heartbeat (every 0.1 s) after which a peer is dead; "
+                         "recovery waits this long for the verdict on a peer whose collective failed")
+    ap.add_argument("--die-at", default=None, metavar="RANK:STEP:POINT[,...]",
+                    help="testing: SIGKILL the worker of first-group rank RANK at POINT of step STEP "
+                         f"({', '.join(DIE_POINTS)}; first launch only)")
     a = ap.parse_args(argv)
     try:
         return TrainConfig(model=a.model, steps=a.steps, global_batch=a.global_batch, micro_batch=a.micro_batch,
@@ -110,7 +132,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                            fail_at_step=a.fail_at_step, measure_memory=a.measure_memory, store=a.store,
                            snapshot_every=a.snapshot_every, replicas=a.replicas, data_mount=a.data_mount,
                            resume_step=a.resume_step, allow_data_change=a.allow_data_change,
-                           allow_model_change=a.allow_model_change, recompute=a.recompute)
+                           allow_model_change=a.allow_model_change, recompute=a.recompute,
+                           in_process=a.in_process, live_keep=a.live_keep, die_at=a.die_at,
+                           dead_after=a.dead_after)
+        DieAt.parse(a.die_at)
     except ConfigError as e:
         ap.error(str(e))  # exits 2
 
@@ -355,52 +380,159 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
     writer = _Writer()
     fault: str | None = None  # this rank's first failed save or snapshot: every rank stops at the next step
     where = f"rank {rank}: " if world > 1 else ""
+    die = DieAt.hook(DieAt.parse(tc.die_at), rank) if restart == 0 else None  # testing: by first-group rank
+    trainer.die = die
+    membership, ring = None, None
+    if tc.in_process and dist.is_initialized():
+        membership = start_membership(membership_store(), dead_after=tc.dead_after)
+        ring = StateRing(tc.live_keep)
+        _record(ring, trainer)
+    choose = _chooser(tc, ptc)
+    if membership is not None:
+        warm_up(ptc, state.cfg, choose, membership.members)
+    recovered: Any = None  # the in-process recovery whose first step is still to come
 
     def pending_fault() -> str | None:  # a background write that failed by now counts in this step
         return fault or writer.poll()
 
-    while trainer.step < tc.steps:
-        t0 = time.perf_counter()
-        if tc.measure_memory and trainer.step == first_step + 1:
-            loss, samples = measure_step_memory(trainer, tc.measure_memory, fault=pending_fault)
-        else:
-            loss, samples = trainer.train_step(fault=pending_fault)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {trainer.step}")
-        if rank == 0:
-            _emit(tc.log, {"step": trainer.step, "loss": loss, "world_size": world, "dp": state.cfg.dp,
-                           "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
-                           "time_s": time.perf_counter() - t0, "restart": restart, "wall": time.time()})
-        done = trainer.step >= tc.steps
-        step = trainer.step
-        if fault is None and store is not None and tc.snapshot_every and step % tc.snapshot_every == 0:
-            try:
-                store.snapshot(ptc, state.cfg, groups.rank, trainer.shard(), step=step, replicate=bool(store.url),
-                               save_id=save_id)
-            except Exception as e:  # noqa: BLE001 - reported on every rank at the next step
-                log.debug("snapshot failed", exc_info=True)
-                fault = f"{where}could not write the snapshot of step {step} to the host store {store.root}: " \
-                        f"{_describe(e)}"
-        if fault is None and tc.ckpt and ((tc.ckpt_every and step % tc.ckpt_every == 0) or done):
-            # persistent checkpoints run in the background: training waits only for the copy
-            shard = trainer.shard()
-            fault = writer.wait()  # one write at a time
-            if fault is None:
-                def describe(e: BaseException, step: int = step) -> str:
-                    return f"{where}could not write checkpoint step {step} to {tc.ckpt}: {_describe(e)}"
+    def guard() -> Any:
+        return membership.guard() if membership is not None else contextlib.nullcontext()
 
-                writer.start(describe, save, tc.ckpt, ptc, state.cfg, groups.rank, shard, step=step,
-                             keep_last=tc.keep_last, save_id=save_id)
-        if tc.fail_at_step is not None and trainer.step == tc.fail_at_step and restart == 0:
-            writer.wait()  # deterministic for tests: the pending checkpoint lands first
-            log.error("rank %d: simulated failure after step %d", rank, trainer.step)
-            os._exit(17)
-    fault = fault or writer.wait()
-    failed = _failed_ranks(fault, groups.device)  # the last saves, agreed by every rank before it exits
+    while True:
+        try:
+            while trainer.step < tc.steps:
+                t0 = time.perf_counter()
+                if membership is not None:
+                    membership.check()  # a death the heartbeats found between collectives
+                with guard():
+                    if tc.measure_memory and trainer.step == first_step + 1:
+                        loss, samples = measure_step_memory(trainer, tc.measure_memory, fault=pending_fault)
+                    else:
+                        loss, samples = trainer.train_step(fault=pending_fault)
+                if ring is not None:
+                    _record(ring, trainer)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss is {loss} at step {trainer.step}")
+                if rank == 0:
+                    _emit(tc.log, {"step": trainer.step, "loss": loss, "world_size": world, "dp": state.cfg.dp,
+                                   "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
+                                   "time_s": time.perf_counter() - t0, "restart": restart, "wall": time.time(),
+                                   **({"after_recovery": recovered} if recovered is not None else {})})
+                recovered = None
+                done = trainer.step >= tc.steps
+                step = trainer.step
+                if fault is None and store is not None and tc.snapshot_every and step % tc.snapshot_every == 0:
+                    try:
+                        store.snapshot(ptc, state.cfg, groups.rank, trainer.shard(), step=step,
+                                       replicate=bool(store.url), save_id=save_id)
+                    except Exception as e:  # noqa: BLE001 - reported on every rank at the next step
+                        log.debug("snapshot failed", exc_info=True)
+                        fault = f"{where}could not write the snapshot of step {step} to the host store " \
+                                f"{store.root}: {_describe(e)}"
+                if fault is None and tc.ckpt and ((tc.ckpt_every and step % tc.ckpt_every == 0) or done):
+                    # persistent checkpoints run in the background: training waits only for the copy
+                    shard = trainer.shard()
+                    fault = writer.wait()  # one write at a time
+                    if fault is None:
+                        def describe(e: BaseException, step: int = step) -> str:
+                            return f"{where}could not write checkpoint step {step} to {tc.ckpt}: {_describe(e)}"
+
+                        writer.start(describe, _save, die, tc.ckpt, ptc, state.cfg, groups.rank, shard, step=step,
+                                     keep_last=tc.keep_last, save_id=save_id)
+                if tc.fail_at_step is not None and trainer.step == tc.fail_at_step and restart == 0:
+                    writer.wait()  # deterministic for tests: the pending checkpoint lands first
+                    log.error("rank %d: simulated failure after step %d", rank, trainer.step)
+                    os._exit(17)
+            fault = fault or writer.wait()
+            with guard():
+                failed = _failed_ranks(fault, groups.device)  # the last saves, agreed by every rank before it exits
+        except PeerFailure as e:
+            failure = str(e)
+        else:
+            break
+        # Out of the except block: the exception's frames (the step's autograd graph, its p2p work)
+        # are gone. Dropping the trainer too frees the last references to the broken groups, so
+        # gloo closes their connections and peers still blocked on this rank fail at once (kept,
+        # they held a peer blocked until a process exited; no gc.collect() needed, measured).
+        assert membership is not None and ring is not None
+        log.warning("rank %d: %s: recovering in-process", rank, failure)
+        at = trainer.step + 1
+        trainer = groups = None  # type: ignore[assignment]
+        try:
+            rec = recover_live(membership, ring, ptc, state.cfg, choose, sources=_sources(store, tc.ckpt),
+                               url=tc.ckpt, tiers=start.tiers, gpus_per_host=tc.gpus_per_host,
+                               before_migrate=(lambda: die("migrate", at)) if die else None)
+            groups = init_distributed(rec.result.cfg)
+            trainer = Trainer(tc, ptc, groups, rec.result, start.corpus)
+        except Exception as e2:  # noqa: BLE001 - any failure here: the launcher's restart takes over
+            log.error("rank %d: in-process recovery failed", rank, exc_info=e2)
+            print(f"{PROG}: error: rank {rank}: in-process recovery failed ({_one_line(_describe(e2))}); "
+                  f"exiting with code {RECOVERY_FAILED} so that the launcher restarts the job",
+                  file=sys.stderr, flush=True)
+            logging.shutdown()
+            os._exit(RECOVERY_FAILED)  # no clean-up that could wait on a dead peer
+        previous, state = state, rec.result
+        trainer.die = die
+        rank, world = groups.rank, dist.get_world_size()
+        where = f"rank {rank}: "
+        ring.clear()
+        _record(ring, trainer)
+        recovered = _recovery_record(rec, previous.cfg, trainer.step)
+        if rank == 0:
+            log.warning("%s", state.summary())
+            _emit(tc.log, {"event": "recover", **recovered})
+    if membership is not None:
+        membership.close()
     if failed:
         raise CheckpointWriteError(f"{failure_message(fault, failed, rank)}; training stopped after step "
                                    f"{trainer.step}{' on every rank' if dist.is_initialized() else ''}")
     return 0
+
+
+def _record(ring: StateRing, trainer: Trainer) -> None:
+    ring.record(trainer.step, trainer.state_tensors(), {"optimizer.step": trainer.step,
+                                                        DATA_OBJECT: trainer.data.to_json()})
+
+
+def _save(die: Callable[[str, int], None] | None, *args: Any, **kwargs: Any) -> None:
+    if die is not None:
+        die("save", kwargs["step"])  # testing: this rank's part of the step never lands
+    save(*args, **kwargs)
+
+
+def _chooser(tc: TrainConfig, ptc: PTC) -> Chooser:
+    """How an in-process recovery picks the layout: the layout ``--parallel`` pins for the world
+    size, else ``choose_layout`` as at start-up."""
+    options = layout_options_for(ptc, dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch,
+                                           recompute=tc.recompute), gpus_per_host=tc.gpus_per_host)
+    chooser = default_chooser(options)
+    pinned = {c.world_size: c for c in reversed([ParallelConfig.parse(t) for t in (tc.parallel or "").split("/")
+                                                 if t.strip()])}  # the first layout of a size wins
+
+    def choose(ptc: PTC, world: int, previous: ParallelConfig | None) -> ParallelConfig:
+        return pinned.get(world) or chooser(ptc, world, previous)
+
+    return choose
+
+
+def _sources(store: Any, ckpt: str | None) -> list[str]:
+    """Where pieces no survivor holds are read, cheapest first: this host's store, then the checkpoints."""
+    return [u for u in (store.root if store is not None else None, ckpt) if u]
+
+
+def _recovery_record(rec: LiveRecovery, before: ParallelConfig, step: int) -> dict[str, Any]:
+    nm, res = rec.membership, rec.result
+    stats = res.plan_stats
+    return {"wall": time.time(), "failed_at": nm.failed_at, "world_size": nm.world_size, "layout": str(res.cfg),
+            "previous": str(before), "live": res.live, "step": step, "newest": rec.newest,
+            "steps_lost": max(0, rec.newest - step), "alive": list(nm.alive), "round": nm.round,
+            "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,
+            "recover_s": rec.recover_s, "rescale_s": rec.rescale_s, "timings": dict(rec.slowest),
+            "bytes_live": rec.bytes["live"], "bytes_storage": rec.bytes["storage"],
+            "bytes_local": rec.bytes["local"], "storage_urls": list(rec.storage_urls),
+            "plan_bytes_moved": stats.bytes_moved if stats else 0,
+            "plan_bytes_peer": (stats.bytes_same_host + stats.bytes_cross_host) if stats else 0,
+            "plan_bytes_storage": stats.bytes_storage if stats else 0}
 
 
 def _host_store(spec: str | None) -> Any:
@@ -438,7 +570,8 @@ def _emit(path: str | None, obj: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained; 2 bad options or the job cannot start (one line on stderr, every
-    rank); 1 a checkpoint or snapshot could not be written (every rank stops, naming it)."""
+    rank); 1 a checkpoint or snapshot could not be written (every rank stops, naming it); 75 an
+    in-process recovery failed (``--in-process``: the launcher's restart takes over)."""
     logging.basicConfig(level=os.environ.get("TENPLEX_LOG", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tc = parse_args(argv)

@@ -69,15 +69,22 @@ class TrainConfig:
     allow_data_change: bool = False
     allow_model_change: bool = False
     recompute: str = "none"
+    in_process: bool = False
+    live_keep: int = 3
+    dead_after: float = 0.8
+    die_at: str | None = None
 
     def __post_init__(self) -> None:
         """Refuse options that would make checkpoints, snapshots or the resume silently not happen."""
         at_least = {"steps": 0, "global_batch": 1, "micro_batch": 1, "ckpt_every": 0, "keep_last": 1,
-                    "snapshot_every": 0, "replicas": 1, "gpus_per_host": 1}
+                    "snapshot_every": 0, "replicas": 1, "gpus_per_host": 1, "live_keep": 2}
         for name, lo in at_least.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {value!r}")
+        if not (isinstance(self.dead_after, (int, float)) and self.dead_after > 0.2):
+            raise ConfigError(f"--dead-after must be a number of seconds > 0.2 (the heartbeat interval is 0.1 s), "
+                              f"got {self.dead_after!r}")
         if self.resume_step is not None and (isinstance(self.resume_step, bool) or
                                              not isinstance(self.resume_step, int) or self.resume_step < 0):
             raise ConfigError(f"--resume-step must be an integer >= 0, got {self.resume_step!r}")
@@ -157,6 +164,7 @@ class Trainer:
         self.bubble_hook: Any = None  # called as hook(op, work) while a stage waits for a peer
         self.snapshot_task: Any = None  # tenplex.bubbles.SnapshotTask: begin at step start, finish before the update
         self.spans: list[Any] | None = None  # compute spans per op, when timelines are recorded
+        self.die: Callable[[str, int], None] | None = None  # testing (--die-at): (point, step) at "forward", "backward", "optimizer"
 
     # -- one training step -------------------------------------------------------------------
     def train_step(self, *, fault: Callable[[], str | None] | None = None) -> tuple[float, np.ndarray]:
@@ -184,8 +192,10 @@ class Trainer:
         if self.snapshot_task is not None:  # the state after the previous step, copied in this step's bubbles
             self.snapshot_task.begin(self.step, {**self.state_tensors(), "optimizer.step": self.step,
                                                  DATA_OBJECT: self.data.to_json()})
-        for op in self.schedule:
+        for k, op in enumerate(self.schedule):
             j = op.mb
+            if self.die is not None and (k == 0 or op.kind != self.schedule[k - 1].kind):
+                self.die("forward" if op.kind == "F" else "backward", self.step + 1)
             t_op = time.perf_counter()
             if op.kind == "F":
                 if self.model.is_first:
@@ -276,7 +286,9 @@ class Trainer:
         lr = self._lr()
         bc1, bc2 = 1 - tc.beta1**t, 1 - tc.beta2**t
         dist_opt = bool(self.ptc.meta.get("distributed_optimizer"))
-        for name, p in self.params.items():
+        for i, (name, p) in enumerate(self.params.items()):
+            if self.die is not None and i == len(self.params) // 2:
+                self.die("optimizer", self.step + 1)  # half the parameters updated
             names = optimizer_names(name)
             m, v = self.opt[names["exp_avg"]], self.opt[names["exp_avg_sq"]]
             wd = tc.weight_decay if p.dim() >= 2 else 0.0

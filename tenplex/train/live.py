@@ -1,0 +1,204 @@
+"""In-process recovery of the reference trainer (issue #18): survivors keep their state and move it live.
+
+With ``--in-process`` every worker watches its peers through a :class:`~tenplex.membership.Membership`
+on the job's long-lived c10d store (``TENPLEX_MEMBERSHIP_STORE=host:port``: the standalone
+rendezvous store; ``launch.Agent`` sets it). A peer failure during a step (forward, backward,
+gradient sync, optimizer, the loss all-reduce) or between steps raises ``PeerFailure``; the
+survivors then ``recover()`` (agree on the members, a fresh group), ``rescale(live=...)``
+chooses the layout for the new world size and moves the state live from the newest step every
+survivor holds (``StateRing``), reading only pieces no survivor holds from the host store,
+then the checkpoint; the run driver rebuilds its groups and trainer and continues. Any error
+during a recovery (a second failure, no group formed, a broken transfer) ends the process with
+``RECOVERY_FAILED`` so that torchrun's agent restarts the job (the restart path).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ParallelConfig
+from ..elastic import Chooser, LiveState, RescaleResult, live_order, rescale
+from ..errors import ConfigError, TenplexError
+from ..membership import Membership, NewMembership
+from ..ptc import PTC
+
+__all__ = ["MEMBERSHIP_STORE_ENV", "RECOVERY_FAILED", "DIE_POINTS", "StateRing", "DieAt", "membership_store",
+           "start_membership", "warm_up", "recover_live", "LiveRecovery"]
+
+log = logging.getLogger(__name__)
+
+MEMBERSHIP_STORE_ENV = "TENPLEX_MEMBERSHIP_STORE"
+RECOVERY_FAILED = 75  # exit code of a worker whose in-process recovery failed: the launcher restarts it
+DIE_POINTS = ("forward", "backward", "optimizer", "save", "migrate")
+
+
+class StateRing:
+    """The last ``keep`` consistent states of this rank by step: CPU copies taken after a step
+    completed, their buffers reused. Survivors of a failure differ by at most one completed step
+    (a rank cannot finish step k+1's all-reduce without every rank in it), so ``keep=2`` always
+    leaves a step all of them hold; ``keep=3`` leaves two, one of them while the newest step's
+    save may still be on its way to the stores."""
+
+    def __init__(self, keep: int = 3) -> None:
+        if keep < 2:
+            raise ConfigError(f"the state ring must keep at least 2 steps, got {keep}")
+        self.keep = keep
+        self._states: OrderedDict[int, dict[str, Any]] = OrderedDict()
+
+    def record(self, step: int, tensors: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> None:
+        """Copy the state after ``step`` (tensors copied into a dropped step's buffers when they fit)."""
+        if step in self._states:
+            return
+        reuse: dict[str, Any] = {}
+        while len(self._states) >= self.keep:
+            reuse = self._states.popitem(last=False)[1]
+        out: dict[str, Any] = {}
+        for name, t in tensors.items():
+            b = reuse.get(name)
+            if isinstance(b, torch.Tensor) and b.shape == t.shape and b.dtype == t.dtype:
+                out[name] = b.copy_(t.detach())
+            else:
+                out[name] = t.detach().to("cpu", copy=True)
+        out.update(objects)
+        self._states[step] = out
+
+    def states(self) -> dict[int, dict[str, Any]]:
+        return dict(self._states)
+
+    def clear(self) -> None:
+        self._states.clear()
+
+
+@dataclass(frozen=True)
+class DieAt:
+    """Testing: SIGKILL this process at ``point`` of step ``step`` when its first-group rank is ``rank``."""
+
+    rank: int
+    step: int
+    point: str
+
+    @staticmethod
+    def parse(text: str | None) -> tuple[DieAt, ...]:
+        """``RANK:STEP:POINT[,RANK:STEP:POINT...]``."""
+        out = []
+        for item in (text or "").split(","):
+            if not item.strip():
+                continue
+            try:
+                r, s, p = item.strip().split(":")
+                d = DieAt(int(r), int(s), p)
+            except ValueError:
+                raise ConfigError(f"--die-at {item!r}: use RANK:STEP:POINT, POINT one of {', '.join(DIE_POINTS)}") \
+                    from None
+            if d.point not in DIE_POINTS:
+                raise ConfigError(f"--die-at {item!r}: POINT must be one of {', '.join(DIE_POINTS)}")
+            out.append(d)
+        return tuple(out)
+
+    @staticmethod
+    def hook(items: Sequence[DieAt], rank: int) -> Callable[[str, int], None] | None:
+        """``die(point, step)``, killing this process when ``(rank, step, point)`` is listed; None
+        when nothing is listed (for any rank: ranks must agree on whether it exists, the
+        ``migrate`` point runs after a barrier)."""
+        if not items:
+            return None
+        mine = {(d.step, d.point) for d in items if d.rank == rank}
+
+        def die(point: str, step: int) -> None:
+            if (step, point) in mine:
+                log.error("rank %d: --die-at: SIGKILL at %s of step %d", rank, point, step)
+                logging.shutdown()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return die
+
+
+def membership_store(timeout_s: float = 30.0) -> Any:
+    """A client of the job's long-lived store named by ``TENPLEX_MEMBERSHIP_STORE`` (``host:port``)."""
+    spec = os.environ.get(MEMBERSHIP_STORE_ENV, "")
+    host, _, port = spec.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--in-process needs {MEMBERSHIP_STORE_ENV}=host:port, a c10d store that outlives every "
+                          f"worker (the standalone rendezvous store: torchrun's --rdzv-endpoint with "
+                          f"is_host=false); got {spec!r}")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def start_membership(store: Any, *, interval: float = 0.1, dead_after: float = 0.8) -> Membership:
+    """Every rank of the default group: a Membership under a prefix fresh for this group (a nonce
+    from rank 0), so a restarted job never reads a previous launch's keys."""
+    box = [f"tenplex/inproc/{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Membership(store, str(box[0]), interval=interval, dead_after=dead_after, agree_timeout=20.0,
+                      pg_timeout=datetime.timedelta(seconds=30))
+
+
+def warm_up(ptc: PTC, cfg: ParallelConfig, choose: Chooser, members: Sequence[int]) -> float:
+    """Run what a recovery runs first once at start-up (the chooser, ``locality_order`` and its
+    scipy import, the holder tables) for one member fewer, so that a failure does not pay for it
+    (measured: ~1 s of a recovery on a loaded 2-CPU VM was the first scipy.optimize import).
+    Returns the seconds it took; a world size no layout fits is skipped."""
+    t0 = time.perf_counter()
+    if len(members) < 2:
+        return 0.0
+    try:
+        live_order(ptc, cfg, choose, members)(list(members[:-1]))
+    except TenplexError as e:
+        log.info("warm-up for %d members skipped: %s", len(members) - 1, e)
+    return time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class LiveRecovery:
+    """One in-process recovery as this rank saw it: the new membership, the rescale result and
+    seconds of ``recover`` (agreement and regroup) and ``rescale`` (choose, plan, step, migrate)."""
+
+    membership: NewMembership
+    result: RescaleResult
+    recover_s: float
+    rescale_s: float
+    slowest: Mapping[str, float]  # the rescale timings, each the slowest rank's
+    bytes: Mapping[str, int]  # summed over the new group: "live", "storage", "local"
+    newest: int  # the newest step any survivor had completed (``result.step`` is the one moved)
+    storage_urls: tuple[str, ...] = ()  # where survivors read pieces no survivor held
+
+
+def recover_live(m: Membership, ring: StateRing, ptc: PTC, cfg: ParallelConfig, choose: Chooser, *,
+                 sources: Sequence[str], url: str | None, tiers: Any, gpus_per_host: int,
+                 before_migrate: Callable[[], None] | None = None) -> LiveRecovery:
+    """Agree on the survivors (ordered by locality for the layout ``choose`` picks), then
+    ``rescale(live=...)`` from the states in ``ring``. Raises on any failure (the caller exits)."""
+    t0 = time.perf_counter()
+    m.order = live_order(ptc, cfg, choose, m.members)
+    nm = m.recover()
+    t1 = time.perf_counter()
+    if before_migrate is not None:  # testing: every survivor is past the regroup when this one dies
+        dist.barrier()
+        before_migrate()
+    live = LiveState(cfg, ring.states(), nm.alive, tuple(sources))
+    res = rescale(url, ptc, choose=choose, gpus_per_host=gpus_per_host, tiers=tiers, live=live)
+    t2 = time.perf_counter()
+    b = res.bytes_by_tier
+    sums = torch.tensor([b.get("live", 0), b.get("storage", 0), b.get("local", 0)], dtype=torch.float64)
+    dist.all_reduce(sums)
+    newest = torch.tensor([max(ring.states(), default=-1)], dtype=torch.int64)
+    dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (res.storage_url, res.timings))
+    urls = [v[0] for v in views]
+    slowest = {k: max(v[1].get(k, 0.0) for v in views) for k in res.timings}  # the recovery waits for the slowest
+    return LiveRecovery(nm, res, t1 - t0, t2 - t1, slowest,
+                        {"live": int(sums[0]), "storage": int(sums[1]), "local": int(sums[2])}, int(newest.item()),
+                        tuple(sorted({u for u in urls if u})))
