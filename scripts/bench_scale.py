@@ -106,26 +106,89 @@ def one_plan(gpus: int, zero: bool, order: str, ranks: str) -> dict[str, Any]:
     return out
 
 
-ONE: dict[str, Callable[..., dict[str, Any]]] = {"locality": one_locality, "plan": one_plan}
+def one_chooser(gpus: int, zero: bool) -> dict[str, Any]:
+    """choose_layout for 405B on ``gpus`` GPUs (spares and uneven batches allowed), no current layout."""
+    from tenplex.layouts import choose_layout
+
+    t = time.perf_counter()
+    c = choose_layout("llama3-405b", gpus, gpu_mem="80GiB", global_batch=2048, seq_len=8192, micro_batch=1,
+                      distributed_optimizer=zero, allow_idle=True, uneven_batch=True)
+    return {"seconds": time.perf_counter() - t, "layout": str(c.cfg), "idle_gpus": c.idle_gpus,
+            "recompute": c.recompute, "step_s": c.step_seconds}
 
 
-def measure(what: str, **kw: Any) -> dict[str, Any]:
-    """RUNS fresh child processes of ``what(**kw)``: median and min-max seconds, peak RSS, load."""
-    runs = []
-    for _ in range(RUNS):
+def one_world_sizes() -> dict[str, Any]:
+    """Every world size of the goals gets a layout: tiny 1-16 (gb 8), llama-100m 1-64 (gb 64), 405B
+    at every multiple of 8 from 8,192 to 16,384 and at 16,376; the published 405B layout fits."""
+    from tenplex.layouts import choose_layout
+
+    t = time.perf_counter()
+    opts: dict[str, Any] = dict(gpu_mem="80GiB", allow_idle=True, uneven_batch=True)
+    missing: list[str] = []
+    counts = {}
+    for model, top, gb, seq in (("tiny", 16, 8, 64), ("llama-100m", 64, 64, 128)):
+        for n in range(1, top + 1):
+            try:
+                choose_layout(model, n, global_batch=gb, micro_batch=1, seq_len=seq, **opts)
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                missing.append(f"{model}@{n}: {e}")
+        counts[model] = top
+    big = list(range(8192, 16385, 8)) + [16376]
+    times = []
+    for n in big:
+        t1 = time.perf_counter()
+        try:
+            choose_layout("llama3-405b", n, global_batch=2048, micro_batch=1, seq_len=8192, **opts)
+        except Exception as e:  # noqa: BLE001
+            missing.append(f"llama3-405b@{n}: {e}")
+        times.append(time.perf_counter() - t1)
+    counts["llama3-405b"] = len(big)
+    pub = choose_layout("llama3-405b", 16384, pin=ParallelConfig(dp=128, tp=8, pp=16), global_batch=2048,
+                        micro_batch=1, seq_len=8192, gpu_mem="80GiB")
+    return {"seconds": time.perf_counter() - t, "sizes": counts, "missing": missing[:20], "num_missing": len(missing),
+            "chooser_405b_median_s": statistics.median(times), "chooser_405b_max_s": max(times),
+            "published_feasible": pub.feasible, "published_recompute": pub.recompute,
+            "published_peak_gib": (pub.peak_bytes or 0) / 2**30}
+
+
+def one_simulate(layout: str, spare_hosts: int) -> dict[str, Any]:
+    """tenplex simulate: the 54-day, 419-failure trace on 405B at 16,384 GPUs."""
+    from tenplex.simulate import draw_trace, simulate_trace
+
+    res = simulate_trace("llama3-405b", 16384, draw_trace(seed=0), hours=54 * 24.0, spare_hosts=spare_hosts,
+                         global_batch=2048, seq_len=8192, layout=ParallelConfig.parse(layout) if layout else None)
+    kinds: dict[str, int] = {}
+    for e in res.events:
+        kinds[e.kind] = kinds.get(e.kind, 0) + 1
+    return {"seconds": res.simulate_s, "events": len(res.events), "kinds": kinds,
+            "shapes": sum(not e.cached for e in res.events), "goodput_tenplex": res.goodput_tenplex,
+            "goodput_tenplex_restart": res.goodput_tenplex_restart,
+            "goodput_checkpoint_restart": res.goodput_checkpoint_restart,
+            "max_plan_s": max(e.chooser_s + e.assign_s + e.plan_s for e in res.events),
+            "max_transfer_s": max(e.transfer_s for e in res.events)}
+
+
+ONE: dict[str, Callable[..., dict[str, Any]]] = {"locality": one_locality, "plan": one_plan, "chooser": one_chooser,
+                                                 "world_sizes": one_world_sizes, "simulate": one_simulate}
+
+
+def measure(what: str, runs: int = RUNS, **kw: Any) -> dict[str, Any]:
+    """``runs`` fresh child processes of ``what(**kw)``: median and min-max seconds, peak RSS, load."""
+    done = []
+    for _ in range(runs):
         load = os.getloadavg()[0]
         out = subprocess.run([sys.executable, __file__, "--child", json.dumps({"what": what, **kw})],
                              capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         res = json.loads(out.stdout.strip().splitlines()[-1])
         res["load_before"] = load
-        runs.append(res)
-    secs = [r["seconds"] for r in runs]
-    row = {"what": what, **kw, "median_s": statistics.median(secs), "min_s": min(secs), "max_s": max(secs),
-           "peak_rss_gib": max(r["peak_rss_gib"] for r in runs), "load_avg_1min": [round(r["load_before"], 2) for r in runs],
-           "last": runs[-1]}
+        done.append(res)
+    secs = [r["seconds"] for r in done]
+    row = {"what": what, **kw, "runs": runs, "median_s": statistics.median(secs), "min_s": min(secs),
+           "max_s": max(secs), "peak_rss_gib": max(r["peak_rss_gib"] for r in done),
+           "load_avg_1min": [round(r["load_before"], 2) for r in done], "last": done[-1]}
     for k in ("assignment_seconds", "plan_seconds"):
-        if k in runs[0]:
-            row[k.replace("seconds", "median_s")] = statistics.median(r[k] for r in runs)
+        if k in done[0]:
+            row[k.replace("seconds", "median_s")] = statistics.median(r[k] for r in done)
     print(f"{what} {kw}: median {row['median_s']:.3f} s (min {row['min_s']:.3f}, max {row['max_s']:.3f}), "
           f"peak RSS {row['peak_rss_gib']:.2f} GiB, load {row['load_avg_1min']}", flush=True)
     return row
@@ -165,8 +228,25 @@ def section_plan_rank() -> list[dict[str, Any]]:
     return rows
 
 
+def section_chooser() -> list[dict[str, Any]]:
+    """choose_layout for 405B: 16,384 GPUs and one node lost (16,376), ZeRO-1 and replicated Adam."""
+    return [measure("chooser", gpus=g, zero=z) for g in (16384, 16376) for z in (True, False)]
+
+
+def section_world_sizes() -> list[dict[str, Any]]:
+    """Every world size of the goals gets a layout (one run: a coverage check, timed)."""
+    return [measure("world_sizes", runs=1)]
+
+
+def section_simulate() -> list[dict[str, Any]]:
+    """The 54-day, 419-failure trace on 405B, 16,384 GPUs: published layout with 16 and 2 spare hosts."""
+    return [measure("simulate", layout="dp=128,tp=8,pp=16", spare_hosts=16),
+            measure("simulate", layout="dp=128,tp=8,pp=16", spare_hosts=2, runs=1)]
+
+
 SECTIONS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "locality": section_locality, "plan_global": section_plan_global, "plan_rank": section_plan_rank,
+    "chooser": section_chooser, "world_sizes": section_world_sizes, "simulate": section_simulate,
 }
 
 

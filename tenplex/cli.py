@@ -349,7 +349,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                    hours=None if args.trace else 24.0 * args.days,
                    global_batch=args.global_batch, seq_len=args.seq_len, micro_batch=args.micro_batch,
                    gpu_mem=args.gpu_mem, topology=args.topology, costs=costs, schedule_limit=args.schedule_limit,
-                   seed=args.seed, progress=say)
+                   seed=args.seed, layout=args.layout, progress=say)
     if args.plot:
         plot_simulation(res, args.plot)
     if args.json:
@@ -639,6 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="replay a failure trace on a large job: layouts, planning, goodput")
     p.add_argument("--model", default="llama3-405b", help="model preset (default llama3-405b)")
     p.add_argument("--gpus", type=_POS, default=16384, help="GPUs of the job (default 16384)")
+    p.add_argument("--layout", type=_layout, default=None, metavar="LAYOUT",
+                   help="starting layout, e.g. dp=128,tp=8,pp=16 (default: the chooser's best)")
     p.add_argument("--gpus-per-host", type=_POS, default=8)
     p.add_argument("--spare-hosts", type=_int_in(0, MAX_WORLD_SIZE), default=16, help="spare hosts (default 16)")
     p.add_argument("--global-batch", type=_POS, default=2048, help="sequences per step (default 2048)")

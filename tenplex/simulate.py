@@ -223,12 +223,14 @@ def simulate_trace(
     costs: CostModel = CostModel(),
     schedule_limit: float = 10.0,
     seed: int = 0,
+    layout: ParallelConfig | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SimulationResult:
     """Replay ``trace`` on a job of ``gpus`` GPUs (see the module docstring); ``hours``: the
     run's length (default: the last event, rounded up to a day). ``topology``: link
     bandwidths of the cluster (``tenplex.topology.Topology.from_spec`` without hosts and gpus,
-    which come from the job). ``progress``: called with a line per event."""
+    which come from the job). ``layout``: the starting layout (default: the chooser's best for
+    ``gpus``; the chooser picks every later one). ``progress``: called with a line per event."""
     t_start = time.perf_counter()
     spec = resolve_model(model)
     if gpus % gpus_per_host:
@@ -251,6 +253,9 @@ def simulate_trace(
             choices[n] = (choose_layout(spec, n, **opts), time.perf_counter() - t0)
         return choices[n]
 
+    if layout is not None:
+        t0 = time.perf_counter()
+        choices[gpus] = (choose_layout(spec, gpus, pin=layout, **opts), time.perf_counter() - t0)
     full, _ = choose(gpus)
     ideal_tps = full.tokens_per_second or 0.0
     assert full.estimate is not None
@@ -267,7 +272,7 @@ def simulate_trace(
         gone = set(lost)
         survivors = [r for r in range(old.world_size) if r not in gone]
         t0 = time.perf_counter()
-        alive = locality_order(ptc, old, new, survivors) if new.world_size <= len(survivors) else survivors
+        alive = locality_order(ptc, old, new, survivors)  # new ranks beyond the survivors run on fresh devices
         assign_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         moves = plan(ptc, old, new, alive=alive, gpus_per_host=gpus_per_host)
