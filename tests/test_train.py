@@ -88,11 +88,13 @@ def assert_matches(reference: dict[int, dict], got: dict[int, dict], *, resumed_
 @pytest.mark.parametrize(
     "before, after, extra",
     [
-        # TP and PP change, DP grows, half the workers: 4 -> 2
-        ("dp=1,tp=2,pp=2", "dp=2,tp=1,pp=1", []),
         # distributed optimizer (optimizer state sharded over DP): DP and PP shrink, TP grows
         ("dp=2,tp=1,pp=2", "dp=1,tp=2,pp=1", ["--distributed-optimizer"]),
-    ],
+    ] + ([
+        # TP and PP change, DP grows, half the workers: 4 -> 2 (TENPLEX_BIG_WORLDS=1: the suite's time
+        # budget; the demo, test_netns and test_inprocess change TP and PP with matching losses too)
+        ("dp=1,tp=2,pp=2", "dp=2,tp=1,pp=1", []),
+    ] if os.environ.get("TENPLEX_BIG_WORLDS") else []),
 )
 def test_restart_under_new_layout_matches_uninterrupted(tmp_path: Path, reference: dict[int, dict], before: str,
                                                         after: str, extra: list[str]) -> None:
@@ -112,7 +114,18 @@ def test_restart_under_new_layout_matches_uninterrupted(tmp_path: Path, referenc
 @pytest.mark.timeout(600)
 def test_elastic_node_failure_two_agents(tmp_path: Path, reference: dict[int, dict]) -> None:
     """Two torchrun agents form a 4-worker job; one 'node' (agent + workers) is killed midway;
-    the survivor's agent restarts its workers with world size 2 and rescale() continues."""
+    the survivor's agent restarts its workers with world size 2 and rescale() continues.
+    On loopback only where network namespaces cannot be made: otherwise
+    test_netns.py::test_elastic_node_failure_across_namespaces runs this job across namespaces."""
+    from tenplex.errors import NetnsUnavailableError
+    from tenplex.train.netns import HostNetwork, unavailable_reason
+
+    if not unavailable_reason() and not os.environ.get("TENPLEX_BIG_WORLDS"):
+        try:
+            HostNetwork.create(1).close()
+            pytest.skip("covered across network namespaces by test_netns.py::test_elastic_node_failure_across_namespaces")
+        except NetnsUnavailableError:
+            pass
     log, ckpt, pids = tmp_path / "log.jsonl", tmp_path / "ckpt", tmp_path / "pids"
     args = [*COMMON, "--parallel", "dp=1,tp=2,pp=2", "--ckpt", str(ckpt), "--ckpt-every", "3", "--log", str(log)]
     store = RendezvousStore()
