@@ -34,6 +34,8 @@ bench: $(STAMP)
 	$(PY) scripts/bench_remote.py --json   # needs moto[server] and s3fs (the test extras)
 	$(PY) scripts/bench_recovery.py
 	$(PY) scripts/bench_schedule.py
+	$(PY) scripts/bench_schedule_scale.py --json   # the scheduler at 1,024-16,384 GPUs
+	$(PY) scripts/bench_scale.py --json   # chooser, assignment, plans, world sizes, tenplex simulate (#20)
 	$(PY) scripts/bench_vfs.py --out docs/bench_vfs
 	$(PY) -m tenplex bench bubbles --plot docs/bubbles_timeline.png
 	$(PY) scripts/bench_bubbles_cuda.py --json docs/bench_bubbles_cuda.json   # needs a GPU; says so and skips without
