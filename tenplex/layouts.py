@@ -364,9 +364,8 @@ def rank_layouts(
         raise ConfigError(f"recompute must be 'auto' or one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     modes = RECOMPUTE if recompute == "auto" else (recompute,)
     if current is not None and ptc is None:
-        ptc = model if isinstance(model, PTC) else model_ptc(
-            **{f: getattr(spec, f) for f in spec.__dataclass_fields__},
-            optimizer=True, distributed_optimizer=distributed_optimizer)
+        ptc = model if isinstance(model, PTC) else model_ptc(spec, optimizer=True,
+                                                             distributed_optimizer=distributed_optimizer)
     if only is None:
         candidates = list(_candidates(spec, gpus // cp, global_batch=global_batch, micro_batch=micro_batch,
                                       gpus_per_host=gpus_per_host, allow_idle=allow_idle, uneven_batch=uneven_batch))

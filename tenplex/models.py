@@ -203,7 +203,7 @@ def model_spec(preset: str | None = None, **overrides: Any) -> ModelSpec:
 
 
 def model_ptc(
-    preset: str | None = None,
+    preset: str | ModelSpec | None = None,
     *,
     arch: str | None = None,
     num_layers: int | None = None,
@@ -221,16 +221,20 @@ def model_ptc(
 ) -> PTC:
     """The PTC of a GPT or Llama model, with Adam state unless ``optimizer=False``.
 
+    ``preset``: a preset's name or a ``ModelSpec``; the other dimensions override it.
+
     Optimizer state (``optimizer.main.*`` fp32 master copy when the model dtype is not fp32,
     ``optimizer.exp_avg.*``, ``optimizer.exp_avg_sq.*``) follows each parameter's TP/PP
     layout; with ``distributed_optimizer`` it is sharded across DP ranks as flat fragments.
     The step counter is carried as the object ``optimizer.step``.
     """
-    spec = model_spec(
-        preset, arch=arch, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-        ffn_hidden=ffn_hidden, vocab=vocab, seq_len=seq_len, tied_embeddings=tied_embeddings,
-        dtype=dtype, vocab_pad=vocab_pad,
-    )
+    base: dict[str, Any] = {}
+    if isinstance(preset, ModelSpec):
+        base, preset = {f: getattr(preset, f) for f in preset.__dataclass_fields__}, None
+    overrides = dict(arch=arch, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                     ffn_hidden=ffn_hidden, vocab=vocab, seq_len=seq_len, tied_embeddings=tied_embeddings,
+                     dtype=dtype, vocab_pad=vocab_pad)
+    spec = model_spec(preset, **(base | {k: v for k, v in overrides.items() if v is not None}))
     params = spec.param_specs()
     tensors = list(params)
     if optimizer:

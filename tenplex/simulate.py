@@ -243,8 +243,7 @@ def simulate_trace(
     opts: dict[str, Any] = dict(gpu_mem=gpu_mem, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch,
                                 gpus_per_host=gpus_per_host, distributed_optimizer=distributed_optimizer,
                                 allow_idle=True, uneven_batch=True)
-    ptc = model_ptc(**{f: getattr(spec, f) for f in spec.__dataclass_fields__}, optimizer=True,
-                    distributed_optimizer=distributed_optimizer)
+    ptc = model_ptc(spec, optimizer=True, distributed_optimizer=distributed_optimizer)
     choices: dict[int, tuple[LayoutChoice, float]] = {}
 
     def choose(n: int) -> tuple[LayoutChoice, float]:
@@ -264,11 +263,12 @@ def simulate_trace(
     rng = np.random.default_rng(seed)
 
     def measure(old: ParallelConfig, new: ParallelConfig, lost: Sequence[int], key: tuple[Any, ...],
-                old_world: int) -> tuple[_Shape, bool]:
-        """Plan and schedule the move from ``old`` (ranks ``lost`` gone) to ``new``."""
+                old_world: int, gpus_after: int) -> tuple[_Shape, bool]:
+        """Plan and schedule the move from ``old`` (ranks ``lost`` gone) to ``new``, the layout the
+        chooser gave for ``gpus_after`` GPUs (its time counts as the event's)."""
         if key in shapes:
             return shapes[key], True
-        _, chooser_s = choose(new.world_size) if new.world_size in choices else (None, 0.0)
+        _, chooser_s = choose(gpus_after)
         gone = set(lost)
         survivors = [r for r in range(old.world_size) if r not in gone]
         t0 = time.perf_counter()
@@ -281,8 +281,7 @@ def simulate_trace(
         topo = Topology.from_spec(f"hosts={-(-need // gpus_per_host)},gpus={gpus_per_host},{topology}")
         sched = schedule(moves, topo, time_limit=schedule_limit)
         c = moves.columns
-        per_rank = np.bincount(c["new_rank"], weights=c["nbytes"], minlength=new.world_size) if len(c["nbytes"]) \
-            else np.zeros(1)
+        per_rank = np.bincount(c["new_rank"], weights=c["nbytes"], minlength=new.world_size)
         shape = _Shape(chooser_s, assign_s, plan_s, int(moves.stats.bytes_moved), float(sched.completion_s),
                        int(per_rank.max()))
         shapes[key] = shape
@@ -334,7 +333,7 @@ def simulate_trace(
                 job_hosts += 1
                 after, _ = choose(job_hosts * gpus_per_host)
                 key = ("grow", str(before.cfg), str(after.cfg))
-                shape, cached = measure(before.cfg, after.cfg, (), key, world_before)
+                shape, cached = measure(before.cfg, after.cfg, (), key, world_before, job_hosts * gpus_per_host)
                 e = record(t_h, "grow", "repair", 0, before, after, shape, cached)
                 lost_s["tenplex"] += e.recovery_s
                 lost_s["restart"] += costs.restart_s + shape.max_rank_bytes / costs.host_store_bw + shape.plan_s
@@ -352,7 +351,7 @@ def simulate_trace(
         if cls.hosts == 0:  # a process crash: same hosts, the crashed rank's state comes from its peers
             victim = int(rng.integers(before.cfg.world_size))
             key = ("restart", str(before.cfg), _stage_of(before.cfg, victim, spec.num_layers))
-            shape, cached = measure(before.cfg, before.cfg, [victim], key, world_before + 1)
+            shape, cached = measure(before.cfg, before.cfg, [victim], key, world_before + 1, world_before)
             e = record(t_h, "restart", ev.cause, 0, before, before, shape, cached)
             lost_s["tenplex"] += e.recovery_s
             lost_s["restart"] += costs.detect_s + costs.restart_s + state_per_gpu / costs.host_store_bw + step_s / 2
@@ -369,7 +368,7 @@ def simulate_trace(
             spares -= 1
             after = before
             key = ("replace", str(before.cfg), stage)
-            shape, cached = measure(before.cfg, after.cfg, lost, key, world_before + gpus_per_host)
+            shape, cached = measure(before.cfg, after.cfg, lost, key, world_before + gpus_per_host, world_before)
             e = record(t_h, "fail", ev.cause, gpus_per_host, before, after, shape, cached)
             if ckpt_down_since is None:
                 lost_s["ckpt"] += costs.detect_s + costs.restart_s + load_s + since_ckpt
@@ -377,7 +376,7 @@ def simulate_trace(
             job_hosts -= 1
             after, _ = choose(job_hosts * gpus_per_host)
             key = ("shrink", str(before.cfg), str(after.cfg), stage)
-            shape, cached = measure(before.cfg, after.cfg, lost, key, world_before)
+            shape, cached = measure(before.cfg, after.cfg, lost, key, world_before, job_hosts * gpus_per_host)
             e = record(t_h, "fail", ev.cause, gpus_per_host, before, after, shape, cached)
             cfg_choice = after
             # the baseline cannot run short of hosts: it stops (losing the work since its last
@@ -405,7 +404,7 @@ def _stage_of(cfg: ParallelConfig, rank: int, num_layers: int) -> str:
     """The kind of pipeline stage of ``rank`` (ranks ordered tp, dp, pp): ``first`` (it holds the
     embedding), ``last`` (the head) or ``middle``; stages of one kind hold the same bytes per
     rank when their layer counts match, so their events are one shape."""
-    stage = rank // (cfg.tp * cfg.dp)
+    stage = cfg.coords(rank).pp
     if stage == 0:
         return "first"
     if stage == cfg.pp - 1:

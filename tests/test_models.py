@@ -216,3 +216,10 @@ def test_model_spec_lookup_errors():
     gpt = model_spec(num_layers=1, hidden=8, heads=2, vocab=4)
     assert gpt.arch == "gpt" and gpt.ffn_hidden == 32 and gpt.kv_heads == 2 and gpt.tied_embeddings is True
     assert model_spec(arch="llama", num_layers=1, hidden=8, heads=2, vocab=4).tied_embeddings is False
+
+
+def test_model_ptc_takes_a_model_spec() -> None:
+    """A ModelSpec gives the same collection as its preset; keyword dimensions override it."""
+    by_name, by_spec = model_ptc("tiny"), model_ptc(model_spec("tiny"))
+    assert by_name.tensors == by_spec.tensors and by_name.meta["model"] == by_spec.meta["model"]
+    assert model_ptc(model_spec("tiny"), num_layers=2).meta["model"]["num_layers"] == 2
