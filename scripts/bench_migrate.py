@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import queue
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import tenplex  # noqa: E402
 from tenplex import ParallelConfig  # noqa: E402
+from tenplex.train.launch import free_port  # noqa: E402
 from tenplex.train.trainer import trainer_ptc  # noqa: E402
 
 OLD = ParallelConfig(dp=2, tp=2)
@@ -94,12 +94,6 @@ def _worker(rank: int, port: int, model: str, dist_opt: bool, url: str, repeats:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _stats(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
@@ -116,7 +110,7 @@ def run_case(model: str, dist_opt: bool, repeats: int, work: Path) -> dict[str, 
     plan = tenplex.plan(ptc, OLD, NEW, alive=ALIVE, gpus_per_host=8)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, model, dist_opt, url, repeats, q)) for r in range(len(ALIVE))]
     for p in procs:
         p.start()
