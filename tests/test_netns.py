@@ -334,7 +334,7 @@ def test_network_failure_with_host_stores_across_namespaces(netns_ok: None, tmp_
     pushed across the bridge with the token; the losses match the uninterrupted run."""
     log = tmp_path / "log.jsonl"
     args = [*COMMON, "--parallel", "dp=1,tp=2,pp=2", "--ckpt", str(tmp_path / "ckpt"), "--ckpt-every", "1000",
-            "--store", "auto", "--snapshot-every", "2", "--log", str(log)]
+            "--store", "auto", "--snapshot-every", "2", "--pg-timeout", "20", "--log", str(log)]
     with HostNetwork.create(2) as net:
         rdzv = RendezvousStore(net=net.switch)
         hosts = start_hosts(2, str(tmp_path), args, nproc=2, endpoint=rdzv.endpoint, run_id=f"h{free_port()}",

@@ -67,6 +67,8 @@ def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
     """Join the job's process group (``join_process_group``, unless joined) and build TP and DP groups.
 
     Without torchrun (no WORLD_SIZE) and a one-rank layout, runs without torch.distributed.
+    The TP and DP groups get the same ``timeout_s`` as the default group (torch's default for a
+    new gloo group is 30 minutes: a rank blocked on a hung peer would wait that long).
     """
     # the current default group's size: after an in-process recovery it is the survivors', not torchrun's
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -80,13 +82,13 @@ def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
     for pp in range(cfg.pp):
         for dp in range(cfg.dp):
             ranks = [cfg.rank(pp=pp, dp=dp, tp=t) for t in range(cfg.tp)]
-            g = dist.new_group(ranks) if cfg.tp > 1 else None
+            g = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s)) if cfg.tp > 1 else None
             if rank in ranks:
                 tp_group = g
     for pp in range(cfg.pp):
         for tp in range(cfg.tp):
             ranks = [cfg.rank(pp=pp, dp=d, tp=tp) for d in range(cfg.dp)]
-            g = dist.new_group(ranks) if cfg.dp > 1 else None
+            g = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s)) if cfg.dp > 1 else None
             if rank in ranks:
                 dp_group = g
     log.info("rank %d of %d: %s coords %s on %s", rank, world, cfg, cfg.coords(rank), device)

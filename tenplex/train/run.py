@@ -120,6 +120,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ap.add_argument("--dead-after", type=float, default=0.8,
                     help="--in-process: seconds without a heartbeat (every 0.1 s) after which a peer is dead; "
                          "recovery waits this long for the verdict on a peer whose collective failed")
+    ap.add_argument("--pg-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="timeout of the job's collectives: how long a rank blocked on a peer that stopped "
+                         "answering (a cut network link, a hung host) waits before it fails and the launcher "
+                         "restarts it (default 60)")
     ap.add_argument("--die-at", default=None, metavar="RANK:STEP:POINT[,...]",
                     help="testing: SIGKILL the worker of first-group rank RANK at POINT of step STEP "
                          f"({', '.join(DIE_POINTS)}; first launch only)")
@@ -134,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                            resume_step=a.resume_step, allow_data_change=a.allow_data_change,
                            allow_model_change=a.allow_model_change, recompute=a.recompute,
                            in_process=a.in_process, live_keep=a.live_keep, die_at=a.die_at,
-                           dead_after=a.dead_after)
+                           dead_after=a.dead_after, pg_timeout=a.pg_timeout)
         DieAt.parse(a.die_at)
     except ConfigError as e:
         ap.error(str(e))  # exits 2
@@ -304,7 +308,7 @@ def run(tc: TrainConfig) -> int:
         start = _prepare(tc, rank, world)
     except Exception as e:  # noqa: BLE001 - reported once the ranks have agreed
         error = e
-    device = join_process_group()
+    device = join_process_group(timeout_s=tc.pg_timeout)
     try:
         failed = _failed_ranks(error, device)
         if not failed:
@@ -345,7 +349,7 @@ def _one_line(message: str) -> str:
 def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, world: int, t_start: float) -> int:
     """The training loop of a rank whose start-up every rank agreed on."""
     ptc, store = start.ptc, start.store
-    groups = init_distributed(state.cfg)
+    groups = init_distributed(state.cfg, timeout_s=tc.pg_timeout)
     trainer = Trainer(tc, ptc, groups, state, start.corpus)
     tiers = ("local", "peer", "storage")
     read = torch.tensor([state.load_stats.bytes_read if state.load_stats else 0,
@@ -462,7 +466,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
             rec = recover_live(membership, ring, ptc, state.cfg, choose, sources=_sources(store, tc.ckpt),
                                url=tc.ckpt, tiers=start.tiers, gpus_per_host=tc.gpus_per_host,
                                before_migrate=(lambda: die("migrate", at)) if die else None)
-            groups = init_distributed(rec.result.cfg)
+            groups = init_distributed(rec.result.cfg, timeout_s=tc.pg_timeout)
             trainer = Trainer(tc, ptc, groups, rec.result, start.corpus)
         except Exception as e2:  # noqa: BLE001 - any failure here: the launcher's restart takes over
             log.error("rank %d: in-process recovery failed", rank, exc_info=e2)

@@ -73,6 +73,7 @@ class TrainConfig:
     live_keep: int = 3
     dead_after: float = 0.8
     die_at: str | None = None
+    pg_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         """Refuse options that would make checkpoints, snapshots or the resume silently not happen."""
@@ -85,6 +86,9 @@ class TrainConfig:
         if not (isinstance(self.dead_after, (int, float)) and self.dead_after > 0.2):
             raise ConfigError(f"--dead-after must be a number of seconds > 0.2 (the heartbeat interval is 0.1 s), "
                               f"got {self.dead_after!r}")
+        if not (isinstance(self.pg_timeout, (int, float)) and not isinstance(self.pg_timeout, bool)
+                and self.pg_timeout >= 1):
+            raise ConfigError(f"--pg-timeout must be a number of seconds >= 1, got {self.pg_timeout!r}")
         if self.resume_step is not None and (isinstance(self.resume_step, bool) or
                                              not isinstance(self.resume_step, int) or self.resume_step < 0):
             raise ConfigError(f"--resume-step must be an integer >= 0, got {self.resume_step!r}")
