@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import PlanError
 from ..planner import LOCAL, STORAGE, Plan
 from ..topology import Topology
-from .commodities import Commodity, Demands
+from .commodities import Commodity, Demands, FlowCommodities
 from .hostpaths import host_flow_paths, host_paths
 
 log = logging.getLogger(__name__)
@@ -116,11 +116,8 @@ def naive_flows(plan: Plan | Demands, topology: Topology) -> NaiveFlows:
         nb = c["nbytes"][rows]
         sums = np.add.reduceat(nb, bounds[:-1]) if len(nb) else np.zeros(0, dtype=np.int64)
         node_name = np.array(topology.node_names, dtype=object)
-        ar = np.arange(len(rows))
-        b = bounds.tolist()
-        coms = [Commodity((s_,), (d_,), n, ar[b[i]:b[i + 1]]) for i, (s_, d_, n)
-                in enumerate(zip(node_name[src_node].tolist(), node_name[dst_node].tolist(), sums.tolist()))]
-        flow_dem = Demands(tuple(coms), c["tensor"][rows], c["start"][rows], c["length"][rows], nb,
+        coms = FlowCommodities(node_name[src_node].tolist(), node_name[dst_node].tolist(), sums, bounds)
+        flow_dem = Demands(coms, c["tensor"][rows], c["start"][rows], c["length"][rows], nb,
                            np.arange(len(rows) + 1), rows, int(nb.sum()))
         links, ptr, latency = _paths_of(topology, src_node, dst_node)
         return NaiveFlows(sums.astype(np.float64), links, ptr, latency, flow_dem)
@@ -157,7 +154,7 @@ def _paths_of(topology: Topology, src: np.ndarray, dst: np.ndarray) -> tuple[np.
     nn = len(topology.node_index)
     hp = host_paths(topology, _REF) if nn > _HUB_NODES else None
     if hp is not None:
-        links, ptr = host_flow_paths(hp, topology, src, dst, _walk)
+        links, ptr = host_flow_paths(hp, topology, src, dst, _hub_walk)
         links.setflags(write=False)
         return links, ptr, path_latency(topology.latency, links, ptr)
     u, v = topology.link_src.astype(np.int64), topology.link_dst.astype(np.int64)
@@ -168,13 +165,29 @@ def _paths_of(topology: Topology, src: np.ndarray, dst: np.ndarray) -> tuple[np.
     skey = key[kord]
     last = np.r_[skey[1:] != skey[:-1], True]
     skey, slink = skey[last], kord[last]
+    hf, hl, hpos, best = _hub_walk(mat, src, dst, skey, slink, nn, nn > _HUB_NODES)
+    if not np.all(np.isfinite(best)):
+        bad = int(np.flatnonzero(~np.isfinite(best))[0])
+        raise PlanError(f"the topology has no path from {topology.node_names[src[bad]]} to "
+                        f"{topology.node_names[dst[bad]]}")
+    o = np.lexsort((hpos, hf))  # per flow, source to destination
+    hf, links = hf[o], hl[o].astype(np.int64)
+    ptr = np.searchsorted(hf, np.arange(len(src) + 1))
+    links.setflags(write=False)
+    return links, ptr, path_latency(topology.latency, links, ptr)
+
+
+def _hub_walk(mat: Any, src: np.ndarray, dst: np.ndarray, skey: np.ndarray, slink: np.ndarray, nn: int,
+              hubs: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_walk` of the pairs ``src[i] -> dst[i]`` (its hop columns: pair, link, position to
+    sort by; and each pair's weight), with ``hubs`` from the sources' heads where they are fewer."""
     sources = np.unique(src)
     # through hubs: a path leaves its source by one of the source's links, so where the sources'
     # heads are fewer (GPUs sharing a host's NVSwitch and memory), one Dijkstra per head, and per
     # pair the head with the shortest total (on large topologies only: ties may pick another of
     # equally fast paths than Topology.shortest_paths)
     heads = np.unique(mat.indices[np.concatenate([np.arange(mat.indptr[x], mat.indptr[x + 1]) for x in sources])])
-    if nn > _HUB_NODES and 2 * len(heads) < len(sources):  # (a single Dijkstra per source below)
+    if hubs and 2 * len(heads) < len(sources):  # (a single Dijkstra per source below)
         deg = np.diff(mat.indptr)[src]
         cf = np.repeat(np.arange(len(src)), deg)  # candidates: (flow, first link)
         ci = np.arange(len(cf)) - np.repeat(np.cumsum(deg) - deg, deg) + np.repeat(mat.indptr[src], deg)
@@ -201,16 +214,8 @@ def _paths_of(topology: Topology, src: np.ndarray, dst: np.ndarray) -> tuple[np.
     else:
         pf, pl, pp, best = _walk(mat, src, dst, skey, slink, nn)
         hop_flow, hop_link, hop_pos = [pf], [pl], [pp]
-    if not np.all(np.isfinite(best)):
-        bad = int(np.flatnonzero(~np.isfinite(best))[0])
-        raise PlanError(f"the topology has no path from {topology.node_names[src[bad]]} to "
-                        f"{topology.node_names[dst[bad]]}")
     hf, hl, hpos = (np.concatenate(x) if x else np.zeros(0, dtype=np.int64) for x in (hop_flow, hop_link, hop_pos))
-    o = np.lexsort((hpos, hf))  # per flow, source to destination
-    hf, links = hf[o], hl[o].astype(np.int64)
-    ptr = np.searchsorted(hf, np.arange(len(src) + 1))
-    links.setflags(write=False)
-    return links, ptr, path_latency(topology.latency, links, ptr)
+    return hf, hl, hpos, best
 
 
 def _walk(mat: Any, start: np.ndarray, dst: np.ndarray, skey: np.ndarray, slink: np.ndarray,

@@ -15,7 +15,7 @@ from ..errors import PlanError
 from ..planner import LOCAL, Plan
 from ..topology import Topology
 from .bounds import lower_bound
-from .commodities import Demands, demands
+from .commodities import Demands, commodity_nbytes, demands
 from .listsched import list_schedule, split_chunks
 from .naive import NaiveFlows, naive_flows
 from .result import Schedule
@@ -50,7 +50,11 @@ def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", 
     is at least twice what the greedy schedule took (the LP costs more): it never solves for
     seconds to shorten a transfer by milliseconds. Nor does it return a schedule slower than
     the naive baseline (:func:`naive_completion`): where the best one is, it returns the naive
-    schedule itself (method ``"naive"``). ``chunk_bytes``: size pieces are split into (default:
+    schedule itself (method ``"naive"``). Where routing cannot fit the limit (a topology beyond
+    the greedy routes' tables, or grouping the plan into demands took half the limit) ``auto``
+    returns the naive schedule at once: built from the plan's flows (no demands), then the
+    lower bound when there is time for it and the naive completion, or its bounds when the
+    limit cuts it short (:meth:`Schedule.completion_bounds`). ``chunk_bytes``: size pieces are split into (default:
     total bytes / 2000 as a power of two, at least 4 KiB; fewer chunks under a limit below
     0.5 s). ``epochs``: target number of epochs of the list-scheduled methods. ``dem``:
     demands computed before by :func:`demands`.
@@ -106,7 +110,7 @@ def _naive_only(plan: Plan | None, topology: Topology, dem: Demands | None, t0: 
         chunk_bytes = max(4096, 1 << max(0, math.ceil(math.log2(max(total, 1) / target))))
     if chunk_bytes < 1:
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    s = _naive_render(plan, topology, flows, floor, chunk_bytes, epochs)
+    s = _naive_render(plan, topology, flows, floor, chunk_bytes, epochs, limit_at - _RESERVE * (limit_at - t0))
     if dem is None and plan is not None:
         need = _DEMANDS_S_PER_MOVE * int(np.count_nonzero(plan.columns["kind"] != LOCAL))
         if time.perf_counter() + need < limit_at - _RESERVE * (limit_at - t0):
@@ -234,22 +238,24 @@ def _progress(chunk_com: np.ndarray, chunk_idx: np.ndarray) -> np.ndarray:
 
 def _capped(dem: Demands, chunk_bytes: int) -> int:
     """``chunk_bytes``, or a larger power of two where it would cut ``dem`` into too many chunks."""
-    nb = np.fromiter((c.nbytes for c in dem.commodities), dtype=np.int64, count=len(dem.commodities))
+    nb = commodity_nbytes(dem)
     n_chunks = int(np.maximum(1, -(-nb // chunk_bytes)).sum())
     if n_chunks <= _MAX_CHUNKS:
         return chunk_bytes
     new = 1 << math.ceil(math.log2(dem.bytes_unique / _MAX_CHUNKS + 1))
-    log.warning("chunk_bytes=%d gives %d chunks (> %d); using %d", chunk_bytes, n_chunks, _MAX_CHUNKS, new)
+    # a chunk per commodity at least: the naive flows of a large plan (307,783 at 16,384 GPUs) are many
+    say = log.info if len(nb) >= _MAX_CHUNKS else log.warning
+    say("chunk_bytes=%d gives %d chunks (> %d); using %d", chunk_bytes, n_chunks, _MAX_CHUNKS, new)
     return new
 
 
 def _naive_render(plan: Plan | None, topology: Topology, flows: NaiveFlows, basis: float, chunk_bytes: int,
-                  epochs: int) -> Schedule:
+                  epochs: int, deadline: float = math.inf) -> Schedule:
     """The naive baseline as a schedule (method ``"naive"``): its flows' chunks on their shortest
     paths, all released at once and list-scheduled in epochs of ``basis / epochs`` seconds, a
     store-and-forward rendering that :func:`validate` checks and :meth:`Schedule.rounds` orders
     for a transport. Its completion is the naive model's (see :func:`simulate`);
-    ``info["store_and_forward_s"]``: that of its epochs."""
+    ``info["store_and_forward_s"]``: that of its epochs (when there is time before ``deadline``)."""
     dem = flows.demands
     chunk_bytes = _capped(dem, chunk_bytes)
     chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
@@ -260,6 +266,8 @@ def _naive_render(plan: Plan | None, topology: Topology, flows: NaiveFlows, basi
     tau = max(basis, 1e-9) / max(epochs, 1)
     arrays = list_schedule(topology, routes, chunk_nb, order, tau, np.zeros(len(chunk_com), dtype=np.int64))
     s = Schedule(plan, topology, dem, "naive", tau, chunk_bytes, chunk_com, chunk_off, chunk_nb, **arrays)
+    if time.perf_counter() >= deadline:
+        return s
     return dataclasses.replace(s, info={"store_and_forward_s": store_and_forward(s)})
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import PlanError
+from .commodities import FlowCommodities, commodity_nbytes
 from .listsched import by_level, fifo, link_levels
 from .naive import maxmin_completion
 
@@ -90,7 +91,7 @@ def _simulate_naive(s: Schedule) -> float:
     chunk = s.hop_chunk[hops]
     paths = np.split(s.hop_link[hops], np.flatnonzero(chunk[1:] != chunk[:-1]) + 1)
     topo = s.topology
-    nbytes = np.array([c.nbytes for c in s.demands.commodities], dtype=np.float64)
+    nbytes = commodity_nbytes(s.demands).astype(np.float64)
     latency = np.array([float(topo.latency[p].sum()) for p in paths])
     return maxmin_completion(paths, nbytes, topo.bandwidth, latency)
 
@@ -122,10 +123,16 @@ def validate(s: Schedule) -> None:
     nn = len(topo.node_names)
     idx = topo.node_index
     # candidate sources and destinations of every commodity, as sorted (commodity, node) keys
-    n_src = np.fromiter((len(c.sources) for c in d.commodities), dtype=np.int64, count=len(d.commodities))
-    n_dst = np.fromiter((len(c.dests) for c in d.commodities), dtype=np.int64, count=len(d.commodities))
-    src_node = np.fromiter((idx[x] for c in d.commodities for x in c.sources), dtype=np.int64, count=int(n_src.sum()))
-    dst_node = np.fromiter((idx[x] for c in d.commodities for x in c.dests), dtype=np.int64, count=int(n_dst.sum()))
+    coms = d.commodities
+    if isinstance(coms, FlowCommodities):  # its columns, without building its objects
+        n_src = n_dst = np.ones(len(coms), dtype=np.int64)
+        src_node = np.fromiter((idx[x] for x in coms.sources), dtype=np.int64, count=len(coms))
+        dst_node = np.fromiter((idx[x] for x in coms.dests), dtype=np.int64, count=len(coms))
+    else:
+        n_src = np.fromiter((len(c.sources) for c in coms), dtype=np.int64, count=len(coms))
+        n_dst = np.fromiter((len(c.dests) for c in coms), dtype=np.int64, count=len(coms))
+        src_node = np.fromiter((idx[x] for c in coms for x in c.sources), dtype=np.int64, count=int(n_src.sum()))
+        dst_node = np.fromiter((idx[x] for c in coms for x in c.dests), dtype=np.int64, count=int(n_dst.sum()))
     src_keys = np.sort(np.repeat(np.arange(len(n_src)), n_src) * nn + src_node)
     tail, head = topo.link_src[s.hop_link], topo.link_dst[s.hop_link]
     com = s.chunk_commodity[s.hop_chunk]
