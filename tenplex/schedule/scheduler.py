@@ -54,9 +54,9 @@ def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", 
     the greedy routes' tables, or grouping the plan into demands took half the limit) ``auto``
     returns the naive schedule at once: built from the plan's flows (no demands), then the
     lower bound when there is time for it and the naive completion, or its bounds when the
-    limit cuts it short (:meth:`Schedule.completion_bounds`). ``chunk_bytes``: size pieces are split into (default:
-    total bytes / 2000 as a power of two, at least 4 KiB; fewer chunks under a limit below
-    0.5 s). ``epochs``: target number of epochs of the list-scheduled methods. ``dem``:
+    limit cuts it short (:meth:`Schedule.completion_bounds`). ``chunk_bytes``: size pieces are
+    split into (default: total bytes / 2000 as a power of two, at least 4 KiB; fewer chunks
+    under a limit below 0.5 s). ``epochs``: target number of epochs of the list-scheduled methods. ``dem``:
     demands computed before by :func:`demands`.
     """
     if isinstance(plan, Demands):
