@@ -7,10 +7,13 @@ GPUs (DP8 -> DP7) and 4,096 GPUs (DP32 -> DP31); Llama 3 405B, TP8 x PP16 x DP12
 host. Each run is a fresh process (peak RSS is the process's, plan included); ``--runs`` runs,
 median and min-max. Per run: plan seconds, schedule seconds (``time_limit`` 10 s) and its CPU
 seconds (near its wall time on an idle machine; the 2-core machine is often shared), method,
-completion, naive and lower bound (``[low, high]`` where a computation was cut short at the
-limit), peak RSS, and the load average before the run.
+completion (``[low, high]`` where the naive completion was cut short at the limit), naive
+and lower bound (computed after the timed call where the scheduler had no time for it:
+``lower_bound_after_s``), ``validate`` seconds, peak RSS during the schedule, and the
+1-minute load average before and after the run. Writes the JSON (with the command) to
+``--out``.
 
-    .venv/bin/python scripts/bench_schedule_scale.py [--json] [--runs 3] [--case gpt3-1024 ...]
+    .venv/bin/python scripts/bench_schedule_scale.py [--json] [--runs 3] [--case gpt3-1024 ...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 CASES = ("gpt3-1024", "gpt3-4096", "405b-zero1", "405b-adam")
@@ -35,7 +39,7 @@ def run_case(case: str, time_limit: float) -> dict[str, Any]:
     from tenplex.config import ParallelConfig
     from tenplex.models import model_ptc
     from tenplex.planner import plan
-    from tenplex.schedule import schedule
+    from tenplex.schedule import demands, lower_bound, schedule, validate
     from tenplex.topology import Topology
 
     if case.startswith("gpt3-"):
@@ -56,14 +60,24 @@ def run_case(case: str, time_limit: float) -> dict[str, Any]:
     t, cpu = time.perf_counter(), time.process_time()
     s = schedule(p, topo, time_limit=time_limit)
     solve, cpu = time.perf_counter() - t, time.process_time() - cpu
+    rss_sched = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     info = s.info
     naive = info.get("naive_s", info.get("naive_bounds_s"))
-    completion = naive if s.method == "naive" else s.completion_s
+    lo, hi = s.completion_bounds()
+    t = time.perf_counter()
+    validate(s)
+    validate_s = time.perf_counter() - t
+    lb, lb_after = info.get("lower_bound_s"), None
+    if lb is None:  # the scheduler had no time to group the plan into demands: here, untimed
+        t = time.perf_counter()
+        lb = lower_bound(demands(p, topo), topo)
+        lb_after = time.perf_counter() - t
     return {"case": case, "gpus": gpus, "plan_s": plan_s, "schedule_s": solve, "schedule_cpu_s": cpu, "method": s.method,
-            "completion_s": completion, "naive_s": naive, "naive_floor_s": info.get("naive_floor_s"),
-            "lower_bound_s": info.get("lower_bound_s"), "candidates": info.get("candidates"),
-            "moves": len(p.columns["kind"]), "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "plan_rss_gib": rss_plan}
+            "completion_s": lo if lo == hi else [lo, hi], "naive_s": naive, "naive_floor_s": info.get("naive_floor_s"),
+            "lower_bound_s": lb, "lower_bound_after_s": lb_after, "lower_bound_skipped": info.get("lower_bound_skipped"),
+            "store_and_forward_s": info.get("store_and_forward_s"), "candidates": info.get("candidates"),
+            "validate_s": validate_s, "chunks": len(s.chunk_nbytes), "hops": len(s.hop_chunk),
+            "moves": len(p.columns["kind"]), "peak_rss_gib": rss_sched, "plan_rss_gib": rss_plan}
 
 
 def _summary(xs: list[float]) -> dict[str, float]:
@@ -77,12 +91,15 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "bench_schedule_scale.json"),
+                    help="where the JSON goes (default docs/bench_schedule_scale.json)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one case in this process
     args = ap.parse_args()
     if args.one:
         print(json.dumps(run_case(args.one, args.time_limit)))
         return 0
-    out: dict[str, Any] = {"time_limit_s": args.time_limit, "cases": {}}
+    out: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "time_limit_s": args.time_limit,
+                           "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "cases": {}}
     for case in args.case:
         runs = []
         for _ in range(args.runs):
@@ -91,21 +108,25 @@ def main() -> int:
             try:
                 r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             except subprocess.TimeoutExpired:
-                runs.append({"error": f"killed after {args.timeout:.0f} s", "load_avg": load})
+                runs.append({"error": f"killed after {args.timeout:.0f} s", "load_avg": load,
+                             "load_avg_after": os.getloadavg()[0]})
                 continue
             if r.returncode:
                 runs.append({"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"rc {r.returncode}",
-                             "load_avg": load})
+                             "load_avg": load, "load_avg_after": os.getloadavg()[0]})
                 continue
-            runs.append({**json.loads(r.stdout.strip().splitlines()[-1]), "load_avg": load})
+            runs.append({**json.loads(r.stdout.strip().splitlines()[-1]), "load_avg": load,
+                         "load_avg_after": os.getloadavg()[0]})
             if not args.json:
                 print(json.dumps(runs[-1]), flush=True)
         ok = [r for r in runs if "error" not in r]
         summary: dict[str, Any] = {"runs": runs}
         if ok:
-            for key in ("plan_s", "schedule_s", "schedule_cpu_s", "peak_rss_gib", "load_avg"):
+            for key in ("plan_s", "schedule_s", "schedule_cpu_s", "validate_s", "peak_rss_gib", "load_avg",
+                        "load_avg_after"):
                 summary[key] = _summary([r[key] for r in ok])
         out["cases"][case] = summary
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=None if args.json else 1))
     return 0
 

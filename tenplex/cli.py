@@ -31,7 +31,7 @@ from .layouts import Hardware, rank_layouts
 from .memory import RECOMPUTE, estimate_memory, parse_size
 from .models import model_ptc
 from .planner import locality_order, plan
-from .schedule import lower_bound, naive_bounds, schedule
+from .schedule import demands, lower_bound, naive_bounds, schedule
 from .simulate import CostModel, draw_trace, plot_simulation, read_trace, simulate_trace
 from .store import serve
 from .topology import Topology
@@ -400,7 +400,9 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         done_lo = done_hi = s.completion_s
     completion = done_hi if done_lo == done_hi else None
     naive = naive_hi if naive_lo == naive_hi else None
-    lb = s.info.get("lower_bound_s") or lower_bound(s.demands, topo)  # of the plan, also when auto returns naive flows
+    lb = s.info.get("lower_bound_s")
+    if lb is None:  # the scheduler had no time to group the plan into demands (issue #20): here, after it
+        lb = lower_bound(demands(result, topo), topo)
     rounds = s.num_epochs
     if args.json:
         out = {"model": args.model, "from": str(args.from_), "to": str(args.to), "topology": topo.name,

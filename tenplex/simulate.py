@@ -148,9 +148,12 @@ class EventResult:
     """One event of the replay. ``kind``: ``fail`` (a host lost, replaced by a spare or the job
     shrinks), ``restart`` (a process crash, same hosts) or ``grow`` (a repaired host rejoins).
     Times in seconds except ``time_h``; ``plan_s``: chooser + assignment + planner, measured;
-    ``transfer_s``: the schedule's completion over the topology; ``recovery_s``: failure to
-    the first step under the new layout on tenplex's in-process path; ``cached``: the figures are
-    those of an earlier event of the same shape."""
+    ``transfer_s``: the schedule's completion over the topology (the upper of
+    ``transfer_bounds_s`` where the scheduler knew only bounds of it by its limit, else None);
+    ``schedule_s``: the scheduler's time, measured (not part of the recovery: the naive
+    transfer needs no schedule); ``recovery_s``: failure to the first step under the new layout
+    on tenplex's in-process path; ``cached``: the figures are those of an earlier event of the
+    same shape."""
 
     time_h: float
     kind: str
@@ -166,6 +169,8 @@ class EventResult:
     transfer_s: float
     recovery_s: float
     cached: bool
+    transfer_bounds_s: tuple[float, float] | None = None
+    schedule_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -202,7 +207,8 @@ class _Shape:
     plan_s: float
     bytes_moved: int
     transfer_s: float
-    max_rank_bytes: int
+    transfer_bounds_s: tuple[float, float] | None
+    schedule_s: float
 
 
 def simulate_trace(
@@ -258,7 +264,7 @@ def simulate_trace(
     full, _ = choose(gpus)
     ideal_tps = full.tokens_per_second or 0.0
     assert full.estimate is not None
-    state_per_gpu = max(st.param_bytes + st.optimizer_bytes for st in full.estimate.stages)  # what a restart reads
+    state_per_gpu = _state_per_gpu(full)  # what the baseline's checkpoint load reads
     shapes: dict[tuple[Any, ...], _Shape] = {}
     rng = np.random.default_rng(seed)
 
@@ -280,10 +286,11 @@ def simulate_trace(
         need = max(old_world, int(moves.devices.max()) + 1 if len(moves.devices) else 0)
         topo = Topology.from_spec(f"hosts={-(-need // gpus_per_host)},gpus={gpus_per_host},{topology}")
         sched = schedule(moves, topo, time_limit=schedule_limit)
-        c = moves.columns
-        per_rank = np.bincount(c["new_rank"], weights=c["nbytes"], minlength=new.world_size)
-        shape = _Shape(chooser_s, assign_s, plan_s, int(moves.stats.bytes_moved), float(sched.completion_s),
-                       int(per_rank.max()))
+        # the scheduler's own figure: at 16,384 GPUs the naive schedule's max-min fair completion
+        # is known only within bounds by the limit (its exact value takes hours), then the upper one
+        lo, hi = sched.completion_bounds()
+        shape = _Shape(chooser_s, assign_s, plan_s, int(moves.stats.bytes_moved), hi,
+                       None if lo == hi else (lo, hi), sched.solve_seconds)
         shapes[key] = shape
         return shape, False
 
@@ -303,12 +310,22 @@ def simulate_trace(
         degraded.append((to_h - last_h, rate))
         last_h = to_h
 
+    def restart_cost(shape: _Shape, after: LayoutChoice) -> float:
+        """Seconds the restart path loses: every process is relaunched, so every rank reads its
+        whole state under the new layout (the largest stage's, all ranks at once) from the host
+        stores, the bytes it lacks over the network (no sooner than the schedule's transfer);
+        the same for a crash, a failed host and a returning one (docs/scale.md)."""
+        reload = max(_state_per_gpu(after) / costs.host_store_bw, shape.transfer_s)
+        return (costs.detect_s + costs.restart_s + shape.chooser_s + shape.assign_s + shape.plan_s + reload
+                + step_s / 2)
+
     def record(time_h: float, kind: str, cause: str, lost_gpus: int, before: LayoutChoice, after: LayoutChoice,
                shape: _Shape, cached: bool) -> EventResult:
         transfer = shape.transfer_s
         recovery = costs.detect_s + shape.chooser_s + shape.assign_s + shape.plan_s + transfer + step_s / 2
         ev = EventResult(time_h, kind, cause, lost_gpus, str(before.cfg), str(after.cfg), after.idle_gpus,
-                         shape.chooser_s, shape.assign_s, shape.plan_s, shape.bytes_moved, transfer, recovery, cached)
+                         shape.chooser_s, shape.assign_s, shape.plan_s, shape.bytes_moved, transfer, recovery, cached,
+                         shape.transfer_bounds_s, shape.schedule_s)
         events.append(ev)
         if progress is not None:
             progress(f"{time_h:8.2f} h {kind:<7} {cause:<8} {before.cfg} -> {after.cfg} idle {after.idle_gpus}: "
@@ -336,7 +353,7 @@ def simulate_trace(
                 shape, cached = measure(before.cfg, after.cfg, (), key, world_before, job_hosts * gpus_per_host)
                 e = record(t_h, "grow", "repair", 0, before, after, shape, cached)
                 lost_s["tenplex"] += e.recovery_s
-                lost_s["restart"] += costs.restart_s + shape.max_rank_bytes / costs.host_store_bw + shape.plan_s
+                lost_s["restart"] += restart_cost(shape, after)
                 cfg_choice = after
                 if job_hosts == hosts and ckpt_down_since is not None:  # the baseline runs again: restart, load
                     lost_s["ckpt"] += (t_h - ckpt_down_since) * HOUR + costs.restart_s + load_s
@@ -354,7 +371,7 @@ def simulate_trace(
             shape, cached = measure(before.cfg, before.cfg, [victim], key, world_before + 1, world_before)
             e = record(t_h, "restart", ev.cause, 0, before, before, shape, cached)
             lost_s["tenplex"] += e.recovery_s
-            lost_s["restart"] += costs.detect_s + costs.restart_s + state_per_gpu / costs.host_store_bw + step_s / 2
+            lost_s["restart"] += restart_cost(shape, before)
             if ckpt_down_since is None:
                 lost_s["ckpt"] += costs.detect_s + costs.restart_s + load_s + since_ckpt
             continue
@@ -385,8 +402,7 @@ def simulate_trace(
                 lost_s["ckpt"] += costs.detect_s + since_ckpt
                 ckpt_down_since = t_h
         lost_s["tenplex"] += e.recovery_s
-        lost_s["restart"] += costs.detect_s + costs.restart_s + shape.max_rank_bytes / costs.host_store_bw \
-            + shape.plan_s + step_s / 2
+        lost_s["restart"] += restart_cost(shape, after)
         rate = (cfg_choice.tokens_per_second or 0.0) / ideal_tps if ideal_tps else 1.0
         timeline.append((t_h, cfg_choice.cfg.world_size, rate))
     advance(end_h)
@@ -398,6 +414,12 @@ def simulate_trace(
     goodput["ckpt"] = max(0.0, (total_s - lost_s["ckpt"]) / total_s)  # it runs at full speed or not at all
     return SimulationResult(tuple(events), goodput["tenplex"], goodput["restart"], goodput["ckpt"],
                             time.perf_counter() - t_start, end_h, str(full.cfg), tuple(timeline))
+
+
+def _state_per_gpu(choice: LayoutChoice) -> int:
+    """Bytes of parameters and optimizer state on a GPU of the layout's largest stage."""
+    assert choice.estimate is not None
+    return max(st.param_bytes + st.optimizer_bytes for st in choice.estimate.stages)
 
 
 def _stage_of(cfg: ParallelConfig, rank: int, num_layers: int) -> str:

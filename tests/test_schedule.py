@@ -21,9 +21,11 @@ import tenplex
 from tenplex import ParallelConfig, PlanError
 from tenplex.cli import main
 from tenplex.schedule import Demands, demands, lower_bound, naive_completion, schedule, simulate, validate
-from tenplex.schedule.commodities import rep_pieces
+from tenplex.schedule.commodities import FlowCommodities, rep_pieces
 from tenplex.schedule.listsched import link_levels
 from tenplex.schedule import naive as naive_module
+from tenplex.schedule import scheduler as scheduler_module
+from tenplex.schedule.hostpaths import host_paths
 from tenplex.schedule.naive import flow_paths, maxmin_bounds, maxmin_completion
 from tenplex.schedule.simulator import simulate_seq
 from tenplex.topology import Topology
@@ -552,7 +554,9 @@ def test_schedule_honours_its_limit_where_naive_takes_longer() -> None:
 
 def test_flow_paths_are_the_topologys_fastest_paths_also_through_hubs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Naive flows' paths are those of ``Topology.shortest_paths``, also when large topologies
-    start them from the sources' heads (a Dijkstra per host's NVSwitch and memory, not per GPU)."""
+    take them through the hosts' portals (identical hosts: one table inside a host, a Dijkstra
+    per portal between them) or start them from the sources' heads (a Dijkstra per host's
+    NVSwitch and memory, not per GPU)."""
     t = Topology.from_spec("hosts=4,gpus=8,storage=10GB/s")
     names = [(t.gpu(s), t.gpu(d)) for s in range(32) for d in range(0, 32, 3) if s != d]
     names += [(t.storage(), t.gpu(5)), (t.gpu(7), t.storage())]
@@ -560,6 +564,92 @@ def test_flow_paths_are_the_topologys_fastest_paths_also_through_hubs(monkeypatc
     for (s, d), p in zip(names, paths):
         assert p.tolist() == t.path_links(t.shortest_paths(s)[1][d])
     monkeypatch.setattr(naive_module, "_HUB_NODES", 0)
+    assert host_paths(t, 2.0**24) is not None
+    portal_paths, portal_lat = flow_paths(t, names)
+    assert [p.tolist() for p in portal_paths] == [p.tolist() for p in paths]
+    assert np.array_equal(portal_lat, lat)
+    monkeypatch.setattr(naive_module, "host_paths", lambda *a: None)
     hub_paths, hub_lat = flow_paths(t, names)
     assert [p.tolist() for p in hub_paths] == [p.tolist() for p in paths]
     assert np.array_equal(hub_lat, lat)
+
+
+def test_host_paths_only_for_identical_hosts_with_one_portal() -> None:
+    """A host whose links differ, or a second way out of a host, and the tables are not built
+    (the Dijkstra paths serve those topologies)."""
+    spec = "hosts=3,gpus=2"
+    assert host_paths(Topology.from_spec(spec), 2.0**24) is not None
+    slow = Topology.from_json({"spec": spec, "links": [{"src": "gpu0", "dst": "nvs0", "bandwidth": "100GB/s"}]})
+    assert host_paths(slow, 2.0**24) is None
+    two_ways = Topology.from_json({"spec": spec, "links": [{"src": "gpu1", "dst": "switch", "bandwidth": "10GB/s"}]})
+    assert host_paths(two_ways, 2.0**24) is None
+
+
+def _one_host_lost(model: str, dp: int, gph: int = 4) -> tuple[tenplex.Plan, Topology]:
+    """``model`` with a distributed optimizer, TP2 x PP2 x ``dp`` -> ``dp - 1``, the middle host lost."""
+    ptc = tenplex.model_ptc(model, optimizer=True, distributed_optimizer=True)
+    old, new = ParallelConfig(dp=dp, tp=2, pp=2), ParallelConfig(dp=dp - 1, tp=2, pp=2)
+    w = old.world_size
+    alive = list(range(w // 2)) + list(range(w // 2 + gph, w))
+    return tenplex.plan(ptc, old, new, alive=alive, gpus_per_host=gph), Topology.from_spec(f"hosts={w // gph},gpus={gph}")
+
+
+@pytest.mark.parametrize("limit", [0.05, 0.2])
+def test_a_tight_limit_on_a_mid_size_plan(limit: float) -> None:
+    """Issue #20: 25,000 moves on 128 GPUs (one host lost, ZeRO-1): ``auto`` returns in about its
+    limit, the schedule is valid and no slower than naive (its bounds where the naive one is
+    returned, else its simulated completion against the exact naive). About 0.5 s."""
+    p, t = _one_host_lost("llama-100m", 32)
+    assert 10_000 < p.stats.num_moves < 50_000
+    start = time.perf_counter()
+    s = schedule(p, t, time_limit=limit)
+    assert time.perf_counter() - start <= limit + 0.3  # a loaded 2-CPU machine: fixed costs of a few 10 ms
+    validate(s)
+    lo, hi = s.completion_bounds()
+    assert lo <= hi
+    naive = naive_completion(p, t)
+    if s.method == "naive":
+        assert lo * (1 - 1e-9) <= naive <= hi * (1 + 1e-9)
+    else:
+        assert lo == hi == s.completion_s <= naive * (1 + 1e-9)
+
+
+def test_naive_straight_from_the_plan_beyond_the_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond the greedy tables the naive schedule comes from the plan without its demands: its
+    rounds deliver every move, the lower bound comes when there is time to group the plan
+    (else the info says why not), its completion is the naive one."""
+    p, t = _one_host_lost("tiny", 4, gph=2)
+    monkeypatch.setattr(scheduler_module, "_NET_CELLS", 0)
+    s = schedule(p, t)
+    assert (s.method, s.info["greedy_skipped"]) == ("naive", "topology too large for its tables")
+    validate(s)
+    _assert_rounds_deliver_every_move(s, p)
+    naive = naive_completion(p, t)
+    assert s.completion_bounds() == (naive, naive) == (s.info["naive_s"],) * 2
+    assert lower_bound(demands(p, t), t) == s.info["lower_bound_s"] <= naive
+    coms = s.demands.commodities  # the flows' commodities as columns, objects on first access
+    assert isinstance(coms, FlowCommodities) and len(coms) == len(coms.nbytes)
+    assert [(c.sources, c.dests, c.nbytes) for c in coms] == list(zip(((x,) for x in coms.sources),
+                                                                        ((x,) for x in coms.dests), coms.nbytes.tolist()))
+    assert sum(c.nbytes for c in coms) == s.demands.bytes_unique and coms[-1] is list(coms)[-1]
+    monkeypatch.setattr(scheduler_module, "_DEMANDS_S_PER_MOVE", 1e3)
+    s = schedule(p, t)
+    assert s.info["lower_bound_s"] is None and "would take about" in s.info["lower_bound_skipped"]
+    validate(s)
+
+
+def test_cli_gives_the_lower_bound_the_scheduler_had_no_time_for(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Where ``schedule()`` skipped the demands (no time), ``tenplex schedule`` computes the plan's
+    lower bound after it (its candidate sources, not the naive flows' fixed ones)."""
+    monkeypatch.setattr(scheduler_module, "_NET_CELLS", 0)
+    monkeypatch.setattr(scheduler_module, "_DEMANDS_S_PER_MOVE", 1e3)
+    args = ["schedule", "--model", "tiny", "--from", "dp=2,tp=2,pp=2", "--to", "dp=1,tp=2,pp=2", "--topology",
+            "hosts=4,gpus=2", "--alive", "0-3,5,7", "--gpus-per-host", "2", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    p = tenplex.plan(tenplex.model_ptc("tiny"), ParallelConfig.parse("dp=2,tp=2,pp=2"),
+                     ParallelConfig.parse("dp=1,tp=2,pp=2"), alive=[0, 1, 2, 3, 5, 7], gpus_per_host=2)
+    t = Topology.from_spec("hosts=4,gpus=2")
+    assert out["method"] == "naive" and out["lower_bound_s"] == lower_bound(demands(p, t), t)
+    assert out["lower_bound_s"] <= out["completion_s"] * (1 + 1e-9)

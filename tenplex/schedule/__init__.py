@@ -25,8 +25,9 @@ source choice and multicast) and :meth:`Schedule.rounds` (the transfer order for
 
 Modules: ``commodities`` (pieces and commodities of a plan), ``routes`` (route options, fastest
 paths, greedy routes), ``listsched`` (list scheduling in epochs), ``solvers`` (LP, greedy
-assignment, MILP), ``bounds`` (lower bound), ``naive`` (the naive baseline), ``simulator``
-(simulate, validate), ``result`` (Schedule, Transfer), ``scheduler`` (:func:`schedule`).
+assignment, MILP), ``bounds`` (lower bound), ``naive`` (the naive baseline), ``hostpaths``
+(fastest paths through the hosts' portals on large clusters), ``simulator`` (simulate,
+validate), ``result`` (Schedule, Transfer), ``scheduler`` (:func:`schedule`).
 """
 
 from .bounds import lower_bound

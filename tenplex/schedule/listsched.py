@@ -9,7 +9,7 @@ import numpy as np
 
 from ..topology import Topology
 from .arrays import excl_cumsum
-from .commodities import Demands
+from .commodities import Demands, commodity_nbytes
 from .routes import Routes
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def _list_schedule_seq(topology: Topology, routes: Routes, chunk_nb: np.ndarray,
 
 def split_chunks(dem: Demands, chunk_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Split every commodity into chunks: (commodity, byte offset, bytes, index within commodity)."""
-    total = np.array([c.nbytes for c in dem.commodities], dtype=np.int64)
+    total = commodity_nbytes(dem).astype(np.int64)
     n = np.maximum(1, -(-total // chunk_bytes))
     com = np.repeat(np.arange(len(total), dtype=np.int64), n)
     idx = np.arange(len(com), dtype=np.int64) - np.repeat(excl_cumsum(n), n)

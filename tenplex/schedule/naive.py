@@ -18,7 +18,8 @@ import numpy as np
 from ..errors import PlanError
 from ..planner import LOCAL, STORAGE, Plan
 from ..topology import Topology
-from .commodities import Commodity, Demands
+from .commodities import Commodity, Demands, FlowCommodities
+from .hostpaths import host_flow_paths, host_paths
 
 log = logging.getLogger(__name__)
 
@@ -31,23 +32,30 @@ _HUB_NODES = 2500  # topology nodes beyond which fastest paths start from the so
 class NaiveFlows:
     """One flow per (source node, destination node) pair, in (source, destination) order.
 
-    ``paths``: link indices of each flow's shortest path; ``latency``: their latency.
+    ``links``: link indices of every flow's shortest path, concatenated (flow i's are
+    ``links[ptr[i]:ptr[i + 1]]``, source to destination); ``latency``: the paths' latency.
     ``demands``: the flows as one commodity each (pieces: the plan rows, or the pieces of the
     bare demands, that the flow carries), so that a schedule can carry them.
     """
 
     nbytes: np.ndarray
-    paths: list[np.ndarray]
+    links: np.ndarray
+    ptr: np.ndarray
     latency: np.ndarray
     demands: Demands
+
+    @property
+    def paths(self) -> list[np.ndarray]:
+        """Every flow's links (a list of views into ``links``)."""
+        return np.split(self.links, self.ptr[1:-1]) if len(self.nbytes) else []
 
     def floor(self, topology: Topology) -> float:
         """A lower bound of :meth:`completion`, without simulating the sharing: per link, its bytes
         over its bandwidth plus the smallest latency of a flow through it (0 with no flows)."""
         if not len(self.nbytes):
             return 0.0
-        n = np.array([len(p) for p in self.paths])
-        links = np.concatenate(self.paths)
+        n = np.diff(self.ptr)
+        links = self.links
         load = np.bincount(links, weights=np.repeat(self.nbytes, n), minlength=len(topology.bandwidth))
         lat = np.full(len(topology.bandwidth), np.inf)
         np.minimum.at(lat, links, np.repeat(self.latency, n))
@@ -57,16 +65,15 @@ class NaiveFlows:
     def completion(self, topology: Topology) -> float:
         """Seconds until the last flow ends: progressive filling, recomputed whenever a flow ends,
         plus each flow's path latency."""
-        if not len(self.nbytes):
-            return 0.0
-        return maxmin_completion(self.paths, self.nbytes, topology.bandwidth, self.latency)
+        return self.bounds(topology)[1]
 
     def bounds(self, topology: Topology, deadline: float = math.inf) -> tuple[float, float]:
         """``(low, high)`` bounds of :meth:`completion`, both its value unless the progressive
         filling was still running at ``deadline`` (``time.perf_counter()``)."""
         if not len(self.nbytes):
             return 0.0, 0.0
-        return maxmin_bounds(self.paths, self.nbytes, topology.bandwidth, self.latency, deadline=deadline)
+        return _maxmin_flat(self.links, np.diff(self.ptr), self.nbytes, topology.bandwidth, self.latency,
+                            deadline=deadline)
 
 
 def naive_flows(plan: Plan | Demands, topology: Topology) -> NaiveFlows:
@@ -88,27 +95,38 @@ def naive_flows(plan: Plan | Demands, topology: Topology) -> NaiveFlows:
         rows = np.flatnonzero(c["kind"] != LOCAL)
         src = np.where(c["kind"][rows] == STORAGE, -1, c["src_rank"][rows])
         dst = plan.devices[c["new_rank"][rows]]
-        width = int(dst.max(initial=0)) + 1
+        width = int(max(dst.max(initial=0), src.max(initial=0))) + 1
         pair = (src + 1) * width + dst  # flows in (source, destination) order; storage first
-        key = np.flatnonzero(np.bincount(pair))
-        lut = np.zeros(int(key[-1]) + 1 if len(key) else 0, dtype=np.int64)
-        lut[key] = np.arange(len(key))
-        inv = lut[pair]
-        names = [(topology.storage() if s_ == 0 else topology.gpu(s_ - 1), topology.gpu(d_))
-                 for s_, d_ in zip((key // width).tolist(), (key % width).tolist())]
-        small = np.int16 if len(key) < 2**15 else np.int64  # stable sort of 16-bit keys is a radix sort
-        order = np.argsort(inv.astype(small), kind="stable")  # pieces: the rows of each flow in plan order
+        # one stable sort: the flows and each one's rows in plan order (a bincount over every
+        # possible pair was 2 GiB at 16,384 GPUs)
+        order = np.argsort(pair, kind="stable")
+        sp = pair[order]
+        head = np.flatnonzero(np.r_[True, sp[1:] != sp[:-1]]) if len(sp) else np.zeros(0, dtype=np.int64)
+        key = sp[head]
+        # node indices, not names, for the paths (issue #20: 666,000 name lookups at 16,384 GPUs)
+        ks, kd = key // width, key % width
+        idx = topology.node_index
+        gpu_node = np.array([idx[topology.gpu(g)] for g in range(width)], dtype=np.int64)
+        src_node = gpu_node[np.maximum(ks - 1, 0)]
+        if np.any(ks == 0):
+            src_node[ks == 0] = idx[topology.storage()]
+        dst_node = gpu_node[kd]
         rows = rows[order]
-        bounds = np.searchsorted(inv[order], np.arange(len(names) + 1))
+        bounds = np.r_[head, len(sp)]
         nb = c["nbytes"][rows]
         sums = np.add.reduceat(nb, bounds[:-1]) if len(nb) else np.zeros(0, dtype=np.int64)
-        coms = [Commodity((s,), (d,), n, pieces) for (s, d), n, pieces
-                in zip(names, sums.tolist(), np.split(np.arange(len(rows)), bounds[1:-1]))]
-        flow_dem = Demands(tuple(coms), c["tensor"][rows], c["start"][rows], c["length"][rows], nb,
+        node_name = np.array(topology.node_names, dtype=object)
+        coms = FlowCommodities(node_name[src_node].tolist(), node_name[dst_node].tolist(), sums, bounds)
+        flow_dem = Demands(coms, c["tensor"][rows], c["start"][rows], c["length"][rows], nb,
                            np.arange(len(rows) + 1), rows, int(nb.sum()))
-    paths, latency = flow_paths(topology, names)
+        links, ptr, latency = _paths_of(topology, src_node, dst_node)
+        return NaiveFlows(sums.astype(np.float64), links, ptr, latency, flow_dem)
+    idx = topology.node_index
+    src_node = np.array([idx[a] for a, _ in names], dtype=np.int64)
+    dst_node = np.array([idx[b_] for _, b_ in names], dtype=np.int64)
+    links, ptr, latency = _paths_of(topology, src_node, dst_node)
     nbytes = np.array([k.nbytes for k in flow_dem.commodities], dtype=np.float64)
-    return NaiveFlows(nbytes, paths, latency, flow_dem)
+    return NaiveFlows(nbytes, links, ptr, latency, flow_dem)
 
 
 def flow_paths(topology: Topology, names: list[tuple[str, str]]) -> tuple[list[np.ndarray], np.ndarray]:
@@ -118,15 +136,27 @@ def flow_paths(topology: Topology, names: list[tuple[str, str]]) -> tuple[list[n
     One Dijkstra per distinct source (scipy, in batches), the paths walked back from the
     predecessor rows for all pairs at once: no per-node dictionaries (issue #20: 8.8 s for the
     13,550 flows of 1,024 GPUs, most of it building them)."""
+    idx = topology.node_index
+    src = np.array([idx[a] for a, _ in names], dtype=np.int64)
+    dst = np.array([idx[b] for _, b in names], dtype=np.int64)
+    links, ptr, latency = _paths_of(topology, src, dst)
+    return (np.split(links, ptr[1:-1]) if len(names) else []), latency
+
+
+def _paths_of(topology: Topology, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`flow_paths` of node index pairs: links concatenated, each flow's offsets, latencies.
+    On large clusters of identical hosts with one portal each, through :mod:`.hostpaths`."""
     # lazy: importing scipy takes ~0.45 s, which `import tenplex` should not pay
     from scipy.sparse import csr_matrix
 
-    if not names:
-        return [], np.zeros(0)
-    idx = topology.node_index
-    nn = len(idx)
-    src = np.array([idx[a] for a, _ in names], dtype=np.int64)
-    dst = np.array([idx[b] for _, b in names], dtype=np.int64)
+    if not len(src):
+        return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(0)
+    nn = len(topology.node_index)
+    hp = host_paths(topology, _REF) if nn > _HUB_NODES else None
+    if hp is not None:
+        links, ptr = host_flow_paths(hp, topology, src, dst, _hub_walk)
+        links.setflags(write=False)
+        return links, ptr, path_latency(topology.latency, links, ptr)
     u, v = topology.link_src.astype(np.int64), topology.link_dst.astype(np.int64)
     w = topology.latency + _REF / topology.bandwidth  # the weights of Topology.shortest_paths
     mat = csr_matrix((w, (u, v)), shape=(nn, nn))
@@ -135,13 +165,29 @@ def flow_paths(topology: Topology, names: list[tuple[str, str]]) -> tuple[list[n
     skey = key[kord]
     last = np.r_[skey[1:] != skey[:-1], True]
     skey, slink = skey[last], kord[last]
+    hf, hl, hpos, best = _hub_walk(mat, src, dst, skey, slink, nn, nn > _HUB_NODES)
+    if not np.all(np.isfinite(best)):
+        bad = int(np.flatnonzero(~np.isfinite(best))[0])
+        raise PlanError(f"the topology has no path from {topology.node_names[src[bad]]} to "
+                        f"{topology.node_names[dst[bad]]}")
+    o = np.lexsort((hpos, hf))  # per flow, source to destination
+    hf, links = hf[o], hl[o].astype(np.int64)
+    ptr = np.searchsorted(hf, np.arange(len(src) + 1))
+    links.setflags(write=False)
+    return links, ptr, path_latency(topology.latency, links, ptr)
+
+
+def _hub_walk(mat: Any, src: np.ndarray, dst: np.ndarray, skey: np.ndarray, slink: np.ndarray, nn: int,
+              hubs: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_walk` of the pairs ``src[i] -> dst[i]`` (its hop columns: pair, link, position to
+    sort by; and each pair's weight), with ``hubs`` from the sources' heads where they are fewer."""
     sources = np.unique(src)
     # through hubs: a path leaves its source by one of the source's links, so where the sources'
     # heads are fewer (GPUs sharing a host's NVSwitch and memory), one Dijkstra per head, and per
     # pair the head with the shortest total (on large topologies only: ties may pick another of
     # equally fast paths than Topology.shortest_paths)
     heads = np.unique(mat.indices[np.concatenate([np.arange(mat.indptr[x], mat.indptr[x + 1]) for x in sources])])
-    if nn > _HUB_NODES and 2 * len(heads) < len(sources):  # (a single Dijkstra per source below)
+    if hubs and 2 * len(heads) < len(sources):  # (a single Dijkstra per source below)
         deg = np.diff(mat.indptr)[src]
         cf = np.repeat(np.arange(len(src)), deg)  # candidates: (flow, first link)
         ci = np.arange(len(cf)) - np.repeat(np.cumsum(deg) - deg, deg) + np.repeat(mat.indptr[src], deg)
@@ -168,15 +214,8 @@ def flow_paths(topology: Topology, names: list[tuple[str, str]]) -> tuple[list[n
     else:
         pf, pl, pp, best = _walk(mat, src, dst, skey, slink, nn)
         hop_flow, hop_link, hop_pos = [pf], [pl], [pp]
-    if not np.all(np.isfinite(best)):
-        bad = int(np.flatnonzero(~np.isfinite(best))[0])
-        raise PlanError(f"the topology has no path from {names[bad][0]} to {names[bad][1]}")
-    hf, hl, hp = (np.concatenate(x) if x else np.zeros(0, dtype=np.int64) for x in (hop_flow, hop_link, hop_pos))
-    o = np.lexsort((hp, hf))  # per flow, source to destination
-    hf, links = hf[o], hl[o].astype(np.int64)
-    ptr = np.searchsorted(hf, np.arange(len(names) + 1))
-    links.setflags(write=False)
-    return np.split(links, ptr[1:-1]), path_latency(topology.latency, links, ptr)
+    hf, hl, hpos = (np.concatenate(x) if x else np.zeros(0, dtype=np.int64) for x in (hop_flow, hop_link, hop_pos))
+    return hf, hl, hpos, best
 
 
 def _walk(mat: Any, start: np.ndarray, dst: np.ndarray, skey: np.ndarray, slink: np.ndarray,
@@ -257,9 +296,15 @@ def maxmin_bounds(paths: list[np.ndarray], nbytes: np.ndarray, bw: np.ndarray, l
     which its rate is the largest (so at least that link's bandwidth over its flows at ``t``)."""
     if not len(paths):
         return 0.0, 0.0
-    nf = len(paths)
-    n_hops = np.fromiter((len(p) for p in paths), dtype=np.int64, count=nf)
-    used, col = np.unique(np.concatenate(paths), return_inverse=True)
+    n_hops = np.fromiter((len(p) for p in paths), dtype=np.int64, count=len(paths))
+    return _maxmin_flat(np.concatenate(paths), n_hops, nbytes, bw, lat, deadline=deadline, max_events=max_events)
+
+
+def _maxmin_flat(links: np.ndarray, n_hops: np.ndarray, nbytes: np.ndarray, bw: np.ndarray, lat: np.ndarray, *,
+                 deadline: float = math.inf, max_events: float = math.inf) -> tuple[float, float]:
+    """:func:`maxmin_bounds` of paths given as their links concatenated and each one's length."""
+    nf = len(n_hops)
+    used, col = np.unique(links, return_inverse=True)
     col = col.reshape(-1)  # (flow, link) incidences in flow order: the link's column
     ne = len(used)
     fptr = np.concatenate([[0], np.cumsum(n_hops)])

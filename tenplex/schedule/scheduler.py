@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import PlanError
-from ..planner import Plan
+from ..planner import LOCAL, Plan
 from ..topology import Topology
 from .bounds import lower_bound
-from .commodities import Demands, demands
+from .commodities import Demands, commodity_nbytes, demands
 from .listsched import list_schedule, split_chunks
 from .naive import NaiveFlows, naive_flows
 from .result import Schedule
@@ -32,7 +32,10 @@ _TARGET_EPOCHS = 128
 _PACE = 0.9  # sources release chunks at this fraction of the lower bound's pace (see _schedule_demands)
 _GOOD_ENOUGH = 1.03  # auto stops at the greedy schedule when it is this close to the lower bound
 _NET_CELLS = 2500**2  # topology nodes^2 up to which auto builds greedy routes (routes.net_of's tables)
-_NAIVE_CHUNK_S = 2e-5  # seconds a chunk of the naive schedule takes (list scheduling), for its reserve
+_TOO_LARGE = "topology too large for its tables"
+_DEMANDS_S_PER_MOVE = 3e-6  # seconds `demands` takes per non-local move (1.4 us on an idle machine), to skip it
+_RESERVE = 0.05  # share of the limit kept back after the naive bounds (building the schedule object)
+_LATE = 0.5  # auto goes straight to the naive schedule when grouping the demands took this share of the limit
 
 
 def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", time_limit: float = 10.0,
@@ -47,9 +50,13 @@ def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", 
     is at least twice what the greedy schedule took (the LP costs more): it never solves for
     seconds to shorten a transfer by milliseconds. Nor does it return a schedule slower than
     the naive baseline (:func:`naive_completion`): where the best one is, it returns the naive
-    schedule itself (method ``"naive"``). ``chunk_bytes``: size pieces are split into (default:
-    total bytes / 2000 as a power of two, at least 4 KiB; fewer chunks under a limit below
-    0.5 s). ``epochs``: target number of epochs of the list-scheduled methods. ``dem``:
+    schedule itself (method ``"naive"``). Where routing cannot fit the limit (a topology beyond
+    the greedy routes' tables, or grouping the plan into demands took half the limit) ``auto``
+    returns the naive schedule at once: built from the plan's flows (no demands), then the
+    lower bound when there is time for it and the naive completion, or its bounds when the
+    limit cuts it short (:meth:`Schedule.completion_bounds`). ``chunk_bytes``: size pieces are
+    split into (default: total bytes / 2000 as a power of two, at least 4 KiB; fewer chunks
+    under a limit below 0.5 s). ``epochs``: target number of epochs of the list-scheduled methods. ``dem``:
     demands computed before by :func:`demands`.
     """
     if isinstance(plan, Demands):
@@ -60,10 +67,60 @@ def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", 
         raise PlanError(f"time_limit must be positive, got {time_limit}")
     t0 = time.perf_counter()
     deadline = t0 + time_limit
+    if dem is None and plan is not None and method == "auto" and _too_large(topology):
+        # the naive schedule straight from the plan: grouping millions of moves into demands takes
+        # longer than the limit (issue #20: 8 s at 16,384 GPUs); they give the lower bound when
+        # there is time left for them
+        return _naive_only(plan, topology, None, t0, deadline, chunk_bytes, epochs, _TOO_LARGE)
     if dem is None:
         assert plan is not None
         dem = demands(plan, topology)
     return _schedule_demands(plan, topology, dem, method, t0, deadline, chunk_bytes, epochs)
+
+
+def _empty(plan: Plan | None, topology: Topology, dem: Demands, method: str, chunk_bytes: int, t0: float) -> Schedule:
+    """The schedule of nothing to move."""
+    empty = np.zeros(0, dtype=np.int64)
+    cols = {f"hop_{k}": empty for k in ("chunk", "link", "parent", "first", "last", "arrival")}
+    return Schedule(plan, topology, dem, method, 1.0, chunk_bytes, empty, empty, empty, **cols,
+                    slice_hop=empty, slice_epoch=empty, slice_nbytes=np.zeros(0),
+                    solve_seconds=time.perf_counter() - t0, info={"lower_bound_s": 0.0})
+
+
+def _too_large(topology: Topology) -> bool:
+    """Beyond the greedy routes' tables: fastest paths of nodes^2 x path length (issue #20: 64 s
+    and GBs at 512 hosts), where the naive flows need a Dijkstra per source portal."""
+    return len(topology.node_names) ** 2 > _NET_CELLS
+
+
+def _naive_only(plan: Plan | None, topology: Topology, dem: Demands | None, t0: float, limit_at: float,
+                chunk_bytes: int | None, epochs: int, why: str) -> Schedule:
+    """The naive schedule without trying the solvers (``why``: the reason, ``info["greedy_skipped"]``):
+    its flows rendered first, then, in the time left, the lower bound (when ``dem`` is given or
+    there is time to group the plan into demands) and the naive completion or its bounds."""
+    source: Plan | Demands = plan if plan is not None else dem  # type: ignore[assignment]
+    flows = naive_flows(source, topology)
+    if not len(flows.nbytes):
+        return _empty(plan, topology, flows.demands, "naive", chunk_bytes or 4096, t0)
+    floor = flows.floor(topology)
+    info: dict[str, Any] = {"lower_bound_s": None, "candidates": {}, "greedy_skipped": why, "naive_floor_s": floor}
+    if chunk_bytes is None:
+        target = min(_TARGET_CHUNKS, max(200, int((limit_at - time.perf_counter()) * 4000)))
+        total = flows.demands.bytes_unique
+        chunk_bytes = max(4096, 1 << max(0, math.ceil(math.log2(max(total, 1) / target))))
+    if chunk_bytes < 1:
+        raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    s = _naive_render(plan, topology, flows, floor, chunk_bytes, epochs, limit_at - _RESERVE * (limit_at - t0))
+    if dem is None and plan is not None:
+        need = _DEMANDS_S_PER_MOVE * int(np.count_nonzero(plan.columns["kind"] != LOCAL))
+        if time.perf_counter() + need < limit_at - _RESERVE * (limit_at - t0):
+            dem = demands(plan, topology)
+        else:
+            info["lower_bound_skipped"] = f"grouping the plan into demands would take about {need:.1f} s"
+    if dem is not None:
+        info["lower_bound_s"] = lower_bound(dem, topology)
+    lo, hi = flows.bounds(topology, deadline=limit_at - _RESERVE * (limit_at - t0))
+    return _naive_done(s, lo, hi, t0, info)
 
 
 def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, method: str, t0: float,
@@ -77,26 +134,17 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
     chunk_bytes = _capped(dem, chunk_bytes)
     chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
-    empty = np.zeros(0, dtype=np.int64)
     if not len(chunk_com):
-        cols = {f"hop_{k}": empty for k in ("chunk", "link", "parent", "first", "last", "arrival")}
-        return Schedule(plan, topology, dem, method, 1.0, chunk_bytes, empty, empty, empty, **cols,
-                        slice_hop=empty, slice_epoch=empty, slice_nbytes=np.zeros(0),
-                        solve_seconds=time.perf_counter() - t0, info={"lower_bound_s": 0.0})
+        return _empty(plan, topology, dem, method, chunk_bytes, t0)
     ref = float(chunk_bytes)
-    if method == "auto" and len(topology.node_names) ** 2 > _NET_CELLS:
-        # greedy routes need fastest-path tables of nodes^2 x path length (issue #20: 64 s and
-        # GBs at 512 hosts), where the naive flows need a Dijkstra per source: naive only
+    if method == "auto" and _too_large(topology):
         log.info("%d topology nodes: beyond the greedy routes' tables (%d^2 > %d); the naive schedule",
                  len(topology.node_names), len(topology.node_names), _NET_CELLS)
-        info: dict[str, Any] = {"lower_bound_s": lower_bound(dem, topology), "candidates": {},
-                                "greedy_skipped": "topology too large for its tables"}
-        flows = naive_flows(plan if plan is not None else dem, topology)
-        info["naive_floor_s"] = flows.floor(topology)
-        reserve = 0.05 * (limit_at - t0) + _NAIVE_CHUNK_S * len(flows.nbytes)  # the naive schedule's chunks
-        lo, hi = flows.bounds(topology, deadline=limit_at - reserve)
-        info.update({"naive_s": lo} if lo == hi else {"naive_bounds_s": [lo, hi]})
-        return _naive_schedule(plan, topology, flows, lo, hi, chunk_bytes, epochs, t0, info)
+        return _naive_only(plan, topology, dem, t0, limit_at, chunk_bytes, epochs, _TOO_LARGE)
+    if method == "auto" and time.perf_counter() - t0 > _LATE * (limit_at - t0):
+        log.info("%.2fs of the %.2fs limit gone before routing: the naive schedule", time.perf_counter() - t0,
+                 limit_at - t0)
+        return _naive_only(plan, topology, dem, t0, limit_at, chunk_bytes, epochs, "time limit")
     small = len(dem.commodities) * max(len(c.sources) for c in dem.commodities) <= 64
     opts: list[list[Option]] | None = None
     if small:  # greedy may also take a second, link-avoiding path
@@ -173,7 +221,7 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
             else:
                 info["naive_bounds_s"] = [lo, hi]
             if comp > lo:
-                return _naive_schedule(plan, topology, flows, lo, hi, chunk_bytes, epochs, t0, info)
+                return _naive_done(_naive_render(plan, topology, flows, lo, chunk_bytes, epochs), lo, hi, t0, info)
     s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
                  **{k: v for k, v in arrays.items() if k != "tau"}, solve_seconds=time.perf_counter() - t0,
                  info=info)
@@ -190,32 +238,46 @@ def _progress(chunk_com: np.ndarray, chunk_idx: np.ndarray) -> np.ndarray:
 
 def _capped(dem: Demands, chunk_bytes: int) -> int:
     """``chunk_bytes``, or a larger power of two where it would cut ``dem`` into too many chunks."""
-    n_chunks = sum(max(1, -(-c.nbytes // chunk_bytes)) for c in dem.commodities)
+    nb = commodity_nbytes(dem)
+    n_chunks = int(np.maximum(1, -(-nb // chunk_bytes)).sum())
     if n_chunks <= _MAX_CHUNKS:
         return chunk_bytes
     new = 1 << math.ceil(math.log2(dem.bytes_unique / _MAX_CHUNKS + 1))
-    log.warning("chunk_bytes=%d gives %d chunks (> %d); using %d", chunk_bytes, n_chunks, _MAX_CHUNKS, new)
+    # a chunk per commodity at least: the naive flows of a large plan (307,783 at 16,384 GPUs) are many
+    say = log.info if len(nb) >= _MAX_CHUNKS else log.warning
+    say("chunk_bytes=%d gives %d chunks (> %d); using %d", chunk_bytes, n_chunks, _MAX_CHUNKS, new)
     return new
 
 
-def _naive_schedule(plan: Plan | None, topology: Topology, flows: NaiveFlows, lo: float, hi: float,
-                    chunk_bytes: int, epochs: int, t0: float, info: dict[str, Any]) -> Schedule:
+def _naive_render(plan: Plan | None, topology: Topology, flows: NaiveFlows, basis: float, chunk_bytes: int,
+                  epochs: int, deadline: float = math.inf) -> Schedule:
     """The naive baseline as a schedule (method ``"naive"``): its flows' chunks on their shortest
-    paths, all released at once and list-scheduled in epochs, a store-and-forward rendering that
-    :func:`validate` checks and :meth:`Schedule.rounds` orders for a transport. Its completion is
-    the naive model's (see :func:`simulate`), ``lo`` and ``hi`` its bounds (equal: its value);
-    ``info["store_and_forward_s"]``: that of its epochs."""
+    paths, all released at once and list-scheduled in epochs of ``basis / epochs`` seconds, a
+    store-and-forward rendering that :func:`validate` checks and :meth:`Schedule.rounds` orders
+    for a transport. Its completion is the naive model's (see :func:`simulate`);
+    ``info["store_and_forward_s"]``: that of its epochs (when there is time before ``deadline``)."""
     dem = flows.demands
     chunk_bytes = _capped(dem, chunk_bytes)
     chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
-    routes = Routes.of([(p, np.arange(len(p)) - 1) for p in flows.paths], chunk_com)  # one path per flow
+    n = np.diff(flows.ptr)
+    parent = np.arange(len(flows.links)) - np.repeat(flows.ptr[:-1], n) - 1  # one path per flow
+    routes = Routes(flows.links, parent, flows.ptr, chunk_com)
     order = np.lexsort((chunk_com, _progress(chunk_com, chunk_idx)))
-    tau = max(lo, 1e-9) / max(epochs, 1)
+    tau = max(basis, 1e-9) / max(epochs, 1)
     arrays = list_schedule(topology, routes, chunk_nb, order, tau, np.zeros(len(chunk_com), dtype=np.int64))
     s = Schedule(plan, topology, dem, "naive", tau, chunk_bytes, chunk_com, chunk_off, chunk_nb, **arrays)
+    if time.perf_counter() >= deadline:
+        return s
+    return dataclasses.replace(s, info={"store_and_forward_s": store_and_forward(s)})
+
+
+def _naive_done(s: Schedule, lo: float, hi: float, t0: float, info: dict[str, Any]) -> Schedule:
+    """The rendered naive schedule with its completion's bounds ``lo`` and ``hi`` (equal: its
+    value, ``info["naive_s"]``; else ``info["naive_bounds_s"]``) and the solve time."""
     naive = {"naive": lo} if lo == hi else {}
-    info = {**info, "candidates": {**info["candidates"], **naive}, "store_and_forward_s": store_and_forward(s)}
+    info = {**info, **({"naive_s": lo} if lo == hi else {"naive_bounds_s": [lo, hi]}),
+            "candidates": {**info["candidates"], **naive}, **s.info}
     s = dataclasses.replace(s, solve_seconds=time.perf_counter() - t0, info=info)
     log.info("scheduled %d chunks with naive in %.3fs: %.4f to %.4fs; the solved ones took longer, or may (%s)",
-             len(chunk_com), s.solve_seconds, lo, hi, info["candidates"])
+             len(s.chunk_commodity), s.solve_seconds, lo, hi, info["candidates"])
     return s

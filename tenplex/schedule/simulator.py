@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import PlanError
+from .commodities import FlowCommodities, commodity_nbytes
 from .listsched import by_level, fifo, link_levels
 from .naive import maxmin_completion
 
@@ -90,7 +91,7 @@ def _simulate_naive(s: Schedule) -> float:
     chunk = s.hop_chunk[hops]
     paths = np.split(s.hop_link[hops], np.flatnonzero(chunk[1:] != chunk[:-1]) + 1)
     topo = s.topology
-    nbytes = np.array([c.nbytes for c in s.demands.commodities], dtype=np.float64)
+    nbytes = commodity_nbytes(s.demands).astype(np.float64)
     latency = np.array([float(topo.latency[p].sum()) for p in paths])
     return maxmin_completion(paths, nbytes, topo.bandwidth, latency)
 
@@ -117,24 +118,59 @@ def validate(s: Schedule) -> None:
             raise PlanError(f"hop {h} sends {per_hop[h]:.0f} B of a {want[h]} B chunk")
         if np.any(s.slice_epoch < s.hop_first[s.slice_hop]) or np.any(s.slice_epoch > s.hop_last[s.slice_hop]):
             raise PlanError("a slice lies outside its hop's epochs")
-    for h in range(len(s.hop_chunk)):
-        p = int(s.hop_parent[h])
-        lk = topo.links[int(s.hop_link[h])]
-        com = d.commodities[int(s.chunk_commodity[int(s.hop_chunk[h])])]
-        if p < 0:
-            if lk.src not in com.sources:
-                raise PlanError(f"hop {h} leaves {lk.src}, which does not hold the chunk (sources {com.sources})")
-        else:
-            if int(s.hop_chunk[p]) != int(s.hop_chunk[h]) or topo.links[int(s.hop_link[p])].dst != lk.src:
-                raise PlanError(f"hop {h} does not continue its parent hop {p}")
-            if s.hop_first[h] < s.hop_arrival[p]:
-                raise PlanError(f"hop {h} leaves {lk.src} in epoch {s.hop_first[h]} before the chunk arrives "
-                                f"(epoch {s.hop_arrival[p]})")
-    reached: dict[int, set[str]] = {}
-    for h in range(len(s.hop_chunk)):
-        reached.setdefault(int(s.hop_chunk[h]), set()).add(topo.links[int(s.hop_link[h])].dst)
-    for c in range(len(s.chunk_commodity)):
-        com = d.commodities[int(s.chunk_commodity[c])]
-        missing = set(com.dests) - reached.get(c, set())
-        if missing:
-            raise PlanError(f"chunk {c} never reaches {sorted(missing)}")
+    if not len(s.hop_chunk) and not len(s.chunk_commodity):
+        return
+    nn = len(topo.node_names)
+    idx = topo.node_index
+    # candidate sources and destinations of every commodity, as sorted (commodity, node) keys
+    coms = d.commodities
+    if isinstance(coms, FlowCommodities):  # its columns, without building its objects
+        n_src = n_dst = np.ones(len(coms), dtype=np.int64)
+        src_node = np.fromiter((idx[x] for x in coms.sources), dtype=np.int64, count=len(coms))
+        dst_node = np.fromiter((idx[x] for x in coms.dests), dtype=np.int64, count=len(coms))
+    else:
+        n_src = np.fromiter((len(c.sources) for c in coms), dtype=np.int64, count=len(coms))
+        n_dst = np.fromiter((len(c.dests) for c in coms), dtype=np.int64, count=len(coms))
+        src_node = np.fromiter((idx[x] for c in coms for x in c.sources), dtype=np.int64, count=int(n_src.sum()))
+        dst_node = np.fromiter((idx[x] for c in coms for x in c.dests), dtype=np.int64, count=int(n_dst.sum()))
+    src_keys = np.sort(np.repeat(np.arange(len(n_src)), n_src) * nn + src_node)
+    tail, head = topo.link_src[s.hop_link], topo.link_dst[s.hop_link]
+    com = s.chunk_commodity[s.hop_chunk]
+    root = s.hop_parent < 0
+    held = _member(com[root] * nn + tail[root], src_keys)
+    if not held.all():
+        h = int(np.flatnonzero(root)[np.flatnonzero(~held)[0]])
+        c = d.commodities[int(com[h])]
+        raise PlanError(f"hop {h} leaves {topo.links[int(s.hop_link[h])].src}, which does not hold the chunk "
+                        f"(sources {c.sources})")
+    inner = np.flatnonzero(~root)
+    p = s.hop_parent[inner]
+    cont = (s.hop_chunk[p] == s.hop_chunk[inner]) & (head[p] == tail[inner])
+    if not cont.all():
+        h = int(inner[np.flatnonzero(~cont)[0]])
+        raise PlanError(f"hop {h} does not continue its parent hop {int(s.hop_parent[h])}")
+    early = s.hop_first[inner] < s.hop_arrival[p]
+    if early.any():
+        i = int(np.flatnonzero(early)[0])
+        h, ph = int(inner[i]), int(p[i])
+        raise PlanError(f"hop {h} leaves {topo.links[int(s.hop_link[h])].src} in epoch {s.hop_first[h]} before the "
+                        f"chunk arrives (epoch {s.hop_arrival[ph]})")
+    reached = np.sort(s.hop_chunk * nn + head)
+    n_c = n_dst[s.chunk_commodity]
+    want_chunk = np.repeat(np.arange(len(s.chunk_commodity)), n_c)
+    d_ptr = np.concatenate([[0], np.cumsum(n_dst)])
+    pos = np.arange(len(want_chunk)) - np.repeat(np.cumsum(n_c) - n_c, n_c) + np.repeat(d_ptr[s.chunk_commodity], n_c)
+    got = _member(want_chunk * nn + dst_node[pos], reached)
+    if not got.all():
+        c = int(want_chunk[np.flatnonzero(~got)[0]])
+        com_c = d.commodities[int(s.chunk_commodity[c])]
+        have = {topo.node_names[int(x)] for x in head[s.hop_chunk == c]}
+        raise PlanError(f"chunk {c} never reaches {sorted(set(com_c.dests) - have)}")
+
+
+def _member(keys: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Which of ``keys`` are in the sorted array ``table``."""
+    if not len(table):
+        return np.zeros(len(keys), dtype=bool)
+    i = np.searchsorted(table, keys).clip(0, len(table) - 1)
+    return table[i] == keys
