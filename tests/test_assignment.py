@@ -52,7 +52,7 @@ PATHS = ("duals", "dense", "flow")
 def solver(path: str):
     """Force one solver path of ``locality_order`` for mixed components."""
     if path == "duals":
-        return mock.patch.multiple(assignment, USE_DUALS=True)
+        return mock.patch.multiple(assignment, USE_DUALS=True, DUAL_MIN=0)
     return mock.patch.multiple(assignment, USE_DUALS=False, DENSE_LIMIT=assignment.DENSE_LIMIT if path == "dense" else 0)
 
 
@@ -169,7 +169,7 @@ def test_zero_tp_blocks_solved_by_duals():
         raise AssertionError("a mixed component left the class-dual path")
 
     with mock.patch.multiple(assignment, _dual_matching=counted, linear_sum_assignment=refuse,
-                             _flow_matching=refuse):
+                             _flow_matching=refuse, DUAL_MIN=0):
         order = locality_order(ptc, old, new, survivors)
     assert calls and all(calls)
     held = held_matrix(ptc, old, new, survivors)
