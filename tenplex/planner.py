@@ -310,22 +310,30 @@ class _Planner:
         self.tensor_group = np.full(len(self.names), -1, dtype=np.int64)
         self.seen: set[int] = set()
         self.cache: dict[tuple[int, str, int], dict[str, np.ndarray]] = {}
-        self.by_stage: dict[int, dict[int, list[int]]] = {}  # id(layout) -> stage -> tensor indices
+        self.by_stage: dict[tuple[int, int], list[int]] = {}  # (id(layout), stage) -> tensor indices
+        self.runs: list[tuple[int, int]] | None = None
 
     def tensors_of(self, cfg: Any, rank: int) -> list[int]:
         """Indices of the tensors ``rank`` holds under ``cfg`` (ascending)."""
         if not isinstance(cfg, ParallelConfig):
             return sorted(self.index[n] for n in self.ptc.rank_tensors(cfg, rank))
-        if id(cfg) not in self.by_stage:
+        if self.runs is None:  # runs of consecutive tensors with one placement (a layer's tensors)
+            placements = [spec.placement for spec in self.ptc.tensors.values()]
+            cuts = [0] + [i for i in range(1, len(placements)) if placements[i] != placements[i - 1]]
+            self.runs = list(zip(cuts, cuts[1:] + [len(placements)]))
+        stage = cfg.coords(rank).pp
+        key = (id(cfg), stage)
+        if key not in self.by_stage:
             stages: dict[Any, tuple[int, ...]] = {}
-            table: dict[int, list[int]] = {}
-            for ti, spec in enumerate(self.ptc.tensors.values()):
-                if spec.placement not in stages:
-                    stages[spec.placement] = self.ptc.stages_of(self.names[ti], cfg)
-                for st in stages[spec.placement]:
-                    table.setdefault(st, []).append(ti)
-            self.by_stage[id(cfg)] = table
-        return self.by_stage[id(cfg)].get(cfg.coords(rank).pp, [])
+            out: list[int] = []
+            for a, b in self.runs:
+                placement = self.ptc.tensors[self.names[a]].placement
+                if placement not in stages:
+                    stages[placement] = self.ptc.stages_of(self.names[a], cfg)
+                if stage in stages[placement]:
+                    out.extend(range(a, b))
+            self.by_stage[key] = out
+        return self.by_stage[key]
 
     def group_of(self, ti: int) -> int:
         """The group of tensor ``ti`` (-1: the new layout holds none of it)."""
