@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from tenplex import ParallelConfig, model_ptc  # noqa: E402
+from tenplex import assignment  # noqa: E402
 from tenplex.models import PRESETS  # noqa: E402
 from tenplex.overlap import holder_classes, intersect  # noqa: E402
 from tenplex.planner import locality_order, plan  # noqa: E402
@@ -79,19 +80,43 @@ def dense_locality_order(ptc, old_cfg, new_cfg, survivors):
 
 
 # -- measured things (each runs once in a child process and returns its figures) --------------------
-def one_locality(gpus: int, zero: bool, old: bool) -> dict[str, Any]:
+def kept_bytes(ptc, old_cfg, new_cfg, survivors, order) -> int:
+    """Bytes every new rank finds on the device it runs on under ``order`` (the assignment's value)."""
+    surv = np.asarray(survivors, dtype=np.int64)
+    rows = min(new_cfg.world_size, len(surv))
+    w = assignment.survivor_weights(ptc, old_cfg, new_cfg, surv, rows)
+    col = np.empty(old_cfg.world_size, dtype=np.int64)
+    col[surv] = np.arange(len(surv))
+    return w.value(np.arange(rows), col[np.asarray(order[:rows], dtype=np.int64)])
+
+
+def one_locality(gpus: int, zero: bool, old: bool, prev_solver: bool = False) -> dict[str, Any]:
+    """``old``: the dense LSA over the whole byte matrix; ``prev_solver``: this locality_order
+    without the class duals (mixed components by dense LSA or the flow LP, as before them)."""
     ptc, old_cfg, new_cfg, surv, _ = scenario(gpus, zero)
+    assignment.USE_DUALS = not prev_solver
     t = time.perf_counter()
     order = (dense_locality_order if old else locality_order)(ptc, old_cfg, new_cfg, surv)
     seconds = time.perf_counter() - t
+    assignment.USE_DUALS = True
     stats = plan(ptc, old_cfg, new_cfg, alive=order, ranks=[0]).stats  # cheap check of the result
-    return {"seconds": seconds, "rank0_bytes_moved": stats.bytes_moved}
+    return {"seconds": seconds, "rank0_bytes_moved": stats.bytes_moved,
+            "kept_bytes": kept_bytes(ptc, old_cfg, new_cfg, surv, order)}
 
 
-def one_plan(gpus: int, zero: bool, order: str, ranks: str) -> dict[str, Any]:
+def one_plan(gpus: int, zero: bool, order: str, ranks: str, chooser: bool = False) -> dict[str, Any]:
+    """A plan (whole or one rank's part) after one node lost; ``chooser``: first choose_layout for
+    the GPUs left (timed, its layout reported; the plan is for the scenario's DP-one-smaller layout)."""
     ptc, old_cfg, new_cfg, surv, lost = scenario(gpus, zero)
     out: dict[str, Any] = {}
     t = time.perf_counter()
+    if chooser:
+        from tenplex.layouts import choose_layout  # lazy: only this measurement needs the chooser
+
+        c = choose_layout("llama3-405b", gpus - 8, gpu_mem="80GiB", global_batch=2048, seq_len=8192, micro_batch=1,
+                          distributed_optimizer=zero, allow_idle=True, uneven_batch=True)
+        out["chooser_seconds"] = time.perf_counter() - t
+        out["chooser_layout"] = f"{c.cfg} (+{c.idle_gpus} idle)"
     if order == "locality":
         surv = locality_order(ptc, old_cfg, new_cfg, surv)
         out["assignment_seconds"] = time.perf_counter() - t
@@ -186,7 +211,7 @@ def measure(what: str, runs: int = RUNS, **kw: Any) -> dict[str, Any]:
     row = {"what": what, **kw, "runs": runs, "median_s": statistics.median(secs), "min_s": min(secs),
            "max_s": max(secs), "peak_rss_gib": max(r["peak_rss_gib"] for r in done),
            "load_avg_1min": [round(r["load_before"], 2) for r in done], "last": done[-1]}
-    for k in ("assignment_seconds", "plan_seconds"):
+    for k in ("chooser_seconds", "assignment_seconds", "plan_seconds"):
         if k in done[0]:
             row[k.replace("seconds", "median_s")] = statistics.median(r[k] for r in done)
     print(f"{what} {kw}: median {row['median_s']:.3f} s (min {row['min_s']:.3f}, max {row['max_s']:.3f}), "
@@ -202,6 +227,9 @@ def section_locality() -> list[dict[str, Any]]:
         for zero in (False, True):
             if gpus <= 4096:
                 rows.append(measure("locality", gpus=gpus, zero=zero, old=True))
+            if zero and gpus >= 16384:  # the component solvers before the class duals: same bytes kept
+                rows.append(measure("locality", gpus=gpus, zero=zero, old=False, prev_solver=True,
+                                    runs=1 if gpus > 16384 else RUNS))
             rows.append(measure("locality", gpus=gpus, zero=zero, old=False))
     return rows
 
@@ -217,14 +245,14 @@ def section_plan_global() -> list[dict[str, Any]]:
 
 
 def section_plan_rank() -> list[dict[str, Any]]:
-    """One rank's part (the new rank at the lost node's place), and at 131,072 GPUs assignment + part."""
+    """One rank's part (the new rank at the lost node's place), and at 131,072 GPUs chooser + assignment + part."""
     rows = []
     for gpus in (1024, 4096, 16384):
         for zero in (False, True):
             for order in ("rank", "locality"):
                 rows.append(measure("plan", gpus=gpus, zero=zero, order=order, ranks="one"))
     for zero in (False, True):
-        rows.append(measure("plan", gpus=131072, zero=zero, order="locality", ranks="one"))
+        rows.append(measure("plan", gpus=131072, zero=zero, order="locality", ranks="one", chooser=True))
     return rows
 
 

@@ -310,22 +310,30 @@ class _Planner:
         self.tensor_group = np.full(len(self.names), -1, dtype=np.int64)
         self.seen: set[int] = set()
         self.cache: dict[tuple[int, str, int], dict[str, np.ndarray]] = {}
-        self.by_stage: dict[int, dict[int, list[int]]] = {}  # id(layout) -> stage -> tensor indices
+        self.by_stage: dict[tuple[int, int], list[int]] = {}  # (id(layout), stage) -> tensor indices
+        self.runs: list[tuple[int, int]] | None = None
 
     def tensors_of(self, cfg: Any, rank: int) -> list[int]:
         """Indices of the tensors ``rank`` holds under ``cfg`` (ascending)."""
         if not isinstance(cfg, ParallelConfig):
             return sorted(self.index[n] for n in self.ptc.rank_tensors(cfg, rank))
-        if id(cfg) not in self.by_stage:
+        if self.runs is None:  # runs of consecutive tensors with one placement (a layer's tensors)
+            placements = [spec.placement for spec in self.ptc.tensors.values()]
+            cuts = [0] + [i for i in range(1, len(placements)) if placements[i] != placements[i - 1]]
+            self.runs = list(zip(cuts, cuts[1:] + [len(placements)]))
+        stage = cfg.coords(rank).pp
+        key = (id(cfg), stage)
+        if key not in self.by_stage:
             stages: dict[Any, tuple[int, ...]] = {}
-            table: dict[int, list[int]] = {}
-            for ti, spec in enumerate(self.ptc.tensors.values()):
-                if spec.placement not in stages:
-                    stages[spec.placement] = self.ptc.stages_of(self.names[ti], cfg)
-                for st in stages[spec.placement]:
-                    table.setdefault(st, []).append(ti)
-            self.by_stage[id(cfg)] = table
-        return self.by_stage[id(cfg)].get(cfg.coords(rank).pp, [])
+            out: list[int] = []
+            for a, b in self.runs:
+                placement = self.ptc.tensors[self.names[a]].placement
+                if placement not in stages:
+                    stages[placement] = self.ptc.stages_of(self.names[a], cfg)
+                if stage in stages[placement]:
+                    out.extend(range(a, b))
+            self.by_stage[key] = out
+        return self.by_stage[key]
 
     def group_of(self, ti: int) -> int:
         """The group of tensor ``ti`` (-1: the new layout holds none of it)."""
@@ -449,6 +457,58 @@ def _part(planner: _Planner, ranks: Sequence[int]) -> tuple[dict[str, np.ndarray
     return {k: v[first] for k, v in rows.items()}, j[first]
 
 
+def _sources(rows: dict[str, np.ndarray], sel: np.ndarray, j: np.ndarray, e_rank: np.ndarray, e_local: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Source rank (-1: storage) and offset in its shard of the rows ``sel`` with candidate indices ``j``."""
+    kind, start = rows["kind"][sel], rows["start"][sel]
+    if not len(e_rank):
+        return np.full(len(sel), -1, dtype=np.int64), start.copy()
+    storage = kind == STORAGE
+    idx = np.where(storage, 0, rows["cand"][sel] + j)
+    return (np.where(storage, -1, e_rank[idx]),
+            np.where(storage, start, e_local[idx] + rows["delta"][sel]))
+
+
+def _whole(planner: _Planner) -> dict[str, np.ndarray]:
+    """The whole plan's columns. The tensors of a group (the layers of a stage) share their
+    pieces but for the chosen sources: every column but those is a concatenation of the groups'
+    arrays, the sources of single-candidate pieces are computed once per group, and only the
+    pieces with several candidates (in plan order, as ``_choices`` sees them) are chosen per row."""
+    tensors = [(ti, g) for ti in range(len(planner.names)) if (g := planner.group_of(ti)) >= 0]
+    e_rank, e_local = planner.entry_columns()
+    per_group: dict[int, tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]] = {}
+    for g in sorted({g for _, g in tensors}):
+        p = planner.pieces(g)
+        multi = np.flatnonzero((p["count"] > 1) & (p["kind"] != LOCAL) & (p["kind"] != STORAGE))
+        n = len(p["kind"])
+        src, src_off = _sources(p, np.arange(n), np.zeros(n, dtype=np.int64), e_rank, e_local)
+        per_group[g] = (p, multi, src, src_off)
+    if not tensors:
+        empty = planner.rows([])
+        return {"new_rank": empty["new_rank"], "tensor": empty["tensor"].astype(np.int32),
+                "kind": empty["kind"].astype(np.int8), "src_rank": empty["new_rank"].copy(),
+                "src_offset": empty["start"].copy(), "dst_offset": empty["dst_offset"], "start": empty["start"],
+                "length": empty["length"], "nbytes": empty["nbytes"]}
+    groups = [per_group[g] for _, g in tensors]
+    counts = np.array([len(q[0]["kind"]) for q in groups], dtype=np.int64)
+    columns = {k: np.concatenate([q[0][k] for q in groups]) for k in ("new_rank", "kind", "dst_offset", "start",
+                                                                      "length", "nbytes")}
+    columns["kind"] = columns["kind"].astype(np.int8, copy=False)
+    columns["tensor"] = np.repeat(np.array([ti for ti, _ in tensors], dtype=np.int32), counts)
+    src = np.concatenate([q[2] for q in groups])
+    src_off = np.concatenate([q[3] for q in groups])
+    offsets = np.cumsum(counts) - counts
+    multi = [(o, q) for o, q in zip(offsets.tolist(), groups) if len(q[1])]
+    if multi:
+        pos = np.concatenate([o + q[1] for o, q in multi])
+        sub = {k: np.concatenate([q[0][k][q[1]] for _, q in multi]) for k in ("set", "nbytes", "count", "kind",
+                                                                              "start", "cand", "delta")}
+        j = _choose(sub["set"], sub["nbytes"], sub["count"])
+        src[pos], src_off[pos] = _sources(sub, np.arange(len(pos)), j, e_rank, e_local)
+    columns["src_rank"], columns["src_offset"] = src, src_off
+    return {k: columns[k] for k in Plan._COLUMNS}
+
+
 def plan(
     ptc: PTC,
     old_cfg: ParallelConfig,
@@ -484,23 +544,17 @@ def plan(
             raise PlanError(f"ranks {bad} are outside the new world [0, {new_cfg.world_size})")
     planner = _Planner(ptc, old_cfg, new_cfg, _Context(old_cfg, devices, alive_t, gpus_per_host))
     if ranks_t is None:
-        rows = planner.rows(range(len(planner.names)))
-        j = _choices(rows)
+        columns = _whole(planner)
     else:
         rows, j = _part(planner, ranks_t)
-    e_rank, e_local = planner.entry_columns()
-    storage = rows["kind"] == STORAGE
-    idx = np.where(storage, 0, rows["cand"] + j)
-    if len(e_rank):
-        src = np.where(storage, -1, e_rank[idx])
-        src_off = np.where(storage, rows["start"], e_local[idx] + rows["delta"])
-    else:
-        src, src_off = np.full(len(idx), -1, dtype=np.int64), rows["start"].copy()
-    columns = {
-        "new_rank": rows["new_rank"], "tensor": rows["tensor"].astype(np.int32), "kind": rows["kind"].astype(np.int8),
-        "src_rank": src, "src_offset": src_off, "dst_offset": rows["dst_offset"], "start": rows["start"],
-        "length": rows["length"], "nbytes": rows["nbytes"],
-    }
+        e_rank, e_local = planner.entry_columns()
+        src, src_off = _sources(rows, np.arange(len(j)), j, e_rank, e_local)
+        columns = {
+            "new_rank": rows["new_rank"], "tensor": rows["tensor"].astype(np.int32),
+            "kind": rows["kind"].astype(np.int8), "src_rank": src, "src_offset": src_off,
+            "dst_offset": rows["dst_offset"], "start": rows["start"], "length": rows["length"],
+            "nbytes": rows["nbytes"],
+        }
     for arr in columns.values():
         arr.setflags(write=False)
     stats = _stats(columns, old_cfg, new_cfg, time.perf_counter() - t0)

@@ -449,25 +449,29 @@ def _table(rows: list[tuple[int, int, int, int]]) -> SegmentTable:
 @lru_cache(maxsize=65536)
 def _holder_table(spec_key: tuple, stages: tuple[int, ...], cfg: ParallelConfig) -> SegmentTable:
     spec = _spec_from_key(spec_key)
-    # rows in the order (TP index, DP index, stage, segment), vectorised over DP and stages
-    parts = []
-    d = np.arange(cfg.dp, dtype=np.int64)[:, None, None]
-    st = np.asarray(stages, dtype=np.int64)[None, :, None]
-    for t in range(cfg.tp):
-        segs = np.array([s for s in spec.tp_segments(cfg.tp, t) if s[1] != PAD], dtype=np.int64).reshape(-1, 3)
-        lo, g, ln = (segs[:, i][None, None, :] for i in range(3))
-        if spec.dp_sharded:  # a DP rank's fragment [f0, f1) of the TP shard's flat order
-            c = -(-spec.tp_local_numel(cfg.tp) // cfg.dp)
-            f0 = d * c
-            s0, e0 = np.maximum(lo, f0), np.minimum(lo + ln, f0 + c)
-            lo, g, ln = s0 - f0, g + (s0 - lo), e0 - s0
-        shape = (cfg.dp, len(stages), len(segs))
-        keep = np.broadcast_to(ln > 0, shape)
-        rank = t + cfg.tp * (d + cfg.dp * st)
-        parts.append([np.broadcast_to(x, shape)[keep] for x in (rank, lo, g, ln)])
-    if not parts:
+    # rows in the order (TP index, DP index, stage, segment), vectorised over all four: every TP
+    # index's segments padded to the longest list with empty ones (dropped with the others)
+    per_t = [np.array([s for s in spec.tp_segments(cfg.tp, t) if s[1] != PAD], dtype=np.int64).reshape(-1, 3)
+             for t in range(cfg.tp)]
+    width = max(len(x) for x in per_t)
+    if not width:
         return _table([])
-    return SegmentTable.from_columns(*(np.concatenate(col) for col in zip(*parts)))
+    segs = np.zeros((cfg.tp, width, 3), dtype=np.int64)
+    for t, x in enumerate(per_t):
+        segs[t, : len(x)] = x
+    lo, g, ln = (segs[:, None, None, :, i] for i in range(3))
+    t_idx = np.arange(cfg.tp, dtype=np.int64)[:, None, None, None]
+    d = np.arange(cfg.dp, dtype=np.int64)[None, :, None, None]
+    st = np.asarray(stages, dtype=np.int64)[None, None, :, None]
+    if spec.dp_sharded:  # a DP rank's fragment [f0, f1) of the TP shard's flat order
+        c = -(-spec.tp_local_numel(cfg.tp) // cfg.dp)
+        f0 = d * c
+        s0, e0 = np.maximum(lo, f0), np.minimum(lo + ln, f0 + c)
+        lo, g, ln = s0 - f0, g + (s0 - lo), e0 - s0
+    shape = (cfg.tp, cfg.dp, len(stages), width)
+    keep = np.broadcast_to(ln > 0, shape)
+    rank = t_idx + cfg.tp * (d + cfg.dp * st)
+    return SegmentTable.from_columns(*(np.broadcast_to(x, shape)[keep] for x in (rank, lo, g, ln)))
 
 
 def _spec_key(spec: TensorSpec) -> tuple:
@@ -517,6 +521,7 @@ class PTC:
             raise SpecError(f"names used both as tensor and object: {sorted(clash)}")
         self.meta: dict[str, Any] = dict(meta or {})
         self._fingerprint: str | None = None
+        self._split_specs: list[TensorSpec] | None = None  # one spec per distinct (shape, split), for check()
 
     # -- basic facts --------------------------------------------------------------------
     def __len__(self) -> int:
@@ -548,11 +553,13 @@ class PTC:
                 raise LayoutError(f"tp={cfg.tp} does not divide {what}={value} ({value} % {cfg.tp} = {value % cfg.tp})")
         if self.num_layers:
             cfg.layers_per_stage(self.num_layers)
-        checked = set()
-        for spec in self.tensors.values():  # one check per distinct (shape, split)
-            if (spec.shape, spec.tp) not in checked:
-                spec.check_tp(cfg.tp)
-                checked.add((spec.shape, spec.tp))
+        if self._split_specs is None:  # one check per distinct (shape, split)
+            distinct: dict[tuple[Any, Any], TensorSpec] = {}
+            for spec in self.tensors.values():
+                distinct.setdefault((spec.shape, spec.tp), spec)
+            self._split_specs = list(distinct.values())
+        for spec in self._split_specs:
+            spec.check_tp(cfg.tp)
 
     def stages_of(self, name: str, cfg: ParallelConfig) -> tuple[int, ...]:
         return self._stages(self.tensors[name].placement, cfg)
