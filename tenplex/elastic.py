@@ -244,8 +244,9 @@ class LiveState:
 
     ``cfg``: the layout the job ran; ``states``: consistent copies of this process's shard under
     ``cfg`` by step (the trainer keeps the last few steps: a failure in the middle of a step
-    leaves the working state mixed, never these); ``alive``: for each rank of the current
-    default group (the survivors' group, ``Membership.recover``), its rank under ``cfg``;
+    leaves the working state mixed, never these); ``alive``: for each of the first ranks of the
+    current default group (the survivors' group, ``Membership.recover``), its rank under ``cfg``;
+    the ranks after them held nothing (spares of ``cfg``: fresh joiners, ``live_order``);
     ``sources``: checkpoint URLs, cheapest first (this host's store, then persistent storage),
     that pieces no survivor holds are read from.
     """
@@ -275,12 +276,15 @@ def live_order(ptc: PTC, cfg: ParallelConfig, choose: Chooser,
                previous: Sequence[int]) -> Callable[[Sequence[int]], list[int]]:
     """A ``Membership(order=...)``: the survivors (member ids of the group ``previous``, ids by
     rank) ordered by ``locality_order`` for the layout ``choose`` picks for their number, so that
-    new rank i runs where most of its state already is."""
+    new rank i runs where most of its state already is; spares of ``cfg`` (ranks beyond its
+    size, holding nothing) come after every survivor that holds state, as fresh joiners."""
 
     def order(members: Sequence[int]) -> list[int]:
         ranks = old_ranks(previous, members)
         new = choose(ptc, len(ranks), cfg)
-        return [previous[r] for r in locality_order(ptc, cfg, new, ranks)]
+        holders = [r for r in ranks if r < cfg.world_size]
+        spares = [r for r in ranks if r >= cfg.world_size]
+        return [previous[r] for r in locality_order(ptc, cfg, new, holders) + spares]
 
     return order
 
@@ -302,12 +306,17 @@ def _stored_steps(sources: Sequence[str]) -> dict[int, str]:
 
 def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *, gpus_per_host: int) -> RescaleResult | None:
     """The live branch of ``rescale``: every survivor of the default group together; None when no
-    step is held by every survivor and stored where needed (the caller then loads)."""
+    step is held by every survivor and stored where needed (the caller then loads).
+
+    Group ranks ``< len(live.alive)`` hold state under ``live.cfg``; those after them (spares of
+    ``live.cfg``) join ``migrate`` as fresh joiners. Ranks beyond both the holders and the new
+    layout are spares that take no part in the move (a subgroup moves the state)."""
     t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = chooser(ptc, world, live.cfg)
     check_fits(cfg, world)
     ptc.check(cfg)
+    holders = len(live.alive)
     t1 = time.perf_counter()
     moves = plan(ptc, live.cfg, cfg, alive=list(live.alive), gpus_per_host=gpus_per_host)
     t2 = time.perf_counter()
@@ -315,8 +324,8 @@ def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *, gpus_per_host:
     needs = bool(((c["kind"] == STORAGE) & (c["new_rank"] == rank)).any())
     stored = _stored_steps(live.sources) if needs else {}
     views: list[Any] = [None] * world
-    dist.all_gather_object(views, (sorted(live.states), sorted(stored), needs))
-    step = live_step([v[0] for v in views], [v[1] for v in views], [v[2] for v in views])
+    dist.all_gather_object(views, (sorted(live.states) if rank < holders else None, sorted(stored), needs))
+    step = live_step([v[0] for v in views if v[0] is not None], [v[1] for v in views], [v[2] for v in views])
     t3 = time.perf_counter()
     timings = {"choose": t1 - t0, "plan": t2 - t1, "agree": t3 - t2}
     if step is None:
@@ -325,10 +334,18 @@ def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *, gpus_per_host:
         return None
     # migrate() wants a URL on every rank once any rank reads from storage; ranks that read nothing pass any
     url = stored.get(step) if needs else (live.sources[0] if live.sources else None)
-    res = migrate(ptc, live.cfg, cfg, live.states[step], alive=list(live.alive), storage=url, step=step, plan=moves,
-                  gpus_per_host=gpus_per_host)
+    movers = max(cfg.world_size, holders)  # group ranks beyond both hold nothing and receive nothing
+    group = dist.new_group(list(range(movers))) if movers < world else None  # every rank calls new_group
+    if rank >= movers:
+        result = RescaleResult(cfg, rank, world, step, False, None, None, live.cfg, moves.stats, None, timings,
+                               {}, live=True)
+        log.info("%s", result.summary())
+        return result
+    res = migrate(ptc, live.cfg, cfg, live.states[step] if rank < holders else None, alive=list(live.alive),
+                  group=group, storage=url, step=step, plan=moves, gpus_per_host=gpus_per_host)
     timings.update({"migrate": res.seconds, **{f"migrate_{k}": v for k, v in res.timings.items()}})
-    result = RescaleResult(cfg, rank, world, step, False, dict(res.shard), None, live.cfg, moves.stats, None, timings,
+    result = RescaleResult(cfg, rank, world, step, False, dict(res.shard) if rank < cfg.world_size else None, None,
+                           live.cfg, moves.stats, None, timings,
                            {"local": res.bytes_local, "live": res.bytes_received, "storage": res.bytes_storage},
                            live=True, storage_url=url if needs else None)
     log.info("%s", result.summary())

@@ -7,7 +7,8 @@ replicas (2, 1, 1). Its losses must equal an uninterrupted single-process run's 
 relative and every sample must be seen exactly once. The workers are forked from a forkserver
 that imported torch and the trainer once (20 interpreters importing torch on 2 CPUs would take
 most of a minute). TENPLEX_SPARES_EXTRA=1 adds a longer run (plain optimizer, the default
-chooser at 8 workers, TP and PP with an uneven split, three steps a launch).
+chooser at 8 workers, TP and PP with an uneven split, three steps a launch) and in-process
+recovery with spares (a spare dies, then a placed rank, whose place a spare takes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -91,14 +93,14 @@ def test_rescale_spares_load_nothing_and_resume_the_step(saved: str, world: int,
 
 
 # -- the elastic run ----------------------------------------------------------------------------
-def _worker(rank: int, world: int, port: int, argv: Sequence[str], out: str) -> None:
+def _worker(rank: int, world: int, port: int, argv: Sequence[str], out: str, env: dict[str, str]) -> None:
     """One trainer rank in this (forked) process; its output goes to ``out``."""
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                       "GLOO_SOCKET_IFNAME": "lo", "TENPLEX_DEVICE": "cpu"})
+                       "GLOO_SOCKET_IFNAME": "lo", "TENPLEX_DEVICE": "cpu", **env})
     if world == 1:
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(k)
@@ -109,9 +111,11 @@ def _worker(rank: int, world: int, port: int, argv: Sequence[str], out: str) -> 
 
 
 def _launch(ctx: multiprocessing.context.BaseContext, tmp: Path, n: int, argv: list[str], tag: str,
-            timeout: float = 120) -> None:
+            timeout: float = 120, env: dict[str, str] | None = None, codes: list[int | None] | None = None) -> None:
+    """``n`` ranks of one job; fails unless each exits with ``codes`` (default 0)."""
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, argv, str(tmp / f"{tag}-{r}.log"))) for r in range(n)]
+    procs = [ctx.Process(target=_worker, args=(r, n, port, argv, str(tmp / f"{tag}-{r}.log"), env or {}))
+             for r in range(n)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -123,10 +127,10 @@ def _launch(ctx: multiprocessing.context.BaseContext, tmp: Path, n: int, argv: l
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    codes = [p.exitcode for p in procs]
-    if codes != [0] * n:
+    got = [p.exitcode for p in procs]
+    if got != (codes or [0] * n):
         tails = "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(tmp.glob(f"{tag}-*.log")))
-        pytest.fail(f"{tag}: exit codes {codes}\n{tails}")
+        pytest.fail(f"{tag}: exit codes {got}\n{tails}")
 
 
 def _steps(log: Path) -> tuple[dict[int, dict], list[dict]]:
@@ -140,19 +144,13 @@ def _steps(log: Path) -> tuple[dict[int, dict], list[dict]]:
     return steps, starts
 
 
-def _elastic(tmp: Path, phases: list[tuple[int, str | None]], per: int, extra: list[str]) -> list[dict]:
-    """The reference run and the elastic one (``phases``: (workers, --parallel) per launch,
-    ``per`` steps each); checks losses and samples; returns the elastic run's start records."""
+def _forkserver() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tenplex.train.run", "torch.distributed"])
-    total = per * len(phases)
-    ref_log, log, ckpt = tmp / "ref.jsonl", tmp / "log.jsonl", tmp / "ckpt"
-    _launch(ctx, tmp, 1, [*COMMON, *extra, "--steps", str(total), "--log", str(ref_log)], "ref")
-    for i, (n, pin) in enumerate(phases):
-        _launch(ctx, tmp, n, [*COMMON, *extra, "--steps", str(per * (i + 1)), "--ckpt", str(ckpt), "--log", str(log),
-                              *(["--parallel", pin] if pin else [])], f"w{n}")
-    ref, _ = _steps(ref_log)
-    got, starts = _steps(log)
+    return ctx
+
+
+def _compare(ref: dict[int, dict], got: dict[int, dict], total: int) -> None:
     assert sorted(got) == sorted(ref) == list(range(1, total + 1))
     for step in ref:
         rel = abs(got[step]["loss"] - ref[step]["loss"]) / abs(ref[step]["loss"])
@@ -161,6 +159,21 @@ def _elastic(tmp: Path, phases: list[tuple[int, str | None]], per: int, extra: l
         assert sum(got[step]["split"]) == 8 and max(got[step]["split"]) - min(got[step]["split"]) <= 2
     seen = [x for s in sorted(got) for x in got[s]["samples"]]
     assert len(seen) == len(set(seen)) == total * 8, "a sample was repeated or left out"
+
+
+def _elastic(tmp: Path, phases: list[tuple[int, str | None]], per: int, extra: list[str]) -> list[dict]:
+    """The reference run and the elastic one (``phases``: (workers, --parallel) per launch,
+    ``per`` steps each); checks losses and samples; returns the elastic run's start records."""
+    ctx = _forkserver()
+    total = per * len(phases)
+    ref_log, log, ckpt = tmp / "ref.jsonl", tmp / "log.jsonl", tmp / "ckpt"
+    _launch(ctx, tmp, 1, [*COMMON, *extra, "--steps", str(total), "--log", str(ref_log)], "ref")
+    for i, (n, pin) in enumerate(phases):
+        _launch(ctx, tmp, n, [*COMMON, *extra, "--steps", str(per * (i + 1)), "--ckpt", str(ckpt), "--log", str(log),
+                              *(["--parallel", pin] if pin else [])], f"w{n}")
+    ref, _ = _steps(ref_log)
+    got, starts = _steps(log)
+    _compare(ref, got, total)
     assert [s["world_size"] for s in starts] == [n for n, _ in phases]
     for s in starts[1:]:
         assert s["bytes_read"] >= s["bytes_needed"] > 0, s
@@ -187,3 +200,30 @@ def test_elastic_run_with_the_default_chooser_and_pipelines(tmp_path: Path) -> N
     dp=3 x pp=1 and 7 with dp=3 x pp=2 (a 2-stage pipeline whose replicas run 2, 1, 1 micro-batches)."""
     starts = _elastic(tmp_path, [(8, None), (5, "5:dp=3,tp=1,pp=1"), (7, "7:dp=3,tp=1,pp=2")], 3, [])
     assert starts[0]["idle_ranks"] and starts[2]["layout"] == "dp=3,tp=1,pp=2"
+
+
+@pytest.mark.skipif(not os.environ.get("TENPLEX_SPARES_EXTRA"), reason="TENPLEX_SPARES_EXTRA=1: about 40 s")
+@pytest.mark.timeout(240)
+def test_in_process_recovery_with_spares(tmp_path: Path) -> None:
+    """--in-process on 6 workers (the default chooser: dp=1,tp=1,pp=4 and 2 spares): spare 5 dies
+    in step 2 (the 4 placed ranks move nothing among themselves, spare 4 waits on), then placed
+    rank 1 dies in step 4: the 3 survivors holding state and spare 4, a fresh joiner (new rank 3:
+    fresh joiners take the last new ranks), move the state live to pp=4 again, the dead rank's
+    stage read from the checkpoint. Losses and samples as the uninterrupted run's."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    ctx = _forkserver()
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "log.jsonl"
+    _launch(ctx, tmp_path, 1, [*COMMON, "--steps", "6", "--log", str(ref_log)], "ref")
+    _launch(ctx, tmp_path, 6, [*COMMON, "--steps", "6", "--in-process", "--log", str(log), "--ckpt",
+                               str(tmp_path / "ckpt"), "--ckpt-every", "1", "--die-at", "5:2:forward,1:4:forward"],
+            "w", env={"TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store.port}"}, codes=[0, -9, 0, 0, 0, -9])
+    ref, _ = _steps(ref_log)
+    got, _ = _steps(log)
+    _compare(ref, got, 6)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    recs = [e for e in events if e.get("event") == "recover"]
+    assert [(r["world_size"], r["layout"], r["live"]) for r in recs] == [(5, "dp=1,tp=1,pp=4", True),
+                                                                      (4, "dp=1,tp=1,pp=4", True)]
+    assert recs[0]["bytes_live"] == recs[0]["bytes_storage"] == 0
+    assert recs[1]["bytes_live"] > 0 and recs[1]["bytes_storage"] > 0 and recs[1]["steps_lost"] <= 1
+    assert [got[s]["idle"] for s in range(1, 7)] == [2, 2, 1, 1, 0, 0]

@@ -472,7 +472,8 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
                                url=tc.ckpt, tiers=start.tiers, gpus_per_host=tc.gpus_per_host,
                                before_migrate=(lambda: die("migrate", at)) if die else None)
             groups = init_distributed(rec.result.cfg, timeout_s=tc.pg_timeout)
-            trainer = Trainer(tc, ptc, groups, rec.result, start.corpus)
+            trainer = Trainer(tc, ptc, groups, rec.result, start.corpus) if groups.placed else \
+                Spare(tc, groups, rec.result)
         except Exception as e2:  # noqa: BLE001 - any failure here: the launcher's restart takes over
             log.error("rank %d: in-process recovery failed", rank, exc_info=e2)
             print(f"{PROG}: error: rank {rank}: in-process recovery failed ({_one_line(_describe(e2))}); "
@@ -498,7 +499,9 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
     return 0
 
 
-def _record(ring: StateRing, trainer: Trainer) -> None:
+def _record(ring: StateRing, trainer: Trainer | Spare) -> None:
+    if isinstance(trainer, Spare):  # holds nothing: a fresh joiner of the next in-process rescale
+        return
     ring.record(trainer.step, trainer.state_tensors(), {"optimizer.step": trainer.step,
                                                         DATA_OBJECT: trainer.data.to_json()})
 

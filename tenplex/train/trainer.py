@@ -360,6 +360,8 @@ class Spare:
 
     def train_step(self, *, fault: Callable[[], str | None] | None = None) -> tuple[float, np.ndarray]:
         """The step's loss all-reduce with the trainers; returns the global loss and no samples."""
+        if self.die is not None:
+            self.die("forward", self.step + 1)  # testing (--die-at): a spare dies in a step too
         failure = fault() if fault is not None else None
         total = torch.tensor([0.0, 0.0 if failure is None else 1.0], dtype=torch.float64, device=self.g.device)
         if dist.is_initialized():
