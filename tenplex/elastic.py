@@ -15,6 +15,7 @@ is one scan of the tiers, one model check and one tiered load (``tenplex.store.r
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import time
@@ -335,7 +336,8 @@ def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *, gpus_per_host:
     # migrate() wants a URL on every rank once any rank reads from storage; ranks that read nothing pass any
     url = stored.get(step) if needs else (live.sources[0] if live.sources else None)
     movers = max(cfg.world_size, holders)  # group ranks beyond both hold nothing and receive nothing
-    group = dist.new_group(list(range(movers))) if movers < world else None  # every rank calls new_group
+    # every rank calls new_group; the timeout is the trainer's default --pg-timeout (a new gloo group's is 30 min)
+    group = dist.new_group(list(range(movers)), timeout=datetime.timedelta(seconds=60)) if movers < world else None
     if rank >= movers:
         result = RescaleResult(cfg, rank, world, step, False, None, None, live.cfg, moves.stats, None, timings,
                                {}, live=True)
