@@ -26,7 +26,7 @@ from ..data.view import RankReader
 from ..errors import ConfigError
 from ..vfs.control import mount_status, remount
 
-__all__ = ["corpus_index", "IndexBatches", "MountBatches"]
+__all__ = ["corpus_index", "uneven_micro_batch", "IndexBatches", "MountBatches"]
 
 log = logging.getLogger(__name__)
 
