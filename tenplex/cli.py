@@ -775,6 +775,9 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     order.add_argument("--no-shuffle", action="store_true", help="index order in every epoch")
     p.add_argument("--epochs", type=int, default=None,
                    help="show samples up to the end of this many epochs (default: through the current epoch)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="split each global batch by whole micro-batches of this size, ranks differing by at most "
+                        "one (a dp that does not divide the batch; default: equal slices)")
     p.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
     p.add_argument("--read-ahead-kib", type=_int_in(0, 1 << 20), default=1024,
                    help="kernel read-ahead of the mount (KiB; needs root; 0 keeps libfuse's 128)")
@@ -789,6 +792,9 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--seed", type=int, default=None, help="new shuffle seed (default: unchanged)")
     p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None,
                    help="shuffle or keep index order (default: unchanged)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="split global batches by whole micro-batches of this size (0: equal slices; default: "
+                        "unchanged)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_remount)
 
@@ -810,7 +816,8 @@ def _cmd_data_index(args: argparse.Namespace) -> int:
 def _cmd_mount(args: argparse.Namespace) -> int:
     layout = Layout(dp=args.dp, progress=args.progress,
                     global_batch=args.dp if args.global_batch is None else args.global_batch,
-                    seed=args.seed, shuffle=not args.no_shuffle, num_epochs=args.epochs)
+                    seed=args.seed, shuffle=not args.no_shuffle, num_epochs=args.epochs,
+                    micro_batch=args.micro_batch)
     if args.foreground:
         mount(args.index, args.mountpoint, layout, debug=args.debug, read_ahead_kib=args.read_ahead_kib)
         return 0
@@ -823,6 +830,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     argv += ["--no-shuffle"] if args.no_shuffle else ["--seed", str(args.seed)]
     if args.epochs is not None:
         argv += ["--epochs", str(args.epochs)]
+    if args.micro_batch is not None:
+        argv += ["--micro-batch", str(args.micro_batch)]
     argv += ["--read-ahead-kib", str(args.read_ahead_kib)]
     pid = spawn_mount(argv, args.mountpoint)
     print(f"mounted {args.index} at {os.path.abspath(args.mountpoint)} (pid {pid}); "
@@ -831,8 +840,9 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _cmd_remount(args: argparse.Namespace) -> int:
+    extra = {} if args.micro_batch is None else {"micro_batch": args.micro_batch or None}
     st = remount(args.mountpoint, dp=args.dp, progress=args.progress, global_batch=args.global_batch, seed=args.seed,
-                 shuffle=args.shuffle)
+                 shuffle=args.shuffle, **extra)
     if args.json:
         print(json.dumps(st))
     else:

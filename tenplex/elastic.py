@@ -3,7 +3,9 @@
 It reads the latest complete checkpoint, takes the world size from the environment, picks a
 layout that is valid for the model and world size (memory-aware by default), plans the move
 from the saved layout, loads this rank's state reading only the bytes it needs, and returns
-the layout, the state and timings. A damaged newest step is passed over for the newest one
+the layout, the state and timings. A layout may use fewer ranks than the world (the default
+chooser considers spares and uneven batch splits): ranks ``cfg.world_size`` and up are
+spares, which load nothing (``RescaleResult.idle``) and take a place at the next rescale. A damaged newest step is passed over for the newest one
 that verifies (reported in ``skipped``). With no checkpoint (or no URL) it says to start fresh.
 
 There is one path: a checkpoint URL is a recovery tier (persistent storage), so every resume
@@ -13,6 +15,7 @@ is one scan of the tiers, one model check and one tiered load (``tenplex.store.r
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import time
@@ -36,7 +39,7 @@ from .store.recovery import Tier, TierScan, load_tiered, scan_tiers
 from .topology import Topology
 
 __all__ = ["RescaleResult", "LiveState", "live_step", "live_order", "rescale", "agree_on_step", "env_world", "layout_options_for", "device_memory",
-           "default_chooser", "storage_tier", "MeshChooser", "mesh_dims", "choose_mesh"]
+           "default_chooser", "storage_tier", "MeshChooser", "mesh_dims", "choose_mesh", "check_fits"]
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +66,33 @@ class RescaleResult:
     live: bool = False  # True: moved live between survivors (``bytes_by_tier``: "local", "live", "storage")
     storage_url: str | None = None  # live: where this rank read the pieces no survivor holds (None: nothing read)
 
+    @property
+    def idle(self) -> bool:
+        """True when this rank has no place in the layout: a spare (holds and trains nothing, takes
+        part in the job's collectives and the next rescale)."""
+        return self.rank >= self.cfg.world_size
+
+    @property
+    def idle_ranks(self) -> tuple[int, ...]:
+        """The ranks of the world the layout leaves as spares: ``cfg.world_size`` .. ``world_size - 1``."""
+        return tuple(range(self.cfg.world_size, self.world_size))
+
+    def _spares(self) -> str:
+        n = len(self.idle_ranks)
+        return f", {n} spare{'s' * (n != 1)}" if n else ""
+
     def summary(self) -> str:
         if self.fresh:
-            return f"fresh start under {self.cfg} ({self.world_size} ranks)"
+            return f"fresh start under {self.cfg} ({self.world_size} ranks{self._spares()})"
         t = self.timings
         if self.live:
             b = self.bytes_by_tier
-            return (f"moved live at step {self.step}: {self.previous} -> {self.cfg} ({self.world_size} ranks); "
+            return (f"moved live at step {self.step}: {self.previous} -> {self.cfg} ({self.world_size} ranks"
+                    f"{self._spares()}); "
                     f"choose {t.get('choose', 0):.3f}s plan {t.get('plan', 0):.3f}s agree {t.get('agree', 0):.3f}s "
                     f"migrate {t.get('migrate', 0):.3f}s; received {b.get('live', 0)} B live, "
                     f"{b.get('storage', 0)} B from storage")
-        parts = [f"resumed step {self.step}: {self.previous} -> {self.cfg} ({self.world_size} ranks)",
+        parts = [f"resumed step {self.step}: {self.previous} -> {self.cfg} ({self.world_size} ranks{self._spares()})",
                  f"choose {t.get('choose', 0):.3f}s plan {t.get('plan', 0):.3f}s load {t.get('load', 0):.3f}s"]
         if self.load_stats:
             parts.append(f"read {self.load_stats.bytes_read} B for {self.load_stats.bytes_needed} B needed")
@@ -107,7 +126,10 @@ def layout_options_for(ptc: PTC, layout_options: Mapping[str, Any] | None = None
 
     Defaults: ``seq_len``, ``precision`` (from the dtype) and ``distributed_optimizer`` from the
     PTC's ``meta`` (``meta["model"]``, as ``model_ptc`` records it), ``gpus_per_host`` from the
-    argument, ``recompute="none"`` (pass the mode the job runs with), ``gpu_mem`` from this worker's device (:func:`device_memory`). The job's
+    argument, ``recompute="none"`` (pass the mode the job runs with), ``gpu_mem`` from this worker's device (:func:`device_memory`),
+    ``allow_idle=True`` and ``uneven_batch=True`` (every world size gets a layout: the fastest by the
+    throughput model among those using every rank, uneven batch splits and spares; pass False to
+    refuse them). The job's
     ``global_batch`` and ``micro_batch`` have no default: ConfigError names what is missing and
     how to pass it.
     """
@@ -123,6 +145,9 @@ def layout_options_for(ptc: PTC, layout_options: Mapping[str, Any] | None = None
     opts.setdefault("gpus_per_host", gpus_per_host)
     # the layout must fit as the job runs: without recomputation unless the caller's job recomputes
     opts.setdefault("recompute", "none")
+    # every world size gets a layout: spares and uneven DP splits, ranked by modelled throughput
+    opts.setdefault("allow_idle", True)
+    opts.setdefault("uneven_batch", True)
     if "gpu_mem" not in opts:
         opts["gpu_mem"] = device_memory()
     missing = [k for k in _REQUIRED if opts.get(k) is None]
@@ -220,8 +245,9 @@ class LiveState:
 
     ``cfg``: the layout the job ran; ``states``: consistent copies of this process's shard under
     ``cfg`` by step (the trainer keeps the last few steps: a failure in the middle of a step
-    leaves the working state mixed, never these); ``alive``: for each rank of the current
-    default group (the survivors' group, ``Membership.recover``), its rank under ``cfg``;
+    leaves the working state mixed, never these); ``alive``: for each of the first ranks of the
+    current default group (the survivors' group, ``Membership.recover``), its rank under ``cfg``;
+    the ranks after them held nothing (spares of ``cfg``: fresh joiners, ``live_order``);
     ``sources``: checkpoint URLs, cheapest first (this host's store, then persistent storage),
     that pieces no survivor holds are read from.
     """
@@ -251,12 +277,15 @@ def live_order(ptc: PTC, cfg: ParallelConfig, choose: Chooser,
                previous: Sequence[int]) -> Callable[[Sequence[int]], list[int]]:
     """A ``Membership(order=...)``: the survivors (member ids of the group ``previous``, ids by
     rank) ordered by ``locality_order`` for the layout ``choose`` picks for their number, so that
-    new rank i runs where most of its state already is."""
+    new rank i runs where most of its state already is; spares of ``cfg`` (ranks beyond its
+    size, holding nothing) come after every survivor that holds state, as fresh joiners."""
 
     def order(members: Sequence[int]) -> list[int]:
         ranks = old_ranks(previous, members)
         new = choose(ptc, len(ranks), cfg)
-        return [previous[r] for r in locality_order(ptc, cfg, new, ranks)]
+        holders = [r for r in ranks if r < cfg.world_size]
+        spares = [r for r in ranks if r >= cfg.world_size]
+        return [previous[r] for r in locality_order(ptc, cfg, new, holders) + spares]
 
     return order
 
@@ -278,12 +307,17 @@ def _stored_steps(sources: Sequence[str]) -> dict[int, str]:
 
 def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *, gpus_per_host: int) -> RescaleResult | None:
     """The live branch of ``rescale``: every survivor of the default group together; None when no
-    step is held by every survivor and stored where needed (the caller then loads)."""
+    step is held by every survivor and stored where needed (the caller then loads).
+
+    Group ranks ``< len(live.alive)`` hold state under ``live.cfg``; those after them (spares of
+    ``live.cfg``) join ``migrate`` as fresh joiners. Ranks beyond both the holders and the new
+    layout are spares that take no part in the move (a subgroup moves the state)."""
     t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = chooser(ptc, world, live.cfg)
-    cfg.check_world_size(world)
+    check_fits(cfg, world)
     ptc.check(cfg)
+    holders = len(live.alive)
     t1 = time.perf_counter()
     moves = plan(ptc, live.cfg, cfg, alive=list(live.alive), gpus_per_host=gpus_per_host)
     t2 = time.perf_counter()
@@ -291,8 +325,8 @@ def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *, gpus_per_host:
     needs = bool(((c["kind"] == STORAGE) & (c["new_rank"] == rank)).any())
     stored = _stored_steps(live.sources) if needs else {}
     views: list[Any] = [None] * world
-    dist.all_gather_object(views, (sorted(live.states), sorted(stored), needs))
-    step = live_step([v[0] for v in views], [v[1] for v in views], [v[2] for v in views])
+    dist.all_gather_object(views, (sorted(live.states) if rank < holders else None, sorted(stored), needs))
+    step = live_step([v[0] for v in views if v[0] is not None], [v[1] for v in views], [v[2] for v in views])
     t3 = time.perf_counter()
     timings = {"choose": t1 - t0, "plan": t2 - t1, "agree": t3 - t2}
     if step is None:
@@ -301,10 +335,19 @@ def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *, gpus_per_host:
         return None
     # migrate() wants a URL on every rank once any rank reads from storage; ranks that read nothing pass any
     url = stored.get(step) if needs else (live.sources[0] if live.sources else None)
-    res = migrate(ptc, live.cfg, cfg, live.states[step], alive=list(live.alive), storage=url, step=step, plan=moves,
-                  gpus_per_host=gpus_per_host)
+    movers = max(cfg.world_size, holders)  # group ranks beyond both hold nothing and receive nothing
+    # every rank calls new_group; the timeout is the trainer's default --pg-timeout (a new gloo group's is 30 min)
+    group = dist.new_group(list(range(movers)), timeout=datetime.timedelta(seconds=60)) if movers < world else None
+    if rank >= movers:
+        result = RescaleResult(cfg, rank, world, step, False, None, None, live.cfg, moves.stats, None, timings,
+                               {}, live=True)
+        log.info("%s", result.summary())
+        return result
+    res = migrate(ptc, live.cfg, cfg, live.states[step] if rank < holders else None, alive=list(live.alive),
+                  group=group, storage=url, step=step, plan=moves, gpus_per_host=gpus_per_host)
     timings.update({"migrate": res.seconds, **{f"migrate_{k}": v for k, v in res.timings.items()}})
-    result = RescaleResult(cfg, rank, world, step, False, dict(res.shard), None, live.cfg, moves.stats, None, timings,
+    result = RescaleResult(cfg, rank, world, step, False, dict(res.shard) if rank < cfg.world_size else None, None,
+                           live.cfg, moves.stats, None, timings,
                            {"local": res.bytes_local, "live": res.bytes_received, "storage": res.bytes_storage},
                            live=True, storage_url=url if needs else None)
     log.info("%s", result.summary())
@@ -397,6 +440,13 @@ def rescale(
                    gpus_per_host=gpus_per_host, topology=topology, timings=timings)
 
 
+def check_fits(cfg: ParallelConfig, world: int) -> None:
+    """ConfigError unless ``cfg`` fits in ``world`` ranks (ranks beyond its size are spares)."""
+    if cfg.world_size > world:
+        raise ConfigError(f"layout {cfg} needs dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {cfg.world_size} ranks but the "
+                          f"world size is {world}: choose a layout of at most {world} ranks")
+
+
 def _pinned(cfg: ParallelConfig) -> Chooser:
     return lambda ptc, world, previous: cfg
 
@@ -423,12 +473,16 @@ def _resume(tiers: list[Tier], scan: TierScan, where: str, ptc: PTC, rank: int, 
 
     t0 = time.perf_counter()
     cfg = chooser(ptc, world, previous)
-    cfg.check_world_size(world)
+    check_fits(cfg, world)
     ptc.check(cfg)
     timings["choose"] = time.perf_counter() - t0
     if not usable:
         log.info("no checkpoint under %s: fresh start under %s", where, cfg)
         return RescaleResult(cfg, rank, world, 0, True, timings=timings)
+    if rank >= cfg.world_size:  # a spare: nothing to load; the step the placed ranks resume (agree_on_step settles it)
+        log.info("rank %d is a spare under %s (%d ranks): resuming step %d without state", rank, cfg, world,
+                 usable[-1].step)
+        return RescaleResult(cfg, rank, world, usable[-1].step, False, None, None, previous, timings=timings)
 
     assert saved is not None and previous is not None
     # The repartition from the saved layout: what a live reconfiguration would move (plan_stats),

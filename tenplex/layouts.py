@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .config import MAX_WORLD_SIZE, ParallelConfig
+from .data.partition import replica_samples
 from .errors import ConfigError, LayoutError
 from .memory import GiB, PRECISIONS, RECOMPUTE, MemoryEstimate, estimate_memory, parse_size, recompute_flops, resolve_model
 from .models import ModelSpec, model_ptc
@@ -127,7 +128,8 @@ def _check_common(gpus: int, global_batch: int, micro_batch: int, gpus_per_host:
 def batch_split(global_batch: int, micro_batch: int, dp: int) -> tuple[int, ...]:
     """Micro-batches of each DP replica when ``global_batch`` samples (a multiple of
     ``micro_batch``) are split over ``dp`` replicas as evenly as whole micro-batches allow:
-    counts differ by at most one, the first replicas take the extra ones. Pure."""
+    counts differ by at most one, the first replicas take the extra ones: the split the trainer's
+    data follows (``tenplex.data.partition.replica_samples``). Pure."""
     if global_batch % micro_batch:
         raise LayoutError(f"global batch {global_batch} is not a multiple of micro_batch {micro_batch} "
                           f"({global_batch} % {micro_batch} = {global_batch % micro_batch})")
@@ -135,8 +137,7 @@ def batch_split(global_batch: int, micro_batch: int, dp: int) -> tuple[int, ...]
     if not 1 <= dp <= total:
         raise LayoutError(f"dp={dp} replicas cannot each take a micro-batch of the {total} in a global batch of "
                           f"{global_batch} (micro_batch {micro_batch})")
-    q, r = divmod(total, dp)
-    return tuple(q + (i < r) for i in range(dp))
+    return tuple(n // micro_batch for n in replica_samples(global_batch, dp, micro_batch))  # the data's split
 
 
 def _structural_reason(spec: ModelSpec, cfg: ParallelConfig, *, global_batch: int, micro_batch: int,

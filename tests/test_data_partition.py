@@ -18,6 +18,7 @@ from tenplex.data import (
     rank_batch_ids,
     rank_positions,
     remaining_ids,
+    replica_samples,
     sample_order,
     stream_end,
 )
@@ -173,3 +174,47 @@ def test_partition_arguments_are_type_checked() -> None:
         rank_positions(0, 8, 4, 0, 0)
     with pytest.raises(DataStateError, match="num_epochs must be an integer"):
         stream_end(10, 4, 0, num_epochs=1.5)  # type: ignore[arg-type]
+
+
+# -- uneven splits: whole micro-batches over DP replicas (issue #20) ----------------------------
+@settings(max_examples=examples(150))
+@given(st.integers(1, 24), st.integers(1, 4), st.integers(1, 24), st.integers(0, 200), st.booleans())
+def test_uneven_split_sees_every_sample_of_a_step_once(micro_batches: int, mb: int, dp: int, consumed: int,
+                                                       shuffle: bool) -> None:
+    """replica_samples with a micro-batch size: contiguous slices in replica order that rebuild the
+    global batch (every sample exactly once, the same order as an even split), counts differing by at
+    most one micro-batch, equal to the plain split whenever dp x micro-batch divides the batch, and
+    the micro-batch counts ``tenplex.layouts.batch_split`` plans with."""
+    from tenplex.layouts import batch_split
+
+    g = micro_batches * mb
+    state = DataState(num_samples=97, global_batch=g, seed=3, shuffle=shuffle, consumed=consumed)
+    if dp > micro_batches:
+        with pytest.raises(DataStateError, match="cannot each take a micro-batch"):
+            replica_samples(g, dp, mb)
+        return
+    split = replica_samples(g, dp, mb)
+    assert sum(split) == g and all(n % mb == 0 and n > 0 for n in split)
+    assert max(split) - min(split) <= mb and list(split) == sorted(split, reverse=True)
+    assert tuple(n // mb for n in split) == batch_split(g, mb, dp)
+    if g % (dp * mb) == 0:
+        assert split == replica_samples(g, dp)
+    parts = [rank_batch_ids(state, dp, r, mb) for r in range(dp)]
+    assert [len(p) for p in parts] == list(split)
+    assert np.array_equal(np.concatenate(parts), global_batch_ids(state))
+    # the views a mount shows: every whole batch split the same way, positions once each
+    end = consumed + 3 * g
+    pos = [rank_positions(consumed, end, g, dp, r, mb) for r in range(dp)]
+    assert np.array_equal(np.sort(np.concatenate(pos)), np.arange(consumed, end))
+    views = [remaining_ids(state, dp, r, end=end, micro_batch=mb) for r in range(dp)]
+    offs = np.concatenate([[0], np.cumsum(split)])
+    rebuilt = [views[r][b * split[r]:(b + 1) * split[r]] for b in range(3) for r in range(dp)]
+    assert np.array_equal(np.concatenate(rebuilt), ids_at(np.arange(consumed, end), 97, 3, shuffle))
+    assert offs[-1] == g
+
+
+def test_uneven_split_refuses_a_partial_micro_batch() -> None:
+    with pytest.raises(DataStateError, match="not a multiple of micro_batch 2"):
+        replica_samples(9, 3, 2)
+    with pytest.raises(DataStateError, match="not divisible by dp=3"):
+        replica_samples(8, 3)

@@ -201,9 +201,12 @@ def test_rescale_errors(tmp_path: Path) -> None:
     other = trainer_ptc("llama-small", distributed_optimizer=False)
     with pytest.raises(tenplex.CheckpointMismatchError, match="another model"):
         tenplex.rescale(str(tmp_path), other, rank=0, world_size=1, layout_options=_options())
-    # 5 GPUs: tp=5 does not divide 8 heads, pp=5 exceeds 4 layers, dp=5 does not divide a batch of 8
+    # 5 GPUs using all of them: tp=5 does not divide 8 heads, pp=5 exceeds 4 layers, dp=5 is more replicas
+    # than the batch's 4 micro-batches; by default a layout of fewer ranks leaves spares (tests/test_spares.py)
     with pytest.raises(tenplex.LayoutError):
-        tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=5, layout_options=_options())
+        tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=5,
+                        layout_options={**_options(), "allow_idle": False, "uneven_batch": False})
+    assert tenplex.rescale(str(tmp_path), ptc, rank=4, world_size=5, layout_options=_options()).idle
     with pytest.raises(tenplex.ConfigError, match="world size is 2"):
         tenplex.rescale(str(tmp_path), ptc, rank=0, world_size=2, parallel=ParallelConfig(tp=4))
 

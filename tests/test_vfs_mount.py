@@ -272,3 +272,36 @@ def test_background_mount_remount_cli_and_sigterm(dataset, tmp_path, runtime, ca
     finally:
         if os.path.ismount(m):
             subprocess.run(["fusermount3", "-u", "-z", m], capture_output=True, timeout=10)
+
+
+def test_trainer_batches_of_an_uneven_split_through_the_mount(tmp_path, runtime) -> None:  # type: ignore[no-untyped-def]
+    """The trainer's MountBatches re-shards a mount to dp=3 with micro-batches of 2 (a global batch
+    of 8 split 4, 2, 2) and reads the same tokens as the index reader, step after step; back at an
+    even dp the mount shows equal slices again (no micro_batch in job.json)."""
+    import torch
+
+    from tenplex.data.corpus import stdlib_corpus
+    from tenplex.train.batches import IndexBatches, MountBatches, corpus_index
+
+    corpus = stdlib_corpus(64)
+    index_path, _ = corpus_index(corpus)
+    m = str(tmp_path / "mnt")
+    with mounted(index_path, m, "--dp", "2", "--global-batch", "8", "--seed", "7", log=str(tmp_path / "mount.log")):
+        state = DataState(corpus.num_samples, 8, seed=7, source=corpus.fingerprint(), consumed=16)
+        MountBatches.prepare(m, state, 3, 2)
+        job = json.loads(_read(f"{m}/job.json"))
+        assert (job["dp"], job["progress"], job["micro_batch"]) == (3, 16, 2)
+        mounts, reader = [MountBatches(m, corpus) for _ in range(3)], IndexBatches(corpus)  # one per rank
+        for step in range(2):
+            sizes = []
+            for r in range(3):
+                got = mounts[r].batch(state, 3, r, 2)
+                assert torch.equal(got, reader.batch(state, 3, r, 2)), (step, r)
+                sizes.append(got.shape[0])
+            assert sizes == [4, 2, 2]
+            state = state.advance()
+        del mounts  # closes their samples.bin: a lazy unmount waits for open files
+        MountBatches.prepare(m, state, 2, 2)
+        job = json.loads(_read(f"{m}/job.json"))
+        assert job["dp"] == 2 and "micro_batch" not in job
+        assert torch.equal(MountBatches(m, corpus).batch(state, 2, 1, 2), reader.batch(state, 2, 1, 2))

@@ -236,3 +236,29 @@ def test_root_of_a_huge_dp_is_listed_lazily(tmp_path) -> None:  # type: ignore[n
 
     names = [e[0] for e in FuseOps._entries(root.entries, n + 1)]  # readdir from an offset: the tail only
     assert names == ["rank-999998", "rank-999999", "gen-000001", "gen-000002"]
+
+
+@settings(max_examples=examples(30))
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(1, 3), st.integers(0, 100))
+def test_uneven_split_over_ranks(data, dp: int, micro_batches: int, mb: int, progress: int) -> None:  # type: ignore[no-untyped-def]
+    """A layout with a micro-batch size whose DP does not divide the batch: each rank's files hold
+    its share of whole micro-batches of every step (replica_samples), every sample once."""
+    index, samples = data
+    g = mb * micro_batches
+    layout = Layout(dp=dp, progress=progress, global_batch=g, seed=1, micro_batch=mb)
+    if dp > micro_batches:
+        with pytest.raises(VfsError, match="cannot each take a micro-batch"):
+            DatasetTree(index, layout)
+        return
+    tree = DatasetTree(index, layout)
+    assert json.loads(_read_all(tree, f"/{gen_name(1)}/job.json"))["micro_batch"] == mb
+    state = DataState(num_samples=index.num_samples, global_batch=g, seed=1, consumed=progress)
+    end = tree.current.end
+    for r in range(dp):
+        got = np.array(_read_all(tree, f"/gen-000001/rank-{r:03d}/ids.txt").split(), dtype=np.int64)
+        assert np.array_equal(got, remaining_ids(state, dp, r, end=end, micro_batch=mb))
+        assert _read_all(tree, f"/gen-000001/rank-{r:03d}/samples.bin") == b"".join(samples[i] for i in got)
+    # back to equal slices by a re-shard with micro_batch=None (where dp divides the batch)
+    if g % dp == 0:
+        gen = tree.reshard(micro_batch=None)
+        assert gen.layout.micro_batch is None and "micro_batch" not in json.loads(gen.job_json)

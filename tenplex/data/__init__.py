@@ -20,6 +20,7 @@ from .partition import (
     rank_batch_ids,
     rank_positions,
     remaining_ids,
+    replica_samples,
     sample_order,
     stream_end,
 )
@@ -27,7 +28,7 @@ from .view import LineFile, RankReader, RankView, rank_view
 
 __all__ = [
     "TokenCorpus", "stdlib_corpus", "DataState", "DataStateError", "sample_order", "global_batch_ids", "rank_batch_ids",
-    "stream_end", "rank_positions", "ids_at", "remaining_ids",
+    "replica_samples", "stream_end", "rank_positions", "ids_at", "remaining_ids",
     "DataIndex", "SourceFile", "SourceReader", "build_index", "load_index",
     "DataIndexError", "IndexNotFoundError", "SourceChangedError", "SourceReadError",
     "LineFile", "RankView", "RankReader", "rank_view",

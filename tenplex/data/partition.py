@@ -4,8 +4,11 @@ The global order is a sequence of epochs; epoch ``e`` is a permutation of all sa
 drawn by numpy's PCG64 generator seeded with ``(seed, e)`` (or index order with
 ``shuffle=False``). Progress is the number of samples consumed globally; the global batch of
 step ``k`` is positions ``[k*G, (k+1)*G)`` of the order, and DP rank ``i`` of ``dp`` takes the
-contiguous ``i``-th slice of it. Because the order depends on neither DP nor the step size,
-a job that changes its DP size continues the same order from the same progress.
+contiguous ``i``-th slice of it (:func:`replica_samples`: equal slices, or with a micro-batch size
+whole micro-batches as evenly as they go, counts differing by at most one micro-batch, so that
+a DP size that does not divide the batch still sees every sample of a step exactly once).
+Because the order depends on neither DP nor the step size, a job that changes its DP size
+continues the same order from the same progress.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 from ..errors import DataStateError
 
 __all__ = [
-    "DataState", "DataStateError", "sample_order", "global_batch_ids", "rank_batch_ids", "stream_end",
+    "DataState", "DataStateError", "sample_order", "global_batch_ids", "rank_batch_ids", "replica_samples", "stream_end",
     "rank_positions", "ids_at", "remaining_ids", "checked_int", "MAX_POSITION", "MAX_SAMPLES", "MAX_SEED",
 ]
 
@@ -107,11 +110,43 @@ def global_batch_ids(state: DataState) -> np.ndarray:
     return _positions(state, state.consumed, state.global_batch)
 
 
-def rank_batch_ids(state: DataState, dp: int, dp_rank: int) -> np.ndarray:
-    """DP rank ``dp_rank``'s contiguous slice of the next global batch."""
-    _check_dp(state.global_batch, dp)
-    per = state.global_batch // dp
-    return global_batch_ids(state)[dp_rank * per : (dp_rank + 1) * per]
+def replica_samples(global_batch: int, dp: int, micro_batch: int | None = None) -> tuple[int, ...]:
+    """Samples each of ``dp`` replicas takes of a global batch (contiguous slices, replica order). Pure.
+
+    Without ``micro_batch``: equal slices (``dp`` must divide the batch). With it: whole
+    micro-batches as evenly as they go, the first replicas taking one more when ``dp`` does not
+    divide their number (``tenplex.layouts.batch_split``); the same equal slices whenever
+    ``dp * micro_batch`` divides the batch, so an even layout reads what it always read.
+    """
+    dp = checked_int("dp", dp, 1, MAX_POSITION)
+    return tuple(_slice_of(global_batch, dp, r, micro_batch)[1] for r in range(dp))
+
+
+def _slice_of(global_batch: int, dp: int, dp_rank: int, micro_batch: int | None) -> tuple[int, int]:
+    """(first position within a global batch, count) of DP rank ``dp_rank``'s slice (``replica_samples``), in O(1)."""
+    if micro_batch is None:
+        _check_dp(global_batch, dp, dp_rank)
+        per = global_batch // dp
+        return dp_rank * per, per
+    micro_batch = checked_int("micro_batch", micro_batch, 1, MAX_POSITION)
+    dp = checked_int("dp", dp, 1, MAX_POSITION)
+    total, rest = divmod(global_batch, micro_batch)
+    if rest:
+        raise DataStateError(f"global batch {global_batch} is not a multiple of micro_batch {micro_batch} "
+                             f"({global_batch} % {micro_batch} = {rest})")
+    if dp > total:
+        raise DataStateError(f"dp={dp} replicas cannot each take a micro-batch of the {total} in a global batch of "
+                             f"{global_batch} (micro_batch {micro_batch}): use dp <= {total}")
+    if not 0 <= checked_int("dp_rank", dp_rank, -MAX_POSITION, MAX_POSITION) < dp:
+        raise DataStateError(f"dp_rank must be in [0, {dp}), got {dp_rank}")
+    q, r = divmod(total, dp)
+    return (dp_rank * q + min(dp_rank, r)) * micro_batch, (q + (dp_rank < r)) * micro_batch
+
+
+def rank_batch_ids(state: DataState, dp: int, dp_rank: int, micro_batch: int | None = None) -> np.ndarray:
+    """DP rank ``dp_rank``'s contiguous slice of the next global batch (``replica_samples``)."""
+    lo, count = _slice_of(state.global_batch, dp, dp_rank, micro_batch)
+    return global_batch_ids(state)[lo : lo + count]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,14 +185,15 @@ def stream_end(num_samples: int, global_batch: int, consumed: int, num_epochs: i
     return consumed + -(-(epoch_end - consumed) // global_batch) * global_batch
 
 
-def rank_positions(consumed: int, end: int, global_batch: int, dp: int, dp_rank: int) -> np.ndarray:
-    """Global positions in ``[consumed, end)`` that DP rank ``dp_rank`` takes, in consumption order."""
-    _check_dp(global_batch, dp, dp_rank)
+def rank_positions(consumed: int, end: int, global_batch: int, dp: int, dp_rank: int,
+                   micro_batch: int | None = None) -> np.ndarray:
+    """Global positions in ``[consumed, end)`` that DP rank ``dp_rank`` takes, in consumption order
+    (each whole global batch split by ``replica_samples``)."""
+    first, per = _slice_of(global_batch, dp, dp_rank, micro_batch)
     if end < consumed:
         raise DataStateError(f"end {end} is before the progress {consumed}")
-    per = global_batch // dp
     full, rem = divmod(end - consumed, global_batch)
-    starts = consumed + np.arange(full, dtype=np.int64) * global_batch + dp_rank * per
+    starts = consumed + np.arange(full, dtype=np.int64) * global_batch + first
     out = (starts[:, None] + np.arange(per, dtype=np.int64)[None, :]).ravel()
     if rem:
         q, r = divmod(rem, dp)
@@ -185,12 +221,13 @@ def ids_at(positions: np.ndarray, num_samples: int, seed: int, shuffle: bool = T
 
 
 def remaining_ids(state: DataState, dp: int, dp_rank: int, *, num_epochs: int | None = None,
-                  end: int | None = None) -> np.ndarray:
+                  end: int | None = None, micro_batch: int | None = None) -> np.ndarray:
     """Sample ids DP rank ``dp_rank`` of ``dp`` consumes from ``state.consumed`` on, in order.
 
-    The view ends at ``end`` (an absolute position) or at :func:`stream_end`'s bound.
+    The view ends at ``end`` (an absolute position) or at :func:`stream_end`'s bound; whole global
+    batches are split by ``replica_samples(state.global_batch, dp, micro_batch)``.
     """
     if end is None:
         end = stream_end(state.num_samples, state.global_batch, state.consumed, num_epochs)
-    pos = rank_positions(state.consumed, end, state.global_batch, dp, dp_rank)
+    pos = rank_positions(state.consumed, end, state.global_batch, dp, dp_rank, micro_batch)
     return ids_at(pos, state.num_samples, state.seed, state.shuffle)

@@ -182,22 +182,26 @@ class RankView:
 
 
 def rank_view(index: DataIndex, reader: SourceReader, state: DataState, dp: int, dp_rank: int, *,
-              num_epochs: int | None = None, end: int | None = None) -> RankView:
-    """The view of DP rank ``dp_rank``'s remaining samples (exactly a mount's ``rank-<i>/``)."""
+              num_epochs: int | None = None, end: int | None = None, micro_batch: int | None = None) -> RankView:
+    """The view of DP rank ``dp_rank``'s remaining samples (exactly a mount's ``rank-<i>/``);
+    ``micro_batch``: global batches split by whole micro-batches (``replica_samples``)."""
     if state.num_samples != index.num_samples:
         raise DataStateError(f"the data state has {state.num_samples} samples but the index {index.num_samples}: "
                          "use the index the job was started with")
-    return RankView(index, reader, remaining_ids(state, dp, dp_rank, num_epochs=num_epochs, end=end))
+    return RankView(index, reader, remaining_ids(state, dp, dp_rank, num_epochs=num_epochs, end=end,
+                                                 micro_batch=micro_batch))
 
 
 class RankReader:
     """A trainer rank's batches: ``next_batch()`` returns its slice of the next global batch as bytes.
 
     ``state`` is advanced by one global batch per call (every rank advances the same state).
+    ``micro_batch``: the slice is the rank's share of whole micro-batches (``replica_samples``:
+    uneven when ``dp`` does not divide them); None: equal slices.
     """
 
     def __init__(self, index: DataIndex, state: DataState, dp: int, dp_rank: int,
-                 reader: SourceReader | None = None) -> None:
+                 reader: SourceReader | None = None, micro_batch: int | None = None) -> None:
         if state.num_samples != index.num_samples:
             raise DataStateError(f"the data state has {state.num_samples} samples but the index {index.num_samples}: "
                              "use the index the job was started with")
@@ -205,10 +209,11 @@ class RankReader:
         self.state = state
         self.dp = dp
         self.dp_rank = dp_rank
+        self.micro_batch = micro_batch
         self.reader = reader or SourceReader(index.files)
 
     def batch_ids(self) -> np.ndarray:
-        return rank_batch_ids(self.state, self.dp, self.dp_rank)
+        return rank_batch_ids(self.state, self.dp, self.dp_rank, self.micro_batch)
 
     def next_batch(self) -> list[bytes]:
         """The bytes of each sample of this rank's part of the next global batch; advances the state."""

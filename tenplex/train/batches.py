@@ -4,7 +4,8 @@ Both read the corpus through a tenplex dataset index (token samples of ``seq_len
 tokens), so a sample id means the same bytes everywhere. ``MountBatches`` reads the rank's
 ``samples.bin`` of a ``tenplex mount`` and re-shards the mount in place after a rescale;
 ``IndexBatches`` uses ``RankReader`` (no FUSE needed). Either checks that the ids it serves
-are the ones the trainer's data state expects.
+are the ones the trainer's data state expects. A DP size that does not divide the global batch
+into equal whole micro-batches reads its share of whole micro-batches (``replica_samples``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import torch
 
 from ..data.corpus import TokenCorpus
 from ..data.index import DataIndex, build_index, load_index
-from ..data.partition import DataState, rank_batch_ids
+from ..data.partition import DataState, rank_batch_ids, replica_samples
 from ..data.view import RankReader
 from ..errors import ConfigError
 from ..vfs.control import mount_status, remount
 
-__all__ = ["corpus_index", "IndexBatches", "MountBatches"]
+__all__ = ["corpus_index", "uneven_micro_batch", "IndexBatches", "MountBatches"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,14 @@ def corpus_index(corpus: TokenCorpus) -> tuple[str, DataIndex]:
     return path, index
 
 
+def uneven_micro_batch(global_batch: int, dp: int, micro_batch: int | None) -> int | None:
+    """``micro_batch`` when it makes the DP split uneven, else None (equal slices: what a view
+    without a micro-batch size shows, so an even job's mount is never re-sharded for it)."""
+    if micro_batch is None or global_batch % (dp * micro_batch) == 0:
+        return None
+    return micro_batch
+
+
 def _tokens(raw: bytes, n: int, dtype: str) -> torch.Tensor:
     arr = np.frombuffer(raw, dtype=dtype).astype(np.int64)
     return torch.from_numpy(arr.reshape(n, -1))
@@ -62,8 +71,8 @@ class IndexBatches:
             raise ConfigError(f"index {self.path} has {self.index.num_samples} samples, corpus {corpus.num_samples}: "
                               "rebuild the index of this corpus (corpus_index)")
 
-    def batch(self, state: DataState, dp: int, dp_rank: int) -> torch.Tensor:
-        samples = RankReader(self.index, state, dp, dp_rank).next_batch()
+    def batch(self, state: DataState, dp: int, dp_rank: int, micro_batch: int | None = None) -> torch.Tensor:
+        samples = RankReader(self.index, state, dp, dp_rank, micro_batch=micro_batch).next_batch()
         return _tokens(b"".join(samples), len(samples), self.corpus.dtype)
 
 
@@ -82,46 +91,49 @@ class MountBatches:
         self.sample_bytes = (corpus.seq_len + 1) * np.dtype(corpus.dtype).itemsize
         self._file: Any = None
         self._job: dict[str, Any] = {}
-        self._key: tuple[int, int] | None = None
+        self._key: tuple[int, int, int | None] | None = None
 
     @staticmethod
-    def prepare(mountpoint: str, state: DataState, dp: int) -> dict[str, Any]:
+    def prepare(mountpoint: str, state: DataState, dp: int, micro_batch: int | None = None) -> dict[str, Any]:
         status = mount_status(mountpoint)
         layout = status.get("layout", status)
         if int(layout.get("num_samples", -1)) != state.num_samples:
             raise ConfigError(f"the dataset mount {mountpoint} shows an index of {layout.get('num_samples')} samples "
                               f"but the job's data has {state.num_samples}: mount the index of this corpus "
                               f"(tenplex.train.batches.corpus_index)")
-        want = {"dp": dp, "progress": state.consumed, "global_batch": state.global_batch, "seed": state.seed}
+        want = {"dp": dp, "progress": state.consumed, "global_batch": state.global_batch, "seed": state.seed,
+                "micro_batch": uneven_micro_batch(state.global_batch, dp, micro_batch)}
         if all(layout.get(k) == v for k, v in want.items()) and layout.get("shuffle", True) == state.shuffle:
             return status
         log.info("re-sharding the dataset mount %s: %s", mountpoint, want)
         return remount(mountpoint, shuffle=state.shuffle, **want)
 
-    def _open(self, dp: int, dp_rank: int) -> None:
+    def _open(self, dp: int, dp_rank: int, micro_batch: int | None) -> None:
         if self._file is not None:
             self._file.close()
         rank_dir = self.mnt / f"rank-{dp_rank:03d}"
         # resolve the generation once, so job.json and samples.bin come from the same view
         gen_dir = Path(os.path.realpath(rank_dir)).parent
         self._job = json.loads((gen_dir / "job.json").read_text())
-        if self._job["dp"] != dp:
-            raise ConfigError(f"the dataset mount {self.mnt} shows dp={self._job['dp']}, the job runs dp={dp}: "
+        if self._job["dp"] != dp or self._job.get("micro_batch") != micro_batch:
+            raise ConfigError(f"the dataset mount {self.mnt} shows dp={self._job['dp']} (micro_batch "
+                              f"{self._job.get('micro_batch')}), the job runs dp={dp} (micro_batch {micro_batch}): "
                               "it was not re-sharded (MountBatches.prepare)")
         self._file = open(gen_dir / rank_dir.name / "samples.bin", "rb")  # noqa: SIM115 - kept across steps
         self._ids = gen_dir / rank_dir.name / "ids.txt"
-        self._key = (dp, dp_rank)
+        self._key = (dp, dp_rank, micro_batch)
 
-    def batch(self, state: DataState, dp: int, dp_rank: int) -> torch.Tensor:
-        if self._key != (dp, dp_rank):
-            self._open(dp, dp_rank)
-            per = state.global_batch // dp
+    def batch(self, state: DataState, dp: int, dp_rank: int, micro_batch: int | None = None) -> torch.Tensor:
+        mb = uneven_micro_batch(state.global_batch, dp, micro_batch)
+        split = replica_samples(state.global_batch, dp, mb)
+        per = split[dp_rank]
+        if self._key != (dp, dp_rank, mb):
+            self._open(dp, dp_rank, mb)
             first = np.loadtxt(self._ids, dtype=np.int64, max_rows=per, ndmin=1)
-            expect = rank_batch_ids(state, dp, dp_rank)
+            expect = rank_batch_ids(state, dp, dp_rank, mb)
             if not np.array_equal(first[: len(expect)], expect):
                 raise ConfigError(f"the dataset mount {self.mnt} serves other samples than the job's data state "
                                   f"(first ids {first[:4].tolist()} vs {expect[:4].tolist()})")
-        per = state.global_batch // dp
         done = state.consumed - int(self._job["progress"])
         if done < 0 or done % state.global_batch:
             raise ConfigError(f"data position {state.consumed} is not a batch boundary after the mount's progress "

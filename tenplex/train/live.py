@@ -187,7 +187,12 @@ def recover_live(m: Membership, ring: StateRing, ptc: PTC, cfg: ParallelConfig, 
     if before_migrate is not None:  # testing: every survivor is past the regroup when this one dies
         dist.barrier()
         before_migrate()
-    live = LiveState(cfg, ring.states(), nm.alive, tuple(sources))
+    # the survivors that held state under cfg come first (live_order); spares of cfg after them hold nothing
+    holders = [a for a in nm.alive if a < cfg.world_size]
+    if list(nm.alive[: len(holders)]) != holders:
+        raise TenplexError(f"the new group's order {list(nm.alive)} puts a spare of {cfg} before a rank holding "
+                           "state (order the members with live_order)")
+    live = LiveState(cfg, ring.states(), holders, tuple(sources))
     res = rescale(url, ptc, choose=choose, gpus_per_host=gpus_per_host, tiers=tiers, live=live)
     t2 = time.perf_counter()
     b = res.bytes_by_tier

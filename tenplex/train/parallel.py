@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ParallelConfig
+from ..elastic import check_fits
 
 __all__ = ["Groups", "join_process_group", "init_distributed", "copy_to_tp", "reduce_from_tp", "all_reduce"]
 
@@ -20,13 +21,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Groups:
-    """This rank's groups. ``None`` means a group of one (no communication needed)."""
+    """This rank's groups. ``None`` means a group of one (no communication needed).
+
+    ``placed``: False for a spare, a rank beyond the layout's ``world_size`` (no TP or DP group).
+    """
 
     cfg: ParallelConfig
     rank: int
     tp: Any
     dp: Any
     device: torch.device
+    placed: bool = True
 
     @property
     def coords(self):  # noqa: ANN201 - Coords
@@ -66,13 +71,16 @@ def join_process_group(*, timeout_s: float = 60.0) -> torch.device:
 def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
     """Join the job's process group (``join_process_group``, unless joined) and build TP and DP groups.
 
+    The layout may use fewer ranks than the group: its groups are built over ranks
+    ``0 .. cfg.world_size - 1`` (every rank of the default group calls ``new_group`` for each, as
+    torch requires) and the ranks beyond it are spares (``Groups.placed`` False).
     Without torchrun (no WORLD_SIZE) and a one-rank layout, runs without torch.distributed.
     The TP and DP groups get the same ``timeout_s`` as the default group (torch's default for a
     new gloo group is 30 minutes: a rank blocked on a hung peer would wait that long).
     """
     # the current default group's size: after an in-process recovery it is the survivors', not torchrun's
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.check_world_size(world)
+    check_fits(cfg, world)
     device = join_process_group(timeout_s=timeout_s)
     if not dist.is_initialized():
         return Groups(cfg, 0, None, None, device)
@@ -91,6 +99,9 @@ def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
             g = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s)) if cfg.dp > 1 else None
             if rank in ranks:
                 dp_group = g
+    if rank >= cfg.world_size:
+        log.info("rank %d of %d: a spare under %s on %s", rank, world, cfg, device)
+        return Groups(cfg, rank, None, None, device, placed=False)
     log.info("rank %d of %d: %s coords %s on %s", rank, world, cfg, cfg.coords(rank), device)
     return Groups(cfg, rank, tp_group, dp_group, device)
 

@@ -51,7 +51,7 @@ from .memory_probe import measure_step_memory
 from .live import DIE_POINTS, MEMBERSHIP_STORE_ENV, RECOVERY_FAILED, DieAt, LiveRecovery, StateRing, membership_store, recover_live, \
     start_membership, warm_up
 from .parallel import init_distributed, join_process_group
-from .trainer import DATA_OBJECT, TrainConfig, Trainer, failure_message, trainer_ptc
+from .trainer import DATA_OBJECT, Spare, TrainConfig, Trainer, failure_message, trainer_ptc
 
 __all__ = ["main", "parse_args", "run", "check_writable"]
 
@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                          "...) whose tensors have the same shapes")
     ap.add_argument("--parallel", default=None,
                     help="pin the layout, e.g. dp=2,tp=2,pp=1; several separated by '/' pin one per world size "
-                         "(world sizes not listed are chosen by rescale)")
+                         "(world sizes not listed are chosen by rescale); WORLD:LAYOUT pins a layout of at most "
+                         "WORLD ranks for that world size, e.g. 5:dp=3,tp=1,pp=1 (ranks 3 and 4 wait as spares)")
     ap.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state across DP")
     ap.add_argument("--gpus-per-host", type=int, default=8)
     ap.add_argument("--log", default=None, help="rank 0 appends one JSON object per step here")
@@ -350,7 +351,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
     """The training loop of a rank whose start-up every rank agreed on."""
     ptc, store = start.ptc, start.store
     groups = init_distributed(state.cfg, timeout_s=tc.pg_timeout)
-    trainer = Trainer(tc, ptc, groups, state, start.corpus)
+    trainer: Any = Trainer(tc, ptc, groups, state, start.corpus) if groups.placed else Spare(tc, groups, state)
     tiers = ("local", "peer", "storage")
     read = torch.tensor([state.load_stats.bytes_read if state.load_stats else 0,
                          state.load_stats.bytes_needed if state.load_stats else 0,
@@ -366,6 +367,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
                         s["reason"])
         _emit(tc.log, {"event": "start", "step": trainer.step, "world_size": world, "layout": str(state.cfg),
                        "previous": str(state.previous) if state.previous else None, "restart": restart,
+                       "idle_ranks": list(state.idle_ranks),
                        "resume_step": tc.resume_step, "skipped": skipped,
                        "timings": state.timings, "startup_s": time.perf_counter() - t_start,
                        "process_start": PROCESS_START, "wall": time.time(),
@@ -409,7 +411,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
                 if membership is not None:
                     membership.check()  # a death the heartbeats found between collectives
                 with guard():
-                    if tc.measure_memory and trainer.step == first_step + 1:
+                    if tc.measure_memory and trainer.step == first_step + 1 and groups.placed:
                         loss, samples = measure_step_memory(trainer, tc.measure_memory, fault=pending_fault)
                     else:
                         loss, samples = trainer.train_step(fault=pending_fault)
@@ -420,12 +422,14 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
                 if rank == 0:
                     _emit(tc.log, {"step": trainer.step, "loss": loss, "world_size": world, "dp": state.cfg.dp,
                                    "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
+                                   "split": list(trainer.split), "idle": world - state.cfg.world_size,
                                    "time_s": time.perf_counter() - t0, "restart": restart, "wall": time.time(),
                                    **({"after_recovery": recovered} if recovered is not None else {})})
                 recovered = None
                 done = trainer.step >= tc.steps
                 step = trainer.step
-                if fault is None and store is not None and tc.snapshot_every and step % tc.snapshot_every == 0:
+                if fault is None and groups.placed and store is not None and tc.snapshot_every and \
+                        step % tc.snapshot_every == 0:
                     try:
                         store.snapshot(ptc, state.cfg, groups.rank, trainer.shard(), step=step,
                                        replicate=bool(store.url), save_id=save_id)
@@ -433,7 +437,8 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
                         log.debug("snapshot failed", exc_info=True)
                         fault = f"{where}could not write the snapshot of step {step} to the host store " \
                                 f"{store.root}: {_describe(e)}"
-                if fault is None and tc.ckpt and ((tc.ckpt_every and step % tc.ckpt_every == 0) or done):
+                if fault is None and groups.placed and tc.ckpt and ((tc.ckpt_every and step % tc.ckpt_every == 0)
+                                                                    or done):
                     # persistent checkpoints run in the background: training waits only for the copy
                     shard = trainer.shard()
                     fault = writer.wait()  # one write at a time
@@ -467,7 +472,8 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
                                url=tc.ckpt, tiers=start.tiers, gpus_per_host=tc.gpus_per_host,
                                before_migrate=(lambda: die("migrate", at)) if die else None)
             groups = init_distributed(rec.result.cfg, timeout_s=tc.pg_timeout)
-            trainer = Trainer(tc, ptc, groups, rec.result, start.corpus)
+            trainer = Trainer(tc, ptc, groups, rec.result, start.corpus) if groups.placed else \
+                Spare(tc, groups, rec.result)
         except Exception as e2:  # noqa: BLE001 - any failure here: the launcher's restart takes over
             log.error("rank %d: in-process recovery failed", rank, exc_info=e2)
             print(f"{PROG}: error: rank {rank}: in-process recovery failed ({_one_line(_describe(e2))}); "
@@ -493,7 +499,9 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
     return 0
 
 
-def _record(ring: StateRing, trainer: Trainer) -> None:
+def _record(ring: StateRing, trainer: Trainer | Spare) -> None:
+    if isinstance(trainer, Spare):  # holds nothing: a fresh joiner of the next in-process rescale
+        return
     ring.record(trainer.step, trainer.state_tensors(), {"optimizer.step": trainer.step,
                                                         DATA_OBJECT: trainer.data.to_json()})
 
@@ -510,11 +518,9 @@ def _chooser(tc: TrainConfig, ptc: PTC) -> Chooser:
     options = layout_options_for(ptc, dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch,
                                            recompute=tc.recompute), gpus_per_host=tc.gpus_per_host)
     chooser = default_chooser(options)
-    pinned = {c.world_size: c for c in reversed([ParallelConfig.parse(t) for t in (tc.parallel or "").split("/")
-                                                 if t.strip()])}  # the first layout of a size wins
 
     def choose(ptc: PTC, world: int, previous: ParallelConfig | None) -> ParallelConfig:
-        return pinned.get(world) or chooser(ptc, world, previous)
+        return _pinned_layout(tc.parallel, world, quiet=True) or chooser(ptc, world, previous)
 
     return choose
 
@@ -550,16 +556,25 @@ def _host_store(spec: str | None) -> Any:
     return HostStore(spec, "")
 
 
-def _pinned_layout(text: str | None, world: int) -> ParallelConfig | None:
+def _pinned_layout(text: str | None, world: int, *, quiet: bool = False) -> ParallelConfig | None:
     """The layout pinned for this world size: ``--parallel`` lists one or more layouts separated
-    by '/'; the one whose size matches is used, other world sizes are left to the chooser."""
+    by '/', each ``LAYOUT`` (for the world size it fills) or ``WORLD:LAYOUT`` (for world size
+    WORLD, the ranks beyond the layout's size waiting as spares); the first that matches is used,
+    other world sizes are left to the chooser."""
     if not text:
         return None
-    layouts = [ParallelConfig.parse(t) for t in text.split("/") if t.strip()]
-    matching = [c for c in layouts if c.world_size == world]
-    if not matching:
+    for item in (t.strip() for t in text.split("/")):
+        if not item:
+            continue
+        size, sep, layout = item.rpartition(":")
+        cfg = ParallelConfig.parse(layout)
+        if sep and not size.strip().isdigit():
+            raise ConfigError(f"--parallel {item!r}: WORLD:LAYOUT needs a world size before ':', e.g. 5:dp=3")
+        if (int(size) if sep else cfg.world_size) == world:
+            return cfg
+    if not quiet:
         log.warning("no pinned layout (%s) has world size %d: rescale chooses one", text, world)
-    return matching[0] if matching else None
+    return None
 
 
 def _emit(path: str | None, obj: dict[str, Any]) -> None:

@@ -2,7 +2,12 @@
 
 ``Trainer`` holds one rank's stage model, its AdamW state (sharded across DP with the
 distributed optimizer) and its slice of every batch; ``train_step`` runs one 1F1B step and
-``shard`` hands the state to a checkpoint. It starts from a ``RescaleResult`` (a resumed shard
+``shard`` hands the state to a checkpoint. A DP replica's slice is its share of whole
+micro-batches (``replica_samples``: uneven by at most one micro-batch when DP does not divide
+them); every micro-batch's loss is weighted by 1 / (micro-batches in the global batch), so the
+DP all-reduce (a sum) gives the full-batch gradient whatever the split. ``Spare`` is a rank the
+layout leaves out: it trains nothing and takes part in each step's loss all-reduce, so that it
+is alive and in the group at the next rescale. It starts from a ``RescaleResult`` (a resumed shard
 or a fresh start) and reads no files but its batches. The run driver (options, start-up
 checks, the training loop, checkpoint writes) is ``tenplex.train.run``.
 """
@@ -21,7 +26,7 @@ import torch.distributed as dist
 
 from ..bubbles import Span
 from ..data.corpus import TokenCorpus
-from ..data.partition import DataState, global_batch_ids
+from ..data.partition import DataState, global_batch_ids, replica_samples
 from ..elastic import RescaleResult
 from ..errors import CheckpointWriteError, ConfigError, LayoutError
 from ..memory import RECOMPUTE
@@ -32,7 +37,7 @@ from .model import StageModel, init_global_tensor
 from .parallel import Groups, all_reduce
 from .schedule import Op, one_f_one_b
 
-__all__ = ["TrainConfig", "Trainer", "trainer_ptc", "failure_message", "DATA_OBJECT"]
+__all__ = ["TrainConfig", "Trainer", "Spare", "trainer_ptc", "failure_message", "DATA_OBJECT"]
 
 DATA_OBJECT = "data"
 
@@ -148,18 +153,18 @@ class Trainer:
         self.model = StageModel(self.spec, self.cfg, groups.rank, self.params, groups.tp, tc.recompute).to(dev)
         c = self.cfg.coords(groups.rank)
         self.coords = c
-        per_dp = tc.global_batch // self.cfg.dp
-        if tc.global_batch % self.cfg.dp or per_dp % tc.micro_batch:
-            raise LayoutError(f"global batch {tc.global_batch} must split into dp={self.cfg.dp} slices of whole "
-                              f"micro-batches of {tc.micro_batch}: {tc.global_batch} % {self.cfg.dp} = "
-                              f"{tc.global_batch % self.cfg.dp}, {per_dp} % {tc.micro_batch} = "
-                              f"{per_dp % tc.micro_batch}")
-        self.num_mb = per_dp // tc.micro_batch
+        try:  # this replica's whole micro-batches: equal, or differing by one between replicas
+            self.split = replica_samples(tc.global_batch, self.cfg.dp, tc.micro_batch)
+        except ValueError as e:
+            raise LayoutError(f"global batch {tc.global_batch} cannot be split into whole micro-batches of "
+                              f"{tc.micro_batch} over dp={self.cfg.dp} replicas: {e}") from None
+        self.num_mb = self.split[c.dp] // tc.micro_batch
+        self.total_mb = tc.global_batch // tc.micro_batch
         self.schedule = one_f_one_b(self.cfg.pp, self.num_mb, c.pp)
         self.batches: Any
         if tc.data_mount:
             if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per host re-shards its mount
-                MountBatches.prepare(tc.data_mount, self.data, self.cfg.dp)
+                MountBatches.prepare(tc.data_mount, self.data, self.cfg.dp, tc.micro_batch)
             if dist.is_initialized():
                 dist.barrier()
             self.batches = MountBatches(tc.data_mount, corpus)
@@ -179,10 +184,12 @@ class Trainer:
         rank's failure in the same step and raises CheckpointWriteError there (the failing
         rank with the cause)."""
         tc, c = self.tc, self.coords
-        batch = self.batches.batch(self.data, self.cfg.dp, c.dp).to(self.g.device)
+        batch = self.batches.batch(self.data, self.cfg.dp, c.dp, tc.micro_batch).to(self.g.device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         b = tc.micro_batch
-        scale = 1.0 / (self.num_mb * self.cfg.dp)
+        # each micro-batch (the same samples and tokens in each) weighs 1 / the global batch's count, so the
+        # DP all-reduce (a sum) is the full-batch mean gradient for any split; num_mb * dp when even
+        scale = 1.0 / self.total_mb
         for p in self.params.values():
             p.grad = None
         stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -238,7 +245,8 @@ class Trainer:
             if self.spans is not None:
                 self.spans.append(Span(self.step, "snapshot-blocking", t_fin, time.perf_counter()))
         self._adamw()
-        # the global loss: last-stage, TP rank 0 ranks hold their DP slice's mean; and the ranks whose save failed
+        # the global loss: last-stage, TP rank 0 ranks hold their DP slice's weighted share; and the ranks whose
+        # save failed (spares take part with zeros)
         failure = fault() if fault is not None else None
         total = torch.tensor([float(loss_sum) * scale if (self.model.is_last and c.tp == 0) else 0.0,
                               0.0 if failure is None else 1.0],
@@ -333,6 +341,39 @@ class Trainer:
         out["optimizer.step"] = self.step
         out[DATA_OBJECT] = self.data.to_json()
         return out
+
+
+class Spare:
+    """A rank the layout leaves out (``RescaleResult.idle``): no model, state or data. Each
+    ``train_step`` takes part in the trainers' loss all-reduce over the default group, so a spare
+    follows the job step by step, learns of any rank's failed save with them, and is alive and
+    in the group when the next rescale gives it a place."""
+
+    def __init__(self, tc: TrainConfig, groups: Groups, state: RescaleResult) -> None:
+        self.tc, self.g = tc, groups
+        self.cfg = groups.cfg
+        self.step = state.step
+        self.data: DataState | None = None
+        self.die: Callable[[str, int], None] | None = None
+        if tc.data_mount and dist.is_initialized():
+            dist.barrier()  # the trainers' barrier after their host re-shards its mount
+
+    def train_step(self, *, fault: Callable[[], str | None] | None = None) -> tuple[float, np.ndarray]:
+        """The step's loss all-reduce with the trainers; returns the global loss and no samples."""
+        if self.die is not None:
+            self.die("forward", self.step + 1)  # testing (--die-at): a spare dies in a step too
+        failure = fault() if fault is not None else None
+        total = torch.tensor([0.0, 0.0 if failure is None else 1.0], dtype=torch.float64, device=self.g.device)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        if failed := int(total[1].item()):
+            raise CheckpointWriteError(f"{failure_message(failure, failed, self.g.rank)}; training stopped at step "
+                                       f"{self.step + 1} on every rank")
+        self.step += 1
+        return float(total[0].item()), np.zeros(0, dtype=np.int64)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
 
 
 def _adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: float, wd: float,

@@ -23,14 +23,15 @@ import threading
 from typing import Any
 
 from ..errors import TenplexError
-from .tree import DatasetTree, VfsError
+from .tree import UNCHANGED, DatasetTree, VfsError
 
 __all__ = ["socket_path", "ControlServer", "remount", "mount_status", "handle_request", "check_not_stale",
            "RESHARD_FIELDS", "MAX_REQUEST_BYTES"]
 
 log = logging.getLogger(__name__)
-#: Fields a re-shard request may carry (each optional; at least one). ``num_epochs`` may be null.
-RESHARD_FIELDS = ("dp", "progress", "global_batch", "seed", "shuffle", "num_epochs")
+#: Fields a re-shard request may carry (each optional; at least one). ``num_epochs`` and
+#: ``micro_batch`` may be null (through the current epoch; equal DP slices).
+RESHARD_FIELDS = ("dp", "progress", "global_batch", "seed", "shuffle", "num_epochs", "micro_batch")
 #: A request is one line of at most this many bytes.
 MAX_REQUEST_BYTES = 1 << 16
 
@@ -68,7 +69,7 @@ def handle_request(tree: DatasetTree, req: object) -> dict[str, Any]:
         kwargs = {k: req[k] for k in RESHARD_FIELDS if k in req}
         if not kwargs:
             return _refuse(f"a re-shard needs at least one of {', '.join(RESHARD_FIELDS)}")
-        nulls = [k for k, v in kwargs.items() if v is None and k != "num_epochs"]
+        nulls = [k for k, v in kwargs.items() if v is None and k not in ("num_epochs", "micro_batch")]
         if nulls:
             return _refuse(f"{', '.join(nulls)} must not be null: leave a field out to keep its value")
         try:
@@ -200,13 +201,17 @@ def _request(mountpoint: str, req: dict[str, Any], timeout: float = 30.0) -> dic
 
 
 def remount(mountpoint: str, *, dp: int | None = None, progress: int | None = None, global_batch: int | None = None,
-            seed: int | None = None, shuffle: bool | None = None, timeout: float = 30.0) -> dict[str, Any]:
-    """Re-shard a running mount in place; returns its new status (``generation`` included)."""
+            seed: int | None = None, shuffle: bool | None = None, micro_batch: int | None = UNCHANGED,
+            timeout: float = 30.0) -> dict[str, Any]:
+    """Re-shard a running mount in place; returns its new status (``generation`` included).
+    ``micro_batch``: split global batches by whole micro-batches (None: equal slices; left out: unchanged)."""
     req: dict[str, Any] = {"op": "reshard"}
     for k, v in (("dp", dp), ("progress", progress), ("global_batch", global_batch), ("seed", seed),
                  ("shuffle", shuffle)):
         if v is not None:
             req[k] = v
+    if micro_batch is not UNCHANGED:
+        req["micro_batch"] = micro_batch
     return _request(mountpoint, req, timeout)
 
 

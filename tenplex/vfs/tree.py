@@ -7,6 +7,10 @@ Layout (see docs/vfs.md)::
     /gen-NNNNNN/job.json
     /gen-NNNNNN/rank-iii/samples.bin | ids.txt | offsets.txt
 
+With ``micro_batch`` a layout splits every global batch into whole micro-batches as evenly as
+they go (``replica_samples``): a DP size that does not divide the batch still shows every
+sample of a step exactly once, ranks differing by at most one micro-batch.
+
 Every generation's files are immutable, so the kernel page cache is always valid for them;
 a re-shard creates a new generation and re-points the symlinks. A file handle opened before
 a re-shard keeps reading its generation (its generation is pinned while handles are open);
@@ -29,7 +33,7 @@ from typing import Any, overload
 import numpy as np
 
 from ..data.index import DataIndex, SourceReader
-from ..data.partition import MAX_POSITION, MAX_SEED, DataState, checked_int, stream_end
+from ..data.partition import MAX_POSITION, MAX_SEED, DataState, checked_int, rank_positions, stream_end
 from ..data.view import LineFile, RankView, rank_view
 from ..errors import VfsError
 
@@ -57,7 +61,8 @@ def rank_name(i: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """What a generation shows: DP size, progress and the order's parameters."""
+    """What a generation shows: DP size, progress and the order's parameters; ``micro_batch``
+    (None: equal slices) splits each global batch by whole micro-batches (``replica_samples``)."""
 
     dp: int
     progress: int
@@ -65,6 +70,7 @@ class Layout:
     seed: int = 0
     shuffle: bool = True
     num_epochs: int | None = None
+    micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         """Types and ranges that do not depend on the index (see :meth:`check` for the rest)."""
@@ -78,6 +84,10 @@ class Layout:
             if self.num_epochs is not None:
                 object.__setattr__(self, "num_epochs", checked_int("num_epochs", self.num_epochs, 0, MAX_POSITION,
                                                                    "epochs to show, or null for the current one"))
+            if self.micro_batch is not None:
+                object.__setattr__(self, "micro_batch", checked_int(
+                    "micro_batch", self.micro_batch, 1, MAX_POSITION,
+                    "samples per micro-batch (uneven DP splits), or null for equal slices"))
         except ValueError as e:
             raise VfsError(str(e)) from None
         if not isinstance(self.shuffle, bool):
@@ -102,7 +112,12 @@ class Layout:
         if self.global_batch > n:
             raise VfsError(f"global batch {self.global_batch} is larger than the index's {n} samples (one step would "
                            f"repeat samples): use --global-batch <= {n}")
-        if self.global_batch % self.dp:
+        if self.micro_batch is not None:
+            try:  # the split's checks in O(1) (an empty range of rank 0's positions)
+                rank_positions(self.progress, self.progress, self.global_batch, self.dp, 0, self.micro_batch)
+            except ValueError as e:
+                raise VfsError(str(e)) from None
+        elif self.global_batch % self.dp:
             raise VfsError(
                 f"global batch {self.global_batch} is not divisible by dp={self.dp} ({self.global_batch} % {self.dp} "
                 f"= {self.global_batch % self.dp}): choose a dp that divides it or change --global-batch")
@@ -205,6 +220,7 @@ class Generation:
         job = {"generation": number, "dp": layout.dp, "progress": layout.progress,
                "global_batch": layout.global_batch, "seed": layout.seed if layout.shuffle else None,
                "shuffle": layout.shuffle, "num_samples": index.num_samples, "num_epochs": layout.num_epochs,
+               **({"micro_batch": layout.micro_batch} if layout.micro_batch is not None else {}),
                "end": self.end, "remaining": self.end - layout.progress,
                "index_checksum": index.checksum, "path": gen_name(number), **(extra or {})}
         self.job_json = (json.dumps(job, indent=1) + "\n").encode()
@@ -216,7 +232,7 @@ class Generation:
                 v = self._views.get(rank)
                 if v is None:
                     v = rank_view(self.index, self.reader, self.layout.state(self.index.num_samples),
-                                  self.layout.dp, rank, end=self.end)
+                                  self.layout.dp, rank, end=self.end, micro_batch=self.layout.micro_batch)
                     self._views[rank] = v
         return v
 
@@ -260,11 +276,12 @@ class DatasetTree:
         return gen
 
     def reshard(self, dp: int | None = None, progress: int | None = None, *, global_batch: int | None = None,
-                seed: int | None = None, shuffle: bool | None = None, num_epochs: int | None = UNCHANGED) -> Generation:
+                seed: int | None = None, shuffle: bool | None = None, num_epochs: int | None = UNCHANGED,
+                micro_batch: int | None = UNCHANGED) -> Generation:
         """Make a new generation (new DP size / progress) current; returns it.
 
         Unspecified fields keep their current values (``num_epochs=UNCHANGED`` keeps it; None
-        shows through the current epoch). The whole new layout is validated first: a bad
+        shows through the current epoch; ``micro_batch=None``: equal slices again). The whole new layout is validated first: a bad
         request raises :class:`VfsError` and leaves the current generation as it was.
         """
         with self._lock:
@@ -274,7 +291,8 @@ class DatasetTree:
                              global_batch=cur.global_batch if global_batch is None else global_batch,
                              seed=cur.seed if seed is None else seed,
                              shuffle=cur.shuffle if shuffle is None else shuffle,
-                             num_epochs=cur.num_epochs if num_epochs is UNCHANGED else num_epochs)
+                             num_epochs=cur.num_epochs if num_epochs is UNCHANGED else num_epochs,
+                             micro_batch=cur.micro_batch if micro_batch is UNCHANGED else micro_batch)
             gen = self._new_generation(self._current.number + 1, layout)
             self._current = gen
             self._prune()
