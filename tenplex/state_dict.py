@@ -321,7 +321,8 @@ class _InPlace:
                 return loc.view(-1)
             if spec.panels is not None:
                 self.direct.add(name)
-                return Scatter(self.layout.panel_views(spec, self.rank, loc), spec.dtype)
+                raw = loc.reshape(-1).view(torch.uint8).numpy()
+                return Scatter(self.layout.panel_byte_views(spec, self.rank, loc.shape, raw), spec.dtype)
         return torch.empty(loc.numel(), dtype=spec.dtype)
 
     def copies(self, name: str) -> bool:

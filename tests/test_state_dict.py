@@ -777,7 +777,8 @@ def test_spec_for_panels_rule_and_in_place_round_trip(tmp_path: Path) -> None:
 def test_scatter_puts_any_flat_range_in_panel_order(rows: int, width: int, count: int, shard: int,
                                                     cuts: list[int]) -> None:
     """``Scatter.put`` of the flat (panel order) buffer in pieces of any sizes, across part, panel and
-    row boundaries, lays out exactly what ``from_local_flat`` does (columns split by ``tp=3``: parts
+    row boundaries, lays out exactly what ``from_local_flat`` does, through torch views and through
+    numpy byte views (``panel_byte_views``; columns split by ``tp=3``: parts
     of partial and whole panels)."""
     shape = (rows, 3 * count * width)
     layout = StateLayout.of(3, {"w": Placed(MeshLayout.parse("tp=3"), (Shard(1),), (0, 1, 2))})
@@ -785,16 +786,19 @@ def test_scatter_puts_any_flat_range_in_panel_order(rows: int, width: int, count
     g = global_tensor(shape, torch.float32, rows)
     local = local_of(g, layout.placed["w"], shard)
     flat = layout.to_local_flat(spec, shard, local)
-    out = torch.full_like(local, float("nan"))
-    scatter = Scatter(layout.panel_views(spec, shard, out), torch.float32)
-    pos = 0
-    for n in cuts * (1 + flat.numel() // max(1, sum(cuts))):
-        if pos >= flat.numel():
-            break
-        scatter.put(pos, flat[pos : pos + n])
-        pos += len(flat[pos : pos + n])
-    scatter.put(pos, flat[pos:])
-    assert same(out, local)
+    for views in ("torch", "numpy bytes"):  # panel_views, and panel_byte_views (what loads in place use)
+        out = torch.full_like(local, float("nan"))
+        parts = (layout.panel_views(spec, shard, out) if views == "torch" else
+                 layout.panel_byte_views(spec, shard, out.shape, out.view(-1).view(torch.uint8).numpy()))
+        scatter = Scatter(parts, torch.float32)
+        pos = 0
+        for n in cuts * (1 + flat.numel() // max(1, sum(cuts))):
+            if pos >= flat.numel():
+                break
+            scatter.put(pos, flat[pos : pos + n])
+            pos += len(flat[pos : pos + n])
+        scatter.put(pos, flat[pos:])
+        assert same(out, local), views
 
 
 def test_panel_loads_in_place_read_exactly_their_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
