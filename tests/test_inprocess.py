@@ -9,6 +9,10 @@ restart path), promptly, not after a hang. Every loss must equal the uninterrupt
 single-process run's within 1e-6 relative and every sample must be seen exactly once.
 TENPLEX_INPROC_EXTRA=1 adds a world without the distributed optimizer whose second failure
 finds no step both held and checkpointed: the state is reloaded in-process from the checkpoint.
+
+Scale up: two processes started with --join are admitted by a world of 2 at a step boundary and
+receive their state live (4 workers under a new layout, same losses); TENPLEX_INPROC_EXTRA=1 adds
+a joiner that arrives while a worker dies: the one recovery round takes it in.
 """
 
 from __future__ import annotations
@@ -229,6 +233,32 @@ def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_lo
     assert got[first + 1]["after_recovery"]["reason"] == "join"
     _check(reference, got, JOIN_STEPS)
     print(f"join test: {wall:.1f}s, joined after step {first}, {joins[0]['bytes_live']} B live")
+
+    if os.environ.get("TENPLEX_INPROC_EXTRA") == "1":
+        # a join and a failure at once: a joiner is waiting when worker 1 dies in step 2's forward
+        # pass; the survivor's recovery round takes the joiner in, and it receives the whole
+        # replica (dp=2: the dead rank's state is held by the survivor) live
+        c = tmp_path / "c"
+        c.mkdir()
+        master = free_port()
+        joiners = _joiners(c, 1, [*args, "--parallel", "dp=2,tp=1,pp=1", "--die-at", "1:2:forward"], store.port,
+                           master)  # --die-at on every process: with it the recovery has a barrier
+        try:
+            while "waiting for job" not in (c / "joiner0.log").read_text():
+                assert joiners[0].poll() is None, _tails(c)
+                time.sleep(0.1)
+            log = c / "log.jsonl"
+            procs = _world(c, 2, ["--steps", str(JOIN_STEPS), "--parallel", "dp=2,tp=1,pp=1", "--log", str(log),
+                                  "--die-at", "1:2:forward"], store.port, master_port=master)
+            codes = _wait([*procs, *joiners], 90)
+        finally:
+            _wait(joiners, 0)
+        assert codes == [0, -9, 0], (codes, _tails(c))
+        got, events = _read(log)
+        rec = _recoveries(events)
+        assert [(e["reason"], e["joiners"], e["world_size"], e["bytes_storage"]) for e in rec] == \
+            [("failure", [2], 2, 0)], rec
+        _check(reference, got, JOIN_STEPS)
 
 
 def test_state_ring_and_live_step() -> None:

@@ -479,7 +479,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                     Spare(tc, groups, rec.result)
             except Exception as e2:  # noqa: BLE001 - any failure here: the launcher's restart takes over
                 code = JOIN_FAILED if membership.joining else RECOVERY_FAILED
-                who = f"joiner {membership.id}" if membership.joining else f"rank {rank}"
+                who = f"joiner {membership.id}" if membership.joining or rank < 0 else f"rank {rank}"
                 log.error("%s: in-process %s failed", who, "admission" if membership.joining else "recovery",
                           exc_info=e2)
                 print(f"{PROG}: error: {who}: in-process {'admission' if membership.joining else 'recovery'} "
