@@ -436,7 +436,9 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
         """SIGTERM (torchrun's agent restarting the workers, e.g. for a joining node): put the
         consistent states held in memory that the host store lacks there, then exit at once."""
         held_states = ring.states() if ring is not None and state is not None and store is not None else {}
-        for step, held in sorted(held_states.items(), reverse=True):
+        # the two newest (ranks are at most one step apart, so every rank writes the step they all
+        # hold), oldest first: the host store keeps the attempts that arrived last
+        for step, held in sorted(held_states.items())[-2:]:
             assert store is not None and state is not None
             if step in snapped or step in snapping:
                 continue
