@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -102,6 +103,25 @@ def _check(reference: dict[int, dict], got: dict[int, dict], upto: int, tol: flo
     assert len(seen) == len(set(seen)) == upto * 8, "a sample was repeated"
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], dict[int, dict]]]:
+    """The uninterrupted single-process run of COMMON (started at once, read when first asked
+    for): one for the module's tests (a step's loss does not depend on --steps)."""
+    d = tmp_path_factory.mktemp("ref")
+    with gloo_env():
+        proc = _start([*COMMON, "--log", str(d / "ref.jsonl")], d / "ref.log", {**os.environ, "WORLD_SIZE": "1"})
+    got: dict[int, dict] = {}
+
+    def read() -> dict[int, dict]:
+        if not got:
+            assert _wait([proc], 120) == [0], (d / "ref.log").read_text()[-3000:]
+            got.update(_read(d / "ref.jsonl")[0])
+        return got
+
+    yield read
+    _wait([proc], 0)
+
+
 def _recoveries(events: list[dict]) -> list[dict]:
     out = [e for e in events if e.get("event") == "recover"]
     for e in out:  # moved live; the bytes sent between survivors and read from storage are the plan's
@@ -116,11 +136,9 @@ PINNED = "dp=2,tp=2,pp=1/dp=1,tp=1,pp=3/dp=2,tp=1,pp=1/dp=1,tp=1,pp=1"
 
 
 @pytest.mark.timeout(180)
-def test_kills_at_every_point_continue_in_process_with_the_same_losses_and_data(tmp_path: Path) -> None:
+def test_kills_at_every_point_continue_in_process_with_the_same_losses_and_data(
+        tmp_path: Path, reference: Callable[[], dict[int, dict]]) -> None:
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    ref_log = tmp_path / "ref.jsonl"
-    with gloo_env():
-        ref = _start([*COMMON, "--log", str(ref_log)], tmp_path / "ref.log", {**os.environ, "WORLD_SIZE": "1"})
 
     # world B first, alongside the reference run: member 3 dies during its save of step 2 (the others
     # recover to 3 workers and go on); then member 2 dies in the forward pass of step 5 and member 1
@@ -132,14 +150,12 @@ def test_kills_at_every_point_continue_in_process_with_the_same_losses_and_data(
     t0 = time.monotonic()
     codes = _wait(procs, 90)
     b_s = time.monotonic() - t0
-    assert _wait([ref], 60) == [0], (tmp_path / "ref.log").read_text()[-3000:]
-    reference, _ = _read(ref_log)
     assert codes[1:] == [-9, -9, -9] and codes[0] == RECOVERY_FAILED, (codes, _tails(b))
     assert b_s < 60, f"the second failure took {b_s:.0f}s to end in the restart path"
     assert "in-process recovery failed" in (b / "worker0.log").read_text()
     got, events = _read(b / "log.jsonl")
     assert [e["world_size"] for e in _recoveries(events)] == [3]
-    _check(reference, got, 4)
+    _check(reference(), got, 4)
 
     # world A: kills in the forward pass (step 3), the backward pass (step 6), the optimizer step (9)
     a = tmp_path / "a"
@@ -152,7 +168,7 @@ def test_kills_at_every_point_continue_in_process_with_the_same_losses_and_data(
     got, events = _read(log)
     assert [e["world_size"] for e in _recoveries(events)] == [3, 2, 1]
     assert [got[s]["world_size"] for s in (8, 14)] == [2, 1]
-    _check(reference, got, STEPS)
+    _check(reference(), got, STEPS)
 
     if os.environ.get("TENPLEX_INPROC_EXTRA") == "1":
         # without the distributed optimizer, layouts by the chooser; the second kill finds no step that
@@ -169,7 +185,7 @@ def test_kills_at_every_point_continue_in_process_with_the_same_losses_and_data(
         rec = [e for e in events if e.get("event") == "recover"]
         assert [(e["world_size"], e["live"]) for e in rec] == [(3, True), (2, False)], rec
         assert rec[1]["step"] == 4
-        _check(reference, got, STEPS)
+        _check(reference(), got, STEPS)
 
 
 # scale up: 2 workers, then 4 (3 when the joiners come in one at a time)
@@ -193,7 +209,8 @@ def _joiners(tmp: Path, n: int, args: list[str], store_port: int, master_port: i
 
 
 @pytest.mark.timeout(120)
-def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_losses(tmp_path: Path) -> None:
+def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_losses(
+        tmp_path: Path, reference: Callable[[], dict[int, dict]]) -> None:
     """Two processes started with --join wait for the job; 2 workers start, notice them at a step
     boundary, agree on a round of 4, and the joiners receive every piece of their shards (and the
     step and data position) live from the workers: bytes sent == the plan's peer bytes, nothing
@@ -201,9 +218,6 @@ def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_lo
     within 1e-6 relative and every sample is seen once. (About 15-25 s on 2 loaded CPUs.)"""
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     args = [*COMMON[:2], *COMMON[4:], "--steps", str(JOIN_STEPS)]
-    ref_log = tmp_path / "ref.jsonl"
-    with gloo_env():
-        ref = _start([*args, "--log", str(ref_log)], tmp_path / "ref.log", {**os.environ, "WORLD_SIZE": "1"})
     master = free_port()
     joiners = _joiners(tmp_path, 2, [*args, "--parallel", JOIN_PINNED], store.port, master)
     try:
@@ -220,8 +234,6 @@ def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_lo
     finally:
         _wait(joiners, 0)
     assert codes == [0, 0, 0, 0], (codes, _tails(tmp_path))
-    assert _wait([ref], 60) == [0], (tmp_path / "ref.log").read_text()[-3000:]
-    reference, _ = _read(ref_log)
     got, events = _read(log)
     joins = _recoveries(events)
     assert joins and all(e["reason"] == "join" and e["bytes_storage"] == 0 == e["plan_bytes_storage"] and
@@ -232,7 +244,7 @@ def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_lo
     assert [got[s]["world_size"] for s in (1, JOIN_STEPS)] == [2, 4], got
     assert (got[JOIN_STEPS]["dp"], got[JOIN_STEPS]["tp"], got[JOIN_STEPS]["pp"]) == (1, 2, 2)
     assert got[first + 1]["after_recovery"]["reason"] == "join"
-    _check(reference, got, JOIN_STEPS)
+    _check(reference(), got, JOIN_STEPS)
     print(f"join test: {wall:.1f}s, joined after step {first}, {joins[0]['bytes_live']} B live")
 
     if os.environ.get("TENPLEX_INPROC_EXTRA") == "1":
@@ -259,7 +271,7 @@ def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_lo
         rec = _recoveries(events)
         assert [(e["reason"], e["joiners"], e["world_size"], e["bytes_storage"]) for e in rec] == \
             [("failure", [2], 2, 0)], rec
-        _check(reference, got, JOIN_STEPS)
+        _check(reference(), got, JOIN_STEPS)
 
 
 @pytest.mark.timeout(300)
