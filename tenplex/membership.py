@@ -145,7 +145,7 @@ class Decision:
 
 def propose(candidates: Sequence[int], joined: Iterable[int], dead: Iterable[int],
             order: Callable[[Sequence[int]], Sequence[int]] | None = None,
-            joiners: Iterable[int] = ()) -> tuple[int, ...] | None:
+            joiners: Iterable[int] = (), fits: Callable[[int], bool] | None = None) -> tuple[int, ...] | None:
     """The members to propose for a round, or None while a candidate is still neither joined nor dead.
 
     ``candidates``: the previous round's members by rank (they hold state); ``joined``: ids that
@@ -155,7 +155,9 @@ def propose(candidates: Sequence[int], joined: Iterable[int], dead: Iterable[int
     returning those ids) applied, the candidates kept before the joiners (a joiner holds nothing:
     group ranks of survivors come first, as ``tenplex.migrate.migrate`` wants). Ids of ``joined``
     that are not candidates (late or unknown) are ignored; joiners alone (no live candidate) form
-    no round: there would be no state. Pure.
+    no round: there would be no state. ``fits(n)``: whether a group of n can run (a layout fits);
+    the last joiners are left out until it does (they wait for a later round), the survivors never
+    are. Pure.
     """
     cand = list(candidates)
     j, d = set(joined), set(dead)
@@ -168,6 +170,8 @@ def propose(candidates: Sequence[int], joined: Iterable[int], dead: Iterable[int
     for x in joiners:
         if x not in d and x not in cand and x not in fresh:
             fresh.append(int(x))
+    while fresh and fits is not None and not fits(len(members) + len(fresh)):
+        fresh.pop()
     members += fresh
     if order is not None:
         ordered = [int(x) for x in order(members)]
@@ -303,7 +307,9 @@ class Membership:
     silence that means death; ``agree_timeout``: bound of one round's agreement and of the group
     start; ``max_rounds``: rounds one recovery may use; ``on_failure(reason)``: called from the
     heartbeat thread on the first failure it sees; ``order``: how a decision orders its members
-    (ids in, ids out; default by previous rank); ``pg_timeout``: the new groups' collective timeout.
+    (ids in, ids out; default by previous rank); ``pg_timeout``: the new groups' collective timeout;
+    ``fits(n)``: whether a group of n members can run (a layout fits): joiners are admitted only
+    as far as it allows (default: any number).
 
     ``joiner=True``: a fresh process asking to join the running job (scale up): it has no group and
     no state; it takes the next free id, starts its heartbeat and registers under
@@ -317,7 +323,8 @@ class Membership:
                  agree_timeout: float = 20.0, max_rounds: int = 4, start_timeout: float = 30.0,
                  on_failure: Callable[[str], None] | None = None,
                  order: Callable[[Sequence[int]], Sequence[int]] | None = None,
-                 pg_timeout: datetime.timedelta = datetime.timedelta(seconds=30), joiner: bool = False) -> None:
+                 pg_timeout: datetime.timedelta = datetime.timedelta(seconds=30), joiner: bool = False,
+                 fits: Callable[[int], bool] | None = None) -> None:
         import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
 
         if interval <= 0 or dead_after <= interval:
@@ -338,7 +345,7 @@ class Membership:
         self.store, self.prefix = store, prefix.rstrip("/")
         self.interval, self.dead_after = interval, dead_after
         self.agree_timeout, self.max_rounds = agree_timeout, max_rounds
-        self.on_failure, self.order, self.pg_timeout = on_failure, order, pg_timeout
+        self.on_failure, self.order, self.pg_timeout, self.fits = on_failure, order, pg_timeout, fits
         if joiner:  # ids after the first group's ranks, one per joiner ever (the first member set the counter)
             self.id, self.round, self.members = int(store.add(self._key("next_id"), 1)) - 1, -1, ()
         else:
@@ -401,7 +408,10 @@ class Membership:
         admitting them at the same boundary."""
         key = self._key(f"round{self.round}", "join_at")
         stored = int(self.store.get(key).decode()) if self.store.check([key]) else None
-        at, proposal = join_step(step, stored, propose and bool(self.pending()))
+        pending = self.pending()
+        admissible = bool(pending) and (self.fits is None or any(self.fits(len(self.members) + k)
+                                                                 for k in range(1, len(pending) + 1)))
+        at, proposal = join_step(step, stored, propose and admissible)
         if proposal is not None:
             at, _ = join_step(step, int(self.store.compare_set(key, "", str(proposal)).decode()), False)
             log.info("member %d (round %d): joiners %s to be admitted after step %d", self.id, self.round,
@@ -567,7 +577,7 @@ class Membership:
                 break
             joined = parse_joined(store.get(f"{base}/joined"))
             joiners = [j for j in self._registered(store) if j not in previous]
-            members = propose(candidates, joined, self.dead(), self.order, joiners=joiners)
+            members = propose(candidates, joined, self.dead(), self.order, joiners=joiners, fits=self.fits)
             if members is not None:
                 won = store.compare_set(dkey, "", encode_decision(Decision(round, members, previous)))
                 d = decode_decision(won)

@@ -75,6 +75,10 @@ def test_propose_with_joiners() -> None:
     assert propose([0, 1], [0], [], joiners=[2]) is None  # 1 neither joined nor dead: wait
     assert propose([0], [], [0], joiners=[2]) is None  # nobody holds state
     assert propose([0, 1], [0, 1], [], joiners=[2], order=lambda m: list(reversed(m))) == (1, 0, 2)
+    even = lambda n: n % 2 == 0  # noqa: E731 - only even group sizes have a layout
+    assert propose([0, 1], [0, 1], [], joiners=[2, 3, 4], fits=even) == (0, 1, 2, 3)  # 4 waits
+    assert propose([0, 1], [0, 1], [], joiners=[2], fits=even) == (0, 1)  # 2 waits for a partner
+    assert propose([0, 1, 2], [0, 1, 2], [], joiners=[], fits=even) == (0, 1, 2)  # survivors are never left out
     d = Decision(4, (1, 0, 2), previous=(0, 1))
     assert d.survivors == (1, 0) and d.joiners == (2,) and old_ranks(d.previous, d.survivors) == (1, 0)
     assert Decision(4, (1, 0)).joiners == () and Decision(4, (1, 0)).survivors == (1, 0)

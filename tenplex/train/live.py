@@ -41,7 +41,8 @@ from ..membership import Membership, NewMembership
 from ..ptc import PTC
 
 __all__ = ["MEMBERSHIP_STORE_ENV", "JOB_ENV", "RECOVERY_FAILED", "JOIN_FAILED", "DIE_POINTS", "StateRing", "DieAt",
-           "membership_store", "job_key", "start_membership", "join_membership", "warm_up", "recover_live",
+           "membership_store", "job_key", "start_membership", "join_membership", "layout_fits", "warm_up",
+           "recover_live",
            "LiveRecovery"]
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,27 @@ def join_membership(store: Any, backend: str, *, timeout_s: float, interval: flo
     prefix = store.get(key).decode()
     return Membership(store, prefix, backend=backend, interval=interval, dead_after=dead_after, agree_timeout=20.0,
                       pg_timeout=datetime.timedelta(seconds=30), joiner=True)
+
+
+def layout_fits(ptc: PTC, cfg: ParallelConfig, choose: Chooser) -> Callable[[int], bool]:
+    """``Membership(fits=...)``: whether the chooser finds a layout for a group of n (cached), so
+    that a joiner that would make the world size unusable is not admitted (it waits) instead of
+    failing the round."""
+    known: dict[int, bool] = {}
+
+    def fits(n: int) -> bool:
+        if n not in known:
+            try:
+                new = choose(ptc, n, cfg)
+                new.check_world_size(n)
+                ptc.check(new)
+                known[n] = True
+            except TenplexError as e:
+                log.warning("no layout for %d workers (%s): joiners that would make %d wait", n, e, n)
+                known[n] = False
+        return known[n]
+
+    return fits
 
 
 def warm_up(ptc: PTC, cfg: ParallelConfig, choose: Chooser, members: Sequence[int]) -> float:

@@ -51,7 +51,7 @@ from ..ptc import PTC
 from ..store import HostStore, recovery_tiers
 from .memory_probe import measure_step_memory
 from .live import DIE_POINTS, JOB_ENV, JOIN_FAILED, MEMBERSHIP_STORE_ENV, RECOVERY_FAILED, DieAt, LiveRecovery, \
-    StateRing, job_key, join_membership, membership_store, recover_live, start_membership, warm_up
+    StateRing, job_key, join_membership, layout_fits, membership_store, recover_live, start_membership, warm_up
 from .parallel import init_distributed, join_process_group, local_device
 from .trainer import DATA_OBJECT, Spare, TrainConfig, Trainer, failure_message, trainer_ptc
 
@@ -420,6 +420,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
     choose = _chooser(tc, ptc)
     if membership is not None and joiner is None:
         assert state is not None
+        membership.fits = layout_fits(ptc, state.cfg, choose)
         warm_up(ptc, state.cfg, choose, membership.members)
     recovered: Any = None  # the in-process recovery whose first step is still to come
     # why the next pass regroups before training: "join" (a boundary the members agreed to admit
@@ -492,6 +493,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                 os._exit(code)  # no clean-up that could wait on a dead peer
             before = state.cfg if state is not None else rec.result.previous
             state = rec.result
+            membership.fits = layout_fits(ptc, state.cfg, choose)
             trainer.die = die
             rank, world = groups.rank, dist.get_world_size()
             where = f"rank {rank}: "
