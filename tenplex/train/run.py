@@ -451,8 +451,8 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
         logging.shutdown()
         os._exit(128 + signum)
 
-    if membership is not None and store is not None:
-        signal.signal(signal.SIGTERM, terminated)
+    if membership is not None and store is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, terminated)  # (handlers can only be set from the main thread)
 
     def guard() -> Any:
         return membership.guard() if membership is not None else contextlib.nullcontext()
