@@ -1,4 +1,4 @@
-"""In-process failure detection and new membership through the job's c10d store (issue #18, items 1-2).
+"""In-process failure detection, scale up and new membership through the job's c10d store (issue #18, items 1-2, 4).
 
 Each worker creates a :class:`Membership` after ``init_process_group``, given a ``TCPStore`` that
 outlives the workers (the job's rendezvous store) and a job prefix. Then:
@@ -23,6 +23,15 @@ proposed with ``compare_set`` on ``{prefix}/round{n}/decision``: the first propo
 every member reads that one. A member not in the decision raises :class:`~tenplex.errors.MembershipError`;
 one of the decision that dies before the group forms sends the rest to round n+1; a round that
 does not decide within ``agree_timeout`` raises MembershipError. Nothing waits without a bound.
+
+Scale up: a fresh process creates ``Membership(store, prefix, backend=..., joiner=True)``: it
+takes the next id, beats and registers under ``{prefix}/joiners``. The members' heartbeat threads
+see the registration (the join counter travels in the heartbeats' ``multi_get``); at every step
+boundary each member calls :meth:`Membership.join_due`, which agrees through the store on the
+boundary after which all of them admit the joiners (:func:`join_step`); there
+``recover(join=True)`` runs the rounds above with the live joiners after the survivors
+(:func:`propose`, ``fits``: as many as a layout allows), and the joiner's :meth:`Membership.admit`
+waits for the decision that names it and regroups with them.
 
 Which store: in tests and simulated nodes the :class:`~tenplex.train.launch.RendezvousStore`
 process (``TCPStore(host, port, is_master=False)`` in every worker). Under torchrun the store must
