@@ -46,7 +46,8 @@ def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT)
 
 
-def _world(tmp: Path, n: int, args: list[str], store_port: int, master_port: int | None = None) -> list[subprocess.Popen]:
+def _world(tmp: Path, n: int, args: list[str], store_port: int,
+           master_port: int | None = None) -> list[subprocess.Popen]:
     """``n`` trainer workers under env:// (rank 0 hosts the bootstrap store), the membership store apart."""
     port = master_port or free_port()
     procs = []
