@@ -209,7 +209,7 @@ def _joiners(tmp: Path, n: int, args: list[str], store_port: int, master_port: i
     return procs
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_losses(
         tmp_path: Path, reference: Callable[[], dict[int, dict]]) -> None:
     """Two processes started with --join wait for the job; 2 workers start, notice them at a step
