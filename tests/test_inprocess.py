@@ -276,6 +276,49 @@ def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_lo
         _check(reference(), got, JOIN_STEPS)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(os.environ.get("TENPLEX_INPROC_EXTRA") != "1", reason="torchrun agents: TENPLEX_INPROC_EXTRA=1")
+def test_a_join_process_beside_a_torchrun_agent_is_admitted_live(
+        tmp_path: Path, reference: Callable[[], dict[int, dict]]) -> None:
+    """The simulated-nodes launcher: a torchrun agent runs 2 --in-process workers; a process
+    started with --join (TENPLEX_JOB_ID = the agent's run id, the rendezvous endpoint as the
+    membership store) is admitted at a step boundary and the 3 go on under dp=1,tp=1,pp=3; the
+    agent is never told. Bytes live = the plan's peer bytes; losses within 1e-6, samples once."""
+    from tenplex.train.launch import Agent, RendezvousStore
+
+    log = tmp_path / "log.jsonl"
+    args = [*COMMON, "--parallel", "dp=2,tp=1,pp=1/dp=1,tp=1,pp=3", "--in-process"]
+    rdzv = RendezvousStore()
+    run_id = f"j{free_port()}"
+    with gloo_env():
+        joiner = _start([*args, "--join", "--join-timeout", "120"], tmp_path / "joiner0.log",
+                        {**os.environ, "TENPLEX_JOB_ID": run_id, "TENPLEX_MEMBERSHIP_STORE": rdzv.endpoint,
+                         "LOCAL_RANK": "0", "PYTHONUNBUFFERED": "1",
+                         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    agent = None
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting for job" not in (tmp_path / "joiner0.log").read_text():
+            assert time.monotonic() < deadline and joiner.poll() is None, _tails(tmp_path)
+            time.sleep(0.1)
+        agent = Agent("host0", rdzv.endpoint, [*args, "--log", str(log)], nproc=2, min_nodes=1, max_nodes=2,
+                      pid_dir=str(tmp_path / "pids"), log_path=str(tmp_path / "host0.log"), run_id=run_id,
+                      env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+        assert _wait([joiner], 180) == [0], _tails(tmp_path) + (tmp_path / "host0.log").read_text()[-3000:]
+        assert agent.wait(timeout=60) == 0, (tmp_path / "host0.log").read_text()[-3000:]
+    finally:
+        _wait([joiner], 0)
+        if agent is not None:
+            agent.stop()
+        rdzv.stop()
+    got, events = _read(log)
+    joins = _recoveries(events)
+    assert [(e["reason"], e["joiners"], e["world_size"], e["layout"], e["bytes_storage"]) for e in joins] == \
+        [("join", [2], 3, "dp=1,tp=1,pp=3", 0)], joins
+    assert got[STEPS]["world_size"] == 3
+    _check(reference(), got, STEPS)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(os.environ.get("TENPLEX_INPROC_EXTRA") != "1", reason="torchrun agents: TENPLEX_INPROC_EXTRA=1")
 def test_a_joining_torchrun_node_restarts_the_workers_who_first_store_their_newest_state(tmp_path: Path) -> None:
