@@ -216,7 +216,7 @@ def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_lo
     boundary, agree on a round of 4, and the joiners receive every piece of their shards (and the
     step and data position) live from the workers: bytes sent == the plan's peer bytes, nothing
     from storage. The 4 go on under dp=1,tp=2,pp=2; every loss equals the single-process run's
-    within 1e-6 relative and every sample is seen once. (42-45 s at load average 13-17 on 2 CPUs,
+    within 1e-6 relative and every sample is seen once. (14 s at load average 5-8 on 2 CPUs, 42-45 s at 13-17,
     most of it process start-up; the join itself takes about 0.4 s.)"""
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     args = [*COMMON[:2], *COMMON[4:], "--steps", str(JOIN_STEPS)]
