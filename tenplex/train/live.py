@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ParallelConfig
-from ..elastic import Chooser, LiveState, RescaleResult, live_order, rescale
+from ..elastic import Chooser, LiveState, RescaleResult, check_fits, live_order, rescale
 from ..errors import ConfigError, MembershipError, TenplexError
 from ..membership import Membership, NewMembership
 from ..ptc import PTC
@@ -198,7 +198,7 @@ def layout_fits(ptc: PTC, cfg: ParallelConfig, choose: Chooser) -> Callable[[int
         if n not in known:
             try:
                 new = choose(ptc, n, cfg)
-                new.check_world_size(n)
+                check_fits(new, n)
                 ptc.check(new)
                 known[n] = True
             except TenplexError as e:
