@@ -14,6 +14,13 @@ only the dead host's pieces from their host store) and "restart" (torchrun's age
 survivors, rescale() loads from the stores), `--repeats` times each (alternating), for tiny and
 llama-100m (`--quick`: tiny only); it prints medians with min/max, every repeat and the load
 average, and writes docs/bench_inprocess.json (not with --quick).
+
+`--join` measures scale up in-process (issue #18 item 4): 2 env:// workers (tiny, dp=2) and 2
+processes started with `--join` beside them (the tests' pattern: a standalone membership store);
+the workers admit the joiners at a step boundary and send them their state live; 4 workers go on
+under dp=1,tp=2,pp=2. Reported per repeat: join boundary -> first step under the new layout and
+its parts, bytes sent live against the plan's peer bytes, bytes from storage, losses against a
+single-process run; medians with min/max over `--repeats`, the load average, docs/bench_join.json.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -176,14 +184,106 @@ def side_by_side(cases: list[tuple[str, dict]], repeats: int, shm: str) -> dict:
     return models
 
 
+JOIN_ARGS = ["--model", "tiny", "--global-batch", "8", "--micro-batch", "2", "--seed", "7", "--steps", "10",
+             "--parallel", "dp=2,tp=1,pp=1/dp=1,tp=2,pp=2"]
+
+
+def _trainer(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tenplex.train", *args], env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, cwd=str(ROOT))
+
+
+def run_join(work: Path, reference: dict[int, float]) -> dict:
+    """One scale up: 2 joiners wait for the job, 2 workers start and admit them (see the module doc)."""
+    rdzv = RendezvousStore()
+    master = free_port()
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "TENPLEX_MEMBERSHIP_STORE": rdzv.endpoint,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    log = work / "log.jsonl"
+    procs: list[subprocess.Popen] = []
+    try:
+        for j in range(2):
+            procs.append(_trainer([*JOIN_ARGS, "--in-process", "--join"], work / f"joiner{j}.log",
+                                  {**base, "LOCAL_RANK": "0"}))
+        if not wait_for(lambda: all("waiting for job" in (work / f"joiner{j}.log").read_text() for j in range(2)), 120):
+            raise RuntimeError(f"the joiners did not start; see {work}")
+        for r in range(2):
+            procs.append(_trainer([*JOIN_ARGS, "--in-process", "--log", str(log)], work / f"worker{r}.log",
+                                  {**base, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)}))
+        codes = [p.wait(timeout=300) for p in procs]
+        if codes != [0, 0, 0, 0]:
+            raise RuntimeError(f"exit codes {codes}; see {work}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        rdzv.stop()
+    runs, events = read_train_log(log)
+    rec = [e for e in events if e.get("event") == "recover"][0]
+    first = min((r for r in runs if r["wall"] > rec["wall"]), key=lambda r: r["wall"])
+    t = rec["timings"]
+    rel = max(abs(r["loss"] - reference[r["step"]]) / abs(reference[r["step"]]) for r in runs)
+    seen = [x for r in runs for x in r["samples"]]
+    return {"joined_after_step": rec["step"], "layout_before": rec["previous"], "layout_after": rec["layout"],
+            "join_s": first["wall"] - rec["failed_at"], "agree_s": rec["agree_s"], "regroup_s": rec["regroup_s"],
+            "choose_plan_s": t.get("choose", 0) + t.get("plan", 0) + t.get("agree", 0),
+            "transfer_s": t.get("migrate_transfer", 0), "migrate_s": t.get("migrate", 0),
+            "first_step_s": first["wall"] - rec["wall"], "first_step_compute_s": first["time_s"],
+            "step_s_before": statistics.median(r["time_s"] for r in runs if r["world_size"] == 2),
+            "step_s_after": statistics.median(r["time_s"] for r in runs if r["world_size"] == 4 and r is not first),
+            "bytes_live": rec["bytes_live"], "plan_bytes_peer": rec["plan_bytes_peer"],
+            "bytes_storage": rec["bytes_storage"], "max_rel_loss_diff": rel,
+            "samples_once": len(seen) == len(set(seen)) == 8 * len(runs)}
+
+
+def join_bench(repeats: int) -> dict:
+    load_before = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="tenplex-join-"))
+    ref_log = work / "ref.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if _trainer([*JOIN_ARGS[:-2], "--log", str(ref_log)], work / "ref.log", env).wait(timeout=300) != 0:
+        raise RuntimeError(f"the reference run failed; see {work}")
+    reference = {r["step"]: r["loss"] for r in read_train_log(ref_log)[0]}
+    runs = []
+    for i in range(repeats):
+        d = work / f"run{i}"
+        d.mkdir()
+        load = os.getloadavg()[0]
+        print(f"join {i + 1}/{repeats} (load {load:.2f}) ...", file=sys.stderr, flush=True)
+        r = run_join(d, reference)
+        r["load"] = load
+        print(f"  join -> first step {r['join_s']:.3f}s, {r['bytes_live']} B live", file=sys.stderr, flush=True)
+        runs.append(r)
+    shutil.rmtree(work, ignore_errors=True)
+    keys = ("join_s", "agree_s", "regroup_s", "choose_plan_s", "transfer_s", "first_step_s", "first_step_compute_s",
+            "step_s_before", "step_s_after", "bytes_live", "plan_bytes_peer", "bytes_storage", "max_rel_loss_diff")
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(), "cpus": os.cpu_count(),
+            "command": f"python scripts/bench_recovery.py --join --repeats {repeats}", "repeats": repeats,
+            "job": " ".join(JOIN_ARGS), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            **{k: _spread([r[k] for r in runs]) for k in keys},
+            "bytes_live_equal_plan": all(r["bytes_live"] == r["plan_bytes_peer"] for r in runs),
+            "losses_equal": all(r["max_rel_loss_diff"] <= 1e-6 for r in runs),
+            "samples_once": all(r["samples_once"] for r in runs), "runs": runs}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only")
     ap.add_argument("--shm", default="/dev/shm", help="tmpfs for the host stores")
     ap.add_argument("--out", default=str(ROOT / "docs"))
     ap.add_argument("--json", action="store_true", help="in-process vs restart path, side by side (issue #18)")
-    ap.add_argument("--repeats", type=int, default=3, help="--json: runs of each path per model")
+    ap.add_argument("--repeats", type=int, default=3, help="--json, --join: runs of each path per model")
+    ap.add_argument("--join", action="store_true", help="scale up in-process: 2 workers admit 2 joiners (issue #18)")
     args = ap.parse_args()
+    if args.join:
+        result = join_bench(args.repeats)
+        text = json.dumps(result, indent=1)
+        print(text)
+        (Path(args.out) / "bench_join.json").write_text(text + "\n")
+        return 0
     if args.json:
         cases = [("tiny", dict(steps=16, fail_after=9, snapshot_every=1, ckpt_every=5,
                                extra=["--global-batch", "8", "--micro-batch", "2"]))]

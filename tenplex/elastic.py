@@ -243,6 +243,9 @@ def _tiers_of(url: str | None, tiers: Sequence[Tier] | None,
 class LiveState:
     """What a surviving process holds when ``rescale`` runs in-process after a peer failure.
 
+    A fresh joiner of the group (scale up: group ranks ``len(alive)`` and up) passes ``cfg=None``
+    and no ``states``: it learns the layout from group rank 0 and receives its whole shard.
+
     ``cfg``: the layout the job ran; ``states``: consistent copies of this process's shard under
     ``cfg`` by step (the trainer keeps the last few steps: a failure in the middle of a step
     leaves the working state mixed, never these); ``alive``: for each of the first ranks of the
@@ -252,7 +255,7 @@ class LiveState:
     that pieces no survivor holds are read from.
     """
 
-    cfg: ParallelConfig
+    cfg: ParallelConfig | None
     states: Mapping[int, Mapping[str, Any]]
     alive: Sequence[int]
     sources: Sequence[str] = ()
@@ -261,9 +264,10 @@ class LiveState:
 def live_step(held: Sequence[Sequence[int]], stored: Sequence[Sequence[int]],
               needs_storage: Sequence[bool]) -> int | None:
     """The step an in-process rescale moves: the newest one every survivor holds in memory
-    (``held[r]``) and at which every rank that needs pieces no survivor holds
-    (``needs_storage[r]``) finds a complete checkpoint (``stored[r]``); None when there is none
-    (then the state is loaded from the stores' and storage's newest common step). Pure."""
+    (``held[r]``, survivors only: joiners hold nothing) and at which every rank that needs pieces
+    no survivor holds (``needs_storage[r]``, every rank of the group) finds a complete checkpoint
+    (``stored[r]``); None when there is none (then the state is loaded from the stores' and
+    storage's newest common step). Pure."""
     if not held:
         return None
     common = set(held[0]).intersection(*map(set, held[1:]))
@@ -276,16 +280,19 @@ def live_step(held: Sequence[Sequence[int]], stored: Sequence[Sequence[int]],
 def live_order(ptc: PTC, cfg: ParallelConfig, choose: Chooser,
                previous: Sequence[int]) -> Callable[[Sequence[int]], list[int]]:
     """A ``Membership(order=...)``: the survivors (member ids of the group ``previous``, ids by
-    rank) ordered by ``locality_order`` for the layout ``choose`` picks for their number, so that
-    new rank i runs where most of its state already is; spares of ``cfg`` (ranks beyond its
-    size, holding nothing) come after every survivor that holds state, as fresh joiners."""
+    rank) ordered by ``locality_order`` for the layout ``choose`` picks for the new group's size,
+    so that new rank i runs where most of its state already is; spares of ``cfg`` (ranks beyond its
+    size, holding nothing) come after every survivor that holds state, then joiners (ids not in
+    ``previous``, holding nothing either) in the order given: all of them fresh joiners of ``migrate``."""
 
     def order(members: Sequence[int]) -> list[int]:
-        ranks = old_ranks(previous, members)
-        new = choose(ptc, len(ranks), cfg)
+        known = set(previous)
+        ranks = old_ranks(previous, [m for m in members if m in known])
+        new = choose(ptc, len(members), cfg)
         holders = [r for r in ranks if r < cfg.world_size]
         spares = [r for r in ranks if r >= cfg.world_size]
-        return [previous[r] for r in locality_order(ptc, cfg, new, holders) + spares]
+        return [previous[r] for r in locality_order(ptc, cfg, new, holders) + spares] + \
+            [m for m in members if m not in known]
 
     return order
 
@@ -305,21 +312,38 @@ def _stored_steps(sources: Sequence[str]) -> dict[int, str]:
     return out
 
 
-def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *, gpus_per_host: int) -> RescaleResult | None:
-    """The live branch of ``rescale``: every survivor of the default group together; None when no
-    step is held by every survivor and stored where needed (the caller then loads).
+def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *,
+                  gpus_per_host: int) -> RescaleResult | ParallelConfig:
+    """The live branch of ``rescale``: every process of the default group together; when no step
+    is held by every survivor and stored where needed, the layout the job ran instead (the caller
+    then loads).
 
     Group ranks ``< len(live.alive)`` hold state under ``live.cfg``; those after them (spares of
-    ``live.cfg``) join ``migrate`` as fresh joiners. Ranks beyond both the holders and the new
-    layout are spares that take no part in the move (a subgroup moves the state)."""
+    ``live.cfg``, and processes that joined: ``LiveState(cfg=None)``) join ``migrate`` as fresh
+    joiners. Ranks beyond both the holders and the new layout are spares that take no part in the
+    move (a subgroup moves the state)."""
     t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = chooser(ptc, world, live.cfg)
+    old = live.cfg
+    if len(live.alive) < world:  # spares or joiners: the layout and the holders as group rank 0 has them
+        box = [(old, list(live.alive)) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        old, alive = box[0]
+        if live.cfg is not None and (live.cfg != old or list(live.alive) != alive):
+            raise ConfigError(f"group rank {rank} ran {live.cfg} with holders {list(live.alive)}, group rank 0 "
+                              f"says {old} with {alive}")
+        if live.cfg is None and live.states:
+            raise ConfigError(f"group rank {rank} joined (LiveState(cfg=None)) and must pass no states")
+        live = dataclasses.replace(live, cfg=old, alive=tuple(alive))
+    if old is None:
+        raise ConfigError(f"LiveState(cfg=None) is a joiner's, but the group of {world} has {len(live.alive)} "
+                          "holders and no joiner")
+    cfg = chooser(ptc, world, old)
     check_fits(cfg, world)
     ptc.check(cfg)
     holders = len(live.alive)
     t1 = time.perf_counter()
-    moves = plan(ptc, live.cfg, cfg, alive=list(live.alive), gpus_per_host=gpus_per_host)
+    moves = plan(ptc, old, cfg, alive=list(live.alive), gpus_per_host=gpus_per_host)
     t2 = time.perf_counter()
     c = moves.columns
     needs = bool(((c["kind"] == STORAGE) & (c["new_rank"] == rank)).any())
@@ -332,22 +356,22 @@ def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *, gpus_per_host:
     if step is None:
         log.warning("rank %d: no step is held by every survivor and stored where needed (held %s, stored %s); "
                     "loading from the stores and storage", rank, [v[0] for v in views], sorted(stored))
-        return None
+        return old
     # migrate() wants a URL on every rank once any rank reads from storage; ranks that read nothing pass any
     url = stored.get(step) if needs else (live.sources[0] if live.sources else None)
     movers = max(cfg.world_size, holders)  # group ranks beyond both hold nothing and receive nothing
     # every rank calls new_group; the timeout is the trainer's default --pg-timeout (a new gloo group's is 30 min)
     group = dist.new_group(list(range(movers)), timeout=datetime.timedelta(seconds=60)) if movers < world else None
     if rank >= movers:
-        result = RescaleResult(cfg, rank, world, step, False, None, None, live.cfg, moves.stats, None, timings,
+        result = RescaleResult(cfg, rank, world, step, False, None, None, old, moves.stats, None, timings,
                                {}, live=True)
         log.info("%s", result.summary())
         return result
-    res = migrate(ptc, live.cfg, cfg, live.states[step] if rank < holders else None, alive=list(live.alive),
+    res = migrate(ptc, old, cfg, live.states[step] if rank < holders else None, alive=list(live.alive),
                   group=group, storage=url, step=step, plan=moves, gpus_per_host=gpus_per_host)
     timings.update({"migrate": res.seconds, **{f"migrate_{k}": v for k, v in res.timings.items()}})
     result = RescaleResult(cfg, rank, world, step, False, dict(res.shard) if rank < cfg.world_size else None, None,
-                           live.cfg, moves.stats, None, timings,
+                           old, moves.stats, None, timings,
                            {"local": res.bytes_local, "live": res.bytes_received, "storage": res.bytes_storage},
                            live=True, storage_url=url if needs else None)
     log.info("%s", result.summary())
@@ -419,10 +443,10 @@ def rescale(
                choose or default_chooser(layout_options_for(ptc, layout_options, gpus_per_host=gpus_per_host)))
     if live is not None:
         moved = _rescale_live(ptc, live, chooser, gpus_per_host=gpus_per_host)
-        if moved is not None:
+        if isinstance(moved, RescaleResult):
             return moved
         rank, world = dist.get_rank(), dist.get_world_size()
-        new = chooser(ptc, world, live.cfg)
+        new = chooser(ptc, world, moved)
         loaded = rescale(url, ptc, rank=rank, world_size=world, parallel=new, gpus_per_host=gpus_per_host,
                          storage_options=storage_options, tiers=tiers, topology=topology, step=step,
                          allow_meta_change=allow_meta_change)

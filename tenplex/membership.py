@@ -1,4 +1,4 @@
-"""In-process failure detection and new membership through the job's c10d store (issue #18, items 1-2).
+"""In-process failure detection, scale up and new membership through the job's c10d store (issue #18, items 1-2, 4).
 
 Each worker creates a :class:`Membership` after ``init_process_group``, given a ``TCPStore`` that
 outlives the workers (the job's rendezvous store) and a job prefix. Then:
@@ -23,6 +23,15 @@ proposed with ``compare_set`` on ``{prefix}/round{n}/decision``: the first propo
 every member reads that one. A member not in the decision raises :class:`~tenplex.errors.MembershipError`;
 one of the decision that dies before the group forms sends the rest to round n+1; a round that
 does not decide within ``agree_timeout`` raises MembershipError. Nothing waits without a bound.
+
+Scale up: a fresh process creates ``Membership(store, prefix, backend=..., joiner=True)``: it
+takes the next id, beats and registers under ``{prefix}/joiners``. The members' heartbeat threads
+see the registration (the join counter travels in the heartbeats' ``multi_get``); at every step
+boundary each member calls :meth:`Membership.join_due`, which agrees through the store on the
+boundary after which all of them admit the joiners (:func:`join_step`); there
+``recover(join=True)`` runs the rounds above with the live joiners after the survivors
+(:func:`propose`, ``fits``: as many as a layout allows), and the joiner's :meth:`Membership.admit`
+waits for the decision that names it and regroups with them.
 
 Which store: in tests and simulated nodes the :class:`~tenplex.train.launch.RendezvousStore`
 process (``TCPStore(host, port, is_master=False)`` in every worker). Under torchrun the store must
@@ -71,7 +80,7 @@ import torch
 from .errors import ConfigError, MembershipError, PeerFailure
 
 __all__ = ["NewMembership", "Decision", "HeartbeatMonitor", "propose", "encode_decision", "decode_decision",
-           "old_ranks", "is_peer_error", "Membership"]
+           "old_ranks", "join_step", "is_peer_error", "Membership"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +99,9 @@ class NewMembership:
     ``round``: its number (the first group is round 0); ``members``: member ids (ranks in round
     0) by new rank; ``alive``: for each new rank, its rank in the previous group (what
     ``migrate(alive=...)`` takes); ``new_rank`` / ``world_size``: this process in the new group;
-    ``failed_at``: ``time.time()`` when this process first learned of the failure; timings in
+    ``joiners``: ids of the fresh members admitted in this round (they hold no state; they follow
+    the survivors, so group rank ``len(alive) + j`` is ``joiners[j]``); ``failed_at``:
+    ``time.time()`` when this process first learned of the failure (or of the join); timings in
     seconds: ``detect_s`` (from the dead peer's last heartbeat seen moving to that moment; 0 when
     no peer was found dead by heartbeat), ``agree_s`` (recovery start to decision), ``regroup_s``
     (decision to a group that answered an all_reduce); ``rounds_tried``: rounds this recovery used.
@@ -107,24 +118,55 @@ class NewMembership:
     regroup_s: float
     rounds_tried: int = 1
     dead: frozenset[int] = frozenset()
+    joiners: tuple[int, ...] = ()  # ids of fresh members (no state): group ranks len(alive) and up
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The members of round ``round`` by new rank (ids), as stored under its decision key."""
+    """The members of round ``round`` by new rank (ids), as stored under its decision key.
+
+    ``previous``: the ids holding state going into the round, by their rank in that group (what a
+    joiner needs to tell survivors' old ranks); members not in it are fresh joiners."""
 
     round: int
     members: tuple[int, ...]
+    previous: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(set(self.members)) != len(self.members):
+            raise MembershipError(f"decision of round {self.round} lists a member twice: {list(self.members)}")
+        if self.previous:
+            held = [m in self.previous for m in self.members]
+            if held != sorted(held, reverse=True):
+                raise MembershipError(f"decision of round {self.round}: members {list(self.members)} must list the "
+                                      f"state holders {list(self.previous)} before the joiners")
+
+    @property
+    def survivors(self) -> tuple[int, ...]:
+        """Members that hold state (in ``previous``), by new rank; every member when ``previous`` is empty."""
+        return tuple(m for m in self.members if not self.previous or m in self.previous)
+
+    @property
+    def joiners(self) -> tuple[int, ...]:
+        """Fresh members (not in ``previous``), by new rank."""
+        return self.members[len(self.survivors):]
 
 
 def propose(candidates: Sequence[int], joined: Iterable[int], dead: Iterable[int],
-            order: Callable[[Sequence[int]], Sequence[int]] | None = None) -> tuple[int, ...] | None:
+            order: Callable[[Sequence[int]], Sequence[int]] | None = None,
+            joiners: Iterable[int] = (), fits: Callable[[int], bool] | None = None) -> tuple[int, ...] | None:
     """The members to propose for a round, or None while a candidate is still neither joined nor dead.
 
-    ``candidates``: the previous round's members by rank; ``joined``: ids that joined this
-    round; ``dead``: ids this member's heartbeats found dead. Proposed: the joined, live
-    candidates in candidate order, then ``order`` (given and returning those ids) applied.
-    Ids that are not candidates (late or unknown) are ignored. Pure.
+    ``candidates``: the previous round's members by rank (they hold state); ``joined``: ids that
+    joined this round; ``dead``: ids this member's heartbeats found dead; ``joiners``: fresh ids
+    asking to join (no state, in order of arrival). Proposed: the joined, live candidates in
+    candidate order followed by the live joiners that are not candidates, then ``order`` (given and
+    returning those ids) applied, the candidates kept before the joiners (a joiner holds nothing:
+    group ranks of survivors come first, as ``tenplex.migrate.migrate`` wants). Ids of ``joined``
+    that are not candidates (late or unknown) are ignored; joiners alone (no live candidate) form
+    no round: there would be no state. ``fits(n)``: whether a group of n can run (a layout fits);
+    the last joiners are left out until it does (they wait for a later round), the survivors never
+    are. Pure.
     """
     cand = list(candidates)
     j, d = set(joined), set(dead)
@@ -133,11 +175,19 @@ def propose(candidates: Sequence[int], joined: Iterable[int], dead: Iterable[int
     members = [c for c in cand if c in j and c not in d]
     if not members:
         return None
+    fresh: list[int] = []
+    for x in joiners:
+        if x not in d and x not in cand and x not in fresh:
+            fresh.append(int(x))
+    while fresh and fits is not None and not fits(len(members) + len(fresh)):
+        fresh.pop()
+    members += fresh
     if order is not None:
         ordered = [int(x) for x in order(members)]
         if sorted(ordered) != sorted(members):
             raise ConfigError(f"order must return the members it was given in some order: {members} -> {ordered}")
-        members = ordered
+        held = set(cand)
+        members = [x for x in ordered if x in held] + [x for x in ordered if x not in held]
     return tuple(members)
 
 
@@ -152,14 +202,15 @@ def old_ranks(previous: Sequence[int], members: Sequence[int]) -> tuple[int, ...
 
 def encode_decision(d: Decision) -> str:
     """The store value of a decision (JSON)."""
-    return json.dumps({"round": d.round, "members": list(d.members)})
+    return json.dumps({"round": d.round, "members": list(d.members), "previous": list(d.previous)})
 
 
 def decode_decision(raw: bytes | str) -> Decision:
     """A decision read back from the store; MembershipError when it is not one."""
     try:
         obj = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-        return Decision(int(obj["round"]), tuple(int(x) for x in obj["members"]))
+        return Decision(int(obj["round"]), tuple(int(x) for x in obj["members"]),
+                        tuple(int(x) for x in obj.get("previous", ())))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise MembershipError(f"the store holds no valid membership decision ({raw!r}): {e}") from e
 
@@ -168,6 +219,21 @@ def parse_joined(raw: bytes | str) -> list[int]:
     """Ids appended as ``"id,"`` to a round's joined key, in order of arrival."""
     text = raw.decode() if isinstance(raw, bytes) else raw
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def join_step(step: int, stored: int | None, pending: bool) -> tuple[int | None, int | None]:
+    """(the step boundary at which the members admit joiners, the value to propose) at ``step``'s
+    boundary (pure). ``stored``: the round's join step read from the store (None: none yet);
+    ``pending``: this member knows of joiners waiting. A member proposes the next boundary,
+    ``step + 1``: every member reads the store at every boundary and they are at most one step
+    apart (each step ends with an all-reduce over the whole group), so none has passed it.
+    MembershipError for a stored step already passed (members more than one step apart)."""
+    if stored is None:
+        return (None, step + 1) if pending else (None, None)
+    if stored < step:
+        raise MembershipError(f"the members agreed to admit joiners after step {stored}, but this member is at step "
+                              f"{step}: members are more than one step apart")
+    return stored, None
 
 
 def is_peer_error(e: BaseException) -> bool:
@@ -230,6 +296,9 @@ class _State:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     watched: tuple[int, ...] = ()
+    members: tuple[int, ...] = ()  # the current group's ids: a death among them is a failure
+    pending: tuple[int, ...] = ()  # joiners registered and alive, not members yet
+    joins_seen: int = 0  # the join-request counter when the joiners list was last read
     round: int = 0
     failed_at: float | None = None  # time.time()
     failed_mono: float | None = None
@@ -247,7 +316,15 @@ class Membership:
     silence that means death; ``agree_timeout``: bound of one round's agreement and of the group
     start; ``max_rounds``: rounds one recovery may use; ``on_failure(reason)``: called from the
     heartbeat thread on the first failure it sees; ``order``: how a decision orders its members
-    (ids in, ids out; default by previous rank); ``pg_timeout``: the new groups' collective timeout.
+    (ids in, ids out; default by previous rank); ``pg_timeout``: the new groups' collective timeout;
+    ``fits(n)``: whether a group of n members can run (a layout fits): joiners are admitted only
+    as far as it allows (default: any number).
+
+    ``joiner=True``: a fresh process asking to join the running job (scale up): it has no group and
+    no state; it takes the next free id, starts its heartbeat and registers under
+    ``{prefix}/joiners``; :meth:`admit` then waits for the round that takes it in. The members
+    notice registrations through the heartbeat thread and, at a step boundary every member agrees
+    on (:meth:`join_due`), form that round (:meth:`recover` with ``join=True``).
     """
 
     def __init__(self, store: Any, prefix: str, *, rank: int | None = None, world_size: int | None = None,
@@ -255,40 +332,57 @@ class Membership:
                  agree_timeout: float = 20.0, max_rounds: int = 4, start_timeout: float = 30.0,
                  on_failure: Callable[[str], None] | None = None,
                  order: Callable[[Sequence[int]], Sequence[int]] | None = None,
-                 pg_timeout: datetime.timedelta = datetime.timedelta(seconds=30)) -> None:
+                 pg_timeout: datetime.timedelta = datetime.timedelta(seconds=30), joiner: bool = False,
+                 fits: Callable[[int], bool] | None = None) -> None:
         import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
 
         if interval <= 0 or dead_after <= interval:
             raise ConfigError(f"need 0 < interval < dead_after, got interval={interval}, dead_after={dead_after}")
-        initialized = dist.is_available() and dist.is_initialized()
-        if rank is None or world_size is None or backend is None:
-            if not initialized:
-                raise ConfigError("Membership needs rank, world_size and backend, or an initialised default group "
-                                  "(call dist.init_process_group first)")
-        self.rank = int(dist.get_rank() if rank is None else rank)
-        self.world_size = int(dist.get_world_size() if world_size is None else world_size)
-        self.backend = str(dist.get_backend() if backend is None else backend)
+        if joiner:
+            if backend is None:
+                raise ConfigError("a joiner has no process group yet: pass backend= (gloo or nccl)")
+            self.rank, self.world_size, self.backend = -1, 0, backend
+        else:
+            initialized = dist.is_available() and dist.is_initialized()
+            if rank is None or world_size is None or backend is None:
+                if not initialized:
+                    raise ConfigError("Membership needs rank, world_size and backend, or an initialised default "
+                                      "group (call dist.init_process_group first)")
+            self.rank = int(dist.get_rank() if rank is None else rank)
+            self.world_size = int(dist.get_world_size() if world_size is None else world_size)
+            self.backend = str(dist.get_backend() if backend is None else backend)
         self.store, self.prefix = store, prefix.rstrip("/")
         self.interval, self.dead_after = interval, dead_after
         self.agree_timeout, self.max_rounds = agree_timeout, max_rounds
-        self.on_failure, self.order, self.pg_timeout = on_failure, order, pg_timeout
-        self.id = self.rank
-        self.round = 0
-        self.members: tuple[int, ...] = tuple(range(self.world_size))
+        self.on_failure, self.order, self.pg_timeout, self.fits = on_failure, order, pg_timeout, fits
+        if joiner:  # ids after the first group's ranks, one per joiner ever (the first member set the counter)
+            self.id, self.round, self.members = int(store.add(self._key("next_id"), 1)) - 1, -1, ()
+        else:
+            self.id, self.round, self.members = self.rank, 0, tuple(range(self.world_size))
         self.monitor = HeartbeatMonitor(dead_after)
-        self._state = _State(watched=tuple(m for m in self.members if m != self.id))
+        self._state = _State(watched=tuple(m for m in self.members if m != self.id), members=self.members,
+                             round=self.round)
         self._stop = threading.Event()
         self._hb_store = store.clone()  # its own connection: the main thread's blocking waits hold theirs
         self._hb_store.add(self._hb_key(self.id), 1)
-        self._failures_seen = int(self._hb_store.add(self._failures_key(0), 0))
-        keys = [self._hb_key(m) for m in self.members]
-        try:
-            self._hb_store.wait(keys, datetime.timedelta(seconds=start_timeout))
-        except RuntimeError as e:
-            raise MembershipError(f"not every member of {self.prefix} started its heartbeat within {start_timeout} s "
-                                  f"(keys {keys}): {e}") from e
+        self._hb_store.add(self._key("join_requests"), 0)  # exists before any heartbeat reads it
+        self._failures_seen = int(self._hb_store.add(self._failures_key(self.round), 0))
+        if not joiner:
+            if self.rank == 0:  # before any joiner can find this prefix (start_membership publishes it after)
+                store.add(self._key("next_id"), self.world_size)
+                store.set(self._key("round"), "0")
+            keys = [self._hb_key(m) for m in self.members]
+            try:
+                self._hb_store.wait(keys, datetime.timedelta(seconds=start_timeout))
+            except RuntimeError as e:
+                raise MembershipError(f"not every member of {self.prefix} started its heartbeat within "
+                                      f"{start_timeout} s (keys {keys}): {e}") from e
         self._thread = threading.Thread(target=self._beat, name=f"tenplex-heartbeat-{self.id}", daemon=True)
         self._thread.start()
+        if joiner:  # heartbeat first: the members watch it from the moment they read the registration
+            store.append(self._key("joiners"), f"{self.id},")
+            store.add(self._key("join_requests"), 1)
+            log.info("joiner %d registered under %s", self.id, self.prefix)
 
     # -- keys ----------------------------------------------------------------------------------
     def _key(self, *parts: object) -> str:
@@ -299,6 +393,39 @@ class Membership:
 
     def _failures_key(self, round: int) -> str:
         return self._key(f"round{round}", "failures")  # per round: late flags of a past round are no news
+
+    def _registered(self, store: Any) -> list[int]:
+        """Ids of every joiner that ever registered, in order of arrival."""
+        key = self._key("joiners")
+        return parse_joined(store.get(key)) if store.check([key]) else []
+
+    @property
+    def joining(self) -> bool:
+        """Whether this process is a joiner not admitted yet."""
+        return self.id not in self.members
+
+    def pending(self) -> tuple[int, ...]:
+        """Joiners registered, alive and not members yet, as the heartbeat thread last saw them."""
+        with self._state.lock:
+            return self._state.pending
+
+    def join_due(self, step: int, *, propose: bool = True) -> bool:
+        """At the boundary after ``step`` (every member, every step): whether the members admit the
+        waiting joiners now (then call ``recover(join=True)``). One store read per call; when this
+        member knows of joiners (``propose``: and wants them in) and no boundary is agreed yet, it
+        proposes the next one with ``compare_set`` (:func:`join_step`): every member ends up
+        admitting them at the same boundary."""
+        key = self._key(f"round{self.round}", "join_at")
+        stored = int(self.store.get(key).decode()) if self.store.check([key]) else None
+        pending = self.pending()
+        admissible = bool(pending) and (self.fits is None or any(self.fits(len(self.members) + k)
+                                                                 for k in range(1, len(pending) + 1)))
+        at, proposal = join_step(step, stored, propose and admissible)
+        if proposal is not None:
+            at, _ = join_step(step, int(self.store.compare_set(key, "", str(proposal)).decode()), False)
+            log.info("member %d (round %d): joiners %s to be admitted after step %d", self.id, self.round,
+                     list(self.pending()), at)
+        return at == step
 
     # -- failure state -------------------------------------------------------------------------
     @property
@@ -361,27 +488,45 @@ class Membership:
     # -- heartbeat thread ----------------------------------------------------------------------
     def _beat(self) -> None:
         store = self._hb_store
+        st = self._state
         while not self._stop.wait(self.interval):
             try:
                 store.add(self._hb_key(self.id), 1)
-                with self._state.lock:
-                    watched, rnd, baseline = self._state.watched, self._state.round, self._failures_seen
-                vals = store.multi_get([self._hb_key(m) for m in watched]) if watched else []
+                with st.lock:
+                    watched, rnd, baseline, joins_seen = st.watched, st.round, self._failures_seen, st.joins_seen
+                vals = store.multi_get([*(self._hb_key(m) for m in watched), self._key("join_requests")])
                 failures = int(store.add(self._failures_key(rnd), 0))
+                joins = int(vals[-1])
+                registered = self._registered(store) if joins != joins_seen else None
             except RuntimeError as e:
                 if self._stop.is_set():
                     return
                 self._fail(f"the membership store is unreachable: {e}", publish=False)
                 continue
             now = time.monotonic()
-            with self._state.lock:
-                if self._state.round != rnd:  # a recovery formed a new group while the store answered
+            with st.lock:
+                if st.round != rnd:  # a recovery formed a new group while the store answered
                     continue
                 seen = {m: int(v) for m, v in zip(watched, vals)}
                 last = {m: self.monitor.last_alive(m) for m in watched}
-                newly = self.monitor.observe(now, seen)
-                if newly and self._state.failed_at is None:
-                    self._state.detect_s = max(now - (last[m] or now) for m in newly)
+                found = self.monitor.observe(now, seen)
+                newly = found & set(st.members)  # a death in the group is a failure ...
+                gone = found - newly  # ... one of a joiner not admitted yet is not: it is just left out
+                if gone:
+                    st.pending = tuple(j for j in st.pending if j not in gone)
+                    st.watched = tuple(w for w in st.watched if w not in gone)
+                    log.warning("member %d: joiners %s stopped their heartbeats before being admitted", self.id,
+                                sorted(gone))
+                if registered is not None:
+                    st.joins_seen = joins
+                    fresh = tuple(j for j in registered if j != self.id and j not in st.members
+                                  and j not in self.monitor.dead and j not in st.pending)
+                    if fresh:
+                        log.info("member %d: joiners %s registered", self.id, list(fresh))
+                    st.pending += fresh
+                    st.watched += tuple(j for j in fresh if j not in st.watched)
+                if newly and st.failed_at is None:
+                    st.detect_s = max(now - (last[m] or now) for m in newly)
             if newly:
                 self._fail(f"members {sorted(newly)} stopped their heartbeats", publish=True, round=rnd)
                 if self.backend == "nccl":
@@ -424,9 +569,13 @@ class Membership:
         except (RuntimeError, ValueError, AssertionError) as e:
             log.warning("destroying the process group failed: %s", e)
 
-    def agree(self, round: int, candidates: Sequence[int]) -> Decision:
-        """Join round ``round`` and return its decision (the store's first proposal)."""
+    def agree(self, round: int, candidates: Sequence[int], previous: Sequence[int] | None = None) -> Decision:
+        """Join round ``round`` and return its decision (the store's first proposal).
+
+        ``previous``: the ids holding state (default ``candidates``); registered joiners not among
+        them are proposed after the survivors (:func:`propose`)."""
         store = self.store
+        previous = tuple(candidates if previous is None else previous)
         base = self._key(f"round{round}")
         store.append(f"{base}/joined", f"{self.id},")
         deadline = time.monotonic() + self.agree_timeout
@@ -436,9 +585,10 @@ class Membership:
                 d = decode_decision(store.get(dkey))
                 break
             joined = parse_joined(store.get(f"{base}/joined"))
-            members = propose(candidates, joined, self.dead(), self.order)
+            joiners = [j for j in self._registered(store) if j not in previous]
+            members = propose(candidates, joined, self.dead(), self.order, joiners=joiners, fits=self.fits)
             if members is not None:
-                won = store.compare_set(dkey, "", encode_decision(Decision(round, members)))
+                won = store.compare_set(dkey, "", encode_decision(Decision(round, members, previous)))
                 d = decode_decision(won)
                 break
             if time.monotonic() > deadline:
@@ -452,6 +602,21 @@ class Membership:
         log.info("member %d: round %d decided: %s", self.id, round, list(d.members))
         return d
 
+    def wait_decision(self, round: int, timeout: float) -> Decision:
+        """The decision of round ``round`` once a member stored it (a joiner takes no part in the
+        agreement: it holds no state and does not know the layout); MembershipError after ``timeout``."""
+        dkey = self._key(f"round{round}", "decision")
+        deadline = time.monotonic() + timeout
+        while not self.store.check([dkey]):
+            if time.monotonic() > deadline:
+                raise MembershipError(f"joiner {self.id}: no decision of round {round} within {timeout:.0f} s")
+            time.sleep(0.02)
+        d = decode_decision(self.store.get(dkey))
+        if d.round != round:
+            raise MembershipError(f"round {round}'s decision names round {d.round}; the store is shared by another job "
+                                  f"(use a prefix of its own)")
+        return d
+
     def regroup(self, d: Decision) -> None:
         """Form the default group of decision ``d``; MembershipError (retry a round) when one of
         its members dies first."""
@@ -460,6 +625,8 @@ class Membership:
         base = self._key(f"round{d.round}")
         new_rank = d.members.index(self.id)
         store = self.store
+        with self._state.lock:  # joiners and (for a joiner) the members: a death before the group forms is seen
+            self._state.watched += tuple(m for m in d.members if m != self.id and m not in self._state.watched)
         store.set(f"{base}/ready/{self.id}", "1")
         deadline = time.monotonic() + self.agree_timeout
         keys = [f"{base}/ready/{m}" for m in d.members]
@@ -482,28 +649,60 @@ class Membership:
             self.destroy_group()
             raise MembershipError(f"round {d.round}: the group of {list(d.members)} did not form: {e}") from e
 
-    def recover(self) -> NewMembership:
-        """After a failure: destroy the group, agree on the next round, form its group.
+    def recover(self, *, join: bool = False) -> NewMembership:
+        """After a failure (or, ``join=True``, at the boundary :meth:`join_due` agreed): destroy
+        the group, agree on the next round (the live members, then the live joiners), form its group.
 
         Raises MembershipError when this member is left out of the decision, when ``max_rounds``
         rounds do not form a group, or when a round does not decide in time.
         """
         t0 = time.monotonic()
-        if self._state.failed_at is None:
+        if self._state.failed_at is None and not join:
             self._fail("recover() called", publish=True)
         st = self._state
         failed_at = st.failed_at if st.failed_at is not None else time.time()
         self.destroy_group()
-        previous, candidates = self.members, self.members
-        first_round = self.round + 1
+        return self._form(self.members, self.round + 1, t0, failed_at)
+
+    def admit(self, timeout: float) -> NewMembership:
+        """A joiner: wait up to ``timeout`` seconds for a round whose decision takes it in (the
+        members' next join boundary, or a recovery from a failure), then form its group."""
+        t0 = time.monotonic()
+        failed_at = time.time()
+        deadline = t0 + timeout
+        rkey = self._key("round")
+        try:
+            self.store.wait([rkey], datetime.timedelta(seconds=max(0.1, timeout)))
+        except RuntimeError as e:
+            raise MembershipError(f"joiner {self.id}: {self.prefix} has no current round: {e}") from e
+        n = int(self.store.get(rkey).decode()) + 1  # a stale value only means reading decisions already taken
+        while True:
+            d = self.wait_decision(n, deadline - time.monotonic())
+            if self.id in d.members:
+                break
+            log.info("joiner %d: round %d formed without it (%s); waiting for round %d", self.id, n, list(d.members),
+                     n + 1)
+            n += 1
+        return self._form(d.previous or d.members, n, t0, failed_at, decided=d)
+
+    def _form(self, previous: tuple[int, ...], first_round: int, t0: float, failed_at: float,
+              decided: Decision | None = None) -> NewMembership:
+        """Rounds from ``first_round`` until one forms its group (``decided``: the first round's
+        decision, already read). ``previous``: the ids holding state, by their rank."""
+        st = self._state
+        candidates = previous
         t_decided = t0
         for n in range(first_round, first_round + self.max_rounds):
-            try:
-                d = self.agree(n, candidates)
-            except MembershipError:
-                raise
-            except RuntimeError as e:  # the store itself failed (DistStoreError ...)
-                raise MembershipError(f"member {self.id}: round {n}: the membership store failed: {e}") from e
+            if decided is not None:
+                d, decided = decided, None
+            else:
+                try:
+                    d = self.agree(n, candidates, previous) if self.id in previous else \
+                        self.wait_decision(n, self.agree_timeout)
+                except MembershipError:
+                    raise
+                except RuntimeError as e:  # the store itself failed (DistStoreError ...)
+                    raise MembershipError(f"member {self.id}: round {n}: the membership store failed: {e}") from e
             t_decided = time.monotonic()
             if self.id not in d.members:
                 self.close()
@@ -513,10 +712,10 @@ class Membership:
                 self.regroup(d)
             except MembershipError as e:
                 log.warning("member %d: %s; trying round %d", self.id, e, n + 1)
-                candidates = d.members
+                candidates = d.survivors
                 continue
             t_end = time.monotonic()
-            alive = old_ranks(previous, d.members)
+            alive = old_ranks(previous, d.survivors)
             self.round, self.members = n, d.members
             with st.lock:
                 detect_s = st.detect_s
@@ -525,15 +724,19 @@ class Membership:
                     seen = [self.monitor.last_alive(m) for m in gone]
                     seen_at = [s for s in seen if s is not None]
                     detect_s = max(0.0, st.failed_mono - min(seen_at)) if seen_at else 0.0
-                st.watched = tuple(m for m in d.members if m != self.id)
+                st.members = d.members
+                st.pending = tuple(j for j in st.pending if j not in d.members)
+                st.watched = tuple(m for m in d.members if m != self.id) + st.pending
                 st.failed_at = st.failed_mono = None
                 st.reason, st.detect_s, st.round = "", 0.0, n
                 self._failures_seen = int(self.store.add(self._failures_key(n), 0))
+            if d.members.index(self.id) == 0:  # where a joiner starts looking for the round that admits it
+                self.store.set(self._key("round"), str(n))
             res = NewMembership(n, d.members, alive, d.members.index(self.id), len(d.members), failed_at, detect_s,
                                 t_decided - t0, t_end - t_decided,
-                                n - first_round + 1, self.dead())
-            log.info("member %d: round %d formed: new rank %d of %d (old ranks %s); detect %.3fs agree %.3fs "
-                     "regroup %.3fs", self.id, n, res.new_rank, res.world_size, list(alive), res.detect_s,
-                     res.agree_s, res.regroup_s)
+                                n - first_round + 1, self.dead(), d.joiners)
+            log.info("member %d: round %d formed: new rank %d of %d (old ranks %s, joiners %s); detect %.3fs "
+                     "agree %.3fs regroup %.3fs", self.id, n, res.new_rank, res.world_size, list(alive),
+                     list(d.joiners), res.detect_s, res.agree_s, res.regroup_s)
             return res
         raise MembershipError(f"member {self.id}: {self.max_rounds} rounds from {first_round} formed no group")

@@ -28,7 +28,7 @@ import tenplex
 from tenplex import ParallelConfig
 from tenplex.errors import ConfigError, MembershipError, PeerFailure
 from tenplex.membership import (Decision, HeartbeatMonitor, decode_decision, encode_decision, is_peer_error,
-                                old_ranks, parse_joined, propose)
+                                join_step, old_ranks, parse_joined, propose)
 from tenplex.train.launch import RendezvousStore
 
 P = ParallelConfig
@@ -66,9 +66,44 @@ def test_propose_order_and_old_ranks() -> None:
         old_ranks((0, 1), (0, 4))
 
 
+def test_propose_with_joiners() -> None:
+    """Joiners follow the live survivors (whatever ``order`` returns), dead or duplicate joiners
+    and candidates listed as joiners are dropped, and joiners alone form no round."""
+    assert propose([0, 1], [0, 1], [], joiners=[2, 3]) == (0, 1, 2, 3)
+    assert propose([0, 1, 2], [0, 2], [1], joiners=[3, 3, 1, 4], order=None) == (0, 2, 3, 4)
+    assert propose([0, 1], [0, 1], [3], joiners=[2, 3]) == (0, 1, 2)
+    assert propose([0, 1], [0], [], joiners=[2]) is None  # 1 neither joined nor dead: wait
+    assert propose([0], [], [0], joiners=[2]) is None  # nobody holds state
+    assert propose([0, 1], [0, 1], [], joiners=[2], order=lambda m: list(reversed(m))) == (1, 0, 2)
+    even = lambda n: n % 2 == 0  # noqa: E731 - only even group sizes have a layout
+    assert propose([0, 1], [0, 1], [], joiners=[2, 3, 4], fits=even) == (0, 1, 2, 3)  # 4 waits
+    assert propose([0, 1], [0, 1], [], joiners=[2], fits=even) == (0, 1)  # 2 waits for a partner
+    assert propose([0, 1, 2], [0, 1, 2], [], joiners=[], fits=even) == (0, 1, 2)  # survivors are never left out
+    d = Decision(4, (1, 0, 2), previous=(0, 1))
+    assert d.survivors == (1, 0) and d.joiners == (2,) and old_ranks(d.previous, d.survivors) == (1, 0)
+    assert Decision(4, (1, 0)).joiners == () and Decision(4, (1, 0)).survivors == (1, 0)
+    with pytest.raises(MembershipError, match="before the joiners"):
+        Decision(4, (2, 0), previous=(0, 1))
+    with pytest.raises(MembershipError, match="twice"):
+        Decision(4, (0, 0))
+
+
+def test_join_step() -> None:
+    """A member at step k proposes k + 1 when it knows of joiners; everybody admits them at the
+    stored boundary; a stored boundary already passed is an error, not a silent skip."""
+    assert join_step(3, None, False) == (None, None)
+    assert join_step(3, None, True) == (None, 4)
+    assert join_step(3, 4, True) == (4, None) and join_step(4, 4, False) == (4, None)
+    with pytest.raises(MembershipError, match="more than one step apart"):
+        join_step(5, 4, False)
+
+
 def test_decision_round_trip() -> None:
     d = Decision(3, (2, 0, 1))
     assert decode_decision(encode_decision(d).encode()) == d
+    d = Decision(3, (1, 0, 5), previous=(0, 1, 2))
+    assert decode_decision(encode_decision(d)) == d
+    assert decode_decision(b'{"round": 2, "members": [1]}') == Decision(2, (1,))  # a decision without "previous"
     with pytest.raises(MembershipError, match="no valid membership decision"):
         decode_decision(b"garbage")
     assert parse_joined(b"3,1,,0,") == [3, 1, 0]

@@ -10,6 +10,12 @@ survivor holds (``StateRing``), reading only pieces no survivor holds from the h
 then the checkpoint; the run driver rebuilds its groups and trainer and continues. Any error
 during a recovery (a second failure, no group formed, a broken transfer) ends the process with
 ``RECOVERY_FAILED`` so that torchrun's agent restarts the job (the restart path).
+
+Scale up by the same mechanism: a process started with ``--join`` (same store, same job key:
+:func:`job_key`) finds the job's membership prefix (:func:`join_membership`), registers as a
+joiner and waits; the members see the registration through their heartbeat thread, agree on a
+step boundary (``Membership.join_due``), form a round of members + joiners, and
+``rescale(live=...)`` sends the joiners their pieces (and the step and data position) live.
 """
 
 from __future__ import annotations
@@ -29,18 +35,23 @@ import torch
 import torch.distributed as dist
 
 from ..config import ParallelConfig
-from ..elastic import Chooser, LiveState, RescaleResult, live_order, rescale
-from ..errors import ConfigError, TenplexError
+from ..elastic import Chooser, LiveState, RescaleResult, check_fits, live_order, rescale
+from ..errors import ConfigError, MembershipError, TenplexError
 from ..membership import Membership, NewMembership
 from ..ptc import PTC
 
-__all__ = ["MEMBERSHIP_STORE_ENV", "RECOVERY_FAILED", "DIE_POINTS", "StateRing", "DieAt", "membership_store",
-           "start_membership", "warm_up", "recover_live", "LiveRecovery"]
+__all__ = ["MEMBERSHIP_STORE_ENV", "JOB_ENV", "RECOVERY_FAILED", "JOIN_FAILED", "DIE_POINTS", "StateRing", "DieAt",
+           "membership_store", "job_key", "start_membership", "join_membership", "layout_fits", "warm_up",
+           "recover_live",
+           "LiveRecovery"]
 
 log = logging.getLogger(__name__)
 
 MEMBERSHIP_STORE_ENV = "TENPLEX_MEMBERSHIP_STORE"
+JOB_ENV = "TENPLEX_JOB_ID"
 RECOVERY_FAILED = 75  # exit code of a worker whose in-process recovery failed: the launcher restarts it
+JOIN_FAILED = 76  # exit code of a joiner that was not admitted (no job found, none took it in within its timeout)
+JOBS_KEY = "tenplex/inproc/jobs"  # job key -> the membership prefix of the job's current launch
 DIE_POINTS = ("forward", "backward", "optimizer", "save", "migrate")
 
 
@@ -136,13 +147,66 @@ def membership_store(timeout_s: float = 30.0) -> Any:
     return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def job_key() -> str:
+    """What names this job in the membership store, for joiners to find it: ``TENPLEX_JOB_ID``,
+    else torchrun's run id, else the bootstrap address ``MASTER_ADDR:MASTER_PORT`` (the same
+    in every worker and joiner of one job started with env://)."""
+    for name in (JOB_ENV, "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(name):
+            return os.environ[name]
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not addr or not port:
+        raise ConfigError(f"cannot name the job for joiners: set {JOB_ENV} (or MASTER_ADDR and MASTER_PORT)")
+    return f"{addr}:{port}"
+
+
 def start_membership(store: Any, *, interval: float = 0.1, dead_after: float = 0.8) -> Membership:
     """Every rank of the default group: a Membership under a prefix fresh for this group (a nonce
-    from rank 0), so a restarted job never reads a previous launch's keys."""
+    from rank 0), so a restarted job never reads a previous launch's keys. Rank 0 then publishes
+    the prefix under the job's key (:func:`job_key`) for joiners."""
     box = [f"tenplex/inproc/{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return Membership(store, str(box[0]), interval=interval, dead_after=dead_after, agree_timeout=20.0,
-                      pg_timeout=datetime.timedelta(seconds=30))
+    m = Membership(store, str(box[0]), interval=interval, dead_after=dead_after, agree_timeout=20.0,
+                   pg_timeout=datetime.timedelta(seconds=30))
+    if dist.get_rank() == 0:
+        store.set(f"{JOBS_KEY}/{job_key()}", str(box[0]))
+    return m
+
+
+def join_membership(store: Any, backend: str, *, timeout_s: float, interval: float = 0.1,
+                    dead_after: float = 0.8) -> Membership:
+    """A joiner: wait up to ``timeout_s`` for the job (:func:`job_key`) to publish its membership
+    prefix, then register in it (``Membership(joiner=True)``); MembershipError when none appears."""
+    key = f"{JOBS_KEY}/{job_key()}"
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise MembershipError(f"no running job {job_key()!r} published its membership within {timeout_s:.0f} s "
+                              f"(key {key}): {e}") from e
+    prefix = store.get(key).decode()
+    return Membership(store, prefix, backend=backend, interval=interval, dead_after=dead_after, agree_timeout=20.0,
+                      pg_timeout=datetime.timedelta(seconds=30), joiner=True)
+
+
+def layout_fits(ptc: PTC, cfg: ParallelConfig, choose: Chooser) -> Callable[[int], bool]:
+    """``Membership(fits=...)``: whether the chooser finds a layout for a group of n (cached), so
+    that a joiner that would make the world size unusable is not admitted (it waits) instead of
+    failing the round."""
+    known: dict[int, bool] = {}
+
+    def fits(n: int) -> bool:
+        if n not in known:
+            try:
+                new = choose(ptc, n, cfg)
+                check_fits(new, n)
+                ptc.check(new)
+                known[n] = True
+            except TenplexError as e:
+                log.warning("no layout for %d workers (%s): joiners that would make %d wait", n, e, n)
+                known[n] = False
+        return known[n]
+
+    return fits
 
 
 def warm_up(ptc: PTC, cfg: ParallelConfig, choose: Chooser, members: Sequence[int]) -> float:
@@ -175,20 +239,29 @@ class LiveRecovery:
     storage_urls: tuple[str, ...] = ()  # where survivors read pieces no survivor held
 
 
-def recover_live(m: Membership, ring: StateRing, ptc: PTC, cfg: ParallelConfig, choose: Chooser, *,
+def recover_live(m: Membership, ring: StateRing, ptc: PTC, cfg: ParallelConfig | None, choose: Chooser, *,
                  sources: Sequence[str], url: str | None, tiers: Any, gpus_per_host: int,
-                 before_migrate: Callable[[], None] | None = None) -> LiveRecovery:
-    """Agree on the survivors (ordered by locality for the layout ``choose`` picks), then
-    ``rescale(live=...)`` from the states in ``ring``. Raises on any failure (the caller exits)."""
+                 before_migrate: Callable[[], None] | None = None, join: bool = False,
+                 join_timeout: float = 60.0) -> LiveRecovery:
+    """Agree on the members (the survivors ordered by locality for the layout ``choose`` picks,
+    then the live joiners), then ``rescale(live=...)`` from the states in ``ring``. ``join``: at
+    the boundary ``Membership.join_due`` agreed (nobody failed). A joiner (``m.joining``; ``cfg``
+    None, an empty ring) waits up to ``join_timeout`` s to be admitted and receives its state.
+    Raises on any failure (the caller exits)."""
     t0 = time.perf_counter()
-    m.order = live_order(ptc, cfg, choose, m.members)
-    nm = m.recover()
+    if m.joining:
+        nm = m.admit(join_timeout)
+    else:
+        assert cfg is not None
+        m.order = live_order(ptc, cfg, choose, m.members)
+        nm = m.recover(join=join)
     t1 = time.perf_counter()
     if before_migrate is not None:  # testing: every survivor is past the regroup when this one dies
         dist.barrier()
         before_migrate()
-    # the survivors that held state under cfg come first (live_order); spares of cfg after them hold nothing
-    holders = [a for a in nm.alive if a < cfg.world_size]
+    # the survivors that held state under cfg come first (live_order); spares of cfg after them hold nothing,
+    # nor do joiners (a joiner knows neither: rescale gives it the layout and the holders of group rank 0)
+    holders = [a for a in nm.alive if cfg is None or a < cfg.world_size]
     if list(nm.alive[: len(holders)]) != holders:
         raise TenplexError(f"the new group's order {list(nm.alive)} puts a spare of {cfg} before a rank holding "
                            "state (order the members with live_order)")

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from ..config import ParallelConfig
 from ..elastic import check_fits
 
-__all__ = ["Groups", "join_process_group", "init_distributed", "copy_to_tp", "reduce_from_tp", "all_reduce"]
+__all__ = ["Groups", "local_device", "join_process_group", "init_distributed", "copy_to_tp", "reduce_from_tp",
+           "all_reduce"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,21 @@ class Groups:
         return self.cfg.rank(pp=stage, dp=c.dp, tp=c.tp)
 
 
+def local_device() -> torch.device:
+    """This worker's device: CUDA device LOCAL_RANK (made current) when CUDA is available and
+    ``TENPLEX_DEVICE`` is not ``cpu``, else the CPU (its backend: nccl on CUDA, gloo on the CPU)."""
+    if not (torch.cuda.is_available() and os.environ.get("TENPLEX_DEVICE", "") != "cpu"):
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"LOCAL_RANK {local} needs CUDA device {local} but this host has {torch.cuda.device_count()}: "
+            f"start at most {torch.cuda.device_count()} workers per host (torchrun --nproc-per-node), or set "
+            f"TENPLEX_DEVICE=cpu to train on CPU with gloo")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
 def join_process_group(*, timeout_s: float = 60.0) -> torch.device:
     """Join the job's default process group (torchrun's environment); return this rank's device.
 
@@ -55,16 +71,8 @@ def join_process_group(*, timeout_s: float = 60.0) -> torch.device:
     if world == 1 and not dist.is_initialized() and "MASTER_ADDR" not in os.environ:
         return torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     if not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
-        if use_cuda:
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            if local >= torch.cuda.device_count():
-                raise RuntimeError(
-                    f"LOCAL_RANK {local} needs CUDA device {local} but this host has {torch.cuda.device_count()}: "
-                    f"start at most {torch.cuda.device_count()} workers per host (torchrun --nproc-per-node), or set "
-                    f"TENPLEX_DEVICE=cpu to train on CPU with gloo")
-            torch.cuda.set_device(local)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        device = local_device()
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -43,14 +44,15 @@ from ..data.corpus import TokenCorpus, stdlib_corpus
 from ..data.partition import DataState
 from ..elastic import Chooser, RescaleResult, agree_on_step, default_chooser, env_world, layout_options_for, rescale
 from ..errors import CheckpointMismatchError, CheckpointWriteError, ConfigError, PeerFailure, TenplexError
+from ..membership import Membership
 from ..memory import RECOMPUTE
 from ..models import ModelSpec
 from ..ptc import PTC
 from ..store import HostStore, recovery_tiers
 from .memory_probe import measure_step_memory
-from .live import DIE_POINTS, MEMBERSHIP_STORE_ENV, RECOVERY_FAILED, DieAt, LiveRecovery, StateRing, membership_store, recover_live, \
-    start_membership, warm_up
-from .parallel import init_distributed, join_process_group
+from .live import DIE_POINTS, JOB_ENV, JOIN_FAILED, MEMBERSHIP_STORE_ENV, RECOVERY_FAILED, DieAt, LiveRecovery, \
+    StateRing, job_key, join_membership, layout_fits, membership_store, recover_live, start_membership, warm_up
+from .parallel import init_distributed, join_process_group, local_device
 from .trainer import DATA_OBJECT, Spare, TrainConfig, Trainer, failure_message, trainer_ptc
 
 __all__ = ["main", "parse_args", "run", "check_writable"]
@@ -125,6 +127,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                     help="timeout of the job's collectives: how long a rank blocked on a peer that stopped "
                          "answering (a cut network link, a hung host) waits before it fails and the launcher "
                          "restarts it (default 60)")
+    ap.add_argument("--join", action="store_true",
+                    help="--in-process: join a running job (scale up) instead of starting one: register in the "
+                         f"store {MEMBERSHIP_STORE_ENV} names under the job's key ({JOB_ENV}, else torchrun's run id, "
+                         "else MASTER_ADDR:MASTER_PORT), wait until the workers admit this process at a step "
+                         "boundary and receive the state live from them")
+    ap.add_argument("--join-timeout", type=float, default=120.0,
+                    help=f"--join: seconds to wait for the job and for admission (then exit code {JOIN_FAILED})")
     ap.add_argument("--die-at", default=None, metavar="RANK:STEP:POINT[,...]",
                     help="testing: SIGKILL the worker of first-group rank RANK at POINT of step STEP "
                          f"({', '.join(DIE_POINTS)}; first launch only)")
@@ -139,7 +148,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                            resume_step=a.resume_step, allow_data_change=a.allow_data_change,
                            allow_model_change=a.allow_model_change, recompute=a.recompute,
                            in_process=a.in_process, live_keep=a.live_keep, die_at=a.die_at,
-                           dead_after=a.dead_after, pg_timeout=a.pg_timeout)
+                           dead_after=a.dead_after, pg_timeout=a.pg_timeout, join=a.join,
+                           join_timeout=a.join_timeout)
         DieAt.parse(a.die_at)
     except ConfigError as e:
         ap.error(str(e))  # exits 2
@@ -153,7 +163,7 @@ class _Start:
     corpus: TokenCorpus
     store: Any
     tiers: list[Any] | None
-    state: RescaleResult
+    state: RescaleResult | None  # None: a joiner (its state comes live from the running workers)
 
 
 # Start-up errors a user can fix (options, paths, checkpoints, data): one line, exit code 2.
@@ -161,7 +171,8 @@ _USER_ERRORS = (TenplexError, ValueError, OSError)
 
 
 def _prepare(tc: TrainConfig, rank: int, world: int) -> _Start:
-    """Check the checkpoint and store directories, hash the data, and load this rank's state."""
+    """Check the checkpoint and store directories, hash the data, and load this rank's state
+    (a joiner loads nothing)."""
     ptc = trainer_ptc(tc.model, distributed_optimizer=tc.distributed_optimizer, seq_len=tc.seq_len)
     spec = ModelSpec.from_json(ptc.meta["model"])
     if tc.ckpt:
@@ -175,6 +186,8 @@ def _prepare(tc: TrainConfig, rank: int, world: int) -> _Start:
     if store is not None:
         urls = [u for u in os.environ.get("TENPLEX_STORES", "").split(",") if u]
         tiers = recovery_tiers(store, urls, tc.ckpt, token=store.token)
+    if tc.join:
+        return _Start(ptc, corpus, store, tiers, None)
     try:
         state = rescale(tc.ckpt, ptc, rank=rank, world_size=world, parallel=_pinned_layout(tc.parallel, world),
                         layout_options=dict(global_batch=tc.global_batch, micro_batch=tc.micro_batch,
@@ -301,6 +314,8 @@ def run(tc: TrainConfig) -> int:
                   "w") as f:
             f.write(str(os.getpid()))
     t_start = time.perf_counter()
+    if tc.join:
+        return _join(tc, t_start)
     # Start-up: each rank finds its own problems (a directory it cannot write, damage only it
     # reads, another model or data), then all ranks agree, so that all stop together (exit 2).
     start: _Start | None = None
@@ -330,6 +345,29 @@ def run(tc: TrainConfig) -> int:
             dist.destroy_process_group()
 
 
+def _join(tc: TrainConfig, t_start: float) -> int:
+    """A joiner: prepare alone, register with the running job and train from the state it receives."""
+    try:
+        start = _prepare(tc, -1, 0)
+        device = local_device()
+        print(f"{PROG}: joiner: waiting for job {job_key()!r} in the store {os.environ.get(MEMBERSHIP_STORE_ENV)}",
+              file=sys.stderr, flush=True)
+        membership = join_membership(membership_store(), "nccl" if device.type == "cuda" else "gloo",
+                                     timeout_s=tc.join_timeout, dead_after=tc.dead_after)
+    except Exception as e:  # noqa: BLE001 - one line, like a start-up failure
+        if not isinstance(e, _USER_ERRORS):
+            log.error("the joiner could not start", exc_info=e)
+        print(f"{PROG}: error: joiner: {_one_line(_describe(e))}", file=sys.stderr, flush=True)
+        return JOIN_FAILED
+    print(f"{PROG}: joiner {membership.id}: registered with {membership.prefix}; waiting to be admitted",
+          file=sys.stderr, flush=True)
+    try:
+        return _train(tc, start, None, -1, 0, t_start, joiner=membership)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _startup_failed(error: BaseException | None, failed: int, rank: int, world: int) -> int:
     """Say why this rank stops at start-up; the exit code: 2, or 1 for an error that is no input's
     fault (a bug: its traceback is logged)."""
@@ -347,64 +385,127 @@ def _one_line(message: str) -> str:
     return " | ".join(ln.strip() for ln in message.strip().splitlines() if ln.strip()) or "failed (no message)"
 
 
-def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, world: int, t_start: float) -> int:
-    """The training loop of a rank whose start-up every rank agreed on."""
+def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: int, world: int, t_start: float,
+           joiner: Membership | None = None) -> int:
+    """The training loop of a rank whose start-up every rank agreed on; with ``joiner``, of a
+    process joining a running job (its layout, state, groups and trainer come with its admission)."""
     ptc, store = start.ptc, start.store
-    groups = init_distributed(state.cfg, timeout_s=tc.pg_timeout)
-    trainer: Any = Trainer(tc, ptc, groups, state, start.corpus) if groups.placed else Spare(tc, groups, state)
-    tiers = ("local", "peer", "storage")
-    read = torch.tensor([state.load_stats.bytes_read if state.load_stats else 0,
-                         state.load_stats.bytes_needed if state.load_stats else 0,
-                         *(state.bytes_by_tier.get(t, 0) for t in tiers)], dtype=torch.float64, device=groups.device)
-    if dist.is_initialized():
-        dist.all_reduce(read)  # bytes every rank read from the checkpoint, for the start record
-    skipped = _all_skipped(state.skipped)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if rank == 0:
-        log.warning("%s", state.summary())
-        for s in skipped:
-            log.warning("passed over checkpoint step %d (%s) on ranks %s: %s", s["step"], s["save_id"], s["ranks"],
-                        s["reason"])
-        _emit(tc.log, {"event": "start", "step": trainer.step, "world_size": world, "layout": str(state.cfg),
-                       "previous": str(state.previous) if state.previous else None, "restart": restart,
-                       "idle_ranks": list(state.idle_ranks),
-                       "resume_step": tc.resume_step, "skipped": skipped,
-                       "timings": state.timings, "startup_s": time.perf_counter() - t_start,
-                       "process_start": PROCESS_START, "wall": time.time(),
-                       "bytes_read": state.load_stats.bytes_read if state.load_stats else 0,
-                       "bytes_needed": state.load_stats.bytes_needed if state.load_stats else 0,
-                       "bytes_read_all": int(read[0]), "bytes_needed_all": int(read[1]),
-                       "plan_bytes_moved": state.plan_stats.bytes_moved if state.plan_stats else 0,
-                       "bytes_by_tier": state.bytes_by_tier,
-                       "bytes_by_tier_all": {t: int(read[2 + i]) for i, t in enumerate(tiers)}})
-    first_step = trainer.step
+    groups: Any = None
+    trainer: Any = None
+    if joiner is None:
+        assert state is not None
+        groups = init_distributed(state.cfg, timeout_s=tc.pg_timeout)
+        trainer = Trainer(tc, ptc, groups, state, start.corpus) if groups.placed else Spare(tc, groups, state)
+        _start_record(tc, state, groups, rank, world, restart, t_start, trainer.step)
+    first_step = trainer.step if trainer is not None else -2  # --measure-memory: the second step of this process
     # Save ids must differ between launches. Under a process group the default does (a nonce shared
     # through its store); a process alone has only its environment, the same at every launch, so a
     # relaunch that saves a step again (after --resume-step, or passing over a damaged step) would
-    # reuse the id: it gets a random one.
-    save_id = None if dist.is_initialized() else uuid.uuid4().hex[:8]
+    # reuse the id: it gets a random one. A joiner saves in the group that admits it.
+    save_id = None if dist.is_initialized() or joiner is not None else uuid.uuid4().hex[:8]
     writer = _Writer()
     fault: str | None = None  # this rank's first failed save or snapshot: every rank stops at the next step
     where = f"rank {rank}: " if world > 1 else ""
-    die = DieAt.hook(DieAt.parse(tc.die_at), rank) if restart == 0 else None  # testing: by first-group rank
-    trainer.die = die
-    membership, ring = None, None
-    if tc.in_process and dist.is_initialized():
+    # testing: by first-group rank (a joiner: by its member id)
+    die = DieAt.hook(DieAt.parse(tc.die_at), rank if joiner is None else joiner.id) if restart == 0 else None
+    membership: Membership | None = joiner
+    ring: StateRing | None = StateRing(tc.live_keep) if joiner is not None else None
+    if joiner is None and tc.in_process and dist.is_initialized():
         membership = start_membership(membership_store(), dead_after=tc.dead_after)
         ring = StateRing(tc.live_keep)
         _record(ring, trainer)
+    if trainer is not None:
+        trainer.die = die
     choose = _chooser(tc, ptc)
-    if membership is not None:
+    if membership is not None and joiner is None:
+        assert state is not None
+        membership.fits = layout_fits(ptc, state.cfg, choose)
         warm_up(ptc, state.cfg, choose, membership.members)
     recovered: Any = None  # the in-process recovery whose first step is still to come
+    # why the next pass regroups before training: "join" (a boundary the members agreed to admit
+    # joiners at), "joining" (this process is a joiner), else the failure's message
+    regroup: str | None = "joining" if joiner is not None else None
 
     def pending_fault() -> str | None:  # a background write that failed by now counts in this step
         return fault or writer.poll()
+
+    snapped: set[int] = set()  # steps whose snapshot of this rank's state is in the host store
+    snapping: list[int] = []  # the step whose snapshot the main thread is writing
+
+    def terminated(signum: int, frame: Any) -> None:
+        """SIGTERM (torchrun's agent restarting the workers, e.g. for a joining node): put the
+        consistent states held in memory that the host store lacks there, then exit at once."""
+        held_states = ring.states() if ring is not None and state is not None and store is not None else {}
+        # the two newest (ranks are at most one step apart, so every rank writes the step they all
+        # hold), oldest first: the host store keeps the attempts that arrived last
+        for step, held in sorted(held_states.items())[-2:]:
+            assert store is not None and state is not None
+            if step in snapped or step in snapping:
+                continue
+            try:
+                store.snapshot(ptc, state.cfg, rank, held, step=step, replicate=bool(store.url), save_id=save_id)
+                log.warning("rank %d: SIGTERM: step %d's state is in the host store %s", rank, step, store.root)
+            except Exception:  # noqa: BLE001 - exiting anyway; the restart loads what is there
+                log.exception("rank %d: SIGTERM: could not snapshot step %d", rank, step)
+        logging.shutdown()
+        os._exit(128 + signum)
+
+    if membership is not None and store is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, terminated)  # (handlers can only be set from the main thread)
 
     def guard() -> Any:
         return membership.guard() if membership is not None else contextlib.nullcontext()
 
     while True:
+        if regroup is not None:
+            # Out of the except block: the exception's frames (the step's autograd graph, its p2p work)
+            # are gone. Dropping the trainer too frees the last references to the broken groups, so
+            # gloo closes their connections and peers still blocked on this rank fail at once (kept,
+            # they held a peer blocked until a process exited; no gc.collect() needed, measured).
+            assert membership is not None and ring is not None
+            if regroup == "join":
+                log.info("rank %d: admitting joiners %s after step %d", rank, list(membership.pending()),
+                         trainer.step)
+            elif regroup != "joining":
+                log.warning("rank %d: %s: recovering in-process", rank, regroup)
+            at = trainer.step + 1 if trainer is not None else 0
+            trainer = groups = None
+            try:
+                rec = recover_live(membership, ring, ptc, state.cfg if state is not None else None, choose,
+                                   sources=_sources(store, tc.ckpt), url=tc.ckpt, tiers=start.tiers,
+                                   gpus_per_host=tc.gpus_per_host,
+                                   before_migrate=(lambda: die("migrate", at)) if die else None,
+                                   join=regroup == "join", join_timeout=tc.join_timeout)
+                groups = init_distributed(rec.result.cfg, timeout_s=tc.pg_timeout)
+                trainer = Trainer(tc, ptc, groups, rec.result, start.corpus) if groups.placed else \
+                    Spare(tc, groups, rec.result)
+            except Exception as e2:  # noqa: BLE001 - any failure here: the launcher's restart takes over
+                code = JOIN_FAILED if membership.joining else RECOVERY_FAILED
+                who = f"joiner {membership.id}" if membership.joining or rank < 0 else f"rank {rank}"
+                log.error("%s: in-process %s failed", who, "admission" if membership.joining else "recovery",
+                          exc_info=e2)
+                print(f"{PROG}: error: {who}: in-process {'admission' if membership.joining else 'recovery'} "
+                      f"failed ({_one_line(_describe(e2))}); exiting with code {code}"
+                      f"{'' if membership.joining else ' so that the launcher restarts the job'}",
+                      file=sys.stderr, flush=True)
+                logging.shutdown()
+                os._exit(code)  # no clean-up that could wait on a dead peer
+            before = state.cfg if state is not None else rec.result.previous
+            state = rec.result
+            membership.fits = layout_fits(ptc, state.cfg, choose)
+            trainer.die = die
+            rank, world = groups.rank, dist.get_world_size()
+            where = f"rank {rank}: "
+            ring.clear()
+            _record(ring, trainer)
+            recovered = _recovery_record(rec, before, trainer.step, "failure" if regroup not in ("join", "joining")
+                                         else "join")
+            if rank == 0:
+                log.warning("%s", state.summary())
+                _emit(tc.log, {"event": "recover", **recovered})
+            regroup = None
+        assert state is not None
         try:
             while trainer.step < tc.steps:
                 t0 = time.perf_counter()
@@ -430,13 +531,16 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
                 step = trainer.step
                 if fault is None and groups.placed and store is not None and tc.snapshot_every and \
                         step % tc.snapshot_every == 0:
+                    snapping[:] = [step]
                     try:
                         store.snapshot(ptc, state.cfg, groups.rank, trainer.shard(), step=step,
                                        replicate=bool(store.url), save_id=save_id)
+                        snapped.add(step)
                     except Exception as e:  # noqa: BLE001 - reported on every rank at the next step
                         log.debug("snapshot failed", exc_info=True)
                         fault = f"{where}could not write the snapshot of step {step} to the host store " \
                                 f"{store.root}: {_describe(e)}"
+                    snapping.clear()
                 if fault is None and groups.placed and tc.ckpt and ((tc.ckpt_every and step % tc.ckpt_every == 0)
                                                                     or done):
                     # persistent checkpoints run in the background: training waits only for the copy
@@ -452,51 +556,55 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult, rank: int, worl
                     writer.wait()  # deterministic for tests: the pending checkpoint lands first
                     log.error("rank %d: simulated failure after step %d", rank, trainer.step)
                     os._exit(17)
+                # scale up: every member reads the agreed boundary here (one store read), so all admit
+                # the waiting joiners after the same step; none is proposed with no step left to run
+                if membership is not None and not done and membership.join_due(step, propose=step + 1 < tc.steps):
+                    regroup = "join"
+                    break
+            if regroup is not None:
+                continue
             fault = fault or writer.wait()
             with guard():
                 failed = _failed_ranks(fault, groups.device)  # the last saves, agreed by every rank before it exits
         except PeerFailure as e:
-            failure = str(e)
+            regroup = str(e)
         else:
             break
-        # Out of the except block: the exception's frames (the step's autograd graph, its p2p work)
-        # are gone. Dropping the trainer too frees the last references to the broken groups, so
-        # gloo closes their connections and peers still blocked on this rank fail at once (kept,
-        # they held a peer blocked until a process exited; no gc.collect() needed, measured).
-        assert membership is not None and ring is not None
-        log.warning("rank %d: %s: recovering in-process", rank, failure)
-        at = trainer.step + 1
-        trainer = groups = None  # type: ignore[assignment]
-        try:
-            rec = recover_live(membership, ring, ptc, state.cfg, choose, sources=_sources(store, tc.ckpt),
-                               url=tc.ckpt, tiers=start.tiers, gpus_per_host=tc.gpus_per_host,
-                               before_migrate=(lambda: die("migrate", at)) if die else None)
-            groups = init_distributed(rec.result.cfg, timeout_s=tc.pg_timeout)
-            trainer = Trainer(tc, ptc, groups, rec.result, start.corpus) if groups.placed else \
-                Spare(tc, groups, rec.result)
-        except Exception as e2:  # noqa: BLE001 - any failure here: the launcher's restart takes over
-            log.error("rank %d: in-process recovery failed", rank, exc_info=e2)
-            print(f"{PROG}: error: rank {rank}: in-process recovery failed ({_one_line(_describe(e2))}); "
-                  f"exiting with code {RECOVERY_FAILED} so that the launcher restarts the job",
-                  file=sys.stderr, flush=True)
-            logging.shutdown()
-            os._exit(RECOVERY_FAILED)  # no clean-up that could wait on a dead peer
-        previous, state = state, rec.result
-        trainer.die = die
-        rank, world = groups.rank, dist.get_world_size()
-        where = f"rank {rank}: "
-        ring.clear()
-        _record(ring, trainer)
-        recovered = _recovery_record(rec, previous.cfg, trainer.step)
-        if rank == 0:
-            log.warning("%s", state.summary())
-            _emit(tc.log, {"event": "recover", **recovered})
     if membership is not None:
         membership.close()
     if failed:
         raise CheckpointWriteError(f"{failure_message(fault, failed, rank)}; training stopped after step "
                                    f"{trainer.step}{' on every rank' if dist.is_initialized() else ''}")
     return 0
+
+
+def _start_record(tc: TrainConfig, state: RescaleResult, groups: Any, rank: int, world: int, restart: int,
+                  t_start: float, step: int) -> None:
+    """Rank 0 logs how the job started (bytes every rank read: a collective over the group)."""
+    tiers = ("local", "peer", "storage")
+    read = torch.tensor([state.load_stats.bytes_read if state.load_stats else 0,
+                         state.load_stats.bytes_needed if state.load_stats else 0,
+                         *(state.bytes_by_tier.get(t, 0) for t in tiers)], dtype=torch.float64, device=groups.device)
+    if dist.is_initialized():
+        dist.all_reduce(read)  # bytes every rank read from the checkpoint, for the start record
+    skipped = _all_skipped(state.skipped)
+    if rank == 0:
+        log.warning("%s", state.summary())
+        for s in skipped:
+            log.warning("passed over checkpoint step %d (%s) on ranks %s: %s", s["step"], s["save_id"], s["ranks"],
+                        s["reason"])
+        _emit(tc.log, {"event": "start", "step": step, "world_size": world, "layout": str(state.cfg),
+                       "previous": str(state.previous) if state.previous else None, "restart": restart,
+                       "idle_ranks": list(state.idle_ranks),
+                       "resume_step": tc.resume_step, "skipped": skipped,
+                       "timings": state.timings, "startup_s": time.perf_counter() - t_start,
+                       "process_start": PROCESS_START, "wall": time.time(),
+                       "bytes_read": state.load_stats.bytes_read if state.load_stats else 0,
+                       "bytes_needed": state.load_stats.bytes_needed if state.load_stats else 0,
+                       "bytes_read_all": int(read[0]), "bytes_needed_all": int(read[1]),
+                       "plan_bytes_moved": state.plan_stats.bytes_moved if state.plan_stats else 0,
+                       "bytes_by_tier": state.bytes_by_tier,
+                       "bytes_by_tier_all": {t: int(read[2 + i]) for i, t in enumerate(tiers)}})
 
 
 def _record(ring: StateRing, trainer: Trainer | Spare) -> None:
@@ -530,10 +638,11 @@ def _sources(store: Any, ckpt: str | None) -> list[str]:
     return [u for u in (store.root if store is not None else None, ckpt) if u]
 
 
-def _recovery_record(rec: LiveRecovery, before: ParallelConfig, step: int) -> dict[str, Any]:
+def _recovery_record(rec: LiveRecovery, before: ParallelConfig | None, step: int, reason: str) -> dict[str, Any]:
     nm, res = rec.membership, rec.result
     stats = res.plan_stats
-    return {"wall": time.time(), "failed_at": nm.failed_at, "world_size": nm.world_size, "layout": str(res.cfg),
+    return {"wall": time.time(), "reason": reason, "joiners": list(nm.joiners), "failed_at": nm.failed_at,
+            "world_size": nm.world_size, "layout": str(res.cfg),
             "previous": str(before), "live": res.live, "step": step, "newest": rec.newest,
             "steps_lost": max(0, rec.newest - step), "alive": list(nm.alive), "round": nm.round,
             "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,

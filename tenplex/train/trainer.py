@@ -79,6 +79,8 @@ class TrainConfig:
     dead_after: float = 0.8
     die_at: str | None = None
     pg_timeout: float = 60.0
+    join: bool = False
+    join_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         """Refuse options that would make checkpoints, snapshots or the resume silently not happen."""
@@ -104,6 +106,10 @@ class TrainConfig:
             raise ConfigError("--resume-step needs checkpoints to resume from: pass --ckpt (or --store)")
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.join and not self.in_process:
+            raise ConfigError("--join takes the state live from the running workers: it needs --in-process")
+        if not (isinstance(self.join_timeout, (int, float)) and self.join_timeout > 0):
+            raise ConfigError(f"--join-timeout must be a positive number of seconds, got {self.join_timeout!r}")
         if self.snapshot_every and not self.store:
             raise ConfigError(f"--snapshot-every {self.snapshot_every} needs a host store to snapshot to: pass --store")
 
