@@ -33,6 +33,7 @@ bench: $(STAMP)
 	PYTHONPATH=. $(PY) scripts/bench_migrate.py --json
 	$(PY) scripts/bench_remote.py --json   # needs moto[server] and s3fs (the test extras)
 	$(PY) scripts/bench_recovery.py
+	PYTHONPATH=. $(PY) scripts/bench_recovery.py --join   # in-process scale up: 2 workers admit 2 joiners (docs/bench_join.json)
 	$(PY) scripts/bench_schedule.py
 	$(PY) scripts/bench_schedule_scale.py --json   # the scheduler at 1,024-16,384 GPUs
 	$(PY) scripts/bench_scale.py --json   # chooser, assignment, plans, world sizes, tenplex simulate (#20)
