@@ -227,7 +227,7 @@ def _worker(rank: int, port: int, url: str, scenario: str, out: Any) -> None:
     out.put(("done", rank, res))
 
 
-def _run_world(tmp_path: Path, scenario: str, budget: float = 25.0,
+def _run_world(tmp_path: Path, scenario: str, budget: float = 75.0,
                recovery_budget: float = 20.0) -> tuple[float, dict[int, dict[str, Any]]]:
     """Start the store and 4 workers, SIGKILL rank 3 mid-loop; (kill time, results of the others)."""
     import torch.multiprocessing as mp
@@ -244,7 +244,7 @@ def _run_world(tmp_path: Path, scenario: str, budget: float = 25.0,
     pids: dict[int, int] = {}
     results: dict[int, dict[str, Any]] = {}
     phases: dict[int, list[tuple[str, float]]] = {r: [] for r in range(4)}
-    deadline = time.monotonic() + budget  # start-up (slow on a loaded machine: 4 torch imports)
+    deadline = time.monotonic() + budget  # start-up only (4 spawned torch imports: 25 s was too little at load >= 10)
     t_kill = 0.0
     try:
         with gloo_env():  # the children take the environment at start
@@ -281,7 +281,7 @@ def _run_world(tmp_path: Path, scenario: str, budget: float = 25.0,
     return t_kill, results
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_kill_a_worker_mid_collective_survivors_regroup_and_migrate(tmp_path: Path) -> None:
     t_kill, res = _run_world(tmp_path, "main")
     nms = {r: v["nm"] for r, v in res.items()}
@@ -307,7 +307,7 @@ def test_kill_a_worker_mid_collective_survivors_regroup_and_migrate(tmp_path: Pa
                            for r, v in sorted(res.items())))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_second_failure_during_agreement_moves_to_a_later_round(tmp_path: Path) -> None:
     """Rank 3 dies mid-collective; rank 2 joins the agreement and dies before the group forms.
     Ranks 0 and 1 end in one group of 2 in the same round (2: round 1's decision had rank 2 in
