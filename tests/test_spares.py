@@ -34,6 +34,7 @@ from tenplex.train.trainer import trainer_ptc
 
 from conftest import examples
 from spawned import free_port
+from test_train import read_log
 
 COMMON = ["--model", "tiny", "--global-batch", "8", "--micro-batch", "2", "--lr", "3e-3", "--seed", "7"]
 REL_TOL = 1e-4
@@ -133,17 +134,6 @@ def _launch(ctx: multiprocessing.context.BaseContext, tmp: Path, n: int, argv: l
         pytest.fail(f"{tag}: exit codes {got}\n{tails}")
 
 
-def _steps(log: Path) -> tuple[dict[int, dict], list[dict]]:
-    steps, starts = {}, []
-    for line in log.read_text().splitlines():
-        obj = json.loads(line)
-        if "loss" in obj:
-            steps[obj["step"]] = obj
-        elif obj.get("event") == "start":
-            starts.append(obj)
-    return steps, starts
-
-
 def _forkserver() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tenplex.train.run", "torch.distributed"])
@@ -171,8 +161,8 @@ def _elastic(tmp: Path, phases: list[tuple[int, str | None]], per: int, extra: l
     for i, (n, pin) in enumerate(phases):
         _launch(ctx, tmp, n, [*COMMON, *extra, "--steps", str(per * (i + 1)), "--ckpt", str(ckpt), "--log", str(log),
                               *(["--parallel", pin] if pin else [])], f"w{n}")
-    ref, _ = _steps(ref_log)
-    got, starts = _steps(log)
+    ref, _ = read_log(ref_log)
+    got, starts = read_log(log)
     _compare(ref, got, total)
     assert [s["world_size"] for s in starts] == [n for n, _ in phases]
     for s in starts[1:]:
@@ -189,7 +179,7 @@ def test_elastic_run_8_5_7_workers_matches_the_uninterrupted_run(tmp_path: Path)
                       ["--distributed-optimizer"])
     assert [s["layout"] for s in starts] == ["dp=2,tp=2,pp=2", "dp=3,tp=1,pp=1", "dp=3,tp=2,pp=1"]
     assert [s["idle_ranks"] for s in starts] == [[], [3, 4], [6]]
-    got, _ = _steps(tmp_path / "log.jsonl")
+    got, _ = read_log(tmp_path / "log.jsonl")
     assert [got[s]["split"] for s in (1, 2, 3)] == [[4, 4], [4, 2, 2], [4, 2, 2]]
 
 
@@ -217,8 +207,8 @@ def test_in_process_recovery_with_spares(tmp_path: Path) -> None:
     _launch(ctx, tmp_path, 6, [*COMMON, "--steps", "6", "--in-process", "--log", str(log), "--ckpt",
                                str(tmp_path / "ckpt"), "--ckpt-every", "1", "--die-at", "5:2:forward,1:4:forward"],
             "w", env={"TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store.port}"}, codes=[0, -9, 0, 0, 0, -9])
-    ref, _ = _steps(ref_log)
-    got, _ = _steps(log)
+    ref, _ = read_log(ref_log)
+    got, _ = read_log(log)
     _compare(ref, got, 6)
     events = [json.loads(line) for line in log.read_text().splitlines()]
     recs = [e for e in events if e.get("event") == "recover"]
