@@ -32,9 +32,6 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
-from scipy import sparse
-from scipy.optimize import linear_sum_assignment, linprog
-from scipy.sparse.csgraph import connected_components, min_weight_full_bipartite_matching
 
 from .config import ParallelConfig
 from .errors import PlanError
@@ -180,6 +177,9 @@ def _sparse_matching(rows: np.ndarray, cols: np.ndarray, w: np.ndarray, n_rows: 
     unmatched). Costs ``big - w`` (``big - 0`` elsewhere): no cost is zero, and every full matching
     has ``n_rows + n_cols`` edges, so the least cost is the largest weight.
     """
+    from scipy import sparse  # lazy: scipy costs 0.5-1 s of start-up every worker need not pay
+    from scipy.sparse.csgraph import min_weight_full_bipartite_matching  # lazy: the same
+
     keep = w > 0
     rows, cols, w = rows[keep], cols[keep], w[keep].astype(np.float64)
     if not len(w):
@@ -204,6 +204,9 @@ def _flow_matching(w: SurvivorWeights, a: np.ndarray, rows: np.ndarray, cols: np
     for the sparse pairs. A direct arc is never worse than the hub path, so the flow optimum is
     the matching optimum; the constraint matrix is a network matrix, so HiGHS's vertex is integral.
     """
+    from scipy import sparse  # lazy: scipy costs 0.5-1 s of start-up every worker need not pay
+    from scipy.optimize import linprog  # lazy: the same
+
     nr, nc = len(rows), len(cols)
     rpos = np.full(w.rows, -1, dtype=np.int64)
     rpos[rows] = np.arange(nr)
@@ -304,6 +307,9 @@ def _solve_duals(block: np.ndarray, n_rows: np.ndarray, n_cols: np.ndarray) -> t
     minimising ``n_rows . u + n_cols . v`` (the transportation problem of ``block`` with ``n_rows`` rows
     and ``n_cols`` columns per class: its matrix is totally unimodular, so an integral optimum
     exists). None when the LP's vertex does not round to a feasible integral point."""
+    from scipy import sparse  # lazy: scipy costs 0.5-1 s of start-up every worker need not pay
+    from scipy.optimize import linprog  # lazy: the same
+
     hb, hk = np.nonzero(block > 0)
     nb, nk = block.shape
     if not len(hb):
@@ -402,6 +408,9 @@ def _completion(tight: np.ndarray, positive: np.ndarray, left_r: np.ndarray, lef
     columns per class that uses every row of a ``must_r`` class and every column of a ``must_c``
     class, or None when there is none. Greedy first (exact when each class has one tight pair),
     else the LP of the most must-ends covered (a transportation matrix: integral vertex)."""
+    from scipy import sparse  # lazy: scipy costs 0.5-1 s of start-up every worker need not pay
+    from scipy.optimize import linprog  # lazy: the same
+
     arcs = tight & positive
     flow = np.zeros(tight.shape, dtype=np.int64)
     lr, lc = left_r.copy(), left_c.copy()
@@ -436,6 +445,9 @@ def _components(w: SurvivorWeights, a: np.ndarray, rows: np.ndarray, cols: np.nd
     """Connected components (rows, cols, sparse entries; rows and cols ascending) of the graph of
     positive weights between ``rows`` and ``cols`` under the class matrix ``a``; components
     without a row or without a column are left out (nothing to match)."""
+    from scipy import sparse  # lazy: scipy costs 0.5-1 s of start-up every worker need not pay
+    from scipy.sparse.csgraph import connected_components  # lazy: the same
+
     rcls, rc_of = np.unique(w.row_class[rows], return_inverse=True)
     ccls, cc_of = np.unique(w.col_class[cols], return_inverse=True)
     nr, nc, nb = len(rows), len(cols), len(rcls)
@@ -477,6 +489,8 @@ def _solve(w: SurvivorWeights, a: np.ndarray, rows: np.ndarray, cols: np.ndarray
 def _solve_component(w: SurvivorWeights, a: np.ndarray, rows: np.ndarray, cols: np.ndarray, z_idx: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray]:
     """Maximum-weight matching of one connected component."""
+    from scipy.optimize import linear_sum_assignment  # lazy: scipy costs 0.5-1 s of start-up every worker need not pay
+
     rcls, ccls = np.unique(w.row_class[rows]), np.unique(w.col_class[cols])
     block = a[np.ix_(rcls, ccls)]
     c0 = int(block.min())

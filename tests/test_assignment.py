@@ -168,8 +168,8 @@ def test_zero_tp_blocks_solved_by_duals():
     def refuse(*args, **kwargs):
         raise AssertionError("a mixed component left the class-dual path")
 
-    with mock.patch.multiple(assignment, _dual_matching=counted, linear_sum_assignment=refuse,
-                             _flow_matching=refuse, DUAL_MIN=0):
+    with mock.patch.multiple(assignment, _dual_matching=counted, _flow_matching=refuse, DUAL_MIN=0), \
+            mock.patch("scipy.optimize.linear_sum_assignment", refuse):  # imported where it is called
         order = locality_order(ptc, old, new, survivors)
     assert calls and all(calls)
     held = held_matrix(ptc, old, new, survivors)

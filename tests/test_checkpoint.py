@@ -1200,22 +1200,23 @@ def test_default_save_id_is_shared_by_a_launch_and_differs_between_launches(tmp_
     """The id hashed run id, restart count, layout and model only, so a relaunch with the same
     run id reused it. Under a process group every rank derives the same id, from a background
     thread too, and another launch with the same environment gets another one."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from spawned import free_port
+
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    # the two launches side by side (each on its own port): the same environment, other process groups
+    ports = [free_port(), free_port()]
+    procs = [[subprocess.Popen([sys.executable, "-c", _NONCE_CHILD, str(r), str(port)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+             for port in ports]
     launches = []
-    for _ in range(2):
-        procs = [subprocess.Popen([sys.executable, "-c", _NONCE_CHILD, str(r), str(port)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-        outs = [p.communicate(timeout=150)[0] for p in procs]
-        assert all(p.returncode == 0 for p in procs), outs
+    for launch in procs:
+        outs = [p.communicate(timeout=150)[0] for p in launch]
+        assert all(p.returncode == 0 for p in launch), outs
         ids = [line.split()[1:] for out in outs for line in out.splitlines() if line.startswith("id ")]
         assert len(ids) == 2 and len({i for pair in ids for i in pair}) == 1, ids  # one id per launch
         launches.append(ids[0][0])

@@ -546,7 +546,8 @@ def test_schedule_honours_its_limit_where_naive_takes_longer() -> None:
     s = schedule(Demands.of(flows), t, time_limit=0.5)
     assert time.perf_counter() - start <= 1.0
     lo, hi = s.info["naive_bounds_s"] if "naive_bounds_s" in s.info else [s.info["naive_s"]] * 2
-    assert s.info["naive_floor_s"] * (1 - 1e-9) <= lo <= hi
+    # lo of a cut-short filling is shaded by 1e-9 on purpose (naive._cut_short): compare at 1e-6
+    assert s.info["naive_floor_s"] * (1 - 1e-6) <= lo <= hi
     assert s.method == "naive" or s.completion_s <= lo
     if s.method == "naive":
         validate(s)

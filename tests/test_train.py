@@ -110,6 +110,20 @@ def test_restart_under_new_layout_matches_uninterrupted(tmp_path: Path, referenc
     assert_matches(reference, steps, resumed_from=4)
 
 
+def _skip_where_namespaces_run_it() -> None:
+    """Skip a loopback two-host job where test_netns.py::test_elastic_node_failure_across_namespaces
+    runs it across network namespaces (TENPLEX_BIG_WORLDS=1 runs both)."""
+    from tenplex.errors import NetnsUnavailableError
+    from tenplex.train.netns import HostNetwork, unavailable_reason
+
+    if not unavailable_reason() and not os.environ.get("TENPLEX_BIG_WORLDS"):
+        try:
+            HostNetwork.create(1).close()
+        except NetnsUnavailableError:
+            return
+        pytest.skip("covered across network namespaces by test_netns.py::test_elastic_node_failure_across_namespaces")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_elastic_node_failure_two_agents(tmp_path: Path, reference: dict[int, dict]) -> None:
@@ -117,15 +131,7 @@ def test_elastic_node_failure_two_agents(tmp_path: Path, reference: dict[int, di
     the survivor's agent restarts its workers with world size 2 and rescale() continues.
     On loopback only where network namespaces cannot be made: otherwise
     test_netns.py::test_elastic_node_failure_across_namespaces runs this job across namespaces."""
-    from tenplex.errors import NetnsUnavailableError
-    from tenplex.train.netns import HostNetwork, unavailable_reason
-
-    if not unavailable_reason() and not os.environ.get("TENPLEX_BIG_WORLDS"):
-        try:
-            HostNetwork.create(1).close()
-            pytest.skip("covered across network namespaces by test_netns.py::test_elastic_node_failure_across_namespaces")
-        except NetnsUnavailableError:
-            pass
+    _skip_where_namespaces_run_it()
     log, ckpt, pids = tmp_path / "log.jsonl", tmp_path / "ckpt", tmp_path / "pids"
     args = [*COMMON, "--parallel", "dp=1,tp=2,pp=2", "--ckpt", str(ckpt), "--ckpt-every", "3", "--log", str(log)]
     store = RendezvousStore()
@@ -216,8 +222,12 @@ def test_rescale_errors(tmp_path: Path) -> None:
 def test_host_failure_recovers_from_host_stores(tmp_path: Path, reference: dict[int, dict]) -> None:
     """Two hosts (store + agent + 2 workers each), snapshots every 2 steps, one replica, no
     persistent checkpoint before the end: killing a host's store, agent and workers, the survivor
-    resumes from its own store (holding the dead host's replicas) and matches the reference."""
+    resumes from its own store (holding the dead host's replicas) and matches the reference.
+    On loopback only where network namespaces cannot be made: otherwise
+    test_netns.py::test_elastic_node_failure_across_namespaces runs this job across namespaces."""
     from tenplex.train.launch import start_hosts
+
+    _skip_where_namespaces_run_it()
 
     log = tmp_path / "log.jsonl"
     args = [*COMMON, "--parallel", "dp=1,tp=2,pp=2", "--ckpt", str(tmp_path / "ckpt"), "--ckpt-every", "1000",
