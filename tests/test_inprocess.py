@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -187,6 +188,57 @@ def test_kills_at_every_point_continue_in_process_with_the_same_losses_and_data(
         assert [(e["world_size"], e["live"]) for e in rec] == [(3, True), (2, False)], rec
         assert rec[1]["step"] == 4
         _check(reference(), got, STEPS)
+
+
+def _logged_steps(log: Path) -> int:
+    """Steps rank 0 has logged so far (0 before the log exists)."""
+    try:
+        return sum(1 for line in log.read_text().splitlines() if '"loss"' in line)
+    except FileNotFoundError:
+        return 0
+
+
+KILL_RUNS = int(os.environ.get("TENPLEX_KILL_RUNS", "1"))
+
+
+@pytest.mark.timeout(120 + 90 * KILL_RUNS)
+def test_kills_at_random_moments_continue_in_process(tmp_path: Path, reference: Callable[[], dict[int, dict]]) -> None:
+    """A worker SIGKILLed from outside at a random moment of a random step: wherever the moment
+    falls (forward, backward, the distributed optimizer's step, a checkpoint save, the copy into the
+    ring, the log), the survivors continue in-process under the layout for 3 and every loss and
+    sample equals the uninterrupted run's. The moment: a random fraction of the step time measured
+    so far, after rank 0 logged the step before. TENPLEX_KILL_RUNS=N repeats it with fresh random
+    choices (rank 0, which hosts the bootstrap store, included); TENPLEX_KILL_SEED=S repeats a
+    printed run."""
+    seed = int(os.environ.get("TENPLEX_KILL_SEED") or random.SystemRandom().randrange(2**31))
+    rng = random.Random(seed)
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    for run in range(KILL_RUNS):
+        victim, step, frac = rng.randrange(4), rng.randint(3, STEPS - 3), rng.random()
+        what = f"seed {seed} run {run}: rank {victim} killed at {frac:.2f} of step {step}"
+        d = tmp_path / f"run{run}"
+        d.mkdir()
+        log = d / "log.jsonl"
+        procs = _world(d, 4, ["--parallel", PINNED, "--distributed-optimizer", "--ckpt", str(d / "ckpt"),
+                              "--ckpt-every", "2", "--log", str(log)], store.port)
+        seen = [time.monotonic()]  # when rank 0 had logged 0, 1, 2, ... steps
+        deadline = seen[0] + 90
+        while len(seen) < step:  # step - 1 steps logged: step `step` is running
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (what, _tails(d))
+            while _logged_steps(log) >= len(seen):
+                seen.append(time.monotonic())
+            time.sleep(0.002)
+        step_s = (seen[-1] - seen[1]) / max(1, len(seen) - 2)  # after the first step (start-up)
+        time.sleep(frac * step_s)
+        procs[victim].kill()
+        codes = _wait(procs, 90)
+        assert codes == [-9 if r == victim else 0 for r in range(4)], (what, codes, _tails(d))
+        got, events = _read(log)
+        rec = _recoveries(events)
+        assert [(e["world_size"], e["live"]) for e in rec] == [(3, True)], (what, rec)
+        _check(reference(), got, STEPS)
+        print(f"{what} (step time {step_s * 1e3:.0f} ms): recovered at step {rec[0]['step']} "
+              f"(recovery {rec[0]['recover_s']:.2f}s, {rec[0]['steps_lost']} steps redone), {rec[0]['bytes_live']} B live")
 
 
 # scale up: 2 workers, then 4 (3 when the joiners come in one at a time)
