@@ -267,14 +267,18 @@ class SnapshotTask:
 
     ``begin(step, tensors)`` starts a snapshot of ``tensors`` (taken as they are now: call it
     before the iteration's optimizer step changes them); ``step()`` copies one bucket;
-    ``finish()`` copies what is left (blocking) and returns ``{name: host copy}``, after which
-    ``on_complete(step, snapshot)`` runs (e.g. a background write to the host store).
+    ``finish()`` copies what is left (blocking) and returns ``{name: host copy}`` (plus the
+    non-tensor values given to ``begin``), after which ``on_complete(step, snapshot)`` runs (e.g.
+    a background write to the host store, or the in-process trainer's ring of consistent states).
+    ``pending`` is true between ``begin`` and ``finish``.
 
     Memory: the host buffers, ``buffer_sets`` copies of the state (``state_bytes``, learnt at
-    the first ``begin`` unless given). With two sets a background writer may use a snapshot
-    until the next one completes; under a ``memory_limit`` below two copies one set is used, and
-    a snapshot is then valid only until the next ``begin``. A state larger than the limit
-    raises SideTaskMemoryError.
+    the first ``begin`` unless given), used in turn: a snapshot stays valid until its set is
+    reused ``buffer_sets`` snapshots later, which ``on_begin(step, buffers)`` announces before
+    the set is overwritten. With two sets a background writer may use a snapshot until the next
+    one completes; under a ``memory_limit`` below two copies one set is used, and a snapshot is
+    then valid only until the next ``begin``. A state larger than the limit raises
+    SideTaskMemoryError.
 
     CUDA tensors are copied into pinned buffers with non-blocking copies on a dedicated stream
     of the lowest priority (one bucket in flight, so a step takes about one copy's time);
@@ -284,6 +288,7 @@ class SnapshotTask:
 
     bucket_bytes: int = 1 << 20
     on_complete: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+    on_begin: Callable[[int, dict[str, torch.Tensor]], None] | None = None
     name: str = "snapshot"
     state_bytes: int = 0
     buffer_sets: int = 2
@@ -304,12 +309,13 @@ class SnapshotTask:
         return max(held, self.buffer_sets * self.state_bytes)
 
     def __post_init__(self) -> None:
-        if self.buffer_sets not in (1, 2):
-            raise ConfigError(f"buffer_sets must be 1 or 2, got {self.buffer_sets}")
+        if self.buffer_sets < 1:
+            raise ConfigError(f"buffer_sets must be at least 1, got {self.buffer_sets}")
         self._todo: list[tuple[str, torch.Tensor, int, int]] = []
         self._src: dict[str, torch.Tensor] = {}
+        self._objects: dict[str, Any] = {}
         self._step = -1
-        self._sets: list[dict[str, torch.Tensor]] = [{}, {}]
+        self._sets: list[dict[str, torch.Tensor]] = [{} for _ in range(self.buffer_sets)]
         self.buffers: dict[str, torch.Tensor] = self._sets[0]
         self._stream: Any = None  # torch.cuda.Stream of the lowest priority, made at the first CUDA snapshot
         self._copied: Any = None  # torch.cuda.Event after the last bucket issued on it
@@ -334,15 +340,20 @@ class SnapshotTask:
             log.info("%s: %d B of state, %d B memory limit: one host buffer set instead of %d",
                      self.name, state, self.memory_limit, self.buffer_sets)
             self.buffer_sets = 1
-            self._sets[1].clear()
+            for extra in self._sets[1:]:
+                extra.clear()
 
-    def begin(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+    def begin(self, step: int, tensors: dict[str, Any]) -> None:
+        """Start the snapshot of ``tensors`` (non-tensor values are kept as they are)."""
         self._step = step
         self._src = {n: t for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+        self._objects = {n: v for n, v in tensors.items() if not isinstance(v, torch.Tensor)}
         self.state_bytes = sum(t.nbytes for t in self._src.values())
         self._fit_sets(self.state_bytes)
         self._todo = []
         self.buffers = self._sets[self.completed % self.buffer_sets]
+        if self.on_begin is not None:
+            self.on_begin(step, self.buffers)  # the set about to be overwritten: its holder lets go of it
         cuda = [t.device for t in self._src.values() if t.is_cuda]
         if cuda:
             if self._stream is None:  # lower priority = larger number
@@ -360,6 +371,11 @@ class SnapshotTask:
 
     def is_finished(self) -> bool:
         return not self._todo
+
+    @property
+    def pending(self) -> bool:
+        """A snapshot was begun and not finished."""
+        return self._step >= 0
 
     def _copy_one(self) -> int:
         name, t, lo, hi = self._todo.pop()
@@ -389,7 +405,8 @@ class SnapshotTask:
         if self._copied is not None:  # the pinned buffers are complete before the tensors may change
             self._copied.synchronize()
             self._copied = None
-        snap = {n: self.buffers[n] for n in self._src}
+        snap: dict[str, Any] = {n: self.buffers[n] for n in self._src}
+        snap.update(self._objects)
         self.completed += 1
         step, self._step = self._step, -1
         if self.on_complete is not None:

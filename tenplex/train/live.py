@@ -34,13 +34,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..bubbles import BubbleRuntime, SnapshotTask
 from ..config import ParallelConfig
 from ..elastic import Chooser, LiveState, RescaleResult, check_fits, live_order, rescale
 from ..errors import ConfigError, MembershipError, TenplexError
 from ..membership import Membership, NewMembership
 from ..ptc import PTC
 
-__all__ = ["MEMBERSHIP_STORE_ENV", "JOB_ENV", "RECOVERY_FAILED", "JOIN_FAILED", "DIE_POINTS", "StateRing", "DieAt",
+__all__ = ["MEMBERSHIP_STORE_ENV", "JOB_ENV", "RECOVERY_FAILED", "JOIN_FAILED", "DIE_POINTS", "StateRing", "ring_in_bubbles", "settle_ring", "DieAt",
            "membership_store", "job_key", "start_membership", "join_membership", "layout_fits", "warm_up",
            "recover_live",
            "LiveRecovery"]
@@ -56,17 +57,20 @@ DIE_POINTS = ("forward", "backward", "optimizer", "save", "migrate")
 
 
 class StateRing:
-    """The last ``keep`` consistent states of this rank by step: CPU copies taken after a step
-    completed, their buffers reused. Survivors of a failure differ by at most one completed step
-    (a rank cannot finish step k+1's all-reduce without every rank in it), so ``keep=2`` always
-    leaves a step all of them hold; ``keep=3`` leaves two, one of them while the newest step's
-    save may still be on its way to the stores."""
+    """The last ``keep`` consistent states of this rank by step: CPU copies, either taken after a
+    step completed (``record``, buffers reused) or made in the pipeline bubbles of the next step
+    by a ``tenplex.bubbles.SnapshotTask`` with ``keep`` buffer sets (``adopt``/``release``; see
+    ``ring_snapshots``). Survivors of a failure differ by at most one completed step (a rank
+    cannot finish step k+1's all-reduce without every rank in it), so ``keep=2`` always leaves a
+    step all of them hold; ``keep=3`` leaves two, one of them while the newest step's save may
+    still be on its way to the stores."""
 
     def __init__(self, keep: int = 3) -> None:
         if keep < 2:
             raise ConfigError(f"the state ring must keep at least 2 steps, got {keep}")
         self.keep = keep
         self._states: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._adopted: set[int] = set()  # steps whose buffers belong to a SnapshotTask, never reused here
 
     def record(self, step: int, tensors: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> None:
         """Copy the state after ``step`` (tensors copied into a dropped step's buffers when they fit)."""
@@ -74,7 +78,9 @@ class StateRing:
             return
         reuse: dict[str, Any] = {}
         while len(self._states) >= self.keep:
-            reuse = self._states.popitem(last=False)[1]
+            old, dropped = self._states.popitem(last=False)
+            reuse = {} if old in self._adopted else dropped
+            self._adopted.discard(old)
         out: dict[str, Any] = {}
         for name, t in tensors.items():
             b = reuse.get(name)
@@ -85,11 +91,60 @@ class StateRing:
         out.update(objects)
         self._states[step] = out
 
+    def adopt(self, step: int, state: Mapping[str, Any]) -> None:
+        """Keep the state after ``step`` as given, without a copy: a ``SnapshotTask``'s host buffers,
+        filled in the pipeline bubbles of the next step (its ``on_complete``); they stay valid
+        until ``release`` is called for them."""
+        self._states.pop(step, None)
+        while len(self._states) >= self.keep:
+            self._adopted.discard(self._states.popitem(last=False)[0])
+        self._states[step] = dict(state)
+        self._adopted.add(step)
+
+    def release(self, step: int, buffers: Mapping[str, Any]) -> None:
+        """Forget the states held in ``buffers``: a ``SnapshotTask`` is about to overwrite them with
+        ``step``'s state (its ``on_begin``)."""
+        ptrs = {t.data_ptr() for t in buffers.values() if isinstance(t, torch.Tensor)}
+        for s in [s for s, st in self._states.items()
+                  if any(isinstance(t, torch.Tensor) and t.data_ptr() in ptrs for t in st.values())]:
+            del self._states[s]
+            self._adopted.discard(s)
+
     def states(self) -> dict[int, dict[str, Any]]:
         return dict(self._states)
 
     def clear(self) -> None:
         self._states.clear()
+        self._adopted.clear()
+
+
+def ring_in_bubbles(ring: StateRing, trainer: Any, device: Any = None) -> SnapshotTask:
+    """Make ``trainer``'s per-step state copy into ``ring`` a side task of its pipeline bubbles
+    (``tenplex.bubbles``): the state after step k is copied while step k+1's stages wait for
+    their neighbours' activations and gradients, and what is left before k+1's optimizer step
+    changes it (the only blocking part; all of it with one stage). ``ring.keep`` buffer sets
+    are used in turn, so the ring holds ``keep - 1`` finished states while a snapshot is under
+    way; ``settle_ring`` completes that one after a failure."""
+    task = SnapshotTask(name="ring", buffer_sets=ring.keep, on_begin=ring.release, on_complete=ring.adopt)
+    runtime = BubbleRuntime(record=False, device=device)
+    runtime.register(task)
+    trainer.bubble_hook, trainer.snapshot_task = runtime, task
+    return task
+
+
+def settle_ring(ring: StateRing, trainer: Any, record: Callable[[], None]) -> None:
+    """After a failure, make the ring hold the newest consistent state of this rank. A snapshot
+    begun in the interrupted step is finished from the working state, which only the optimizer
+    step changes (``trainer.updating``; once it started, that snapshot was already complete); a
+    step that completed without a snapshot since (the failure struck after it) is recorded by
+    ``record()``."""
+    task = getattr(trainer, "snapshot_task", None)
+    if getattr(trainer, "updating", False):
+        return  # the working state is half updated; finish() ran before the update began
+    if task is not None and task.pending:
+        task.finish()
+    elif trainer.step not in ring.states():
+        record()
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ from ..ptc import PTC
 from ..store import HostStore, recovery_tiers
 from .memory_probe import measure_step_memory
 from .live import DIE_POINTS, JOB_ENV, JOIN_FAILED, MEMBERSHIP_STORE_ENV, RECOVERY_FAILED, DieAt, LiveRecovery, \
-    StateRing, job_key, join_membership, layout_fits, membership_store, recover_live, start_membership, warm_up
+    StateRing, join_membership, job_key, layout_fits, membership_store, recover_live, ring_in_bubbles, settle_ring, \
+    start_membership, warm_up
 from .parallel import init_distributed, join_process_group, local_device
 from .trainer import DATA_OBJECT, Spare, TrainConfig, Trainer, failure_message, trainer_ptc
 
@@ -415,6 +416,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
         membership = start_membership(membership_store(), dead_after=tc.dead_after)
         ring = StateRing(tc.live_keep)
         _record(ring, trainer)
+        _ring_side_task(ring, trainer, groups)
     if trainer is not None:
         trainer.die = die
     choose = _chooser(tc, ptc)
@@ -437,6 +439,8 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
         """SIGTERM (torchrun's agent restarting the workers, e.g. for a joining node): put the
         consistent states held in memory that the host store lacks there, then exit at once."""
         held_states = ring.states() if ring is not None and state is not None and store is not None else {}
+        if held_states and isinstance(trainer, Trainer) and not trainer.updating and trainer.step not in held_states:
+            held_states[trainer.step] = trainer.consistent_state()  # completed, not yet copied into the ring
         # the two newest (ranks are at most one step apart, so every rank writes the step they all
         # hold), oldest first: the host store keeps the attempts that arrived last
         for step, held in sorted(held_states.items())[-2:]:
@@ -499,6 +503,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
             where = f"rank {rank}: "
             ring.clear()
             _record(ring, trainer)
+            _ring_side_task(ring, trainer, groups)
             recovered = _recovery_record(rec, before, trainer.step, "failure" if regroup not in ("join", "joining")
                                          else "join")
             if rank == 0:
@@ -516,7 +521,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                         loss, samples = measure_step_memory(trainer, tc.measure_memory, fault=pending_fault)
                     else:
                         loss, samples = trainer.train_step(fault=pending_fault)
-                if ring is not None:
+                if ring is not None and getattr(trainer, "snapshot_task", None) is None:  # else: the next step's bubbles
                     _record(ring, trainer)
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss is {loss} at step {trainer.step}")
@@ -525,6 +530,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                                    "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
                                    "split": list(trainer.split), "idle": world - state.cfg.world_size,
                                    "time_s": time.perf_counter() - t0, "restart": restart, "wall": time.time(),
+                                   **_ring_copy(trainer),
                                    **({"after_recovery": recovered} if recovered is not None else {})})
                 recovered = None
                 done = trainer.step >= tc.steps
@@ -568,6 +574,8 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                 failed = _failed_ranks(fault, groups.device)  # the last saves, agreed by every rank before it exits
         except PeerFailure as e:
             regroup = str(e)
+            if ring is not None and trainer is not None:
+                settle_ring(ring, trainer, lambda: _record(ring, trainer))
         else:
             break
     if membership is not None:
@@ -610,8 +618,21 @@ def _start_record(tc: TrainConfig, state: RescaleResult, groups: Any, rank: int,
 def _record(ring: StateRing, trainer: Trainer | Spare) -> None:
     if isinstance(trainer, Spare):  # holds nothing: a fresh joiner of the next in-process rescale
         return
-    ring.record(trainer.step, trainer.state_tensors(), {"optimizer.step": trainer.step,
-                                                        DATA_OBJECT: trainer.data.to_json()})
+    state = trainer.consistent_state()
+    ring.record(trainer.step, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
+                {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)})
+
+
+def _ring_copy(trainer: Trainer | Spare) -> dict[str, Any]:
+    """Bytes of the ring's snapshots so far copied in bubbles and blocking (by this trainer)."""
+    task = getattr(trainer, "snapshot_task", None)
+    return {} if task is None else {"ring_bubble_bytes": task.bubble_bytes, "ring_blocking_bytes": task.blocking_bytes}
+
+
+def _ring_side_task(ring: StateRing, trainer: Trainer | Spare, groups: Any) -> None:
+    """The per-step copy into the ring as a side task of the trainer's pipeline bubbles."""
+    if not isinstance(trainer, Spare):
+        ring_in_bubbles(ring, trainer, groups.device)
 
 
 def _save(die: Callable[[str, int], None] | None, *args: Any, **kwargs: Any) -> None:

@@ -178,6 +178,7 @@ class Trainer:
             self.batches = IndexBatches(corpus)
         self.bubble_hook: Any = None  # called as hook(op, work) while a stage waits for a peer
         self.snapshot_task: Any = None  # tenplex.bubbles.SnapshotTask: begin at step start, finish before the update
+        self.updating = False  # inside the optimizer step: the state is neither the old step's nor the new one's
         self.spans: list[Any] | None = None  # compute spans per op, when timelines are recorded
         self.die: Callable[[str, int], None] | None = None  # testing (--die-at): (point, step) at "forward", "backward", "optimizer"
 
@@ -207,8 +208,7 @@ class Trainer:
         if self.bubble_hook is not None and hasattr(self.bubble_hook, "begin_iteration"):
             self.bubble_hook.begin_iteration(self.step)
         if self.snapshot_task is not None:  # the state after the previous step, copied in this step's bubbles
-            self.snapshot_task.begin(self.step, {**self.state_tensors(), "optimizer.step": self.step,
-                                                 DATA_OBJECT: self.data.to_json()})
+            self.snapshot_task.begin(self.step, self.consistent_state())
         for k, op in enumerate(self.schedule):
             j = op.mb
             if self.die is not None and (k == 0 or op.kind != self.schedule[k - 1].kind):
@@ -250,6 +250,7 @@ class Trainer:
             self.snapshot_task.finish()  # buckets not copied in bubbles: the only blocking part
             if self.spans is not None:
                 self.spans.append(Span(self.step, "snapshot-blocking", t_fin, time.perf_counter()))
+        self.updating = True
         self._adamw()
         # the global loss: last-stage, TP rank 0 ranks hold their DP slice's weighted share; and the ranks whose
         # save failed (spares take part with zeros)
@@ -266,6 +267,7 @@ class Trainer:
         samples = global_batch_ids(self.data)
         self.data = self.data.advance()
         self.step += 1
+        self.updating = False
         return float(total[0].item()), samples
 
     def _recv(self, op: Op, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
@@ -334,6 +336,12 @@ class Trainer:
                 _adamw_update(p, grad, m, v, lr, wd, tc, bc1, bc2)
 
     # -- checkpoint ---------------------------------------------------------------------------
+    def consistent_state(self) -> dict[str, Any]:
+        """The state after step ``self.step`` as the in-process ring and snapshots keep it: this
+        rank's tensors (not copies) plus the step and the data position. Valid outside the
+        optimizer step (``updating``)."""
+        return {**self.state_tensors(), "optimizer.step": self.step, DATA_OBJECT: self.data.to_json()}
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and optimizer state under their PTC names (not copied)."""
         out = {n: p.detach() for n, p in self.params.items()}
