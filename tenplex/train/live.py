@@ -60,21 +60,29 @@ class StateRing:
     completed, their buffers reused. Survivors of a failure differ by at most one completed step
     (a rank cannot finish step k+1's all-reduce without every rank in it), so ``keep=2`` always
     leaves a step all of them hold; ``keep=3`` leaves two, one of them while the newest step's
-    save may still be on its way to the stores."""
+    save may still be on its way to the stores.
+
+    ``pin(step)`` keeps one recorded step beyond the ring until another is pinned: the step of the
+    last complete checkpoint, so that pieces only a dead rank held can be read from it at a step
+    the survivors still hold (a torch-native job without host stores)."""
 
     def __init__(self, keep: int = 3) -> None:
         if keep < 2:
             raise ConfigError(f"the state ring must keep at least 2 steps, got {keep}")
         self.keep = keep
         self._states: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._pinned: tuple[int, dict[str, Any]] | None = None
 
     def record(self, step: int, tensors: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> None:
-        """Copy the state after ``step`` (tensors copied into a dropped step's buffers when they fit)."""
+        """Copy the state after ``step`` (tensors copied into a dropped step's buffers when they fit;
+        never into the pinned step's)."""
         if step in self._states:
             return
         reuse: dict[str, Any] = {}
         while len(self._states) >= self.keep:
-            reuse = self._states.popitem(last=False)[1]
+            dropped = self._states.popitem(last=False)[1]
+            if self._pinned is None or dropped is not self._pinned[1]:
+                reuse = dropped
         out: dict[str, Any] = {}
         for name, t in tensors.items():
             b = reuse.get(name)
@@ -85,11 +93,21 @@ class StateRing:
         out.update(objects)
         self._states[step] = out
 
+    def pin(self, step: int) -> None:
+        """Keep recorded step ``step`` until the next pin (ConfigError when it is not recorded)."""
+        if step not in self._states:
+            raise ConfigError(f"step {step} is not in the state ring (steps {sorted(self._states)}): record it first")
+        self._pinned = (step, self._states[step])
+
     def states(self) -> dict[int, dict[str, Any]]:
-        return dict(self._states)
+        out = dict(self._states)
+        if self._pinned is not None:
+            out.setdefault(*self._pinned)
+        return out
 
     def clear(self) -> None:
         self._states.clear()
+        self._pinned = None
 
 
 @dataclass(frozen=True)
