@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from tenplex.data.corpus import stdlib_corpus  # noqa: E402
 from tenplex.data.partition import DataState, global_batch_ids  # noqa: E402
 from tenplex.elastic import LiveState, choose_mesh  # noqa: E402
 from tenplex.errors import PeerFailure  # noqa: E402
+from tenplex.dtensor import release_mesh  # noqa: E402
 from tenplex.state_dict import describe_state_dict, local_shard  # noqa: E402
 from tenplex.train.batches import IndexBatches  # noqa: E402
 from tenplex.train.live import RECOVERY_FAILED, DieAt, StateRing, membership_store, start_membership  # noqa: E402
@@ -55,9 +57,12 @@ from tenplex.train.live import RECOVERY_FAILED, DieAt, StateRing, membership_sto
 log = logging.getLogger("train_native")
 
 
-def mesh_rule(world: int) -> dict[str, int]:
-    """This job's own rule: FSDP2 x TP2 when there are at least 4 workers, else FSDP2 alone."""
-    return {"dp_shard": world // 2, "tp": 2} if world >= 4 and world % 2 == 0 else {"dp_shard": world}
+def mesh_rule(world: int, *, hsdp: bool = False) -> dict[str, int]:
+    """This job's own rule: FSDP2 x TP2 (``hsdp``: 2 replicas of FSDP2, HSDP) when there are at least 4
+    workers and an even number, else FSDP2 alone."""
+    if world >= 4 and world % 2 == 0:
+        return {"dp_replicate": 2, "dp_shard": world // 2} if hsdp else {"dp_shard": world // 2, "tp": 2}
+    return {"dp_shard": world}
 
 
 def emit(path: str, record: dict[str, Any]) -> None:
@@ -77,6 +82,7 @@ def main() -> None:
     p.add_argument("--in-process", action="store_true",
                    help="survivors of a failure recover in-process (TENPLEX_MEMBERSHIP_STORE=host:port)")
     p.add_argument("--dead-after", type=float, default=0.8, help="--in-process: heartbeat silence that means death")
+    p.add_argument("--hsdp", action="store_true", help="HSDP (2 replicas) instead of TP on 4 or more workers")
     p.add_argument("--die-at", default="", help="testing: RANK:STEP:POINT, POINT forward, optimizer or save")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {os.environ.get('RANK', '0')} %(message)s")
@@ -98,7 +104,7 @@ def main() -> None:
 
     # 1. the mesh for this world size, then the model built and parallelized for it
     def build(world: int) -> tuple[dict[str, int], Any, Any, Any]:
-        dims = choose_mesh(world, choose=mesh_rule)
+        dims = choose_mesh(world, choose=lambda w: mesh_rule(w, hsdp=args.hsdp))
         mesh = nl.build_mesh(dims, device)
         model = nl.parallelize(nl.reference_model(cfg, seed=0).to(device), mesh)
         optimizer = nl.make_optimizer(model)
@@ -165,7 +171,11 @@ def main() -> None:
             if not ring.states():
                 raise RuntimeError("no consistent state is held yet (a failure before the first step)")
             newest = max(ring.states())
-            model = optimizer = mesh = None  # the last references to the broken groups' tensors
+            # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
+            # freed, their connections close, and a survivor blocked in one of them with this rank fails
+            release_mesh(mesh)
+            model = optimizer = mesh = None
+            gc.collect()
             nm = membership.recover()
             t1 = time.perf_counter()
             rank, world = nm.new_rank, nm.world_size

@@ -270,3 +270,28 @@ def test_native_job_recovers_in_process_from_a_kill_mid_step(tmp_path: Path) -> 
                                StateLayout.from_json(new["state_layout"]), DEAD)
     assert rec["bytes_storage"] == rec["plan_bytes_storage"] == expected > 0, (rec, expected)
     assert [s.step for s in list_steps(str(ckpt)) if s.complete] == [2, 4, 6, 8]
+
+
+@pytest.mark.skipif(os.environ.get("TENPLEX_NATIVE_INPROC_EXTRA") != "1",
+                    reason="TENPLEX_NATIVE_INPROC_EXTRA=1: HSDP, nothing from the checkpoint (about as long as the above)")
+@pytest.mark.timeout(240)
+def test_native_hsdp_job_recovers_with_nothing_from_the_checkpoint(tmp_path: Path) -> None:
+    """4 workers on dp_replicate=2,dp_shard=2 (HSDP): every element has a replica, so when worker 2
+    dies in the forward pass of step 5 the 3 survivors move the newest step they all hold (5: no
+    step redone) entirely live, 0 bytes from the checkpoint, and go on under dp_shard=3."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    log = tmp_path / "log.jsonl"
+    procs = _workers(tmp_path, 4, ["--ckpt", str(tmp_path / "ckpt"), "--steps", str(STEPS), "--ckpt-every",
+                                   str(EVERY), "--global-batch", str(BATCH), "--log", str(log), "--in-process",
+                                   "--hsdp", "--die-at", "2:5:forward"], store.port)
+    reference = native_reference(STEPS)
+    codes = _wait_all(procs, 200)
+    assert codes == [0, 0, -9, 0], (codes, _tails(tmp_path))
+    recs = check_native_run(tmp_path, log, reference)
+    assert len(recs) == 1, recs
+    rec = recs[0]
+    assert rec["live"] and rec["mesh"] == {"dp_shard": 3} and rec["alive"] == [0, 1, 3], rec
+    assert rec["step"] == rec["newest"] == 5, rec
+    assert rec["bytes_live"] == rec["plan_bytes_peer"] > 0 and rec["bytes_storage"] == rec["plan_bytes_storage"] == 0
