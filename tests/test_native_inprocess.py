@@ -103,6 +103,41 @@ def test_plan_between_state_layouts_reads_only_the_dead_ranks_own_pieces_from_st
     assert set(KIND_NAMES[k] for k in np.unique(c["kind"])) <= {"local", "same_host", "storage"}
 
 
+def test_state_ring_keeps_the_pinned_step_beyond_the_ring_and_never_reuses_its_buffers() -> None:
+    from tenplex.errors import ConfigError
+    from tenplex.train.live import StateRing
+
+    ring = StateRing(2)
+    w = torch.zeros(3)
+    for step in range(1, 6):
+        w.fill_(step)
+        ring.record(step, {"w": w}, {"step": step})
+        if step == 2:
+            ring.pin(2)
+    states = ring.states()
+    assert sorted(states) == [2, 4, 5]
+    assert states[2]["w"].tolist() == [2.0, 2.0, 2.0] and states[2]["step"] == 2  # not overwritten by 3, 4, 5
+    assert states[5]["w"].tolist() == [5.0, 5.0, 5.0]
+    with pytest.raises(ConfigError, match="not in the state ring"):
+        ring.pin(3)
+    ring.clear()
+    assert ring.states() == {}
+
+
+def test_rescale_of_a_state_dict_refuses_layout_options_and_a_live_state_without_its_layout() -> None:
+    import tenplex
+    from tenplex.config import ParallelConfig
+    from tenplex.elastic import LiveState
+    from tenplex.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="do not apply"):
+        tenplex.rescale(None, {"w": torch.zeros(2)}, parallel=ParallelConfig())
+    with pytest.raises(ConfigError, match="StateLayout"):  # one process: no group needed to see it
+        tenplex.rescale(None, {"w": torch.zeros(2)}, live=LiveState(ParallelConfig(), {}, [0]))
+    res = tenplex.rescale(None, {"w": torch.zeros(2), "step": 3})  # no checkpoint: a fresh start
+    assert res.fresh and not res.live and isinstance(res.cfg, StateLayout) and res.cfg.world_size == 1
+
+
 def _migrate_worker(rank: int, port: int, url: str, q: Any) -> None:
     import torch.distributed as dist
 
