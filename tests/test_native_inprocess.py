@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from tenplex.ptc import PTC
 from tenplex.state_dict import state_layout_of
 from tenplex.state_layout import Placed, StateLayout
 
-from spawned import free_port, gloo_env, run_spawned
+from spawned import free_port, gloo_env, log_tails, run_spawned, wait_procs
 from test_state_dict import descriptions, global_tensor, local_of, same
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,25 +233,6 @@ def _workers(tmp: Path, n: int, args: list[str], store_port: int) -> list[subpro
     return procs
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    codes = [p.poll() for p in procs]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=10)
-    return codes
-
-
-def _tails(tmp: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("worker*.log")))
-
-
 def check_native_run(tmp: Path, log: Path, reference: dict[int, tuple[float, list[int]]]) -> list[dict]:
     """Every step's every record (redone steps too) within REL_TOL of the reference with its samples;
     every sample of the final records once. Returns the recovery records."""
@@ -261,7 +241,7 @@ def check_native_run(tmp: Path, log: Path, reference: dict[int, tuple[float, lis
     for line in log.read_text().splitlines():
         obj = json.loads(line)
         (steps.setdefault(obj["step"], []) if "loss" in obj else events).append(obj)
-    assert sorted(steps) == list(range(STEPS)), (sorted(steps), _tails(tmp))
+    assert sorted(steps) == list(range(STEPS)), (sorted(steps), log_tails(tmp))
     for step, recs in steps.items():
         loss, samples = reference[step]
         for rec in recs:
@@ -290,8 +270,8 @@ def test_native_job_recovers_in_process_from_a_kill_mid_step(tmp_path: Path) -> 
                                    "--global-batch", str(BATCH), "--log", str(log), "--in-process",
                                    "--die-at", f"{DEAD}:5:optimizer"], store.port)
     reference = native_reference(STEPS)
-    codes = _wait_all(procs, 200)
-    assert codes == [0, 0, 0, -9], (codes, _tails(tmp_path))
+    codes = wait_procs(procs, 200)
+    assert codes == [0, 0, 0, -9], (codes, log_tails(tmp_path))
     recs = check_native_run(tmp_path, log, reference)
     assert len(recs) == 1, recs
     rec = recs[0]
@@ -322,8 +302,8 @@ def test_native_hsdp_job_recovers_with_nothing_from_the_checkpoint(tmp_path: Pat
                                    str(EVERY), "--global-batch", str(BATCH), "--log", str(log), "--in-process",
                                    "--hsdp", "--die-at", "2:5:forward"], store.port)
     reference = native_reference(STEPS)
-    codes = _wait_all(procs, 200)
-    assert codes == [0, 0, -9, 0], (codes, _tails(tmp_path))
+    codes = wait_procs(procs, 200)
+    assert codes == [0, 0, -9, 0], (codes, log_tails(tmp_path))
     recs = check_native_run(tmp_path, log, reference)
     assert len(recs) == 1, recs
     rec = recs[0]
