@@ -167,7 +167,7 @@ def main() -> None:
         """Agree on the survivors, rebuild mesh and model for them, move the state live; exit 75 on failure."""
         nonlocal rank, world, dims, mesh, model, optimizer, step, data, live_ptc, live_layout
         try:
-            t0 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
             if not ring.states():
                 raise RuntimeError("no consistent state is held yet (a failure before the first step)")
             newest = max(ring.states())
@@ -186,7 +186,7 @@ def main() -> None:
                                                                  sources=(args.ckpt,), ptc=live_ptc))
             step, data = restore(sd)
             del sd
-            t3 = time.perf_counter()
+            t3, wall3 = time.perf_counter(), time.time()
             b = res.bytes_by_tier
             sums = torch.tensor([b.get("live", 0), b.get("storage", 0), b.get("local", 0)], dtype=torch.float64)
             dist.all_reduce(sums)
@@ -194,16 +194,21 @@ def main() -> None:
             live_ptc = live_layout = None
             remember()  # a failure here: exit 75 (the except below)
             ring.pin(step)  # a checkpoint step when pieces came from storage; else the state the survivors held
+            t4 = time.perf_counter()
             ps = res.plan_stats
-            return {"event": "recover", "reason": reason.splitlines()[0][:200], "world_size": world, "mesh": dims, "alive": list(nm.alive),
-                    "live": res.live, "step": step, "newest": newest,
+            return {"event": "recover", "reason": reason.splitlines()[0][:200], "world_size": world, "mesh": dims,
+                    "alive": list(nm.alive), "live": res.live, "step": step, "newest": newest,
                     "bytes_live": int(sums[0]), "bytes_storage": int(sums[1]), "bytes_local": int(sums[2]),
                     "plan_bytes_peer": ps.bytes_same_host + ps.bytes_cross_host if ps else None,
                     "plan_bytes_storage": ps.bytes_storage if ps else None,
                     "plan_bytes_moved": ps.bytes_moved if ps else None,
                     "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,
-                    "recover_s": t1 - t0, "rebuild_s": t2 - t1, "rescale_s": t3 - t2,
-                    "failure_to_state_s": time.time() - nm.failed_at + nm.detect_s, "timings": res.timings}
+                    # unwind: from learning of the failure to this recovery's start (the blocked collective
+                    # failing, leaving the step); ring: the bytes summed, the new mesh's layout described and
+                    # its first state kept
+                    "unwind_s": wall0 - nm.failed_at, "recover_s": t1 - t0, "rebuild_s": t2 - t1,
+                    "rescale_s": t3 - t2, "ring_s": t4 - t3, "failure_to_state_s": wall3 - nm.failed_at + nm.detect_s,
+                    "timings": res.timings}
         except Exception:  # noqa: BLE001 - any failure here: the launcher's restart takes over
             log.exception("rank %d: in-process recovery failed; exiting with %d", rank, RECOVERY_FAILED)
             logging.shutdown()

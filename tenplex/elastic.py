@@ -321,7 +321,8 @@ def _stored_steps(sources: Sequence[str]) -> dict[int, str]:
     return out
 
 
-def _agree_live(moves: Plan, live: LiveState, rank: int, world: int, holders: int) -> tuple[int | None, str | None, bool]:
+def _agree_live(moves: Plan, live: LiveState, rank: int, world: int,
+                holders: int) -> tuple[int | None, str | None, bool]:
     """The step an in-process rescale moves (``live_step`` of every rank's view: one
     ``all_gather_object``), where this rank reads the pieces no survivor holds (migrate() wants a URL
     on every rank once any rank reads from storage; ranks that read nothing pass any) and whether it
@@ -403,7 +404,8 @@ def _same_model(old: PTC, new: PTC) -> None:
     b = {n: (t.shape, t.dtype) for n, t in new.tensors.items()}
     problems = [f"{k}: held {list(a[k][0])} {a[k][1]}, rebuilt {list(b[k][0])} {b[k][1]}"
                 for k in sorted(set(a) & set(b)) if a[k] != b[k]]
-    for what, keys in (("the survivors' state lacks", set(b) - set(a)), ("the rebuilt state dict lacks", set(a) - set(b)),
+    for what, keys in (("the survivors' state lacks", set(b) - set(a)),
+                       ("the rebuilt state dict lacks", set(a) - set(b)),
                        ("objects differ:", set(old.objects) ^ set(new.objects))):
         if keys:
             problems.append(f"{what} {sorted(keys)[:5]}")
@@ -425,7 +427,8 @@ def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *
         old, ptc = live.cfg, live.ptc
         if not isinstance(old, StateLayout) or ptc is None:
             raise ConfigError("rescale(url, state_dict, live=...) needs LiveState(cfg=the StateLayout and ptc=the "
-                              "collection the survivors' states have): describe_state_dict(state_dict) before a failure")
+                              "collection the survivors' states have): describe_state_dict(state_dict) before a "
+                              "failure")
         if len(live.alive) != world:
             raise ConfigError(f"the group has {world} ranks but {len(live.alive)} survivors hold state: joiners and "
                               "spares are not supported for torch-native state dicts (every rank of the new mesh "

@@ -229,7 +229,8 @@ def describe_state_dict(state_dict: Mapping[str, Any], *, process_group: Any = N
 def local_shard(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """This rank's part of ``state_dict`` by flat key: DTensors as their local tensors, plain tensors and
     other values as they are (the same memory: copy it to keep a consistent state)."""
-    return {k: (v.to_local() if isinstance(v, DTensor) else v) for k, (_, _, v) in flatten_state_dict(state_dict).items()}
+    leaves = flatten_state_dict(state_dict)
+    return {k: (v.to_local() if isinstance(v, DTensor) else v) for k, (_, _, v) in leaves.items()}
 
 
 def fill_state_dict(state_dict: MutableMapping[str, Any], shard: Mapping[str, Any]) -> None:
