@@ -72,7 +72,8 @@ def run_once(case: str, store_port: int, dead_after: float) -> dict[str, Any]:
     t = rec["timings"]
     return {
         "step_moved": rec["step"], "newest": rec["newest"], "steps_redone": rec["newest"] - rec["step"],
-        "detect_s": rec["detect_s"], "unwind_s": rec["unwind_s"], "agree_s": rec["agree_s"],
+        "detect_s": rec["detect_s"], "unwind_s": rec["unwind_s"], "release_s": rec["release_s"],
+        "recover_s": rec["recover_s"], "agree_s": rec["agree_s"],
         "regroup_s": rec["regroup_s"], "ring_s": rec["ring_s"],
         "rebuild_s": rec["rebuild_s"], "rescale_s": rec["rescale_s"], "describe_s": t.get("describe", 0.0),
         "plan_s": t.get("plan", 0.0), "step_agree_s": t.get("agree", 0.0), "migrate_s": t.get("migrate", 0.0),
@@ -131,7 +132,8 @@ def main() -> int:
         f = c["failure_to_first_step_s"]
         print(f"{case}: failure -> first step {f['median']:.2f} s [{f['min']:.2f}, {f['max']:.2f}]; "
               f"detect {c['detect_s']['median']:.2f} unwind {c['unwind_s']['median']:.2f} "
-              f"agree {c['agree_s']['median']:.2f} ring {c['ring_s']['median']:.2f} "
+              f"release {c['release_s']['median']:.2f} (then recover() {c['recover_s']['median']:.2f}: "
+              f"agree {c['agree_s']['median']:.2f}) ring {c['ring_s']['median']:.2f} "
               f"rebuild {c['rebuild_s']['median']:.2f} rescale {c['rescale_s']['median']:.2f} "
               f"(migrate {c['migrate_s']['median']:.3f}) first step {c['first_step_s']['median']:.2f}; "
               f"bytes {c['bytes']}; live == plan {c['live_equals_plan']}, storage == plan {c['storage_equals_plan']}; "
