@@ -263,9 +263,10 @@ def check_native_run(tmp: Path, log: Path, reference: dict[int, tuple[float, lis
     return [e for e in events if e.get("event") == "recover"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_native_job_recovers_in_process_from_a_kill_mid_step(tmp_path: Path) -> None:
-    """(34-57 s at load average 6-10 on 2 CPUs: 4 workers' torch imports and start-up are most of it.)
+    """(34-69 s at load average 6-12 on 2 CPUs: 4 workers' torch imports and start-up are most of it.)
     4 workers on dp_shard=2,tp=2; worker 3 is SIGKILLed before its optimizer step of step 5 (the
     others finish theirs: their working state is half a step ahead). The 3 survivors move step 4's
     state (every survivor holds it, and the checkpoint has the pieces only worker 3 held) live to
