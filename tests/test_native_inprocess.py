@@ -12,6 +12,8 @@ live to the mesh rebuilt for their number.
    SIGKILLed in the middle of a step; the survivors agree, rebuild the mesh and the model for 3
    workers, ``tenplex.rescale(url, state_dict, live=...)`` moves the state live, and every step's
    loss matches an uninterrupted single-process run within 1e-4 relative, with the same samples.
+   ``TENPLEX_NATIVE_INPROC_EXTRA=1`` adds HSDP (nothing from the checkpoint) and the job under two
+   torchrun agents (simulated nodes), one of them killed.
 """
 
 from __future__ import annotations
@@ -321,3 +323,43 @@ def test_native_hsdp_job_recovers_with_nothing_from_the_checkpoint(tmp_path: Pat
     assert rec["live"] and rec["mesh"] == {"dp_shard": 3} and rec["alive"] == [0, 1, 3], rec
     assert rec["step"] == rec["newest"] == 5, rec
     assert rec["bytes_live"] == rec["plan_bytes_peer"] > 0 and rec["bytes_storage"] == rec["plan_bytes_storage"] == 0
+
+
+@EXTRA
+@pytest.mark.timeout(400)
+def test_native_job_under_torchrun_agents_recovers_in_process_from_a_node_loss(tmp_path: Path) -> None:
+    """Two simulated nodes (torchrun agents, 2 workers each) on dp_shard=2,tp=2; node 1 (agent and
+    workers) is killed after 3 steps. The surviving agent does not restart its workers (one start
+    record): they recover in-process on dp_shard=2, the dead node's shards from the checkpoint, and
+    finish with the reference losses. (About 25 s after start-up at load average 7-10.) The agent then
+    waits in its exit barrier for the dead one (torchrun's exit_barrier_timeout), so the test stops it."""
+    from tenplex.train.launch import Agent, RendezvousStore, wait_for
+
+    log = tmp_path / "log.jsonl"
+    args = ["--steps", str(STEPS), "--ckpt-every", str(EVERY), "--global-batch", str(BATCH), "--ckpt",
+            str(tmp_path / "ckpt"), "--log", str(log), "--in-process", "--dead-after", DEAD_AFTER]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    store = RendezvousStore()
+    run_id = f"n{free_port()}"
+    agents = [Agent(f"node{i}", store.endpoint, args, nproc=2, min_nodes=1, max_nodes=2, pid_dir=str(tmp_path / "pids"),
+                    log_path=str(tmp_path / f"node{i}.log"), run_id=run_id, env=env, program=[SCRIPT])
+              for i in range(2)]
+
+    def records() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    try:
+        reference = native_reference(STEPS)
+        assert wait_for(lambda: sum(1 for r in records() if "loss" in r and r["world_size"] == 4) >= 3, 300), \
+            (tmp_path / "node0.log").read_text()[-3000:]
+        agents[1].kill()
+        assert wait_for(lambda: any(r.get("step") == STEPS - 1 for r in records()), 240), \
+            (tmp_path / "node0.log").read_text()[-4000:]
+    finally:
+        for a in agents:
+            a.stop()
+        store.stop()
+    assert sum(1 for r in records() if r.get("start")) == 1  # the surviving agent never restarted its workers
+    rec = check_native_run(tmp_path, log, reference)
+    assert len(rec) == 1 and rec[0]["live"] and rec[0]["world_size"] == 2 and rec[0]["mesh"] == {"dp_shard": 2}, rec
+    assert rec[0]["bytes_live"] == rec[0]["plan_bytes_peer"] and rec[0]["bytes_storage"] == rec[0]["plan_bytes_storage"]
