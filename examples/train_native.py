@@ -2,25 +2,40 @@
 
 The model is plain torch (``native_llama.py``: a Llama parallelized with torch's own TP and
 FSDP2 APIs). tenplex adds three calls: ``choose_mesh`` at start-up (the mesh for however many
-workers torchrun started), ``load_state_dict`` (fill the freshly built model and optimizer in
-place from the newest checkpoint, whatever mesh wrote it), ``save_state_dict`` every K steps;
-batches come from tenplex's dataset index reader, so a rescale continues the same sample order.
+workers torchrun started), ``rescale`` (fill the freshly built model and optimizer in place from
+the newest checkpoint, whatever mesh wrote it; a fresh start without one), ``save_state_dict``
+every K steps; batches come from tenplex's dataset index reader, so a rescale continues the same
+sample order.
 
     torchrun --nproc-per-node=4 examples/train_native.py --ckpt /tmp/ckpt --steps 12 --log /tmp/log.jsonl
 
 Kill some workers (or a node) and let torchrun's elastic agent restart the rest: they pick a new
 mesh and continue from the last checkpoint.
+
+``--in-process`` (with ``TENPLEX_MEMBERSHIP_STORE=host:port``, a c10d store that outlives the
+workers): the survivors of a failure are not restarted. Every step runs under
+``Membership.guard()``; after each step this rank's local shards are copied into a ``StateRing``
+(the step of the last checkpoint kept pinned). On a peer failure the survivors agree on a new group
+(``Membership.recover``: the default group re-formed on a fresh store prefix), build the mesh and
+the model for their number, and ``rescale(url, state_dict, live=LiveState(...))`` moves the state
+live from the newest step every survivor holds; only pieces whose every holder died come from the
+checkpoint (then at its step, which the ring keeps). A failure during that recovery exits with
+code 75 (the launcher's restart path takes over).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import json
+import logging
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,13 +47,28 @@ import native_llama as nl  # noqa: E402 - the user's model, next to this script
 import tenplex  # noqa: E402
 from tenplex.data.corpus import stdlib_corpus  # noqa: E402
 from tenplex.data.partition import DataState, global_batch_ids  # noqa: E402
-from tenplex.elastic import choose_mesh  # noqa: E402
+from tenplex.elastic import LiveState, choose_mesh  # noqa: E402
+from tenplex.errors import PeerFailure  # noqa: E402
+from tenplex.dtensor import release_mesh  # noqa: E402
+from tenplex.state_dict import describe_state_dict, local_shard  # noqa: E402
 from tenplex.train.batches import IndexBatches  # noqa: E402
+from tenplex.train.live import RECOVERY_FAILED, DieAt, StateRing, membership_store, start_membership  # noqa: E402
+
+log = logging.getLogger("train_native")
 
 
-def mesh_rule(world: int) -> dict[str, int]:
-    """This job's own rule: FSDP2 x TP2 when there are at least 4 workers, else FSDP2 alone."""
-    return {"dp_shard": world // 2, "tp": 2} if world >= 4 and world % 2 == 0 else {"dp_shard": world}
+def mesh_rule(world: int, *, hsdp: bool = False) -> dict[str, int]:
+    """This job's own rule: FSDP2 x TP2 (``hsdp``: 2 replicas of FSDP2, HSDP) when there are at least 4
+    workers and an even number, else FSDP2 alone."""
+    if world >= 4 and world % 2 == 0:
+        return {"dp_replicate": 2, "dp_shard": world // 2} if hsdp else {"dp_shard": world // 2, "tp": 2}
+    return {"dp_shard": world}
+
+
+def emit(path: str, record: dict[str, Any]) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def main() -> None:
@@ -48,61 +78,188 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=3)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--log", default="", help="JSON lines: one per step (rank 0) and one per start")
+    p.add_argument("--log", default="", help="JSON lines: one per step (rank 0) and one per start and recovery")
+    p.add_argument("--in-process", action="store_true",
+                   help="survivors of a failure recover in-process (TENPLEX_MEMBERSHIP_STORE=host:port)")
+    p.add_argument("--dead-after", type=float, default=0.8, help="--in-process: heartbeat silence that means death")
+    p.add_argument("--hsdp", action="store_true", help="HSDP (2 replicas) instead of TP on 4 or more workers")
+    p.add_argument("--die-at", default="", help="testing: RANK:STEP:POINT, POINT forward, optimizer or save")
     args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {os.environ.get('RANK', '0')} %(message)s")
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    first_rank = rank  # --die-at names ranks of the first group
     if os.environ.get("TENPLEX_PID_DIR"):  # lets a simulated node failure kill this worker too
         Path(os.environ["TENPLEX_PID_DIR"], f"local-{os.environ.get('LOCAL_RANK', '0')}.pid").write_text(
             str(os.getpid()))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-
-    # 1. the mesh for this world size, then the model built and parallelized for it
-    t0 = time.perf_counter()
-    dims = choose_mesh(world, choose=mesh_rule)
-    mesh = nl.build_mesh(dims, device)
     cfg = dataclasses.replace(nl.PRESETS["tiny"], vocab_size=259, seq_len=args.seq_len)
-    model = nl.parallelize(nl.reference_model(cfg, seed=0).to(device), mesh)
-    optimizer = nl.make_optimizer(model)
-    dp_rank, dp = nl.dp_rank_and_size(mesh)
-
     corpus = stdlib_corpus(args.seq_len)
     batches = IndexBatches(corpus)
-    data = DataState(corpus.num_samples, args.global_batch, seed=1)
-    step = 0
+    die = DieAt.hook(DieAt.parse(args.die_at), first_rank)
+    step, data = 0, DataState(corpus.num_samples, args.global_batch, seed=1)
 
-    def state() -> dict:
+    # 1. the mesh for this world size, then the model built and parallelized for it
+    def build(world: int) -> tuple[dict[str, int], Any, Any, Any]:
+        dims = choose_mesh(world, choose=lambda w: mesh_rule(w, hsdp=args.hsdp))
+        mesh = nl.build_mesh(dims, device)
+        model = nl.parallelize(nl.reference_model(cfg, seed=0).to(device), mesh)
+        optimizer = nl.make_optimizer(model)
+        if die is not None:  # testing: a kill after the backward pass, before this rank's optimizer step
+            optimizer.register_step_pre_hook(lambda *_: die("optimizer", step))
+        return dims, mesh, model, optimizer
+
+    # the objects of the imports never die: out of the collector's way, so that the gc.collect() of a
+    # recovery (FSDP2's modules are reference cycles) only walks what was made since
+    gc.freeze()
+    t0 = time.perf_counter()
+    dims, mesh, model, optimizer = build(world)
+
+    def state() -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         return {"model": model_sd, "optim": optim_sd, "step": step, "data": data.to_json()}
 
-    # 2. resume: fill the new model and optimizer in place from the newest checkpoint
-    start = {"start": True, "world_size": world, "mesh": dims, "step": 0, "fresh": True}
-    if any(s.complete for s in tenplex.list_steps(args.ckpt)):
-        sd = state()  # get_state_dict creates the optimizer state the load fills
-        res = tenplex.load_state_dict(sd, args.ckpt)
+    def restore(sd: dict[str, Any]) -> tuple[int, DataState]:
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        step, data = sd["step"], DataState.from_json(sd["data"])
-        start = {"start": True, "world_size": world, "mesh": dims, "step": step, "bytes_read": res.bytes_read,
-                 "bytes_needed": res.bytes_needed, "load_s": res.seconds}
+        return sd["step"], DataState.from_json(sd["data"])
+
+    # 2. resume: fill the new model and optimizer in place from the newest checkpoint (get_state_dict
+    # creates the optimizer state the load fills: on a fresh start it is not called before the first
+    # step, whose AdamW step count it would advance)
+    resumed = any(s.complete for s in tenplex.list_steps(args.ckpt))
+    start: dict[str, Any] = {"start": True, "world_size": world, "mesh": dims, "step": 0, "fresh": not resumed}
+    if resumed:
+        sd = state()
+        res = tenplex.rescale(args.ckpt, sd)
+        step, data = restore(sd)
+        del sd
+        assert res.load_stats is not None
+        start.update(step=step, bytes_read=res.load_stats.bytes_read, bytes_needed=res.load_stats.bytes_needed,
+                     load_s=res.timings["load"])
     start["startup_s"] = time.perf_counter() - t0
-    if rank == 0 and args.log:
-        with open(args.log, "a") as f:
-            f.write(json.dumps(start) + "\n")
+    if rank == 0:
+        emit(args.log, start)
+
+    # in-process: watch the peers, keep the last consistent states of this rank
+    membership = start_membership(membership_store(), dead_after=args.dead_after) if args.in_process else None
+    ring = StateRing(3) if args.in_process else None
+    live_ptc = live_layout = None
+
+    def guard() -> Any:
+        return membership.guard() if membership is not None else contextlib.nullcontext()
+
+    def remember() -> None:
+        """The state after ``step`` into the ring, and (at a mesh's first step) the layout it has."""
+        nonlocal live_ptc, live_layout
+        sd = state()
+        if live_layout is None:  # collective: while every rank of this mesh is alive
+            live_ptc, live_layout = describe_state_dict(sd)
+        held = local_shard(sd)
+        ring.record(step, {k: v for k, v in held.items() if isinstance(v, torch.Tensor)},
+                    {k: v for k, v in held.items() if not isinstance(v, torch.Tensor)})
+
+    if ring is not None and resumed:  # fresh: the ring starts after the first step (see above)
+        with guard():
+            remember()
+        ring.pin(step)
+
+    def recover(reason: str) -> dict[str, Any]:
+        """Agree on the survivors, rebuild mesh and model for them, move the state live; exit 75 on failure."""
+        nonlocal rank, world, dims, mesh, model, optimizer, step, data, live_ptc, live_layout
+        try:
+            t0, wall0 = time.perf_counter(), time.time()
+            if not ring.states():
+                raise RuntimeError("no consistent state is held yet (a failure before the first step)")
+            newest = max(ring.states())
+            # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
+            # freed, their connections close, and a survivor blocked in one of them with this rank fails
+            release_mesh(mesh)
+            model = optimizer = mesh = None
+            gc.collect()
+            t_released = time.perf_counter()
+            nm = membership.recover()
+            t1 = time.perf_counter()
+            rank, world = nm.new_rank, nm.world_size
+            dims, mesh, model, optimizer = build(world)
+            sd = state()  # the fresh model's; its values are replaced by the survivors' state
+            t2 = time.perf_counter()
+            res = tenplex.rescale(args.ckpt, sd, live=LiveState(live_layout, ring.states(), nm.alive,
+                                                                 sources=(args.ckpt,), ptc=live_ptc))
+            step, data = restore(sd)
+            del sd
+            t3, wall3 = time.perf_counter(), time.time()
+            b = res.bytes_by_tier
+            sums = torch.tensor([b.get("live", 0), b.get("storage", 0), b.get("local", 0)], dtype=torch.float64)
+            dist.all_reduce(sums)
+            ring.clear()
+            live_ptc = live_layout = None
+            remember()  # a failure here: exit 75 (the except below)
+            ring.pin(step)  # a checkpoint step when pieces came from storage; else the state the survivors held
+            t4 = time.perf_counter()
+            ps = res.plan_stats
+            return {"event": "recover", "reason": reason.splitlines()[0][:200], "world_size": world, "mesh": dims,
+                    "alive": list(nm.alive), "live": res.live, "step": step, "newest": newest,
+                    "bytes_live": int(sums[0]), "bytes_storage": int(sums[1]), "bytes_local": int(sums[2]),
+                    "plan_bytes_peer": ps.bytes_same_host + ps.bytes_cross_host if ps else None,
+                    "plan_bytes_storage": ps.bytes_storage if ps else None,
+                    "plan_bytes_moved": ps.bytes_moved if ps else None,
+                    "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,
+                    # unwind: from learning of the failure to this recovery's start (the blocked collective
+                    # failing, leaving the step); ring: the bytes summed, the new mesh's layout described and
+                    # its first state kept
+                    "unwind_s": wall0 - nm.failed_at, "release_s": t_released - t0, "recover_s": t1 - t0, "rebuild_s": t2 - t1,
+                    "rescale_s": t3 - t2, "ring_s": t4 - t3, "failure_to_state_s": wall3 - nm.failed_at + nm.detect_s,
+                    "timings": res.timings}
+        except Exception:  # noqa: BLE001 - any failure here: the launcher's restart takes over
+            log.exception("rank %d: in-process recovery failed; exiting with %d", rank, RECOVERY_FAILED)
+            logging.shutdown()
+            os._exit(RECOVERY_FAILED)  # no clean-up that could wait on a dead peer
 
     # 3. train; save every K steps
-    while step < args.steps:
-        raw = batches.batch(data, dp, dp_rank).to(device)
-        loss = nl.train_step(model, optimizer, raw[:, :-1], raw[:, 1:])
-        if rank == 0 and args.log:
-            with open(args.log, "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss, "world_size": world, "mesh": dims,
-                                    "samples": global_batch_ids(data).tolist()}) + "\n")
-        step, data = step + 1, data.advance()
-        if step % args.ckpt_every == 0 or step == args.steps:
-            tenplex.save_state_dict(state(), args.ckpt, step=step)
+    failure: str | None = None
+    recovered: dict[str, Any] | None = None
+    while True:
+        if failure is not None:  # out of the except block: its frames (the step's graph) are gone
+            recovered = recover(failure)
+            failure = None
+            if rank == 0:
+                log.warning("recovered in-process: %s", recovered)
+                emit(args.log, recovered)
+        if step >= args.steps:
+            break
+        try:
+            t0 = time.perf_counter()
+            if membership is not None:
+                membership.check()  # a death the heartbeats found between collectives
+            dp_rank, dp = nl.dp_rank_and_size(mesh)
+            with guard():
+                raw = batches.batch(data, dp, dp_rank).to(device)
+                if die is not None:
+                    die("forward", step)
+                loss = nl.train_step(model, optimizer, raw[:, :-1], raw[:, 1:])
+            if rank == 0:
+                emit(args.log, {"step": step, "loss": loss, "world_size": world, "mesh": dims,
+                                "samples": global_batch_ids(data).tolist(), "time_s": time.perf_counter() - t0,
+                                **({"after_recovery": recovered} if recovered is not None else {})})
+            recovered = None
+            step, data = step + 1, data.advance()
+            if ring is not None:
+                with guard():
+                    remember()
+            if step % args.ckpt_every == 0 or step == args.steps:
+                with guard():
+                    if die is not None:
+                        die("save", step)
+                    tenplex.save_state_dict(state(), args.ckpt, step=step)
+                if ring is not None:
+                    ring.pin(step)  # complete on every rank: pieces only a dead rank holds can come from it
+        except PeerFailure as e:
+            failure = str(e)
+    if membership is not None:
+        membership.close()
     dist.destroy_process_group()
 
 

@@ -17,7 +17,7 @@ from .errors import SpecError
 from .mesh import MeshLayout, MeshPlacement, Replicate, Shard, StridedShard, TensorPlacement
 from .ptc import dtype_to_str
 
-__all__ = ["mesh_of", "mesh_ranks", "placement_of", "from_dtensor_spec", "tensor_placement"]
+__all__ = ["mesh_of", "mesh_ranks", "placement_of", "from_dtensor_spec", "tensor_placement", "release_mesh"]
 
 
 def mesh_of(device_mesh: DeviceMesh) -> MeshLayout:
@@ -68,3 +68,18 @@ def tensor_placement(value: Any, mesh: MeshLayout) -> TensorPlacement:
     if isinstance(value, torch.Tensor):
         return TensorPlacement(tuple(value.shape), dtype_to_str(value.dtype), (Replicate(),) * mesh.ndim)
     raise SpecError(f"expected a tensor or DTensor, got {type(value).__name__}")
+
+
+def release_mesh(device_mesh: DeviceMesh) -> int:
+    """Drop the process groups a broken ``device_mesh`` keeps (its root mesh's group registry), so that
+    gloo closes their connections once the modules holding them are freed too (``gc.collect()``: FSDP2's
+    hooks make reference cycles). DTensor's sharding cache keeps meshes alive after their groups were
+    destroyed; a survivor blocked in one of their collectives with this rank would wait for the group
+    timeout. Returns how many groups were dropped (0 when this torch keeps none there)."""
+    root = getattr(device_mesh, "_root_mesh", None) or device_mesh
+    registry = getattr(root, "_pg_registry", None)
+    if not isinstance(registry, dict):
+        return 0
+    n = len(registry)
+    registry.clear()
+    return n

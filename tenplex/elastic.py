@@ -19,7 +19,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,13 +28,15 @@ import torch.distributed as dist
 
 from .checkpoint import LoadStats, check_model, list_steps
 from .config import ParallelConfig
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, LayoutError
+from .errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ConfigError, LayoutError
 from .layouts import choose_layout
 from .membership import old_ranks
 from .migrate import migrate
 from .models import model_spec
-from .planner import STORAGE, PlanStats, locality_order, plan
+from .planner import STORAGE, Plan, PlanStats, locality_order, plan
 from .ptc import PTC
+from .state_dict import describe_state_dict, fill_state_dict, load_state_dict
+from .state_layout import StateLayout
 from .store.recovery import Tier, TierScan, load_tiered, scan_tiers
 from .topology import Topology
 
@@ -48,16 +50,17 @@ Chooser = Callable[[PTC, int, "ParallelConfig | None"], ParallelConfig]
 
 @dataclass(frozen=True)
 class RescaleResult:
-    """Outcome of ``rescale``: the layout to run, the step reached and this rank's state."""
+    """Outcome of ``rescale``: the layout to run, the step reached and this rank's state (for a
+    torch-native state dict: ``cfg`` its ``StateLayout``, the state filled into the caller's dict)."""
 
-    cfg: ParallelConfig
+    cfg: ParallelConfig | StateLayout
     rank: int
     world_size: int
     step: int
     fresh: bool
     shard: dict[str, Any] | None = None
     extra: Any = None
-    previous: ParallelConfig | None = None
+    previous: ParallelConfig | StateLayout | None = None
     plan_stats: PlanStats | None = None
     load_stats: LoadStats | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -253,12 +256,18 @@ class LiveState:
     the ranks after them held nothing (spares of ``cfg``: fresh joiners, ``live_order``);
     ``sources``: checkpoint URLs, cheapest first (this host's store, then persistent storage),
     that pieces no survivor holds are read from.
+
+    A torch-native job (``rescale(url, state_dict, live=...)``) passes ``cfg``: the ``StateLayout``
+    its state dicts had before the failure and ``ptc``: their collection (both from
+    ``tenplex.state_dict.describe_state_dict``, called while every rank was alive), and ``states``:
+    per step, this rank's local tensors and values by flat key (``local_shard``, copied).
     """
 
-    cfg: ParallelConfig | None
+    cfg: ParallelConfig | StateLayout | None
     states: Mapping[int, Mapping[str, Any]]
     alive: Sequence[int]
     sources: Sequence[str] = ()
+    ptc: PTC | None = None
 
 
 def live_step(held: Sequence[Sequence[int]], stored: Sequence[Sequence[int]],
@@ -312,6 +321,25 @@ def _stored_steps(sources: Sequence[str]) -> dict[int, str]:
     return out
 
 
+def _agree_live(moves: Plan, live: LiveState, rank: int, world: int,
+                holders: int) -> tuple[int | None, str | None, bool]:
+    """The step an in-process rescale moves (``live_step`` of every rank's view: one
+    ``all_gather_object``), where this rank reads the pieces no survivor holds (migrate() wants a URL
+    on every rank once any rank reads from storage; ranks that read nothing pass any) and whether it
+    reads any. Step None: no step is held by every survivor and stored where needed."""
+    c = moves.columns
+    needs = bool(((c["kind"] == STORAGE) & (c["new_rank"] == rank)).any())
+    stored = _stored_steps(live.sources) if needs else {}
+    views: list[Any] = [None] * world
+    dist.all_gather_object(views, (sorted(live.states) if rank < holders else None, sorted(stored), needs))
+    step = live_step([v[0] for v in views if v[0] is not None], [v[1] for v in views], [v[2] for v in views])
+    if step is None:
+        log.warning("rank %d: no step is held by every survivor and stored where needed (held %s, stored %s); "
+                    "loading from the stores and storage", rank, [v[0] for v in views], sorted(stored))
+        return None, None, needs
+    return step, (stored.get(step) if needs else (live.sources[0] if live.sources else None)), needs
+
+
 def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *,
                   gpus_per_host: int) -> RescaleResult | ParallelConfig:
     """The live branch of ``rescale``: every process of the default group together; when no step
@@ -345,20 +373,11 @@ def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *,
     t1 = time.perf_counter()
     moves = plan(ptc, old, cfg, alive=list(live.alive), gpus_per_host=gpus_per_host)
     t2 = time.perf_counter()
-    c = moves.columns
-    needs = bool(((c["kind"] == STORAGE) & (c["new_rank"] == rank)).any())
-    stored = _stored_steps(live.sources) if needs else {}
-    views: list[Any] = [None] * world
-    dist.all_gather_object(views, (sorted(live.states) if rank < holders else None, sorted(stored), needs))
-    step = live_step([v[0] for v in views if v[0] is not None], [v[1] for v in views], [v[2] for v in views])
+    step, url, needs = _agree_live(moves, live, rank, world, holders)
     t3 = time.perf_counter()
     timings = {"choose": t1 - t0, "plan": t2 - t1, "agree": t3 - t2}
     if step is None:
-        log.warning("rank %d: no step is held by every survivor and stored where needed (held %s, stored %s); "
-                    "loading from the stores and storage", rank, [v[0] for v in views], sorted(stored))
         return old
-    # migrate() wants a URL on every rank once any rank reads from storage; ranks that read nothing pass any
-    url = stored.get(step) if needs else (live.sources[0] if live.sources else None)
     movers = max(cfg.world_size, holders)  # group ranks beyond both hold nothing and receive nothing
     # every rank calls new_group; the timeout is the trainer's default --pg-timeout (a new gloo group's is 30 min)
     group = dist.new_group(list(range(movers)), timeout=datetime.timedelta(seconds=60)) if movers < world else None
@@ -378,9 +397,76 @@ def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *,
     return result
 
 
+def _same_model(old: PTC, new: PTC) -> None:
+    """CheckpointMismatchError unless two state-dict collections have the same keys, global shapes and
+    dtypes (their canonical orders may differ: the layouts they were described under chose them)."""
+    a = {n: (t.shape, t.dtype) for n, t in old.tensors.items()}
+    b = {n: (t.shape, t.dtype) for n, t in new.tensors.items()}
+    problems = [f"{k}: held {list(a[k][0])} {a[k][1]}, rebuilt {list(b[k][0])} {b[k][1]}"
+                for k in sorted(set(a) & set(b)) if a[k] != b[k]]
+    for what, keys in (("the survivors' state lacks", set(b) - set(a)),
+                       ("the rebuilt state dict lacks", set(a) - set(b)),
+                       ("objects differ:", set(old.objects) ^ set(new.objects))):
+        if keys:
+            problems.append(f"{what} {sorted(keys)[:5]}")
+    if problems:
+        raise CheckpointMismatchError("the state dict rebuilt for the new mesh is not the one the survivors hold: "
+                                      + "; ".join(problems[:8]))
+
+
+def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *, live: LiveState | None,
+                        step: int | None, storage_options: Mapping[str, Any] | None,
+                        gpus_per_host: int) -> RescaleResult:
+    """``rescale`` for a torch-native job's ``state_dict`` (built for the new mesh, every rank of the
+    default group together): moved live from the survivors' states, or loaded in place from ``url``."""
+    t0 = time.perf_counter()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    new_ptc, layout = describe_state_dict(state_dict)
+    timings = {"describe": time.perf_counter() - t0}
+    if live is not None:
+        old, ptc = live.cfg, live.ptc
+        if not isinstance(old, StateLayout) or ptc is None:
+            raise ConfigError("rescale(url, state_dict, live=...) needs LiveState(cfg=the StateLayout and ptc=the "
+                              "collection the survivors' states have): describe_state_dict(state_dict) before a "
+                              "failure")
+        if len(live.alive) != world:
+            raise ConfigError(f"the group has {world} ranks but {len(live.alive)} survivors hold state: joiners and "
+                              "spares are not supported for torch-native state dicts (every rank of the new mesh "
+                              "must be a survivor)")
+        _same_model(ptc, new_ptc)
+        layout.check(ptc, complete=True)
+        t1 = time.perf_counter()
+        moves = plan(ptc, old, layout, alive=list(live.alive), gpus_per_host=gpus_per_host)
+        t2 = time.perf_counter()
+        moved, src, needs = _agree_live(moves, live, rank, world, world)
+        timings.update({"plan": t2 - t1, "agree": time.perf_counter() - t2})
+        if moved is not None:
+            res = migrate(ptc, old, layout, live.states[moved], alive=list(live.alive), storage=src, step=moved,
+                          plan=moves, gpus_per_host=gpus_per_host)
+            t3 = time.perf_counter()
+            fill_state_dict(state_dict, res.shard)
+            timings.update({"migrate": res.seconds, **{f"migrate_{k}": v for k, v in res.timings.items()},
+                            "fill": time.perf_counter() - t3})
+            result = RescaleResult(layout, rank, world, moved, False, None, None, old, moves.stats, None, timings,
+                                   {"local": res.bytes_local, "live": res.bytes_received,
+                                    "storage": res.bytes_storage}, live=True, storage_url=src if needs else None)
+            log.info("%s", result.summary())
+            return result
+    if not url or not any(s.complete for s in list_steps(url, storage_options=storage_options)):
+        log.info("no checkpoint under %s: fresh start under %s", url, layout)
+        return RescaleResult(layout, rank, world, 0, True, timings=timings)
+    t1 = time.perf_counter()
+    loaded = load_state_dict(state_dict, url, step=step, storage_options=storage_options)
+    timings["load"] = time.perf_counter() - t1
+    result = RescaleResult(layout, rank, world, loaded.step, False, None, loaded.extra, None, None, loaded.stats,
+                           timings, {"storage": loaded.bytes_read}, loaded.skipped)
+    log.info("%s", result.summary())
+    return result
+
+
 def rescale(
     url: str | None,
-    ptc: PTC,
+    ptc: PTC | MutableMapping[str, Any],
     *,
     rank: int | None = None,
     world_size: int | None = None,
@@ -397,6 +483,15 @@ def rescale(
 ) -> RescaleResult:
     """Pick this worker's layout and move its state live from the survivors, or load it from the
     latest complete checkpoint.
+
+    A torch-native job passes its ``state_dict`` (model and optimizer from ``get_state_dict`` plus
+    anything else, built for the mesh it runs now: ``choose_mesh``) instead of a PTC: with ``live``
+    (``LiveState(cfg=StateLayout, ptc=..., states=..., alive=..., sources=...)``, every rank of the
+    survivors' default group) the state is moved live into it by the same ``plan`` and ``migrate``,
+    pieces no survivor holds read from ``live.sources`` (``url``'s checkpoints); without (or when no
+    step is held by every survivor and stored where needed) it is loaded in place from ``url``
+    (``load_state_dict``); no checkpoint: a fresh start. ``RescaleResult.cfg`` is then the state
+    dict's ``StateLayout``, ``live`` says which path ran.
 
     ``live`` (in-process, after ``Membership.recover``; every process of the survivors' default
     group together): the layout is chosen for the group's size, ``plan`` with ``alive`` = the
@@ -436,6 +531,15 @@ def rescale(
     the new one (what a live reconfiguration would move) on hosts of ``gpus_per_host`` GPUs
     (``topology``'s when given), computed once and handed to the recovery schedule.
     """
+    if not isinstance(ptc, PTC):  # a torch-native job's state dict, built for the mesh it runs now
+        if not isinstance(ptc, MutableMapping):
+            raise ConfigError(f"rescale() takes a PTC or a state dict, got {type(ptc).__name__}")
+        if parallel is not None or choose is not None or layout_options or tiers or rank is not None or \
+                world_size is not None:
+            raise ConfigError("rescale(url, state_dict): the job chose its mesh (choose_mesh) and built the state dict "
+                              "for it; parallel=, choose=, layout_options=, tiers=, rank= and world_size= do not apply")
+        return _rescale_state_dict(url, ptc, live=live, step=step, storage_options=storage_options,
+                                   gpus_per_host=gpus_per_host)
     env_rank, env_size = env_world()
     rank = env_rank if rank is None else rank
     world = env_size if world_size is None else world_size

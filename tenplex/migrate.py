@@ -33,11 +33,10 @@ import torch
 
 from .checkpoint.format import Binding, writer_assignment
 from .checkpoint.reader import PartReader, ReadItem, check_model, plan_reads, scan_attempts, url_fs
-from .config import ParallelConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, MigrationError, PlanError
 from .planner import CROSS_HOST, KIND_NAMES, LOCAL, SAME_HOST, STORAGE, Plan, intersect
 from .planner import plan as make_plan
-from .ptc import PAD, PTC
+from .ptc import PAD, PTC, Layout
 
 if TYPE_CHECKING:
     from .schedule import Schedule, Transfer
@@ -243,7 +242,7 @@ class StorageRead:
     step: int
 
 
-def storage_items(saved: PTC, saved_layout: Any, cfg: ParallelConfig, rank: int,
+def storage_items(saved: PTC, saved_layout: Any, cfg: Layout, rank: int,
                   pieces: Sequence[tuple[str, int, int]], *,
                   writers: Mapping[int, list[Any]] | None = None) -> tuple[ReadItem, ...]:
     """``plan_reads`` of rank ``rank`` under ``cfg`` restricted to ``pieces`` ``(tensor, global
@@ -277,7 +276,7 @@ def storage_items(saved: PTC, saved_layout: Any, cfg: ParallelConfig, rank: int,
     return tuple(out)
 
 
-def read_storage_pieces(url: str, ptc: PTC, cfg: ParallelConfig, rank: int,
+def read_storage_pieces(url: str, ptc: PTC, cfg: Layout, rank: int,
                         pieces: Sequence[tuple[str, int, int]], buffers: Mapping[str, torch.Tensor], *,
                         step: int | None = None, storage_options: Mapping[str, Any] | None = None) -> StorageRead:
     """Read ``pieces`` ``(tensor, global start, length)`` of rank ``rank``'s shard under ``cfg``
@@ -340,8 +339,8 @@ class MigrateResult:
 
 def migrate(
     ptc: PTC,
-    old_cfg: ParallelConfig,
-    new_cfg: ParallelConfig,
+    old_cfg: Layout,
+    new_cfg: Layout,
     shard: Mapping[str, Any] | None,
     *,
     alive: Sequence[int],
@@ -357,7 +356,9 @@ def migrate(
     exchange: ExchangePlan | None = None,
     device: torch.device | str | None = None,
 ) -> MigrateResult:
-    """This rank's shard under ``new_cfg``, moved live from the survivors' shards under ``old_cfg``.
+    """This rank's shard under ``new_cfg``, moved live from the survivors' shards under ``old_cfg``
+    (``ParallelConfig`` s, or ``StateLayout`` s of a torch-native state dict over the old and the new
+    group's ranks: local tensors by flat key).
 
     Called by every process of ``group`` (default: the default group) together: the survivors'
     new group, group rank i being the process that ran old rank ``alive[i]`` (new rank i), fresh
@@ -435,7 +436,7 @@ def migrate(
         if name not in src_bytes:
             if name not in held:
                 raise PlanError(f"the plan reads {name} from old rank {mine}, whose shard lacks it")
-            flat = ptc.to_local_flat(name, held[name].detach())
+            flat = ptc.to_local_flat(name, held[name].detach(), old_cfg, mine)
             if flat.device != device:
                 flat = flat.to(device)
             src_bytes[name] = flat.view(torch.uint8)
@@ -545,7 +546,7 @@ def migrate(
                          t_end - t0, storage_read, timings)
 
 
-def _read_storage(url: str, ptc: PTC, cfg: ParallelConfig, rank: int, pieces: list[tuple[str, int, int]],
+def _read_storage(url: str, ptc: PTC, cfg: Layout, rank: int, pieces: list[tuple[str, int, int]],
                   flats: Mapping[str, torch.Tensor], rows: np.ndarray, ex: ExchangePlan, device: torch.device,
                   step: int | None, storage_options: Mapping[str, Any] | None, seconds: list[float]) -> StorageRead:
     """Read the storage pieces into ``flats`` (through CPU buffers when they live on a device)."""

@@ -27,7 +27,7 @@ from .config import ParallelConfig
 from .assignment import locality_order
 from .errors import PlanError
 from .overlap import holder_classes, intersect
-from .ptc import PTC
+from .ptc import PTC, Layout
 
 __all__ = ["LOCAL", "SAME_HOST", "CROSS_HOST", "STORAGE", "KIND_NAMES", "Move", "PlanStats", "Plan", "plan", "holder_classes",
            "intersect", "device_assignment", "locality_order"]
@@ -84,7 +84,7 @@ class PlanStats:
         return d
 
 
-def device_assignment(old: ParallelConfig, new: ParallelConfig, alive: Sequence[int] | None) -> np.ndarray:
+def device_assignment(old: Layout, new: Layout, alive: Sequence[int] | None) -> np.ndarray:
     """Device of every new rank: the i-th surviving device, then fresh devices numbered after the old ones."""
     if alive is None:
         alive = range(min(new.world_size, old.world_size))
@@ -109,7 +109,7 @@ class Plan:
 
     _COLUMNS = ("new_rank", "tensor", "kind", "src_rank", "src_offset", "dst_offset", "start", "length", "nbytes")
 
-    def __init__(self, ptc: PTC, old: ParallelConfig, new: ParallelConfig, alive: tuple[int, ...],
+    def __init__(self, ptc: PTC, old: Layout, new: Layout, alive: tuple[int, ...],
                  devices: np.ndarray, gpus_per_host: int, columns: dict[str, np.ndarray], stats: PlanStats,
                  tensor_group: np.ndarray, group_classes: tuple[tuple[np.ndarray, ...], ...],
                  ranks: tuple[int, ...] | None = None):
@@ -511,14 +511,15 @@ def _whole(planner: _Planner) -> dict[str, np.ndarray]:
 
 def plan(
     ptc: PTC,
-    old_cfg: ParallelConfig,
-    new_cfg: ParallelConfig,
+    old_cfg: Layout,
+    new_cfg: Layout,
     *,
     alive: Sequence[int] | None = None,
     gpus_per_host: int = 8,
     ranks: Sequence[int] | None = None,
 ) -> Plan:
-    """Plan the move of ``ptc`` from layout ``old_cfg`` to ``new_cfg``.
+    """Plan the move of ``ptc`` from layout ``old_cfg`` to ``new_cfg`` (``ParallelConfig`` s or a
+    torch-native job's ``StateLayout`` s: the same interval arithmetic on their holder tables).
 
     ``alive``: old ranks whose devices survive (default: the first ``min(old, new)`` world
     size devices); new rank i runs on the i-th of them, and on fresh devices beyond. Old
@@ -567,7 +568,7 @@ def plan(
     return result
 
 
-def _stats(c: dict[str, np.ndarray], old: ParallelConfig, new: ParallelConfig, seconds: float) -> PlanStats:
+def _stats(c: dict[str, np.ndarray], old: Layout, new: Layout, seconds: float) -> PlanStats:
     nbytes, kind = c["nbytes"], c["kind"]
 
     def total(k: int) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint.reader import LoadResult, Scatter, load
+from .checkpoint.reader import LoadResult, LoadStats, Scatter, load
 from .checkpoint.writer import SaveResult, save
 from .errors import (
     CheckpointCorruptError,
@@ -41,7 +41,8 @@ from .mesh import MeshLayout
 from .ptc import PTC, TensorSpec, dtype_to_str
 from .state_layout import Placed, StateLayout, parse_placement, placement_text, spec_for
 
-__all__ = ["StateDictLoad", "save_state_dict", "load_state_dict", "flatten_state_dict", "state_layout_of"]
+__all__ = ["StateDictLoad", "save_state_dict", "load_state_dict", "flatten_state_dict", "state_layout_of",
+           "describe_state_dict", "local_shard", "fill_state_dict"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 class StateDictLoad:
     """What ``load_state_dict`` loaded: the step, the ``extra`` saved with it, the data bytes this rank
     read and the bytes its tensors needed (``bytes_read / bytes_needed`` is the read amplification),
-    and the newer attempts passed over because they did not verify."""
+    and the newer attempts passed over because they did not verify; ``stats``: the reader's own counts."""
 
     step: int
     extra: Any
@@ -58,6 +59,7 @@ class StateDictLoad:
     bytes_needed: int
     seconds: float
     skipped: tuple[tuple[int, str, str], ...] = ()
+    stats: LoadStats | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +200,69 @@ def _world(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _gathered(state_dict: Mapping[str, Any], process_group: Any,
+              what: str) -> tuple[PTC, StateLayout, dict[str, torch.Tensor], dict[str, Any]]:
+    """The collection and layout of every rank's ``state_dict`` (one ``all_gather_object`` of what each
+    holds), this rank's tensors by flat key and every rank's non-tensor values merged. A state dict
+    one rank cannot describe fails every rank (none waits in the gather)."""
+    _, world = _world(process_group)
+    tensors: dict[str, torch.Tensor] = {}
+    objects: dict[str, Any] = {}
+    descs: dict[str, tuple[Any, ...]] = {}
+    failure: Exception | None = None
+    try:
+        leaves = flatten_state_dict(state_dict)
+        tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
+        objects = {k: v for k, (_, _, v) in leaves.items() if not isinstance(v, torch.Tensor)}
+        meshes: dict[int, tuple[Any, ...]] = {}
+        descs = {k: _describe(v, process_group, meshes) for k, v in tensors.items()}
+        if world > 1:
+            pickle.dumps(objects)  # all_gather_object pickles before its collective: fail here, not alone there
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each
+        failure = e
+    gathered = _gather_or_raise((descs, objects), failure, world, process_group, what)
+    ptc, layout = _collection([g[0] for g in gathered], [g[1] for g in gathered])
+    merged = _merged_objects([g[1] for g in gathered])  # every rank refuses values that differ, not only rank 0
+    return ptc, layout, tensors, merged
+
+
+def describe_state_dict(state_dict: Mapping[str, Any], *, process_group: Any = None) -> tuple[PTC, StateLayout]:
+    """The collection and ``StateLayout`` of the job's state dicts, as ``save_state_dict`` would save
+    them (collective: one small ``all_gather_object``). An in-process rescale plans the move between
+    two of them: the layout the survivors held (described before the failure, while every rank was
+    alive) and the one of the model rebuilt for the new mesh."""
+    ptc, layout, _, _ = _gathered(state_dict, process_group, "describing the state dict")
+    return ptc, layout
+
+
+def local_shard(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """This rank's part of ``state_dict`` by flat key: DTensors as their local tensors, plain tensors and
+    other values as they are (the same memory: copy it to keep a consistent state)."""
+    leaves = flatten_state_dict(state_dict)
+    return {k: (_local_tensor(v) if isinstance(v, torch.Tensor) else v) for k, (_, _, v) in leaves.items()}
+
+
+def fill_state_dict(state_dict: MutableMapping[str, Any], shard: Mapping[str, Any]) -> None:
+    """Write ``shard`` (flat key -> local tensor or value, as ``local_shard`` gives it) into ``state_dict``
+    in place: tensors copied into the local tensors the state dict holds (shapes must match), other
+    values replaced in their dicts. CheckpointMismatchError names keys the shard lacks."""
+    leaves = flatten_state_dict(state_dict)
+    missing = sorted(set(leaves) - set(shard))
+    if missing:
+        raise CheckpointMismatchError(f"the state to fill in lacks {len(missing)} keys of the state dict, e.g. "
+                                      f"{missing[:5]}")
+    for k, (container, key, value) in leaves.items():
+        if isinstance(value, torch.Tensor):
+            loc = _local_tensor(value).detach()
+            src = shard[k]
+            if tuple(src.shape) != tuple(loc.shape):
+                raise CheckpointMismatchError(f"{k}: the state to fill in has shape {list(src.shape)}, this rank's "
+                                              f"local tensor {list(loc.shape)}")
+            loc.copy_(src)
+        else:
+            container[key] = shard[k]
+
+
 # ---------------------------------------------------------------------------------------------
 # save
 # ---------------------------------------------------------------------------------------------
@@ -214,23 +279,7 @@ def save_state_dict(state_dict: Mapping[str, Any], url: str, *, step: int, extra
     describe (a non-string key, a Partial DTensor) fails every rank before anything is written.
     """
     rank, world = _world(process_group)
-    tensors: dict[str, torch.Tensor] = {}
-    objects: dict[str, Any] = {}
-    descs: dict[str, tuple[Any, ...]] = {}
-    failure: Exception | None = None
-    try:  # a state dict one rank cannot describe fails every rank (none waits in the gather below)
-        leaves = flatten_state_dict(state_dict)
-        tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
-        objects = {k: v for k, (_, _, v) in leaves.items() if not isinstance(v, torch.Tensor)}
-        meshes: dict[int, tuple[Any, ...]] = {}
-        descs = {k: _describe(v, process_group, meshes) for k, v in tensors.items()}
-        if world > 1:
-            pickle.dumps(objects)  # all_gather_object pickles before its collective: fail here, not alone there
-    except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each
-        failure = e
-    gathered = _gather_or_raise((descs, objects), failure, world, process_group, f"saving step {step} to {url}")
-    ptc, layout = _collection([g[0] for g in gathered], [g[1] for g in gathered])
-    merged = _merged_objects([g[1] for g in gathered])  # every rank refuses values that differ, not only rank 0
+    ptc, layout, tensors, merged = _gathered(state_dict, process_group, f"saving step {step} to {url}")
     shard: dict[str, Any] = {k: _local_tensor(v) for k, v in tensors.items()}
     if rank == 0:
         shard.update(merged)
@@ -411,7 +460,7 @@ def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int
             container[key] = result.shard[k]
     s = result.stats
     return StateDictLoad(result.step, result.extra, s.bytes_read, s.bytes_needed, time.perf_counter() - t0,
-                         result.skipped)
+                         result.skipped, s)
 
 
 def _check_against(saved: PTC, descs: Mapping[str, tuple[Any, ...]], objects: set[str], wanted: set[str], url: str,

@@ -11,14 +11,16 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
-__all__ = ["free_port", "gloo_env", "reap", "run_spawned"]
+__all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_tails"]
 
 
 def free_port() -> int:
@@ -79,3 +81,25 @@ def run_spawned(target: Callable[..., None], args: Sequence[tuple], *, expect: i
             return results
         finally:
             reap(procs)
+
+
+def wait_procs(procs: Sequence[Any], timeout: float) -> list[int | None]:
+    """Wait up to ``timeout`` seconds in all for ``subprocess.Popen`` s to exit; their exit codes (None:
+    still running, then killed)."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # killed below
+            pass
+    codes = [p.poll() for p in procs]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+    return codes
+
+
+def log_tails(tmp: Path, pattern: str = "worker*.log") -> str:
+    """The last 3000 characters of every log under ``tmp`` matching ``pattern``, for a failing assert."""
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob(pattern)))

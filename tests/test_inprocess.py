@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tenplex.elastic import live_step
 from tenplex.train.live import RECOVERY_FAILED, DieAt, StateRing
 
-from spawned import free_port, gloo_env
+from spawned import free_port, gloo_env, log_tails, wait_procs
 
 STEPS = 14
 COMMON = ["--model", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--micro-batch", "2", "--lr", "3e-3",
@@ -62,21 +62,6 @@ def _world(tmp: Path, n: int, args: list[str], store_port: int,
     return procs
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    codes = [p.poll() for p in procs]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=10)
-    return codes
-
-
 def _read(log: Path) -> tuple[dict[int, dict], list[dict]]:
     steps: dict[int, dict] = {}
     events = []
@@ -87,10 +72,6 @@ def _read(log: Path) -> tuple[dict[int, dict], list[dict]]:
         else:
             events.append(obj)
     return steps, events
-
-
-def _tails(tmp: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("worker*.log")))
 
 
 def _check(reference: dict[int, dict], got: dict[int, dict], upto: int, tol: float = REL_TOL) -> None:
@@ -116,12 +97,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[],
 
     def read() -> dict[int, dict]:
         if not got:
-            assert _wait([proc], 120) == [0], (d / "ref.log").read_text()[-3000:]
+            assert wait_procs([proc], 120) == [0], (d / "ref.log").read_text()[-3000:]
             got.update(_read(d / "ref.jsonl")[0])
         return got
 
     yield read
-    _wait([proc], 0)
+    wait_procs([proc], 0)
 
 
 def _recoveries(events: list[dict]) -> list[dict]:
@@ -150,9 +131,9 @@ def test_kills_at_every_point_continue_in_process_with_the_same_losses_and_data(
     procs = _world(b, 4, ["--parallel", PINNED, "--ckpt", str(b / "ckpt"), "--ckpt-every", "1", "--log",
                           str(b / "log.jsonl"), "--die-at", "3:2:save,2:5:forward,1:5:migrate"], store.port)
     t0 = time.monotonic()
-    codes = _wait(procs, 90)
+    codes = wait_procs(procs, 90)
     b_s = time.monotonic() - t0
-    assert codes[1:] == [-9, -9, -9] and codes[0] == RECOVERY_FAILED, (codes, _tails(b))
+    assert codes[1:] == [-9, -9, -9] and codes[0] == RECOVERY_FAILED, (codes, log_tails(b))
     assert b_s < 60, f"the second failure took {b_s:.0f}s to end in the restart path"
     assert "in-process recovery failed" in (b / "worker0.log").read_text()
     got, events = _read(b / "log.jsonl")
@@ -165,8 +146,8 @@ def test_kills_at_every_point_continue_in_process_with_the_same_losses_and_data(
     log = a / "log.jsonl"
     procs = _world(a, 4, ["--parallel", PINNED, "--distributed-optimizer", "--ckpt", str(a / "ckpt"), "--ckpt-every",
                           "1", "--log", str(log), "--die-at", "3:3:forward,2:6:backward,1:9:optimizer"], store.port)
-    codes = _wait(procs, 150)
-    assert codes == [0, -9, -9, -9], (codes, _tails(a))
+    codes = wait_procs(procs, 150)
+    assert codes == [0, -9, -9, -9], (codes, log_tails(a))
     got, events = _read(log)
     assert [e["world_size"] for e in _recoveries(events)] == [3, 2, 1]
     assert [got[s]["world_size"] for s in (8, 14)] == [2, 1]
@@ -181,8 +162,8 @@ def test_kills_at_every_point_continue_in_process_with_the_same_losses_and_data(
         procs = _world(c, 4, ["--parallel", "dp=2,tp=2,pp=1", "--ckpt", str(c / "ckpt"), "--ckpt-every", "4",
                               "--live-keep", "2", "--log", str(log), "--die-at", "3:2:forward,2:7:backward"],
                        store.port)
-        codes = _wait(procs, 150)
-        assert codes == [0, 0, -9, -9], (codes, _tails(c))
+        codes = wait_procs(procs, 150)
+        assert codes == [0, 0, -9, -9], (codes, log_tails(c))
         got, events = _read(log)
         rec = [e for e in events if e.get("event") == "recover"]
         assert [(e["world_size"], e["live"]) for e in rec] == [(3, True), (2, False)], rec
@@ -277,17 +258,17 @@ def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_lo
     try:
         deadline = time.monotonic() + 60  # both wait for the job before it starts: they join together
         while not all("waiting for job" in (tmp_path / f"joiner{j}.log").read_text() for j in range(2)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in joiners), _tails(tmp_path)
+            assert time.monotonic() < deadline and all(p.poll() is None for p in joiners), log_tails(tmp_path)
             time.sleep(0.1)
         log = tmp_path / "log.jsonl"
         t0 = time.monotonic()
         procs = _world(tmp_path, 2, ["--steps", str(JOIN_STEPS), "--parallel", JOIN_PINNED, "--log", str(log)],
                        store.port, master_port=master)
-        codes = _wait([*procs, *joiners], 90)
+        codes = wait_procs([*procs, *joiners], 90)
         wall = time.monotonic() - t0
     finally:
-        _wait(joiners, 0)
-    assert codes == [0, 0, 0, 0], (codes, _tails(tmp_path))
+        wait_procs(joiners, 0)
+    assert codes == [0, 0, 0, 0], (codes, log_tails(tmp_path))
     got, events = _read(log)
     joins = _recoveries(events)
     assert joins and all(e["reason"] == "join" and e["bytes_storage"] == 0 == e["plan_bytes_storage"] and
@@ -312,15 +293,15 @@ def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_lo
                            master)  # --die-at on every process: with it the recovery has a barrier
         try:
             while "waiting for job" not in (c / "joiner0.log").read_text():
-                assert joiners[0].poll() is None, _tails(c)
+                assert joiners[0].poll() is None, log_tails(c)
                 time.sleep(0.1)
             log = c / "log.jsonl"
             procs = _world(c, 2, ["--steps", str(JOIN_STEPS), "--parallel", "dp=2,tp=1,pp=1", "--log", str(log),
                                   "--die-at", "1:2:forward"], store.port, master_port=master)
-            codes = _wait([*procs, *joiners], 90)
+            codes = wait_procs([*procs, *joiners], 90)
         finally:
-            _wait(joiners, 0)
-        assert codes == [0, -9, 0], (codes, _tails(c))
+            wait_procs(joiners, 0)
+        assert codes == [0, -9, 0], (codes, log_tails(c))
         got, events = _read(log)
         rec = _recoveries(events)
         assert [(e["reason"], e["joiners"], e["world_size"], e["bytes_storage"]) for e in rec] == \
@@ -351,15 +332,15 @@ def test_a_join_process_beside_a_torchrun_agent_is_admitted_live(
     try:
         deadline = time.monotonic() + 60
         while "waiting for job" not in (tmp_path / "joiner0.log").read_text():
-            assert time.monotonic() < deadline and joiner.poll() is None, _tails(tmp_path)
+            assert time.monotonic() < deadline and joiner.poll() is None, log_tails(tmp_path)
             time.sleep(0.1)
         agent = Agent("host0", rdzv.endpoint, [*args, "--log", str(log)], nproc=2, min_nodes=1, max_nodes=2,
                       pid_dir=str(tmp_path / "pids"), log_path=str(tmp_path / "host0.log"), run_id=run_id,
                       env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
-        assert _wait([joiner], 180) == [0], _tails(tmp_path) + (tmp_path / "host0.log").read_text()[-3000:]
+        assert wait_procs([joiner], 180) == [0], log_tails(tmp_path) + (tmp_path / "host0.log").read_text()[-3000:]
         assert agent.wait(timeout=60) == 0, (tmp_path / "host0.log").read_text()[-3000:]
     finally:
-        _wait([joiner], 0)
+        wait_procs([joiner], 0)
         if agent is not None:
             agent.stop()
         rdzv.stop()
@@ -412,14 +393,14 @@ def test_a_joining_torchrun_node_restarts_the_workers_who_first_store_their_newe
         def last_step() -> int:
             return max(read_train_log(log)[0][-1:] and [read_train_log(log)[0][-1]["step"]] or [0])
 
-        assert wait_for(lambda: last_step() >= 7, 120), _tails(tmp_path)
+        assert wait_for(lambda: last_step() >= 7, 120), log_tails(tmp_path)
         host(1)  # a node joins: both agents restart their workers, 4 of them resume
         assert started[1].wait(timeout=200) == 0, (tmp_path / "host0.log").read_text()[-4000:]
     finally:
         for p in reversed(started):
             p.stop()
         rdzv.stop()
-    assert _wait([ref], 60) == [0]
+    assert wait_procs([ref], 60) == [0]
     reference, _ = _read(ref_log)
     records, starts = read_train_log(log)
     before = max(r["step"] for r in records if r["restart"] == 0 and r["world_size"] == 2)

@@ -60,10 +60,14 @@ class StateRing:
     """The last ``keep`` consistent states of this rank by step: CPU copies, either taken after a
     step completed (``record``, buffers reused) or made in the pipeline bubbles of the next step
     by a ``tenplex.bubbles.SnapshotTask`` with ``keep`` buffer sets (``adopt``/``release``; see
-    ``ring_snapshots``). Survivors of a failure differ by at most one completed step (a rank
+    ``ring_in_bubbles``). Survivors of a failure differ by at most one completed step (a rank
     cannot finish step k+1's all-reduce without every rank in it), so ``keep=2`` always leaves a
     step all of them hold; ``keep=3`` leaves two, one of them while the newest step's save may
-    still be on its way to the stores."""
+    still be on its way to the stores.
+
+    ``pin(step)`` keeps one recorded step beyond the ring until another is pinned: the step of the
+    last complete checkpoint, so that pieces only a dead rank held can be read from it at a step
+    the survivors still hold (a torch-native job without host stores; recorded steps only)."""
 
     def __init__(self, keep: int = 3) -> None:
         if keep < 2:
@@ -71,15 +75,18 @@ class StateRing:
         self.keep = keep
         self._states: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._adopted: set[int] = set()  # steps whose buffers belong to a SnapshotTask, never reused here
+        self._pinned: tuple[int, dict[str, Any]] | None = None
 
     def record(self, step: int, tensors: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> None:
-        """Copy the state after ``step`` (tensors copied into a dropped step's buffers when they fit)."""
+        """Copy the state after ``step`` (tensors copied into a dropped step's buffers when they fit;
+        never into the pinned step's or a snapshot task's)."""
         if step in self._states:
             return
         reuse: dict[str, Any] = {}
         while len(self._states) >= self.keep:
             old, dropped = self._states.popitem(last=False)
-            reuse = {} if old in self._adopted else dropped
+            if old not in self._adopted and (self._pinned is None or dropped is not self._pinned[1]):
+                reuse = dropped
             self._adopted.discard(old)
         out: dict[str, Any] = {}
         for name, t in tensors.items():
@@ -110,12 +117,23 @@ class StateRing:
             del self._states[s]
             self._adopted.discard(s)
 
+    def pin(self, step: int) -> None:
+        """Keep recorded step ``step`` until the next pin (ConfigError when it is not recorded)."""
+        if step not in self._states or step in self._adopted:
+            raise ConfigError(f"step {step} is not in the state ring as a recorded step (recorded: "
+                              f"{sorted(set(self._states) - self._adopted)}): record it first")
+        self._pinned = (step, self._states[step])
+
     def states(self) -> dict[int, dict[str, Any]]:
-        return dict(self._states)
+        out = dict(self._states)
+        if self._pinned is not None:
+            out.setdefault(*self._pinned)
+        return out
 
     def clear(self) -> None:
         self._states.clear()
         self._adopted.clear()
+        self._pinned = None
 
 
 def ring_in_bubbles(ring: StateRing, trainer: Any, device: Any = None) -> SnapshotTask:

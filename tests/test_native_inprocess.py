@@ -1,0 +1,365 @@
+"""In-process rescale of a torch-native job (issue #18 item 5): survivors move their DTensor local shards
+live to the mesh rebuilt for their number.
+
+1. Pure: ``plan`` between two ``StateLayout`` s (FSDP2 x TP2 on 4 ranks, one dead, FSDP2 on the 3
+   survivors) gives every piece its source: local where the survivor holds it, a live holder else,
+   storage exactly for the elements whose only holder died (counted element by element here).
+2. Spawned (``TENPLEX_NATIVE_INPROC_EXTRA=1``, with an HSDP end-to-end run): 3 gloo processes run
+   ``migrate`` on those layouts with the pieces only the dead rank held read from a checkpoint: every
+   new local tensor bit-identical to the global tensor's box, bytes sent == the plan's peer bytes, bytes
+   from storage == the plan's storage bytes.
+3. End to end: ``examples/train_native.py --in-process`` on 4 workers (FSDP2 x TP2) with one worker
+   SIGKILLed in the middle of a step; the survivors agree, rebuild the mesh and the model for 3
+   workers, ``tenplex.rescale(url, state_dict, live=...)`` moves the state live, and every step's
+   loss matches an uninterrupted single-process run within 1e-4 relative, with the same samples.
+   ``TENPLEX_NATIVE_INPROC_EXTRA=1`` adds HSDP (nothing from the checkpoint) and the job under two
+   torchrun agents (simulated nodes), one of them killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tenplex.checkpoint import save
+from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard
+from tenplex.planner import KIND_NAMES, STORAGE, plan
+from tenplex.ptc import PTC
+from tenplex.state_dict import state_layout_of
+from tenplex.state_layout import Placed, StateLayout
+
+from spawned import free_port, gloo_env, log_tails, run_spawned, wait_procs
+from test_state_dict import descriptions, global_tensor, local_of, same
+
+ROOT = Path(__file__).resolve().parent.parent
+DEAD = 3
+SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+    "model.w1": ((176, 64), torch.float32),   # colwise: FSDP2 over TP (StridedShard), panel order
+    "model.w2": ((64, 176), torch.float32),   # rowwise: TP on dim 1, FSDP2 rows
+    "model.emb": ((259, 16), torch.bfloat16),  # uneven rows (torch.chunk), small: dim order
+    "model.norm": ((64,), torch.float32),     # TP-replicated, FSDP2 rows: two holders per element
+    "optim.step": ((), torch.float32),        # a plain tensor every rank holds
+}
+
+
+def old_layout() -> StateLayout:
+    mesh = MeshLayout.parse("dp_shard=2,tp=2")
+    ranks = (0, 1, 2, 3)
+    return StateLayout.of(4, {
+        "model.w1": Placed(mesh, (StridedShard(0, 2), Shard(0)), ranks),
+        "model.w2": Placed(mesh, (Shard(0), Shard(1)), ranks),
+        "model.emb": Placed(mesh, (Shard(0), Shard(0)), ranks),
+        "model.norm": Placed(mesh, (Shard(0), Replicate()), ranks),
+        "optim.step": Placed.replicated(ranks),
+    })
+
+
+def new_layout() -> StateLayout:
+    mesh = MeshLayout.parse("dp_shard=3")
+    return StateLayout.of(3, {name: Placed(mesh, (Shard(0),) if shape else (Replicate(),), (0, 1, 2))
+                              for name, (shape, _) in SHAPES.items()})
+
+
+def collection() -> PTC:
+    ptc, _ = state_layout_of(descriptions(old_layout(), SHAPES))
+    return PTC(ptc.tensors.values(), num_layers=0, objects=["step"], meta={"kind": "state_dict"})
+
+
+def only_dead_bytes(ptc: PTC, old: StateLayout, new: StateLayout, dead: int) -> int:
+    """Bytes the new ranks need whose every old holder is ``dead``, counted element by element."""
+    total = 0
+    for name, spec in ptc.tensors.items():
+        holders = np.zeros(spec.numel, dtype=np.int64)
+        by_dead = np.zeros(spec.numel, dtype=bool)
+        t = old.holder_table(spec)
+        for r, s, n in zip(t.rank.tolist(), t.start.tolist(), t.length.tolist()):
+            holders[s:s + n] += 1
+            by_dead[s:s + n] |= r == dead
+        orphan = (holders == 1) & by_dead
+        u = new.holder_table(spec)
+        total += sum(int(orphan[s:s + n].sum()) for s, n in zip(u.start.tolist(), u.length.tolist())) * spec.itemsize
+    return total
+
+
+def test_plan_between_state_layouts_reads_only_the_dead_ranks_own_pieces_from_storage() -> None:
+    ptc, old, new = collection(), old_layout(), new_layout()
+    moves = plan(ptc, old, new, alive=[0, 1, 2])
+    s = moves.stats
+    orphans = only_dead_bytes(ptc, old, new, DEAD)
+    assert orphans > 0  # FSDP2 x TP2 keeps one copy of every TP-split element: the dead rank's own are gone
+    assert s.bytes_storage == orphans
+    assert s.bytes_needed == sum(spec.nbytes for spec in ptc.tensors.values()) + 2 * 4  # the scalar on 3 ranks
+    assert s.bytes_moved == s.bytes_lower_bound
+    c = moves.columns
+    # the norm (two holders per element) never comes from storage: rank 2 still holds rank 3's half
+    norm = moves.tensor_names.index("model.norm")
+    assert not np.any((c["tensor"] == norm) & (c["kind"] == STORAGE))
+    assert set(KIND_NAMES[k] for k in np.unique(c["kind"])) <= {"local", "same_host", "storage"}
+
+
+def test_state_ring_keeps_the_pinned_step_beyond_the_ring_and_never_reuses_its_buffers() -> None:
+    from tenplex.errors import ConfigError
+    from tenplex.train.live import StateRing
+
+    ring = StateRing(2)
+    w = torch.zeros(3)
+    for step in range(1, 6):
+        w.fill_(step)
+        ring.record(step, {"w": w}, {"step": step})
+        if step == 2:
+            ring.pin(2)
+    states = ring.states()
+    assert sorted(states) == [2, 4, 5]
+    assert states[2]["w"].tolist() == [2.0, 2.0, 2.0] and states[2]["step"] == 2  # not overwritten by 3, 4, 5
+    assert states[5]["w"].tolist() == [5.0, 5.0, 5.0]
+    with pytest.raises(ConfigError, match="not in the state ring"):
+        ring.pin(3)
+    ring.clear()
+    assert ring.states() == {}
+
+
+def test_rescale_of_a_state_dict_refuses_layout_options_and_a_live_state_without_its_layout() -> None:
+    import tenplex
+    from tenplex.config import ParallelConfig
+    from tenplex.elastic import LiveState
+    from tenplex.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="do not apply"):
+        tenplex.rescale(None, {"w": torch.zeros(2)}, parallel=ParallelConfig())
+    with pytest.raises(ConfigError, match="StateLayout"):  # one process: no group needed to see it
+        tenplex.rescale(None, {"w": torch.zeros(2)}, live=LiveState(ParallelConfig(), {}, [0]))
+    res = tenplex.rescale(None, {"w": torch.zeros(2), "step": 3})  # no checkpoint: a fresh start
+    assert res.fresh and not res.live and isinstance(res.cfg, StateLayout) and res.cfg.world_size == 1
+
+
+def _migrate_worker(rank: int, port: int, url: str, q: Any) -> None:
+    import torch.distributed as dist
+
+    from tenplex.migrate import migrate
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+        ptc, old, new = collection(), old_layout(), new_layout()
+        globals_ = {n: global_tensor(shape, dtype, 10 + i) for i, (n, (shape, dtype)) in enumerate(SHAPES.items())}
+        held = {n: local_of(globals_[n], p, rank) for n, p in old.tensors}
+        held["step"] = 7
+        res = migrate(ptc, old, new, held, alive=[0, 1, 2], storage=url, step=4)
+        bad = [n for n, p in new.tensors if not same(res.shard[n], local_of(globals_[n], p, rank))]
+        q.put((rank, {"error": f"not bit-identical: {bad}" if bad else "", "sent": res.bytes_sent,
+                      "received": res.bytes_received, "storage": res.bytes_storage, "local": res.bytes_local,
+                      "step": res.shard["step"]}))
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        import traceback
+        q.put((rank, {"error": f"{e}\n{traceback.format_exc()}"}))
+
+
+EXTRA = pytest.mark.skipif(os.environ.get("TENPLEX_NATIVE_INPROC_EXTRA") != "1",
+                           reason="TENPLEX_NATIVE_INPROC_EXTRA=1: more spawned worlds (10-60 s each on 2 CPUs)")
+
+
+@EXTRA
+@pytest.mark.timeout(90)
+def test_survivors_migrate_dtensor_shards_live_and_read_only_orphans_from_the_checkpoint(tmp_path: Path) -> None:
+    """3 survivors of FSDP2 x TP2 move their local shards to FSDP2 over 3 ranks, bit-identical (23-35 s at load
+    average 8-10 on 2 CPUs, most of it 3 torch imports; the end-to-end test below covers the same path)."""
+    ptc, old, new = collection(), old_layout(), new_layout()
+    globals_ = {n: global_tensor(shape, dtype, 10 + i) for i, (n, (shape, dtype)) in enumerate(SHAPES.items())}
+    url = str(tmp_path / "ckpt")
+    for rank in range(4):  # the checkpoint of step 4 every rank wrote before rank 3 died
+        shard: dict[str, Any] = {n: local_of(globals_[n], p, rank) for n, p in old.tensors}
+        if rank == 0:
+            shard["step"] = 7
+        save(url, ptc, old, rank, shard, step=4)
+    port = free_port()
+    got = run_spawned(_migrate_worker, [(r, port, url) for r in range(3)], expect=3, timeout=50)
+    errors = {r: v["error"] for r, v in got.items() if v.get("error")}
+    assert not errors, errors
+    s = plan(ptc, old, new, alive=[0, 1, 2]).stats
+    assert sum(v["sent"] for v in got.values()) == sum(v["received"] for v in got.values()) \
+        == s.bytes_same_host + s.bytes_cross_host
+    assert sum(v["storage"] for v in got.values()) == s.bytes_storage == only_dead_bytes(ptc, old, new, DEAD)
+    assert sum(v["local"] for v in got.values()) == s.bytes_local
+    assert all(v["step"] == 7 for v in got.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. end to end: examples/train_native.py --in-process
+# ---------------------------------------------------------------------------------------------
+SCRIPT = str(ROOT / "examples" / "train_native.py")
+STEPS, EVERY, BATCH = 8, 2, 12  # 12: the same global batch splits over 2 and over 3 DP ranks
+REL_TOL = 1e-4
+# the heartbeat verdict: a worker starved for 0.8 s (the job's default) at load >= 12 on 2 CPUs is
+# found dead by the others (then left out: exit 75), which this test is not about
+DEAD_AFTER = "2.0"
+
+
+def native_reference(steps: int) -> dict[int, tuple[float, list[int]]]:
+    """The uninterrupted run of the example's model on one process, unparallelized: loss and samples by step."""
+    import dataclasses
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import native_llama as nl
+
+    from tenplex.data.corpus import stdlib_corpus
+    from tenplex.data.partition import DataState, global_batch_ids
+    from tenplex.train.batches import IndexBatches
+
+    cfg = dataclasses.replace(nl.PRESETS["tiny"], vocab_size=259, seq_len=16)
+    corpus = stdlib_corpus(16)
+    batches = IndexBatches(corpus)
+    data = DataState(corpus.num_samples, BATCH, seed=1)
+    model = nl.reference_model(cfg, seed=0)
+    opt = nl.make_optimizer(model)
+    out = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 0.1 s for the 8 steps; 10 s with the default threads beside 4 workers on 2 CPUs
+    try:
+        for step in range(steps):
+            raw = batches.batch(data, 1, 0)
+            out[step] = (nl.train_step(model, opt, raw[:, :-1], raw[:, 1:]), global_batch_ids(data).tolist())
+            data = data.advance()
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _workers(tmp: Path, n: int, args: list[str], store_port: int) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    with gloo_env():
+        for r in range(n):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+                   "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store_port}",
+                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+            procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env,
+                                          stdout=(tmp / f"worker{r}.log").open("w"), stderr=subprocess.STDOUT))
+    return procs
+
+
+def check_native_run(tmp: Path, log: Path, reference: dict[int, tuple[float, list[int]]]) -> list[dict]:
+    """Every step's every record (redone steps too) within REL_TOL of the reference with its samples;
+    every sample of the final records once. Returns the recovery records."""
+    steps: dict[int, list[dict]] = {}
+    events = []
+    for line in log.read_text().splitlines():
+        obj = json.loads(line)
+        (steps.setdefault(obj["step"], []) if "loss" in obj else events).append(obj)
+    assert sorted(steps) == list(range(STEPS)), (sorted(steps), log_tails(tmp))
+    for step, recs in steps.items():
+        loss, samples = reference[step]
+        for rec in recs:
+            rel = abs(rec["loss"] - loss) / abs(loss)
+            assert rel <= REL_TOL, f"step {step} on {rec['world_size']} workers: loss {rec['loss']} vs {loss}"
+            assert rec["samples"] == samples, f"step {step} saw other samples"
+    seen = [x for s in range(STEPS) for x in steps[s][-1]["samples"]]
+    assert len(seen) == len(set(seen)) == STEPS * BATCH
+    return [e for e in events if e.get("event") == "recover"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_native_job_recovers_in_process_from_a_kill_mid_step(tmp_path: Path) -> None:
+    """(34-69 s at load average 6-12 on 2 CPUs: 4 workers' torch imports and start-up are most of it.)
+    4 workers on dp_shard=2,tp=2; worker 3 is SIGKILLed before its optimizer step of step 5 (the
+    others finish theirs: their working state is half a step ahead). The 3 survivors move step 4's
+    state (every survivor holds it, and the checkpoint has the pieces only worker 3 held) live to
+    dp_shard=3 and redo steps 4-7. Bytes sent between survivors == the plan's peer bytes; bytes from
+    the checkpoint == the plan's storage bytes == the elements only worker 3 held (counted here)."""
+    import torch.distributed as dist
+
+    from tenplex.checkpoint import list_steps, read_manifest
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    procs = _workers(tmp_path, 4, ["--ckpt", str(ckpt), "--steps", str(STEPS), "--ckpt-every", str(EVERY),
+                                   "--global-batch", str(BATCH), "--log", str(log), "--in-process",
+                                   "--dead-after", DEAD_AFTER, "--die-at", f"{DEAD}:5:optimizer"], store.port)
+    reference = native_reference(STEPS)
+    codes = wait_procs(procs, 200)
+    assert codes == [0, 0, 0, -9], (codes, log_tails(tmp_path))
+    recs = check_native_run(tmp_path, log, reference)
+    assert len(recs) == 1, recs
+    rec = recs[0]
+    assert rec["live"] and rec["world_size"] == 3 and rec["mesh"] == {"dp_shard": 3} and rec["alive"] == [0, 1, 2]
+    assert rec["step"] == 4 and rec["newest"] == 5, rec  # the ring's newest step lacks rank 3's pieces anywhere
+    assert rec["bytes_live"] == rec["plan_bytes_peer"] > 0, rec
+    old = read_manifest(str(ckpt), 4)
+    new = read_manifest(str(ckpt), STEPS)
+    ptc = old["ptc"]
+    expected = only_dead_bytes(ptc, StateLayout.from_json(old["state_layout"]),
+                               StateLayout.from_json(new["state_layout"]), DEAD)
+    assert rec["bytes_storage"] == rec["plan_bytes_storage"] == expected > 0, (rec, expected)
+    assert [s.step for s in list_steps(str(ckpt)) if s.complete] == [2, 4, 6, 8]
+
+
+@EXTRA
+@pytest.mark.timeout(240)
+def test_native_hsdp_job_recovers_with_nothing_from_the_checkpoint(tmp_path: Path) -> None:
+    """4 workers on dp_replicate=2,dp_shard=2 (HSDP): every element has a replica, so when worker 2
+    dies in the forward pass of step 5 the 3 survivors move the newest step they all hold (5: no
+    step redone) entirely live, 0 bytes from the checkpoint, and go on under dp_shard=3."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    log = tmp_path / "log.jsonl"
+    procs = _workers(tmp_path, 4, ["--ckpt", str(tmp_path / "ckpt"), "--steps", str(STEPS), "--ckpt-every",
+                                   str(EVERY), "--global-batch", str(BATCH), "--log", str(log), "--in-process",
+                                   "--dead-after", DEAD_AFTER, "--hsdp", "--die-at", "2:5:forward"], store.port)
+    reference = native_reference(STEPS)
+    codes = wait_procs(procs, 200)
+    assert codes == [0, 0, -9, 0], (codes, log_tails(tmp_path))
+    recs = check_native_run(tmp_path, log, reference)
+    assert len(recs) == 1, recs
+    rec = recs[0]
+    assert rec["live"] and rec["mesh"] == {"dp_shard": 3} and rec["alive"] == [0, 1, 3], rec
+    assert rec["step"] == rec["newest"] == 5, rec
+    assert rec["bytes_live"] == rec["plan_bytes_peer"] > 0 and rec["bytes_storage"] == rec["plan_bytes_storage"] == 0
+
+
+@EXTRA
+@pytest.mark.timeout(400)
+def test_native_job_under_torchrun_agents_recovers_in_process_from_a_node_loss(tmp_path: Path) -> None:
+    """Two simulated nodes (torchrun agents, 2 workers each) on dp_shard=2,tp=2; node 1 (agent and
+    workers) is killed after 3 steps. The surviving agent does not restart its workers (one start
+    record): they recover in-process on dp_shard=2, the dead node's shards from the checkpoint, and
+    finish with the reference losses. (About 25 s after start-up at load average 7-10.) The agent then
+    waits in its exit barrier for the dead one (torchrun's exit_barrier_timeout), so the test stops it."""
+    from tenplex.train.launch import Agent, RendezvousStore, wait_for
+
+    log = tmp_path / "log.jsonl"
+    args = ["--steps", str(STEPS), "--ckpt-every", str(EVERY), "--global-batch", str(BATCH), "--ckpt",
+            str(tmp_path / "ckpt"), "--log", str(log), "--in-process", "--dead-after", DEAD_AFTER]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    store = RendezvousStore()
+    run_id = f"n{free_port()}"
+    agents = [Agent(f"node{i}", store.endpoint, args, nproc=2, min_nodes=1, max_nodes=2, pid_dir=str(tmp_path / "pids"),
+                    log_path=str(tmp_path / f"node{i}.log"), run_id=run_id, env=env, program=[SCRIPT])
+              for i in range(2)]
+
+    def records() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    try:
+        reference = native_reference(STEPS)
+        assert wait_for(lambda: sum(1 for r in records() if "loss" in r and r["world_size"] == 4) >= 3, 300), \
+            (tmp_path / "node0.log").read_text()[-3000:]
+        agents[1].kill()
+        assert wait_for(lambda: any(r.get("step") == STEPS - 1 for r in records()), 240), \
+            (tmp_path / "node0.log").read_text()[-4000:]
+    finally:
+        for a in agents:
+            a.stop()
+        store.stop()
+    assert sum(1 for r in records() if r.get("start")) == 1  # the surviving agent never restarted its workers
+    rec = check_native_run(tmp_path, log, reference)
+    assert len(rec) == 1 and rec[0]["live"] and rec[0]["world_size"] == 2 and rec[0]["mesh"] == {"dp_shard": 2}, rec
+    assert rec[0]["bytes_live"] == rec[0]["plan_bytes_peer"] and rec[0]["bytes_storage"] == rec[0]["plan_bytes_storage"]
