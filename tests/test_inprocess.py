@@ -205,15 +205,15 @@ def test_kills_at_random_moments_continue_in_process(tmp_path: Path, reference: 
         seen = [time.monotonic()]  # when rank 0 had logged 0, 1, 2, ... steps
         deadline = seen[0] + 90
         while len(seen) < step:  # step - 1 steps logged: step `step` is running
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (what, _tails(d))
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (what, log_tails(d))
             while _logged_steps(log) >= len(seen):
                 seen.append(time.monotonic())
             time.sleep(0.002)
         step_s = (seen[-1] - seen[1]) / max(1, len(seen) - 2)  # after the first step (start-up)
         time.sleep(frac * step_s)
         procs[victim].kill()
-        codes = _wait(procs, 90)
-        assert codes == [-9 if r == victim else 0 for r in range(4)], (what, codes, _tails(d))
+        codes = wait_procs(procs, 90)
+        assert codes == [-9 if r == victim else 0 for r in range(4)], (what, codes, log_tails(d))
         got, events = _read(log)
         rec = _recoveries(events)
         assert [(e["world_size"], e["live"]) for e in rec] == [(3, True)], (what, rec)
