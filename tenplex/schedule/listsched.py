@@ -8,7 +8,7 @@ import logging
 import numpy as np
 
 from ..topology import Topology
-from .arrays import excl_cumsum
+from .arrays import excl_cumsum, sort_order
 from .commodities import Demands, commodity_nbytes
 from .routes import Routes
 
@@ -49,7 +49,7 @@ def fifo(link: np.ndarray, ready: np.ndarray, dur: np.ndarray) -> np.ndarray:
 
 def by_level(lev: np.ndarray) -> list[np.ndarray]:
     """Indices grouped by level, lowest first, each group in index order."""
-    order = np.argsort(lev, kind="stable")
+    order = sort_order(lev)
     bounds = np.searchsorted(lev[order], np.arange(int(lev.max()) + 2))
     return [order[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()) if b > a]
 
@@ -89,18 +89,22 @@ def list_schedule(topology: Topology, routes: Routes, chunk_nb: np.ndarray, orde
     dur = nb / cap[hop_link]
     start, fin = np.empty(len(base)), np.empty(len(base))
     arrival = np.zeros(len(base), dtype=np.int64)
+    done: list[np.ndarray] = []
     for idx in by_level(lev[hop_link]):
         p = hop_parent[idx]
         ready = np.where(p >= 0, arrival[p], release[hop_chunk[idx]])
-        o = np.lexsort((idx, ready, hop_link[idx]))  # per link: by arrival, then priority
+        o = sort_order(hop_link[idx], ready)  # per link: by arrival, then priority
         idx, ready = idx[o], ready[o].astype(np.float64)
         f = fifo(hop_link[idx], ready, dur[idx])
         s = np.maximum(f - dur[idx], ready)
         start[idx], fin[idx] = s, f
         last = np.maximum(np.ceil(f - 1e-9) - 1, np.floor(s)).astype(np.int64)
         arrival[idx] = last + 1 + lat_ep[hop_link[idx]]
-    # number hops by start time, so the order by (first epoch, index) is each link's sending order
-    perm = np.argsort(start, kind="stable")
+        done.append(idx)
+    # number hops in the order they were placed: level by level, per link in its sending order, so
+    # the order by (first epoch, index) is each link's sending order (no sort by start time: 2 s
+    # at 6.2 M hops)
+    perm = np.concatenate(done)
     inv = np.empty_like(perm)
     inv[perm] = np.arange(len(perm))
     hop_link, hop_chunk, nb, start, fin = hop_link[perm], hop_chunk[perm], nb[perm], start[perm], fin[perm]
