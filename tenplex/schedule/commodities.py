@@ -206,13 +206,16 @@ def rep_pieces(plan: Plan, topology: Topology, rows: np.ndarray) -> RepPieces:
         tables.append(np.where((c_ranks >= 0) & alive[c_ranks], c_ranks, pad))
         row_cls[a:b] = np.where(row_kind[a:b] == STORAGE, 0, n_cls + np.maximum(ci, 0))
         n_cls += len(c_ranks)
-    kmax = max(t.shape[1] for t in tables)
-    cls_ids = np.full((n_cls, kmax), pad, dtype=np.int64)
-    pos = 0
-    for t in tables:
-        cls_ids[pos : pos + len(t), : t.shape[1]] = t
-        pos += len(t)
-    cand_key = src_hash[cls_ids].sum(1)[row_cls]
+    # each table hashed at its own width (padding every class to the widest was (558,080 x 8,192) at
+    # 131,072 GPUs with ZeRO-1: sharded optimizer classes of one holder beside replicated ones)
+    cls_hash = np.concatenate([src_hash[t].sum(1) for t in tables])
+    cls_off = np.cumsum([0] + [len(t) for t in tables])
+    cand_key = cls_hash[row_cls]
+
+    def holders(gid: int) -> np.ndarray:
+        k = int(np.searchsorted(cls_off, gid, side="right")) - 1
+        return tables[k][gid - int(cls_off[k])]
+
     # pieces: same tensor interval (one transmission can serve all its destinations)
     tens, start, length = c["tensor"][rows], c["start"][rows], c["length"][rows]
     porder = np.lexsort((length, start, tens))
@@ -234,7 +237,7 @@ def rep_pieces(plan: Plan, topology: Topology, rows: np.ndarray) -> RepPieces:
     sources, dests = [], []
     for p0 in cfirst.tolist():
         r0 = int(pfirst[p0])
-        key = tuple(i for i in cls_ids[row_cls[r0]].tolist() if i != pad)
+        key = tuple(i for i in holders(int(row_cls[r0])).tolist() if i != pad)
         if key not in src_names:
             src_names[key] = tuple(sorted(node_names[i] for i in key))
         if not key:
