@@ -103,8 +103,11 @@ def _too_large(topology: Topology) -> bool:
 def _naive_only(plan: Plan | None, topology: Topology, dem: Demands | None, t0: float, limit_at: float,
                 chunk_bytes: int | None, epochs: int, why: str) -> Schedule:
     """The naive schedule without trying the solvers (``why``: the reason, ``info["greedy_skipped"]``):
-    its flows rendered first, then, in the time left, the lower bound (when ``dem`` is given or
-    there is time to group the plan into demands) and the naive completion or its bounds."""
+    its flows rendered first, then, in the time left, the steps whose cost (predicted from the flows
+    and the rendering just timed) fits before the naive bounds' fixed cost: the store-and-forward
+    figure, the lower bound (grouping the plan into demands first where ``dem`` is not given), and
+    the naive completion or its bounds. ``info["skipped"]`` / ``info["lower_bound_skipped"]`` name
+    what did not fit."""
     source: Plan | Demands = plan if plan is not None else dem  # type: ignore[assignment]
     t_flows = time.perf_counter()
     flows = naive_flows(source, topology)
