@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..topology import Topology
-from .commodities import Demands
+from .arrays import excl_cumsum, member
+from .commodities import Demands, commodity_nbytes
 
 
 def _min_latency(topology: Topology, sources: np.ndarray) -> np.ndarray:
@@ -68,15 +69,14 @@ class _Cuts:
 
     idx: dict[str, int]
     node_host: np.ndarray  # host column per node (the last column: no host)
-    onehot: np.ndarray  # (nodes, hosts + 1)
     single: np.ndarray  # GPU and storage nodes
     single_in: np.ndarray
     single_out: np.ndarray
-    unions: np.ndarray  # (unions, hosts + 1) bool
+    unions: np.ndarray  # (unions, hosts + 1) bool; up to _ALL_UNIONS hosts (else none: see _host_cuts)
     union_in: np.ndarray
     union_out: np.ndarray
     # beyond _ALL_UNIONS hosts: single hosts, pairs joined by a link, and (per demands) pairs that
-    # hold every replica of a piece; bandwidth into / out of each host and between linked pairs
+    # hold every replica of a piece (_host_cuts); bandwidth into / out of each host and between linked pairs
     host_in: np.ndarray
     host_out: np.ndarray
     pair_bw: dict[tuple[int, int], float]
@@ -101,8 +101,6 @@ def _cuts(topology: Topology) -> _Cuts:
     hpos = {h: i for i, h in enumerate(hosts)}
     node_host = np.array([hpos.get(topology.host_of(n), len(hosts)) if topology.host_of(n) is not None
                           else len(hosts) for n in nodes], dtype=np.int64)
-    onehot = np.zeros((len(nodes), len(hosts) + 1), dtype=np.float64)
-    onehot[np.arange(len(nodes)), node_host] = 1.0
     hs, hd = node_host[l_src], node_host[l_dst]
     across = hs != hd
     nh = len(hosts) + 1
@@ -113,28 +111,91 @@ def _cuts(topology: Topology) -> _Cuts:
         if a < len(hosts) and b < len(hosts):
             key = (min(a, b), max(a, b))
             pair_bw[key] = pair_bw.get(key, 0.0) + w
-    if len(hosts) <= _ALL_UNIONS:
+    if len(hosts) <= _ALL_UNIONS:  # every union: masks, and the links crossing each
         sizes = range(1, len(hosts) + (len(hosts) == 1))  # a proper union (the whole cluster has no cut)
         combos = [c for r in sizes for c in itertools.combinations(range(len(hosts)), r)]
-    else:
-        combos = [(a,) for a in range(len(hosts))] + sorted(pair_bw)
-    u, u_in, u_out = _unions(combos, nh, host_in, host_out, pair_bw)
-    if len(hosts) <= _ALL_UNIONS:  # as before: the links crossing each union
+        u = np.zeros((len(combos), nh), dtype=bool)
+        for i, cmb in enumerate(combos):
+            u[i, list(cmb)] = True
         lin = u[:, hd] & ~u[:, hs]
         lout = u[:, hs] & ~u[:, hd]
         u_in, u_out = lin.astype(np.float64) @ bw, lout.astype(np.float64) @ bw
-    return _Cuts(idx, node_host, onehot, single, single_in, single_out, u, u_in, u_out, host_in, host_out, pair_bw)
+    else:  # single hosts and pairs without masks (_host_cuts): a (unions, hosts) mask was 268 M cells at 16,384 hosts
+        u, u_in, u_out = np.zeros((0, nh), dtype=bool), np.zeros(0), np.zeros(0)
+    return _Cuts(idx, node_host, single, single_in, single_out, u, u_in, u_out, host_in, host_out, pair_bw)
 
 
-def _unions(combos: list[tuple[int, ...]], nh: int, host_in: np.ndarray, host_out: np.ndarray,
-            pair_bw: dict[tuple[int, int], float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Masks of unions of one or two hosts (``nh`` columns) and the bandwidth into and out of each:
-    its hosts' less the links between them."""
-    u = np.zeros((len(combos), nh), dtype=bool)
-    for i, cmb in enumerate(combos):
-        u[i, list(cmb)] = True
-    inner = np.array([pair_bw.get((c[0], c[-1]), 0.0) if len(c) == 2 else 0.0 for c in combos])
-    return u, u.astype(np.float64) @ host_in - inner, u.astype(np.float64) @ host_out - inner
+def _host_cuts(cut: _Cuts, ps: np.ndarray, pd: np.ndarray, size: np.ndarray, set_nodes: np.ndarray,
+               nb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Bytes into and out of every single host and every pair of hosts that can bound more than
+    its hosts alone (joined by a link, or holding every replica of some piece), and the bandwidth
+    into and out of each: the cut bound of :func:`lower_bound` beyond ``_ALL_UNIONS`` hosts.
+
+    Sparse: from the distinct (node set, host) incidences, never a (sets, unions) table (issue
+    #20: 13 GB and 26 s at 16,384 hosts). A commodity counts once per union: ingress when some
+    destination and no candidate source is inside, egress when every candidate source is
+    inside (none on storage) and some destination outside."""
+    nh = len(cut.host_in)
+    h_n = nh - 1  # column of the nodes on no host
+    n_sets = len(size)
+    key = np.unique(np.repeat(np.arange(n_sets), size) * nh + cut.node_host[set_nodes])
+    inc_set, inc_host = key // nh, key % nh
+    ptr = np.searchsorted(inc_set, np.arange(n_sets + 1))
+    n_hosts = np.diff(ptr)  # hosts of every set (the column of no host included)
+    nk = len(nb)
+
+    def hosts_of(sets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(row, host) of every host of ``sets[row]``."""
+        cnt = n_hosts[sets]
+        row = np.repeat(np.arange(len(sets)), cnt)
+        return row, inc_host[np.repeat(ptr[sets], cnt) + np.arange(int(cnt.sum())) - np.repeat(excl_cumsum(cnt), cnt)]
+
+    def has(sets: np.ndarray, hosts: np.ndarray) -> np.ndarray:
+        return member(sets * nh + hosts, key)
+
+    dk, dh = hosts_of(pd)  # (commodity, destination host)
+    real = dh < h_n
+    dk, dh = dk[real], dh[real]
+    src_in = has(ps[dk], dh)
+    inn = np.bincount(dh[~src_in], weights=nb[dk[~src_in]], minlength=h_n)
+    h1 = inc_host[ptr[ps]]  # a source set's first host
+    one = (n_hosts[ps] == 1) & (h1 < h_n)
+    go = one & (n_hosts[pd] > has(pd, h1))
+    out = np.bincount(h1[go], weights=nb[go], minlength=h_n)
+    # pairs: joined by a link, or the hosts of a source set of two hosts
+    h2 = inc_host[np.minimum(ptr[ps] + 1, len(inc_host) - 1)]  # its second (where it has one)
+    two = np.flatnonzero((n_hosts[ps] == 2) & (h2 < h_n))
+    pk = np.unique(np.r_[h1[two] * nh + h2[two],
+                         np.array([a * nh + b for a, b in cut.pair_bw], dtype=np.int64)])
+    pa, pb = pk // nh, pk % nh
+    inner = np.array([cut.pair_bw.get((a, b), 0.0) for a, b in zip(pa.tolist(), pb.tolist())])
+    bw_in = np.r_[cut.host_in[:h_n], cut.host_in[pa] + cut.host_in[pb] - inner]
+    bw_out = np.r_[cut.host_out[:h_n], cut.host_out[pa] + cut.host_out[pb] - inner]
+    if not len(pk):
+        return inn, out, bw_in, bw_out
+    # host -> pairs holding it (CSR)
+    ph = np.r_[pa, pb]
+    po = np.argsort(ph, kind="stable")
+    h_ptr = np.searchsorted(ph[po], np.arange(h_n + 1))
+    h_pair = np.r_[np.arange(len(pk)), np.arange(len(pk))][po]
+
+    def pairs_of(rows: np.ndarray, hosts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        cnt = h_ptr[hosts + 1] - h_ptr[hosts]
+        at = np.repeat(h_ptr[hosts], cnt) + np.arange(int(cnt.sum())) - np.repeat(excl_cumsum(cnt), cnt)
+        return np.repeat(rows, cnt), h_pair[at]
+
+    k2, p2 = pairs_of(dk, dh)  # commodities with a destination in the pair, once each
+    kp = np.unique(k2 * len(pk) + p2)
+    k2, p2 = kp // len(pk), kp % len(pk)
+    free = ~has(ps[k2], pa[p2]) & ~has(ps[k2], pb[p2])
+    p_in = np.bincount(p2[free], weights=nb[k2[free]], minlength=len(pk))
+    k1, p1 = pairs_of(np.flatnonzero(one), h1[one])  # every source on one host of the pair
+    at = np.searchsorted(pk, h1[two] * nh + h2[two])  # or on both
+    k1, p1 = np.r_[k1, two], np.r_[p1, at]
+    inside = has(pd[k1], pa[p1]).astype(np.int64) + has(pd[k1], pb[p1])
+    go = n_hosts[pd[k1]] > inside
+    p_out = np.bincount(p1[go], weights=nb[k1[go]], minlength=len(pk))
+    return np.r_[inn, p_in], np.r_[out, p_out], bw_in, bw_out
 
 
 def lower_bound(dem: Demands, topology: Topology) -> float:
@@ -159,7 +220,7 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
     size = np.array([len(names) for names in set_id], dtype=np.int64)
     set_ptr = np.concatenate([[0], np.cumsum(size)])
     set_nodes = np.array([cut.idx[x] for names in set_id for x in names], dtype=np.int64)
-    nb = np.array([c.nbytes for c in dem.commodities], dtype=np.float64)
+    nb = commodity_nbytes(dem).astype(np.float64)
     nk = len(nb)
     # (commodity, destination) pairs, and whether the destination is also a source of it
     dk = np.repeat(np.arange(nk), size[pd])
@@ -186,30 +247,17 @@ def lower_bound(dem: Demands, topology: Topology) -> float:
         m = (size[ps] == 1) & (pos[s0] >= 0) & (rest > 0)
         out = np.bincount(pos[s0[m]], weights=nb[m], minlength=len(cut.single))
         best = max(best, worst(inn, out, cut.single_in, cut.single_out))
-    unions, union_in, union_out = cut.unions, cut.union_in, cut.union_out
-    hosts_of = np.zeros((len(size), len(cut.host_in)), dtype=bool)  # (sets, hosts + 1)
-    hosts_of[np.repeat(np.arange(len(size)), size), cut.node_host[set_nodes]] = True
-    if len(cut.host_in) - 1 > _ALL_UNIONS:
-        # a pair of hosts bounds more than each alone only through the links between them or
-        # pieces whose every replica lies in the pair (egress): those pairs are added
-        cnt_s = hosts_of[:, :-1].sum(1)
-        two = {tuple(np.flatnonzero(hosts_of[j, :-1]).tolist()) for j in np.unique(ps).tolist() if cnt_s[j] == 2}
-        extra = sorted(two - set(cut.pair_bw))
-        if extra:
-            u2, i2, o2 = _unions(extra, len(cut.host_in), cut.host_in, cut.host_out, cut.pair_bw)
-            unions, union_in, union_out = np.vstack([unions, u2]), np.r_[union_in, i2], np.r_[union_out, o2]
-    if len(unions):  # unions of hosts (column H: nodes on no host, never inside a union)
-        if len(cut.host_in) - 1 > _ALL_UNIONS:  # single hosts and pairs: two columns each
-            first = unions.argmax(1)
-            second = unions.shape[1] - 1 - unions[:, ::-1].argmax(1)
-            in_u = hosts_of[:, first].astype(np.int32) + (hosts_of[:, second] & (second != first))
-        else:
-            in_u = np.einsum("kh,uh->ku", hosts_of, unions, dtype=np.int32)  # (sets, unions): hosts inside
+    if len(cut.host_in) - 1 > _ALL_UNIONS:  # single hosts and pairs, sparse
+        best = max(best, worst(*_host_cuts(cut, ps, pd, size, set_nodes, nb)))
+    elif len(cut.unions):  # every union of hosts (column H: nodes on no host, never inside a union)
+        hosts_of = np.zeros((len(size), len(cut.host_in)), dtype=bool)  # (sets, hosts + 1)
+        hosts_of[np.repeat(np.arange(len(size)), size), cut.node_host[set_nodes]] = True
+        in_u = np.einsum("kh,uh->ku", hosts_of, cut.unions, dtype=np.int32)  # (sets, unions): hosts inside
         cnt = hosts_of.sum(1)[:, None]
         s_in, d_in = in_u[ps], in_u[pd]
         inn = _dot(nb, (s_in == 0) & (d_in > 0))
         out = _dot(nb, (s_in == cnt[ps]) & (d_in < cnt[pd]))
-        best = max(best, worst(inn, out, union_in, union_out))
+        best = max(best, worst(inn, out, cut.union_in, cut.union_out))
     return max(best, _path_latency(topology, ps, dk, dn, outside, set_ptr, set_nodes))
 
 

@@ -196,28 +196,31 @@ def rep_pieces(plan: Plan, topology: Topology, rows: np.ndarray) -> RepPieces:
     grp = grp[order]
     starts = np.concatenate([[0], np.flatnonzero(np.diff(grp)) + 1, [len(rows)]])
     row_start, row_kind = c["start"][rows], c["kind"][rows]
-    kmax = 1
-    ids_parts: list[np.ndarray] = []
+    # holders per class, not per row (issue #20: rows x holders was 2.3 GB at 131,072 GPUs, 1,024 replicas)
+    tables: list[np.ndarray] = [np.array([[storage_id]])]  # class 0: storage
+    row_cls = np.zeros(len(rows), dtype=np.int64)
+    n_cls = 1
     for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
         c_start, _, c_ranks, _ = plan.group_classes[int(grp[a])]
         ci = np.searchsorted(c_start, row_start[a:b], side="right") - 1
-        hr = c_ranks[np.maximum(ci, 0)]
-        ids = np.where((hr >= 0) & alive[hr], hr, pad)
-        ids[row_kind[a:b] == STORAGE] = pad
-        ids[row_kind[a:b] == STORAGE, 0] = storage_id
-        ids_parts.append(ids)
-        kmax = max(kmax, ids.shape[1])
-    ids_all = np.full((len(rows), kmax), pad, dtype=np.int64)
-    pos = 0
-    for ids in ids_parts:
-        ids_all[pos : pos + len(ids), : ids.shape[1]] = ids
-        pos += len(ids)
-    cand_key = src_hash[ids_all].sum(1)
+        tables.append(np.where((c_ranks >= 0) & alive[c_ranks], c_ranks, pad))
+        row_cls[a:b] = np.where(row_kind[a:b] == STORAGE, 0, n_cls + np.maximum(ci, 0))
+        n_cls += len(c_ranks)
+    # each table hashed at its own width (padding every class to the widest was (558,080 x 8,192) at
+    # 131,072 GPUs with ZeRO-1: sharded optimizer classes of one holder beside replicated ones)
+    cls_hash = np.concatenate([src_hash[t].sum(1) for t in tables])
+    cls_off = np.cumsum([0] + [len(t) for t in tables])
+    cand_key = cls_hash[row_cls]
+
+    def holders(gid: int) -> np.ndarray:
+        k = int(np.searchsorted(cls_off, gid, side="right")) - 1
+        return tables[k][gid - int(cls_off[k])]
+
     # pieces: same tensor interval (one transmission can serve all its destinations)
     tens, start, length = c["tensor"][rows], c["start"][rows], c["length"][rows]
     porder = np.lexsort((length, start, tens))
     rows, tens, start, length = rows[porder], tens[porder], start[porder], length[porder]
-    cand_key, ids_all = cand_key[porder], ids_all[porder]
+    cand_key, row_cls = cand_key[porder], row_cls[porder]
     new_piece = np.ones(len(rows), dtype=bool)
     new_piece[1:] = (tens[1:] != tens[:-1]) | (start[1:] != start[:-1]) | (length[1:] != length[:-1])
     pfirst = np.flatnonzero(new_piece)
@@ -234,7 +237,7 @@ def rep_pieces(plan: Plan, topology: Topology, rows: np.ndarray) -> RepPieces:
     sources, dests = [], []
     for p0 in cfirst.tolist():
         r0 = int(pfirst[p0])
-        key = tuple(i for i in ids_all[r0].tolist() if i != pad)
+        key = tuple(i for i in holders(int(row_cls[r0])).tolist() if i != pad)
         if key not in src_names:
             src_names[key] = tuple(sorted(node_names[i] for i in key))
         if not key:

@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import PlanError
 from ..planner import LOCAL, STORAGE, Plan
 from ..topology import Topology
+from .arrays import sort_order
 from .commodities import Commodity, Demands, FlowCommodities
 from .hostpaths import host_flow_paths, host_paths
 
@@ -99,7 +100,7 @@ def naive_flows(plan: Plan | Demands, topology: Topology) -> NaiveFlows:
         pair = (src + 1) * width + dst  # flows in (source, destination) order; storage first
         # one stable sort: the flows and each one's rows in plan order (a bincount over every
         # possible pair was 2 GiB at 16,384 GPUs)
-        order = np.argsort(pair, kind="stable")
+        order = sort_order(pair)
         sp = pair[order]
         head = np.flatnonzero(np.r_[True, sp[1:] != sp[:-1]]) if len(sp) else np.zeros(0, dtype=np.int64)
         key = sp[head]
@@ -309,7 +310,7 @@ def _maxmin_flat(links: np.ndarray, n_hops: np.ndarray, nbytes: np.ndarray, bw: 
     ne = len(used)
     fptr = np.concatenate([[0], np.cumsum(n_hops)])
     inc_flow = np.repeat(np.arange(nf), n_hops)
-    by_link = np.argsort(col, kind="stable")
+    by_link = sort_order(col)
     lflow = inc_flow[by_link]  # incidences in link order: the flow
     lptr = np.searchsorted(col[by_link], np.arange(ne + 1)).tolist()
     flinks = np.full((nf, int(n_hops.max())), ne, dtype=np.int64)  # each flow's link columns, padded with ne

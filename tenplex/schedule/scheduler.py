@@ -33,8 +33,15 @@ _PACE = 0.9  # sources release chunks at this fraction of the lower bound's pace
 _GOOD_ENOUGH = 1.03  # auto stops at the greedy schedule when it is this close to the lower bound
 _NET_CELLS = 2500**2  # topology nodes^2 up to which auto builds greedy routes (routes.net_of's tables)
 _TOO_LARGE = "topology too large for its tables"
-_DEMANDS_S_PER_MOVE = 3e-6  # seconds `demands` takes per non-local move (1.4 us on an idle machine), to skip it
+_DEMANDS_S_PER_MOVE = 1e-6  # seconds `demands` takes per non-local move at least (1.2-1.4 us measured), to skip it
 _RESERVE = 0.05  # share of the limit kept back after the naive bounds (building the schedule object)
+# costs of the naive-only path's optional steps, as multiples of the steps it has just timed (so that
+# they scale with the machine's load; issue #20, measured at 16,384 and 131,072 GPUs under load 6):
+_LB_PER_FLOWS = 3.0  # demands + lower bound over naive_flows: 1.9x + 0.1x (full re-layout), 1.5x + 0.5x (node loss)
+_LB_ONLY_PER_FLOWS = 0.6  # the lower bound of given demands over naive_flows: 0.1x to 0.5x
+_SF_PER_RENDER = 0.5  # store_and_forward over the rendering: 0.31 to 0.38
+_BOUNDS_PER_RENDER = 0.35  # the naive bounds' set-up and cut-short over the rendering: 0.26 to 0.27
+_CUT_PER_RENDER = 0.15  # the cut-short alone (bounds from the filling's state, after its deadline)
 _LATE = 0.5  # auto goes straight to the naive schedule when grouping the demands took this share of the limit
 
 
@@ -96,10 +103,15 @@ def _too_large(topology: Topology) -> bool:
 def _naive_only(plan: Plan | None, topology: Topology, dem: Demands | None, t0: float, limit_at: float,
                 chunk_bytes: int | None, epochs: int, why: str) -> Schedule:
     """The naive schedule without trying the solvers (``why``: the reason, ``info["greedy_skipped"]``):
-    its flows rendered first, then, in the time left, the lower bound (when ``dem`` is given or
-    there is time to group the plan into demands) and the naive completion or its bounds."""
+    its flows rendered first, then, in the time left, the steps whose cost (predicted from the flows
+    and the rendering just timed) fits before the naive bounds' fixed cost: the store-and-forward
+    figure, the lower bound (grouping the plan into demands first where ``dem`` is not given), and
+    the naive completion or its bounds. ``info["skipped"]`` / ``info["lower_bound_skipped"]`` name
+    what did not fit."""
     source: Plan | Demands = plan if plan is not None else dem  # type: ignore[assignment]
+    t_flows = time.perf_counter()
     flows = naive_flows(source, topology)
+    t_flows = time.perf_counter() - t_flows
     if not len(flows.nbytes):
         return _empty(plan, topology, flows.demands, "naive", chunk_bytes or 4096, t0)
     floor = flows.floor(topology)
@@ -110,16 +122,33 @@ def _naive_only(plan: Plan | None, topology: Topology, dem: Demands | None, t0: 
         chunk_bytes = max(4096, 1 << max(0, math.ceil(math.log2(max(total, 1) / target))))
     if chunk_bytes < 1:
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    s = _naive_render(plan, topology, flows, floor, chunk_bytes, epochs, limit_at - _RESERVE * (limit_at - t0))
+    end = limit_at - _RESERVE * (limit_at - t0)
+    t_render = time.perf_counter()
+    s = _naive_render(plan, topology, flows, floor, chunk_bytes, epochs)
+    t_render = time.perf_counter() - t_render
+    # what is left goes, in this order, to the steps that fit before the naive bounds' own fixed cost:
+    # the store-and-forward figure, the demands and lower bound, then the naive filling itself
+    keep = _BOUNDS_PER_RENDER * t_render
+    skipped: dict[str, str] = {}
+    need = _SF_PER_RENDER * t_render
+    if time.perf_counter() + need + keep < end:
+        s = dataclasses.replace(s, info={"store_and_forward_s": store_and_forward(s)})
+    else:
+        skipped["store_and_forward"] = f"about {need:.1f} s"
     if dem is None and plan is not None:
-        need = _DEMANDS_S_PER_MOVE * int(np.count_nonzero(plan.columns["kind"] != LOCAL))
-        if time.perf_counter() + need < limit_at - _RESERVE * (limit_at - t0):
+        need = max(_LB_PER_FLOWS * t_flows, _DEMANDS_S_PER_MOVE * int(np.count_nonzero(plan.columns["kind"] != LOCAL)))
+        if time.perf_counter() + need + keep < end:
             dem = demands(plan, topology)
         else:
             info["lower_bound_skipped"] = f"grouping the plan into demands would take about {need:.1f} s"
+    elif dem is not None and time.perf_counter() + _LB_ONLY_PER_FLOWS * t_flows + keep >= end:
+        info["lower_bound_skipped"] = f"the lower bound would take about {_LB_ONLY_PER_FLOWS * t_flows:.1f} s"
+        dem = None
     if dem is not None:
         info["lower_bound_s"] = lower_bound(dem, topology)
-    lo, hi = flows.bounds(topology, deadline=limit_at - _RESERVE * (limit_at - t0))
+    if skipped:
+        info["skipped"] = skipped
+    lo, hi = flows.bounds(topology, deadline=end - _CUT_PER_RENDER * t_render)
     return _naive_done(s, lo, hi, t0, info)
 
 
@@ -221,7 +250,8 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
             else:
                 info["naive_bounds_s"] = [lo, hi]
             if comp > lo:
-                return _naive_done(_naive_render(plan, topology, flows, lo, chunk_bytes, epochs), lo, hi, t0, info)
+                s = _naive_render(plan, topology, flows, lo, chunk_bytes, epochs, deadline=limit_at)
+                return _naive_done(s, lo, hi, t0, info)
     s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
                  **{k: v for k, v in arrays.items() if k != "tau"}, solve_seconds=time.perf_counter() - t0,
                  info=info)
@@ -250,12 +280,13 @@ def _capped(dem: Demands, chunk_bytes: int) -> int:
 
 
 def _naive_render(plan: Plan | None, topology: Topology, flows: NaiveFlows, basis: float, chunk_bytes: int,
-                  epochs: int, deadline: float = math.inf) -> Schedule:
+                  epochs: int, deadline: float = -math.inf) -> Schedule:
     """The naive baseline as a schedule (method ``"naive"``): its flows' chunks on their shortest
     paths, all released at once and list-scheduled in epochs of ``basis / epochs`` seconds, a
     store-and-forward rendering that :func:`validate` checks and :meth:`Schedule.rounds` orders
     for a transport. Its completion is the naive model's (see :func:`simulate`);
-    ``info["store_and_forward_s"]``: that of its epochs (when there is time before ``deadline``)."""
+    ``info["store_and_forward_s"]``: that of its epochs (when it is likely to end before ``deadline``;
+    the default: never, the caller decides)."""
     dem = flows.demands
     chunk_bytes = _capped(dem, chunk_bytes)
     chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
@@ -264,9 +295,10 @@ def _naive_render(plan: Plan | None, topology: Topology, flows: NaiveFlows, basi
     routes = Routes(flows.links, parent, flows.ptr, chunk_com)
     order = np.lexsort((chunk_com, _progress(chunk_com, chunk_idx)))
     tau = max(basis, 1e-9) / max(epochs, 1)
+    t = time.perf_counter()
     arrays = list_schedule(topology, routes, chunk_nb, order, tau, np.zeros(len(chunk_com), dtype=np.int64))
     s = Schedule(plan, topology, dem, "naive", tau, chunk_bytes, chunk_com, chunk_off, chunk_nb, **arrays)
-    if time.perf_counter() >= deadline:
+    if time.perf_counter() + _SF_PER_RENDER * (time.perf_counter() - t) >= deadline:
         return s
     return dataclasses.replace(s, info={"store_and_forward_s": store_and_forward(s)})
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import PlanError
+from .arrays import member, sort_order
 from .commodities import FlowCommodities, commodity_nbytes
 from .listsched import by_level, fifo, link_levels
 from .naive import maxmin_completion
@@ -47,11 +48,11 @@ def store_and_forward(s: Schedule) -> float:
     if lev is None:
         return simulate_seq(s)
     rank = np.empty(len(s.hop_first), dtype=np.int64)
-    rank[np.lexsort((np.arange(len(s.hop_first)), s.hop_first))] = np.arange(len(s.hop_first))
+    rank[sort_order(s.hop_first)] = np.arange(len(s.hop_first))
     dur = s.chunk_nbytes[s.hop_chunk] / bw[s.hop_link]
     done = np.zeros(len(s.hop_chunk))
     for idx in by_level(lev[s.hop_link]):
-        idx = idx[np.lexsort((rank[idx], s.hop_link[idx]))]
+        idx = idx[sort_order(s.hop_link[idx], rank[idx])]
         p = s.hop_parent[idx]
         ready = np.where(p >= 0, done[p], 0.0)
         done[idx] = fifo(s.hop_link[idx], ready, dur[idx]) + lat[s.hop_link[idx]]
@@ -87,7 +88,7 @@ def _simulate_naive(s: Schedule) -> float:
     is_first = np.zeros(len(s.chunk_commodity), dtype=bool)
     is_first[first] = True
     hops = np.flatnonzero(is_first[s.hop_chunk])
-    hops = hops[np.lexsort((s.hop_first[hops], s.hop_chunk[hops]))]  # a path's hops start epoch after epoch
+    hops = hops[sort_order(s.hop_chunk[hops], s.hop_first[hops])]  # a path's hops start epoch after epoch
     chunk = s.hop_chunk[hops]
     paths = np.split(s.hop_link[hops], np.flatnonzero(chunk[1:] != chunk[:-1]) + 1)
     topo = s.topology
@@ -137,7 +138,7 @@ def validate(s: Schedule) -> None:
     tail, head = topo.link_src[s.hop_link], topo.link_dst[s.hop_link]
     com = s.chunk_commodity[s.hop_chunk]
     root = s.hop_parent < 0
-    held = _member(com[root] * nn + tail[root], src_keys)
+    held = member(com[root] * nn + tail[root], src_keys)
     if not held.all():
         h = int(np.flatnonzero(root)[np.flatnonzero(~held)[0]])
         c = d.commodities[int(com[h])]
@@ -160,17 +161,9 @@ def validate(s: Schedule) -> None:
     want_chunk = np.repeat(np.arange(len(s.chunk_commodity)), n_c)
     d_ptr = np.concatenate([[0], np.cumsum(n_dst)])
     pos = np.arange(len(want_chunk)) - np.repeat(np.cumsum(n_c) - n_c, n_c) + np.repeat(d_ptr[s.chunk_commodity], n_c)
-    got = _member(want_chunk * nn + dst_node[pos], reached)
+    got = member(want_chunk * nn + dst_node[pos], reached)
     if not got.all():
         c = int(want_chunk[np.flatnonzero(~got)[0]])
         com_c = d.commodities[int(s.chunk_commodity[c])]
         have = {topo.node_names[int(x)] for x in head[s.hop_chunk == c]}
         raise PlanError(f"chunk {c} never reaches {sorted(set(com_c.dests) - have)}")
-
-
-def _member(keys: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Which of ``keys`` are in the sorted array ``table``."""
-    if not len(table):
-        return np.zeros(len(keys), dtype=bool)
-    i = np.searchsorted(table, keys).clip(0, len(table) - 1)
-    return table[i] == keys
