@@ -18,7 +18,13 @@ from one real optimizer step. For every pair (from-mesh -> to-mesh), in one run:
   the other with ``dcp.load`` (``FileSystemReader``), each once unmeasured (first-call imports),
   then ``--repeats`` times cold (``sync; echo 1 > /proc/sys/vm/drop_caches`` before, when this
   process may write it) and right after warm (the files just read are in the shared page
-  cache); which system goes first alternates between repeats. Then every tensor's
+  cache); which system goes first alternates between repeats. Own copy per rank (what separate
+  hosts see, each with its own page cache and storage path; ``--no-own`` skips it): rank 0 copies
+  both saved directories once per new rank (``cp -a``), then ``--repeats`` times per system, the
+  order alternating, the page cache is dropped (after sync) and every rank loads from its own
+  copy, so every byte a rank reads comes from storage (``read_bytes`` of /proc/self/io, per rank;
+  ``fincore`` of the copies before each load says how much of them was still cached); the copies
+  are removed afterwards. Then every tensor's
   ``full_tensor()`` and every other value is compared between the two state dicts:
   ``identical`` (bit for bit).
 * per load and rank: the wall time (barrier to return; the slowest rank is reported), the
@@ -93,12 +99,18 @@ def world_of(dims: dict[str, int]) -> int:
 # ---------------------------------------------------------------------------------------------
 # /proc measurements
 # ---------------------------------------------------------------------------------------------
-def rchar() -> int:
+def proc_io(field: str) -> int:
+    """A counter of /proc/self/io: ``rchar`` (bytes through read syscalls, page cache hits
+    included) or ``read_bytes`` (bytes this process caused to be fetched from storage)."""
     with open("/proc/self/io") as f:
         for line in f:
-            if line.startswith("rchar:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError("no rchar in /proc/self/io")
+    raise RuntimeError(f"no {field} in /proc/self/io")
+
+
+def rchar() -> int:
+    return proc_io("rchar")
 
 
 def status_kib(field: str) -> int:
@@ -259,14 +271,45 @@ def _measure(fn: Any) -> dict[str, Any]:
     dist.barrier()
     rss0 = status_kib("VmRSS")
     reset_hwm()
-    r0 = rchar()
+    r0, d0 = rchar(), proc_io("read_bytes")
     t0 = time.perf_counter()
     out = fn()
     dt = time.perf_counter() - t0
-    r1 = rchar()
+    r1, d1 = rchar(), proc_io("read_bytes")
     hwm = status_kib("VmHWM")
     dist.barrier()
-    return {"s": _max(dt), "rchar": _sum(r1 - r0), "peak_mib": _max((hwm - rss0) / 1024), "out": out}
+    per_rank = _gather((r1 - r0, d1 - d0))
+    return {"s": _max(dt), "rchar": _sum(r1 - r0), "disk": _sum(d1 - d0), "rank_rchar": [r for r, _ in per_rank],
+            "rank_disk": [d for _, d in per_rank], "peak_mib": _max((hwm - rss0) / 1024), "out": out}
+
+
+def make_copies(job: dict[str, Any], world: int) -> tuple[list[str], list[str]]:
+    """``world`` copies (``cp -a``) of the saved tenplex and DCP directories under ``job["own_dir"]``,
+    one per new rank (separate hosts each read their own storage); returns their paths."""
+    import subprocess
+
+    root = Path(job["own_dir"])
+    tenplex_urls, dcp_dirs = [], []
+    for r in range(world):
+        (root / str(r)).mkdir(parents=True, exist_ok=True)
+        for src, name, out in ((job["tenplex_url"], "tenplex", tenplex_urls), (job["dcp_dir"], "dcp", dcp_dirs)):
+            dst = root / str(r) / name
+            subprocess.run(["cp", "-a", src, str(dst)], check=True)
+            out.append(str(dst))
+    return tenplex_urls, dcp_dirs
+
+
+def resident_bytes(paths: list[str]) -> int | None:
+    """Bytes of the files under ``paths`` in the page cache (util-linux ``fincore``), None without it."""
+    import subprocess
+
+    files = [str(f) for p in paths for f in Path(p).rglob("*") if f.is_file()]
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *files], check=True,
+                             capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sum(int(x) for x in out.split())
 
 
 def _bits(t: Any) -> Any:
@@ -335,11 +378,46 @@ def load_phase(rank: int, job: dict[str, Any]) -> dict[str, Any]:
                 res = cold["out"]
                 stats = _sum(res.bytes_read)
                 assert _sum(res.bytes_needed) == bytes_needed, (res.bytes_needed, bytes_needed)
-            runs[name].append({"cold_s": cold["s"], "warm_s": warm["s"], "rchar": cold["rchar"],
+            runs[name].append({"cold_s": cold["s"], "warm_s": warm["s"], "rchar": cold["rchar"], "disk": cold["disk"],
                                "rchar_warm": warm["rchar"], "peak_mib": cold["peak_mib"],
                                "peak_warm_mib": warm["peak_mib"], "stats_bytes_read": stats})
             log(f"  {job['pair']} rep {rep + 1} {name}: cold {cold['s']:.3f} s, warm {warm['s']:.3f} s, "
                 f"{cold['rchar'] / MiB:.1f} MiB read, peak {cold['peak_mib']:.0f} MiB") if rank == 0 else None
+
+    # own copy per rank: every new rank loads from its own copy of both checkpoints, page cache
+    # dropped before each load, so every byte a rank reads comes from storage (separate hosts)
+    own: dict[str, list[dict[str, Any]]] = {"tenplex": [], "dcp": []}
+    own_resident: list[int | None] = []
+    if job.get("own"):
+        world = dist.get_world_size()
+        paths: list[Any] = [None]
+        if rank == 0:
+            log(f"  {job['pair']}: copying both checkpoints {world}x (cp -a) for the own-copy loads")
+            paths = [make_copies(job, world)]
+        dist.broadcast_object_list(paths, src=0)
+        tenplex_urls, dcp_dirs = paths[0]
+        copies = tenplex_urls + dcp_dirs
+
+        def load_own(name: str) -> Any:
+            if name == "tenplex":
+                return lambda: tenplex.load_state_dict(sds["tenplex"], tenplex_urls[rank])
+            return lambda: dcp.load(sds["dcp"], storage_reader=FileSystemReader(dcp_dirs[rank]))
+
+        for rep in range(job["repeats"]):
+            order = ("tenplex", "dcp") if rep % 2 == 0 else ("dcp", "tenplex")
+            for name in order:
+                dist.barrier()
+                if rank == 0:
+                    cold_note = drop_caches() or cold_note
+                    own_resident.append(resident_bytes(copies))
+                m = _measure(load_own(name))
+                own[name].append({"s": m["s"], "rchar": m["rchar"], "disk": m["disk"], "rank_rchar": m["rank_rchar"],
+                                  "rank_disk": m["rank_disk"], "peak_mib": m["peak_mib"]})
+                log(f"  {job['pair']} own rep {rep + 1} {name}: {m['s']:.3f} s, {m['rchar'] / MiB:.1f} MiB read, "
+                    f"{m['disk'] / MiB:.1f} MiB from storage, resident before {own_resident[-1]}") if rank == 0 else None
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(job["own_dir"], ignore_errors=True)
 
     # bit identity of the two loaded state dicts
     flat = {name: flatten_state_dict(sd) for name, sd in sds.items()}
@@ -362,7 +440,8 @@ def load_phase(rank: int, job: dict[str, Any]) -> dict[str, Any]:
         diffs.append(f"step: tenplex loaded {sds['tenplex']['step']!r}, saved 7")
     all_diffs = [d for ds in _gather(diffs) for d in ds]
     tensors_identical = _sum(tensor_diffs) == 0
-    return {"tensors_identical": tensors_identical, "bytes_needed": bytes_needed, "runs": runs, "cold": cold_note is None, "cold_note": cold_note,
+    return {"tensors_identical": tensors_identical, "bytes_needed": bytes_needed, "runs": runs, "own": own,
+            "own_resident": own_resident, "cold": cold_note is None, "cold_note": cold_note,
             "identical": not all_diffs, "diffs": sorted(set(all_diffs))[:20], "tensors_compared": n_tensors}
 
 
@@ -416,7 +495,8 @@ def run_pair(pair: Pair, args: argparse.Namespace, root: Path) -> dict[str, Any]
     tdir.mkdir(parents=True)
     job = {"pair": pair.key, "preset": args.preset, "old": pair.old, "new": pair.new,
            "tenplex_url": str(tdir / "tenplex"), "dcp_dir": str(tdir / "dcp"), "dcp_sync": args.dcp_sync_files,
-           "repeats": args.repeats, "timeout": args.timeout, "profile": args.profile, "result": str(tdir / "result.json")}
+           "repeats": args.repeats, "timeout": args.timeout, "profile": args.profile, "result": str(tdir / "result.json"),
+           "own": not args.no_own, "own_dir": str(tdir / "own")}
     load0 = os.getloadavg()
     log(f"{pair.title}: save in a world of {world_of(pair.old)} ({dims_text(pair.old)})")
     saved = run_world(world_of(pair.old), "save", job, args.timeout)
@@ -444,6 +524,24 @@ def run_pair(pair: Pair, args: argparse.Namespace, root: Path) -> dict[str, Any]
             row[f"{name}_{col}_min"] = lo
             row[f"{name}_{col}_max"] = hi
     row["tenplex_stats_bytes_read"] = int(statistics.median(r["stats_bytes_read"] for r in runs["tenplex"]))
+    for name in ("tenplex", "dcp"):  # shared page cache, cold: what came from storage (all ranks)
+        row[f"{name}_disk_bytes"] = int(statistics.median(r["disk"] for r in runs[name]))
+    own = loaded["own"]
+    row["own"] = bool(own["tenplex"])
+    if own["tenplex"]:
+        for name in ("tenplex", "dcp"):
+            rs = own[name]
+            med, lo, hi = spread([r["s"] for r in rs])
+            row[f"{name}_load_own_s"], row[f"{name}_load_own_s_min"], row[f"{name}_load_own_s_max"] = med, lo, hi
+            med, lo, hi = spread([r["peak_mib"] for r in rs])
+            row[f"{name}_peak_own_mib"], row[f"{name}_peak_own_mib_min"], row[f"{name}_peak_own_mib_max"] = med, lo, hi
+            row[f"{name}_bytes_read_own"] = int(statistics.median(r["rchar"] for r in rs))
+            row[f"{name}_disk_bytes_own"] = int(statistics.median(r["disk"] for r in rs))
+            # per rank (median over the repeats): through read syscalls, and fetched from storage
+            row[f"{name}_rank_bytes_read_own"] = [int(statistics.median(v)) for v in zip(*(r["rank_rchar"] for r in rs))]
+            row[f"{name}_rank_disk_bytes_own"] = [int(statistics.median(v)) for v in zip(*(r["rank_disk"] for r in rs))]
+        res = [x for x in loaded["own_resident"] if x is not None]
+        row["own_resident_before_max"] = max(res) if res else None  # copies' bytes in the page cache before a load
     row["loadavg_end"] = list(os.getloadavg())
     shutil.rmtree(tdir, ignore_errors=True)
     return row
@@ -474,10 +572,22 @@ def table(row: dict[str, Any]) -> str:
         f"| peak load memory, cold (MiB, max rank) | {_fmt_m(row, 'tenplex_peak_mib')} | {_fmt_m(row, 'dcp_peak_mib')} |",
         f"| peak load memory, warm (MiB, max rank) | {_fmt_m(row, 'tenplex_peak_warm_mib')} | "
         f"{_fmt_m(row, 'dcp_peak_warm_mib')} |",
+        f"| from storage, cold (read_bytes, all ranks) | {mb(row['tenplex_disk_bytes'])} | {mb(row['dcp_disk_bytes'])} |",
+    ]
+    if row.get("own"):
+        lines += [
+            f"| load, own copy per rank (s) | {_fmt_s(row, 'tenplex_load_own_s')} | {_fmt_s(row, 'dcp_load_own_s')} |",
+            f"| own copy: bytes read (all ranks) | {mb(row['tenplex_bytes_read_own'])} | {mb(row['dcp_bytes_read_own'])} |",
+            f"| own copy: from storage per rank (MiB) | {' / '.join(f'{b / MiB:.0f}' for b in row['tenplex_rank_disk_bytes_own'])} | "
+            f"{' / '.join(f'{b / MiB:.0f}' for b in row['dcp_rank_disk_bytes_own'])} |",
+            f"| peak load memory, own copy (MiB, max rank) | {_fmt_m(row, 'tenplex_peak_own_mib')} | {_fmt_m(row, 'dcp_peak_own_mib')} |",
+        ]
+    lines += [
         "",
         f"tenplex's own bytes_read: {mb(row['tenplex_stats_bytes_read'])}; identical: {row['identical']} "
         f"(tensors: {row['tensors_identical']}, {row['tensors_compared']} compared){'' if row['identical'] else ' ' + '; '.join(row['diffs'])}; "
-        f"cold: {row['cold_note']}; load average {row['loadavg_start'][0]:.2f} -> {row['loadavg_end'][0]:.2f}",
+        f"cold: {row['cold_note']}; own copies' bytes in the page cache before a load: {row.get('own_resident_before_max')}; "
+        f"load average {row['loadavg_start'][0]:.2f} -> {row['loadavg_end'][0]:.2f}",
         "",
     ]
     return "\n".join(lines)
@@ -494,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dcp-sync-files", action="store_true", help="DCP's default fsync of every file at save")
     ap.add_argument("--profile", metavar="PREFIX", help="also profile one warm load of each (cProfile, rank 0): "
                     "PREFIX.<pair>.<system>.{prof,txt}")
+    ap.add_argument("--no-own", action="store_true", help="skip the own-copy-per-rank loads (each new rank "
+                    "loading its own cp -a copy of the checkpoints, page cache dropped)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per world, seconds")
     args = ap.parse_args(argv)
     if args.quick:

@@ -17,6 +17,7 @@ such values per-rank keys.
 
 from __future__ import annotations
 
+import gc
 import logging
 import pickle
 import time
@@ -420,6 +421,17 @@ def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int
     own error, the others one of its class naming it.
     """
     t0 = time.perf_counter()
+    collecting = gc.isenabled()
+    gc.disable()  # a load allocates many small objects and frees them: no collector passes over the job's heap
+    try:
+        return _load_state_dict(state_dict, url, step, storage_options, t0)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _load_state_dict(state_dict: MutableMapping[str, Any], url: str, step: int | None,
+                     storage_options: Mapping[str, Any] | None, t0: float) -> StateDictLoad:
     rank, world = _world(None)
     where = f"loading {url}"
     mine: list[str] = []
@@ -429,7 +441,16 @@ def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int
         tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
         meshes: dict[int, tuple[Any, ...]] = {}
         descs = {k: _describe(v, None, meshes) for k, v in tensors.items()}
-        layout = StateLayout.of(world, {k: _placed(d, [rank]) for k, d in descs.items()})
+        placements: dict[Any, Placed] = {}  # one Placed per distinct placement (a few among hundreds of tensors)
+
+        def placed(desc: tuple[Any, ...]) -> Placed:
+            _, _, dims, texts, ranks = desc
+            key = None if dims is None else (tuple(map(tuple, dims)), tuple(texts), tuple(ranks))
+            if key not in placements:
+                placements[key] = _placed(desc, [rank])
+            return placements[key]
+
+        layout = StateLayout.of(world, {k: placed(d) for k, d in descs.items()})
         # detached: the same memory, written without autograd (parameters require grad)
         locals_ = {k: _local_tensor(v).detach() for k, v in tensors.items()}
         mine = sorted(leaves)

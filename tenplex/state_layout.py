@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -292,6 +293,10 @@ class StateLayout:
             if bad:
                 raise LayoutError(f"{name} lives on ranks {bad} but the job has {self.world_size} ranks "
                                   f"(0..{self.world_size - 1})")
+        # equal placements as one object (the layers' tensors and their optimizer states share a
+        # few): the per-geometry memos below are keyed by the placement's identity, not its hash
+        interned: dict[Placement, Placement] = {}
+        tensors = tuple((n, interned.setdefault(p, p)) for n, p in tensors)
         object.__setattr__(self, "tensors", tensors)
 
     @classmethod
@@ -330,19 +335,32 @@ class StateLayout:
     def holder_table(self, spec: TensorSpec) -> SegmentTable:
         """Every (job rank, segment) of ``spec`` in its canonical order, sorted by rank."""
         placed = self.placed[spec.name]
-        if isinstance(placed, Boxes):
-            return _box_table(spec.shape, _order(spec), placed, spec.panels)
-        return _table(spec.shape, _order(spec), placed, spec.panels)
+        tables = self._memo.setdefault("tables", {})  # by geometry: no hash of the placement per call
+        key = (spec.shape, spec.split_dim, spec.panels, id(placed))
+        table = tables.get(key)
+        if table is None:
+            if isinstance(placed, Boxes):
+                table = _box_table(spec.shape, _order(spec), placed, spec.panels)
+            else:
+                table = _table(spec.shape, _order(spec), placed, spec.panels)
+            tables[key] = table
+        return table
 
     def segments(self, spec: TensorSpec, rank: int) -> list[tuple[int, int, int]]:
         table = self.holder_table(spec)
-        lo, hi = np.searchsorted(table.rank, [rank, rank + 1])
-        return list(zip(table.local[lo:hi].tolist(), table.start[lo:hi].tolist(), table.length[lo:hi].tolist()))
+        memo = self._memo.setdefault("segments", {})  # tables are shared by tensors of one geometry
+        key = (id(table), rank)
+        known = memo.get(key)
+        if known is None or known[0] is not table:
+            lo, hi = np.searchsorted(table.rank, [rank, rank + 1])
+            known = memo[key] = (table, tuple(zip(table.local[lo:hi].tolist(), table.start[lo:hi].tolist(),
+                                                  table.length[lo:hi].tolist())))
+        return list(known[1])
 
     def local_box(self, spec: TensorSpec, rank: int) -> tuple[tuple[range, ...], ...]:
         """Per dim, the global index ranges ``rank``'s local tensor of ``spec`` holds, in local order."""
         boxes = self._memo.setdefault("boxes", {})  # asked 3-4 times per tensor by a load, about 45 us each
-        key = (spec.name, spec.shape, rank)
+        key = (spec.shape, id(self.placed[spec.name]), rank)  # by geometry: tensors of one placement share it
         box = boxes.get(key)
         if box is None:
             placed = self.placed[spec.name]
@@ -360,11 +378,16 @@ class StateLayout:
     def panel_copies(self, spec: TensorSpec, rank: int) -> bool:
         """Whether ``rank``'s local tensor of a panel-ordered ``spec`` differs from its flat buffer
         (False when it holds one row or columns of one panel only: then it is one block already)."""
-        box = self.local_box(spec, rank)
-        if sum(len(r) for r in box[0]) <= 1:
-            return False
-        pieces = _pieces(spec.shape, box, spec.panels or 1)
-        return not (len(pieces) <= 1 and (not pieces or len(pieces[0][2][1][0]) == 1))
+        memo = self._memo.setdefault("panel_copies", {})
+        key = (spec.shape, spec.panels, id(self.placed[spec.name]), rank)
+        if key not in memo:
+            box = self.local_box(spec, rank)
+            if sum(len(r) for r in box[0]) <= 1:
+                memo[key] = False
+            else:
+                pieces = _pieces(spec.shape, box, spec.panels or 1)
+                memo[key] = not (len(pieces) <= 1 and (not pieces or len(pieces[0][2][1][0]) == 1))
+        return memo[key]
 
     def to_local_flat(self, spec: TensorSpec, rank: int, local: Any) -> Any:
         """``rank``'s natural local tensor of a panel-ordered ``spec`` as its flat buffer (the pieces of
@@ -399,18 +422,24 @@ class StateLayout:
         if shape != self.local_shape(spec, rank):
             raise LayoutError(f"{spec.name}: rank {rank}'s local tensor has shape {list(shape)}, its placements give "
                               f"{list(self.local_shape(spec, rank))}")
-        inner = int(np.prod(shape[2:], dtype=np.int64)) * spec.itemsize  # bytes of one column
+        inner = math.prod(shape[2:]) * spec.itemsize  # bytes of one column
         if raw.shape != (shape[0] * shape[1] * inner,) or raw.dtype != np.uint8:
             raise LayoutError(f"{spec.name}: {raw.shape} {raw.dtype} are not the bytes of a contiguous {list(shape)}")
-        out, pos = [], 0
-        for col, ncols, pbox in _pieces(spec.shape, self.local_box(spec, rank), spec.panels):
-            npan, width = len(pbox[1][0]), len(pbox[2][0])
-            view = np.lib.stride_tricks.as_strided(raw[col * inner :], (npan, shape[0], width * inner),
-                                                   (width * inner, shape[1] * inner, 1), writeable=True)
-            n = npan * shape[0] * width * inner // spec.itemsize
-            out.append((pos, n, view))
-            pos += n
-        return out
+        memo = self._memo.setdefault("panel_views", {})  # the views' geometry, per tensor geometry
+        key = (spec.shape, spec.panels, spec.itemsize, id(self.placed[spec.name]), rank)
+        geometry = memo.get(key)
+        if geometry is None:
+            geometry, pos = [], 0
+            for col, ncols, pbox in _pieces(spec.shape, self.local_box(spec, rank), spec.panels):
+                npan, width = len(pbox[1][0]), len(pbox[2][0])
+                n = npan * shape[0] * width * inner // spec.itemsize
+                geometry.append((pos, n, col * inner, (npan, shape[0], width * inner),
+                                 (width * inner, shape[1] * inner, 1)))
+                pos += n
+            memo[key] = geometry
+        # np.ndarray over raw's buffer: about 0.5 us a view, as_strided about 4
+        return [(pos, n, np.ndarray(vshape, np.uint8, raw, offset, strides))
+                for pos, n, offset, vshape, strides in geometry]
 
     def _panel_parts(self, spec: TensorSpec, rank: int, local: Any) -> list[tuple[int, int, Any, tuple[int, ...]]]:
         """Per panel piece: its offset and length in the flat buffer, its view of ``local`` as
