@@ -157,9 +157,7 @@ def main() -> None:
         sd = state()
         if live_layout is None:  # collective: while every rank of this mesh is alive
             live_ptc, live_layout = describe_state_dict(sd)
-        held = local_shard(sd)
-        ring.record(step, {k: v for k, v in held.items() if isinstance(v, torch.Tensor)},
-                    {k: v for k, v in held.items() if not isinstance(v, torch.Tensor)})
+        ring.record(step, local_shard(sd))
 
     if ring is not None and resumed:  # fresh: the ring starts after the first step (see above)
         with guard():

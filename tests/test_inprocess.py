@@ -427,7 +427,7 @@ def test_state_ring_and_live_step() -> None:
     t = torch.zeros(3)
     for step in range(4):
         t.fill_(step)
-        ring.record(step, {"w": t}, {"optimizer.step": step})
+        ring.record(step, {"w": t, "optimizer.step": step})
     states = ring.states()
     assert sorted(states) == [2, 3] and float(states[3]["w"][0]) == 3 and float(states[2]["w"][0]) == 2
     # survivors differ by one completed step; storage only where needed

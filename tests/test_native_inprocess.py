@@ -113,7 +113,7 @@ def test_state_ring_keeps_the_pinned_step_beyond_the_ring_and_never_reuses_its_b
     w = torch.zeros(3)
     for step in range(1, 6):
         w.fill_(step)
-        ring.record(step, {"w": w}, {"step": step})
+        ring.record(step, {"w": w, "step": step})
         if step == 2:
             ring.pin(2)
     states = ring.states()

@@ -41,10 +41,9 @@ from ..errors import ConfigError, MembershipError, TenplexError
 from ..membership import Membership, NewMembership
 from ..ptc import PTC
 
-__all__ = ["MEMBERSHIP_STORE_ENV", "JOB_ENV", "RECOVERY_FAILED", "JOIN_FAILED", "DIE_POINTS", "StateRing", "ring_in_bubbles", "settle_ring", "DieAt",
-           "membership_store", "job_key", "start_membership", "join_membership", "layout_fits", "warm_up",
-           "recover_live",
-           "LiveRecovery"]
+__all__ = ["MEMBERSHIP_STORE_ENV", "JOB_ENV", "RECOVERY_FAILED", "JOIN_FAILED", "DIE_POINTS", "StateRing",
+           "ring_in_bubbles", "settle_ring", "DieAt", "membership_store", "job_key", "start_membership",
+           "join_membership", "layout_fits", "warm_up", "recover_live", "LiveRecovery"]
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +76,9 @@ class StateRing:
         self._adopted: set[int] = set()  # steps whose buffers belong to a SnapshotTask, never reused here
         self._pinned: tuple[int, dict[str, Any]] | None = None
 
-    def record(self, step: int, tensors: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> None:
-        """Copy the state after ``step`` (tensors copied into a dropped step's buffers when they fit;
-        never into the pinned step's or a snapshot task's)."""
+    def record(self, step: int, state: Mapping[str, Any]) -> None:
+        """Copy the state after ``step``: its tensors (into a dropped step's buffers when they fit;
+        never into the pinned step's or a snapshot task's), its other values as they are."""
         if step in self._states:
             return
         reuse: dict[str, Any] = {}
@@ -89,13 +88,14 @@ class StateRing:
                 reuse = dropped
             self._adopted.discard(old)
         out: dict[str, Any] = {}
-        for name, t in tensors.items():
+        for name, t in state.items():
             b = reuse.get(name)
-            if isinstance(b, torch.Tensor) and b.shape == t.shape and b.dtype == t.dtype:
+            if not isinstance(t, torch.Tensor):
+                out[name] = t
+            elif isinstance(b, torch.Tensor) and b.shape == t.shape and b.dtype == t.dtype:
                 out[name] = b.copy_(t.detach())
             else:
                 out[name] = t.detach().to("cpu", copy=True)
-        out.update(objects)
         self._states[step] = out
 
     def adopt(self, step: int, state: Mapping[str, Any]) -> None:

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from ..config import ParallelConfig
 from ..elastic import check_fits
 
-__all__ = ["Groups", "local_device", "uses_cuda", "join_process_group", "init_distributed", "copy_to_tp", "reduce_from_tp",
-           "all_reduce"]
+__all__ = ["Groups", "local_device", "uses_cuda", "join_process_group", "init_distributed", "copy_to_tp",
+           "reduce_from_tp", "all_reduce"]
 
 log = logging.getLogger(__name__)
 

@@ -618,9 +618,7 @@ def _start_record(tc: TrainConfig, state: RescaleResult, groups: Any, rank: int,
 def _record(ring: StateRing, trainer: Trainer | Spare) -> None:
     if isinstance(trainer, Spare):  # holds nothing: a fresh joiner of the next in-process rescale
         return
-    state = trainer.consistent_state()
-    ring.record(trainer.step, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
-                {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)})
+    ring.record(trainer.step, trainer.consistent_state())
 
 
 def _ring_copy(trainer: Trainer | Spare) -> dict[str, Any]:
