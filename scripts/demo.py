@@ -125,7 +125,7 @@ def report_live(rec: dict, runs: list[dict], fail_wall: float, fail_step: int, b
     print(f"  recovery          in-process: failure -> first step under the new layout: {total:.2f}s")
     print(f"    detection (kill -> a survivor knows)   {rec['failed_at'] - fail_wall:6.3f}s")
     print(f"    agreement on the survivors + regroup   {rec['agree_s']:6.3f}s + {rec['regroup_s']:.3f}s "
-          "(waits for the heartbeat verdict on the dead)")
+          "(the dead found by their closed links, not the heartbeat verdict)")
     print(f"    choose + plan + step agreement         {t.get('choose', 0):6.3f}s + {t.get('plan', 0):.3f}s + "
           f"{t.get('agree', 0):.3f}s")
     print(f"    live transfer (rounds) + local copies  {t.get('migrate_transfer', 0):6.3f}s + "

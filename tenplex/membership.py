@@ -7,6 +7,13 @@ outlives the workers (the job's rendezvous store) and a job prefix. Then:
   delays it) bumps this member's counter every ``interval`` seconds and reads the others'; a
   member whose counter has not moved for ``dead_after`` seconds is dead. A death, or a failure
   flagged by another member, sets :meth:`Membership.failed` and calls ``on_failure``;
+* the same thread watches TCP links to this member's ring neighbours (:mod:`tenplex.liveness`):
+  a process that dies while its host lives (killed, crashed) has its connections closed by its
+  kernel, so its neighbours know within milliseconds, append its id to ``{prefix}/gone`` and flag
+  the failure; the others read the list at their next heartbeat and in the agreement, which
+  therefore does not wait ``dead_after`` for it. Heartbeats remain for what closes no connection
+  (a host that lost power or its network). A member leaving on purpose (:meth:`close`) says
+  goodbye on its links first;
 * :meth:`Membership.guard` turns a ``RuntimeError`` raised by a collective (gloo: "Connection
   reset/closed by peer", nccl, ``DistError``) into :class:`~tenplex.errors.PeerFailure` and flags
   the failure in the store, so every member learns at once;
@@ -78,6 +85,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, MembershipError, PeerFailure
+from .liveness import PeerLinks, link_host
 
 __all__ = ["NewMembership", "Decision", "HeartbeatMonitor", "propose", "encode_decision", "decode_decision",
            "old_ranks", "join_step", "is_peer_error", "Membership"]
@@ -282,6 +290,13 @@ class HeartbeatMonitor:
                 newly.add(k)
         return frozenset(newly)
 
+    def mark_dead(self, member: int, now: float) -> bool:
+        """Record ``member`` dead by other evidence (its link broke); whether that is news."""
+        if member in self.dead:
+            return False
+        self.dead[member] = now
+        return True
+
     def last_alive(self, member: int) -> float | None:
         """When ``member``'s counter was last seen moving (observer clock)."""
         return self.last_change.get(member)
@@ -290,6 +305,13 @@ class HeartbeatMonitor:
 # ---------------------------------------------------------------------------------------------
 # the store and thread adapter
 # ---------------------------------------------------------------------------------------------
+def _store_host(store: Any) -> str | None:
+    """The host of a ``TCPStore`` (through ``PrefixStore`` wrappers); None for other stores."""
+    while store is not None and not hasattr(store, "host"):
+        store = getattr(store, "underlying_store", None)
+    return getattr(store, "host", None)
+
+
 @dataclass(slots=True)
 class _State:
     """What the heartbeat thread and the main thread share (under ``lock``)."""
@@ -364,6 +386,9 @@ class Membership:
                              round=self.round)
         self._stop = threading.Event()
         self._hb_store = store.clone()  # its own connection: the main thread's blocking waits hold theirs
+        self._links = PeerLinks(self.id, link_host(_store_host(store)))
+        self._hb_store.set(self._key("link", self.id), self._links.address)  # before the heartbeat others wait for
+        self._gone_seen = 0  # entries of the gone list already applied
         self._hb_store.add(self._hb_key(self.id), 1)
         self._hb_store.add(self._key("join_requests"), 0)  # exists before any heartbeat reads it
         self._failures_seen = int(self._hb_store.add(self._failures_key(self.round), 0))
@@ -377,6 +402,7 @@ class Membership:
             except RuntimeError as e:
                 raise MembershipError(f"not every member of {self.prefix} started its heartbeat within "
                                       f"{start_timeout} s (keys {keys}): {e}") from e
+            self._relink(self.members)
         self._thread = threading.Thread(target=self._beat, name=f"tenplex-heartbeat-{self.id}", daemon=True)
         self._thread.start()
         if joiner:  # heartbeat first: the members watch it from the moment they read the registration
@@ -393,6 +419,47 @@ class Membership:
 
     def _failures_key(self, round: int) -> str:
         return self._key(f"round{round}", "failures")  # per round: late flags of a past round are no news
+
+    def _relink(self, members: Sequence[int]) -> None:
+        """Link to this member's successor in ``members`` (a ring: each member watched by two)."""
+        if self.id not in members or len(members) < 2:
+            self._links.want({})
+            return
+        nxt = members[(list(members).index(self.id) + 1) % len(members)]
+        key = self._key("link", nxt)
+        try:  # (get would wait for a key never set: check first)
+            addr = self.store.get(key).decode() if self.store.check([key]) else None
+        except RuntimeError as e:
+            log.info("member %d: no link address of member %d (%s)", self.id, nxt, e)
+            addr = None
+        self._links.want({nxt: addr} if addr else {})  # without one, its heartbeats watch it alone
+
+    def _gone(self, store: Any) -> list[int]:
+        """Ids the members found dead by a broken link (every round: ids are never reused)."""
+        key = self._key("gone")
+        return parse_joined(store.get(key)) if store.check([key]) else []
+
+    def _links_broke(self, peers: frozenset[int]) -> None:
+        """Heartbeat thread: ``peers``' links ended without a goodbye, so their processes are gone."""
+        now = time.monotonic()
+        with self._state.lock:
+            rnd = self._state.round
+            news = sorted(p for p in peers if p in self._state.watched and self.monitor.mark_dead(p, now))
+            members = set(self._state.members)
+            if news:
+                self._state.pending = tuple(j for j in self._state.pending if j not in news)
+        if not news:
+            return
+        for p in news:
+            try:
+                self._hb_store.append(self._key("gone"), f"{p},")
+            except RuntimeError as e:
+                log.error("member %d could not record member %d's death in the store: %s", self.id, p, e)
+        if members & set(news):
+            self._fail(f"members {[p for p in news if p in members]} exited (their links to member {self.id} "
+                       f"closed)", publish=True, round=rnd)
+            if self.backend == "nccl":
+                self._abort()
 
     def _registered(self, store: Any) -> list[int]:
         """Ids of every joiner that ever registered, in order of arrival."""
@@ -489,13 +556,22 @@ class Membership:
     def _beat(self) -> None:
         store = self._hb_store
         st = self._state
-        while not self._stop.wait(self.interval):
+        next_beat = time.monotonic() + self.interval
+        while True:
+            while not self._stop.is_set() and (left := next_beat - time.monotonic()) > 0:
+                broken = self._links.poll(left)  # returns at once when a link breaks
+                if broken:
+                    self._links_broke(broken)
+            if self._stop.is_set():
+                return
+            next_beat = max(next_beat + self.interval, time.monotonic())
             try:
                 store.add(self._hb_key(self.id), 1)
                 with st.lock:
                     watched, rnd, baseline, joins_seen = st.watched, st.round, self._failures_seen, st.joins_seen
                 vals = store.multi_get([*(self._hb_key(m) for m in watched), self._key("join_requests")])
                 failures = int(store.add(self._failures_key(rnd), 0))
+                gone = self._gone(store) if failures != baseline else []  # deaths others' links saw
                 joins = int(vals[-1])
                 registered = self._registered(store) if joins != joins_seen else None
             except RuntimeError as e:
@@ -509,7 +585,9 @@ class Membership:
                     continue
                 seen = {m: int(v) for m, v in zip(watched, vals)}
                 last = {m: self.monitor.last_alive(m) for m in watched}
-                found = self.monitor.observe(now, seen)
+                silent = self.monitor.observe(now, seen)
+                exited = {g for g in gone if g in watched and self.monitor.mark_dead(g, now)}
+                found = silent | exited
                 newly = found & set(st.members)  # a death in the group is a failure ...
                 gone = found - newly  # ... one of a joiner not admitted yet is not: it is just left out
                 if gone:
@@ -528,7 +606,9 @@ class Membership:
                 if newly and st.failed_at is None:
                     st.detect_s = max(now - (last[m] or now) for m in newly)
             if newly:
-                self._fail(f"members {sorted(newly)} stopped their heartbeats", publish=True, round=rnd)
+                why = [f"members {sorted(newly & silent)} stopped their heartbeats"] if newly & silent else []
+                why += [f"members {sorted(newly & exited)} exited (a link to them closed)"] if newly & exited else []
+                self._fail("; ".join(why), publish=True, round=rnd)
                 if self.backend == "nccl":
                     self._abort()
             elif failures != baseline and not self.failed:
@@ -550,6 +630,7 @@ class Membership:
         """Stop the heartbeat (others will find this member dead after ``dead_after``)."""
         self._stop.set()
         self._thread.join(timeout=5 * self.interval + 1)
+        self._links.close()  # goodbyes: the others do not take this member's exit for a death
 
     # -- recovery ------------------------------------------------------------------------------
     def destroy_group(self) -> None:
@@ -586,13 +667,14 @@ class Membership:
                 break
             joined = parse_joined(store.get(f"{base}/joined"))
             joiners = [j for j in self._registered(store) if j not in previous]
-            members = propose(candidates, joined, self.dead(), self.order, joiners=joiners, fits=self.fits)
+            dead = self.dead() | set(self._gone(store))  # a broken link's news before the heartbeat thread reads it
+            members = propose(candidates, joined, dead, self.order, joiners=joiners, fits=self.fits)
             if members is not None:
                 won = store.compare_set(dkey, "", encode_decision(Decision(round, members, previous)))
                 d = decode_decision(won)
                 break
             if time.monotonic() > deadline:
-                waiting = [c for c in candidates if c not in set(joined) and c not in self.dead()]
+                waiting = [c for c in candidates if c not in set(joined) and c not in dead]
                 raise MembershipError(f"member {self.id}: round {round} did not decide within {self.agree_timeout} s; "
                                       f"members {waiting} neither joined nor stopped their heartbeats")
             time.sleep(0.01)
@@ -730,6 +812,7 @@ class Membership:
                 st.failed_at = st.failed_mono = None
                 st.reason, st.detect_s, st.round = "", 0.0, n
                 self._failures_seen = int(self.store.add(self._failures_key(n), 0))
+            self._relink(d.members)
             if d.members.index(self.id) == 0:  # where a joiner starts looking for the round that admits it
                 self.store.set(self._key("round"), str(n))
             res = NewMembership(n, d.members, alive, d.members.index(self.id), len(d.members), failed_at, detect_s,

@@ -171,7 +171,8 @@ def _worker(rank: int, port: int, url: str, scenario: str, out: Any) -> None:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
         dist.init_process_group("gloo", store=dist.PrefixStore("job/round0/pg", store), rank=rank, world_size=4,
                                 timeout=datetime.timedelta(seconds=20))
-        m = Membership(store, "job", agree_timeout=10.0, pg_timeout=datetime.timedelta(seconds=10))
+        m = Membership(store, "job", agree_timeout=10.0, pg_timeout=datetime.timedelta(seconds=10),
+                       dead_after=60.0 if scenario == "links" else 0.8)
         ptc = _ptc()
         glob = random_global(ptc, seed=7)
         shard = ptc.shard(glob, OLD)[rank]
@@ -180,9 +181,13 @@ def _worker(rank: int, port: int, url: str, scenario: str, out: Any) -> None:
         steps = 0
         try:
             while time.monotonic():
-                with m.guard():
-                    dist.all_reduce(x)
-                x.fill_(1.0)
+                if scenario == "links":  # no collective to fail and heartbeats too slow: only a link can tell
+                    m.check()
+                    time.sleep(0.01)
+                else:
+                    with m.guard():
+                        dist.all_reduce(x)
+                    x.fill_(1.0)
                 steps += 1
         except PeerFailure as e:
             res["caught_at"] = time.time()
@@ -305,6 +310,23 @@ def test_kill_a_worker_mid_collective_survivors_regroup_and_migrate(tmp_path: Pa
                            f"{v['hb_dead_at'].get(3, float('nan')) - t_kill:.3f}s, detect {nms[r].detect_s:.3f}s "
                            f"agree {nms[r].agree_s:.3f}s regroup {nms[r].regroup_s:.3f}s, migrate {v['migrate_s']:.3f}s"
                            for r, v in sorted(res.items())))
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_member_is_known_by_its_links_long_before_its_heartbeats(tmp_path: Path) -> None:
+    """Heartbeats that would need 60 s of silence, no collective running: the survivors still
+    learn of the SIGKILL at once (its links to its two ring neighbours close; they record it in the
+    store, the third reads it there), agree without waiting for the heartbeats and regroup."""
+    t_kill, res = _run_world(tmp_path, "links")
+    nms = {r: v["nm"] for r, v in res.items()}
+    for r, v in res.items():
+        assert 0 <= v["caught_at"] - t_kill < 10, (r, v["caught_at"] - t_kill)  # 60 s by heartbeats
+        assert "exited" in v["how"] or "flagged" in v["how"], v["how"]
+        assert 0 <= v["hb_dead_at"][3] - t_kill < 10
+    assert {(nm.round, nm.members, nm.world_size) for nm in nms.values()} == {(1, (0, 1, 2), 3)}
+    assert all(v["sum"] == 3.0 for v in res.values())
+    print("\nlinks: " + "; ".join(f"rank {r}: caught {v['caught_at'] - t_kill:.3f}s, dead {v['hb_dead_at'][3] - t_kill:.3f}s, "
+                                  f"agree {nms[r].agree_s:.3f}s" for r, v in sorted(res.items())))
 
 
 @pytest.mark.timeout(120)

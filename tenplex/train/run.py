@@ -298,9 +298,15 @@ class _Writer:
             return self.wait()
         return self._error
 
-    def wait(self) -> str | None:
-        """Wait for the write under way; the error of any write so far."""
+    def wait(self, interrupt: Callable[[], None] | None = None) -> str | None:
+        """Wait for the write under way; the error of any write so far. ``interrupt`` (in-process
+        runs: ``Membership.check``) is called every 10 ms meanwhile: its ``PeerFailure`` abandons
+        the wait (the write goes on; a later ``wait`` joins it), so a death found during a long
+        write starts the recovery at once."""
         if self._thread is not None:
+            while interrupt is not None and self._thread.is_alive():
+                interrupt()
+                self._thread.join(0.01)
             self._thread.join()
             self._thread = None
         return self._error
@@ -406,6 +412,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
     # reuse the id: it gets a random one. A joiner saves in the group that admits it.
     save_id = None if dist.is_initialized() or joiner is not None else uuid.uuid4().hex[:8]
     writer = _Writer()
+    snapper = _Writer()  # host-store snapshots: in the foreground, but a recovery need not wait for one
     fault: str | None = None  # this rank's first failed save or snapshot: every rank stops at the next step
     where = f"rank {rank}: " if world > 1 else ""
     # testing: by first-group rank (a joiner: by its member id)
@@ -419,6 +426,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
         _ring_side_task(ring, trainer, groups)
     if trainer is not None:
         trainer.die = die
+        _interruptible(trainer, membership)
     choose = _chooser(tc, ptc)
     if membership is not None and joiner is None:
         assert state is not None
@@ -499,6 +507,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
             state = rec.result
             membership.fits = layout_fits(ptc, state.cfg, choose)
             trainer.die = die
+            _interruptible(trainer, membership)
             rank, world = groups.rank, dist.get_world_size()
             where = f"rank {rank}: "
             ring.clear()
@@ -538,20 +547,24 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                 if fault is None and groups.placed and store is not None and tc.snapshot_every and \
                         step % tc.snapshot_every == 0:
                     snapping[:] = [step]
-                    try:
-                        store.snapshot(ptc, state.cfg, groups.rank, trainer.shard(), step=step,
-                                       replicate=bool(store.url), save_id=save_id)
-                        snapped.add(step)
-                    except Exception as e:  # noqa: BLE001 - reported on every rank at the next step
-                        log.debug("snapshot failed", exc_info=True)
-                        fault = f"{where}could not write the snapshot of step {step} to the host store " \
-                                f"{store.root}: {_describe(e)}"
+
+                    def describe_snap(e: BaseException, step: int = step) -> str:
+                        return f"{where}could not write the snapshot of step {step} to the host store " \
+                               f"{store.root}: {_describe(e)}"
+
+                    snapper.wait()  # one abandoned by a recovery (below) is finished first
+                    snapper.start(describe_snap, store.snapshot, ptc, state.cfg, groups.rank, trainer.shard(),
+                                  step=step, replicate=bool(store.url), save_id=save_id)
+                    # in-process runs wait interruptibly: a death found meanwhile recovers now, not after it
+                    fault = snapper.wait(membership.check if membership is not None else None)
+                    if fault is None:
+                        snapped.add(step)  # (an error is reported on every rank at the next step)
                     snapping.clear()
                 if fault is None and groups.placed and tc.ckpt and ((tc.ckpt_every and step % tc.ckpt_every == 0)
                                                                     or done):
                     # persistent checkpoints run in the background: training waits only for the copy
                     shard = trainer.shard()
-                    fault = writer.wait()  # one write at a time
+                    fault = writer.wait(membership.check if membership is not None else None)  # one at a time
                     if fault is None:
                         def describe(e: BaseException, step: int = step) -> str:
                             return f"{where}could not write checkpoint step {step} to {tc.ckpt}: {_describe(e)}"
@@ -575,7 +588,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
         except PeerFailure as e:
             regroup = str(e)
             if ring is not None and trainer is not None:
-                settle_ring(ring, trainer, lambda: _record(ring, trainer))
+                settle_ring(ring, trainer)
         else:
             break
     if membership is not None:
@@ -584,6 +597,12 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
         raise CheckpointWriteError(f"{failure_message(fault, failed, rank)}; training stopped after step "
                                    f"{trainer.step}{' on every rank' if dist.is_initialized() else ''}")
     return 0
+
+
+def _interruptible(trainer: Trainer | Spare, membership: Any) -> None:
+    """In-process runs: the step checks for a known death between layers and pipeline ops."""
+    if membership is not None and isinstance(trainer, Trainer):
+        trainer.model.interrupt = membership.check
 
 
 def _start_record(tc: TrainConfig, state: RescaleResult, groups: Any, rank: int, world: int, restart: int,

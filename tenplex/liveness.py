@@ -1,0 +1,220 @@
+"""Links between members whose breaking tells a peer's death at once (issue #18, item 1).
+
+A killed or crashed process cannot say goodbye, but its kernel closes its sockets for it: the peer
+at the other end of a TCP connection reads end-of-file (or a reset) within a round trip. The
+heartbeats in :mod:`tenplex.membership` need ``dead_after`` seconds of silence to conclude the
+same; these links make the common case, a process that died while its host lives (an OOM kill, a
+GPU error that takes the process down, a SIGKILL), known in milliseconds, and the heartbeats stay
+for what no connection reports (a host that lost power or its network: no FIN is ever sent).
+
+Each member listens on one port and links to a few others (:class:`tenplex.membership.Membership`
+uses a ring: every member links to its successor, so each is watched by two). A connection opens
+with a hello naming the connector; a member that leaves on purpose sends a goodbye byte before
+closing, so only a link that ends *without* one means death. Connects and hellos are non-blocking:
+one select loop (the heartbeat thread's) serves them all, so an unreachable peer never stalls the
+heartbeats. A peer that cannot be reached is not declared dead here (a firewall looks the same);
+its heartbeats decide.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["PeerLinks", "link_host", "LINK_HOST_ENV"]
+
+log = logging.getLogger(__name__)
+
+LINK_HOST_ENV = "TENPLEX_LINK_HOST"
+"""The address a member listens on for its links (default: the interface that reaches the store)."""
+
+_HELLO = struct.Struct("!4sq")  # magic, the connecting member's id
+_MAGIC = b"TPLX"
+_BYE = b"B"
+
+
+def link_host(store_host: str | None) -> str:
+    """The local address peers reach this process at: ``$TENPLEX_LINK_HOST``, else the address of
+    the interface a packet to ``store_host`` leaves from (the store is reachable from every member,
+    so is that interface), else loopback."""
+    env = os.environ.get(LINK_HOST_ENV)
+    if env:
+        return env
+    if not store_host or store_host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((store_host, 9))  # UDP: no packet is sent, the kernel only picks the route
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass(slots=True)
+class _Link:
+    sock: socket.socket
+    peer: int | None  # None until an accepted link's hello arrived
+    outgoing: bool
+    connected: bool = True
+    inbox: bytearray = field(default_factory=bytearray)
+    said_bye: bool = False
+
+
+class PeerLinks:
+    """This member's links (see the module docstring). ``want`` may be called from any thread;
+    ``poll`` from one thread only (it owns the sockets)."""
+
+    def __init__(self, member: int, host: str = "127.0.0.1") -> None:
+        self.member = member
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, 0))
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._wanted: dict[int, str] = {}
+        self._changed = False
+        self._links: list[_Link] = []
+        self._closed = False
+
+    def want(self, peers: Mapping[int, str]) -> None:
+        """Link to exactly these peers (id -> ``host:port``) from now on: the next ``poll`` connects
+        to new ones and says goodbye to outgoing links no longer wanted (links peers opened to this
+        member stay: they end with the peer's goodbye or death)."""
+        with self._lock:
+            self._wanted = {int(k): str(v) for k, v in peers.items() if int(k) != self.member}
+            self._changed = True
+
+    def linked(self) -> frozenset[int]:
+        """Peers with an established link (either direction)."""
+        return frozenset(ln.peer for ln in self._links if ln.peer is not None and ln.connected)
+
+    def poll(self, timeout: float) -> frozenset[int]:
+        """Wait up to ``timeout`` seconds for link events; the peers whose link ended without a goodbye."""
+        if self._closed:
+            return frozenset()
+        self._apply()
+        readers = [self._listener] + [ln.sock for ln in self._links if ln.connected]
+        writers = [ln.sock for ln in self._links if not ln.connected]
+        try:
+            r, w, _ = select.select(readers, writers, [], max(0.0, timeout))
+        except (OSError, ValueError):  # a socket closed under us (close() from another thread)
+            return frozenset()
+        dead: set[int] = set()
+        by_sock = {ln.sock: ln for ln in self._links}
+        for s in w:
+            ln = by_sock[s]
+            err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                log.info("member %d: no link to member %s (%s); its heartbeats watch it", self.member, ln.peer,
+                         os.strerror(err))
+                self._drop(ln)
+                continue
+            ln.connected = True
+            try:
+                s.send(_HELLO.pack(_MAGIC, self.member))  # 12 bytes into an empty send buffer: never partial
+            except OSError:
+                self._drop(ln)
+        for s in r:
+            if s is self._listener:
+                self._accept()
+                continue
+            ln = by_sock.get(s)
+            if ln is None or ln not in self._links:
+                continue
+            try:
+                data = s.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:  # reset: the peer's kernel closed it with data unread, as for a kill
+                data = b""
+            if data:
+                self._received(ln, data)
+                continue
+            if ln.peer is not None and not ln.said_bye:
+                dead.add(ln.peer)
+            self._drop(ln)
+        return frozenset(dead)
+
+    def close(self) -> None:
+        """Say goodbye on every link and close them (peers then do not take this for a death)."""
+        if self._closed:
+            return
+        self._closed = True
+        for ln in list(self._links):
+            self._bye(ln)
+        self._listener.close()
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _apply(self) -> None:
+        with self._lock:
+            if not self._changed:
+                return
+            wanted, self._changed = dict(self._wanted), False
+        for ln in list(self._links):
+            if ln.outgoing and ln.peer not in wanted:
+                self._bye(ln)
+        have = {ln.peer for ln in self._links if ln.outgoing}
+        for peer, addr in wanted.items():
+            if peer in have:
+                continue
+            host, _, port = addr.rpartition(":")
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setblocking(False)
+            rc = s.connect_ex((host, int(port)))
+            if rc not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+                log.info("member %d: no link to member %d at %s (%s)", self.member, peer, addr, os.strerror(rc))
+                s.close()
+                continue
+            self._links.append(_Link(s, peer, outgoing=True, connected=False))
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                s, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.debug("member %d: accept failed: %s", self.member, e)
+                return
+            s.setblocking(False)
+            self._links.append(_Link(s, None, outgoing=False))
+
+    def _received(self, ln: _Link, data: bytes) -> None:
+        if ln.peer is None:
+            ln.inbox += data
+            if len(ln.inbox) < _HELLO.size:
+                return
+            magic, peer = _HELLO.unpack(bytes(ln.inbox[: _HELLO.size]))
+            if magic != _MAGIC:
+                log.warning("member %d: a connection that is no member's link; closed", self.member)
+                self._drop(ln)
+                return
+            ln.peer, data = int(peer), bytes(ln.inbox[_HELLO.size :])
+            ln.inbox.clear()
+        if _BYE in data:
+            ln.said_bye = True
+
+    def _bye(self, ln: _Link) -> None:
+        if ln.connected:
+            try:
+                ln.sock.send(_BYE)
+            except OSError:
+                pass
+        self._drop(ln)
+
+    def _drop(self, ln: _Link) -> None:
+        try:
+            ln.sock.close()
+        except OSError:
+            pass
+        if ln in self._links:
+            self._links.remove(ln)

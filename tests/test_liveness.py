@@ -1,0 +1,109 @@
+"""Links whose breaking tells a peer's death (``tenplex.liveness``): real sockets, real processes.
+
+A child process links to this one (and this one to it) and is then SIGKILLed: ``poll`` names it
+within one poll, with no heartbeat involved. A child that closes its links on purpose (goodbye)
+or exits after ``close()`` is not reported; a connection that is no member's link is ignored; an
+unreachable peer is not declared dead (its heartbeats decide).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tenplex.liveness import PeerLinks, link_host
+
+CHILD = """
+import sys, time
+from tenplex.liveness import PeerLinks
+me = PeerLinks(7)
+me.want({1: sys.argv[1]})
+print(me.address, flush=True)
+end = time.monotonic() + 30
+while time.monotonic() < end and 1 not in me.linked():
+    me.poll(0.05)
+print("linked", flush=True)
+mode = sys.argv[2]
+if mode == "bye":
+    me.close()
+    print("closed", flush=True)
+    time.sleep(0.5)
+    sys.exit(0)
+while True:
+    me.poll(0.2)
+"""
+
+
+def _child(addr: str, mode: str) -> tuple[subprocess.Popen, str]:
+    p = subprocess.Popen([sys.executable, "-c", CHILD, addr, mode], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    child_addr = p.stdout.readline().strip()
+    assert child_addr, "the child did not start"
+    return p, child_addr
+
+
+def _poll_until(links: PeerLinks, cond, timeout: float) -> set[int]:
+    dead: set[int] = set()
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not cond(dead):
+        dead |= links.poll(0.05)
+    return dead
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["kill", "bye"])
+def test_a_killed_peer_is_named_at_once_and_a_goodbye_is_not_a_death(mode: str) -> None:
+    me = PeerLinks(1)
+    p, child_addr = _child(me.address, mode)
+    try:
+        me.want({7: child_addr})  # links both ways: each end sees the other's death
+        _poll_until(me, lambda _: me.linked() == {7}, 30)
+        assert me.linked() == {7}
+        assert p.stdout is not None and p.stdout.readline().strip() == "linked"
+        if mode == "kill":
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGKILL)
+            dead = _poll_until(me, lambda d: 7 in d, 10)
+            assert dead == {7}
+            print(f"\nSIGKILL -> named dead in {time.monotonic() - t0:.4f} s")
+            assert _poll_until(me, lambda _: not me.linked(), 5) <= {7}  # the other direction's link
+            assert me.linked() == frozenset()
+        else:
+            assert p.stdout.readline().strip() == "closed"
+            assert p.wait(timeout=10) == 0
+            assert _poll_until(me, lambda _: not me.linked(), 5) == set()  # both links ended quietly
+            assert me.linked() == frozenset()
+    finally:
+        p.kill()
+        p.wait()
+        me.close()
+
+
+@pytest.mark.timeout(30)
+def test_strangers_and_unreachable_peers_are_not_deaths() -> None:
+    me = PeerLinks(1)
+    try:
+        host, port = me.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as s:  # not a member: a wrong hello
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            assert _poll_until(me, lambda _: False, 0.3) == set()
+        assert _poll_until(me, lambda _: False, 0.2) == set()  # its close is no death either
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]
+        closed.close()  # nobody listens there: connection refused
+        me.want({3: f"127.0.0.1:{dead_port}"})
+        assert _poll_until(me, lambda _: False, 0.3) == set()
+        assert me.linked() == frozenset()
+    finally:
+        me.close()
+
+
+def test_link_host() -> None:
+    assert link_host(None) == "127.0.0.1" and link_host("localhost") == "127.0.0.1"
+    assert link_host("127.0.0.1") == "127.0.0.1"
