@@ -36,7 +36,7 @@ import numpy as np
 from .config import ParallelConfig
 from .errors import PlanError
 from .overlap import holder_classes, intersect
-from .ptc import PTC
+from .ptc import PTC, Layout
 
 __all__ = ["SurvivorWeights", "survivor_weights", "max_weight_assignment", "locality_order"]
 
@@ -109,7 +109,7 @@ def _classes(cfg: Any, ranks: np.ndarray) -> np.ndarray:
     return (ranks // (cfg.tp * cfg.dp)) * cfg.tp + ranks % cfg.tp
 
 
-def survivor_weights(ptc: PTC, old_cfg: Any, new_cfg: Any, survivors: np.ndarray, rows: int) -> SurvivorWeights:
+def survivor_weights(ptc: PTC, old_cfg: Layout, new_cfg: Layout, survivors: np.ndarray, rows: int) -> SurvivorWeights:
     """The bytes every surviving old rank holds of every new rank ``< rows``'s shard, as class
     matrix plus sparse part (see the module docstring); vectorised per group of tensors that share
     their holder tables (the layers of a stage)."""
@@ -526,7 +526,7 @@ def max_weight_assignment(w: SurvivorWeights) -> tuple[np.ndarray, np.ndarray]:
     return _solve(w, w.a, np.arange(w.rows), np.arange(w.cols), np.arange(len(w.z_row)))
 
 
-def locality_order(ptc: PTC, old_cfg: ParallelConfig, new_cfg: ParallelConfig, survivors: Sequence[int]) -> list[int]:
+def locality_order(ptc: PTC, old_cfg: Layout, new_cfg: Layout, survivors: Sequence[int]) -> list[int]:
     """``survivors`` reordered so that new rank i runs where most of its state already is.
 
     Pass the result as ``plan(..., alive=...)``: new rank i then runs on its i-th entry (new ranks
@@ -535,6 +535,12 @@ def locality_order(ptc: PTC, old_cfg: ParallelConfig, new_cfg: ParallelConfig, s
     surviving device holds of each new rank's shard, found here from that matrix's structure (see
     the module docstring); new ranks with nothing in place take the remaining survivors in order,
     and survivors left over keep their order at the end.
+
+    Layouts are ``ParallelConfig`` s or a torch-native job's ``StateLayout`` s. A ``StateLayout``
+    has no (stage, TP index) classes: its matrix is all sparse part, built from the holder tables'
+    interval overlaps (the planner's ``overlap`` code, one pass per group of tensors sharing both
+    tables) and solved per connected component by a sparse full matching (scipy's
+    ``min_weight_full_bipartite_matching``, LAPJVsp).
     """
     surv = np.asarray(list(survivors), dtype=np.int64)
     if len(np.unique(surv)) != len(surv) or (len(surv) and (surv.min() < 0 or surv.max() >= old_cfg.world_size)):
