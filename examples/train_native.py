@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import native_llama as nl  # noqa: E402 - the user's model, next to this script
 
 import tenplex  # noqa: E402
+from tenplex.assignment import load_solvers  # noqa: E402
 from tenplex.data.corpus import stdlib_corpus  # noqa: E402
 from tenplex.data.partition import DataState, global_batch_ids  # noqa: E402
 from tenplex.elastic import LiveState, choose_mesh, live_order  # noqa: E402
@@ -119,7 +120,10 @@ def main() -> None:
         return dims, mesh, model, optimizer
 
     # the objects of the imports never die: out of the collector's way, so that the gc.collect() of a
-    # recovery (FSDP2's modules are reference cycles) only walks what was made since
+    # recovery (FSDP2's modules are reference cycles) only walks what was made since; in-process, the
+    # survivors' locality order's scipy modules among them (imported now, not by the first recovery)
+    if args.in_process:
+        load_solvers()
     gc.freeze()
     t0 = time.perf_counter()
     dims, mesh, model, optimizer = build(world)
