@@ -506,8 +506,9 @@ class StateLayout:
         Per tensor, every new dim the tensor's mesh had keeps its placement (a ``StridedShard``'s split
         factor becomes the product of the new sizes of the dims after it that ``Shard`` the same tensor
         dim: FSDP2 over TP; ``Shard`` when none does), a new ``dp_replicate`` dim is ``Replicate()``
-        (HSDP), a dim the new mesh lacks is dropped (a tensor left on no dim is a plain tensor every
-        rank holds). LayoutError, naming the tensor, where this cannot be told: a tensor placed by
+        (HSDP), a dim the new mesh lacks is dropped; a plain tensor every rank holds stays one. Every
+        tensor's mesh is the new mesh, its ranks numbered row-major. LayoutError, naming the tensor,
+        where this cannot be told: a tensor placed by
         ``Boxes`` or on a part of the job (a pipeline stage's sub-mesh), a new dim other than
         ``dp_replicate`` that its mesh lacks (TP appearing), a split factor this rule does not give."""
         items = dims.items() if isinstance(dims, Mapping) else dims
