@@ -36,6 +36,7 @@ bench: $(STAMP)
 	PYTHONPATH=. $(PY) scripts/bench_recovery.py --join   # in-process scale up: 2 workers admit 2 joiners (docs/bench_join.json)
 	PYTHONPATH=. $(PY) scripts/bench_recovery.py --json   # in-process vs restart on the same job, tiny and llama-100m (docs/bench_inprocess.json)
 	PYTHONPATH=. $(PY) scripts/bench_native_inprocess.py --repeats 3   # the torch-native job's in-process recovery (docs/bench_native_inprocess.json)
+	PYTHONPATH=. $(PY) scripts/bench_locality.py --repeats 5   # the survivors' locality order for torch-native state dicts, 8-512 ranks (docs/bench_locality.json)
 	$(PY) scripts/bench_schedule.py
 	$(PY) scripts/bench_schedule_scale.py --json   # the scheduler at 1,024-16,384 GPUs
 	$(PY) scripts/bench_scale.py --json   # chooser, assignment, plans, world sizes, tenplex simulate (#20)

@@ -45,14 +45,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import native_llama as nl  # noqa: E402 - the user's model, next to this script
 
 import tenplex  # noqa: E402
+from tenplex.assignment import load_solvers  # noqa: E402
 from tenplex.data.corpus import stdlib_corpus  # noqa: E402
 from tenplex.data.partition import DataState, global_batch_ids  # noqa: E402
-from tenplex.elastic import LiveState, choose_mesh  # noqa: E402
+from tenplex.elastic import LiveState, choose_mesh, live_order  # noqa: E402
 from tenplex.errors import PeerFailure  # noqa: E402
 from tenplex.dtensor import release_mesh  # noqa: E402
 from tenplex.state_dict import describe_state_dict, local_shard  # noqa: E402
 from tenplex.train.batches import IndexBatches  # noqa: E402
-from tenplex.train.live import RECOVERY_FAILED, DieAt, StateRing, membership_store, start_membership  # noqa: E402
+from tenplex.planner import plan  # noqa: E402
+from tenplex.train.live import (  # noqa: E402
+    RECOVERY_FAILED, DieAt, StateRing, membership_store, start_membership, warm_up,
+)
 
 log = logging.getLogger("train_native")
 
@@ -103,8 +107,11 @@ def main() -> None:
     step, data = 0, DataState(corpus.num_samples, args.global_batch, seed=1)
 
     # 1. the mesh for this world size, then the model built and parallelized for it
+    def rule(w: int) -> dict[str, int]:
+        return mesh_rule(w, hsdp=args.hsdp)
+
     def build(world: int) -> tuple[dict[str, int], Any, Any, Any]:
-        dims = choose_mesh(world, choose=lambda w: mesh_rule(w, hsdp=args.hsdp))
+        dims = choose_mesh(world, choose=rule)
         mesh = nl.build_mesh(dims, device)
         model = nl.parallelize(nl.reference_model(cfg, seed=0).to(device), mesh)
         optimizer = nl.make_optimizer(model)
@@ -113,7 +120,10 @@ def main() -> None:
         return dims, mesh, model, optimizer
 
     # the objects of the imports never die: out of the collector's way, so that the gc.collect() of a
-    # recovery (FSDP2's modules are reference cycles) only walks what was made since
+    # recovery (FSDP2's modules are reference cycles) only walks what was made since; in-process, the
+    # survivors' locality order's scipy modules among them (imported now, not by the first recovery)
+    if args.in_process:
+        load_solvers()
     gc.freeze()
     t0 = time.perf_counter()
     dims, mesh, model, optimizer = build(world)
@@ -151,12 +161,19 @@ def main() -> None:
     def guard() -> Any:
         return membership.guard() if membership is not None else contextlib.nullcontext()
 
+    warmed = False
+
     def remember() -> None:
-        """The state after ``step`` into the ring, and (at a mesh's first step) the layout it has."""
-        nonlocal live_ptc, live_layout
+        """The state after ``step`` into the ring, and (at a mesh's first step) the layout it has, with
+        the survivors' order for a failure: where most of each new rank's state already is."""
+        nonlocal live_ptc, live_layout, warmed
         sd = state()
         if live_layout is None:  # collective: while every rank of this mesh is alive
             live_ptc, live_layout = describe_state_dict(sd)
+            membership.order = live_order(live_ptc, live_layout, rule, membership.members)
+            if not warmed:  # the scipy import and the assignment once, before any failure needs them
+                warm_up(live_ptc, live_layout, rule, membership.members)
+                warmed = True
         ring.record(step, local_shard(sd))
 
     if ring is not None and resumed:  # fresh: the ring starts after the first step (see above)
@@ -189,6 +206,7 @@ def main() -> None:
             step, data = restore(sd)
             del sd
             t3, wall3 = time.perf_counter(), time.time()
+            old_ptc, old_layout = live_ptc, live_layout
             b = res.bytes_by_tier
             sums = torch.tensor([b.get("live", 0), b.get("storage", 0), b.get("local", 0)], dtype=torch.float64)
             dist.all_reduce(sums)
@@ -198,12 +216,21 @@ def main() -> None:
             ring.pin(step)  # a checkpoint step when pieces came from storage; else the state the survivors held
             t4 = time.perf_counter()
             ps = res.plan_stats
+            # not timed: the same move in the survivors' old rank order (what the locality order saved),
+            # and whether the order was computed for the layout the rebuilt model has
+            by_rank = plan(old_ptc, old_layout, res.cfg, alive=sorted(nm.alive)).stats
+            try:
+                predicted = old_layout.remesh(dims) == res.cfg
+            except tenplex.LayoutError:
+                predicted = False
             return {"event": "recover", "reason": reason.splitlines()[0][:200], "world_size": world, "mesh": dims,
                     "alive": list(nm.alive), "live": res.live, "step": step, "newest": newest,
                     "bytes_live": int(sums[0]), "bytes_storage": int(sums[1]), "bytes_local": int(sums[2]),
                     "plan_bytes_peer": ps.bytes_same_host + ps.bytes_cross_host if ps else None,
                     "plan_bytes_storage": ps.bytes_storage if ps else None,
                     "plan_bytes_moved": ps.bytes_moved if ps else None,
+                    "rank_order_plan_bytes_peer": by_rank.bytes_same_host + by_rank.bytes_cross_host,
+                    "layout_predicted": predicted,
                     "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,
                     # unwind: from learning of the failure to this recovery's start (the blocked collective
                     # failing, leaving the step); ring: the bytes summed, the new mesh's layout described and

@@ -7,7 +7,14 @@ process) ``--repeats`` times per case and SIGKILLs one worker mid-run:
   survivors (``dp_shard=3``) move the checkpointed step 4 live, the dead worker's own shards from the
   checkpoint, and redo steps 4 and 5;
 - ``hsdp``: ``dp_replicate=2,dp_shard=2``, worker 2 killed in the forward pass of step 5; the
-  survivors move step 5 entirely live (every element has a replica).
+  survivors move step 5 entirely live (every element has a replica);
+- ``hsdp3``: the same with worker 3 killed: in their old rank order new ranks 1 and 2 would run
+  away from most of their rows, the locality order (``elastic.live_order``) swaps them.
+
+The survivors' order, whether it was computed for the layout the rebuilt model has
+(``layout_predicted``) and the peer bytes of the same move in the old rank order
+(``rank_order_plan_bytes_peer``) come from the record too. ``--root`` runs the example of another
+checkout (e.g. main's, to compare).
 
 Per repeat, from the job's ``"recover"`` record (new rank 0's view): detection, agreement, regroup,
 mesh + model rebuilt, ``rescale`` (describe, plan, step agreement, migrate), failure -> state moved,
@@ -35,12 +42,11 @@ import torch.distributed as dist
 from tenplex.train.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = str(ROOT / "examples" / "train_native.py")
-CASES = {"fsdp_tp": ([], "3:5:optimizer"), "hsdp": (["--hsdp"], "2:5:forward")}
+CASES = {"fsdp_tp": ([], "3:5:optimizer"), "hsdp": (["--hsdp"], "2:5:forward"), "hsdp3": (["--hsdp"], "3:5:forward")}
 COMMON = ["--steps", "8", "--ckpt-every", "2", "--global-batch", "12"]
 
 
-def run_once(case: str, store_port: int, dead_after: float) -> dict[str, Any]:
+def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT) -> dict[str, Any]:
     extra, die = CASES[case]
     with tempfile.TemporaryDirectory(prefix="bench-native-") as d:
         tmp = Path(d)
@@ -51,8 +57,8 @@ def run_once(case: str, store_port: int, dead_after: float) -> dict[str, Any]:
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store_port}",
                    "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
-                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-            procs.append(subprocess.Popen([sys.executable, SCRIPT, *COMMON, *extra, "--ckpt", str(tmp / "ckpt"),
+                   "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+            procs.append(subprocess.Popen([sys.executable, str(root / "examples" / "train_native.py"), *COMMON, *extra, "--ckpt", str(tmp / "ckpt"),
                                            "--log", str(log), "--in-process", "--die-at", die,
                                            "--dead-after", str(dead_after)], env=env,
                                           stdout=(tmp / f"w{r}.log").open("w"), stderr=subprocess.STDOUT))
@@ -84,7 +90,9 @@ def run_once(case: str, store_port: int, dead_after: float) -> dict[str, Any]:
         "plan_bytes_peer": rec["plan_bytes_peer"], "plan_bytes_storage": rec["plan_bytes_storage"],
         "live_equals_plan": rec["bytes_live"] == rec["plan_bytes_peer"],
         "storage_equals_plan": rec["bytes_storage"] == rec["plan_bytes_storage"],
-        "mesh_after": rec["mesh"],
+        "mesh_after": rec["mesh"], "alive": rec["alive"],
+        "rank_order_plan_bytes_peer": rec.get("rank_order_plan_bytes_peer"),
+        "layout_predicted": rec.get("layout_predicted"),
     }
 
 
@@ -98,11 +106,12 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--dead-after", type=float, default=0.8, help="the job's heartbeat verdict (its default 0.8 s)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench_native_inprocess.json"))
+    ap.add_argument("--root", default=str(ROOT), help="the checkout whose examples/train_native.py and tenplex run")
     args = ap.parse_args()
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     load_before = os.getloadavg()
     result: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
-                              "job": " ".join(COMMON), "repeats": args.repeats, "dead_after": args.dead_after,
+                              "job": " ".join(COMMON), "root": args.root, "repeats": args.repeats, "dead_after": args.dead_after,
                               "loadavg_before": load_before,
                               "cases": {}}
     for case in args.cases.split(","):
@@ -110,7 +119,7 @@ def main() -> int:
         for i in range(args.repeats):
             print(f"{case} {i + 1}/{args.repeats} (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
             try:
-                runs.append(run_once(case, store.port, args.dead_after))
+                runs.append(run_once(case, store.port, args.dead_after, Path(args.root)))
             except (RuntimeError, StopIteration) as e:  # e.g. a heartbeat verdict misfiring under load: reported
                 print(f"{case} {i + 1}: failed: {str(e)[:300]}", file=sys.stderr, flush=True)
                 failed.append({"load": os.getloadavg()[0], "error": str(e)[-3000:]})
@@ -120,7 +129,10 @@ def main() -> int:
         keys = [k for k, v in runs[0].items() if isinstance(v, float)]
         result["cases"][case] = {"runs": runs, **{k: summary([r[k] for r in runs]) for k in keys},
                                  "bytes": {k: runs[0][k] for k in ("bytes_live", "bytes_storage", "bytes_local",
-                                                                   "plan_bytes_peer", "plan_bytes_storage")},
+                                                                   "plan_bytes_peer", "plan_bytes_storage",
+                                                                   "rank_order_plan_bytes_peer")},
+                                 "alive": [r["alive"] for r in runs],
+                                 "layout_predicted": [r["layout_predicted"] for r in runs],
                                  "live_equals_plan": all(r["live_equals_plan"] for r in runs),
                                  "storage_equals_plan": all(r["storage_equals_plan"] for r in runs),
                                  "steps_redone": [r["steps_redone"] for r in runs], "failed": failed}

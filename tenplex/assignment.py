@@ -8,7 +8,9 @@ building that matrix. Under (DP, TP, PP) layouts the matrix has structure:
   ranks' (stage, TP index) only: a small class matrix ``A[new class, old class]``;
 * the DP-sharded fragments (distributed optimizer) overlap few others: a sparse matrix ``Z``.
 
-``W[i, s] = A[class(i), class(s)] + Z[i, s]``. The bipartite graph splits into connected components
+``W[i, s] = A[class(i), class(s)] + Z[i, s]``. (A torch-native job's ``StateLayout`` s have no such
+classes: ``W = Z``, built from the layouts' interval overlaps, where a plain tensor every rank
+holds whole adds the same to every pair and is left out.) The bipartite graph splits into connected components
 (usually one per (stage, TP index) pair that share data); each is solved exactly:
 
 * one uniform class block (``A`` constant over the component, the common case of a DP change):
@@ -36,9 +38,9 @@ import numpy as np
 from .config import ParallelConfig
 from .errors import PlanError
 from .overlap import holder_classes, intersect
-from .ptc import PTC
+from .ptc import PTC, Layout
 
-__all__ = ["SurvivorWeights", "survivor_weights", "max_weight_assignment", "locality_order"]
+__all__ = ["SurvivorWeights", "survivor_weights", "max_weight_assignment", "locality_order", "load_solvers"]
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,17 @@ def _classes(cfg: Any, ranks: np.ndarray) -> np.ndarray:
     return (ranks // (cfg.tp * cfg.dp)) * cfg.tp + ranks % cfg.tp
 
 
-def survivor_weights(ptc: PTC, old_cfg: Any, new_cfg: Any, survivors: np.ndarray, rows: int) -> SurvivorWeights:
+def _same_everywhere(name: str, c_ranks: np.ndarray, new_t: Any, survivors: np.ndarray, rows: int) -> bool:
+    """Whether every survivor holds one interval of a tensor (one old class) and every new rank
+    ``< rows`` needs one and the same interval (one new class): a plain tensor every rank holds
+    (AdamW's ``step``), a constant on every pair that would make the matrix dense."""
+    if len(c_ranks) != 1 or not np.isin(survivors, c_ranks[0]).all():
+        return False
+    _, _, n_ranks, _ = holder_classes(name, new_t)
+    return len(n_ranks) == 1 and bool(np.isin(np.arange(rows), n_ranks[0]).all())
+
+
+def survivor_weights(ptc: PTC, old_cfg: Layout, new_cfg: Layout, survivors: np.ndarray, rows: int) -> SurvivorWeights:
     """The bytes every surviving old rank holds of every new rank ``< rows``'s shard, as class
     matrix plus sparse part (see the module docstring); vectorised per group of tensors that share
     their holder tables (the layers of a stage)."""
@@ -143,6 +155,8 @@ def survivor_weights(ptc: PTC, old_cfg: Any, new_cfg: Any, survivors: np.ndarray
         if id(old_t) not in classes:
             classes[id(old_t)] = holder_classes(name, old_t)
         c_start, c_end, c_ranks, _ = classes[id(old_t)]
+        if not structured and _same_everywhere(name, c_ranks, new_t, survivors, rows):
+            continue  # the same bytes on every (new rank, survivor) pair: no assignment prefers any
         uniform = _uniform_tensor(old_cfg, new_cfg, dp_sharded)
         sel = new_rep[new_t.rank] if uniform else new_t.rank < rows
         nr = new_t.rank[sel]
@@ -521,12 +535,19 @@ def _solve_component(w: SurvivorWeights, a: np.ndarray, rows: np.ndarray, cols: 
     return _flow_matching(w, a, rows, cols)
 
 
+def load_solvers() -> None:
+    """Import the scipy parts ``locality_order`` uses now (0.5-1 s on a loaded 2-CPU VM): at a job's
+    start-up, before its ``gc.freeze()``, so that neither a recovery nor the collector pays for them."""
+    import scipy.optimize  # noqa: F401  # lazy: what this function is for
+    import scipy.sparse.csgraph  # noqa: F401  # lazy: the same
+
+
 def max_weight_assignment(w: SurvivorWeights) -> tuple[np.ndarray, np.ndarray]:
     """Pairs (new rank, survivor index) of a maximum-weight matching of ``w`` (pairs of weight 0 left out)."""
     return _solve(w, w.a, np.arange(w.rows), np.arange(w.cols), np.arange(len(w.z_row)))
 
 
-def locality_order(ptc: PTC, old_cfg: ParallelConfig, new_cfg: ParallelConfig, survivors: Sequence[int]) -> list[int]:
+def locality_order(ptc: PTC, old_cfg: Layout, new_cfg: Layout, survivors: Sequence[int]) -> list[int]:
     """``survivors`` reordered so that new rank i runs where most of its state already is.
 
     Pass the result as ``plan(..., alive=...)``: new rank i then runs on its i-th entry (new ranks
@@ -535,6 +556,12 @@ def locality_order(ptc: PTC, old_cfg: ParallelConfig, new_cfg: ParallelConfig, s
     surviving device holds of each new rank's shard, found here from that matrix's structure (see
     the module docstring); new ranks with nothing in place take the remaining survivors in order,
     and survivors left over keep their order at the end.
+
+    Layouts are ``ParallelConfig`` s or a torch-native job's ``StateLayout`` s. A ``StateLayout``
+    has no (stage, TP index) classes: its matrix is all sparse part, built from the holder tables'
+    interval overlaps (the planner's ``overlap`` code, one pass per group of tensors sharing both
+    tables) and solved per connected component by a sparse full matching (scipy's
+    ``min_weight_full_bipartite_matching``, LAPJVsp).
     """
     surv = np.asarray(list(survivors), dtype=np.int64)
     if len(np.unique(surv)) != len(surv) or (len(surv) and (surv.min() < 0 or surv.max() >= old_cfg.world_size)):

@@ -286,22 +286,37 @@ def live_step(held: Sequence[Sequence[int]], stored: Sequence[Sequence[int]],
     return max(common) if common else None
 
 
-def live_order(ptc: PTC, cfg: ParallelConfig, choose: Chooser,
+def live_order(ptc: PTC, cfg: ParallelConfig | StateLayout, choose: Chooser | MeshChooser,
                previous: Sequence[int]) -> Callable[[Sequence[int]], list[int]]:
     """A ``Membership(order=...)``: the survivors (member ids of the group ``previous``, ids by
     rank) ordered by ``locality_order`` for the layout ``choose`` picks for the new group's size,
     so that new rank i runs where most of its state already is; spares of ``cfg`` (ranks beyond its
     size, holding nothing) come after every survivor that holds state, then joiners (ids not in
-    ``previous``, holding nothing either) in the order given: all of them fresh joiners of ``migrate``."""
+    ``previous``, holding nothing either) in the order given: all of them fresh joiners of ``migrate``.
+
+    A torch-native job passes its ``StateLayout`` (``describe_state_dict``) and its mesh rule
+    (``choose_mesh``'s ``choose``: world size -> mesh dims): the new layout is the state dict's on
+    that mesh as ``StateLayout.remesh`` predicts it (pure: every survivor computes the same order
+    from what it holds, with no message). Where ``remesh`` cannot tell (pipeline stages, a TP dim
+    appearing), the survivors keep their old rank order (logged); a prediction the rebuilt model does
+    not match costs bytes moved, never correctness (``rescale`` plans on the layout described)."""
 
     def order(members: Sequence[int]) -> list[int]:
         known = set(previous)
         ranks = old_ranks(previous, [m for m in members if m in known])
-        new = choose(ptc, len(members), cfg)
-        holders = [r for r in ranks if r < cfg.world_size]
+        joiners = [m for m in members if m not in known]
+        holders = sorted(r for r in ranks if r < cfg.world_size)  # ties broken alike whatever the members' order
         spares = [r for r in ranks if r >= cfg.world_size]
-        return [previous[r] for r in locality_order(ptc, cfg, new, holders) + spares] + \
-            [m for m in members if m not in known]
+        if isinstance(cfg, StateLayout):
+            try:
+                new: ParallelConfig | StateLayout = cfg.remesh(choose_mesh(len(members), choose=choose))  # type: ignore[arg-type]
+            except LayoutError as e:
+                log.warning("survivors in their old rank order: the state dict's layout for %d ranks cannot be "
+                            "told before the model is rebuilt (%s)", len(members), e)
+                return [previous[r] for r in holders + spares] + joiners
+        else:
+            new = choose(ptc, len(members), cfg)  # type: ignore[call-arg]
+        return [previous[r] for r in locality_order(ptc, cfg, new, holders) + spares] + joiners
 
     return order
 

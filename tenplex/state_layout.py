@@ -43,7 +43,7 @@ from .mesh import (
 from .ptc import PTC, Panels, Replicated, SegmentTable, Split, TensorSpec, dtype_from_str
 
 __all__ = ["Placed", "Boxes", "Placement", "StateLayout", "spec_for", "boxes_split_dim", "placement_text",
-           "parse_placement", "PANELS", "PANEL_MIN_ROWS", "PANEL_MIN_COLS"]
+           "parse_placement", "PANELS", "PANEL_MIN_ROWS", "PANEL_MIN_COLS", "NEW_DIM_PLACEMENTS"]
 
 PANELS = 8
 """Panel count ``spec_for`` gives 2-D and higher tensors (the lcm of the TP sizes 1, 2, 4, 8: a TP
@@ -497,6 +497,33 @@ class StateLayout:
                 raise LayoutError(f"{name}: no rank of the layout holds element {end} (canonical order) of its "
                                   f"{spec.numel}")
 
+    def remesh(self, dims: Mapping[str, int] | Sequence[tuple[str, int]]) -> StateLayout:
+        """The layout this state dict takes on a new job mesh ``dims`` (names and sizes in the order the
+        job builds it: ``init_device_mesh`` numbers its ranks row-major), predicted from the placements
+        by mesh dim name, without building the model: what the survivors of a failure need to order
+        themselves (``planner.locality_order``) before the new mesh exists.
+
+        Per tensor, every new dim the tensor's mesh had keeps its placement (a ``StridedShard``'s split
+        factor becomes the product of the new sizes of the dims after it that ``Shard`` the same tensor
+        dim: FSDP2 over TP; ``Shard`` when none does), a new ``dp_replicate`` dim is ``Replicate()``
+        (HSDP), a dim the new mesh lacks is dropped; a plain tensor every rank holds stays one. Every
+        tensor's mesh is the new mesh, its ranks numbered row-major. LayoutError, naming the tensor,
+        where this cannot be told: a tensor placed by
+        ``Boxes`` or on a part of the job (a pipeline stage's sub-mesh), a new dim other than
+        ``dp_replicate`` that its mesh lacks (TP appearing), a split factor this rule does not give."""
+        items = dims.items() if isinstance(dims, Mapping) else dims
+        mesh = MeshLayout(tuple((str(n), s) for n, s in items))
+        world = mesh.world_size
+        ranks = tuple(range(world))
+        everyone = tuple(range(self.world_size))
+        cache: dict[int, Placed] = {}  # by placement: the layers share a few
+        out: list[tuple[str, Placement]] = []
+        for name, placed in self.tensors:
+            if id(placed) not in cache:
+                cache[id(placed)] = _remesh(name, placed, mesh, ranks, everyone)
+            out.append((name, cache[id(placed)]))
+        return StateLayout(world, tuple(out))
+
     # -- (de)serialisation ----------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         meshes: dict[str, int] = {}
@@ -564,3 +591,44 @@ def _box_table(shape: tuple[int, ...], order: tuple[int, ...], boxes: Boxes, pan
         empty = np.zeros(0, dtype=np.int64)
         return SegmentTable.from_columns(empty, empty, empty, empty)
     return SegmentTable.from_columns(*(np.concatenate(c) for c in zip(*cols)))
+
+
+#: The placement a tensor takes on a new mesh dim its old mesh lacked, by dim name (the rest are unknown).
+NEW_DIM_PLACEMENTS: dict[str, MeshPlacement] = {"dp_replicate": Replicate()}
+
+
+def _remesh(name: str, placed: Placement, mesh: MeshLayout, ranks: tuple[int, ...],
+            everyone: tuple[int, ...]) -> Placed:
+    """One tensor's ``StateLayout.remesh``."""
+    if isinstance(placed, Boxes):
+        raise LayoutError(f"{name} is placed by boxes (chunks of a saved checkpoint), not on a named mesh: its "
+                          "layout on another mesh cannot be told")
+    if placed == Placed.replicated(placed.ranks) and tuple(sorted(placed.ranks)) == everyone:
+        return Placed.replicated(ranks)  # a plain tensor every rank holds
+    if placed.ranks != everyone:
+        raise LayoutError(f"{name} lives on job ranks {list(placed.ranks)[:8]} of the {len(everyone)}, not on the "
+                          f"whole job's mesh numbered row-major (a pipeline stage's sub-mesh?): its layout on the mesh "
+                          f"{mesh} cannot be told")
+    old = dict(zip(placed.mesh.names, placed.placements))
+    placements: list[MeshPlacement] = []
+    for dim in mesh.names:
+        if dim in old:
+            placements.append(old[dim])
+        elif dim in NEW_DIM_PLACEMENTS:
+            placements.append(NEW_DIM_PLACEMENTS[dim])
+        else:
+            raise LayoutError(f"{name}: the new mesh {mesh} has a dim {dim!r} its mesh {placed.mesh} lacks, and "
+                              f"its placement there cannot be told (only {sorted(NEW_DIM_PLACEMENTS)} can)")
+    # FSDP2 over TP: the split factor is what the dims after it split the same tensor dim into
+    for i, p in enumerate(placements):
+        if not isinstance(p, StridedShard):
+            continue
+        j = placed.mesh.index(mesh.names[i])
+        before = math.prod(s for (_, s), q in zip(placed.mesh.dims[j + 1:], placed.placements[j + 1:])
+                           if q == Shard(p.dim))
+        if before != p.split_factor:
+            raise LayoutError(f"{name}: {p} on mesh dim {mesh.names[i]} of {placed.mesh}, but the dims after it split "
+                              f"dim {p.dim} into {before}: its split factor on another mesh cannot be told")
+        after = math.prod(s for (_, s), q in zip(mesh.dims[i + 1:], placements[i + 1:]) if q == Shard(p.dim))
+        placements[i] = StridedShard(p.dim, after) if after > 1 else Shard(p.dim)
+    return Placed(mesh, tuple(placements), ranks)

@@ -1,22 +1,31 @@
 """Survivor assignment (``locality_order``): the bytes kept in place equal the optimum of a dense
 ``linear_sum_assignment`` over an independently built byte matrix, on every solver path (sparse
 matching, dense blocks, the class-hub flow), for random models, layouts (uneven stages, ZeRO),
-failure sets, scale-down and scale-up."""
+failure sets, scale-down and scale-up; on torch-native ``StateLayout`` s (FSDP2, TP, HSDP, FSDP2 x
+TP, pipeline stages, uneven shards) the best of every permutation, and the same bytes as the
+``ParallelConfig`` solver where both apply."""
 
 from __future__ import annotations
 
+import itertools
 from unittest import mock
 
 import numpy as np
 import pytest
+import torch
 from conftest import examples, layouts, model_kwargs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
+from test_state_dict import descriptions, placed_on
 
 from tenplex import ParallelConfig, PlanError, model_ptc, plan
 from tenplex import assignment
+from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard
 from tenplex.planner import locality_order
+from tenplex.ptc import PTC, Replicated, Split, TensorSpec
+from tenplex.state_dict import state_layout_of
+from tenplex.state_layout import Placed, StateLayout
 
 
 def held_matrix(ptc, old, new, survivors) -> np.ndarray:
@@ -175,3 +184,139 @@ def test_zero_tp_blocks_solved_by_duals():
     held = held_matrix(ptc, old, new, survivors)
     r, c = linear_sum_assignment(held, maximize=True)
     assert kept(held, survivors, order) == int(held[r, c].sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# torch-native state-dict layouts (StateLayout): no class structure, the sparse matching
+# ---------------------------------------------------------------------------------------------
+def brute_force(held: np.ndarray) -> int:
+    """The most bytes kept in place over every assignment of the survivors to the new ranks."""
+    rows, cols = held.shape
+    return max(int(held[np.arange(rows), list(p)].sum()) for p in itertools.permutations(range(cols), rows))
+
+
+def named(kind: str, world: int, ndim: int) -> Placed:
+    """The placements torch-native jobs give a tensor of ``ndim`` dims on ``world`` ranks."""
+    everyone = tuple(range(world))
+    if kind == "plain" or not ndim:
+        return Placed.replicated(everyone)
+    if kind == "fsdp2":
+        return Placed(MeshLayout((("dp_shard", world),)), (Shard(0),), everyone)
+    tp = 2 if world % 2 == 0 else 1
+    if kind == "tp":
+        return Placed(MeshLayout((("tp", world),)), (Shard(ndim - 1),), everyone)
+    if kind == "hsdp":
+        return Placed(MeshLayout((("dp_replicate", 2), ("dp_shard", world // 2))), (Replicate(), Shard(0)), everyone) \
+            if tp == 2 else Placed(MeshLayout((("dp_shard", world),)), (Shard(0),), everyone)
+    # FSDP2 x TP (colwise): the TP chunk first, FSDP2's rows of it
+    mesh = MeshLayout((("dp_shard", world // tp), ("tp", tp)))
+    return Placed(mesh, (StridedShard(0, tp) if tp > 1 else Shard(0), Shard(0)), everyone)
+
+
+@st.composite
+def state_cases(draw):
+    """(shapes, old layout, new layout, survivors) over at most 6 ranks: named torch-native placements
+    (FSDP2, TP, HSDP, FSDP2 x TP, plain) or random ones (``placed_on``: any mesh, StridedShard, ranks in
+    any order), some tensors on part of the ranks only (pipeline stages), uneven shapes."""
+    shapes = {}
+    for i in range(draw(st.integers(1, 4))):
+        ndim = draw(st.integers(0, 2))
+        shapes[f"t{i}"] = (tuple(draw(st.lists(st.sampled_from([1, 3, 4, 5, 7, 8, 9]), min_size=ndim,
+                                               max_size=ndim))), torch.float32)
+    out = []
+    for _ in range(2):
+        world = draw(st.integers(1, 6))
+        stages = draw(st.sampled_from([1, 2])) if world % 2 == 0 else 1
+        placed = {}
+        for i, (name, (shape, _)) in enumerate(shapes.items()):
+            kind = draw(st.sampled_from(["fsdp2", "tp", "hsdp", "fsdp2_tp", "plain", "random"]))
+            if stages == 2:  # a pipeline stage's tensor: on half of the ranks, its own sub-mesh
+                sub = world // 2
+                p = named(kind if kind != "random" else "fsdp2", sub, len(shape))
+                first = (i % 2) * sub
+                placed[name] = Placed(p.mesh, p.placements, tuple(first + r for r in p.ranks))
+            elif kind == "random":
+                placed[name] = draw(placed_on(len(shape), world))
+            else:
+                placed[name] = named(kind, world, len(shape))
+        out.append(StateLayout.of(world, placed))
+    old, new = out
+    perm = draw(st.permutations(range(old.world_size)))
+    survivors = list(perm[: draw(st.integers(1, old.world_size))])
+    return shapes, old, new, survivors
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(state_cases())
+def test_locality_order_of_state_layouts_equals_brute_force(case):
+    """On StateLayouts the order keeps in place as many bytes as the best of all assignments of the
+    survivors (every permutation), and the plan with it counts those bytes as local."""
+    shapes, old, new, survivors = case
+    ptc, _ = state_layout_of(descriptions(old, shapes))
+    held = held_matrix(ptc, old, new, survivors)
+    best = brute_force(held)
+    order = locality_order(ptc, old, new, survivors)
+    assert sorted(order) == sorted(survivors) and len(order) == len(survivors)
+    assert kept(held, survivors, order) == best, order
+    assert plan(ptc, old, new, alive=order).stats.bytes_local == best
+
+
+def pc_as_state_layout(ptc: PTC, cfg: ParallelConfig) -> StateLayout:
+    """``cfg`` (no ZeRO) as a torch-native layout: every tensor on its stage's (dp, tp) sub-mesh in
+    Megatron rank order, Replicate over DP and Shard(d) (or Replicate) over TP."""
+    placed = {}
+    for name, spec in ptc.tensors.items():
+        stage = ptc.stages_of(name, cfg)[0]
+        mesh = MeshLayout((("dp", cfg.dp), ("tp", cfg.tp)))
+        tp = Replicate() if spec.split_dim is None else Shard(spec.split_dim)
+        first = stage * cfg.dp * cfg.tp
+        placed[name] = Placed(mesh, (Replicate(), tp), tuple(range(first, first + cfg.dp * cfg.tp)))
+    return StateLayout.of(cfg.world_size, placed)
+
+
+@st.composite
+def config_cases(draw):
+    """A small model of Split / Replicated tensors over 1-2 layers and two (DP, TP, PP) layouts
+    (even splits) with some survivors."""
+    layers = draw(st.integers(1, 2))
+    specs = [TensorSpec("emb", (8, 4), tp=Split(0), placement="first"),
+             TensorSpec("head", (4, 8), tp=Split(1), placement="last")]
+    for layer in range(layers):
+        specs += [TensorSpec(f"l{layer}.w", (8, 4), tp=Split(draw(st.integers(0, 1))), placement=layer),
+                  TensorSpec(f"l{layer}.norm", (4,), tp=Replicated(), placement=layer)]
+    ptc = PTC(specs, num_layers=layers)
+    cfgs = []
+    for _ in range(2):
+        pp = draw(st.integers(1, layers))
+        tp = draw(st.sampled_from([1, 2, 4]))
+        dp = draw(st.integers(1, max(1, 6 // (pp * tp))))
+        cfgs.append(ParallelConfig(dp=dp, tp=tp, pp=pp))
+    perm = draw(st.permutations(range(cfgs[0].world_size)))
+    return ptc, cfgs[0], cfgs[1], list(perm[: draw(st.integers(1, cfgs[0].world_size))])
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(config_cases())
+def test_locality_order_of_state_layouts_agrees_with_the_parallel_config_one(case):
+    """Where both apply (a (DP, TP, PP) layout written as named meshes), the structured solver on the
+    ParallelConfigs and the sparse one on the StateLayouts keep the same bytes in place: the optimum."""
+    ptc, old, new, survivors = case
+    old_s, new_s = pc_as_state_layout(ptc, old), pc_as_state_layout(ptc, new)
+    by_config = plan(ptc, old, new, alive=locality_order(ptc, old, new, survivors)).stats
+    by_state = plan(ptc, old_s, new_s, alive=locality_order(ptc, old_s, new_s, survivors)).stats
+    assert by_state.bytes_needed == by_config.bytes_needed  # the same layouts
+    assert by_state.bytes_local == by_config.bytes_local == brute_force(held_matrix(ptc, old, new, survivors))
+
+
+def test_locality_order_of_a_state_layout_beats_the_old_rank_order():
+    """HSDP 2 x 2 -> FSDP2 over 3 with worker 3 dead: by old rank, new rank 1 would run on worker 1
+    and new rank 2 on worker 2, each away from most of its rows; the locality order swaps them."""
+    shapes = {"w": ((12, 4), torch.float32), "n": ((12,), torch.float32)}
+    old = StateLayout.of(4, {n: named("hsdp", 4, len(s)) for n, (s, _) in shapes.items()})
+    new = old.remesh({"dp_shard": 3})
+    ptc, _ = state_layout_of(descriptions(old, shapes))
+    order = locality_order(ptc, old, new, [0, 1, 2])
+    assert order == [0, 2, 1]
+    by_rank, by_locality = (plan(ptc, old, new, alive=a).stats for a in ([0, 1, 2], order))
+    assert by_locality.bytes_local == brute_force(held_matrix(ptc, old, new, [0, 1, 2]))
+    assert by_locality.bytes_same_host < by_rank.bytes_same_host

@@ -36,10 +36,11 @@ import torch.distributed as dist
 
 from ..bubbles import BubbleRuntime, SnapshotTask
 from ..config import ParallelConfig
-from ..elastic import Chooser, LiveState, RescaleResult, check_fits, live_order, rescale
+from ..elastic import Chooser, LiveState, MeshChooser, RescaleResult, check_fits, live_order, rescale
 from ..errors import ConfigError, MembershipError, TenplexError
 from ..membership import Membership, NewMembership
 from ..ptc import PTC
+from ..state_layout import StateLayout
 
 __all__ = ["MEMBERSHIP_STORE_ENV", "JOB_ENV", "RECOVERY_FAILED", "JOIN_FAILED", "DIE_POINTS", "StateRing",
            "ring_in_bubbles", "settle_ring", "DieAt", "membership_store", "job_key", "start_membership",
@@ -280,11 +281,13 @@ def layout_fits(ptc: PTC, cfg: ParallelConfig, choose: Chooser) -> Callable[[int
     return fits
 
 
-def warm_up(ptc: PTC, cfg: ParallelConfig, choose: Chooser, members: Sequence[int]) -> float:
+def warm_up(ptc: PTC, cfg: ParallelConfig | StateLayout, choose: Chooser | MeshChooser,
+            members: Sequence[int]) -> float:
     """Run what a recovery runs first once at start-up (the chooser, ``locality_order`` and its
     scipy import, the holder tables) for one member fewer, so that a failure does not pay for it
     (measured: ~1 s of a recovery on a loaded 2-CPU VM was the first scipy.optimize import).
-    Returns the seconds it took; a world size no layout fits is skipped."""
+    Returns the seconds it took; a world size no layout fits is skipped. A torch-native job passes
+    its ``StateLayout`` and mesh rule, as to ``live_order``."""
     t0 = time.perf_counter()
     if len(members) < 2:
         return 0.0
