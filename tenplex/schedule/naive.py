@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 _REF = float(2**24)  # message size of the fastest paths (Topology.shortest_paths' default)
 _BATCH = 512  # sources per Dijkstra call: (batch, nodes) predecessor rows
 _HUB_NODES = 2500  # topology nodes beyond which fastest paths start from the sources' heads
+_BLOCK = 1 << 22  # plan rows a block when keying a plan's flows (bounds the temporaries)
+_PACK_BITS = 63  # bits a (pair key, row) sort value may take
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # numpy fields: identity, not value, equality
@@ -96,28 +98,23 @@ def naive_flows(plan: Plan | Demands, topology: Topology) -> NaiveFlows:
         # one stable sort of the non-local rows by (source, destination): the flows and each one's
         # rows in plan order; the rows themselves are left to the demands' piece columns, built when
         # read (issue #20: 35.8 M rows at 131,072 GPUs, 1.4 GB of columns the scheduler never reads)
-        rows = np.flatnonzero(c["kind"] != LOCAL)
-        key, width = _pair_keys(plan, rows)
-        order = _stable_order(key)
-        sp = np.take(key, order)
-        head = np.flatnonzero(np.r_[True, sp[1:] != sp[:-1]]) if len(sp) else np.zeros(0, dtype=np.int64)
-        bounds = np.r_[head, len(sp)]
-        fkey = sp[head]
-        nb = np.take(c["nbytes"], rows, out=key)  # (fewer fresh arrays of 35.8 M rows)
-        np.take(nb, order, out=sp, mode="clip")  # (mode "raise" would copy)
-        del order
-        sums = np.add.reduceat(sp, bounds[:-1]) if len(sp) else np.zeros(0, dtype=np.int64)
-        total = int(nb.sum())
-        del sp, nb, key, rows
-        key = fkey
+        rows, head, key, width = _flow_rows(plan, heads=True)
+        bounds = np.r_[head, len(rows)]
+        sums = _segment_sums(c["nbytes"], rows, head)
+        del rows
+        total = int(sums.sum())
         # node indices, not names, for the paths (issue #20: 666,000 name lookups at 16,384 GPUs)
         ks, kd = key // width, key % width
         idx = topology.node_index
-        gpu_node = np.array([idx[topology.gpu(g)] for g in range(width)], dtype=np.int64)
+        gpu_node = np.array([idx.get(topology.gpu(g), -1) for g in range(width)], dtype=np.int64)
         src_node = gpu_node[np.maximum(ks - 1, 0)]
         if np.any(ks == 0):
             src_node[ks == 0] = idx[topology.storage()]
         dst_node = gpu_node[kd]
+        if np.any(src_node < 0) or np.any(dst_node < 0):
+            g = int(np.r_[ks[src_node < 0] - 1, kd[dst_node < 0]][0])
+            raise PlanError(f"the plan moves data from or to rank {g}, which has no GPU in the topology "
+                            f"({len(topology.node_names)} nodes)")
         node_name = np.array(topology.node_names, dtype=object)
         coms = FlowCommodities(node_name[src_node].tolist(), node_name[dst_node].tolist(), sums, bounds)
         flow_dem = Demands(coms, Columns(PIECE_COLUMNS, build=functools.partial(_flow_pieces, plan)), total)
@@ -131,37 +128,84 @@ def naive_flows(plan: Plan | Demands, topology: Topology) -> NaiveFlows:
     return NaiveFlows(nbytes, links, ptr, latency, flow_dem)
 
 
-def _pair_keys(plan: Plan, rows: np.ndarray) -> tuple[np.ndarray, int]:
-    """(source + 1) * width + destination device of plan rows ``rows`` (source -1: storage), and
-    ``width``."""
+def _flow_rows(plan: Plan, heads: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The non-local rows of ``plan`` sorted by (source, destination device) pair, plan order within a
+    pair (source -1: storage); with ``heads``: where each pair's rows start, and the pairs as keys
+    ``(source + 1) * width + destination``, with ``width`` (else empty).
+
+    One in-place stable sort of ``key << bits | row`` (timsort: a plan's pairs are nearly sorted,
+    0.06 % descents at 131,072 GPUs), the keys made in blocks of rows: no index or key column
+    beside it (issue #20: 35.8 M non-local rows, 286 MB a column); a stable argsort of the keys
+    where they do not fit 63 bits together."""
     c = plan.columns
-    key = np.take(c["src_rank"], rows)
-    if np.any(c["kind"] == STORAGE):
-        key[np.take(c["kind"], rows) == STORAGE] = -1
-    dst = np.take(plan.devices, np.take(c["new_rank"], rows))
-    width = int(max(dst.max(initial=0), key.max(initial=0))) + 1
-    key += 1
-    key *= width
-    key += dst
-    return key, width
+    kind = c["kind"]
+    nl = kind != LOCAL
+    n = int(np.count_nonzero(nl))
+    width = int(max(plan.devices.max(initial=0), c["src_rank"].max(initial=0))) + 1
+    rbits = max(len(kind) - 1, 1).bit_length()
+    packed = (width * (width + 1)).bit_length() + rbits <= _PACK_BITS
+    storage = bool(np.any(kind == STORAGE))
+    out = np.empty(n, dtype=np.int64)
+    pos = 0
+    for a in range(0, len(kind), _BLOCK):
+        r = np.flatnonzero(nl[a : a + _BLOCK])
+        r += a
+        k = np.take(c["src_rank"], r)
+        if storage:
+            k[np.take(kind, r) == STORAGE] = -1
+        k += 1
+        k *= width
+        k += np.take(plan.devices, np.take(c["new_rank"], r))
+        if packed:
+            k <<= rbits
+            k |= r
+        out[pos : pos + len(r)] = k
+        pos += len(r)
+    del nl
+    empty = np.zeros(0, dtype=np.int64)
+    if packed:
+        out.sort(kind="stable")
+        head, key = empty, empty
+        if heads:
+            head = _heads(out, rbits)
+            key = out[head] >> rbits
+        out &= (1 << rbits) - 1
+        return out, head, key, width
+    order = np.argsort(out, kind="stable")
+    key = out[order]
+    head = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if heads and n else empty
+    key = key[head] if heads else empty
+    return np.flatnonzero(kind != LOCAL)[order], head, key, width
 
 
-def _stable_order(key: np.ndarray) -> np.ndarray:
-    """``np.argsort(key, kind="stable")`` of non-negative keys: a plan's pair keys are nearly sorted
-    (0.06 % descents at 131,072 GPUs), where timsort takes half the time of a sort of packed values."""
-    if len(key) > 1 and 32 * np.count_nonzero(key[1:] < key[:-1]) < len(key):
-        return np.argsort(key, kind="stable")
-    return sort_order(key)
+def _segment_sums(values: np.ndarray, rows: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """Sums of ``values[rows]`` over the segments starting at ``head`` (0 first), in blocks of rows."""
+    sums = np.zeros(len(head), dtype=values.dtype)
+    for a in range(0, len(rows), _BLOCK):
+        b = min(a + _BLOCK, len(rows))
+        lo, hi = np.searchsorted(head, [a, b])
+        starts = np.r_[a, head[lo:hi]] if lo == len(head) or head[lo] != a else head[lo:hi]
+        seg = np.searchsorted(head, starts, side="right") - 1  # the segment of each start
+        sums[seg] += np.add.reduceat(np.take(values, rows[a:b]), starts - a)
+    return sums
+
+
+def _heads(packed: np.ndarray, rbits: int) -> np.ndarray:
+    """Where the keys of sorted ``key << rbits | row`` values change (0 first), in blocks."""
+    if not len(packed):
+        return np.zeros(0, dtype=np.int64)
+    out = [np.zeros(1, dtype=np.int64)]
+    for a in range(0, len(packed) - 1, _BLOCK):
+        k = packed[a : a + _BLOCK + 1] >> rbits
+        out.append(np.flatnonzero(k[1:] != k[:-1]) + (a + 1))
+    return np.concatenate(out)
 
 
 def _flow_pieces(plan: Plan) -> dict[str, np.ndarray]:
     """The piece columns of a plan's naive flows (:func:`naive_flows`): one piece per non-local row,
     the rows sorted by (source, destination) pair, plan order within a pair."""
     c = plan.columns
-    rows = np.flatnonzero(c["kind"] != LOCAL)
-    key, _ = _pair_keys(plan, rows)
-    rows = rows[_stable_order(key)]
-    del key
+    rows = _flow_rows(plan)[0]
     return {"piece_tensor": c["tensor"][rows], "piece_start": c["start"][rows], "piece_length": c["length"][rows],
             "piece_nbytes": c["nbytes"][rows], "piece_row_ptr": np.arange(len(rows) + 1), "rows": rows}
 

@@ -39,7 +39,7 @@ _DEMANDS_S_PER_MOVE = 1e-6  # seconds `demands` takes per non-local move at leas
 _RESERVE = 0.05  # share of the limit kept back after the naive bounds (building the schedule object)
 # costs of the naive-only path's optional steps, as multiples of the steps it has just timed (so that
 # they scale with the machine's load; issue #20, measured at 16,384 and 131,072 GPUs under load 6):
-_LB_PER_FLOWS = 3.0  # demands + lower bound over naive_flows: 1.9x + 0.1x (full re-layout), 1.5x + 0.5x (node loss)
+_LB_PER_FLOWS = 4.0  # demands + lower bound over naive_flows: 1.5x to 2.6x of CPU (16,384 GPUs, ZeRO-1)
 _LB_ONLY_PER_FLOWS = 0.6  # the lower bound of given demands over naive_flows: 0.1x to 0.5x
 _SF_PER_RENDER = 0.5  # store_and_forward over the rendering: 0.31 to 0.38
 _BOUNDS_PER_RENDER = 0.35  # the naive bounds' set-up and cut-short over the rendering: 0.26 to 0.27
