@@ -13,7 +13,7 @@ class Columns:
     """Named numpy columns, given, or built all at once by ``build`` on the first read of any of
     them: what a caller may never read is not built inside the scheduler's time limit (issue #20:
     at 131,072 GPUs the naive schedule's 13.7 M hops took 4.3 s to render, and its flows' 35.8 M
-    plan rows 1.4 GB to hold). ``built``: whether they exist yet (reading ``names`` builds nothing)."""
+    plan rows 1.6 GB to hold). ``built``: whether they exist yet (reading ``names`` builds nothing)."""
 
     __slots__ = ("names", "_build", "_cols")
 

@@ -97,7 +97,7 @@ def naive_flows(plan: Plan | Demands, topology: Topology) -> NaiveFlows:
         c = plan.columns
         # one stable sort of the non-local rows by (source, destination): the flows and each one's
         # rows in plan order; the rows themselves are left to the demands' piece columns, built when
-        # read (issue #20: 35.8 M rows at 131,072 GPUs, 1.4 GB of columns the scheduler never reads)
+        # read (issue #20: 35.8 M rows at 131,072 GPUs, 1.6 GB of columns the scheduler never reads)
         rows, head, key, width = _flow_rows(plan, heads=True)
         bounds = np.r_[head, len(rows)]
         sums = _segment_sums(c["nbytes"], rows, head)
