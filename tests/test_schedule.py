@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib
 import json
 import time
@@ -174,19 +173,18 @@ def test_validate_rejects_broken_schedules() -> None:
     child = int(np.flatnonzero(s.hop_parent >= 0)[0])
     early[child] = 0
     with pytest.raises(PlanError, match="before the chunk arrives"):
-        validate(dataclasses.replace(s, hop_first=early))
+        validate(s.with_hops(hop_first=early))
     crowded = s.slice_epoch.copy()
     crowded[:] = 0
     with pytest.raises(PlanError, match="capacity|outside"):
-        validate(dataclasses.replace(s, slice_epoch=crowded))
+        validate(s.with_hops(slice_epoch=crowded))
     with pytest.raises(PlanError, match="never reaches"):
         keep = s.hop_link == t.link_index[("gpu0", "a")]
         idx = np.flatnonzero(keep)
-        validate(dataclasses.replace(s, hop_chunk=s.hop_chunk[idx], hop_link=s.hop_link[idx],
-                                     hop_parent=s.hop_parent[idx], hop_first=s.hop_first[idx],
-                                     hop_last=s.hop_last[idx], hop_arrival=s.hop_arrival[idx],
-                                     slice_hop=np.arange(len(idx)), slice_epoch=s.hop_first[idx],
-                                     slice_nbytes=s.chunk_nbytes[s.hop_chunk[idx]].astype(float)))
+        validate(s.with_hops(hop_chunk=s.hop_chunk[idx], hop_link=s.hop_link[idx], hop_parent=s.hop_parent[idx],
+                             hop_first=s.hop_first[idx], hop_last=s.hop_last[idx], hop_arrival=s.hop_arrival[idx],
+                             slice_hop=np.arange(len(idx)), slice_epoch=s.hop_first[idx],
+                             slice_nbytes=s.chunk_nbytes[s.hop_chunk[idx]].astype(float)))
 
 
 def test_errors() -> None:

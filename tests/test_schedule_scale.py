@@ -1,5 +1,6 @@
 """The scheduler at scale (issue #20, item 5): the lower bound's host cuts without dense tables,
-the packed sorts, the naive rendering within the limit. Cheap by default (a few seconds in all);
+the packed sorts, the naive rendering within the limit (or on first read: the lazy columns).
+Cheap by default (a few seconds in all);
 TENPLEX_SCALE_TESTS=1 adds a full re-layout on 2,048 GPUs (about 5 s)."""
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ import time
 
 import numpy as np
 import pytest
-from conftest import examples
+from conftest import examples, layouts, model_kwargs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tenplex
-from tenplex import ParallelConfig
+from tenplex import ParallelConfig, PlanError
+from tenplex.planner import LOCAL, STORAGE
 from tenplex.schedule import Demands, demands, lower_bound, naive_completion, schedule, validate
-from tenplex.schedule.arrays import sort_order
+from tenplex.schedule.arrays import Columns, sort_order
+from tenplex.schedule.result import HOP_COLUMNS
 from tenplex.topology import Topology
 
 _NO_LAT = ",".join(f"{k}_lat=0us" for k in ("nvlink", "pcie", "mem", "nic", "storage"))
@@ -121,3 +124,89 @@ def test_full_relayout_on_2048_gpus_in_its_limit() -> None:
     validate(s)
     lo, hi = s.completion_bounds()
     assert s.info["naive_floor_s"] * (1 - 1e-6) <= lo <= hi
+
+
+def test_columns_are_built_once_on_first_read() -> None:
+    """:class:`Columns`: given values as they are; a build function runs once, on the first read of
+    any column, and must give every name; neither or both is an error."""
+    calls = []
+
+    def build() -> dict[str, np.ndarray]:
+        calls.append(1)
+        return {"a": np.arange(3), "b": np.ones(2), "extra": np.zeros(1)}
+
+    cols = Columns(("a", "b"), build=build)
+    assert not cols.built and not calls and cols.names == ("a", "b")
+    assert cols["b"].tolist() == [1.0, 1.0] and cols.built and cols["a"].tolist() == [0, 1, 2] and len(calls) == 1
+    given_ = Columns(("a",), {"a": np.arange(2)})
+    assert given_.built and given_["a"].tolist() == [0, 1]
+    with pytest.raises(PlanError, match="not neither"):
+        Columns(("a",))
+    with pytest.raises(PlanError, match="not both"):
+        Columns(("a",), {"a": np.arange(2)}, build=build)
+    with pytest.raises(PlanError, match=r"\['c'\] missing"):
+        Columns(("a", "c"), build=build)["a"]
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(st.data())
+def test_lazy_naive_schedule_equals_the_eager_one(data: st.DataObject) -> None:
+    """Issue #20: the naive schedule whose hops are rendered on first read (and whose flows' piece
+    columns, the plan's non-local rows, are built on first read) is the one rendered at once: the
+    same hop and slice columns, rounds and completion; each flow carries the non-local rows of its
+    (source, destination) pair in plan order, with their columns (small random plans, failures and
+    clusters beyond the greedy tables). About 2 s."""
+    from tenplex.schedule import naive as naive_module
+    from tenplex.schedule import scheduler as scheduler_module
+
+    kw = data.draw(model_kwargs(max_layers=2))
+    old, new = data.draw(layouts(kw, max_world=8)), data.draw(layouts(kw, max_world=8))
+    alive = data.draw(st.lists(st.integers(0, old.world_size - 1), unique=True, max_size=old.world_size))
+    gph = data.draw(st.sampled_from([1, 2, 4]))
+    p = tenplex.plan(tenplex.model_ptc(**kw), old, new, alive=alive, gpus_per_host=gph)
+    gpus = max(old.world_size, int(p.devices.max()) + 1)
+    t = Topology.from_spec(f"hosts={-(-gpus // gph)},gpus={gph}")
+    chunk = data.draw(st.sampled_from([4096, 1 << 16, 1 << 20]))
+    made = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler_module, "_NET_CELLS", 0)  # the naive schedule straight from the plan
+        for lazy, cost in ((False, 0.0), (True, 1e12)):  # the rendering predicted to take no time / forever
+            mp.setattr(scheduler_module, "_RENDER_PER_FLOOR", cost)
+            if lazy:  # the plan's rows keyed in blocks of a few rows; sorted as packed values, or not
+                mp.setattr(naive_module, "_BLOCK", data.draw(st.sampled_from([1, 2, 5, 1 << 22])))
+                mp.setattr(naive_module, "_PACK_BITS", data.draw(st.sampled_from([0, 63])))
+            made[lazy] = schedule(p, t, chunk_bytes=chunk)
+        eager, lazy = made[False], made[True]
+        if not len(eager.chunk_commodity):
+            return
+        assert not lazy.hops.built and not lazy.demands.pieces.built and "hops rendered when read" in repr(lazy)
+        lazy_rows = lazy.demands.rows  # (built under the drawn blocks)
+    assert eager.method == lazy.method == "naive" and eager.hops.built
+    assert "render" in lazy.info["skipped"] and "render" not in eager.info.get("skipped", {})
+    assert lazy.completion_bounds() == eager.completion_bounds()
+    for name in HOP_COLUMNS:
+        assert np.array_equal(getattr(lazy, name), getattr(eager, name)), name
+    assert lazy.hops.built
+    assert lazy.rounds() == eager.rounds() and lazy.completion_s == eager.completion_s
+    validate(lazy)
+    # the flows' pieces: the non-local rows by (source, destination), plan order within a pair
+    c = p.columns
+    rows = np.flatnonzero(c["kind"] != LOCAL)
+    src = [t.storage() if c["kind"][r] == STORAGE else t.gpu(int(c["src_rank"][r])) for r in rows]
+    dst = [t.gpu(int(p.devices[c["new_rank"][r]])) for r in rows]
+    rank = [(-1 if c["kind"][r] == STORAGE else int(c["src_rank"][r]), int(p.devices[c["new_rank"][r]]), i)
+            for i, r in enumerate(rows)]
+    want = rows[[i for _, _, i in sorted(rank)]]
+    d = lazy.demands
+    assert np.array_equal(lazy_rows, want) and d.pieces.built
+    for name, col in (("piece_tensor", "tensor"), ("piece_start", "start"), ("piece_length", "length"),
+                      ("piece_nbytes", "nbytes")):
+        assert np.array_equal(getattr(d, name), c[col][want]), name
+    flows = [(k.sources[0], k.dests[0], k.nbytes, [int(r) for q in k.pieces for r in d.rows_of(int(q))])
+             for k in d.commodities]
+    pairs: dict[tuple[str, str], list[int]] = {}
+    for s_, t_, r in zip(src, dst, rows.tolist()):
+        pairs.setdefault((s_, t_), []).append(r)
+    assert sorted((a, b, rs) for a, b, _, rs in flows) == sorted((a, b, rs) for (a, b), rs in pairs.items())
+    assert all(nb == int(c["nbytes"][rs].sum()) for _, _, nb, rs in flows)
+    assert d.bytes_unique == int(c["nbytes"][rows].sum()) == d.bytes_moved

@@ -3,15 +3,21 @@ transport runs it (:class:`Transfer`, from :meth:`Schedule.rounds`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..errors import PlanError
 from ..planner import Plan
 from ..topology import Topology
+from .arrays import Columns
 from .commodities import Demands
 from .simulator import simulate
+
+HOP_COLUMNS = ("hop_chunk", "hop_link", "hop_parent", "hop_first", "hop_last", "hop_arrival", "slice_hop",
+               "slice_epoch", "slice_nbytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +49,9 @@ class Schedule:
     (the hop that brought the chunk to this link's tail, -1 at a source), ``hop_first`` /
     ``hop_last`` (epochs the chunk is on the link), ``hop_arrival`` (first epoch it can leave
     the link's head). Slice columns (``slice_hop``, ``slice_epoch``, ``slice_nbytes``): bytes
-    a hop sends in each epoch. A chunk is ``chunk_nbytes`` bytes of commodity
+    a hop sends in each epoch. Both are ``hops`` (:data:`HOP_COLUMNS`, read as attributes),
+    which a naive schedule too large to render within the time limit renders on first read
+    (``hops.built``). A chunk is ``chunk_nbytes`` bytes of commodity
     ``chunk_commodity`` starting at byte ``chunk_offset`` of the commodity's pieces.
     ``method``: the one that made it; ``"naive"``: the naive baseline's transfers, one commodity
     per (source, destination) pair, which :func:`simulate` runs as the naive model does.
@@ -58,17 +66,57 @@ class Schedule:
     chunk_commodity: np.ndarray
     chunk_offset: np.ndarray
     chunk_nbytes: np.ndarray
-    hop_chunk: np.ndarray
-    hop_link: np.ndarray
-    hop_parent: np.ndarray
-    hop_first: np.ndarray
-    hop_last: np.ndarray
-    hop_arrival: np.ndarray
-    slice_hop: np.ndarray
-    slice_epoch: np.ndarray
-    slice_nbytes: np.ndarray
+    hops: Columns
     solve_seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.hops.names != HOP_COLUMNS:
+            raise PlanError(f"a schedule needs the hop columns {HOP_COLUMNS}, got {self.hops.names}")
+
+    @property
+    def hop_chunk(self) -> np.ndarray:
+        return self.hops["hop_chunk"]
+
+    @property
+    def hop_link(self) -> np.ndarray:
+        return self.hops["hop_link"]
+
+    @property
+    def hop_parent(self) -> np.ndarray:
+        return self.hops["hop_parent"]
+
+    @property
+    def hop_first(self) -> np.ndarray:
+        return self.hops["hop_first"]
+
+    @property
+    def hop_last(self) -> np.ndarray:
+        return self.hops["hop_last"]
+
+    @property
+    def hop_arrival(self) -> np.ndarray:
+        return self.hops["hop_arrival"]
+
+    @property
+    def slice_hop(self) -> np.ndarray:
+        return self.hops["slice_hop"]
+
+    @property
+    def slice_epoch(self) -> np.ndarray:
+        return self.hops["slice_epoch"]
+
+    @property
+    def slice_nbytes(self) -> np.ndarray:
+        return self.hops["slice_nbytes"]
+
+    def with_hops(self, **cols: np.ndarray) -> Schedule:
+        """This schedule with the hop columns ``cols`` (names of :data:`HOP_COLUMNS`) replaced."""
+        bad = sorted(set(cols) - set(HOP_COLUMNS))
+        if bad:
+            raise PlanError(f"{bad} are not hop columns ({HOP_COLUMNS})")
+        hops = Columns(HOP_COLUMNS, {n: cols.get(n, self.hops[n]) for n in HOP_COLUMNS})
+        return dataclasses.replace(self, hops=hops)
 
     @property
     def num_epochs(self) -> int:
@@ -99,6 +147,9 @@ class Schedule:
         return c, c
 
     def __repr__(self) -> str:
+        if not self.hops.built:  # (rendering them takes seconds at 131,072 GPUs)
+            return (f"Schedule({self.method}: {len(self.chunk_nbytes)} chunks of <= {self.chunk_bytes} B, "
+                    f"hops rendered when read, epochs of {self.tau * 1e3:.3f} ms)")
         return (f"Schedule({self.method}: {len(self.chunk_nbytes)} chunks of <= {self.chunk_bytes} B, "
                 f"{len(self.hop_chunk)} hops, {self.num_epochs} epochs of {self.tau * 1e3:.3f} ms)")
 

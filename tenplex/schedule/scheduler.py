@@ -4,6 +4,7 @@ time left and returns the best by simulated completion."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -16,9 +17,10 @@ from ..planner import LOCAL, Plan
 from ..topology import Topology
 from .bounds import lower_bound
 from .commodities import Demands, commodity_nbytes, demands
+from .arrays import Columns
 from .listsched import list_schedule, split_chunks
 from .naive import NaiveFlows, naive_flows
-from .result import Schedule
+from .result import HOP_COLUMNS, Schedule
 from .routes import Option, Routes, greedy_choices, greedy_routes, net_of, route_options
 from .simulator import simulate, store_and_forward
 from .solvers import assign_greedy, assign_lp, solve_milp, static_lp
@@ -37,11 +39,13 @@ _DEMANDS_S_PER_MOVE = 1e-6  # seconds `demands` takes per non-local move at leas
 _RESERVE = 0.05  # share of the limit kept back after the naive bounds (building the schedule object)
 # costs of the naive-only path's optional steps, as multiples of the steps it has just timed (so that
 # they scale with the machine's load; issue #20, measured at 16,384 and 131,072 GPUs under load 6):
-_LB_PER_FLOWS = 3.0  # demands + lower bound over naive_flows: 1.9x + 0.1x (full re-layout), 1.5x + 0.5x (node loss)
+_LB_PER_FLOWS = 4.0  # demands + lower bound over naive_flows: 1.5x to 2.6x of CPU (16,384 GPUs, ZeRO-1)
 _LB_ONLY_PER_FLOWS = 0.6  # the lower bound of given demands over naive_flows: 0.1x to 0.5x
 _SF_PER_RENDER = 0.5  # store_and_forward over the rendering: 0.31 to 0.38
 _BOUNDS_PER_RENDER = 0.35  # the naive bounds' set-up and cut-short over the rendering: 0.26 to 0.27
-_CUT_PER_RENDER = 0.15  # the cut-short alone (bounds from the filling's state, after its deadline)
+_BOUNDS_PER_FLOOR = 5.5  # the same over the naive floor (the flows' links): 4.2 to 5.5 at 131,072 GPUs
+_CUT_PER_FLOOR = 1.5  # the cut-short alone (bounds from the filling's state, after its deadline): 1.3
+_RENDER_PER_FLOOR = 10.0  # the rendering of a hop over the floor's time a link: 9.4 to 10 at 131,072 GPUs
 _LATE = 0.5  # auto goes straight to the naive schedule when grouping the demands took this share of the limit
 
 
@@ -88,9 +92,8 @@ def schedule(plan: Plan | Demands, topology: Topology, *, method: str = "auto", 
 def _empty(plan: Plan | None, topology: Topology, dem: Demands, method: str, chunk_bytes: int, t0: float) -> Schedule:
     """The schedule of nothing to move."""
     empty = np.zeros(0, dtype=np.int64)
-    cols = {f"hop_{k}": empty for k in ("chunk", "link", "parent", "first", "last", "arrival")}
-    return Schedule(plan, topology, dem, method, 1.0, chunk_bytes, empty, empty, empty, **cols,
-                    slice_hop=empty, slice_epoch=empty, slice_nbytes=np.zeros(0),
+    cols = {k: np.zeros(0) if k == "slice_nbytes" else empty for k in HOP_COLUMNS}
+    return Schedule(plan, topology, dem, method, 1.0, chunk_bytes, empty, empty, empty, Columns(HOP_COLUMNS, cols),
                     solve_seconds=time.perf_counter() - t0, info={"lower_bound_s": 0.0})
 
 
@@ -103,8 +106,9 @@ def _too_large(topology: Topology) -> bool:
 def _naive_only(plan: Plan | None, topology: Topology, dem: Demands | None, t0: float, limit_at: float,
                 chunk_bytes: int | None, epochs: int, why: str) -> Schedule:
     """The naive schedule without trying the solvers (``why``: the reason, ``info["greedy_skipped"]``):
-    its flows rendered first, then, in the time left, the steps whose cost (predicted from the flows
-    and the rendering just timed) fits before the naive bounds' fixed cost: the store-and-forward
+    its flows first, then, in the time left, the steps whose cost (predicted from the flows, their
+    floor and the rendering just timed) fits before the naive bounds' fixed cost: the rendering of
+    its hops (else they are rendered on first read: ``s.hops.built``), the store-and-forward
     figure, the lower bound (grouping the plan into demands first where ``dem`` is not given), and
     the naive completion or its bounds. ``info["skipped"]`` / ``info["lower_bound_skipped"]`` name
     what did not fit."""
@@ -114,7 +118,9 @@ def _naive_only(plan: Plan | None, topology: Topology, dem: Demands | None, t0: 
     t_flows = time.perf_counter() - t_flows
     if not len(flows.nbytes):
         return _empty(plan, topology, flows.demands, "naive", chunk_bytes or 4096, t0)
+    t_floor = time.perf_counter()
     floor = flows.floor(topology)
+    t_floor = time.perf_counter() - t_floor
     info: dict[str, Any] = {"lower_bound_s": None, "candidates": {}, "greedy_skipped": why, "naive_floor_s": floor}
     if chunk_bytes is None:
         target = min(_TARGET_CHUNKS, max(200, int((limit_at - time.perf_counter()) * 4000)))
@@ -123,18 +129,30 @@ def _naive_only(plan: Plan | None, topology: Topology, dem: Demands | None, t0: 
     if chunk_bytes < 1:
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
     end = limit_at - _RESERVE * (limit_at - t0)
+    # the naive bounds' set-up and cut-short, and the rendering, scale with the flows' links (the
+    # floor's work) and the hops (a flow's links per chunk)
+    per_chunk = -(-commodity_nbytes(flows.demands) // _capped(flows.demands, chunk_bytes))
+    n_hops = int((np.maximum(per_chunk, 1) * np.diff(flows.ptr)).sum())
+    per_link = t_floor / max(len(flows.links), 1)
+    keep = _BOUNDS_PER_FLOOR * t_floor
+    render_s = _RENDER_PER_FLOOR * per_link * n_hops
+    skipped: dict[str, str] = {}
+    lazy = time.perf_counter() + render_s + keep >= end
     t_render = time.perf_counter()
-    s = _naive_render(plan, topology, flows, floor, chunk_bytes, epochs)
+    s = _naive_render(plan, topology, flows, floor, chunk_bytes, epochs, lazy=lazy)
     t_render = time.perf_counter() - t_render
     # what is left goes, in this order, to the steps that fit before the naive bounds' own fixed cost:
     # the store-and-forward figure, the demands and lower bound, then the naive filling itself
-    keep = _BOUNDS_PER_RENDER * t_render
-    skipped: dict[str, str] = {}
-    need = _SF_PER_RENDER * t_render
-    if time.perf_counter() + need + keep < end:
-        s = dataclasses.replace(s, info={"store_and_forward_s": store_and_forward(s)})
+    if lazy:
+        skipped["render"] = f"{n_hops} hops, about {render_s:.1f} s: rendered when read"
+        skipped["store_and_forward"] = f"about {(1 + _SF_PER_RENDER) * render_s:.1f} s with the rendering"
     else:
-        skipped["store_and_forward"] = f"about {need:.1f} s"
+        keep = max(keep, _BOUNDS_PER_RENDER * t_render)
+        need = _SF_PER_RENDER * t_render
+        if time.perf_counter() + need + keep < end:
+            s = dataclasses.replace(s, info={"store_and_forward_s": store_and_forward(s)})
+        else:
+            skipped["store_and_forward"] = f"about {need:.1f} s"
     if dem is None and plan is not None:
         need = max(_LB_PER_FLOWS * t_flows, _DEMANDS_S_PER_MOVE * int(np.count_nonzero(plan.columns["kind"] != LOCAL)))
         if time.perf_counter() + need + keep < end:
@@ -148,7 +166,11 @@ def _naive_only(plan: Plan | None, topology: Topology, dem: Demands | None, t0: 
         info["lower_bound_s"] = lower_bound(dem, topology)
     if skipped:
         info["skipped"] = skipped
-    lo, hi = flows.bounds(topology, deadline=end - _CUT_PER_RENDER * t_render)
+    # the progressive filling, where its set-up leaves it time before the cut-short's share; else
+    # its bounds at once (an event of millions of flows takes seconds, and the set-up too)
+    cut = _CUT_PER_FLOOR * t_floor
+    by = end - cut if time.perf_counter() + keep < end else -math.inf
+    lo, hi = flows.bounds(topology, deadline=by)
     return _naive_done(s, lo, hi, t0, info)
 
 
@@ -194,7 +216,7 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
 
     def finish(name: str, arrays: dict[str, Any], tau_: float) -> None:
         s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
-                     **{k: v for k, v in arrays.items() if k != "tau"})
+                     Columns(HOP_COLUMNS, arrays))
         candidates.append((simulate(s), name, arrays, tau_))
 
     # greedy: always (the fallback)
@@ -253,8 +275,7 @@ def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, metho
                 s = _naive_render(plan, topology, flows, lo, chunk_bytes, epochs, deadline=limit_at)
                 return _naive_done(s, lo, hi, t0, info)
     s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
-                 **{k: v for k, v in arrays.items() if k != "tau"}, solve_seconds=time.perf_counter() - t0,
-                 info=info)
+                 Columns(HOP_COLUMNS, arrays), solve_seconds=time.perf_counter() - t0, info=info)
     log.info("scheduled %d chunks with %s in %.3fs: %.4fs (lower bound %.4fs)", len(chunk_com), name,
              s.solve_seconds, comp, lb)
     return s
@@ -280,27 +301,38 @@ def _capped(dem: Demands, chunk_bytes: int) -> int:
 
 
 def _naive_render(plan: Plan | None, topology: Topology, flows: NaiveFlows, basis: float, chunk_bytes: int,
-                  epochs: int, deadline: float = -math.inf) -> Schedule:
+                  epochs: int, deadline: float = -math.inf, lazy: bool = False) -> Schedule:
     """The naive baseline as a schedule (method ``"naive"``): its flows' chunks on their shortest
     paths, all released at once and list-scheduled in epochs of ``basis / epochs`` seconds, a
     store-and-forward rendering that :func:`validate` checks and :meth:`Schedule.rounds` orders
     for a transport. Its completion is the naive model's (see :func:`simulate`);
     ``info["store_and_forward_s"]``: that of its epochs (when it is likely to end before ``deadline``;
-    the default: never, the caller decides)."""
+    the default: never, the caller decides). ``lazy``: the hops are list-scheduled on first read
+    (the same ones), not here."""
     dem = flows.demands
     chunk_bytes = _capped(dem, chunk_bytes)
     chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
+    tau = max(basis, 1e-9) / max(epochs, 1)
+    render = functools.partial(_naive_hops, topology, flows, chunk_com, chunk_idx, chunk_nb, tau)
+    if lazy:
+        return Schedule(plan, topology, dem, "naive", tau, chunk_bytes, chunk_com, chunk_off, chunk_nb,
+                        Columns(HOP_COLUMNS, build=render))
+    t = time.perf_counter()
+    s = Schedule(plan, topology, dem, "naive", tau, chunk_bytes, chunk_com, chunk_off, chunk_nb,
+                 Columns(HOP_COLUMNS, render()))
+    if time.perf_counter() + _SF_PER_RENDER * (time.perf_counter() - t) >= deadline:
+        return s
+    return dataclasses.replace(s, info={"store_and_forward_s": store_and_forward(s)})
+
+
+def _naive_hops(topology: Topology, flows: NaiveFlows, chunk_com: np.ndarray, chunk_idx: np.ndarray,
+                chunk_nb: np.ndarray, tau: float) -> dict[str, np.ndarray]:
+    """The hop and slice columns of the naive schedule (see :func:`_naive_render`)."""
     n = np.diff(flows.ptr)
     parent = np.arange(len(flows.links)) - np.repeat(flows.ptr[:-1], n) - 1  # one path per flow
     routes = Routes(flows.links, parent, flows.ptr, chunk_com)
     order = np.lexsort((chunk_com, _progress(chunk_com, chunk_idx)))
-    tau = max(basis, 1e-9) / max(epochs, 1)
-    t = time.perf_counter()
-    arrays = list_schedule(topology, routes, chunk_nb, order, tau, np.zeros(len(chunk_com), dtype=np.int64))
-    s = Schedule(plan, topology, dem, "naive", tau, chunk_bytes, chunk_com, chunk_off, chunk_nb, **arrays)
-    if time.perf_counter() + _SF_PER_RENDER * (time.perf_counter() - t) >= deadline:
-        return s
-    return dataclasses.replace(s, info={"store_and_forward_s": store_and_forward(s)})
+    return list_schedule(topology, routes, chunk_nb, order, tau, np.zeros(len(chunk_com), dtype=np.int64))
 
 
 def _naive_done(s: Schedule, lo: float, hi: float, t0: float, info: dict[str, Any]) -> Schedule:
