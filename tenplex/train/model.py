@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,20 +73,6 @@ class _VocabParallelCE(torch.autograd.Function):
         return g * grad.unsqueeze(-1), None, None, None
 
 
-class _Interruptible(torch.autograd.Function):
-    """The identity, calling ``interrupt()`` when the backward pass reaches it (between layers)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, interrupt: Callable[[], None]) -> torch.Tensor:  # type: ignore[override]
-        ctx.interrupt = interrupt
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        ctx.interrupt()
-        return grad, None
-
-
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: Any) -> torch.Tensor:
     return _VocabParallelCE.apply(logits, target, vocab_start, group)
 
@@ -125,10 +110,6 @@ class StageModel:
             raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
         self.spec, self.cfg, self.params, self.group = spec, cfg, params, tp_group
         self.recompute = recompute
-        self.interrupt: Callable[[], None] | None = None
-        """Called between layers, forward and backward (in-process recovery: ``Membership.check``, which
-        raises ``PeerFailure`` once a peer is known dead, so a rank stops within a layer's compute
-        instead of at its next collective with the dead peer). Gradients are unchanged."""
         c = cfg.coords(rank)
         self.tp_rank = c.tp
         self.is_first, self.is_last = c.pp == 0, c.pp == cfg.pp - 1
@@ -197,10 +178,6 @@ class StageModel:
         """Tokens (first stage) or hidden states in, hidden states out (final-normed on the last stage)."""
         x = self.embed(inp) if self.is_first else inp
         for i in self.layers:
-            if self.interrupt is not None:
-                self.interrupt()
-                if torch.is_grad_enabled():
-                    x = _Interruptible.apply(x, self.interrupt)
             x = self.layer(i, x)
         if self.is_last:
             x = _rms_norm(x, self.params["final_norm.weight"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import dataclasses
 import json
 import logging
@@ -426,7 +427,6 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
         _ring_side_task(ring, trainer, groups)
     if trainer is not None:
         trainer.die = die
-        _interruptible(trainer, membership)
     choose = _chooser(tc, ptc)
     if membership is not None and joiner is None:
         assert state is not None
@@ -483,6 +483,9 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                 log.warning("rank %d: %s: recovering in-process", rank, regroup)
             at = trainer.step + 1 if trainer is not None else 0
             trainer = groups = None
+            # gloo closes a group's connections only when its last reference goes: a young
+            # reference cycle through the step's objects must not keep one (1 ms)
+            gc.collect(1)
             try:
                 rec = recover_live(membership, ring, ptc, state.cfg if state is not None else None, choose,
                                    sources=_sources(store, tc.ckpt), url=tc.ckpt, tiers=start.tiers,
@@ -507,7 +510,6 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
             state = rec.result
             membership.fits = layout_fits(ptc, state.cfg, choose)
             trainer.die = die
-            _interruptible(trainer, membership)
             rank, world = groups.rank, dist.get_world_size()
             where = f"rank {rank}: "
             ring.clear()
@@ -597,12 +599,6 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
         raise CheckpointWriteError(f"{failure_message(fault, failed, rank)}; training stopped after step "
                                    f"{trainer.step}{' on every rank' if dist.is_initialized() else ''}")
     return 0
-
-
-def _interruptible(trainer: Trainer | Spare, membership: Any) -> None:
-    """In-process runs: the step checks for a known death between layers and pipeline ops."""
-    if membership is not None and isinstance(trainer, Trainer):
-        trainer.model.interrupt = membership.check
 
 
 def _start_record(tc: TrainConfig, state: RescaleResult, groups: Any, rank: int, world: int, restart: int,

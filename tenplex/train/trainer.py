@@ -211,8 +211,6 @@ class Trainer:
             self.snapshot_task.begin(self.step, self.consistent_state())
         for k, op in enumerate(self.schedule):
             j = op.mb
-            if self.model.interrupt is not None:  # a peer known dead: stop here, not at the next collective
-                self.model.interrupt()
             if self.die is not None and (k == 0 or op.kind != self.schedule[k - 1].kind):
                 self.die("forward" if op.kind == "F" else "backward", self.step + 1)
             t_op = time.perf_counter()
