@@ -388,7 +388,6 @@ class Membership:
         self._hb_store = store.clone()  # its own connection: the main thread's blocking waits hold theirs
         self._links = PeerLinks(self.id, link_host(_store_host(store)))
         self._hb_store.set(self._key("link", self.id), self._links.address)  # before the heartbeat others wait for
-        self._gone_seen = 0  # entries of the gone list already applied
         self._hb_store.add(self._hb_key(self.id), 1)
         self._hb_store.add(self._key("join_requests"), 0)  # exists before any heartbeat reads it
         self._failures_seen = int(self._hb_store.add(self._failures_key(self.round), 0))
@@ -571,7 +570,7 @@ class Membership:
                     watched, rnd, baseline, joins_seen = st.watched, st.round, self._failures_seen, st.joins_seen
                 vals = store.multi_get([*(self._hb_key(m) for m in watched), self._key("join_requests")])
                 failures = int(store.add(self._failures_key(rnd), 0))
-                gone = self._gone(store) if failures != baseline else []  # deaths others' links saw
+                link_deaths = self._gone(store) if failures != baseline else []  # deaths others' links saw
                 joins = int(vals[-1])
                 registered = self._registered(store) if joins != joins_seen else None
             except RuntimeError as e:
@@ -586,7 +585,7 @@ class Membership:
                 seen = {m: int(v) for m, v in zip(watched, vals)}
                 last = {m: self.monitor.last_alive(m) for m in watched}
                 silent = self.monitor.observe(now, seen)
-                exited = {g for g in gone if g in watched and self.monitor.mark_dead(g, now)}
+                exited = {g for g in link_deaths if g in watched and self.monitor.mark_dead(g, now)}
                 found = silent | exited
                 newly = found & set(st.members)  # a death in the group is a failure ...
                 gone = found - newly  # ... one of a joiner not admitted yet is not: it is just left out

@@ -87,6 +87,20 @@ def layouts(draw: st.DrawFn, kw: dict[str, Any], max_world: int = 16, max_dp: in
     return ParallelConfig(dp=dp, tp=tp, pp=pp, stages=stages)
 
 
+@st.composite
+def failure_plans(draw: st.DrawFn, max_layers: int = 4, max_world: int = 16) -> tuple[Any, int, int]:
+    """A plan from one random layout of a random model to another after random failures, on hosts
+    of 1, 2 or 4 GPUs: (plan, GPUs per host, GPUs the topology needs; fresh devices follow the old ones)."""
+    import tenplex  # lazy: conftest is imported before the test modules set up anything
+
+    kw = draw(model_kwargs(max_layers=max_layers))
+    old, new = draw(layouts(kw, max_world=max_world)), draw(layouts(kw, max_world=max_world))
+    alive = draw(st.lists(st.integers(0, old.world_size - 1), unique=True, max_size=old.world_size))
+    gph = draw(st.sampled_from([1, 2, 4]))
+    p = tenplex.plan(tenplex.model_ptc(**kw), old, new, alive=alive, gpus_per_host=gph)
+    return p, gph, max(old.world_size, int(p.devices.max()) + 1)
+
+
 def random_global(ptc: Any, seed: int = 0) -> dict[str, Any]:
     """Random global tensors for every tensor of ``ptc`` (plus the step counter object)."""
     gen = torch.Generator().manual_seed(seed)

@@ -12,7 +12,7 @@ import networkx as nx
 import numpy as np
 import pytest
 import torch
-from conftest import examples, layouts, model_kwargs
+from conftest import examples, failure_plans
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -296,12 +296,7 @@ def _canonical(d: Demands) -> list[tuple]:
 def test_demands_by_group_equal_demands_by_row(data: st.DataObject) -> None:
     """demands() finds the pieces of one tensor per plan group and repeats them for the group;
     the result must equal grouping every row directly (any model shape, layouts, failures)."""
-    kw = data.draw(model_kwargs(max_layers=4))
-    old, new = data.draw(layouts(kw, max_world=12)), data.draw(layouts(kw, max_world=12))
-    alive = data.draw(st.lists(st.integers(0, old.world_size - 1), unique=True, max_size=old.world_size))
-    gph = data.draw(st.sampled_from([1, 2, 4]))
-    p = tenplex.plan(tenplex.model_ptc(**kw), old, new, alive=alive, gpus_per_host=gph)
-    gpus = max(old.world_size, int(p.devices.max()) + 1)  # fresh devices follow the old ones
+    p, gph, gpus = data.draw(failure_plans(max_layers=4, max_world=12))
     t = Topology.from_spec(f"hosts={-(-gpus // gph)},gpus={gph}")
     d = demands(p, t)
     remote = np.flatnonzero(p.columns["kind"] != tenplex.planner.LOCAL)
@@ -436,12 +431,7 @@ def test_naive_fallback_for_one_flow_across_hosts() -> None:
 def test_auto_is_never_slower_than_naive_on_plans(data: st.DataObject) -> None:
     """``auto`` returns a valid schedule no slower than the naive baseline (small random plans,
     failures and topologies)."""
-    kw = data.draw(model_kwargs(max_layers=3))
-    old, new = data.draw(layouts(kw, max_world=8)), data.draw(layouts(kw, max_world=8))
-    alive = data.draw(st.lists(st.integers(0, old.world_size - 1), unique=True, max_size=old.world_size))
-    gph = data.draw(st.sampled_from([1, 2, 4]))
-    p = tenplex.plan(tenplex.model_ptc(**kw), old, new, alive=alive, gpus_per_host=gph)
-    gpus = max(old.world_size, int(p.devices.max()) + 1)
+    p, gph, gpus = data.draw(failure_plans(max_layers=3, max_world=8))
     nvlink = data.draw(st.sampled_from(["0", "300GB/s"]))
     pcie, nic = data.draw(st.sampled_from(["16GB/s", "32GB/s"])), data.draw(st.sampled_from(["5GB/s", "50GB/s"]))
     t = Topology.from_spec(f"hosts={-(-gpus // gph)},gpus={gph},nvlink={nvlink},pcie={pcie},nic={nic}")

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import examples, layouts, model_kwargs
+from conftest import examples, failure_plans
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -159,12 +159,7 @@ def test_lazy_naive_schedule_equals_the_eager_one(data: st.DataObject) -> None:
     from tenplex.schedule import naive as naive_module
     from tenplex.schedule import scheduler as scheduler_module
 
-    kw = data.draw(model_kwargs(max_layers=2))
-    old, new = data.draw(layouts(kw, max_world=8)), data.draw(layouts(kw, max_world=8))
-    alive = data.draw(st.lists(st.integers(0, old.world_size - 1), unique=True, max_size=old.world_size))
-    gph = data.draw(st.sampled_from([1, 2, 4]))
-    p = tenplex.plan(tenplex.model_ptc(**kw), old, new, alive=alive, gpus_per_host=gph)
-    gpus = max(old.world_size, int(p.devices.max()) + 1)
+    p, gph, gpus = data.draw(failure_plans(max_layers=2, max_world=8))
     t = Topology.from_spec(f"hosts={-(-gpus // gph)},gpus={gph}")
     chunk = data.draw(st.sampled_from([4096, 1 << 16, 1 << 20]))
     made = {}

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import dataclasses
+import gc
 import json
 import logging
 import math
