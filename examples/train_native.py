@@ -21,6 +21,13 @@ the model for their number, and ``rescale(url, state_dict, live=LiveState(...))`
 live from the newest step every survivor holds; only pieces whose every holder died come from the
 checkpoint (then at its step, which the ring keeps). A failure during that recovery exits with
 code 75 (the launcher's restart path takes over).
+
+``--in-process --join`` (scale up without a restart): a process started beside the running job
+(the same ``TENPLEX_MEMBERSHIP_STORE``, and ``TENPLEX_JOB_ID`` or the job's ``MASTER_ADDR`` /
+``MASTER_PORT``, no ``RANK`` / ``WORLD_SIZE``) registers as a joiner. The workers notice it at a step
+boundary (``Membership.join_due``), agree on a round with it and rebuild mesh and model for the
+larger group; the joiner builds its own and receives its shards, the step and the data position
+live from them (``LiveState(cfg=None)``), nothing from the checkpoint.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ from tenplex.state_dict import describe_state_dict, local_shard  # noqa: E402
 from tenplex.train.batches import IndexBatches  # noqa: E402
 from tenplex.planner import plan  # noqa: E402
 from tenplex.train.live import (  # noqa: E402
-    RECOVERY_FAILED, DieAt, StateRing, membership_store, start_membership, warm_up,
+    JOIN_FAILED, RECOVERY_FAILED, DieAt, StateRing, join_membership, membership_store, start_membership, warm_up,
 )
 
 log = logging.getLogger("train_native")
@@ -86,14 +93,36 @@ def main() -> None:
     p.add_argument("--in-process", action="store_true",
                    help="survivors of a failure recover in-process (TENPLEX_MEMBERSHIP_STORE=host:port)")
     p.add_argument("--dead-after", type=float, default=0.8, help="--in-process: heartbeat silence that means death")
+    p.add_argument("--join", action="store_true",
+                   help="--in-process: join a running job (scale up): wait for it, be admitted at a step boundary "
+                        "and receive the state live")
+    p.add_argument("--join-timeout", type=float, default=120.0,
+                   help=f"--join: seconds to wait for the job and for admission (then exit code {JOIN_FAILED})")
     p.add_argument("--hsdp", action="store_true", help="HSDP (2 replicas) instead of TP on 4 or more workers")
     p.add_argument("--die-at", default="", help="testing: RANK:STEP:POINT, POINT forward, optimizer or save")
     args = p.parse_args()
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {os.environ.get('RANK', '0')} %(message)s")
+    if args.join and not args.in_process:
+        p.error("--join needs --in-process (the joiner is admitted by the running workers' membership)")
+    who = "joiner" if args.join else f"rank {os.environ.get('RANK', '0')}"
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {who} %(message)s")
 
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    first_rank = rank  # --die-at names ranks of the first group
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if args.join:  # the default group comes with the admission
+        rank, world = -1, 0
+        print(f"train_native: joiner: waiting for job {os.environ.get('TENPLEX_JOB_ID') or 'at MASTER_ADDR:MASTER_PORT'} "
+              f"in the store {os.environ.get('TENPLEX_MEMBERSHIP_STORE')}", flush=True)
+        try:
+            membership = join_membership(membership_store(), backend, timeout_s=args.join_timeout,
+                                         dead_after=args.dead_after)
+        except Exception as e:  # noqa: BLE001 - no job to join: say so and exit
+            print(f"train_native: joiner: {e}", file=sys.stderr, flush=True)
+            sys.exit(JOIN_FAILED)
+        print(f"train_native: joiner {membership.id}: registered with {membership.prefix}; waiting to be "
+              "admitted at the job's next step boundary", flush=True)
+    else:
+        dist.init_process_group(backend)
+        rank, world = dist.get_rank(), dist.get_world_size()
+    first_rank = rank  # --die-at names ranks of the first group (a joiner: none)
     if os.environ.get("TENPLEX_PID_DIR"):  # lets a simulated node failure kill this worker too
         Path(os.environ["TENPLEX_PID_DIR"], f"local-{os.environ.get('LOCAL_RANK', '0')}.pid").write_text(
             str(os.getpid()))
@@ -103,7 +132,7 @@ def main() -> None:
     cfg = dataclasses.replace(nl.PRESETS["tiny"], vocab_size=259, seq_len=args.seq_len)
     corpus = stdlib_corpus(args.seq_len)
     batches = IndexBatches(corpus)
-    die = DieAt.hook(DieAt.parse(args.die_at), first_rank)
+    die = DieAt.hook(DieAt.parse(args.die_at), first_rank) if not args.join else None
     step, data = 0, DataState(corpus.num_samples, args.global_batch, seed=1)
 
     # 1. the mesh for this world size, then the model built and parallelized for it
@@ -126,7 +155,7 @@ def main() -> None:
         load_solvers()
     gc.freeze()
     t0 = time.perf_counter()
-    dims, mesh, model, optimizer = build(world)
+    dims, mesh, model, optimizer = build(world) if not args.join else ({}, None, None, None)
 
     def state() -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -139,7 +168,7 @@ def main() -> None:
     # 2. resume: fill the new model and optimizer in place from the newest checkpoint (get_state_dict
     # creates the optimizer state the load fills: on a fresh start it is not called before the first
     # step, whose AdamW step count it would advance)
-    resumed = any(s.complete for s in tenplex.list_steps(args.ckpt))
+    resumed = not args.join and any(s.complete for s in tenplex.list_steps(args.ckpt))
     start: dict[str, Any] = {"start": True, "world_size": world, "mesh": dims, "step": 0, "fresh": not resumed}
     if resumed:
         sd = state()
@@ -154,7 +183,8 @@ def main() -> None:
         emit(args.log, start)
 
     # in-process: watch the peers, keep the last consistent states of this rank
-    membership = start_membership(membership_store(), dead_after=args.dead_after) if args.in_process else None
+    if not args.join:
+        membership = start_membership(membership_store(), dead_after=args.dead_after) if args.in_process else None
     ring = StateRing(3) if args.in_process else None
     live_ptc = live_layout = None
 
@@ -182,31 +212,36 @@ def main() -> None:
         ring.pin(step)
 
     def recover(reason: str) -> dict[str, Any]:
-        """Agree on the survivors, rebuild mesh and model for them, move the state live; exit 75 on failure."""
+        """Agree on the members (the survivors; at a join, the workers and the joiners), rebuild mesh and
+        model for them, move the state live; exit 75 on failure (a joiner: 76)."""
         nonlocal rank, world, dims, mesh, model, optimizer, step, data, live_ptc, live_layout
+        joining = membership.joining
         try:
             t0, wall0 = time.perf_counter(), time.time()
-            if not ring.states():
+            if not joining and not ring.states():
                 raise RuntimeError("no consistent state is held yet (a failure before the first step)")
-            newest = max(ring.states())
+            newest = max(ring.states()) if not joining else None
             # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
             # freed, their connections close, and a survivor blocked in one of them with this rank fails
-            release_mesh(mesh)
+            if mesh is not None:
+                release_mesh(mesh)
             model = optimizer = mesh = None
             gc.collect()
             t_released = time.perf_counter()
-            nm = membership.recover()
+            nm = membership.admit(args.join_timeout) if joining else membership.recover(join=reason == "join")
             t1 = time.perf_counter()
             rank, world = nm.new_rank, nm.world_size
             dims, mesh, model, optimizer = build(world)
             sd = state()  # the fresh model's; its values are replaced by the survivors' state
             t2 = time.perf_counter()
-            res = tenplex.rescale(args.ckpt, sd, live=LiveState(live_layout, ring.states(), nm.alive,
-                                                                 sources=(args.ckpt,), ptc=live_ptc))
+            # a joiner holds nothing: it learns the layout, the collection and the holders from group rank 0
+            live = LiveState(None, {}, nm.alive, sources=(args.ckpt,)) if joining else \
+                LiveState(live_layout, ring.states(), nm.alive, sources=(args.ckpt,), ptc=live_ptc)
+            res = tenplex.rescale(args.ckpt, sd, live=live)
             step, data = restore(sd)
             del sd
             t3, wall3 = time.perf_counter(), time.time()
-            old_ptc, old_layout = live_ptc, live_layout
+            old_ptc, old_layout = (live_ptc, live_layout) if not joining else (None, None)
             b = res.bytes_by_tier
             sums = torch.tensor([b.get("live", 0), b.get("storage", 0), b.get("local", 0)], dtype=torch.float64)
             dist.all_reduce(sums)
@@ -218,18 +253,20 @@ def main() -> None:
             ps = res.plan_stats
             # not timed: the same move in the survivors' old rank order (what the locality order saved),
             # and whether the order was computed for the layout the rebuilt model has
-            by_rank = plan(old_ptc, old_layout, res.cfg, alive=sorted(nm.alive)).stats
+            by_rank = plan(old_ptc, old_layout, res.cfg, alive=sorted(nm.alive)).stats if old_ptc else ps
             try:
-                predicted = old_layout.remesh(dims) == res.cfg
+                predicted = old_layout is not None and old_layout.remesh(dims) == res.cfg
             except tenplex.LayoutError:
                 predicted = False
             return {"event": "recover", "reason": reason.splitlines()[0][:200], "world_size": world, "mesh": dims,
-                    "alive": list(nm.alive), "live": res.live, "step": step, "newest": newest,
+                    "alive": list(nm.alive), "joiners": list(nm.joiners), "live": res.live, "step": step,
+                    "newest": newest,
                     "bytes_live": int(sums[0]), "bytes_storage": int(sums[1]), "bytes_local": int(sums[2]),
                     "plan_bytes_peer": ps.bytes_same_host + ps.bytes_cross_host if ps else None,
                     "plan_bytes_storage": ps.bytes_storage if ps else None,
                     "plan_bytes_moved": ps.bytes_moved if ps else None,
-                    "rank_order_plan_bytes_peer": by_rank.bytes_same_host + by_rank.bytes_cross_host,
+                    "rank_order_plan_bytes_peer": by_rank.bytes_same_host + by_rank.bytes_cross_host if by_rank
+                    else None,
                     "layout_predicted": predicted,
                     "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,
                     # unwind: from learning of the failure to this recovery's start (the blocked collective
@@ -239,12 +276,16 @@ def main() -> None:
                     "rescale_s": t3 - t2, "ring_s": t4 - t3, "failure_to_state_s": wall3 - nm.failed_at + nm.detect_s,
                     "timings": res.timings}
         except Exception:  # noqa: BLE001 - any failure here: the launcher's restart takes over
-            log.exception("rank %d: in-process recovery failed; exiting with %d", rank, RECOVERY_FAILED)
+            code = JOIN_FAILED if joining else RECOVERY_FAILED
+            log.exception("%s: in-process %s failed; exiting with %d", f"joiner {membership.id}" if joining else
+                          f"rank {rank}", "admission" if joining else "recovery", code)
             logging.shutdown()
-            os._exit(RECOVERY_FAILED)  # no clean-up that could wait on a dead peer
+            os._exit(code)  # no clean-up that could wait on a dead peer
 
     # 3. train; save every K steps
-    failure: str | None = None
+    # why the next pass regroups first: a peer's failure (its message), "join" (the boundary the workers
+    # agreed to admit joiners at) or "joining" (this process is a joiner)
+    failure: str | None = "joining" if args.join else None
     recovered: dict[str, Any] | None = None
     while True:
         if failure is not None:  # out of the except block: its frames (the step's graph) are gone
@@ -281,6 +322,11 @@ def main() -> None:
                     tenplex.save_state_dict(state(), args.ckpt, step=step)
                 if ring is not None:
                     ring.pin(step)  # complete on every rank: pieces only a dead rank holds can come from it
+            # scale up: every worker reads the agreed boundary here (one store read), so all admit the
+            # waiting joiners after the same step; none is proposed with no step left to run
+            if membership is not None and step < args.steps and \
+                    membership.join_due(step, propose=step + 1 < args.steps):
+                failure = "join"
         except PeerFailure as e:
             failure = str(e)
     if membership is not None:

@@ -260,7 +260,9 @@ class LiveState:
     A torch-native job (``rescale(url, state_dict, live=...)``) passes ``cfg``: the ``StateLayout``
     its state dicts had before the failure and ``ptc``: their collection (both from
     ``tenplex.state_dict.describe_state_dict``, called while every rank was alive), and ``states``:
-    per step, this rank's local tensors and values by flat key (``local_shard``, copied).
+    per step, this rank's local tensors and values by flat key (``local_shard``, copied). Its
+    joiners pass ``LiveState(cfg=None, states={}, alive=...)`` as well and learn the layout, the
+    collection and the survivors' old ranks from group rank 0.
     """
 
     cfg: ParallelConfig | StateLayout | None
@@ -429,6 +431,37 @@ def _same_model(old: PTC, new: PTC) -> None:
                                       + "; ".join(problems[:8]))
 
 
+def _joined_state_dict(live: LiveState, rank: int, world: int) -> LiveState:
+    """``live`` of a torch-native job completed for every rank of the new group: survivors (group
+    ranks ``< len(live.alive)``) pass the ``StateLayout`` and collection their states have; fresh
+    joiners after them (scale up: ``LiveState(cfg=None, states={}, ...)``) learn both, and the
+    survivors' old ranks, from group rank 0 (one ``broadcast_object_list``, only when the group has
+    joiners). ConfigError for a survivor without its layout, or ranks that disagree."""
+    if live.cfg is not None and (not isinstance(live.cfg, StateLayout) or live.ptc is None):
+        raise ConfigError("rescale(url, state_dict, live=...) needs LiveState(cfg=the StateLayout and ptc=the "
+                          "collection the survivors' states have): describe_state_dict(state_dict) before a failure; "
+                          "a joiner passes LiveState(cfg=None, states={}, alive=...)")
+    if live.cfg is None and live.states:
+        raise ConfigError(f"group rank {rank} joined (LiveState(cfg=None)) and must pass no states")
+    if len(live.alive) >= world and live.cfg is not None:
+        if len(live.alive) > world:
+            raise ConfigError(f"{len(live.alive)} survivors hold state but the group has {world} ranks")
+        return live
+    box = [(live.cfg, live.ptc, list(live.alive)) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    old, ptc, alive = box[0]
+    if old is None:
+        raise ConfigError(f"group rank 0 holds no state (LiveState(cfg=None)): a group of {world} with no survivor "
+                          "has nothing to move live; start it from the checkpoint (rescale without live)")
+    if live.cfg is not None and (live.cfg != old or list(live.alive) != alive):
+        raise ConfigError(f"group rank {rank} held {live.cfg} with survivors' old ranks {list(live.alive)}, group "
+                          f"rank 0 says {old} with {alive}")
+    if live.cfg is None and rank < len(alive):
+        raise ConfigError(f"group rank {rank} joined (LiveState(cfg=None)), but group ranks below {len(alive)} are "
+                          f"the survivors {alive}: joiners come after them (order members with live_order)")
+    return dataclasses.replace(live, cfg=old, ptc=ptc, alive=tuple(alive))
+
+
 def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *, live: LiveState | None,
                         step: int | None, storage_options: Mapping[str, Any] | None,
                         gpus_per_host: int) -> RescaleResult:
@@ -436,28 +469,24 @@ def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *
     default group together): moved live from the survivors' states, or loaded in place from ``url``."""
     t0 = time.perf_counter()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    new_ptc, layout = describe_state_dict(state_dict)
+    # the values of a state dict about to be filled do not matter (a joiner's step counters differ)
+    new_ptc, layout = describe_state_dict(state_dict, values=live is None)
     timings = {"describe": time.perf_counter() - t0}
     if live is not None:
+        live = _joined_state_dict(live, rank, world)
         old, ptc = live.cfg, live.ptc
-        if not isinstance(old, StateLayout) or ptc is None:
-            raise ConfigError("rescale(url, state_dict, live=...) needs LiveState(cfg=the StateLayout and ptc=the "
-                              "collection the survivors' states have): describe_state_dict(state_dict) before a "
-                              "failure")
-        if len(live.alive) != world:
-            raise ConfigError(f"the group has {world} ranks but {len(live.alive)} survivors hold state: joiners and "
-                              "spares are not supported for torch-native state dicts (every rank of the new mesh "
-                              "must be a survivor)")
+        assert isinstance(old, StateLayout) and ptc is not None
+        holders = len(live.alive)
         _same_model(ptc, new_ptc)
         layout.check(ptc, complete=True)
         t1 = time.perf_counter()
         moves = plan(ptc, old, layout, alive=list(live.alive), gpus_per_host=gpus_per_host)
         t2 = time.perf_counter()
-        moved, src, needs = _agree_live(moves, live, rank, world, world)
+        moved, src, needs = _agree_live(moves, live, rank, world, holders)
         timings.update({"plan": t2 - t1, "agree": time.perf_counter() - t2})
         if moved is not None:
-            res = migrate(ptc, old, layout, live.states[moved], alive=list(live.alive), storage=src, step=moved,
-                          plan=moves, gpus_per_host=gpus_per_host)
+            res = migrate(ptc, old, layout, live.states[moved] if rank < holders else None, alive=list(live.alive),
+                          storage=src, step=moved, plan=moves, gpus_per_host=gpus_per_host)
             t3 = time.perf_counter()
             fill_state_dict(state_dict, res.shard)
             timings.update({"migrate": res.seconds, **{f"migrate_{k}": v for k, v in res.timings.items()},

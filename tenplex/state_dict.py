@@ -201,11 +201,12 @@ def _world(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _gathered(state_dict: Mapping[str, Any], process_group: Any,
-              what: str) -> tuple[PTC, StateLayout, dict[str, torch.Tensor], dict[str, Any]]:
+def _gathered(state_dict: Mapping[str, Any], process_group: Any, what: str, *,
+              values: bool = True) -> tuple[PTC, StateLayout, dict[str, torch.Tensor], dict[str, Any]]:
     """The collection and layout of every rank's ``state_dict`` (one ``all_gather_object`` of what each
-    holds), this rank's tensors by flat key and every rank's non-tensor values merged. A state dict
-    one rank cannot describe fails every rank (none waits in the gather)."""
+    holds), this rank's tensors by flat key and every rank's non-tensor values merged (``values``
+    False: only their keys gathered, values None). A state dict one rank cannot describe fails every
+    rank (none waits in the gather)."""
     _, world = _world(process_group)
     tensors: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
@@ -214,7 +215,7 @@ def _gathered(state_dict: Mapping[str, Any], process_group: Any,
     try:
         leaves = flatten_state_dict(state_dict)
         tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
-        objects = {k: v for k, (_, _, v) in leaves.items() if not isinstance(v, torch.Tensor)}
+        objects = {k: (v if values else None) for k, (_, _, v) in leaves.items() if not isinstance(v, torch.Tensor)}
         meshes: dict[int, tuple[Any, ...]] = {}
         descs = {k: _describe(v, process_group, meshes) for k, v in tensors.items()}
         if world > 1:
@@ -227,12 +228,15 @@ def _gathered(state_dict: Mapping[str, Any], process_group: Any,
     return ptc, layout, tensors, merged
 
 
-def describe_state_dict(state_dict: Mapping[str, Any], *, process_group: Any = None) -> tuple[PTC, StateLayout]:
+def describe_state_dict(state_dict: Mapping[str, Any], *, process_group: Any = None,
+                        values: bool = True) -> tuple[PTC, StateLayout]:
     """The collection and ``StateLayout`` of the job's state dicts, as ``save_state_dict`` would save
     them (collective: one small ``all_gather_object``). An in-process rescale plans the move between
     two of them: the layout the survivors held (described before the failure, while every rank was
-    alive) and the one of the model rebuilt for the new mesh."""
-    ptc, layout, _, _ = _gathered(state_dict, process_group, "describing the state dict")
+    alive) and the one of the model rebuilt for the new mesh. ``values`` False: the non-tensor
+    entries' values are neither gathered nor compared between ranks (a state dict about to be
+    filled, whose step counters a fresh joiner does not know yet), only their keys."""
+    ptc, layout, _, _ = _gathered(state_dict, process_group, "describing the state dict", values=values)
     return ptc, layout
 
 

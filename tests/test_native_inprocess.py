@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -336,8 +337,8 @@ def native_reference(steps: int) -> dict[int, tuple[float, list[int]]]:
     return out
 
 
-def _workers(tmp: Path, n: int, args: list[str], store_port: int) -> list[subprocess.Popen]:
-    port = free_port()
+def _workers(tmp: Path, n: int, args: list[str], store_port: int, port: int | None = None) -> list[subprocess.Popen]:
+    port = port or free_port()
     procs = []
     with gloo_env():
         for r in range(n):
@@ -407,6 +408,49 @@ def test_native_job_recovers_in_process_from_a_kill_mid_step(tmp_path: Path) -> 
     expected = only_dead_bytes(ptc, old_layout_, new_layout_, DEAD)
     assert rec["bytes_storage"] == rec["plan_bytes_storage"] == expected > 0, (rec, expected)
     assert [s.step for s in list_steps(str(ckpt)) if s.complete] == [2, 4, 6, 8]
+
+
+@pytest.mark.timeout(180)
+def test_a_joiner_receives_its_shards_live_from_a_native_job(tmp_path: Path) -> None:
+    """Scale up without a restart: a process started with ``--join`` waits for the job; 2 workers
+    (dp_shard=2) notice it at a step boundary, agree on a round of 3, rebuild the mesh and model for
+    dp_shard=3, and the joiner (``LiveState(cfg=None)``) receives its shards, the step and the data
+    position live: bytes sent == the plan's peer bytes > 0, nothing from the checkpoint. Every loss
+    within 1e-4 of the uninterrupted run, every sample once."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    log, ckpt, master = tmp_path / "log.jsonl", tmp_path / "ckpt", free_port()
+    args = ["--ckpt", str(ckpt), "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--global-batch", str(BATCH),
+            "--in-process", "--dead-after", DEAD_AFTER]
+    with gloo_env():
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "LOCAL_RANK": "0",
+               "PYTHONUNBUFFERED": "1", "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store.port}",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env.pop("RANK", None)
+        env.pop("WORLD_SIZE", None)
+        joiner = subprocess.Popen([sys.executable, SCRIPT, *args, "--join", "--join-timeout", "120"], env=env,
+                                  stdout=(tmp_path / "joiner.log").open("w"), stderr=subprocess.STDOUT)
+    procs: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 60  # it waits for the job before the job starts: admitted at once
+        while "waiting for job" not in (tmp_path / "joiner.log").read_text():
+            assert time.monotonic() < deadline and joiner.poll() is None, log_tails(tmp_path)
+            time.sleep(0.1)
+        procs = _workers(tmp_path, 2, [*args, "--log", str(log)], store.port, port=master)
+        reference = native_reference(STEPS)
+        codes = wait_procs([*procs, joiner], 150)
+    finally:
+        wait_procs([*procs, joiner], 0)
+    assert codes == [0, 0, 0], (codes, log_tails(tmp_path))
+    recs = check_native_run(tmp_path, log, reference)
+    assert len(recs) == 1, recs
+    rec = recs[0]
+    assert rec["reason"] == "join" and rec["joiners"] == [2] and rec["live"], rec
+    assert rec["world_size"] == 3 and rec["mesh"] == {"dp_shard": 3} and 1 <= rec["step"] < STEPS, rec
+    assert rec["bytes_live"] == rec["plan_bytes_peer"] > 0 and rec["bytes_storage"] == rec["plan_bytes_storage"] == 0
+    steps = [json.loads(line) for line in log.read_text().splitlines() if "loss" in line]
+    assert [r["world_size"] for r in steps if r["step"] in (0, STEPS - 1)] == [2, 3], steps
 
 
 @EXTRA
