@@ -27,7 +27,11 @@ code 75 (the launcher's restart path takes over).
 ``MASTER_PORT``, no ``RANK`` / ``WORLD_SIZE``) registers as a joiner. The workers notice it at a step
 boundary (``Membership.join_due``), agree on a round with it and rebuild mesh and model for the
 larger group; the joiner builds its own and receives its shards, the step and the data position
-live from them (``LiveState(cfg=None)``), nothing from the checkpoint.
+live from them (``LiveState(cfg=None)``), nothing from the checkpoint. A node joining under
+torchrun is another matter: its agent and the running ones restart every worker (SIGTERM, a new
+rendezvous). ``--in-process`` workers first write the newest states their ring holds into the
+checkpoint (each its own part, ``tenplex.checkpoint.save``: no message), so the restarted job
+resumes from the newest step every worker completed, not from the last periodic checkpoint.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -53,6 +58,7 @@ import native_llama as nl  # noqa: E402 - the user's model, next to this script
 
 import tenplex  # noqa: E402
 from tenplex.assignment import load_solvers  # noqa: E402
+from tenplex.checkpoint import save  # noqa: E402
 from tenplex.data.corpus import stdlib_corpus  # noqa: E402
 from tenplex.data.partition import DataState, global_batch_ids  # noqa: E402
 from tenplex.elastic import LiveState, choose_mesh, live_order  # noqa: E402
@@ -206,10 +212,35 @@ def main() -> None:
                 warmed = True
         ring.record(step, local_shard(sd))
 
+    saved: set[int] = set()  # steps this launch checkpointed (complete on every rank)
+
+    def terminated(signum: int, frame: Any) -> None:
+        """SIGTERM (torchrun's agents restarting the workers, e.g. for a joining node): the two newest
+        states of the ring the checkpoint lacks go there first, then exit at once. Workers are at most
+        one step apart, so the newest step every worker completed is written by all of them (each its own
+        part, the pure writer assignment: no message); a step only some reached stays incomplete."""
+        held = ring.states() if live_layout is not None else {}
+        for s_, shard in sorted(held.items())[-2:]:
+            if s_ in saved:
+                continue
+            part = shard if rank == 0 else {k: v for k, v in shard.items() if isinstance(v, torch.Tensor)}
+            try:
+                save(args.ckpt, live_ptc, live_layout, rank, part, step=s_)
+                log.warning("rank %d: SIGTERM: step %d's state is in the checkpoint %s", rank, s_, args.ckpt)
+            except Exception:  # noqa: BLE001 - exiting anyway; the restart loads what is there
+                log.exception("rank %d: SIGTERM: could not save step %d", rank, s_)
+        logging.shutdown()
+        os._exit(128 + signum)
+
+    if ring is not None:
+        signal.signal(signal.SIGTERM, terminated)
+
     if ring is not None and resumed:  # fresh: the ring starts after the first step (see above)
         with guard():
             remember()
         ring.pin(step)
+    if resumed:
+        saved.add(step)
 
     def recover(reason: str) -> dict[str, Any]:
         """Agree on the members (the survivors; at a join, the workers and the joiners), rebuild mesh and
@@ -272,7 +303,7 @@ def main() -> None:
                     # unwind: from learning of the failure to this recovery's start (the blocked collective
                     # failing, leaving the step); ring: the bytes summed, the new mesh's layout described and
                     # its first state kept
-                    "unwind_s": wall0 - nm.failed_at, "release_s": t_released - t0, "recover_s": t1 - t0, "rebuild_s": t2 - t1,
+                    "unwind_s": max(0.0, wall0 - nm.failed_at), "release_s": t_released - t0, "recover_s": t1 - t0, "rebuild_s": t2 - t1,
                     "rescale_s": t3 - t2, "ring_s": t4 - t3, "failure_to_state_s": wall3 - nm.failed_at + nm.detect_s,
                     "timings": res.timings}
         except Exception:  # noqa: BLE001 - any failure here: the launcher's restart takes over
@@ -320,6 +351,7 @@ def main() -> None:
                     if die is not None:
                         die("save", step)
                     tenplex.save_state_dict(state(), args.ckpt, step=step)
+                saved.add(step)
                 if ring is not None:
                     ring.pin(step)  # complete on every rank: pieces only a dead rank holds can come from it
             # scale up: every worker reads the agreed boundary here (one store read), so all admit the

@@ -9,7 +9,11 @@ process) ``--repeats`` times per case and SIGKILLs one worker mid-run:
 - ``hsdp``: ``dp_replicate=2,dp_shard=2``, worker 2 killed in the forward pass of step 5; the
   survivors move step 5 entirely live (every element has a replica);
 - ``hsdp3``: the same with worker 3 killed: in their old rank order new ranks 1 and 2 would run
-  away from most of their rows, the locality order (``elastic.live_order``) swaps them.
+  away from most of their rows, the locality order (``elastic.live_order``) swaps them;
+- ``join``: scale up with no failure: a process started with ``--join`` waits for a job of 2 workers
+  (``dp_shard=2``); they admit it after their first step, rebuild for ``dp_shard=3`` and send it its
+  shards live (nothing from the checkpoint). "failure" below is then the moment the workers start the
+  join round, and no step is redone.
 
 The survivors' order, whether it was computed for the layout the rebuilt model has
 (``layout_predicted``) and the peer bytes of the same move in the old rank order
@@ -42,7 +46,9 @@ import torch.distributed as dist
 from tenplex.train.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = {"fsdp_tp": ([], "3:5:optimizer"), "hsdp": (["--hsdp"], "2:5:forward"), "hsdp3": (["--hsdp"], "3:5:forward")}
+CASES: dict[str, tuple[list[str], str | None]] = {
+    "fsdp_tp": ([], "3:5:optimizer"), "hsdp": (["--hsdp"], "2:5:forward"), "hsdp3": (["--hsdp"], "3:5:forward"),
+    "join": ([], None)}
 COMMON = ["--steps", "8", "--ckpt-every", "2", "--global-batch", "12"]
 
 
@@ -53,15 +59,26 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT) -
         log = tmp / "log.jsonl"
         port = free_port()
         procs = []
-        for r in range(4):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store_port}",
-                   "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
-                   "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-            procs.append(subprocess.Popen([sys.executable, str(root / "examples" / "train_native.py"), *COMMON, *extra, "--ckpt", str(tmp / "ckpt"),
-                                           "--log", str(log), "--in-process", "--die-at", die,
-                                           "--dead-after", str(dead_after)], env=env,
-                                          stdout=(tmp / f"w{r}.log").open("w"), stderr=subprocess.STDOUT))
+        workers = 4 if die else 2
+        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store_port}", "OMP_NUM_THREADS": "1",
+                "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, str(root / "examples" / "train_native.py"), *COMMON, *extra, "--ckpt", str(tmp / "ckpt"),
+               "--log", str(log), "--in-process", "--dead-after", str(dead_after), *(["--die-at", die] if die else [])]
+        if not die:  # the joiner waits for the job before it starts: admitted after the first step
+            env = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE")}
+            procs.append(subprocess.Popen([*cmd, "--join"], env={**env, "LOCAL_RANK": "0"},
+                                          stdout=(tmp / "w2.log").open("w"), stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + 120
+            while "waiting for job" not in (tmp / "w2.log").read_text():
+                if time.monotonic() > deadline or procs[0].poll() is not None:
+                    raise RuntimeError(f"join: the joiner did not start: {(tmp / 'w2.log').read_text()[-2000:]}")
+                time.sleep(0.05)
+        for r in range(workers):
+            env = {**base, "RANK": str(r), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(r)}
+            procs.append(subprocess.Popen(cmd, env=env, stdout=(tmp / f"w{r}.log").open("w"),
+                                          stderr=subprocess.STDOUT))
         codes = []
         for p in procs:
             try:
@@ -70,8 +87,8 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT) -
                 p.kill()
                 codes.append(p.wait())
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-        if sorted(codes) != [-9, 0, 0, 0]:
-            tails = "\n".join((tmp / f"w{r}.log").read_text()[-2000:] for r in range(4))
+        if sorted(codes) != ([-9, 0, 0, 0] if die else [0, 0, 0]):
+            tails = "\n".join((tmp / f"w{r}.log").read_text()[-2000:] for r in range(len(procs)))
             raise RuntimeError(f"{case}: exit codes {codes}\n{tails}")
     rec = next(r for r in records if r.get("event") == "recover")
     first = next(r for r in records if "after_recovery" in r)

@@ -520,3 +520,64 @@ def test_native_job_under_torchrun_agents_recovers_in_process_from_a_node_loss(t
     rec = check_native_run(tmp_path, log, reference)
     assert len(rec) == 1 and rec[0]["live"] and rec[0]["world_size"] == 2 and rec[0]["mesh"] == {"dp_shard": 2}, rec
     assert rec[0]["bytes_live"] == rec[0]["plan_bytes_peer"] and rec[0]["bytes_storage"] == rec[0]["plan_bytes_storage"]
+
+
+@EXTRA
+@pytest.mark.timeout(400)
+def test_a_joining_torchrun_node_restarts_native_workers_who_first_checkpoint_their_newest_state(
+        tmp_path: Path) -> None:
+    """Under torchrun a node joining makes the running agent restart its workers (SIGTERM, then a
+    new rendezvous of 4). The --in-process workers first write the newest states of their ring that
+    the checkpoint lacks (periodic checkpoints every 1000 steps here: none before the restart), so the
+    4 resume on dp_shard=2,tp=2 from the newest step both workers completed, not from scratch; every
+    sample once, the losses of the first steps within 1e-4 of an uninterrupted run."""
+    from tenplex.train.launch import Agent, RendezvousStore, wait_for
+
+    steps = 300  # the joining agent takes 15-20 s to reach the rendezvous on loaded CPUs: still running then
+    log = tmp_path / "log.jsonl"
+    args = ["--steps", str(steps), "--ckpt-every", "1000", "--global-batch", str(BATCH), "--ckpt",
+            str(tmp_path / "ckpt"), "--log", str(log), "--in-process", "--dead-after", DEAD_AFTER]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    store = RendezvousStore()
+    run_id = f"n{free_port()}"
+
+    def agent(i: int) -> Agent:
+        return Agent(f"node{i}", store.endpoint, args, nproc=2, min_nodes=1, max_nodes=2,
+                     pid_dir=str(tmp_path / "pids"), log_path=str(tmp_path / f"node{i}.log"), run_id=run_id, env=env,
+                     program=[SCRIPT])
+
+    def records() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    agents = [agent(0)]
+    try:
+        reference = native_reference(steps)
+        assert wait_for(lambda: sum(1 for r in records() if "loss" in r) >= 5, 300), \
+            (tmp_path / "node0.log").read_text()[-3000:]
+        agents.append(agent(1))
+        assert wait_for(lambda: any(r.get("step") == steps - 1 for r in records()), 300), \
+            (tmp_path / "node0.log").read_text()[-4000:] + (tmp_path / "node1.log").read_text()[-2000:]
+    finally:
+        for a in agents:
+            a.stop()
+        store.stop()
+    recs = records()
+    starts = [r for r in recs if r.get("start")]
+    before = max(r["step"] for r in recs if "loss" in r and r["world_size"] == 2)
+    assert [s["world_size"] for s in starts] == [2, 4] and starts[1]["mesh"] == {"dp_shard": 2, "tp": 2}, starts
+    # the newest step both workers completed before the SIGTERM (they differ by at most one): steps
+    # done are counted, so resuming at step k means steps 0..k-1 are in the state
+    assert before <= starts[1]["step"] <= before + 1 and not starts[1]["fresh"], (before, starts)
+    assert "SIGTERM: step" in (tmp_path / "node0.log").read_text()
+    by_step: dict[int, list[dict]] = {}
+    for r in recs:
+        if "loss" in r:
+            by_step.setdefault(r["step"], []).append(r)
+    assert sorted(by_step) == list(range(steps))
+    seen = [x for s in range(steps) for x in by_step[s][-1]["samples"]]
+    assert len(seen) == len(set(seen)) == steps * BATCH
+    assert all(r["samples"] == reference[s][1] for s, rs in by_step.items() for r in rs)
+    for s in range(starts[1]["step"] + 5):  # rounding grows with the steps (other summation orders than one process)
+        for r in by_step[s]:
+            assert abs(r["loss"] - reference[s][0]) <= REL_TOL * abs(reference[s][0]), (s, r["loss"], reference[s])
+
