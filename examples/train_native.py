@@ -115,20 +115,24 @@ def main() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if args.join:  # the default group comes with the admission
         rank, world = -1, 0
-        print(f"train_native: joiner: waiting for job {os.environ.get('TENPLEX_JOB_ID') or 'at MASTER_ADDR:MASTER_PORT'} "
-              f"in the store {os.environ.get('TENPLEX_MEMBERSHIP_STORE')}", flush=True)
-        try:
-            membership = join_membership(membership_store(), backend, timeout_s=args.join_timeout,
-                                         dead_after=args.dead_after)
-        except Exception as e:  # noqa: BLE001 - no job to join: say so and exit
-            print(f"train_native: joiner: {e}", file=sys.stderr, flush=True)
-            sys.exit(JOIN_FAILED)
-        print(f"train_native: joiner {membership.id}: registered with {membership.prefix}; waiting to be "
-              "admitted at the job's next step boundary", flush=True)
     else:
         dist.init_process_group(backend)
         rank, world = dist.get_rank(), dist.get_world_size()
     first_rank = rank  # --die-at names ranks of the first group (a joiner: none)
+
+    def joined() -> Any:
+        """Register with the running job (found through the membership store) as a joiner."""
+        print(f"train_native: joiner: waiting for job {os.environ.get('TENPLEX_JOB_ID') or 'at MASTER_ADDR:MASTER_PORT'} "
+              f"in the store {os.environ.get('TENPLEX_MEMBERSHIP_STORE')}", flush=True)
+        try:
+            m = join_membership(membership_store(), backend, timeout_s=args.join_timeout, dead_after=args.dead_after)
+        except Exception as e:  # noqa: BLE001 - no job to join: say so and exit
+            print(f"train_native: joiner: {e}", file=sys.stderr, flush=True)
+            sys.exit(JOIN_FAILED)
+        print(f"train_native: joiner {m.id}: registered with {m.prefix}; waiting to be admitted at the job's next "
+              "step boundary", flush=True)
+        return m
+
     if os.environ.get("TENPLEX_PID_DIR"):  # lets a simulated node failure kill this worker too
         Path(os.environ["TENPLEX_PID_DIR"], f"local-{os.environ.get('LOCAL_RANK', '0')}.pid").write_text(
             str(os.getpid()))
@@ -145,8 +149,8 @@ def main() -> None:
     def rule(w: int) -> dict[str, int]:
         return mesh_rule(w, hsdp=args.hsdp)
 
-    def build(world: int) -> tuple[dict[str, int], Any, Any, Any]:
-        dims = choose_mesh(world, choose=rule)
+    def build(world: int, dims: dict[str, int] | None = None) -> tuple[dict[str, int], Any, Any, Any]:
+        dims = dims or choose_mesh(world, choose=rule)
         mesh = nl.build_mesh(dims, device)
         model = nl.parallelize(nl.reference_model(cfg, seed=0).to(device), mesh)
         optimizer = nl.make_optimizer(model)
@@ -159,6 +163,17 @@ def main() -> None:
     # survivors' locality order's scipy modules among them (imported now, not by the first recovery)
     if args.in_process:
         load_solvers()
+    if args.join:
+        # a joiner's first mesh, model and state dict pay one-time costs (lazy imports, first FSDP2/TP
+        # set-up: 0.6 s measured) that the workers would wait for in the join: paid now, alone, on a
+        # private 1-process group, before registering
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        _, warm_mesh, model, optimizer = build(1, {d: 1 for d in rule(4)})
+        get_state_dict(model, optimizer)
+        release_mesh(warm_mesh)
+        model = optimizer = warm_mesh = None
+        dist.destroy_process_group()
+        membership = joined()
     gc.freeze()
     t0 = time.perf_counter()
     dims, mesh, model, optimizer = build(world) if not args.join else ({}, None, None, None)
