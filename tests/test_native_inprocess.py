@@ -454,6 +454,47 @@ def test_a_joiner_receives_its_shards_live_from_a_native_job(tmp_path: Path) -> 
 
 
 @EXTRA
+@pytest.mark.timeout(180)
+def test_a_failure_while_a_joiner_waits_takes_the_joiner_into_the_recovery(tmp_path: Path) -> None:
+    """A join and a failure at once: a joiner waits when worker 1 of 2 (dp_shard=2) dies in step 1's
+    forward pass, before the boundary the workers agreed to admit it at. The survivor's recovery round
+    takes the joiner in: the 2 go on under dp_shard=2, the joiner gets the survivor's half live and the
+    dead worker's half from the checkpoint of step 1 (bytes == the plan's); the reference losses."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    log, ckpt, master = tmp_path / "log.jsonl", tmp_path / "ckpt", free_port()
+    args = ["--ckpt", str(ckpt), "--steps", str(STEPS), "--ckpt-every", "1", "--global-batch", str(BATCH),
+            "--in-process", "--dead-after", DEAD_AFTER]
+    with gloo_env():
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "LOCAL_RANK": "0",
+               "PYTHONUNBUFFERED": "1", "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store.port}",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env.pop("RANK", None)
+        env.pop("WORLD_SIZE", None)
+        joiner = subprocess.Popen([sys.executable, SCRIPT, *args, "--join", "--join-timeout", "120"], env=env,
+                                  stdout=(tmp_path / "joiner.log").open("w"), stderr=subprocess.STDOUT)
+    procs: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting for job" not in (tmp_path / "joiner.log").read_text():
+            assert time.monotonic() < deadline and joiner.poll() is None, log_tails(tmp_path)
+            time.sleep(0.1)
+        procs = _workers(tmp_path, 2, [*args, "--log", str(log), "--die-at", "1:1:forward"], store.port, port=master)
+        reference = native_reference(STEPS)
+        codes = wait_procs([*procs, joiner], 150)
+    finally:
+        wait_procs([*procs, joiner], 0)
+    assert codes == [0, -9, 0], (codes, log_tails(tmp_path))
+    recs = check_native_run(tmp_path, log, reference)
+    assert len(recs) == 1, recs
+    rec = recs[0]
+    assert rec["reason"] != "join" and rec["joiners"] == [2] and rec["live"] and rec["world_size"] == 2, rec
+    assert rec["step"] == 1 and rec["alive"] == [0], rec
+    assert rec["bytes_live"] == rec["plan_bytes_peer"] > 0 and rec["bytes_storage"] == rec["plan_bytes_storage"] > 0
+
+
+@EXTRA
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("dead", [2, 3])
 def test_native_hsdp_job_recovers_with_nothing_from_the_checkpoint(tmp_path: Path, dead: int) -> None:
