@@ -53,7 +53,7 @@ def test_native_job_survives_a_node_loss_under_another_mesh(tmp_path: Path) -> N
            "--log", str(ref_log)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     if res.returncode != 0 and "terminate called without an active exception" in res.stderr \
-            and max(read_log(ref_log)[0], default=0) == STEPS:
+            and sorted(read_log(ref_log)[0]) == list(range(STEPS)):
         # a worker aborted in torch's C++ teardown after its last step and checkpoint (seen in about
         # 1 of 15 full-suite runs, before and after tenplex changes): the reference losses are complete
         print("\nreference run: a worker aborted at exit after all its steps; its log is complete")
