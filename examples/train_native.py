@@ -149,6 +149,12 @@ def main() -> None:
     def rule(w: int) -> dict[str, int]:
         return mesh_rule(w, hsdp=args.hsdp)
 
+    def fits(n: int) -> bool:
+        """Whether a group of n can run this job: the rule gives a mesh whose data-parallel degree divides
+        the global batch (``Membership(fits=)``: joiners that would make the group unusable wait)."""
+        dims = choose_mesh(n, choose=rule)
+        return args.global_batch % (dims.get("dp_replicate", 1) * dims.get("dp_shard", 1)) == 0
+
     def build(world: int, dims: dict[str, int] | None = None) -> tuple[dict[str, int], Any, Any, Any]:
         dims = dims or choose_mesh(world, choose=rule)
         mesh = nl.build_mesh(dims, device)
@@ -206,6 +212,8 @@ def main() -> None:
     # in-process: watch the peers, keep the last consistent states of this rank
     if not args.join:
         membership = start_membership(membership_store(), dead_after=args.dead_after) if args.in_process else None
+        if membership is not None:
+            membership.fits = fits
     ring = StateRing(3) if args.in_process else None
     live_ptc = live_layout = None
 
