@@ -410,6 +410,26 @@ def test_native_job_recovers_in_process_from_a_kill_mid_step(tmp_path: Path) -> 
     assert [s.step for s in list_steps(str(ckpt)) if s.complete] == [2, 4, 6, 8]
 
 
+def _joiner(tmp: Path, args: list[str], store_port: int, master_port: int) -> subprocess.Popen:
+    """A process started with ``--join`` for the job at ``master_port``, once it waits for that job
+    (it registers when the job publishes its membership: admitted at the job's first boundary)."""
+    with gloo_env():
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "LOCAL_RANK": "0",
+               "PYTHONUNBUFFERED": "1", "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store_port}",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env.pop("RANK", None)
+        env.pop("WORLD_SIZE", None)
+        joiner = subprocess.Popen([sys.executable, SCRIPT, *args, "--join", "--join-timeout", "120"], env=env,
+                                  stdout=(tmp / "joiner.log").open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "waiting for job" not in (tmp / "joiner.log").read_text():
+        if time.monotonic() > deadline or joiner.poll() is not None:
+            wait_procs([joiner], 0)
+            raise AssertionError(log_tails(tmp))
+        time.sleep(0.1)
+    return joiner
+
+
 @pytest.mark.timeout(180)
 def test_a_joiner_receives_its_shards_live_from_a_native_job(tmp_path: Path) -> None:
     """Scale up without a restart: a process started with ``--join`` waits for the job; 2 workers
@@ -423,20 +443,9 @@ def test_a_joiner_receives_its_shards_live_from_a_native_job(tmp_path: Path) -> 
     log, ckpt, master = tmp_path / "log.jsonl", tmp_path / "ckpt", free_port()
     args = ["--ckpt", str(ckpt), "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--global-batch", str(BATCH),
             "--in-process", "--dead-after", DEAD_AFTER]
-    with gloo_env():
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "LOCAL_RANK": "0",
-               "PYTHONUNBUFFERED": "1", "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store.port}",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        env.pop("RANK", None)
-        env.pop("WORLD_SIZE", None)
-        joiner = subprocess.Popen([sys.executable, SCRIPT, *args, "--join", "--join-timeout", "120"], env=env,
-                                  stdout=(tmp_path / "joiner.log").open("w"), stderr=subprocess.STDOUT)
+    joiner = _joiner(tmp_path, args, store.port, master)
     procs: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 60  # it waits for the job before the job starts: admitted at once
-        while "waiting for job" not in (tmp_path / "joiner.log").read_text():
-            assert time.monotonic() < deadline and joiner.poll() is None, log_tails(tmp_path)
-            time.sleep(0.1)
         procs = _workers(tmp_path, 2, [*args, "--log", str(log)], store.port, port=master)
         reference = native_reference(STEPS)
         codes = wait_procs([*procs, joiner], 150)
@@ -466,20 +475,9 @@ def test_a_failure_while_a_joiner_waits_takes_the_joiner_into_the_recovery(tmp_p
     log, ckpt, master = tmp_path / "log.jsonl", tmp_path / "ckpt", free_port()
     args = ["--ckpt", str(ckpt), "--steps", str(STEPS), "--ckpt-every", "1", "--global-batch", str(BATCH),
             "--in-process", "--dead-after", DEAD_AFTER]
-    with gloo_env():
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "LOCAL_RANK": "0",
-               "PYTHONUNBUFFERED": "1", "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store.port}",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        env.pop("RANK", None)
-        env.pop("WORLD_SIZE", None)
-        joiner = subprocess.Popen([sys.executable, SCRIPT, *args, "--join", "--join-timeout", "120"], env=env,
-                                  stdout=(tmp_path / "joiner.log").open("w"), stderr=subprocess.STDOUT)
+    joiner = _joiner(tmp_path, args, store.port, master)
     procs: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 60
-        while "waiting for job" not in (tmp_path / "joiner.log").read_text():
-            assert time.monotonic() < deadline and joiner.poll() is None, log_tails(tmp_path)
-            time.sleep(0.1)
         procs = _workers(tmp_path, 2, [*args, "--log", str(log), "--die-at", "1:1:forward"], store.port, port=master)
         reference = native_reference(STEPS)
         codes = wait_procs([*procs, joiner], 150)
