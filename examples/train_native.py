@@ -61,7 +61,7 @@ from tenplex.assignment import load_solvers  # noqa: E402
 from tenplex.checkpoint import save  # noqa: E402
 from tenplex.data.corpus import stdlib_corpus  # noqa: E402
 from tenplex.data.partition import DataState, global_batch_ids  # noqa: E402
-from tenplex.elastic import LiveState, choose_mesh, live_order  # noqa: E402
+from tenplex.elastic import LiveState, choose_mesh, live_order, predict_layout  # noqa: E402
 from tenplex.errors import PeerFailure  # noqa: E402
 from tenplex.dtensor import release_mesh  # noqa: E402
 from tenplex.state_dict import describe_state_dict, local_shard  # noqa: E402
@@ -216,6 +216,7 @@ def main() -> None:
             membership.fits = fits
     ring = StateRing(3) if args.in_process else None
     live_ptc = live_layout = None
+    seen: dict[tuple[tuple[str, int], ...], Any] = {}  # the state dict's layout on every mesh this process ran
 
     def guard() -> Any:
         return membership.guard() if membership is not None else contextlib.nullcontext()
@@ -229,7 +230,8 @@ def main() -> None:
         sd = state()
         if live_layout is None:  # collective: while every rank of this mesh is alive
             live_ptc, live_layout = describe_state_dict(sd)
-            membership.order = live_order(live_ptc, live_layout, rule, membership.members)
+            seen[tuple(dims.items())] = live_layout
+            membership.order = live_order(live_ptc, live_layout, rule, membership.members, known=seen)
             if not warmed:  # the scipy import and the assignment once, before any failure needs them
                 warm_up(live_ptc, live_layout, rule, membership.members)
                 warmed = True
@@ -296,6 +298,10 @@ def main() -> None:
             del sd
             t3, wall3 = time.perf_counter(), time.time()
             old_ptc, old_layout = (live_ptc, live_layout) if not joining else (None, None)
+            try:  # not timed: whether the order was computed for the layout the rebuilt model has
+                predicted = old_layout is not None and predict_layout(old_layout, tuple(dims.items()), seen) == res.cfg
+            except tenplex.LayoutError:
+                predicted = False
             b = res.bytes_by_tier
             sums = torch.tensor([b.get("live", 0), b.get("storage", 0), b.get("local", 0)], dtype=torch.float64)
             dist.all_reduce(sums)
@@ -305,13 +311,8 @@ def main() -> None:
             ring.pin(step)  # a checkpoint step when pieces came from storage; else the state the survivors held
             t4 = time.perf_counter()
             ps = res.plan_stats
-            # not timed: the same move in the survivors' old rank order (what the locality order saved),
-            # and whether the order was computed for the layout the rebuilt model has
+            # not timed: the same move in the survivors' old rank order (what the locality order saved)
             by_rank = plan(old_ptc, old_layout, res.cfg, alive=sorted(nm.alive)).stats if old_ptc else ps
-            try:
-                predicted = old_layout is not None and old_layout.remesh(dims) == res.cfg
-            except tenplex.LayoutError:
-                predicted = False
             return {"event": "recover", "reason": reason.splitlines()[0][:200], "world_size": world, "mesh": dims,
                     "alive": list(nm.alive), "joiners": list(nm.joiners), "live": res.live, "step": step,
                     "newest": newest,

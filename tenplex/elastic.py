@@ -40,7 +40,7 @@ from .state_layout import StateLayout
 from .store.recovery import Tier, TierScan, load_tiered, scan_tiers
 from .topology import Topology
 
-__all__ = ["RescaleResult", "LiveState", "live_step", "live_order", "rescale", "agree_on_step", "env_world", "layout_options_for", "device_memory",
+__all__ = ["RescaleResult", "LiveState", "live_step", "live_order", "predict_layout", "rescale", "agree_on_step", "env_world", "layout_options_for", "device_memory",
            "default_chooser", "storage_tier", "MeshChooser", "mesh_dims", "choose_mesh", "check_fits"]
 
 log = logging.getLogger(__name__)
@@ -289,7 +289,9 @@ def live_step(held: Sequence[Sequence[int]], stored: Sequence[Sequence[int]],
 
 
 def live_order(ptc: PTC, cfg: ParallelConfig | StateLayout, choose: Chooser | MeshChooser,
-               previous: Sequence[int]) -> Callable[[Sequence[int]], list[int]]:
+               previous: Sequence[int], *,
+               known: Mapping[tuple[tuple[str, int], ...], StateLayout] | None = None,
+               ) -> Callable[[Sequence[int]], list[int]]:
     """A ``Membership(order=...)``: the survivors (member ids of the group ``previous``, ids by
     rank) ordered by ``locality_order`` for the layout ``choose`` picks for the new group's size,
     so that new rank i runs where most of its state already is; spares of ``cfg`` (ranks beyond its
@@ -299,19 +301,23 @@ def live_order(ptc: PTC, cfg: ParallelConfig | StateLayout, choose: Chooser | Me
     A torch-native job passes its ``StateLayout`` (``describe_state_dict``) and its mesh rule
     (``choose_mesh``'s ``choose``: world size -> mesh dims): the new layout is the state dict's on
     that mesh as ``StateLayout.remesh`` predicts it (pure: every survivor computes the same order
-    from what it holds, with no message). Where ``remesh`` cannot tell (pipeline stages, a TP dim
-    appearing), the survivors keep their old rank order (logged); a prediction the rebuilt model does
+    from what it holds, with no message). ``known``: layouts the job's state dicts had on earlier
+    meshes (mesh dims as ``tuple(dims.items())`` -> ``describe_state_dict``'s layout): the one of the
+    new mesh's exact dims is taken as it is, else one ``remesh`` can carry to them (a TP dim coming
+    back after a shrink, pipeline stages on a mesh seen before). Where neither tells (a TP dim never
+    seen), the survivors keep their old rank order (logged); a prediction the rebuilt model does
     not match costs bytes moved, never correctness (``rescale`` plans on the layout described)."""
 
     def order(members: Sequence[int]) -> list[int]:
-        known = set(previous)
-        ranks = old_ranks(previous, [m for m in members if m in known])
-        joiners = [m for m in members if m not in known]
+        held = set(previous)
+        ranks = old_ranks(previous, [m for m in members if m in held])
+        joiners = [m for m in members if m not in held]
         holders = sorted(r for r in ranks if r < cfg.world_size)  # ties broken alike whatever the members' order
         spares = [r for r in ranks if r >= cfg.world_size]
         if isinstance(cfg, StateLayout):
+            dims = tuple(choose_mesh(len(members), choose=choose).items())  # type: ignore[arg-type]
             try:
-                new: ParallelConfig | StateLayout = cfg.remesh(choose_mesh(len(members), choose=choose))  # type: ignore[arg-type]
+                new: ParallelConfig | StateLayout = predict_layout(cfg, dims, known or {})
             except LayoutError as e:
                 log.warning("survivors in their old rank order: the state dict's layout for %d ranks cannot be "
                             "told before the model is rebuilt (%s)", len(members), e)
@@ -321,6 +327,23 @@ def live_order(ptc: PTC, cfg: ParallelConfig | StateLayout, choose: Chooser | Me
         return [previous[r] for r in locality_order(ptc, cfg, new, holders) + spares] + joiners
 
     return order
+
+
+def predict_layout(cfg: StateLayout, dims: tuple[tuple[str, int], ...],
+                   known: Mapping[tuple[tuple[str, int], ...], StateLayout]) -> StateLayout:
+    """The layout a state dict will have on mesh ``dims`` (pure): ``known[dims]`` when the job ran on
+    that mesh before, else ``cfg.remesh(dims)``, else the first of ``known`` (newest first) that
+    ``remesh`` carries to ``dims``; raises ``cfg.remesh``'s LayoutError when none can tell."""
+    if dims in known:
+        return known[dims]
+    first: LayoutError | None = None
+    for layout in (cfg, *reversed(list(known.values()))):
+        try:
+            return layout.remesh(dims)
+        except LayoutError as e:
+            first = first or e
+    assert first is not None
+    raise first
 
 
 def _stored_steps(sources: Sequence[str]) -> dict[int, str]:

@@ -36,7 +36,7 @@ import torch
 
 from tenplex.checkpoint import save
 from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard
-from tenplex.elastic import live_order
+from tenplex.elastic import live_order, predict_layout
 from tenplex.errors import LayoutError
 from tenplex.planner import KIND_NAMES, STORAGE, locality_order, plan
 from tenplex.ptc import PTC
@@ -164,6 +164,33 @@ def test_live_order_puts_the_survivors_where_their_state_is() -> None:
     pp = StateLayout.of(4, {n: Placed(MeshLayout.parse("dp_shard=2"), (Shard(0),), (0, 1) if i % 2 else (2, 3))
                             for i, n in enumerate(SHAPES)})
     assert live_order(collection(pp), pp, lambda n: {"dp_shard": n}, ids)([12, 10, 11]) == [10, 11, 12]
+
+
+def test_live_order_predicts_a_tp_dim_from_a_layout_the_job_had_before() -> None:
+    """Shrunk from FSDP2 x TP2 to ``dp_shard=3``, the job grows back to 4 (a joiner): ``remesh`` of the
+    current layout cannot tell where TP splits, but the layout of the mesh the job ran first can, taken
+    as it is for those exact dims and carried by ``remesh`` to other sizes of the same dims. The
+    survivors then order themselves by ``locality_order`` for it; without it, old rank order."""
+    first, now = old_layout(), new_layout()
+    ptc = collection(first)
+    known = {(("dp_shard", 2), ("tp", 2)): first}
+    assert predict_layout(now, (("dp_shard", 2), ("tp", 2)), known) is first
+    assert predict_layout(now, (("dp_shard", 3), ("tp", 2)), known) == first.remesh({"dp_shard": 3, "tp": 2})
+    assert predict_layout(now, (("dp_shard", 2),), known) == now.remesh({"dp_shard": 2})
+    with pytest.raises(LayoutError, match="'tp'"):
+        predict_layout(now, (("dp_shard", 2), ("tp", 2)), {})
+    ids = [10, 11, 12]
+    rule = mesh_rule_of_the_example()
+    expected = [ids[r] for r in locality_order(ptc, now, first, [0, 1, 2])] + [99]
+    assert live_order(ptc, now, rule, ids, known=known)([10, 11, 12, 99]) == expected
+    assert live_order(ptc, now, rule, ids)([12, 10, 11, 99]) == [10, 11, 12, 99]  # cannot tell: old rank order
+
+
+def mesh_rule_of_the_example() -> Any:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from train_native import mesh_rule
+
+    return mesh_rule
 
 
 def test_state_ring_keeps_the_pinned_step_beyond_the_ring_and_never_reuses_its_buffers() -> None:
