@@ -521,6 +521,58 @@ def test_a_failure_while_a_joiner_waits_takes_the_joiner_into_the_recovery(tmp_p
 
 @EXTRA
 @pytest.mark.timeout(240)
+def test_a_job_that_shrank_grows_back_with_its_tp_layout_predicted(tmp_path: Path) -> None:
+    """4 workers on dp_shard=2,tp=2; worker 3 is killed (the 3 go on under dp_shard=3); a joiner
+    started then takes the job back to 4. The survivors order themselves for dp_shard=2,tp=2 from the
+    layout the job had there at first (``live_order(known=)``): the prediction equals the rebuilt
+    model's layout, the joiner gets new rank 3; bytes live == the plan's; every sample once, the first
+    steps' losses within 1e-4 of the uninterrupted run."""
+    import torch.distributed as dist
+
+    steps = 80  # the joiner starts (2-4 s) while the job still runs
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    log, ckpt, master = tmp_path / "log.jsonl", tmp_path / "ckpt", free_port()
+    args = ["--ckpt", str(ckpt), "--steps", str(steps), "--ckpt-every", str(EVERY), "--global-batch", str(BATCH),
+            "--in-process", "--dead-after", DEAD_AFTER]
+
+    def records() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    procs = _workers(tmp_path, 4, [*args, "--log", str(log), "--die-at", f"{DEAD}:3:optimizer"], store.port,
+                     port=master)
+    joiner = None
+    try:
+        reference = native_reference(steps)
+        deadline = time.monotonic() + 120
+        while not any(r.get("event") == "recover" for r in records()):
+            assert time.monotonic() < deadline and procs[0].poll() is None, log_tails(tmp_path)
+            time.sleep(0.1)
+        joiner = _joiner(tmp_path, args, store.port, master)
+        codes = wait_procs([*procs, joiner], 180)
+    finally:
+        wait_procs([*procs, *([joiner] if joiner else [])], 0)
+    assert codes == [0, 0, 0, -9, 0], (codes, log_tails(tmp_path))
+    recs = [r for r in records() if r.get("event") == "recover"]
+    assert [(r["reason"] == "join", r["world_size"]) for r in recs] == [(False, 3), (True, 4)], recs
+    grow = recs[1]
+    assert grow["mesh"] == {"dp_shard": 2, "tp": 2} and grow["layout_predicted"] and grow["joiners"] == [4], grow
+    assert grow["bytes_live"] == grow["plan_bytes_peer"] > 0 and grow["bytes_storage"] == 0, grow
+    assert grow["bytes_live"] <= grow["rank_order_plan_bytes_peer"], grow  # measured 853,980 B vs 877,860 B
+    by_step: dict[int, list[dict]] = {}
+    for r in records():
+        if "loss" in r:
+            by_step.setdefault(r["step"], []).append(r)
+    assert sorted(by_step) == list(range(steps))
+    seen = [x for s in range(steps) for x in by_step[s][-1]["samples"]]
+    assert len(seen) == len(set(seen)) == steps * BATCH
+    assert all(r["samples"] == reference[s][1] for s, rs in by_step.items() for r in rs)
+    for s in range(min(steps, grow["step"] + 3)):
+        for r in by_step[s]:
+            assert abs(r["loss"] - reference[s][0]) <= REL_TOL * abs(reference[s][0]), (s, r["loss"], reference[s])
+
+
+@EXTRA
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("dead", [2, 3])
 def test_native_hsdp_job_recovers_with_nothing_from_the_checkpoint(tmp_path: Path, dead: int) -> None:
     """4 workers on dp_replicate=2,dp_shard=2 (HSDP): every element has a replica, so when a worker
