@@ -350,6 +350,10 @@ def run(tc: TrainConfig) -> int:
         return _train(tc, start, state, rank, world, t_start)
     finally:
         if dist.is_initialized():
+            # groups the trainer's reference cycles keep go now, while the interpreter runs: a gloo worker
+            # thread still dropping its last collective's tensors when the interpreter finalizes aborts the
+            # process ("terminate called without an active exception", seen in a core dump)
+            gc.collect()
             dist.destroy_process_group()
 
 
