@@ -145,12 +145,21 @@ class PeerLinks:
         return frozenset(dead)
 
     def close(self) -> None:
-        """Say goodbye on every link and close them (peers then do not take this for a death)."""
+        """Say goodbye on every link and close them (peers then do not take this for a death).
+
+        Links peers opened that still wait in the listener's backlog are accepted first and told
+        goodbye too: closing the listener would reset them, which their peers would take for a
+        death. Each link's unread input is drained after the goodbye and its end of the stream shut,
+        so that its close is a FIN after the goodbye byte, not a reset that could overtake it."""
         if self._closed:
             return
         self._closed = True
+        self._accept()
         for ln in list(self._links):
-            self._bye(ln)
+            self._bye(ln, last=True)
+        self._accept()  # a connection that arrived meanwhile
+        for ln in list(self._links):
+            self._bye(ln, last=True)
         self._listener.close()
 
     # -- internals ---------------------------------------------------------------------------------
@@ -203,11 +212,17 @@ class PeerLinks:
         if _BYE in data:
             ln.said_bye = True
 
-    def _bye(self, ln: _Link) -> None:
+    def _bye(self, ln: _Link, *, last: bool = False) -> None:
+        """Goodbye on ``ln``, then close it; ``last`` (this member closes): shut the sending side
+        and drain what the peer sent (its hello), so that the close does not reset the link."""
         if ln.connected:
             try:
                 ln.sock.send(_BYE)
-            except OSError:
+                if last:
+                    ln.sock.shutdown(socket.SHUT_WR)
+                    while ln.sock.recv(4096):
+                        pass
+            except OSError:  # nothing (more) to read (EAGAIN), or the peer is gone
                 pass
         self._drop(ln)
 

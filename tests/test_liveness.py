@@ -107,3 +107,16 @@ def test_strangers_and_unreachable_peers_are_not_deaths() -> None:
 def test_link_host() -> None:
     assert link_host(None) == "127.0.0.1" and link_host("localhost") == "127.0.0.1"
     assert link_host("127.0.0.1") == "127.0.0.1"
+
+
+def test_a_goodbye_reaches_a_link_still_waiting_in_the_listeners_backlog() -> None:
+    """Member 1 links to member 7, which closes before it ever polls: 1's connection still waits in
+    7's listener backlog. ``close`` accepts it and says goodbye on it, so 1 sees a goodbye, not a
+    death (closing the listener alone resets it: 1 named 7 dead)."""
+    a, b = PeerLinks(1), PeerLinks(7)
+    a.want({7: b.address})
+    _poll_until(a, lambda _: a.linked() == {7}, 5)
+    assert a.linked() == {7}
+    b.close()
+    dead = _poll_until(a, lambda _: not a.linked(), 5)
+    assert dead == set() and not a.linked()
