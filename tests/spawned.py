@@ -1,5 +1,9 @@
 """Spawned gloo worlds for tests: start one process per rank, collect what each reports, always clean up.
 
+Workers start from one forkserver per test session (``worker_context``) that imported torch,
+torch.distributed (DTensor and DCP included) and tenplex once: a worker costs a fork instead of
+2-6 s of imports (20 interpreters importing torch on 2 CPUs took about a minute of the suite).
+
 A worker is ``target(*args, queue)``; it puts ``(key..., result)`` tuples on the queue, where
 ``result`` is a dict with an ``"error"`` entry (empty or None when it went well). The test gets
 the results by key (``key`` alone for 2-tuples, else the tuple of keys), stops early at the first
@@ -8,6 +12,8 @@ error, and fails with the keys that did not report in time.
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
+from multiprocessing.reduction import DupFd
 import os
 import queue
 import socket
@@ -20,7 +26,12 @@ from typing import Any
 
 import pytest
 
-__all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_tails"]
+__all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_tails", "worker_context", "here", "in_env"]
+
+# imported once by the forkserver: what the workers of tests import (torch.distributed.tensor alone
+# takes 3.5 s: dynamo, sympy); a module that cannot be imported is skipped by multiprocessing
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "tenplex",
+           "tenplex.train.run", "tenplex.membership", "tenplex.migrate", "hypothesis", "pytest")
 
 
 def free_port() -> int:
@@ -46,6 +57,50 @@ def gloo_env() -> Iterator[None]:
                 os.environ[k] = v
 
 
+def worker_context() -> Any:
+    """The multiprocessing context of test workers: a forkserver started once (under ``gloo_env``, so
+    torch and OpenBLAS start no threads before the forks) that has imported ``PRELOAD``. Start a
+    worker as ``ctx.Process(target=in_env, args=(*here(), target, *args))`` (``run_spawned`` does):
+    a forked worker has the forkserver's environment and output, ``in_env`` gives it the caller's
+    (the running test's captured stdout and stderr), as spawn would."""
+    import torch.multiprocessing as mp  # lazy: the tensor reductions for queues, as the workers use them
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # only the first call's list counts: the server is started once
+    with gloo_env():
+        multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
+class _Inherited:
+    """A file descriptor of this process that a forkserver worker receives as it starts (pickled while
+    the worker starts: multiprocessing's ``DupFd`` passes it along with the worker's own pipes)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _same, (DupFd(self.fd),)
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def here() -> tuple[dict[str, str], tuple[_Inherited, _Inherited]]:
+    """This process's environment and stdout / stderr, for ``in_env`` (call it where a worker is started)."""
+    return dict(os.environ), (_Inherited(1), _Inherited(2))
+
+
+def in_env(env: dict[str, str], fds: tuple[Any, Any], target: Callable[..., None], *args: Any) -> None:
+    """Run ``target(*args)`` in a forked worker under the environment and output of ``here()``."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, to in zip(fds, (1, 2)):
+        os.dup2(fd.detach(), to)
+    target(*args)
+
+
 def reap(procs: Sequence[Any], timeout: float = 10) -> None:
     """Join every process, killing those still alive after ``timeout`` seconds."""
     for p in procs:
@@ -56,15 +111,13 @@ def reap(procs: Sequence[Any], timeout: float = 10) -> None:
 
 
 def run_spawned(target: Callable[..., None], args: Sequence[tuple], *, expect: int, timeout: float) -> dict[Any, dict]:
-    """Run ``target(*a, queue)`` for every ``a`` in ``args`` in spawned processes (``gloo_env``) until
-    ``expect`` results arrived, one reported an error, or ``timeout`` seconds passed."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    """Run ``target(*a, queue)`` for every ``a`` in ``args`` in worker processes (``worker_context``,
+    ``gloo_env``) until ``expect`` results arrived, one reported an error, or ``timeout`` seconds passed."""
+    ctx = worker_context()
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*a, q)) for a in args]
     results: dict[Any, dict] = {}
     with gloo_env():
+        procs = [ctx.Process(target=in_env, args=(*here(), target, *a, q)) for a in args]
         try:
             for p in procs:
                 p.start()
