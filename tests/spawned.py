@@ -18,6 +18,7 @@ import os
 import queue
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -26,7 +27,8 @@ from typing import Any
 
 import pytest
 
-__all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_tails", "worker_context", "here", "in_env"]
+__all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_tails", "worker_context", "here", "in_env",
+           "Forked", "start_trainer"]
 
 # imported once by the forkserver: what the workers of tests import (torch.distributed.tensor alone
 # takes 3.5 s: dynamo, sympy); a module that cannot be imported is skipped by multiprocessing
@@ -99,6 +101,52 @@ def in_env(env: dict[str, str], fds: tuple[Any, Any], target: Callable[..., None
     for fd, to in zip(fds, (1, 2)):
         os.dup2(fd.detach(), to)
     target(*args)
+
+
+class Forked:
+    """A worker of ``worker_context`` behind the part of ``subprocess.Popen`` that tests use (``pid``,
+    ``poll``, ``wait``, ``kill``): ``wait_procs`` takes both."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"forked worker {self.proc.pid}", timeout or 0)
+        return int(self.proc.exitcode)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def start_trainer(argv: Sequence[str], log: Path, env: dict[str, str]) -> Forked:
+    """``python -m tenplex.train ARGV`` under ``env``, its output to ``log``, as a worker of
+    ``worker_context``: the trainer's ``main`` in a fork of a process that imported it (a worker
+    starts in milliseconds, not after 2-3 s of imports); exit codes as the command's."""
+    Path(log).write_bytes(b"")  # there once this returns, as with Popen(stdout=log.open("w"))
+    proc = worker_context().Process(target=_train, args=(list(argv), str(log), dict(env)))
+    proc.start()
+    return Forked(proc)
+
+
+def _train(argv: list[str], log: str, env: dict[str, str]) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    for to in (1, 2):
+        os.dup2(fd, to)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    from tenplex.train.run import main  # lazy: preloaded by the forkserver
+
+    sys.exit(main(argv))
 
 
 def reap(procs: Sequence[Any], timeout: float = 10) -> None:
