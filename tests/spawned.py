@@ -13,16 +13,17 @@ error, and fails with the keys that did not report in time.
 from __future__ import annotations
 
 import multiprocessing.forkserver
-from multiprocessing.reduction import DupFd
 import os
 import queue
+import resource
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from contextlib import contextmanager
+from multiprocessing.reduction import DupFd
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -107,8 +108,8 @@ class Forked:
     """A worker of ``worker_context`` behind the part of ``subprocess.Popen`` that tests use (``pid``,
     ``poll``, ``wait``, ``kill``): ``wait_procs`` takes both."""
 
-    def __init__(self, proc: Any) -> None:
-        self.proc = proc
+    def __init__(self, proc: Any, log: Path | None = None) -> None:
+        self.proc, self.log = proc, log
 
     @property
     def pid(self) -> int:
@@ -127,23 +128,27 @@ class Forked:
         self.proc.kill()
 
 
-def start_trainer(argv: Sequence[str], log: Path, env: dict[str, str]) -> Forked:
-    """``python -m tenplex.train ARGV`` under ``env``, its output to ``log``, as a worker of
-    ``worker_context``: the trainer's ``main`` in a fork of a process that imported it (a worker
-    starts in milliseconds, not after 2-3 s of imports); exit codes as the command's."""
+def start_trainer(argv: Sequence[str], log: Path, env: dict[str, str], *, fsize_limit: int | None = None) -> Forked:
+    """``python -m tenplex.train ARGV`` under ``env``, its output to ``log`` (``Forked.log``), as a worker
+    of ``worker_context``: the trainer's ``main`` in a fork of a process that imported it (a worker
+    starts in milliseconds, not after 2-3 s of imports); exit codes as the command's.
+    ``fsize_limit``: its files cannot grow past that many bytes (a quota, a full disk: writes past it
+    fail with EFBIG; Python ignores SIGXFSZ)."""
     Path(log).write_bytes(b"")  # there once this returns, as with Popen(stdout=log.open("w"))
-    proc = worker_context().Process(target=_train, args=(list(argv), str(log), dict(env)))
+    proc = worker_context().Process(target=_train, args=(list(argv), str(log), dict(env), fsize_limit))
     proc.start()
-    return Forked(proc)
+    return Forked(proc, Path(log))
 
 
-def _train(argv: list[str], log: str, env: dict[str, str]) -> None:
+def _train(argv: list[str], log: str, env: dict[str, str], fsize_limit: int | None) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     for to in (1, 2):
         os.dup2(fd, to)
     os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    if fsize_limit is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
     from tenplex.train.run import main  # lazy: preloaded by the forkserver
 
     sys.exit(main(argv))
