@@ -12,6 +12,7 @@ error, and fails with the keys that did not report in time.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing.forkserver
 import os
 import queue
@@ -29,7 +30,7 @@ from typing import Any
 import pytest
 
 __all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_tails", "worker_context", "here", "in_env",
-           "Forked", "start_trainer"]
+           "Forked", "start_trainer", "rank_env"]
 
 # imported once by the forkserver: what the workers of tests import (torch.distributed.tensor alone
 # takes 3.5 s: dynamo, sympy); a module that cannot be imported is skipped by multiprocessing
@@ -128,19 +129,27 @@ class Forked:
         self.proc.kill()
 
 
-def start_trainer(argv: Sequence[str], log: Path, env: dict[str, str], *, fsize_limit: int | None = None) -> Forked:
+def start_trainer(argv: Sequence[str], log: Path, env: dict[str, str], *, fsize_limit: int | None = None,
+                  main: str = "tenplex.train.run:main") -> Forked:
     """``python -m tenplex.train ARGV`` under ``env``, its output to ``log`` (``Forked.log``), as a worker
     of ``worker_context``: the trainer's ``main`` in a fork of a process that imported it (a worker
     starts in milliseconds, not after 2-3 s of imports); exit codes as the command's.
     ``fsize_limit``: its files cannot grow past that many bytes (a quota, a full disk: writes past it
-    fail with EFBIG; Python ignores SIGXFSZ)."""
+    fail with EFBIG; Python ignores SIGXFSZ). ``main``: another ``module:function`` taking ``argv``
+    (e.g. ``tenplex.train.bubble_bench:main``)."""
     Path(log).write_bytes(b"")  # there once this returns, as with Popen(stdout=log.open("w"))
-    proc = worker_context().Process(target=_train, args=(list(argv), str(log), dict(env), fsize_limit))
+    proc = worker_context().Process(target=_train, args=(main, list(argv), str(log), dict(env), fsize_limit))
     proc.start()
     return Forked(proc, Path(log))
 
 
-def _train(argv: list[str], log: str, env: dict[str, str], fsize_limit: int | None) -> None:
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torchrun gives worker ``rank`` of a one-host world of ``world`` (env:// on ``port``)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def _train(main: str, argv: list[str], log: str, env: dict[str, str], fsize_limit: int | None) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     for to in (1, 2):
         os.dup2(fd, to)
@@ -149,9 +158,8 @@ def _train(argv: list[str], log: str, env: dict[str, str], fsize_limit: int | No
     os.environ.update(env)
     if fsize_limit is not None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
-    from tenplex.train.run import main  # lazy: preloaded by the forkserver
-
-    sys.exit(main(argv))
+    module, function = main.split(":")
+    sys.exit(getattr(importlib.import_module(module), function)(argv))
 
 
 def reap(procs: Sequence[Any], timeout: float = 10) -> None:
