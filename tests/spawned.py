@@ -1,5 +1,9 @@
 """Spawned gloo worlds for tests: start one process per rank, collect what each reports, always clean up.
 
+Workers start from one forkserver per test session (``worker_context``) that imported torch,
+torch.distributed (DTensor and DCP included) and tenplex once: a worker costs a fork instead of
+2-6 s of imports (20 interpreters importing torch on 2 CPUs took about a minute of the suite).
+
 A worker is ``target(*args, queue)``; it puts ``(key..., result)`` tuples on the queue, where
 ``result`` is a dict with an ``"error"`` entry (empty or None when it went well). The test gets
 the results by key (``key`` alone for 2-tuples, else the tuple of keys), stops early at the first
@@ -8,19 +12,30 @@ error, and fails with the keys that did not report in time.
 
 from __future__ import annotations
 
+import importlib
+import multiprocessing.forkserver
 import os
 import queue
+import resource
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from contextlib import contextmanager
+from multiprocessing.reduction import DupFd
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-__all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_tails"]
+__all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_tails", "worker_context", "here", "in_env",
+           "Forked", "start_trainer", "rank_env"]
+
+# imported once by the forkserver: what the workers of tests import (torch.distributed.tensor alone
+# takes 3.5 s: dynamo, sympy); a module that cannot be imported is skipped by multiprocessing
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "tenplex",
+           "tenplex.train.run", "tenplex.membership", "tenplex.migrate", "hypothesis", "pytest")
 
 
 def free_port() -> int:
@@ -46,6 +61,107 @@ def gloo_env() -> Iterator[None]:
                 os.environ[k] = v
 
 
+def worker_context() -> Any:
+    """The multiprocessing context of test workers: a forkserver started once (under ``gloo_env``, so
+    torch and OpenBLAS start no threads before the forks) that has imported ``PRELOAD``. Start a
+    worker as ``ctx.Process(target=in_env, args=(*here(), target, *args))`` (``run_spawned`` does):
+    a forked worker has the forkserver's environment and output, ``in_env`` gives it the caller's
+    (the running test's captured stdout and stderr), as spawn would."""
+    import torch.multiprocessing as mp  # lazy: the tensor reductions for queues, as the workers use them
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # only the first call's list counts: the server is started once
+    with gloo_env():
+        multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
+class _Inherited:
+    """A file descriptor of this process that a forkserver worker receives as it starts (pickled while
+    the worker starts: multiprocessing's ``DupFd`` passes it along with the worker's own pipes)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _same, (DupFd(self.fd),)
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def here() -> tuple[dict[str, str], tuple[_Inherited, _Inherited]]:
+    """This process's environment and stdout / stderr, for ``in_env`` (call it where a worker is started)."""
+    return dict(os.environ), (_Inherited(1), _Inherited(2))
+
+
+def in_env(env: dict[str, str], fds: tuple[Any, Any], target: Callable[..., None], *args: Any) -> None:
+    """Run ``target(*args)`` in a forked worker under the environment and output of ``here()``."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, to in zip(fds, (1, 2)):
+        os.dup2(fd.detach(), to)
+    target(*args)
+
+
+class Forked:
+    """A worker of ``worker_context`` behind the part of ``subprocess.Popen`` that tests use (``pid``,
+    ``poll``, ``wait``, ``kill``): ``wait_procs`` takes both."""
+
+    def __init__(self, proc: Any, log: Path | None = None) -> None:
+        self.proc, self.log = proc, log
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"forked worker {self.proc.pid}", timeout or 0)
+        return int(self.proc.exitcode)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def start_trainer(argv: Sequence[str], log: Path, env: dict[str, str], *, fsize_limit: int | None = None,
+                  main: str = "tenplex.train.run:main") -> Forked:
+    """``python -m tenplex.train ARGV`` under ``env``, its output to ``log`` (``Forked.log``), as a worker
+    of ``worker_context``: the trainer's ``main`` in a fork of a process that imported it (a worker
+    starts in milliseconds, not after 2-3 s of imports); exit codes as the command's.
+    ``fsize_limit``: its files cannot grow past that many bytes (a quota, a full disk: writes past it
+    fail with EFBIG; Python ignores SIGXFSZ). ``main``: another ``module:function`` taking ``argv``
+    (e.g. ``tenplex.train.bubble_bench:main``)."""
+    Path(log).write_bytes(b"")  # there once this returns, as with Popen(stdout=log.open("w"))
+    proc = worker_context().Process(target=_train, args=(main, list(argv), str(log), dict(env), fsize_limit))
+    proc.start()
+    return Forked(proc, Path(log))
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torchrun gives worker ``rank`` of a one-host world of ``world`` (env:// on ``port``)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def _train(main: str, argv: list[str], log: str, env: dict[str, str], fsize_limit: int | None) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    for to in (1, 2):
+        os.dup2(fd, to)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if fsize_limit is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
+    module, function = main.split(":")
+    sys.exit(getattr(importlib.import_module(module), function)(argv))
+
+
 def reap(procs: Sequence[Any], timeout: float = 10) -> None:
     """Join every process, killing those still alive after ``timeout`` seconds."""
     for p in procs:
@@ -56,15 +172,13 @@ def reap(procs: Sequence[Any], timeout: float = 10) -> None:
 
 
 def run_spawned(target: Callable[..., None], args: Sequence[tuple], *, expect: int, timeout: float) -> dict[Any, dict]:
-    """Run ``target(*a, queue)`` for every ``a`` in ``args`` in spawned processes (``gloo_env``) until
-    ``expect`` results arrived, one reported an error, or ``timeout`` seconds passed."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    """Run ``target(*a, queue)`` for every ``a`` in ``args`` in worker processes (``worker_context``,
+    ``gloo_env``) until ``expect`` results arrived, one reported an error, or ``timeout`` seconds passed."""
+    ctx = worker_context()
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*a, q)) for a in args]
     results: dict[Any, dict] = {}
     with gloo_env():
+        procs = [ctx.Process(target=in_env, args=(*here(), target, *a, q)) for a in args]
         try:
             for p in procs:
                 p.start()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +14,8 @@ import tenplex
 from tenplex.bubbles import BubbleRuntime, SnapshotTask
 from tenplex.train.launch import free_port
 from tenplex.train.schedule import Op
+
+from spawned import log_tails, rank_env, start_trainer, wait_procs
 
 
 class _Work:
@@ -180,18 +180,22 @@ def test_snapshot_task_copies_exactly_and_double_buffers() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bubble_snapshots_match_checkpoints_and_leave_losses_unchanged(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     store, out, ckpt, log = tmp_path / "store", tmp_path / "out", tmp_path / "ckpt", tmp_path / "log.jsonl"
     common = ["--model", "tiny", "--global-batch", "8", "--micro-batch", "2"]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    f"--master-port={free_port()}", "-m", "tenplex.train.bubble_bench", "--", "--worker", "--mode",
-                    "bubbles", "--layout", "dp=1,tp=1,pp=2", "--rounds", "1", "--warmup", "1",
-                    "--store-dir", str(store), "--out", str(out), *common], check=True, capture_output=True, timeout=240, env=env)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    f"--master-port={free_port()}", "-m", "tenplex.train", "--", "--parallel", "dp=1,tp=1,pp=2",
-                    "--steps", "6", "--seed", "1234", "--lr", "3e-3", "--ckpt", str(ckpt), "--ckpt-every", "1",
-                    "--keep-last", "10", "--log", str(log), *common], check=True, capture_output=True, timeout=240,
-                   env=env)
+
+    def world(main: str, argv: list[str], tag: str) -> None:  # 2 ranks as torchrun starts them, forked
+        port = free_port()
+        procs = [start_trainer(argv, tmp_path / f"{tag}{r}.log", {**os.environ, "OMP_NUM_THREADS": "1",
+                                                                   **rank_env(r, 2, port)}, main=main)
+                 for r in range(2)]
+        assert wait_procs(procs, 240) == [0, 0], log_tails(tmp_path, f"{tag}*.log")
+
+    world("tenplex.train.bubble_bench:main", ["--worker", "--mode", "bubbles", "--layout", "dp=1,tp=1,pp=2",
+                                              "--rounds", "1", "--warmup", "1", "--store-dir", str(store),
+                                              "--out", str(out), *common], "bench")
+    world("tenplex.train.run:main", ["--parallel", "dp=1,tp=1,pp=2", "--steps", "6", "--seed", "1234", "--lr",
+                                     "3e-3", "--ckpt", str(ckpt), "--ckpt-every", "1", "--keep-last", "10", "--log",
+                                     str(log), *common], "train")
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
     plain = [json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line]
     bubble_losses = [s["loss"] for s in next(r for r in ranks if r["rank"] == 0)["steps"]]

@@ -12,6 +12,7 @@ import re
 import tempfile
 import uuid
 from collections import defaultdict
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -1177,79 +1178,90 @@ def test_rescale_falls_back_and_never_starts_fresh_over_damage(url):
         rescale(url, ptc, rank=0, world_size=2, parallel=cfg)
 
 
-_NONCE_CHILD = r"""
-import os, sys, threading, datetime
-import torch.distributed as dist
-from tenplex import ParallelConfig, model_ptc
-from tenplex.checkpoint import default_save_id
-rank, port = int(sys.argv[1]), int(sys.argv[2])
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                        timeout=datetime.timedelta(seconds=60))
-ptc, cfg = model_ptc("tiny"), ParallelConfig(tp=2)
-box = []
-th = threading.Thread(target=lambda: box.append(default_save_id(cfg, ptc)))  # as from a background save
-th.start(); th.join()
-print("id", box[0], default_save_id(cfg, ptc), flush=True)
-dist.barrier()
-dist.destroy_process_group()
-"""
+def _nonce_worker(launch: int, rank: int, port: int, out: Any) -> None:
+    """A rank of a launch of 2: its default save id, from a background thread (as a background save)
+    and from the main thread."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from tenplex import model_ptc
+    from tenplex.checkpoint import default_save_id
+
+    res: dict[str, Any] = {"error": None}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        ptc, cfg = model_ptc("tiny"), ParallelConfig(tp=2)
+        box: list[str] = []
+        th = threading.Thread(target=lambda: box.append(default_save_id(cfg, ptc)))
+        th.start()
+        th.join()
+        res["ids"] = [box[0], default_save_id(cfg, ptc)]
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # reported to the parent, which fails the test with it
+        res["error"] = f"{type(e).__name__}: {e}"
+    out.put((launch, rank, res))
 
 
 @pytest.mark.timeout(180)
-def test_default_save_id_is_shared_by_a_launch_and_differs_between_launches(tmp_path):
+def test_default_save_id_is_shared_by_a_launch_and_differs_between_launches(tmp_path, monkeypatch):
     """The id hashed run id, restart count, layout and model only, so a relaunch with the same
     run id reused it. Under a process group every rank derives the same id, from a background
-    thread too, and another launch with the same environment gets another one."""
-    import subprocess
-    import sys
+    thread too, and another launch with the same environment gets another one. (Workers forked
+    from the session's forkserver: ``spawned.run_spawned``.)"""
+    from spawned import free_port, run_spawned
 
-    from spawned import free_port
-
-    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    for k, v in {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(k, v)
     # the two launches side by side (each on its own port): the same environment, other process groups
     ports = [free_port(), free_port()]
-    procs = [[subprocess.Popen([sys.executable, "-c", _NONCE_CHILD, str(r), str(port)], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-             for port in ports]
+    got = run_spawned(_nonce_worker, [(launch, r, port) for launch, port in enumerate(ports) for r in range(2)],
+                      expect=4, timeout=150)
+    assert all(not res["error"] for res in got.values()), got
     launches = []
-    for launch in procs:
-        outs = [p.communicate(timeout=150)[0] for p in launch]
-        assert all(p.returncode == 0 for p in launch), outs
-        ids = [line.split()[1:] for out in outs for line in out.splitlines() if line.startswith("id ")]
-        assert len(ids) == 2 and len({i for pair in ids for i in pair}) == 1, ids  # one id per launch
+    for launch in range(2):
+        ids = [got[(launch, r)]["ids"] for r in range(2)]
+        assert len({i for pair in ids for i in pair}) == 1, ids  # one id per launch
         launches.append(ids[0][0])
     assert launches[0] != launches[1]
 
 
-_AGREE_CHILD = r"""
-import datetime, json, sys, torch
-import torch.distributed as dist
-from tenplex import ParallelConfig, model_ptc
-from tenplex.elastic import agree_on_step, rescale
-rank, port, url, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-ptc = model_ptc(arch="llama", num_layers=4, hidden=64, heads=8, kv_heads=4, ffn_hidden=128, vocab=37, vocab_pad=2,
-                seq_len=8, dtype=torch.float32)
-cfg = ParallelConfig(tp=2)
-res = rescale(url, ptc, rank=rank, world_size=2, parallel=cfg)  # before the process group, as the trainer does
-before = res.step
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                        timeout=datetime.timedelta(seconds=60))
-res = agree_on_step(res, url, ptc)
-torch.save(res.shard, f"{out}/shard-{rank}.pt")
-print("steps", before, res.step, flush=True)
-dist.destroy_process_group()
-"""
+def _agree_worker(rank: int, port: int, url: str, out_dir: str, out: Any) -> None:
+    """A rank that rescales before the process group (as the trainer does), then agrees on the step."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from tenplex.elastic import agree_on_step, rescale
+
+    res_out: dict[str, Any] = {"error": None}
+    try:
+        ptc = model_ptc(arch="llama", num_layers=4, hidden=64, heads=8, kv_heads=4, ffn_hidden=128, vocab=37,
+                        vocab_pad=2, seq_len=8, dtype=torch.float32)
+        cfg = ParallelConfig(tp=2)
+        res = rescale(url, ptc, rank=rank, world_size=2, parallel=cfg)
+        before = res.step
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        res = agree_on_step(res, url, ptc)
+        torch.save(res.shard, f"{out_dir}/shard-{rank}.pt")
+        res_out["steps"] = [before, res.step]
+        dist.destroy_process_group()
+    except BaseException as e:  # reported to the parent, which fails the test with it
+        res_out["error"] = f"{type(e).__name__}: {e}"
+    out.put((rank, res_out))
 
 
 @pytest.mark.timeout(180)
 def test_ranks_that_saw_different_damage_agree_on_one_step(tmp_path):
     """Damage only rank 1 reads makes rank 1 fall back alone; agree_on_step (real gloo ranks)
-    brings rank 0 back to the same step."""
-    import socket
-    import subprocess
-    import sys
+    brings rank 0 back to the same step. (Ranks forked from the session's forkserver:
+    ``spawned.run_spawned``.)"""
+    from spawned import free_port, run_spawned
 
     ptc = tiny_ptc(hidden=64, ffn_hidden=128)
     cfg = ParallelConfig(tp=2)
@@ -1262,16 +1274,11 @@ def test_ranks_that_saw_different_damage_agree_on_one_step(tmp_path):
     raw = bytearray(_read_bytes(url, rel))
     raw[chunk["offset"] + 5] ^= 0x01
     _write_bytes(url, rel, bytes(raw))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_CHILD, str(r), str(port), url, str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=150)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    steps = [next(line.split()[1:] for line in out.splitlines() if line.startswith("steps ")) for out in outs]
-    assert steps == [["20", "19"], ["19", "19"]], steps
+    port = free_port()
+    got = run_spawned(_agree_worker, [(r, port, url, str(tmp_path)) for r in range(2)], expect=2, timeout=150)
+    assert all(not res["error"] for res in got.values()), got
+    steps = [got[r]["steps"] for r in range(2)]
+    assert steps == [[20, 19], [19, 19]], steps
     want = ptc.shard(g19, cfg)
     for r in range(2):
         assert_shard_equal(torch.load(tmp_path / f"shard-{r}.pt", weights_only=True), want[r], f"rank {r}")

@@ -4,7 +4,6 @@ chunk layout of DCP metadata, and a sharded DCP checkpoint loaded back through t
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tenplex
 from tenplex.cli import main as cli_main
@@ -21,6 +19,8 @@ from tenplex.interop import dcp_chunk_layout, import_dcp
 from tenplex.mesh import MeshLayout, Shard, box_segments
 from tenplex.ptc import PTC, Replicated, Split
 from tenplex.state_layout import Boxes, Placed, StateLayout, spec_for
+
+from spawned import free_port, gloo_env, here, in_env, reap, worker_context
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,12 +133,6 @@ def test_dcp_chunk_layout_one_pseudo_rank_per_file() -> None:
 # ---------------------------------------------------------------------------------------------
 # a sharded DCP checkpoint written by 2 gloo ranks, imported and loaded back
 # ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _global_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return {"cols": torch.randn(6, 5, generator=g), "rows": torch.randn(5, 3, generator=g).to(torch.bfloat16),
@@ -170,7 +164,13 @@ def _save_worker(rank: int, world: int, port: int, path: str) -> None:
 @pytest.mark.slow
 def test_sharded_dcp_import_keeps_chunks_and_loads_anywhere(tmp_path: Path) -> None:
     src = tmp_path / "dcp"
-    mp.start_processes(_save_worker, args=(2, _free_port(), str(src)), nprocs=2, join=True, start_method="spawn")
+    ctx, port = worker_context(), free_port()
+    with gloo_env():
+        procs = [ctx.Process(target=in_env, args=(*here(), _save_worker, r, 2, port, str(src))) for r in range(2)]
+    for p in procs:
+        p.start()
+    reap(procs, timeout=90)
+    assert [p.exitcode for p in procs] == [0, 0], "a saving rank failed (its traceback is in the captured stderr)"
     res = import_dcp(src, str(tmp_path / "t"))
     layout = res.layout
     assert isinstance(layout, StateLayout) and layout.world_size == 2

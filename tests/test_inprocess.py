@@ -6,7 +6,9 @@ pass and the optimizer step (parameters half updated), one after another (4 -> 3
 world B loses one during a checkpoint save (and goes on with 3), then one in the forward pass
 and one during that recovery's live move: the survivor exits with RECOVERY_FAILED (torchrun's
 restart path), promptly, not after a hang. Every loss must equal the uninterrupted
-single-process run's within 1e-6 relative and every sample must be seen exactly once.
+single-process run's within 1e-6 relative and every sample must be seen exactly once. Workers
+run the trainer's ``main`` forked from the test session's forkserver, which imported it once
+(``spawned.start_trainer``); the torchrun tests start real agents.
 TENPLEX_INPROC_EXTRA=1 adds a world without the distributed optimizer whose second failure
 finds no step both held and checkpointed: the state is reloaded in-process from the checkpoint.
 
@@ -20,8 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 from collections.abc import Callable, Iterator
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tenplex.elastic import live_step
 from tenplex.train.live import RECOVERY_FAILED, DieAt, StateRing
 
-from spawned import free_port, gloo_env, log_tails, wait_procs
+from spawned import Forked, free_port, gloo_env, log_tails, start_trainer, wait_procs
 
 STEPS = 14
 COMMON = ["--model", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--micro-batch", "2", "--lr", "3e-3",
@@ -42,13 +42,13 @@ REL_TOL = 1e-6
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tenplex.train", *cmd], env=env, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
+def _start(cmd: list[str], log: Path, env: dict[str, str]) -> Forked:
+    """``python -m tenplex.train CMD`` forked from the session's preloaded forkserver (``start_trainer``)."""
+    return start_trainer(cmd, log, env)
 
 
 def _world(tmp: Path, n: int, args: list[str], store_port: int,
-           master_port: int | None = None) -> list[subprocess.Popen]:
+           master_port: int | None = None) -> list[Forked]:
     """``n`` trainer workers under env:// (rank 0 hosts the bootstrap store), the membership store apart."""
     port = master_port or free_port()
     procs = []
@@ -227,7 +227,7 @@ JOIN_STEPS = 8
 JOIN_PINNED = "dp=2,tp=1,pp=1/dp=1,tp=1,pp=3/dp=1,tp=2,pp=2"
 
 
-def _joiners(tmp: Path, n: int, args: list[str], store_port: int, master_port: int) -> list[subprocess.Popen]:
+def _joiners(tmp: Path, n: int, args: list[str], store_port: int, master_port: int) -> list[Forked]:
     """``n`` processes started with ``--join``: the job's bootstrap address names the job they join."""
     procs = []
     with gloo_env():
@@ -249,8 +249,9 @@ def test_joiners_receive_their_state_live_and_the_job_continues_with_the_same_lo
     boundary, agree on a round of 4, and the joiners receive every piece of their shards (and the
     step and data position) live from the workers: bytes sent == the plan's peer bytes, nothing
     from storage. The 4 go on under dp=1,tp=2,pp=2; every loss equals the single-process run's
-    within 1e-6 relative and every sample is seen once. (14 s at load average 5-8 on 2 CPUs, 42-45 s at 13-17,
-    most of it process start-up; the join itself takes about 0.4 s.)"""
+    within 1e-6 relative and every sample is seen once. (2 s with workers forked from the preloaded
+    forkserver, at load average 3 on 2 CPUs; it was 14 s at load 5-8 as 4 `python -m tenplex.train`
+    processes, most of it start-up; the join itself takes about 0.4 s.)"""
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     args = [*COMMON[:2], *COMMON[4:], "--steps", str(JOIN_STEPS)]
     master = free_port()

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_same, random_global
-from spawned import gloo_env, reap
+from spawned import gloo_env, here, in_env, reap, worker_context
 
 import tenplex
 from tenplex import ParallelConfig
@@ -235,26 +235,24 @@ def _worker(rank: int, port: int, url: str, scenario: str, out: Any) -> None:
 def _run_world(tmp_path: Path, scenario: str, budget: float = 75.0,
                recovery_budget: float = 20.0) -> tuple[float, dict[int, dict[str, Any]]]:
     """Start the store and 4 workers, SIGKILL rank 3 mid-loop; (kill time, results of the others)."""
-    import torch.multiprocessing as mp
-
     url = str(tmp_path / "ck")
     if scenario == "main":
         ptc = _ptc()
         for r, shard in ptc.shard(random_global(ptc, seed=7), OLD).items():  # saved before the failure
             tenplex.save(url, ptc, OLD, r, shard, step=3, save_id=SAVE_ID)
     rdzv = RendezvousStore()
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, rdzv.port, url, scenario, q)) for r in range(4)]
     pids: dict[int, int] = {}
     results: dict[int, dict[str, Any]] = {}
     phases: dict[int, list[tuple[str, float]]] = {r: [] for r in range(4)}
     deadline = time.monotonic() + budget  # start-up only (4 spawned torch imports: 25 s was too little at load >= 10)
     t_kill = 0.0
+    with gloo_env():  # the children take the environment at start
+        procs = [ctx.Process(target=in_env, args=(*here(), _worker, r, rdzv.port, url, scenario, q)) for r in range(4)]
     try:
-        with gloo_env():  # the children take the environment at start
-            for p in procs:
-                p.start()
+        for p in procs:
+            p.start()
         while len(pids) < 4:
             try:
                 kind, rank, val = q.get(timeout=max(0.1, deadline - time.monotonic()))

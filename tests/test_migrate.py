@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_same, examples, layouts, model_kwargs, random_global
-from spawned import free_port, reap, run_spawned
+from spawned import free_port, here, in_env, reap, run_spawned, worker_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -384,13 +384,11 @@ def _dying_worker(rank: int, port: int, out: Any) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_peer_dying_raises_migration_error() -> None:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
     port = free_port()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [ctx.Process(target=_dying_worker, args=(r, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=in_env, args=(*here(), _dying_worker, r, port, q)) for r in range(2)]
     try:
         for p in procs:
             p.start()

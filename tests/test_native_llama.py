@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -235,32 +234,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _logged_worker(out: Path, log: Path) -> None:
+    """``worker(out)`` in a forked process, its output to ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for to in (1, 2):
+        os.dup2(fd, to)
+    os.close(fd)
+    worker(out)
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict[str, list[dict]]:
-    """Run every config in one world of WORLD gloo processes; {config: [result of each rank]}."""
+    """Run every config in one world of WORLD gloo processes, forked from the test session's
+    forkserver (torch and DTensor imported once: ``spawned.worker_context``); {config: [result of each rank]}."""
+    from spawned import here, in_env, reap, worker_context
+
     out = tmp_path_factory.mktemp("native_llama")
     port = _free_port()
+    ctx = worker_context()
     procs = []
     t0 = time.monotonic()
     for r in range(WORLD):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "examples"), os.environ.get("PYTHONPATH", "")]))
-        log = open(out / f"rank{r}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, str(out)], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
-    rcs = []
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(ctx.Process(target=in_env, args=(env, here()[1], _logged_worker, out, out / f"rank{r}.log")))
+    for p in procs:
+        p.start()
     try:
-        for p, _ in procs:
-            rcs.append(p.wait(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - t0))))
-    except subprocess.TimeoutExpired:
-        rcs.append("timeout")
+        for p in procs:
+            p.join(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - t0)))
     finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
+        reap(procs, timeout=0)
+    rcs = [p.exitcode if p.exitcode is not None else "timeout" for p in procs]
     if any(rc != 0 for rc in rcs):
         logs = "\n".join(f"--- rank{r}\n" + "\n".join((out / f"rank{r}.log").read_text().splitlines()[-30:])
                          for r in range(WORLD))

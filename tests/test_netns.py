@@ -334,12 +334,13 @@ def test_elastic_node_failure_across_namespaces(netns_ok: None, tmp_path: Path, 
 def test_network_failure_with_host_stores_across_namespaces(netns_ok: None, tmp_path: Path,
                                                             reference: dict[int, dict]) -> None:
     """The namespaced variant of test_train's host-store recovery, failing by the network: host 1's
-    link goes down (its processes keep running, cut off). The survivor's gloo connections time out,
-    torchrun restarts it alone, and it resumes from its own store, which holds host 1's replicas
+    link goes down (its processes keep running, cut off). The survivor's gloo connections time out
+    (--pg-timeout 10: a step takes a fraction of a second, start-up skew a few seconds), torchrun
+    restarts it alone, and it resumes from its own store, which holds host 1's replicas
     pushed across the bridge with the token; the losses match the uninterrupted run."""
     log = tmp_path / "log.jsonl"
     args = [*COMMON, "--parallel", "dp=1,tp=2,pp=2", "--ckpt", str(tmp_path / "ckpt"), "--ckpt-every", "1000",
-            "--store", "auto", "--snapshot-every", "2", "--pg-timeout", "20", "--log", str(log)]
+            "--store", "auto", "--snapshot-every", "2", "--pg-timeout", "10", "--log", str(log)]
     with HostNetwork.create(2) as net:
         rdzv = RendezvousStore(net=net.switch)
         hosts = start_hosts(2, str(tmp_path), args, nproc=2, endpoint=rdzv.endpoint, run_id=f"h{free_port()}",

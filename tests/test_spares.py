@@ -33,7 +33,7 @@ from tenplex.layouts import batch_split
 from tenplex.train.trainer import trainer_ptc
 
 from conftest import examples
-from spawned import free_port
+from spawned import free_port, worker_context
 from test_train import read_log
 
 COMMON = ["--model", "tiny", "--global-batch", "8", "--micro-batch", "2", "--lr", "3e-3", "--seed", "7"]
@@ -135,9 +135,7 @@ def _launch(ctx: multiprocessing.context.BaseContext, tmp: Path, n: int, argv: l
 
 
 def _forkserver() -> multiprocessing.context.BaseContext:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["tenplex.train.run", "torch.distributed"])
-    return ctx
+    return worker_context()  # the test session's forkserver: it imported tenplex.train.run and torch.distributed
 
 
 def _compare(ref: dict[int, dict], got: dict[int, dict], total: int) -> None:

@@ -9,8 +9,9 @@ of the titan checkpoint. Checked here: every entry equal (DTensors as full tenso
 each rank read at most 1.01x the bytes it needed, and the imported data files hold exactly the
 DCP checkpoint's tensor bytes (nothing replicated).
 
-The wall time is mostly 4 processes importing torch and torchtitan (about 50 s on a quiet
-2-core machine, more under load); the checks themselves take a few seconds.
+The script's 4 workers (``main`` with torchrun's variables: its ``worker``) are forked from the test
+session's forkserver, which imported torch and DTensor once (``spawned.start_trainer``); as 4
+``python scripts/titan_job.py`` processes most of the wall time was importing torch and torchtitan.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +27,10 @@ import pytest
 import tenplex
 from tenplex.state_layout import Boxes, StateLayout
 
+from spawned import free_port, log_tails, rank_env, start_trainer, wait_procs
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))  # titan_job, imported by the forked workers
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,12 +42,13 @@ pytestmark = [
 
 def test_titan_checkpoint_manager_checkpoint_loads_under_another_mesh(tmp_path: Path) -> None:
     out = tmp_path / "job"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, str(ROOT / "scripts" / "titan_job.py"), "--tp", "2", "--dp-shard", "2",
-           "--spmd-backend", "partial_dtensor", "--dim", "256", "--steps", "2", "--out", str(out),
-           "--then-check", "dp_shard=4", "--timeout", "270"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=290)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    out.mkdir()
+    argv = ["--tp", "2", "--dp-shard", "2", "--spmd-backend", "partial_dtensor", "--dim", "256", "--steps", "2",
+            "--out", str(out), "--then-check", "dp_shard=4"]
+    port = free_port()  # the script's 4 workers, as its launcher starts them, forked from the session's forkserver
+    procs = [start_trainer(argv, tmp_path / f"rank{r}.log", {**os.environ, "OMP_NUM_THREADS": "1", **rank_env(r, 4, port)},
+                           main="titan_job:main") for r in range(4)]
+    assert wait_procs(procs, 280) == [0] * 4, log_tails(tmp_path, "rank*.log")
     check = json.loads((out / "check.json").read_text())
     assert check["mesh"]["dp_shard"] == 4 and check["mesh"]["tp"] == 1
     assert check["import"]["format"] == "dcp"

@@ -12,6 +12,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ import torch
 from tenplex import ParallelConfig
 from tenplex.checkpoint import list_steps
 from tenplex.train.launch import Agent, RendezvousStore, free_port, wait_for
+
+from spawned import Forked, start_trainer
 
 STEPS = 14
 COMMON = ["--model", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--micro-batch", "2", "--lr", "3e-3",
@@ -32,9 +36,10 @@ def _env() -> dict[str, str]:
 
 
 def run_single(log: Path, *extra: str) -> None:
-    res = subprocess.run([sys.executable, "-m", "tenplex.train", *COMMON, "--log", str(log), *extra],
-                         capture_output=True, text=True, timeout=240, env=_env())
-    assert res.returncode == 0, res.stdout + res.stderr
+    """One uninterrupted process of COMMON (forked: ``spawned.start_trainer``)."""
+    proc = start_trainer([*COMMON, "--log", str(log), *extra], log.with_suffix(".out"), _env())
+    code, out = finish(proc, 240)
+    assert code == 0, out
 
 
 def run_torchrun(nproc: int, log: Path, *extra: str, expect_fail: bool = False) -> None:
@@ -263,6 +268,10 @@ def test_host_failure_recovers_from_host_stores(tmp_path: Path, reference: dict[
                     reason="needs /dev/fuse and fusermount3 (Debian fuse3) for a real mount")
 def test_trainer_reads_through_the_dataset_mount_and_reshards_it(tmp_path: Path,
                                                                   reference: dict[int, dict]) -> None:
+    """2 ranks read their batches through a real FUSE mount of the dataset (dp=2), fail at step 3,
+    and resume under pp=2: the trainer re-shards the mount (dp=1) and the losses and samples are
+    the uninterrupted run's. The ranks are started by hand (``run_forked``);
+    test_restart_under_new_layout_matches_uninterrupted runs torchrun."""
     from tenplex.data.corpus import stdlib_corpus
     from tenplex.train.batches import corpus_index
 
@@ -273,10 +282,10 @@ def test_trainer_reads_through_the_dataset_mount_and_reshards_it(tmp_path: Path,
                     "8", "--seed", "7"], check=True, capture_output=True, timeout=120)
     try:
         log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
-        run_torchrun(2, log, "--parallel", "dp=2,tp=1,pp=1", "--ckpt", str(ckpt), "--ckpt-every", "2",
-                     "--fail-at-step", "3", "--data-mount", str(mnt), expect_fail=True)
-        run_torchrun(2, log, "--parallel", "dp=1,tp=1,pp=2", "--ckpt", str(ckpt), "--ckpt-every", "2",
-                     "--data-mount", str(mnt))
+        run_forked(2, log, "--parallel", "dp=2,tp=1,pp=1", "--ckpt", str(ckpt), "--ckpt-every", "2",
+                   "--fail-at-step", "3", "--data-mount", str(mnt), expect_fail=True)
+        run_forked(2, log, "--parallel", "dp=1,tp=1,pp=2", "--ckpt", str(ckpt), "--ckpt-every", "2",
+                   "--data-mount", str(mnt))
         job = json.loads((mnt / "job.json").read_text())
         assert job["dp"] == 1 and job["progress"] == 2 * 8 and job["generation"] >= 2
         steps, _ = read_log(log)
@@ -329,43 +338,57 @@ def test_more_workers_than_gpus_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
 
 
 # -- failures are loud, resumes are checked (issue #15) -----------------------------------------
-def _fsize_limit(nbytes: int):  # noqa: ANN202 - a preexec_fn
-    """A child process whose files cannot grow past ``nbytes`` (a quota, a full disk): writes past
-    it fail with EFBIG (Python ignores SIGXFSZ)."""
-    import resource
-
-    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
-
-
-def start_single(*args: str, preexec=None) -> subprocess.Popen:  # noqa: ANN001
-    return subprocess.Popen([sys.executable, "-m", "tenplex.train", *args], env=_env(), preexec_fn=preexec,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_single(*args: str, fsize_limit: int | None = None) -> Forked:
+    """``python -m tenplex.train ARGS``, one process, forked from the test session's forkserver
+    (``spawned.start_trainer``; ``fsize_limit``: a quota on its files), its output to a temporary file."""
+    fd, out = tempfile.mkstemp(prefix="tenplex-train-", suffix=".log")
+    os.close(fd)
+    return start_trainer(list(args), Path(out), _env(), fsize_limit=fsize_limit)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out + err
+def finish(proc: Forked, timeout: float = 120) -> tuple[int, str]:
+    """Its exit code and output (the temporary file removed)."""
+    try:
+        code = proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.log is not None
+    out = proc.log.read_text()
+    proc.log.unlink()
+    return code, out
 
 
-def run_ranks(n: int, *args: str, preexec: dict[int, object] | None = None,
+def run_ranks(n: int, *args: str, fsize_limit: dict[int, int] | None = None,
               timeout: float = 120) -> list[tuple[int, str]]:
     """``n`` ranks of one job started by hand (torchrun's environment, no agent that would stop
-    the others when one fails): each rank's own exit code and output."""
+    the others when one fails; forked: ``start_single``): each rank's own exit code and output."""
     port = str(free_port())
     procs = []
     for r in range(n):
         env = {**_env(), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port}
-        procs.append(subprocess.Popen([sys.executable, "-m", "tenplex.train", *args], env=env,
-                                      preexec_fn=(preexec or {}).get(r), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-        return [(p.returncode, out) for p, out in zip(procs, outs)]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        fd, out = tempfile.mkstemp(prefix=f"tenplex-rank{r}-", suffix=".log")
+        os.close(fd)
+        procs.append(start_trainer(list(args), Path(out), env, fsize_limit=(fsize_limit or {}).get(r)))
+    deadline = time.monotonic() + timeout
+    outs = []
+    for p in procs:
+        try:
+            outs.append(finish(p, max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    return outs
+
+
+def run_forked(nproc: int, log: Path, *extra: str, expect_fail: bool = False) -> None:
+    """``run_torchrun`` without the agent: ``nproc`` ranks of COMMON started by hand (``run_ranks``);
+    every rank fails (``--fail-at-step``) or exits 0."""
+    got = run_ranks(nproc, *COMMON, "--log", str(log), *extra, timeout=240)
+    assert all((code != 0) == expect_fail for code, _ in got), [(code, out[-3000:]) for code, out in got]
 
 
 @pytest.mark.timeout(240)
@@ -383,7 +406,7 @@ def test_save_failures_stop_the_run_with_a_clear_error(tmp_path: Path) -> None:
                      f"could not write the snapshot of step 2 to the host store {tmp_path / 's'}: OSError: File too"),
         "last checkpoint": (["--ckpt", str(tmp_path / "c3")], "could not write checkpoint step 4"),
     }
-    procs = {k: start_single("--steps", "4", *args, preexec=_fsize_limit(200_000)) for k, (args, _) in cases.items()}
+    procs = {k: start_single("--steps", "4", *args, fsize_limit=200_000) for k, (args, _) in cases.items()}
     outs = {}
     for name, proc in procs.items():
         rc, out = outs[name] = finish(proc)
@@ -403,7 +426,7 @@ def test_one_rank_failing_save_stops_every_rank(tmp_path: Path) -> None:
     naming the step and cause, rank 0 saying another rank failed."""
     ckpt = tmp_path / "ckpt"
     (r0, out0), (r1, out1) = run_ranks(2, "--steps", "8", "--parallel", "dp=1,tp=1,pp=2", "--ckpt", str(ckpt),
-                                       "--ckpt-every", "2", preexec={1: _fsize_limit(200_000)}, timeout=90)
+                                       "--ckpt-every", "2", fsize_limit={1: 200_000}, timeout=90)
     assert r1 == 1 and f"rank 1: could not write checkpoint step 2 to {ckpt}: OSError: File too large" in out1, out1
     assert r0 == 1 and "rank 0: 1 other rank(s) could not write a checkpoint" in out0, out0
     stopped = [re.search(r"training stopped at step (\d+) on every rank", o) for o in (out0, out1)]
@@ -441,22 +464,23 @@ def test_damaged_newest_step_every_rank_resumes_the_previous_one(tmp_path: Path,
     rank 1 reads (a data byte of its part, then a byte of its index) makes rank 1 fall back;
     the ranks agree on the previous step, the start record names the skipped step, and the
     losses match the uninterrupted run. ``--resume-step`` of the damaged step stops both
-    ranks at start-up (exit 2), though rank 0 alone could load it."""
+    ranks at start-up (exit 2), though rank 0 alone could load it. The ranks are started by hand
+    (``run_ranks``, forked); test_restart_under_new_layout_matches_uninterrupted runs torchrun."""
     log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
     layout = ["--parallel", "dp=1,tp=1,pp=2", "--ckpt", str(ckpt), "--ckpt-every", "2"]
-    run_torchrun(2, log, *layout, "--fail-at-step", "6", expect_fail=True)
+    run_forked(2, log, *layout, "--fail-at-step", "6", expect_fail=True)
     flip_data_byte(ckpt, 6, rank=1)
     (r0, out0), (r1, out1) = run_ranks(2, *COMMON, *layout, "--resume-step", "6", timeout=90)
     assert (r0, r1) == (2, 2), (out0, out1)
     assert re.search(r"error: rank 1: .*step 6.*(CRC|checksum|does not verify)", out1), out1
     assert "error: rank 0: 1 other rank(s) could not start" in out0, out0
-    run_torchrun(2, log, *layout)
+    run_forked(2, log, *layout)
     steps, starts = read_log(log)
     assert starts[-1]["step"] == 4 and [s["step"] for s in starts[-1]["skipped"]] == [6], starts[-1]
     assert starts[-1]["skipped"][0]["ranks"] == [1]
     assert_matches(reference, steps, resumed_from=4)
     flip_index_byte(ckpt, STEPS, rank=1)
-    run_torchrun(2, log, *layout)
+    run_forked(2, log, *layout)
     steps, starts = read_log(log)
     assert starts[-1]["step"] == STEPS - 2 and starts[-1]["skipped"][0]["step"] == STEPS, starts[-1]
     assert starts[-1]["skipped"][0]["ranks"] == [1]

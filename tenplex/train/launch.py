@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -232,7 +233,8 @@ class SimulatedHost:
 def start_hosts(n: int, work: str, train_args: Sequence[str], *, nproc: int, endpoint: str, run_id: str,
                 replicas: int = 1, env: dict[str, str] | None = None, store_dir: str | None = None,
                 keep_last: int = 2, network: HostNetwork | None = None) -> list[SimulatedHost]:
-    """``n`` simulated hosts sharing one rendezvous: stores first (they know each other), then agents.
+    """``n`` simulated hosts sharing one rendezvous: stores first (they know each other; started
+    concurrently), then agents.
 
     Store roots go under ``store_dir`` (e.g. a tmpfs such as /dev/shm), default ``work``. With
     ``network`` host ``i`` runs in ``network.hosts[i]`` (its store beyond loopback, so with a
@@ -246,12 +248,25 @@ def start_hosts(n: int, work: str, train_args: Sequence[str], *, nproc: int, end
     token = env.pop("TENPLEX_STORE_TOKEN", None) or secrets.token_urlsafe(32)  # one for the job's stores and workers
     ports = [free_port() for _ in range(n)]
     urls = [f"http://{net.address}:{p}" for net, p in zip(nets, ports)]
-    hosts = []
-    for i in range(n):
+
+    def start_store(i: int) -> StoreProcess:
         root = os.path.join(store_dir or work, f"host{i}", "store")
         os.makedirs(root, mode=0o700, exist_ok=True)
-        store = StoreProcess(root, ports[i], urls, replicas=replicas, keep_last=keep_last,
-                             log_path=os.path.join(work, f"store{i}.log"), net=nets[i], token=token, env=env)
+        return StoreProcess(root, ports[i], urls, replicas=replicas, keep_last=keep_last,
+                            log_path=os.path.join(work, f"store{i}.log"), net=nets[i], token=token, env=env)
+
+    # the stores start at once (each takes a second or two to import and listen), then the agents one
+    # right after the other, so they reach the rendezvous together
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        started = [pool.submit(start_store, i) for i in range(n)]
+    failed = [f.exception() for f in started if f.exception() is not None]
+    if failed:
+        for f in started:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0]
+    hosts = []
+    for i, store in enumerate(f.result() for f in started):
         agent = Agent(f"host{i}", endpoint, train_args, nproc=nproc, min_nodes=1, max_nodes=n,
                       pid_dir=os.path.join(work, "pids"), log_path=os.path.join(work, f"host{i}.log"), run_id=run_id,
                       env={**env, **store.env(urls)}, net=nets[i])
