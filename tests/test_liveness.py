@@ -1,6 +1,7 @@
 """Links whose breaking tells a peer's death (``tenplex.liveness``): real sockets, real processes.
 
-A child process links to this one (and this one to it) and is then SIGKILLed: ``poll`` names it
+A child process (forked from the test session's forkserver) links to this one (and this one to it)
+and is then SIGKILLed: ``poll`` names it
 within one poll, with no heartbeat involved. A child that closes its links on purpose (goodbye)
 or exits after ``close()`` is not reported; a connection that is no member's link is ignored; an
 unreachable peer is not declared dead (its heartbeats decide).
@@ -8,43 +9,45 @@ unreachable peer is not declared dead (its heartbeats decide).
 
 from __future__ import annotations
 
-import signal
 import socket
-import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
 from tenplex.liveness import PeerLinks, link_host
 
-CHILD = """
-import sys, time
-from tenplex.liveness import PeerLinks
-me = PeerLinks(7)
-me.want({1: sys.argv[1]})
-print(me.address, flush=True)
-end = time.monotonic() + 30
-while time.monotonic() < end and 1 not in me.linked():
-    me.poll(0.05)
-print("linked", flush=True)
-mode = sys.argv[2]
-if mode == "bye":
-    me.close()
-    print("closed", flush=True)
-    time.sleep(0.5)
-    sys.exit(0)
-while True:
-    me.poll(0.2)
-"""
+from spawned import here, in_env, worker_context
+
+def _child_main(addr: str, mode: str, out: Any) -> None:
+    """The peer: links to ``addr`` as member 7, says where it listens, that it linked (and closed)."""
+    me = PeerLinks(7)
+    me.want({1: addr})
+    out.put(me.address)
+    end = time.monotonic() + 30
+    while time.monotonic() < end and 1 not in me.linked():
+        me.poll(0.05)
+    out.put("linked")
+    if mode == "bye":
+        me.close()
+        out.put("closed")
+        time.sleep(0.5)
+        sys.exit(0)
+    while True:
+        me.poll(0.2)
 
 
-def _child(addr: str, mode: str) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-c", CHILD, addr, mode], stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    child_addr = p.stdout.readline().strip()
+def _child(addr: str, mode: str) -> tuple[Any, Any, str]:
+    """The peer as a process forked from the session's forkserver (``spawned.worker_context``):
+    (process, its message queue, its address)."""
+    ctx = worker_context()
+    q = ctx.Queue()
+    p = ctx.Process(target=in_env, args=(*here(), _child_main, addr, mode, q))
+    p.start()
+    child_addr = q.get(timeout=30)
     assert child_addr, "the child did not start"
-    return p, child_addr
+    return p, q, child_addr
 
 
 def _poll_until(links: PeerLinks, cond, timeout: float) -> set[int]:
@@ -59,28 +62,29 @@ def _poll_until(links: PeerLinks, cond, timeout: float) -> set[int]:
 @pytest.mark.parametrize("mode", ["kill", "bye"])
 def test_a_killed_peer_is_named_at_once_and_a_goodbye_is_not_a_death(mode: str) -> None:
     me = PeerLinks(1)
-    p, child_addr = _child(me.address, mode)
+    p, q, child_addr = _child(me.address, mode)
     try:
         me.want({7: child_addr})  # links both ways: each end sees the other's death
         _poll_until(me, lambda _: me.linked() == {7}, 30)
         assert me.linked() == {7}
-        assert p.stdout is not None and p.stdout.readline().strip() == "linked"
+        assert q.get(timeout=30) == "linked"
         if mode == "kill":
             t0 = time.monotonic()
-            p.send_signal(signal.SIGKILL)
+            p.kill()  # SIGKILL
             dead = _poll_until(me, lambda d: 7 in d, 10)
             assert dead == {7}
             print(f"\nSIGKILL -> named dead in {time.monotonic() - t0:.4f} s")
             assert _poll_until(me, lambda _: not me.linked(), 5) <= {7}  # the other direction's link
             assert me.linked() == frozenset()
         else:
-            assert p.stdout.readline().strip() == "closed"
-            assert p.wait(timeout=10) == 0
+            assert q.get(timeout=30) == "closed"
+            p.join(timeout=10)
+            assert p.exitcode == 0
             assert _poll_until(me, lambda _: not me.linked(), 5) == set()  # both links ended quietly
             assert me.linked() == frozenset()
     finally:
         p.kill()
-        p.wait()
+        p.join()
         me.close()
 
 
