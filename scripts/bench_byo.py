@@ -238,6 +238,11 @@ def worker(rank: int, world: int, port: int, phase: str, job: dict[str, Any]) ->
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # done: leave without the interpreter's finalization, during which a gloo group the models' reference
+    # cycles keep alive can abort the process (docs/your_model.md, "Exit cleanly under gloo")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def save_phase(rank: int, job: dict[str, Any]) -> dict[str, Any]:
