@@ -392,20 +392,8 @@ def _rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *,
     move (a subgroup moves the state)."""
     t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
+    live = _live_for_group(live, rank, world)
     old = live.cfg
-    if len(live.alive) < world:  # spares or joiners: the layout and the holders as group rank 0 has them
-        box = [(old, list(live.alive)) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        old, alive = box[0]
-        if live.cfg is not None and (live.cfg != old or list(live.alive) != alive):
-            raise ConfigError(f"group rank {rank} ran {live.cfg} with holders {list(live.alive)}, group rank 0 "
-                              f"says {old} with {alive}")
-        if live.cfg is None and live.states:
-            raise ConfigError(f"group rank {rank} joined (LiveState(cfg=None)) and must pass no states")
-        live = dataclasses.replace(live, cfg=old, alive=tuple(alive))
-    if old is None:
-        raise ConfigError(f"LiveState(cfg=None) is a joiner's, but the group of {world} has {len(live.alive)} "
-                          "holders and no joiner")
     cfg = chooser(ptc, world, old)
     check_fits(cfg, world)
     ptc.check(cfg)
@@ -454,35 +442,32 @@ def _same_model(old: PTC, new: PTC) -> None:
                                       + "; ".join(problems[:8]))
 
 
-def _joined_state_dict(live: LiveState, rank: int, world: int) -> LiveState:
-    """``live`` of a torch-native job completed for every rank of the new group: survivors (group
-    ranks ``< len(live.alive)``) pass the ``StateLayout`` and collection their states have; fresh
-    joiners after them (scale up: ``LiveState(cfg=None, states={}, ...)``) learn both, and the
-    survivors' old ranks, from group rank 0 (one ``broadcast_object_list``, only when the group has
-    joiners). ConfigError for a survivor without its layout, or ranks that disagree."""
-    if live.cfg is not None and (not isinstance(live.cfg, StateLayout) or live.ptc is None):
-        raise ConfigError("rescale(url, state_dict, live=...) needs LiveState(cfg=the StateLayout and ptc=the "
-                          "collection the survivors' states have): describe_state_dict(state_dict) before a failure; "
-                          "a joiner passes LiveState(cfg=None, states={}, alive=...)")
+def _live_for_group(live: LiveState, rank: int, world: int) -> LiveState:
+    """``live`` completed for every rank of the new group (both paths): group ranks ``<
+    len(live.alive)`` hold state under ``live.cfg``; ranks after them (spares of the old layout, and
+    fresh joiners: ``LiveState(cfg=None, states={})``) learn the layout, a torch-native job's
+    collection and the holders' old ranks from group rank 0 (one ``broadcast_object_list``, only
+    when the group has such ranks). ConfigError for a joiner with states, ranks that disagree, a
+    joiner before a holder, or a group where no rank holds state."""
     if live.cfg is None and live.states:
         raise ConfigError(f"group rank {rank} joined (LiveState(cfg=None)) and must pass no states")
-    if len(live.alive) >= world and live.cfg is not None:
-        if len(live.alive) > world:
-            raise ConfigError(f"{len(live.alive)} survivors hold state but the group has {world} ranks")
-        return live
-    box = [(live.cfg, live.ptc, list(live.alive)) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    old, ptc, alive = box[0]
-    if old is None:
-        raise ConfigError(f"group rank 0 holds no state (LiveState(cfg=None)): a group of {world} with no survivor "
-                          "has nothing to move live; start it from the checkpoint (rescale without live)")
-    if live.cfg is not None and (live.cfg != old or list(live.alive) != alive):
-        raise ConfigError(f"group rank {rank} held {live.cfg} with survivors' old ranks {list(live.alive)}, group "
-                          f"rank 0 says {old} with {alive}")
-    if live.cfg is None and rank < len(alive):
-        raise ConfigError(f"group rank {rank} joined (LiveState(cfg=None)), but group ranks below {len(alive)} are "
-                          f"the survivors {alive}: joiners come after them (order members with live_order)")
-    return dataclasses.replace(live, cfg=old, ptc=ptc, alive=tuple(alive))
+    if len(live.alive) > world:
+        raise ConfigError(f"{len(live.alive)} survivors hold state but the group has {world} ranks")
+    if len(live.alive) < world:
+        box = [(live.cfg, live.ptc, list(live.alive)) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        old, ptc, alive = box[0]
+        if live.cfg is not None and (live.cfg != old or list(live.alive) != alive):
+            raise ConfigError(f"group rank {rank} ran {live.cfg} with holders {list(live.alive)}, group rank 0 "
+                              f"says {old} with {alive}")
+        if live.cfg is None and rank < len(alive):
+            raise ConfigError(f"group rank {rank} joined (LiveState(cfg=None)), but group ranks below {len(alive)} "
+                              f"are the holders {alive}: joiners come after them (order members with live_order)")
+        live = dataclasses.replace(live, cfg=old, ptc=ptc, alive=tuple(alive))
+    if live.cfg is None:
+        raise ConfigError(f"no rank of the group of {world} holds state (group rank 0 passed LiveState(cfg=None)): "
+                          "nothing to move live; start from the checkpoint (rescale without live)")
+    return live
 
 
 def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *, live: LiveState | None,
@@ -496,7 +481,11 @@ def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *
     new_ptc, layout = describe_state_dict(state_dict, values=live is None)
     timings = {"describe": time.perf_counter() - t0}
     if live is not None:
-        live = _joined_state_dict(live, rank, world)
+        if live.cfg is not None and (not isinstance(live.cfg, StateLayout) or live.ptc is None):
+            raise ConfigError("rescale(url, state_dict, live=...) needs LiveState(cfg=the StateLayout and ptc=the "
+                              "collection the survivors' states have): describe_state_dict(state_dict) before a "
+                              "failure; a joiner passes LiveState(cfg=None, states={}, alive=...)")
+        live = _live_for_group(live, rank, world)
         old, ptc = live.cfg, live.ptc
         assert isinstance(old, StateLayout) and ptc is not None
         holders = len(live.alive)
