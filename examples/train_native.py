@@ -212,8 +212,8 @@ def main() -> None:
     # in-process: watch the peers, keep the last consistent states of this rank
     if not args.join:
         membership = start_membership(membership_store(), dead_after=args.dead_after) if args.in_process else None
-        if membership is not None:
-            membership.fits = fits
+    if membership is not None:  # a joiner's too: once admitted, it admits later joiners like the others
+        membership.fits = fits
     ring = StateRing(3) if args.in_process else None
     live_ptc = live_layout = None
     seen: dict[tuple[tuple[str, int], ...], Any] = {}  # the state dict's layout on every mesh this process ran
