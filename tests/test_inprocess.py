@@ -105,11 +105,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[],
     wait_procs([proc], 0)
 
 
-def _recoveries(events: list[dict]) -> list[dict]:
+def _recoveries(events: list[dict], *, fresh_ok: bool = False) -> list[dict]:
+    """The recover records, each checked: moved live, the bytes sent between survivors and read
+    from storage the plan's. ``fresh_ok``: or, when the dead rank held pieces nobody else has and
+    no checkpoint step was complete yet, an in-process fresh start (step 0: the initial state is
+    the seed's; nothing read, nothing moved)."""
     out = [e for e in events if e.get("event") == "recover"]
-    for e in out:  # moved live; the bytes sent between survivors and read from storage are the plan's
-        assert e["live"] and e["bytes_live"] == e["plan_bytes_peer"], e
-        assert e["bytes_storage"] == e["plan_bytes_storage"], e
+    for e in out:
+        if fresh_ok and not e["live"]:
+            assert e["step"] == 0 and e["bytes_storage"] == e["bytes_live"] == 0, json.dumps(e)
+            continue
+        assert e["live"] and e["bytes_live"] == e["plan_bytes_peer"], json.dumps(e)  # a str: shown whole
+        assert e["bytes_storage"] == e["plan_bytes_storage"], json.dumps(e)
     return out
 
 
@@ -155,19 +162,20 @@ def test_kills_at_every_point_continue_in_process_with_the_same_losses_and_data(
 
     if os.environ.get("TENPLEX_INPROC_EXTRA") == "1":
         # without the distributed optimizer, layouts by the chooser; the second kill finds no step that
-        # the survivors hold (2 kept) and the checkpoint has (every 4): the state is reloaded in-process
+        # the survivors hold (2 kept) and the checkpoint has: the victims' writes of steps 4 and 6
+        # never finished, and the complete step 2 is of the layout for 4 (the first recovery dropped
+        # its states): the state is reloaded in-process from step 2
         c = tmp_path / "c"
         c.mkdir()
         log = c / "log.jsonl"
-        procs = _world(c, 4, ["--parallel", "dp=2,tp=2,pp=1", "--ckpt", str(c / "ckpt"), "--ckpt-every", "4",
-                              "--live-keep", "2", "--log", str(log), "--die-at", "3:2:forward,2:7:backward"],
-                       store.port)
+        procs = _world(c, 4, ["--parallel", "dp=2,tp=2,pp=1", "--ckpt", str(c / "ckpt"), "--ckpt-every", "2",
+                              "--live-keep", "2", "--log", str(log), "--die-at",
+                              "3:4:slow-save,3:5:forward,2:6:slow-save,2:8:forward"], store.port)
         codes = wait_procs(procs, 150)
         assert codes == [0, 0, -9, -9], (codes, log_tails(c))
         got, events = _read(log)
         rec = [e for e in events if e.get("event") == "recover"]
-        assert [(e["world_size"], e["live"]) for e in rec] == [(3, True), (2, False)], rec
-        assert rec[1]["step"] == 4
+        assert [(e["world_size"], e["live"], e["step"]) for e in rec] == [(3, True, 4), (2, False, 2)], rec
         _check(reference(), got, STEPS)
 
 
@@ -215,11 +223,14 @@ def test_kills_at_random_moments_continue_in_process(tmp_path: Path, reference: 
         codes = wait_procs(procs, 90)
         assert codes == [-9 if r == victim else 0 for r in range(4)], (what, codes, log_tails(d))
         got, events = _read(log)
-        rec = _recoveries(events)
-        assert [(e["world_size"], e["live"]) for e in rec] == [(3, True)], (what, rec)
+        # live, except when the victim's part of the first checkpoint was not written yet (seen under
+        # heavy I/O load: 1 of 40 runs, a kill in step 3): then a fresh start in-process
+        rec = _recoveries(events, fresh_ok=True)
+        assert [e["world_size"] for e in rec] == [3], (what, rec)
         _check(reference(), got, STEPS)
         print(f"{what} (step time {step_s * 1e3:.0f} ms): recovered at step {rec[0]['step']} "
-              f"(recovery {rec[0]['recover_s']:.2f}s, {rec[0]['steps_lost']} steps redone), {rec[0]['bytes_live']} B live")
+              f"({'live' if rec[0]['live'] else 'fresh start: no checkpoint complete yet'}; recovery "
+              f"{rec[0]['recover_s']:.2f}s, {rec[0]['steps_lost']} steps redone), {rec[0]['bytes_live']} B live")
 
 
 # scale up: 2 workers, then 4 (3 when the joiners come in one at a time)
@@ -436,3 +447,62 @@ def test_state_ring_and_live_step() -> None:
     assert live_step([[2, 3, 4], [3, 4, 5]], [[2, 3], []], [True, False]) == 3
     assert live_step([[3, 4], [4, 5]], [[2], [4]], [True, False]) is None
     assert DieAt.parse("1:3:forward,0:2:save") == (DieAt(1, 3, "forward"), DieAt(0, 2, "save"))
+
+
+def test_state_ring_holds_a_written_copy_until_every_rank_confirms_it() -> None:
+    import torch
+
+    ring = StateRing(2)
+    t = torch.zeros(3)
+    t.fill_(2)
+    ring.record(2, {"w": t})
+    held = {"w": torch.full((3,), 2.0)}  # the copy the checkpoint write of step 2 got
+    ring.hold(2, held)
+    ring.hold(2, {"w": torch.full((3,), -1.0)})  # a second write of the step keeps the first copy
+    assert ring.oldest_held == 2
+    for step in (3, 4, 5):  # the ring moves past step 2: the held copy stays
+        t.fill_(step)
+        ring.record(step, {"w": t})
+    assert sorted(ring.states()) == [2, 4, 5] and ring.states()[2]["w"] is held["w"]
+    ring.hold(4, {"w": torch.full((3,), 4.0)})
+    ring.confirm()  # every rank's write of step 2 is done: pinned
+    assert ring.oldest_held == 4 and sorted(ring.states()) == [2, 4, 5]
+    for step in (6, 7, 8):  # the ring never reuses the pinned or held buffers
+        t.fill_(step)
+        ring.record(step, {"w": t})
+    assert sorted(ring.states()) == [2, 4, 7, 8] and float(ring.states()[2]["w"][0]) == 2
+    ring.confirm()  # step 4 replaces 2
+    assert ring.oldest_held is None and sorted(ring.states()) == [4, 7, 8]
+    assert float(ring.states()[4]["w"][0]) == 4
+    ring.confirm()  # none held: nothing changes
+    assert sorted(ring.states()) == [4, 7, 8]
+    ring.clear()
+    assert ring.states() == {} and ring.oldest_held is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("die_at, expect", [("3:4:slow-save,3:6:forward", (True, 2, 5)),
+                                            ("3:2:slow-save,3:3:forward", (False, 0, 2))])
+def test_a_rank_dead_while_its_checkpoint_write_lags_recovers_live_from_the_last_complete_one(
+        tmp_path: Path, reference: Callable[[], dict[int, dict]], die_at: str, expect: tuple[bool, int, int]) -> None:
+    """Rank 3's background write of checkpoint step 4 hangs; it trains on through step 5 and dies
+    at the start of step 6. The survivors completed step 5: their ring holds 3-5, and the
+    checkpoint of step 4 lacks rank 3's part (its distributed-optimizer shard is nowhere else). They
+    still recover live: every rank held the copy its write of step 2 got until the step's all-reduce
+    said every write of it was done (``StateRing.hold``/``confirm``), so step 2 is held by every
+    survivor and complete in the checkpoint. (Before, no step was both, and the state was loaded
+    from the checkpoint: the CI failure of the random kills.) The same before the first checkpoint
+    is complete (rank 3's write of step 2 hangs, it dies in step 3): no step is stored, and the
+    survivors start afresh in-process from step 0, the seed's initial state; the same losses."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    log = tmp_path / "log.jsonl"
+    procs = _world(tmp_path, 4, ["--parallel", PINNED, "--distributed-optimizer", "--ckpt", str(tmp_path / "ckpt"),
+                                 "--ckpt-every", "2", "--log", str(log), "--die-at", die_at], store.port)
+    codes = wait_procs(procs, 90)
+    assert codes == [0, 0, 0, -9], (codes, log_tails(tmp_path))
+    got, events = _read(log)
+    rec = _recoveries(events, fresh_ok=not expect[0])
+    assert [(e["world_size"], e["live"], e["step"], e["newest"]) for e in rec] == [(3, *expect)], rec
+    if expect[0]:  # the dead rank's optimizer shard from the checkpoint, the rest live
+        assert rec[0]["bytes_storage"] > 0 and rec[0]["bytes_live"] > 0
+    _check(reference(), got, STEPS)

@@ -24,6 +24,7 @@ import datetime
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -53,7 +54,7 @@ JOB_ENV = "TENPLEX_JOB_ID"
 RECOVERY_FAILED = 75  # exit code of a worker whose in-process recovery failed: the launcher restarts it
 JOIN_FAILED = 76  # exit code of a joiner that was not admitted (no job found, none took it in within its timeout)
 JOBS_KEY = "tenplex/inproc/jobs"  # job key -> the membership prefix of the job's current launch
-DIE_POINTS = ("forward", "backward", "optimizer", "save", "migrate")
+DIE_POINTS = ("forward", "backward", "optimizer", "save", "slow-save", "migrate")
 
 
 class StateRing:
@@ -65,9 +66,16 @@ class StateRing:
     step all of them hold; ``keep=3`` leaves two, one of them while the newest step's save may
     still be on its way to the stores.
 
-    ``pin(step)`` keeps one recorded step beyond the ring until another is pinned: the step of the
-    last complete checkpoint, so that pieces only a dead rank held can be read from it at a step
-    the survivors still hold (a torch-native job without host stores; recorded steps only)."""
+    ``pin(step)`` keeps one step beyond the ring until another is pinned: the step of the last
+    checkpoint complete on every rank, so that pieces only a dead rank held can be read from it at
+    a step the survivors still hold. A torch-native job pins a recorded step after its synchronous
+    save. The trainer writes in the background and cannot know when the others' writes finished:
+    it holds (``hold``) the copy each write got (no new copy) until the step's all-reduce says every
+    rank finished it (``confirm``: the oldest held step becomes the pinned one). A dead rank's
+    write may still be under way after the survivors completed the next steps (the ring moved
+    past the step before it); the pinned step is then the one the checkpoint has. Memory: the
+    pinned state plus at most the held ones the writers had anyway (a rank starts a write only
+    after its previous one finished)."""
 
     def __init__(self, keep: int = 3) -> None:
         if keep < 2:
@@ -76,6 +84,7 @@ class StateRing:
         self._states: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._adopted: set[int] = set()  # steps whose buffers belong to a SnapshotTask, never reused here
         self._pinned: tuple[int, dict[str, Any]] | None = None
+        self._held: OrderedDict[int, dict[str, Any]] = OrderedDict()  # written, not yet confirmed everywhere
 
     def record(self, step: int, state: Mapping[str, Any]) -> None:
         """Copy the state after ``step``: its tensors (into a dropped step's buffers when they fit;
@@ -85,7 +94,8 @@ class StateRing:
         reuse: dict[str, Any] = {}
         while len(self._states) >= self.keep:
             old, dropped = self._states.popitem(last=False)
-            if old not in self._adopted and (self._pinned is None or dropped is not self._pinned[1]):
+            kept = [*self._held.values(), *([self._pinned[1]] if self._pinned is not None else [])]
+            if old not in self._adopted and all(dropped is not st for st in kept):
                 reuse = dropped
             self._adopted.discard(old)
         out: dict[str, Any] = {}
@@ -118,22 +128,44 @@ class StateRing:
             del self._states[s]
             self._adopted.discard(s)
 
-    def pin(self, step: int) -> None:
-        """Keep recorded step ``step`` until the next pin (ConfigError when it is not recorded)."""
-        if step not in self._states or step in self._adopted:
-            raise ConfigError(f"step {step} is not in the state ring as a recorded step (recorded: "
-                              f"{sorted(set(self._states) - self._adopted)}): record it first")
-        self._pinned = (step, self._states[step])
+    def pin(self, step: int, state: Mapping[str, Any] | None = None) -> None:
+        """Keep step ``step`` until the next pin: the recorded state, or ``state`` (a copy nothing
+        changes any more). ConfigError when neither is there."""
+        if state is None:
+            if step not in self._states or step in self._adopted:
+                raise ConfigError(f"step {step} is not in the state ring as a recorded step (recorded: "
+                                  f"{sorted(set(self._states) - self._adopted)}): record it first or pass its state")
+            state = self._states[step]
+        self._pinned = (step, state if isinstance(state, dict) else dict(state))  # the same dict: never reused
+
+    def hold(self, step: int, state: Mapping[str, Any]) -> None:
+        """Keep ``state``, the copy of step ``step`` a write to storage got, until ``confirm``
+        (a step held already keeps its first copy)."""
+        self._held.setdefault(step, state if isinstance(state, dict) else dict(state))
+
+    @property
+    def oldest_held(self) -> int | None:
+        """The held step the next ``confirm`` pins (None: none held)."""
+        return next(iter(self._held), None)
+
+    def confirm(self) -> None:
+        """Every rank finished writing the oldest held step: it becomes the pinned step."""
+        if self._held:
+            self.pin(*self._held.popitem(last=False))
 
     def states(self) -> dict[int, dict[str, Any]]:
+        """Every state this rank holds by step: the ring's, the pinned one, the held ones."""
         out = dict(self._states)
         if self._pinned is not None:
             out.setdefault(*self._pinned)
+        for step, st in self._held.items():
+            out.setdefault(step, st)
         return out
 
     def clear(self) -> None:
         self._states.clear()
         self._adopted.clear()
+        self._held.clear()
         self._pinned = None
 
 
@@ -166,7 +198,8 @@ def settle_ring(ring: StateRing, trainer: Any) -> None:
 
 @dataclass(frozen=True)
 class DieAt:
-    """Testing: SIGKILL this process at ``point`` of step ``step`` when its first-group rank is ``rank``."""
+    """Testing: SIGKILL this process at ``point`` of step ``step`` when its first-group rank is ``rank``
+    (``slow-save``: its background write of step ``step`` hangs instead, the rank trains on)."""
 
     rank: int
     step: int
@@ -200,6 +233,9 @@ class DieAt:
         mine = {(d.step, d.point) for d in items if d.rank == rank}
 
         def die(point: str, step: int) -> None:
+            if (step, point) in mine and point == "slow-save":  # the write never finishes; the rank goes on
+                log.error("rank %d: --die-at: the write of step %d hangs", rank, step)
+                threading.Event().wait()
             if (step, point) in mine:
                 log.error("rank %d: --die-at: SIGKILL at %s of step %d", rank, point, step)
                 logging.shutdown()

@@ -16,7 +16,8 @@ __all__ = ["measure_step_memory"]
 
 
 def measure_step_memory(trainer: Trainer, out_dir: str, *,
-                        fault: Callable[[], str | None] | None = None) -> tuple[float, np.ndarray]:
+                        fault: Callable[[], str | None] | None = None,
+                        written: Callable[[], bool] | None = None) -> tuple[float, np.ndarray]:
     """Run one step and record this rank's peak memory in ``out_dir/rank-N.json``.
 
     CUDA: the caching allocator's peak (``max_memory_allocated``). CPU: PyTorch's memory
@@ -29,7 +30,7 @@ def measure_step_memory(trainer: Trainer, out_dir: str, *,
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-        loss, samples = trainer.train_step(fault=fault)
+        loss, samples = trainer.train_step(fault=fault, written=written)
         torch.cuda.synchronize(dev)
         peak, method = torch.cuda.max_memory_allocated(dev), "cuda max_memory_allocated"
     else:
@@ -41,7 +42,7 @@ def measure_step_memory(trainer: Trainer, out_dir: str, *,
         state += sum(p.grad.numel() * p.grad.element_size() for p in trainer.params.values() if p.grad is not None)
         state += sum(t.numel() * t.element_size() for t in trainer.opt.values())
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            loss, samples = trainer.train_step(fault=fault)
+            loss, samples = trainer.train_step(fault=fault, written=written)
         events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
         while stack:  # every allocation (+) and free (-) the CPU allocator reported, in time order
             node = stack.pop()

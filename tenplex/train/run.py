@@ -293,6 +293,10 @@ class _Writer:
         self._thread = threading.Thread(target=target, name="tenplex-save", daemon=True)
         self._thread.start()
 
+    def running(self) -> bool:
+        """Whether a write is under way."""
+        return self._thread is not None and self._thread.is_alive()
+
     def poll(self) -> str | None:
         """The error of a finished write (None while one runs or when all succeeded)."""
         if self._thread is not None and not self._thread.is_alive():
@@ -444,6 +448,11 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
     def pending_fault() -> str | None:  # a background write that failed by now counts in this step
         return fault or writer.poll()
 
+    writing: list[int] = []  # the step the background writer writes
+
+    def written() -> bool:  # this rank's writes of the oldest step the ring holds for them are done
+        return ring is None or ring.oldest_held is None or not (writer.running() and writing == [ring.oldest_held])
+
     snapped: set[int] = set()  # steps whose snapshot of this rank's state is in the host store
     snapping: list[int] = []  # the step whose snapshot the main thread is writing
 
@@ -533,9 +542,12 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                     membership.check()  # a death the heartbeats found between collectives
                 with guard():
                     if tc.measure_memory and trainer.step == first_step + 1 and groups.placed:
-                        loss, samples = measure_step_memory(trainer, tc.measure_memory, fault=pending_fault)
+                        loss, samples = measure_step_memory(trainer, tc.measure_memory, fault=pending_fault,
+                                                            written=written)
                     else:
-                        loss, samples = trainer.train_step(fault=pending_fault)
+                        loss, samples = trainer.train_step(fault=pending_fault, written=written)
+                if ring is not None and trainer.all_written:
+                    ring.confirm()  # every rank's checkpoint of that step is complete: a dead rank's pieces are there
                 if ring is not None and getattr(trainer, "snapshot_task", None) is None:  # else: the next step's bubbles
                     _record(ring, trainer)
                 if not math.isfinite(loss):
@@ -559,7 +571,10 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                                f"{store.root}: {_describe(e)}"
 
                     snapper.wait()  # one abandoned by a recovery (below) is finished first
-                    snapper.start(describe_snap, store.snapshot, ptc, state.cfg, groups.rank, trainer.shard(),
+                    snap = trainer.shard()
+                    if ring is not None:
+                        ring.hold(step, snap)  # written in the foreground: done when the wait below returns
+                    snapper.start(describe_snap, store.snapshot, ptc, state.cfg, groups.rank, snap,
                                   step=step, replicate=bool(store.url), save_id=save_id)
                     # in-process runs wait interruptibly: a death found meanwhile recovers now, not after it
                     fault = snapper.wait(membership.check if membership is not None else None)
@@ -575,6 +590,9 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                         def describe(e: BaseException, step: int = step) -> str:
                             return f"{where}could not write checkpoint step {step} to {tc.ckpt}: {_describe(e)}"
 
+                        if ring is not None:
+                            ring.hold(step, shard)  # confirmed once every rank's write is done (train_step)
+                        writing[:] = [step]
                         writer.start(describe, _save, die, tc.ckpt, ptc, state.cfg, groups.rank, shard, step=step,
                                      keep_last=tc.keep_last, save_id=save_id)
                 if tc.fail_at_step is not None and trainer.step == tc.fail_at_step and restart == 0:
@@ -655,6 +673,7 @@ def _ring_side_task(ring: StateRing, trainer: Trainer | Spare, groups: Any) -> N
 def _save(die: Callable[[str, int], None] | None, *args: Any, **kwargs: Any) -> None:
     if die is not None:
         die("save", kwargs["step"])  # testing: this rank's part of the step never lands
+        die("slow-save", kwargs["step"])  # testing: nor does it here, but the rank trains on
     save(*args, **kwargs)
 
 

@@ -181,15 +181,18 @@ class Trainer:
         self.updating = False  # inside the optimizer step: the state is neither the old step's nor the new one's
         self.spans: list[Any] | None = None  # compute spans per op, when timelines are recorded
         self.die: Callable[[str, int], None] | None = None  # testing (--die-at): (point, step) at "forward", "backward", "optimizer"
+        self.all_written = True  # the last step's all-reduce: every rank's writes of the oldest held step are done
 
     # -- one training step -------------------------------------------------------------------
-    def train_step(self, *, fault: Callable[[], str | None] | None = None) -> tuple[float, np.ndarray]:
+    def train_step(self, *, fault: Callable[[], str | None] | None = None,
+                   written: Callable[[], bool] | None = None) -> tuple[float, np.ndarray]:
         """One step on every rank; returns the global loss and the step's sample ids.
 
         ``fault``, called just before the step's loss all-reduce: this rank's failed save or
         snapshot, if any. Its flag travels in that all-reduce, so every rank learns of any
         rank's failure in the same step and raises CheckpointWriteError there (the failing
-        rank with the cause)."""
+        rank with the cause). ``written``, called there too: whether this rank's writes of the
+        oldest step ``StateRing`` holds are done; ``all_written`` then says whether every rank's are."""
         tc, c = self.tc, self.coords
         batch = self.batches.batch(self.data, self.cfg.dp, c.dp, tc.micro_batch).to(self.g.device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -256,10 +259,11 @@ class Trainer:
         # save failed (spares take part with zeros)
         failure = fault() if fault is not None else None
         total = torch.tensor([float(loss_sum) * scale if (self.model.is_last and c.tp == 0) else 0.0,
-                              0.0 if failure is None else 1.0],
+                              0.0 if failure is None else 1.0, 1.0 if written is None or written() else 0.0],
                              dtype=torch.float64, device=self.g.device)  # nccl reduces device tensors only
         if dist.is_initialized():
             dist.all_reduce(total)
+        self.all_written = int(total[2].item()) == (dist.get_world_size() if dist.is_initialized() else 1)
         if failed := int(total[1].item()):
             everyone = " on every rank" if dist.is_initialized() else ""
             raise CheckpointWriteError(f"{failure_message(failure, failed, self.g.rank)}; training stopped at step "
@@ -369,17 +373,21 @@ class Spare:
         self.step = state.step
         self.data: DataState | None = None
         self.die: Callable[[str, int], None] | None = None
+        self.all_written = True
         if tc.data_mount and dist.is_initialized():
             dist.barrier()  # the trainers' barrier after their host re-shards its mount
 
-    def train_step(self, *, fault: Callable[[], str | None] | None = None) -> tuple[float, np.ndarray]:
-        """The step's loss all-reduce with the trainers; returns the global loss and no samples."""
+    def train_step(self, *, fault: Callable[[], str | None] | None = None,
+                   written: Callable[[], bool] | None = None) -> tuple[float, np.ndarray]:
+        """The step's loss all-reduce with the trainers; returns the global loss and no samples.
+        A spare writes nothing: its ``written`` flag is set."""
         if self.die is not None:
             self.die("forward", self.step + 1)  # testing (--die-at): a spare dies in a step too
         failure = fault() if fault is not None else None
-        total = torch.tensor([0.0, 0.0 if failure is None else 1.0], dtype=torch.float64, device=self.g.device)
+        total = torch.tensor([0.0, 0.0 if failure is None else 1.0, 1.0], dtype=torch.float64, device=self.g.device)
         if dist.is_initialized():
             dist.all_reduce(total)
+        self.all_written = int(total[2].item()) == (dist.get_world_size() if dist.is_initialized() else 1)
         if failed := int(total[1].item()):
             raise CheckpointWriteError(f"{failure_message(failure, failed, self.g.rank)}; training stopped at step "
                                        f"{self.step + 1} on every rank")
