@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import LoadStats, check_model, list_steps
+from .checkpoint import MAX_STEP, LoadStats, check_model, list_steps
 from .config import ParallelConfig
 from .errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ConfigError, LayoutError
 from .layouts import choose_layout
@@ -704,8 +704,12 @@ def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Se
     collective (call it on every rank right after ``init_process_group``, with the arguments
     given to ``rescale``) takes the oldest step any rank resumed from; a rank that resumed from
     a newer one reloads, under the same layout, the newest step not newer than that which
-    verifies for it (fresh when none), and the ranks repeat until they agree. Returns
-    ``result`` when all ranks agree already, else the reloaded state.
+    verifies for it, and the ranks repeat until they agree. Returns ``result`` when all ranks
+    agree already, else the reloaded state.
+
+    A fresh start needs every rank to find nothing. Ranks that find no step (a peer store slow to
+    answer, tiers they cannot read) while others resumed look once more, then every rank raises
+    CheckpointNotFoundError naming them: starting all of them fresh would discard the job's state.
     """
     if not dist.is_initialized():
         return result
@@ -714,19 +718,50 @@ def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Se
         device = torch.device("cuda", torch.cuda.current_device())
     found, where = _tiers_of(url, tiers, storage_options)
     current = result
+    retried = False
     while True:
-        mine = torch.tensor([-1 if current.fresh else current.step], dtype=torch.int64, device=device)
-        lo, hi = mine.clone(), mine.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-        bound = int(lo.item())
-        if bound == int(hi.item()):
+        bound, newest, fresh = _steps_of_ranks(current, device, group)
+        if not fresh and bound == newest or len(fresh) == dist.get_world_size(group):
             return current
-        if int(mine.item()) > bound:
+        if fresh:
+            # ranks that see no checkpoint while others resumed from one: a store slow to answer at
+            # start-up, a rank that reads none of the tiers the others read. Starting everybody fresh
+            # would discard the job's state: the blind ranks look once more, then every rank stops.
+            if not retried:
+                retried = True
+                layouts: list[Any] = [None] * dist.get_world_size(group)
+                dist.all_gather_object(layouts, None if current.fresh else str(current.cfg), group=group)
+                if current.fresh:  # under the layout the others chose from the saved one (a blind rank's may differ)
+                    log.warning("rank %d sees no checkpoint under %s while other ranks resumed from step %d: "
+                                "looking again", current.rank, where, bound)
+                    seen = dataclasses.replace(current, cfg=ParallelConfig.parse(next(x for x in layouts if x)))
+                    current = _newest_up_to(bound, seen, found, where, ptc, allow_meta_change=allow_meta_change,
+                                            gpus_per_host=gpus_per_host, topology=topology)
+                continue
+            raise CheckpointNotFoundError(
+                f"rank(s) {fresh} found no checkpoint step up to {bound} that they can read, while the other ranks "
+                f"resumed from steps {bound}..{newest}: starting fresh would discard the job's state. Make every "
+                f"rank reach the checkpoints (this rank reads {where}; the host stores of TENPLEX_STORES, --ckpt), "
+                "then restart the job")
+        if current.step > bound:
             log.warning("rank %d resumed from step %d, another rank from step %d: reloading", current.rank,
                         current.step, bound)
             current = _newest_up_to(bound, current, found, where, ptc, allow_meta_change=allow_meta_change,
                                     gpus_per_host=gpus_per_host, topology=topology)
+
+
+def _steps_of_ranks(current: RescaleResult, device: torch.device, group: Any) -> tuple[int, int, list[int]]:
+    """The oldest and newest step the ranks of ``group`` resumed from (fresh ones left out) and the
+    group ranks that start fresh (a collective)."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    lo = torch.tensor([MAX_STEP if current.fresh else current.step], dtype=torch.int64, device=device)
+    hi = torch.tensor([-1 if current.fresh else current.step], dtype=torch.int64, device=device)
+    fresh = torch.zeros(world, dtype=torch.int64, device=device)
+    fresh[me] = int(current.fresh)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(fresh, group=group)
+    return int(lo.item()), int(hi.item()), [r for r in range(world) if fresh[r]]
 
 
 def _newest_up_to(bound: int, current: RescaleResult, tiers: list[Tier], where: str, ptc: PTC,

@@ -1230,9 +1230,13 @@ def test_default_save_id_is_shared_by_a_launch_and_differs_between_launches(tmp_
     assert launches[0] != launches[1]
 
 
-def _agree_worker(rank: int, port: int, url: str, out_dir: str, out: Any) -> None:
-    """A rank that rescales before the process group (as the trainer does), then agrees on the step."""
+def _agree_worker(rank: int, port: int, url: str, out_dir: str, blind: str, out: Any) -> None:
+    """A rank that rescales before the process group (as the trainer does), then agrees on the step.
+    ``blind`` ("late", "never"; "" for neither): rank 1 first reads an empty directory instead of
+    ``url`` (a store that did not answer in time); "late" puts the checkpoint there before the
+    agreement, "never" leaves it empty."""
     import datetime
+    import shutil
 
     import torch.distributed as dist
 
@@ -1243,7 +1247,15 @@ def _agree_worker(rank: int, port: int, url: str, out_dir: str, out: Any) -> Non
         ptc = model_ptc(arch="llama", num_layers=4, hidden=64, heads=8, kv_heads=4, ffn_hidden=128, vocab=37,
                         vocab_pad=2, seq_len=8, dtype=torch.float32)
         cfg = ParallelConfig(tp=2)
-        res = rescale(url, ptc, rank=rank, world_size=2, parallel=cfg)
+        if blind and rank == 1:
+            seen = f"{out_dir}/blind"
+            os.makedirs(seen)
+            res = rescale(seen, ptc, rank=rank, world_size=2, parallel=cfg)
+            if blind == "late":
+                shutil.copytree(url, seen, dirs_exist_ok=True)
+            url = seen
+        else:
+            res = rescale(url, ptc, rank=rank, world_size=2, parallel=cfg)
         before = res.step
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=60))
@@ -1275,10 +1287,38 @@ def test_ranks_that_saw_different_damage_agree_on_one_step(tmp_path):
     raw[chunk["offset"] + 5] ^= 0x01
     _write_bytes(url, rel, bytes(raw))
     port = free_port()
-    got = run_spawned(_agree_worker, [(r, port, url, str(tmp_path)) for r in range(2)], expect=2, timeout=150)
+    got = run_spawned(_agree_worker, [(r, port, url, str(tmp_path), "") for r in range(2)], expect=2, timeout=150)
     assert all(not res["error"] for res in got.values()), got
     steps = [got[r]["steps"] for r in range(2)]
     assert steps == [[20, 19], [19, 19]], steps
     want = ptc.shard(g19, cfg)
+    for r in range(2):
+        assert_shard_equal(torch.load(tmp_path / f"shard-{r}.pt", weights_only=True), want[r], f"rank {r}")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("blind", ["late", "never"])
+def test_a_rank_that_sees_no_checkpoint_never_makes_the_others_start_fresh(tmp_path, blind):
+    """Rank 1 first finds nothing (its store did not answer in time) while rank 0 resumed from
+    step 20. Before, the agreement took the oldest step, "fresh", and both started fresh: the job's
+    state was dropped with a warning (a restarted torchrun job under load logged "fresh start").
+    Now rank 1 looks again under rank 0's layout: "late" (the store answers now) it loads step 20
+    bit for bit; "never", the ranks raise CheckpointNotFoundError naming rank 1."""
+    from spawned import free_port, run_spawned
+
+    ptc = tiny_ptc(hidden=64, ffn_hidden=128)
+    cfg = ParallelConfig(tp=2)
+    url = str(tmp_path / "ckpt")
+    g20 = random_bits(ptc, 20, 20)
+    save_all(url, ptc, cfg, g20, step=20)
+    port = free_port()
+    got = run_spawned(_agree_worker, [(r, port, url, str(tmp_path), blind) for r in range(2)], expect=2, timeout=150)
+    if blind == "never":  # (run_spawned stops at the first rank that reports an error)
+        assert got and all(res["error"].startswith("CheckpointNotFoundError: rank(s) [1] found no checkpoint step up "
+                                                   "to 20") for res in got.values()), got
+        return
+    assert all(not res["error"] for res in got.values()), got
+    assert [got[r]["steps"] for r in range(2)] == [[20, 20], [0, 20]]
+    want = ptc.shard(g20, cfg)
     for r in range(2):
         assert_shard_equal(torch.load(tmp_path / f"shard-{r}.pt", weights_only=True), want[r], f"rank {r}")

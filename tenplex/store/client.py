@@ -122,7 +122,8 @@ def recovery_tiers(local: HostStore | None, store_urls: Sequence[str], persisten
     others = [u for u in store_urls if local is None or u.rstrip("/") != local.url.rstrip("/")]
     token = store_token(token or (local.token if local is not None else None))
     options = peer_storage_options(token, timeout)
-    for url in alive_stores(others, token=token, timeout=min(2.0, timeout)):
+    # the whole timeout for /health too: a peer busy at start-up is no dead one (its steps would be missed)
+    for url in alive_stores(others, token=token, timeout=timeout):
         tiers.append(Tier(f"peer:{url}", url, "peer", options))
     if persistent:
         tiers.append(Tier("storage", persistent, "storage"))

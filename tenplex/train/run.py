@@ -547,7 +547,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                     else:
                         loss, samples = trainer.train_step(fault=pending_fault, written=written)
                 if ring is not None and trainer.all_written:
-                    ring.confirm()  # every rank's checkpoint of that step is complete: a dead rank's pieces are there
+                    ring.confirm()  # every rank's write of that step is done: a dead rank's pieces are there
                 if ring is not None and getattr(trainer, "snapshot_task", None) is None:  # else: the next step's bubbles
                     _record(ring, trainer)
                 if not math.isfinite(loss):
