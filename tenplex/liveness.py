@@ -154,12 +154,10 @@ class PeerLinks:
         if self._closed:
             return
         self._closed = True
-        self._accept()
-        for ln in list(self._links):
-            self._bye(ln, last=True)
-        self._accept()  # a connection that arrived meanwhile
-        for ln in list(self._links):
-            self._bye(ln, last=True)
+        for _ in range(2):  # the second pass: connections that arrived during the first
+            self._accept()
+            for ln in list(self._links):
+                self._bye(ln, last=True)
         self._listener.close()
 
     # -- internals ---------------------------------------------------------------------------------
