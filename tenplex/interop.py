@@ -79,6 +79,7 @@ __all__ = [
     "import_checkpoint",
     "export_hf",
     "detect_format",
+    "source_step",
 ]
 
 log = logging.getLogger(__name__)
@@ -326,6 +327,27 @@ def _url_fs(src: str | Path, storage_options: Mapping[str, Any] | None,
 def _names(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
     """Full paths of the entries of directory ``path``."""
     return sorted(fs.ls(path, detail=False))
+
+
+_SOURCE_STEP = re.compile(r"(?:step|checkpoint|global_step)[-_]?(\d+)")
+
+
+def source_step(src: str | Path) -> int | None:
+    """The training step a source checkpoint's directory name says (pure): torchtitan's ``step-5``,
+    Hugging Face Trainer's ``checkpoint-500``, DeepSpeed's ``global_step500`` (``step_5`` too); a
+    ``.safetensors`` file: its directory's. None when the name says none."""
+    parts = str(src).replace("\\", "/").rstrip("/").rsplit("/", 2)
+    name = parts[-2] if parts[-1].endswith(".safetensors") and len(parts) > 1 else parts[-1]
+    m = _SOURCE_STEP.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def _import_step(src: str | Path, step: int | None) -> int:
+    """``step`` when given, else the source's own (``source_step``), else 0."""
+    if step is not None:
+        return step
+    found = source_step(src)
+    return 0 if found is None else found
 
 
 def detect_format(src: str | Path, *, storage_options: Mapping[str, Any] | None = None) -> str:
@@ -596,16 +618,18 @@ def _save_all(url: str, ptc: PTC, state: Mapping[str, Any], layout: ParallelConf
     return written
 
 
-def import_hf(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int = 0,
+def import_hf(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int | None = None,
               dtype: torch.dtype | None = None, vocab_pad: int = 128,
               storage_options: Mapping[str, Any] | None = None,
               source_storage_options: Mapping[str, Any] | None = None) -> ImportResult:
     """Import a Hugging Face Llama or GPT-2 safetensors checkpoint as a tenplex checkpoint.
 
     The source's ``config.json`` is kept in the checkpoint's ``extra["hf_config"]`` (``export_hf``
-    writes it back). ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
+    writes it back). ``step``: default the source's (``source_step``: ``checkpoint-500``), else 0.
+    ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
     ``source_storage_options``: of ``src`` when it is a URL.
     """
+    step = _import_step(src, step)
     layout = layout or ParallelConfig()
     hf_state, config = read_hf_state(src, storage_options=source_storage_options)
     if config is None:
@@ -665,7 +689,7 @@ def _looks_hf(names: Any) -> bool:
     return any(n.startswith(("model.layers.", "model.embed_tokens", "transformer.h.", "transformer.wte")) for n in names)
 
 
-def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int = 0,
+def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int | None = None,
                model: ModelSpec | str | None = None, hf_config: Mapping[str, Any] | None = None,
                strip_prefix: str = "", keep_partitioning: bool | None = None,
                storage_options: Mapping[str, Any] | None = None,
@@ -681,9 +705,11 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
     config (mapped as in ``import_hf``). Neither (``keep_partitioning=False``): every tensor is
     imported replicated (loadable under any layout, but not TP-split).
     ``strip_prefix`` is removed from every name first (e.g. ``"model."`` of a wrapped module).
+    ``step``: default the source's (``source_step``: torchtitan's ``step-5``), else 0.
     ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
     ``source_storage_options``: of ``src`` when it is a URL.
     """
+    step = _import_step(src, step)
     if keep_partitioning is None:
         keep_partitioning = model is None and hf_config is None and not _looks_hf(
             k.removeprefix(strip_prefix) for k in _dcp_metadata(src, source_storage_options)[1].state_dict_metadata)
@@ -725,7 +751,8 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
 
 def import_checkpoint(src: str | Path, url: str, *, fmt: str = "auto", **kw: Any) -> ImportResult:
     """``import_dcp`` or ``import_hf``, chosen by ``fmt`` or by what ``src`` holds (keywords as
-    theirs, ``storage_options`` and ``source_storage_options`` included)."""
+    theirs, ``storage_options`` and ``source_storage_options`` included). Without ``step`` the
+    result keeps the source's step (``source_step``: torchtitan's ``step-5`` is step 5), else 0."""
     fmt = detect_format(src, storage_options=kw.get("source_storage_options")) if fmt == "auto" else fmt
     if fmt == "dcp":
         return import_dcp(src, url, **kw)
