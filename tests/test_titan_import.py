@@ -122,3 +122,42 @@ def test_async_modes_are_refused_before_any_group_is_made() -> None:
         with pytest.raises(ConfigError, match="set async_mode='disabled'"):
             TenplexCheckpointManager.Config(enable=True, async_mode=mode).build(
                 dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None)
+
+
+def test_titan_manager_steps_tenplex_and_dcp_directories_in_one_process(tmp_path: Path) -> None:
+    """One process, no process group: the manager saves ``step-N`` as a tenplex checkpoint of step N,
+    finds the newest complete step among tenplex and DCP directories (an incomplete one is passed
+    over), loads a tenplex step through tenplex and a stock torchtitan (DCP) step through DCP, and
+    fills the model it wraps in place either way."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tenplex.titan_checkpoint import TenplexCheckpointManager
+
+    def job(seed: int) -> tuple[torch.nn.Module, TenplexCheckpointManager]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        ck = TenplexCheckpointManager.Config(enable=True, folder="ck", keep_latest_k=0).build(
+            dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None,
+            base_folder=str(tmp_path))
+        return model, ck
+
+    src, ck = job(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck.dcp_save(dict(src.state_dict()), str(tmp_path / "ck" / "step-3"), ck.async_mode)
+        assert [(i.step, i.complete) for i in tenplex.list_steps(str(tmp_path / "ck" / "step-3"))] == [(3, True)]
+        assert ck._find_load_step() == 3
+        (tmp_path / "ck" / "step-9").mkdir()  # an attempt that never completed
+        assert ck._find_load_step() == 3
+        other, _ = job(2)
+        dcp.save(dict(other.state_dict()), checkpoint_id=str(tmp_path / "ck" / "step-5"), no_dist=True)
+        assert ck._find_load_step() == 5
+        dst, ck2 = job(3)
+        ck2.dcp_load(dict(dst.state_dict()), str(tmp_path / "ck" / "step-3"), False, False)
+        assert ck2.last_load is not None and ck2.last_load.step == 3
+        assert all(torch.equal(a, b) for a, b in zip(dst.state_dict().values(), src.state_dict().values()))
+        ck2.dcp_load(dict(dst.state_dict()), str(tmp_path / "ck" / "step-5"), False, False)  # DCP's own
+        assert all(torch.equal(a, b) for a, b in zip(dst.state_dict().values(), other.state_dict().values()))
