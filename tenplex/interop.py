@@ -342,11 +342,15 @@ def source_step(src: str | Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _import_step(src: str | Path, step: int | None) -> int:
-    """``step`` when given, else the source's own (``source_step``), else 0."""
+def _import_step(src: str | Path, step: int | None, objects: Mapping[str, Any] | None = None) -> int:
+    """``step`` when given, else the source's own: its directory name's (``source_step``), else the
+    ``train_state.step`` torchtitan's CheckpointManager saves among a DCP checkpoint's ``objects``, else 0."""
     if step is not None:
         return step
     found = source_step(src)
+    if found is None and objects is not None:
+        saved = objects.get("train_state.step")
+        found = saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0 else None
     return 0 if found is None else found
 
 
@@ -555,13 +559,14 @@ def _read_chunks(reader: Any, md: Any, items: list[tuple[Any, torch.Size | None,
     return sink
 
 
-def import_dcp_chunks(src: str | Path, url: str, *, step: int = 0, strip_prefix: str = "",
+def import_dcp_chunks(src: str | Path, url: str, *, step: int | None = None, strip_prefix: str = "",
                       storage_options: Mapping[str, Any] | None = None,
                       source_storage_options: Mapping[str, Any] | None = None) -> ImportResult:
     """Import a DCP checkpoint keeping its partitioning: each DCP file becomes the part of one pseudo
     writer rank holding the same chunks (``dcp_chunk_layout``), so nothing is duplicated, and the
     result loads with ``tenplex.load_state_dict`` under any mesh (each rank reading only its
-    ranges). Streams: one DCP file's chunks in memory at a time, each read once.
+    ranges). Streams: one DCP file's chunks in memory at a time, each read once. ``step``: default
+    the source's (``_import_step``).
     """
     t0 = time.perf_counter()
     opts = _options(storage_options, "storage_options")
@@ -572,6 +577,7 @@ def import_dcp_chunks(src: str | Path, url: str, *, step: int = 0, strip_prefix:
              if hasattr(item, "chunks")}
     objs = _read_chunks(reader, md, [(i, None, None) for _, i in byte_items]).values
     objects = {name: objs[i] for name, i in byte_items}
+    step = _import_step(src, step, objects)
     per_rank: dict[int, list[DcpChunk]] = {r: [] for r in range(layout.world_size)}
     for c in chunks:
         per_rank[c.rank].append(c)
@@ -705,11 +711,11 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
     config (mapped as in ``import_hf``). Neither (``keep_partitioning=False``): every tensor is
     imported replicated (loadable under any layout, but not TP-split).
     ``strip_prefix`` is removed from every name first (e.g. ``"model."`` of a wrapped module).
-    ``step``: default the source's (``source_step``: torchtitan's ``step-5``), else 0.
+    ``step``: default the source's (``source_step``: torchtitan's ``step-5``; else its saved
+    ``train_state.step``), else 0.
     ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
     ``source_storage_options``: of ``src`` when it is a URL.
     """
-    step = _import_step(src, step)
     if keep_partitioning is None:
         keep_partitioning = model is None and hf_config is None and not _looks_hf(
             k.removeprefix(strip_prefix) for k in _dcp_metadata(src, source_storage_options)[1].state_dict_metadata)
@@ -724,6 +730,7 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
                                  source_storage_options=source_storage_options)
     layout = layout or ParallelConfig()
     tensors, objects = read_dcp_state(src, storage_options=source_storage_options)
+    step = _import_step(src, step, objects)
     if strip_prefix:
         tensors = {k.removeprefix(strip_prefix): v for k, v in tensors.items()}
     spec: ModelSpec | None

@@ -222,8 +222,11 @@ def test_import_keeps_the_source_step(tmp_path: Path, capsys: pytest.CaptureFixt
     assert tenplex.load_state_dict(sd, url).step == 5 and torch.equal(sd["tok.weight"], state["tok.weight"])
     assert import_checkpoint(tmp_path / "titan" / "step-5", str(tmp_path / "t2"), step=2).step == 2
     assert import_dcp(tmp_path / "titan" / "step-5", str(tmp_path / "t2b")).step == 5
-    _dcp_save(dict(state), tmp_path / "plain")
-    assert import_checkpoint(tmp_path / "plain", str(tmp_path / "t3")).step == 0  # the name says none
+    _dcp_save(dict(state), tmp_path / "renamed")  # no step in the name: torchtitan's saved train_state.step
+    assert import_checkpoint(tmp_path / "renamed", str(tmp_path / "t3")).step == 5
+    assert import_dcp(tmp_path / "renamed", str(tmp_path / "t3b"), keep_partitioning=False).step == 5
+    _dcp_save({"tok.weight": state["tok.weight"]}, tmp_path / "plain")
+    assert import_checkpoint(tmp_path / "plain", str(tmp_path / "t4")).step == 0  # nothing says a step
     # the CLI: a titan step directory and an HF Trainer checkpoint directory
     assert cli_main(["import", str(tmp_path / "titan" / "step-5"), str(tmp_path / "c1"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 5
