@@ -303,7 +303,11 @@ def worker(args) -> None:
     dist.init_process_group("gloo" if dev == "cpu" else None, rank=rank, world_size=world)
     out = Path(args.out)
 
-    def setup(tp, dp_shard, dp_replicate, pp):
+    manager = CheckpointManager
+    if args.checkpointer == "tenplex":  # torchtitan's CheckpointManager writing tenplex checkpoints
+        from tenplex.titan_checkpoint import TenplexCheckpointManager as manager
+
+    def setup(tp, dp_shard, dp_replicate, pp, exclude=None):
         """torchtitan's config, mesh, model config, loss and a model builder for this mesh."""
         cfg = Trainer.Config(
             dump_folder=str(out),
@@ -326,10 +330,11 @@ def worker(args) -> None:
                 implementation="foreach"),
             lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1),
             compile=CompileConfig(enable=False),
-            checkpoint=CheckpointManager.Config(
+            checkpoint=manager.Config(
                 enable=True, folder="titan", interval=1, last_save_model_only=False,
                 keep_latest_k=0, initial_load_path=args.load, initial_load_model_only=False,
-                exclude_from_loading=[x for x in args.exclude_from_loading.split(",") if x]),
+                exclude_from_loading=exclude if exclude is not None else [
+                    x for x in args.exclude_from_loading.split(",") if x]),
         )
         pd = ParallelDims.from_config(cfg.parallelism, world)
         pd.build_mesh()
@@ -492,6 +497,11 @@ def worker(args) -> None:
     summary["losses_this_rank"] = losses
     summary["wall_s"] = {"init_build_parallelize": round(t_built - t_start, 2),
                          "train_steps": round(t_trained - ts, 2)}
+    if args.resume_check:
+        resume_check(args, setup, rank, out, tr)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
 
     # (a) plain DCP via get_state_dict
     pdir = out / "placements"
@@ -548,6 +558,102 @@ def worker(args) -> None:
     if args.then_check:
         then_check(args, setup, rank, out, out / "titan" / f"step-{tr.step}")
     dist.destroy_process_group()
+
+
+def _exact_values(checkpointer):
+    """Every model and optimizer entry of what ``checkpointer`` saves, as full CPU tensors (collective)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    flat = {}
+    for k, v in checkpointer._flattened_model_states_sd().items():
+        if k not in ("dataloader", "lr_scheduler", "train_state"):
+            flat.update(flatten({k: v.state_dict() if hasattr(v, "state_dict") else v}))
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+            for k, v in sorted(flat.items()) if isinstance(v, torch.Tensor)}
+
+
+def resume_check(args, setup, rank, out, tr) -> None:
+    """``--checkpointer tenplex --resume-check MESH[;MESH]``: after training, save with the job's
+    (tenplex) ``CheckpointManager``, then for each MESH build torchtitan's model, optimizer and LR
+    scheduler again on the same ranks under that mesh, with ``exclude_from_loading=["dataloader"]``
+    (its state is per DP rank), ``load()`` through a new manager of the same class (it finds the
+    step itself), and compare: every model and optimizer tensor bit for bit with the saved job's,
+    the train state and the LR scheduler's epoch; per rank the bytes read, the bytes needed and the
+    bytes of its local shards. Rank 0 writes ``OUT/resume.json``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import tenplex
+
+    ref = _exact_values(tr.checkpointer)
+    t0 = time.monotonic()
+    assert tr.checkpointer.save(curr_step=tr.step, last_step=False)
+    save_s = time.monotonic() - t0
+    saved = {"step": tr.step, "ntokens_seen": tr.ntokens_seen, "lr": tr.lr_schedulers.state_dict()}
+    tdir = out / "titan" / f"step-{tr.step}"
+    results = []
+    for spec in args.resume_check.split(";"):
+        mesh = {"tp": 1, "dp_shard": 1, "dp_replicate": 1, "pp": 1}
+        for part in spec.split(","):
+            k, _, v = part.partition("=")
+            mesh[k.strip().replace("-", "_")] = int(v)
+        cfg2, pd2, _, _, build2 = setup(mesh["tp"], mesh["dp_shard"], mesh["dp_replicate"], mesh["pp"],
+                                        exclude=["dataloader"])
+        parts2, _ = build2()
+        opt2 = cfg2.optimizer.build(model_parts=parts2)
+        lr2 = cfg2.lr_scheduler.build(optimizers=opt2, training_steps=args.steps)
+
+        class _TrainState:  # torchtitan's Trainer state_dict / load_state_dict
+            step, ntokens_seen = 0, 0
+
+            def state_dict(self):
+                return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+            def load_state_dict(self, sd):
+                self.step, self.ntokens_seen = sd["step"], sd["ntokens_seen"]
+
+        ts = _TrainState()
+        ck = cfg2.checkpoint.build(dataloader=None, model_parts=parts2, optimizers=opt2, lr_schedulers=lr2,
+                                   states={"train_state": ts}, sd_adapter=None, base_folder=str(out))
+        t0 = time.monotonic()
+        loaded = ck.load(step=-1)
+        load_s = time.monotonic() - t0
+        local = 0
+        for k, v in ck._flattened_model_states_sd().items():
+            if k not in ("dataloader", "lr_scheduler", "train_state"):
+                for x in flatten({k: v.state_dict() if hasattr(v, "state_dict") else v}).values():
+                    if isinstance(x, torch.Tensor):
+                        x = x.to_local() if isinstance(x, DTensor) else x
+                        local += x.numel() * x.element_size()
+        got = _exact_values(ck)
+
+        def bits(t):
+            t = t.reshape(-1).contiguous()
+            return t.view(torch.uint8) if t.numel() else t
+
+        mism = sorted(k for k in ref if k not in got or ref[k].dtype != got[k].dtype
+                      or not torch.equal(bits(ref[k]), bits(got[k])))
+        res = ck.last_load
+        mine = {"rank": rank, "mesh": {k: getattr(pd2, k) for k in ("dp_shard", "tp", "world_size")},
+                "loaded": bool(loaded), "keys": len(got), "missing": sorted(set(ref) - set(got)), "mismatches": mism,
+                "train_state": ts.state_dict(), "lr": lr2.state_dict(), "step": res.step if res else None,
+                "bytes_read": res.bytes_read if res else None, "bytes_needed": res.bytes_needed if res else None,
+                "local_tensor_bytes": local,
+                "read_over_needed": round(res.bytes_read / max(1, res.bytes_needed), 4) if res else None,
+                "load_s": round(load_s, 3)}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        results.append(every)
+        ck.close()
+        del parts2, opt2, lr2, ck
+    if rank == 0:
+        steps = tenplex.list_steps(str(tdir))
+        summary = {"saved": saved, "save_s": round(save_s, 3), "checkpoint": str(tdir),
+                   "tenplex_steps": [[i.step, i.complete] for i in steps],
+                   "dcp_metadata": (tdir / ".metadata").exists(), "checks": results}
+        (out / "resume.json").write_text(json.dumps(summary, indent=1, default=str))
 
 
 def checkpoint_sizes(tdir, tenplex_dir) -> dict:
@@ -769,6 +875,11 @@ def main(argv=None):
     ap.add_argument("--then-check", default=None, metavar="MESH",
                     help="after saving: `tenplex import` the titan checkpoint into OUT/tenplex and check a "
                          "load of it under MESH on the same ranks, e.g. dp_shard=4 (as --check-load)")
+    ap.add_argument("--checkpointer", default="titan", choices=["titan", "tenplex"],
+                    help="tenplex: the job's CheckpointManager is tenplex.titan_checkpoint.TenplexCheckpointManager")
+    ap.add_argument("--resume-check", default=None, metavar="MESH[;MESH]",
+                    help="after training: save with the job's CheckpointManager, then resume under each MESH "
+                         "(e.g. 'tp=4;dp_shard=4') on the same ranks and compare (writes OUT/resume.json)")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args(argv)
     if bool(args.check_load) != bool(args.check_ref):

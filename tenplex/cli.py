@@ -681,7 +681,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("auto", "dcp", "hf"), default="auto")
     p.add_argument("--layout", type=_layout, default=ParallelConfig(), metavar="LAYOUT",
                    help="layout to save under (default dp=1,tp=1,pp=1; loads under any layout)")
-    p.add_argument("--step", type=_STEP, default=0, help="step number of the imported checkpoint (default 0)")
+    p.add_argument("--step", type=_STEP, default=None,
+                   help="step number of the imported checkpoint (default: the source's, from its directory name "
+                        "step-N (torchtitan), checkpoint-N (HF Trainer) or global_stepN, else a torchtitan DCP "
+                        "checkpoint's train_state.step; else 0)")
     p.add_argument("--model", default=None,
                    help="DCP: model preset whose tenplex-named tensors the checkpoint holds (e.g. tiny)")
     p.add_argument("--hf-config", default=None, help="DCP: config.json of a checkpoint holding Hugging Face names")

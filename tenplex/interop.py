@@ -79,6 +79,7 @@ __all__ = [
     "import_checkpoint",
     "export_hf",
     "detect_format",
+    "source_step",
 ]
 
 log = logging.getLogger(__name__)
@@ -328,6 +329,31 @@ def _names(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
     return sorted(fs.ls(path, detail=False))
 
 
+_SOURCE_STEP = re.compile(r"(?:step|checkpoint|global_step)[-_]?(\d+)")
+
+
+def source_step(src: str | Path) -> int | None:
+    """The training step a source checkpoint's directory name says (pure): torchtitan's ``step-5``,
+    Hugging Face Trainer's ``checkpoint-500``, DeepSpeed's ``global_step500`` (``step_5`` too); a
+    ``.safetensors`` file: its directory's. None when the name says none."""
+    parts = str(src).replace("\\", "/").rstrip("/").rsplit("/", 2)
+    name = parts[-2] if parts[-1].endswith(".safetensors") and len(parts) > 1 else parts[-1]
+    m = _SOURCE_STEP.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def _import_step(src: str | Path, step: int | None, objects: Mapping[str, Any] | None = None) -> int:
+    """``step`` when given, else the source's own: its directory name's (``source_step``), else the
+    ``train_state.step`` torchtitan's CheckpointManager saves among a DCP checkpoint's ``objects``, else 0."""
+    if step is not None:
+        return step
+    found = source_step(src)
+    if found is None and objects is not None:
+        saved = objects.get("train_state.step")
+        found = saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0 else None
+    return 0 if found is None else found
+
+
 def detect_format(src: str | Path, *, storage_options: Mapping[str, Any] | None = None) -> str:
     """'dcp' for a directory with DCP's ``.metadata``, 'hf' for safetensors files (local or a URL)."""
     fs, path = _url_fs(src, storage_options)
@@ -533,13 +559,14 @@ def _read_chunks(reader: Any, md: Any, items: list[tuple[Any, torch.Size | None,
     return sink
 
 
-def import_dcp_chunks(src: str | Path, url: str, *, step: int = 0, strip_prefix: str = "",
+def import_dcp_chunks(src: str | Path, url: str, *, step: int | None = None, strip_prefix: str = "",
                       storage_options: Mapping[str, Any] | None = None,
                       source_storage_options: Mapping[str, Any] | None = None) -> ImportResult:
     """Import a DCP checkpoint keeping its partitioning: each DCP file becomes the part of one pseudo
     writer rank holding the same chunks (``dcp_chunk_layout``), so nothing is duplicated, and the
     result loads with ``tenplex.load_state_dict`` under any mesh (each rank reading only its
-    ranges). Streams: one DCP file's chunks in memory at a time, each read once.
+    ranges). Streams: one DCP file's chunks in memory at a time, each read once. ``step``: default
+    the source's (``_import_step``).
     """
     t0 = time.perf_counter()
     opts = _options(storage_options, "storage_options")
@@ -550,6 +577,7 @@ def import_dcp_chunks(src: str | Path, url: str, *, step: int = 0, strip_prefix:
              if hasattr(item, "chunks")}
     objs = _read_chunks(reader, md, [(i, None, None) for _, i in byte_items]).values
     objects = {name: objs[i] for name, i in byte_items}
+    step = _import_step(src, step, objects)
     per_rank: dict[int, list[DcpChunk]] = {r: [] for r in range(layout.world_size)}
     for c in chunks:
         per_rank[c.rank].append(c)
@@ -596,16 +624,18 @@ def _save_all(url: str, ptc: PTC, state: Mapping[str, Any], layout: ParallelConf
     return written
 
 
-def import_hf(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int = 0,
+def import_hf(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int | None = None,
               dtype: torch.dtype | None = None, vocab_pad: int = 128,
               storage_options: Mapping[str, Any] | None = None,
               source_storage_options: Mapping[str, Any] | None = None) -> ImportResult:
     """Import a Hugging Face Llama or GPT-2 safetensors checkpoint as a tenplex checkpoint.
 
     The source's ``config.json`` is kept in the checkpoint's ``extra["hf_config"]`` (``export_hf``
-    writes it back). ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
+    writes it back). ``step``: default the source's (``source_step``: ``checkpoint-500``), else 0.
+    ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
     ``source_storage_options``: of ``src`` when it is a URL.
     """
+    step = _import_step(src, step)
     layout = layout or ParallelConfig()
     hf_state, config = read_hf_state(src, storage_options=source_storage_options)
     if config is None:
@@ -665,7 +695,7 @@ def _looks_hf(names: Any) -> bool:
     return any(n.startswith(("model.layers.", "model.embed_tokens", "transformer.h.", "transformer.wte")) for n in names)
 
 
-def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int = 0,
+def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int | None = None,
                model: ModelSpec | str | None = None, hf_config: Mapping[str, Any] | None = None,
                strip_prefix: str = "", keep_partitioning: bool | None = None,
                storage_options: Mapping[str, Any] | None = None,
@@ -681,6 +711,8 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
     config (mapped as in ``import_hf``). Neither (``keep_partitioning=False``): every tensor is
     imported replicated (loadable under any layout, but not TP-split).
     ``strip_prefix`` is removed from every name first (e.g. ``"model."`` of a wrapped module).
+    ``step``: default the source's (``source_step``: torchtitan's ``step-5``; else its saved
+    ``train_state.step``), else 0.
     ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
     ``source_storage_options``: of ``src`` when it is a URL.
     """
@@ -698,6 +730,7 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
                                  source_storage_options=source_storage_options)
     layout = layout or ParallelConfig()
     tensors, objects = read_dcp_state(src, storage_options=source_storage_options)
+    step = _import_step(src, step, objects)
     if strip_prefix:
         tensors = {k.removeprefix(strip_prefix): v for k, v in tensors.items()}
     spec: ModelSpec | None
@@ -725,7 +758,8 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
 
 def import_checkpoint(src: str | Path, url: str, *, fmt: str = "auto", **kw: Any) -> ImportResult:
     """``import_dcp`` or ``import_hf``, chosen by ``fmt`` or by what ``src`` holds (keywords as
-    theirs, ``storage_options`` and ``source_storage_options`` included)."""
+    theirs, ``storage_options`` and ``source_storage_options`` included). Without ``step`` the
+    result keeps the source's step (``source_step``: torchtitan's ``step-5`` is step 5), else 0."""
     fmt = detect_format(src, storage_options=kw.get("source_storage_options")) if fmt == "auto" else fmt
     if fmt == "dcp":
         return import_dcp(src, url, **kw)

@@ -13,6 +13,13 @@ caller's memory.
 Keys: nested dicts are flattened with ``.`` (``{"model": {"w": t}}`` is ``model.w``), as DCP does.
 Values that differ between ranks under one key (an RNG state) are saved from one of them: give
 such values per-rank keys.
+
+``Stateful`` values (``torch.distributed.checkpoint.stateful.Stateful``: an object with
+``state_dict()`` and ``load_state_dict()``, such as a module, an optimizer, torchtitan's
+``OptimizersContainer``) at the top level of the state dict are treated as DCP treats them: a save
+stores ``value.state_dict()`` under the value's key, a load fills ``value.state_dict()`` in place
+and then calls ``value.load_state_dict`` with it. Loads may ask for a subset of the checkpoint's
+keys (DCP's rule; ``strict=True`` refuses that).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from .ptc import PTC, TensorSpec, dtype_to_str
 from .state_layout import Placed, StateLayout, parse_placement, placement_text, spec_for
 
 __all__ = ["StateDictLoad", "save_state_dict", "load_state_dict", "flatten_state_dict", "state_layout_of",
-           "describe_state_dict", "local_shard", "fill_state_dict"]
+           "describe_state_dict", "local_shard", "fill_state_dict", "is_stateful", "stateful_view"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +99,25 @@ def flatten_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Leaf]:
         raise CheckpointValueError(f"a state dict is a mapping of names to values, got {type(state_dict).__name__}")
     walk(state_dict, "")
     return out
+
+
+def is_stateful(value: Any) -> bool:
+    """``isinstance(value, torch.distributed.checkpoint.stateful.Stateful)`` without importing DCP (0.4 s):
+    that runtime-checkable protocol asks for non-None ``state_dict`` and ``load_state_dict`` attributes."""
+    return getattr(value, "state_dict", None) is not None and getattr(value, "load_state_dict", None) is not None
+
+
+def stateful_view(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A shallow copy of ``state_dict`` with every top-level ``Stateful`` value replaced by its
+    ``state_dict()`` (what DCP's ``save`` and ``load`` do, top level only), and those values by key:
+    a load fills the copy, then hands each its part (``load_state_dict``)."""
+    if not isinstance(state_dict, Mapping):
+        raise CheckpointValueError(f"a state dict is a mapping of names to values, got {type(state_dict).__name__}")
+    statefuls = {k: v for k, v in state_dict.items() if is_stateful(v)}
+    if not statefuls:
+        return dict(state_dict), statefuls
+    view = {k: (v.state_dict() if k in statefuls else v) for k, v in state_dict.items()}
+    return view, statefuls
 
 
 def _local_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -213,7 +239,7 @@ def _gathered(state_dict: Mapping[str, Any], process_group: Any, what: str, *,
     descs: dict[str, tuple[Any, ...]] = {}
     failure: Exception | None = None
     try:
-        leaves = flatten_state_dict(state_dict)
+        leaves = flatten_state_dict(stateful_view(state_dict)[0])
         tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
         objects = {k: (v if values else None) for k, (_, _, v) in leaves.items() if not isinstance(v, torch.Tensor)}
         meshes: dict[int, tuple[Any, ...]] = {}
@@ -242,16 +268,19 @@ def describe_state_dict(state_dict: Mapping[str, Any], *, process_group: Any = N
 
 def local_shard(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """This rank's part of ``state_dict`` by flat key: DTensors as their local tensors, plain tensors and
-    other values as they are (the same memory: copy it to keep a consistent state)."""
-    leaves = flatten_state_dict(state_dict)
+    other values as they are (the same memory: copy it to keep a consistent state). ``Stateful`` values
+    as their ``state_dict()``."""
+    leaves = flatten_state_dict(stateful_view(state_dict)[0])
     return {k: (_local_tensor(v) if isinstance(v, torch.Tensor) else v) for k, (_, _, v) in leaves.items()}
 
 
 def fill_state_dict(state_dict: MutableMapping[str, Any], shard: Mapping[str, Any]) -> None:
     """Write ``shard`` (flat key -> local tensor or value, as ``local_shard`` gives it) into ``state_dict``
     in place: tensors copied into the local tensors the state dict holds (shapes must match), other
-    values replaced in their dicts. CheckpointMismatchError names keys the shard lacks."""
-    leaves = flatten_state_dict(state_dict)
+    values replaced in their dicts; ``Stateful`` values then get theirs through ``load_state_dict``.
+    CheckpointMismatchError names keys the shard lacks."""
+    view, statefuls = stateful_view(state_dict)
+    leaves = flatten_state_dict(view)
     missing = sorted(set(leaves) - set(shard))
     if missing:
         raise CheckpointMismatchError(f"the state to fill in lacks {len(missing)} keys of the state dict, e.g. "
@@ -266,6 +295,17 @@ def fill_state_dict(state_dict: MutableMapping[str, Any], shard: Mapping[str, An
             loc.copy_(src)
         else:
             container[key] = shard[k]
+    _hand_back(state_dict, view, statefuls)
+
+
+def _hand_back(state_dict: MutableMapping[str, Any], view: Mapping[str, Any], statefuls: Mapping[str, Any]) -> None:
+    """After a load into ``stateful_view(state_dict)``: each ``Stateful`` value gets its filled part
+    (``load_state_dict``), other top-level values go back into ``state_dict`` (as DCP's ``load``)."""
+    for k, v in view.items():
+        if k in statefuls:
+            statefuls[k].load_state_dict(v)
+        else:
+            state_dict[k] = v
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,15 +451,22 @@ class _InPlace:
 
 
 def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int | None = None,
-                    storage_options: Mapping[str, Any] | None = None) -> StateDictLoad:
+                    strict: bool = False, storage_options: Mapping[str, Any] | None = None) -> StateDictLoad:
     """Fill every rank's ``state_dict`` in place from checkpoint ``step`` (default: the newest that
     verifies) under ``url``, whatever mesh and world size saved it. Collective over the default
     group when torch.distributed is initialised.
 
     Tensors (DTensors on any mesh, plain tensors, CPU or CUDA) are written into the caller's
     memory, reading only the byte ranges this rank's local tensors need; other values are replaced
-    in their dicts. CheckpointMismatchError names the keys when the state dict does not match the
-    checkpoint (keys missing on either side, other global shapes or dtypes); nothing is read then.
+    in their dicts. A top-level ``Stateful`` value (``state_dict()`` and ``load_state_dict()``: a
+    module, an optimizer, torchtitan's containers) is loaded as DCP loads it: its ``state_dict()``
+    is filled, then handed to its ``load_state_dict``.
+
+    Keys: as ``dcp.load``, the state dict may ask for a subset of the checkpoint's keys (the others
+    are not read: a job that drops its data loader's or LR scheduler's state); ``strict=True``
+    refuses that. Keys of the state dict that the checkpoint lacks are always refused.
+    CheckpointMismatchError names the keys when the state dict does not match the checkpoint
+    (keys missing, other global shapes or dtypes); nothing is read then.
     A failed read may leave tensors partly overwritten: load again (an older step) before using them.
     When any rank fails (its state dict, its check or its reads), every rank raises: that rank its
     own error, the others one of its class naming it.
@@ -428,20 +475,21 @@ def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int
     collecting = gc.isenabled()
     gc.disable()  # a load allocates many small objects and frees them: no collector passes over the job's heap
     try:
-        return _load_state_dict(state_dict, url, step, storage_options, t0)
+        return _load_state_dict(state_dict, url, step, strict, storage_options, t0)
     finally:
         if collecting:
             gc.enable()
 
 
-def _load_state_dict(state_dict: MutableMapping[str, Any], url: str, step: int | None,
+def _load_state_dict(state_dict: MutableMapping[str, Any], url: str, step: int | None, strict: bool,
                      storage_options: Mapping[str, Any] | None, t0: float) -> StateDictLoad:
     rank, world = _world(None)
     where = f"loading {url}"
     mine: list[str] = []
     failure: Exception | None = None
     try:  # a state dict one rank cannot describe fails every rank (none waits in a later collective)
-        leaves = flatten_state_dict(state_dict)
+        view, statefuls = stateful_view(state_dict)
+        leaves = flatten_state_dict(view)
         tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
         meshes: dict[int, tuple[Any, ...]] = {}
         descs = {k: _describe(v, None, meshes) for k, v in tensors.items()}
@@ -465,7 +513,7 @@ def _load_state_dict(state_dict: MutableMapping[str, Any], url: str, step: int |
     sink = _InPlace(locals_, layout, rank)
 
     def check(saved: PTC) -> None:
-        _check_against(saved, descs, set(leaves) - set(tensors), wanted, url, layout, locals_, rank)
+        _check_against(saved, descs, set(leaves) - set(tensors), wanted, url, layout, locals_, rank, strict)
         sink.bind(saved)
 
     result: LoadResult | None = None
@@ -483,23 +531,26 @@ def _load_state_dict(state_dict: MutableMapping[str, Any], url: str, step: int |
     for k, (container, key, _) in leaves.items():
         if k not in tensors and k in result.shard:
             container[key] = result.shard[k]
+    _hand_back(state_dict, view, statefuls)
     s = result.stats
     return StateDictLoad(result.step, result.extra, s.bytes_read, s.bytes_needed, time.perf_counter() - t0,
                          result.skipped, s)
 
 
 def _check_against(saved: PTC, descs: Mapping[str, tuple[Any, ...]], objects: set[str], wanted: set[str], url: str,
-                   layout: StateLayout, locals_: Mapping[str, torch.Tensor], rank: int) -> None:
-    """CheckpointMismatchError unless the state dicts ask for exactly the checkpoint's keys, with its
-    global shapes and dtypes, and this rank's local tensors have the shapes their placements give."""
+                   layout: StateLayout, locals_: Mapping[str, torch.Tensor], rank: int, strict: bool) -> None:
+    """CheckpointMismatchError unless the state dicts (``wanted``: every rank's keys) ask for keys the
+    checkpoint has (``strict``: exactly its keys), with its global shapes and dtypes, and this rank's
+    local tensors have the shapes their placements give."""
     have = set(saved.tensors) | set(saved.objects)
     problems = []
     extra = sorted(wanted - have)
     if extra:
         problems.append(f"the checkpoint lacks {len(extra)} keys of the state dict, e.g. {extra[:5]}")
-    missing = sorted(have - wanted)
+    missing = sorted(have - wanted) if strict else []
     if missing:
-        problems.append(f"the state dict lacks {len(missing)} keys of the checkpoint, e.g. {missing[:5]}")
+        problems.append(f"the state dict lacks {len(missing)} keys of the checkpoint, e.g. {missing[:5]} (strict=True; "
+                        "the default loads a subset of the keys, as dcp.load)")
     kinds = sorted(k for k in objects if k in saved.tensors) + sorted(k for k in descs if k in saved.objects)
     if kinds:
         problems.append(f"{kinds[:5]} are tensors on one side and other values on the other")

@@ -24,6 +24,7 @@ from tenplex.interop import (
     hf_config_to_spec,
     hf_to_tenplex,
     import_dcp,
+    import_checkpoint,
     import_hf,
     load_global,
     tenplex_to_hf,
@@ -207,6 +208,39 @@ def test_cli_import_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert cli_main(["import", str(tmp_path / "dcp"), str(tmp_path / "t2"), "--model", "tiny"]) == 0
     (tmp_path / "empty").mkdir()
     assert cli_main(["import", str(tmp_path / "empty"), str(tmp_path / "t3")]) == 2
+
+
+def test_import_keeps_the_source_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torchtitan's CheckpointManager writes step N to ``step-N``, HF's Trainer to ``checkpoint-N``:
+    an import keeps that step unless told another (before: step 0 unless --step was given)."""
+    state = {"tok.weight": torch.randn(6, 4), "train_state.step": 5}
+    _dcp_save(dict(state), tmp_path / "titan" / "step-5")
+    url = str(tmp_path / "t")
+    res = import_checkpoint(tmp_path / "titan" / "step-5", url)
+    assert res.step == 5 and [i.step for i in tenplex.list_steps(url)] == [5]
+    sd = {"tok.weight": torch.zeros(6, 4), "train_state.step": 0}
+    assert tenplex.load_state_dict(sd, url).step == 5 and torch.equal(sd["tok.weight"], state["tok.weight"])
+    assert import_checkpoint(tmp_path / "titan" / "step-5", str(tmp_path / "t2"), step=2).step == 2
+    assert import_dcp(tmp_path / "titan" / "step-5", str(tmp_path / "t2b")).step == 5
+    _dcp_save(dict(state), tmp_path / "renamed")  # no step in the name: torchtitan's saved train_state.step
+    assert import_checkpoint(tmp_path / "renamed", str(tmp_path / "t3")).step == 5
+    assert import_dcp(tmp_path / "renamed", str(tmp_path / "t3b"), keep_partitioning=False).step == 5
+    _dcp_save({"tok.weight": state["tok.weight"]}, tmp_path / "plain")
+    assert import_checkpoint(tmp_path / "plain", str(tmp_path / "t4")).step == 0  # nothing says a step
+    # the CLI: a titan step directory and an HF Trainer checkpoint directory
+    assert cli_main(["import", str(tmp_path / "titan" / "step-5"), str(tmp_path / "c1"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 5
+    assert [i.step for i in tenplex.list_steps(str(tmp_path / "c1"))] == [5]
+    src = _hf_by_hand("llama", tmp_path / "hf" / "checkpoint-500")
+    assert cli_main(["import", str(src), str(tmp_path / "c2"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 500
+    assert cli_main(["import", str(src / "model.safetensors"), str(tmp_path / "c3"), "--step", "7", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 7
+    from tenplex.interop import source_step  # the rule, pure
+
+    assert [source_step(p) for p in ("run/step-5", "run/step-5/", "s3://b/step_12", "ck/checkpoint-500/model.safetensors",
+                                     "ds/global_step30", "run/model", "run/step-5-x", "mystep-3")] == [
+        5, 5, 12, 500, 30, None, None, None]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tenplex
 from conftest import examples
 from hostile import Tally
 from spawned import free_port, run_spawned
@@ -392,9 +393,9 @@ def test_mismatches_are_named_and_read_nothing(tmp_path: Path, change: str) -> N
     url = str(tmp_path)
     save_state_dict(_sd(1), url, step=3)
     dst = _sd(0, fill=7.0)
-    if change == "missing":
+    if change == "missing":  # a subset of the checkpoint's keys: refused under strict=True only
         del dst["model"]["b"]
-        match = r"the state dict lacks 1 keys of the checkpoint, e\.g\. \['model\.b'\]"
+        match = r"the state dict lacks 1 keys of the checkpoint, e\.g\. \['model\.b'\] \(strict=True"
     elif change == "extra":
         dst["model"]["new"] = torch.zeros(2)
         match = r"the checkpoint lacks 1 keys of the state dict, e\.g\. \['model\.new'\]"
@@ -409,10 +410,110 @@ def test_mismatches_are_named_and_read_nothing(tmp_path: Path, change: str) -> N
         match = r"\['step'\] are tensors on one side and other values on the other"
     before = {k: v.clone() for k, v in _tensors(dst).items()}
     with pytest.raises(CheckpointMismatchError, match=match):
-        load_state_dict(dst, url)
+        load_state_dict(dst, url, strict=True)
     for k, v in _tensors(dst).items():
         assert same(v, before[k]), f"{k} changed although the load was refused"
     assert dst["step"] is not None and (change == "kind" or dst["step"] == 0)
+
+
+def test_partial_loads_read_only_their_keys_and_strict_refuses_them(tmp_path: Path) -> None:
+    """As dcp.load: a state dict with a subset of the checkpoint's keys (torchtitan's
+    exclude_from_loading drops the data loader and LR scheduler) loads those keys and reads no byte
+    of the others; strict=True refuses it, naming the keys; a key the checkpoint lacks is refused."""
+    url = str(tmp_path)
+    src = _sd(1)
+    save_state_dict(src, url, step=3)
+    full = load_state_dict(_sd(0, fill=0.0), url)
+    dst = _sd(0, fill=0.0)
+    del dst["optim"], dst["rng"]
+    res = load_state_dict(dst, url)
+    assert res.step == 3 and dst["step"] == 1 and "optim" not in dst and "rng" not in dst
+    for k, v in _tensors(dst).items():
+        assert same(v, _tensors(src)[k]), k
+    assert res.bytes_needed == sum(t.numel() * t.element_size() for t in _tensors(dst).values())
+    assert res.bytes_needed < full.bytes_needed and res.bytes_read < full.bytes_read
+    optim = _tensors({"optim": src["optim"]})["optim.state.w.exp_avg"]
+    assert full.bytes_read - res.bytes_read >= optim.numel() * optim.element_size()
+    # only the model's tensors: everything else of the checkpoint left alone
+    model = {"model": _sd(0, fill=0.0)["model"]}
+    load_state_dict(model, url)
+    assert all(same(v, _tensors(src)[k]) for k, v in _tensors(model).items())
+    with pytest.raises(CheckpointMismatchError, match=r"lacks 4 keys of the checkpoint, e\.g\. \['optim\.param_groups', "
+                                                      r"'optim\.state\.w\.exp_avg', 'rng', 'step'\] \(strict=True"):
+        load_state_dict({"model": _sd(0, fill=0.0)["model"]}, url, strict=True)
+    load_state_dict(_sd(0, fill=0.0), url, strict=True)  # every key: strict loads it
+    bad = {"model": _sd(0, fill=0.0)["model"], "dataloader": {"dp_rank_2": b"x"}}
+    with pytest.raises(CheckpointMismatchError, match=r"the checkpoint lacks 1 keys of the state dict, e\.g\. "
+                                                      r"\['dataloader\.dp_rank_2'\]"):
+        load_state_dict(bad, url)
+
+
+class _Counter:
+    """A Stateful that is not a module: its state_dict() holds a tensor and a number; records loads."""
+
+    def __init__(self, seed: int) -> None:
+        self.buf = global_tensor((4, 3), torch.float32, seed)
+        self.n = seed
+        self.loaded: list[dict[str, Any]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buf": self.buf, "n": self.n, "nested": {"k": self.n * 2}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.loaded.append(sd)
+        self.n = sd["n"]
+
+
+def _stateful_job(seed: int, fill: float | None = None) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    if fill is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(fill)
+    return {"model": model, "counter": _Counter(seed), "step": seed}
+
+
+def test_stateful_values_saved_and_loaded_as_dcp_does(tmp_path: Path) -> None:
+    """Top-level Stateful values (a module, an object with state_dict/load_state_dict) are saved as
+    their state_dict() under their key, with the keys dcp.save gives them; a load fills their
+    state_dict() in place (the module's own parameters) and then calls their load_state_dict with the
+    filled dict. Before: a module was pickled as one opaque object, and a load replaced the caller's
+    module by a copy, leaving the model the job trains unchanged."""
+    import torch.distributed.checkpoint as dcp
+
+    src = _stateful_job(1)
+    url = str(tmp_path / "tenplex")
+    save_state_dict(src, url, step=2)
+    dcp.save(_stateful_job(1), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    md = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata()
+    ptc = tenplex.read_manifest(url)["ptc"]
+    assert set(ptc.tensors) | set(ptc.objects) == set(md.state_dict_metadata)
+    assert "model.0.weight" in ptc.tensors and "counter.buf" in ptc.tensors
+
+    dst = _stateful_job(5, fill=0.0)
+    model, counter = dst["model"], dst["counter"]
+    ptrs = [p.data_ptr() for p in model.parameters()] + [counter.buf.data_ptr()]
+    load_state_dict(dst, url)
+    assert dst["model"] is model and dst["counter"] is counter, "a Stateful value was replaced, not loaded into"
+    for (k, got), ref in zip(model.state_dict().items(), src["model"].state_dict().values()):
+        assert same(got, ref), k
+    assert [p.data_ptr() for p in model.parameters()] + [counter.buf.data_ptr()] == ptrs
+    assert same(counter.buf, src["counter"].buf) and counter.n == 1 and dst["step"] == 1
+    assert len(counter.loaded) == 1 and counter.loaded[0]["buf"] is counter.buf
+    assert counter.loaded[0]["nested"] == {"k": 2}
+    # DCP reads the same Stateful state dict from the tenplex checkpoint too
+    from tenplex.dcp_storage import TenplexStorageReader
+
+    again = _stateful_job(7, fill=0.0)
+    dcp.load(again, storage_reader=TenplexStorageReader(url), no_dist=True)
+    assert all(same(a, b) for a, b in zip(again["model"].state_dict().values(), src["model"].state_dict().values()))
+    # tenplex's test is the protocol's own isinstance (without importing DCP)
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from tenplex.state_dict import is_stateful
+
+    assert all(is_stateful(v) == isinstance(v, Stateful) for v in (*src.values(), {}, torch.zeros(1), object()))
 
 
 def test_bad_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
