@@ -230,13 +230,40 @@ def spec_to_hf_config(spec: ModelSpec, base: Mapping[str, Any] | None = None) ->
             if not out.get(k):
                 out[k] = fields[k]
     else:
-        log.warning("the Hugging Face config kept from the import describes another model than the checkpoint "
-                    "(%s); writing the checkpoint's dimensions and hyperparameters into it", "; ".join(diffs))
         if spec.arch == "llama" and "rope_parameters" not in base:  # the source's form: before transformers 5
             fields.pop("rope_parameters")
             fields["rope_scaling"] = spec.resolved().rope_scaling
-        out.update(fields)
+        keys = _changed_keys(spec, diffs, base, fields)
+        log.warning("the Hugging Face config kept from the import describes another model than the checkpoint "
+                    "(%s); writing the checkpoint's values into it: %s", "; ".join(diffs), ", ".join(sorted(keys)))
+        out.update({k: fields[k] for k in keys})
     return _with_dtype(out, spec.dtype)
+
+
+# The config.json keys (of _spec_fields) that each ModelSpec field sets.
+_HF_KEYS = {
+    "llama": {"num_layers": ("num_hidden_layers",), "hidden": ("hidden_size", "head_dim"),
+              "heads": ("num_attention_heads", "head_dim"), "kv_heads": ("num_key_value_heads",),
+              "ffn_hidden": ("intermediate_size",), "vocab": ("vocab_size",), "seq_len": ("max_position_embeddings",),
+              "tied_embeddings": ("tie_word_embeddings",), "norm_eps": ("rms_norm_eps",),
+              "rope_theta": ("rope_theta", "rope_parameters"), "rope_scaling": ("rope_scaling", "rope_parameters")},
+    "gpt": {"num_layers": ("n_layer",), "hidden": ("n_embd",), "heads": ("n_head",), "ffn_hidden": ("n_inner",),
+            "vocab": ("vocab_size",), "seq_len": ("n_positions", "n_ctx"), "tied_embeddings": ("tie_word_embeddings",),
+            "norm_eps": ("layer_norm_epsilon",)},
+}
+
+
+def _changed_keys(spec: ModelSpec, diffs: list[str], base: Mapping[str, Any], fields: Mapping[str, Any]) -> set[str]:
+    """The keys of ``fields`` to write into ``base`` for the ModelSpec fields ``diffs`` names: those
+    fields' keys (RoPE in the form ``base`` uses), every key when the architecture differs or ``base``
+    cannot be read."""
+    names = {d.split(":", 1)[0] for d in diffs}
+    known = _HF_KEYS[spec.arch]
+    if not names <= set(known) | {"dtype", "vocab_pad"}:
+        return set(fields)
+    v5 = "rope_parameters" in base  # then RoPE is written there only, not also as top-level keys
+    return {k for n in names for k in known.get(n, ())
+            if k in fields and not (v5 and k in ("rope_theta", "rope_scaling") and k not in base)}
 
 
 def _infer_hf_config(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:

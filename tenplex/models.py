@@ -147,11 +147,13 @@ class ModelSpec:
             if (name in _OPEN and mine is None) or _canon(mine) == _canon(other):
                 continue
             if name == "source_config":
-                keys = sorted(k for k in set(mine) | set(other or {}) if _canon(mine.get(k)) != _canon((other or {}).get(k)))
+                other = other or {}
+                keys = sorted(k for k in set(mine) | set(other) if _canon(mine.get(k)) != _canon(other.get(k)))
                 out.append(f"source_config: differs in {keys[:5]}")
             else:
-                out.append(f"{name}: saved {dtype_to_str(other) if name == 'dtype' else other!r}, requested "
-                           f"{dtype_to_str(mine) if name == 'dtype' else mine!r}")
+                if name == "dtype":  # as the manifest records it
+                    mine, other = dtype_to_str(mine), dtype_to_str(other)
+                out.append(f"{name}: saved {other!r}, requested {mine!r}")
         return out
 
     def carried(self, previous: ModelSpec) -> ModelSpec | None:

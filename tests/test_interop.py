@@ -6,6 +6,7 @@ the source tensors, and export must give back the Hugging Face file's tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -296,7 +297,8 @@ HF_CONFIGS = {
     "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=500, n_positions=64, layer_norm_epsilon=1e-6,
                           bos_token_id=498, eos_token_id=499)),
 }
-IDS_500 = torch.tensor([[498, 5, 9, 200, 3, 17, 60, 33, 2, 250, 7, 8, 100, 120, 40, 41, 42, 43, 44, 45, 46, 47, 300, 499]])
+IDS_500 = torch.tensor([[498, 5, 9, 200, 3, 17, 60, 33, 2, 250, 7, 8, 100, 120, 40, 41, 42, 43, 44, 45, 46, 47, 300,
+                         499]])
 
 
 def _job_resaves(url: str, cfg: ParallelConfig, own_ptc: bool, step: int) -> None:
@@ -327,12 +329,12 @@ def test_export_after_a_job_resaves_keeps_the_source_config(tmp_path: Path, name
         warnings.simplefilter("ignore")
         _hf_cls(kind)(config).save_pretrained(str(tmp_path / "hf"))
     url = str(tmp_path / "tp")
-    tenplex.import_checkpoint(tmp_path / "hf", url)
+    assert cli_main(["import", str(tmp_path / "hf"), url]) == 0  # tenplex import / export, as the finding did
     cfg = P("dp=1,tp=2,pp=2")
     _job_resaves(url, cfg, own_ptc, step=1)
     _job_resaves(url, cfg, own_ptc, step=2)
     assert tenplex.read_manifest(url)["step"] == 2
-    export_hf(url, tmp_path / "out")
+    assert cli_main(["export", url, str(tmp_path / "out")]) == 0
     src_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     changed = sorted(k for k in set(src_cfg) | set(out_cfg) if src_cfg.get(k) != out_cfg.get(k))
@@ -385,7 +387,7 @@ def test_a_job_stating_other_hyperparameters_is_refused_and_its_change_exported(
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert out_cfg["rope_parameters"] == {**src_cfg["rope_parameters"], "rope_theta": 10000.0}
     changed = {k for k in set(src_cfg) | set(out_cfg) if src_cfg.get(k) != out_cfg.get(k)}
-    assert changed == {"rope_parameters", "rope_theta"}  # the new base; token ids, scaling, eps: the source's
+    assert changed == {"rope_parameters"}  # the new base; token ids, scaling, eps: the source's
 
 
 def test_no_description_is_carried_into_another_model(tmp_path: Path) -> None:
@@ -432,6 +434,29 @@ def test_tenplex_model_computes_with_the_imported_hyperparameters(tmp_path: Path
         ref = (StageModel(spec, one, 0, params, None).forward(IDS_500) @ params["lm_head.weight"].t())[..., :spec.vocab]
     got = _logits(_from_pretrained("llama", src), IDS_500)
     assert (ref - got).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("form", ["transformers5", "transformers4"])
+def test_a_changed_setting_is_written_into_the_source_config_in_its_own_form(form: str) -> None:
+    """Only the keys of what changed are written, RoPE in the form the source config uses."""
+    from tenplex.interop import spec_to_hf_config
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    rope = ({"rope_parameters": {**scaling, "rope_theta": 500000.0}} if form == "transformers5"
+            else {"rope_theta": 500000.0, "rope_scaling": scaling})
+    base = {**LLAMA_CFG, **rope, "rms_norm_eps": 1e-6, "bos_token_id": 256, "initializer_range": 0.02,
+            "dtype": "float32"}
+    spec = dataclasses.replace(hf_config_to_spec(base, torch.float32), source_config=base)
+    assert spec_to_hf_config(spec) == base
+    longer = dataclasses.replace(spec, seq_len=128)
+    assert spec_to_hf_config(longer) == {**base, "max_position_embeddings": 128}
+    other = dataclasses.replace(spec, rope_theta=1e4, norm_eps=1e-5)
+    got = spec_to_hf_config(other)
+    want_rope = ({"rope_parameters": {**scaling, "rope_theta": 1e4}} if form == "transformers5"
+                 else {"rope_theta": 1e4, "rope_scaling": scaling})
+    assert got == {**base, **want_rope, "rms_norm_eps": 1e-5}
+    assert hf_config_to_spec(got, torch.float32) == dataclasses.replace(other, source_config=None)
 
 
 def test_hf_head_dim_other_than_hidden_over_heads_is_refused() -> None:
