@@ -390,6 +390,28 @@ def test_a_job_stating_other_hyperparameters_is_refused_and_its_change_exported(
     assert changed == {"rope_parameters"}  # the new base; token ids, scaling, eps: the source's
 
 
+def test_fine_tuning_into_a_new_directory_with_adam_state_keeps_the_source_config(tmp_path: Path) -> None:
+    """The common fine-tuning shape: parameters from the import, Adam state added, saved into the
+    run's own directory under dp=1,tp=2,pp=2 with a PTC built from the loaded model description."""
+    from tenplex.models import ModelSpec
+
+    src = _save_pretrained("llama", HF_CONFIGS["llama3"][1], tmp_path / "hf")
+    tenplex.import_hf(src, str(tmp_path / "imported"))
+    cfg, run = P("dp=1,tp=2,pp=2"), str(tmp_path / "run")
+    for r in range(cfg.world_size):
+        res = tenplex.load(str(tmp_path / "imported"), cfg, r)
+        ptc = model_ptc(ModelSpec.from_json(res.ptc.meta["model"]), optimizer=True)
+        shard = {n: res.shard[n] if n in res.shard else torch.zeros(ptc.local_shape(n, cfg, r),
+                                                                    dtype=ptc.tensors[n].dtype)
+                 for n in ptc.rank_tensors(cfg, r)}
+        tenplex.save(run, ptc, cfg, r, {**shard, "optimizer.step": 0}, step=10)
+    export_hf(run, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    diff = (_logits(_from_pretrained("llama", src), IDS_500) - _logits(_from_pretrained("llama", tmp_path / "out"),
+                                                                        IDS_500)).abs().max().item()
+    assert diff <= 1e-6
+
+
 def test_no_description_is_carried_into_another_model(tmp_path: Path) -> None:
     """A save of a model with other dimensions into a URL holding an import carries nothing of it."""
     src = _save_pretrained("llama", HF_CONFIGS["llama_default"][1], tmp_path / "hf")
@@ -434,6 +456,9 @@ def test_tenplex_model_computes_with_the_imported_hyperparameters(tmp_path: Path
         ref = (StageModel(spec, one, 0, params, None).forward(IDS_500) @ params["lm_head.weight"].t())[..., :spec.vocab]
     got = _logits(_from_pretrained("llama", src), IDS_500)
     assert (ref - got).abs().max().item() <= 1e-6
+    scaled = dataclasses.replace(spec, rope_scaling=HF_CONFIGS["llama3"][1]["rope_scaling"])
+    with pytest.raises(ConfigError, match="implements unscaled RoPE"):  # rather than computing another model
+        StageModel(scaled, one, 0, params, None)
 
 
 @pytest.mark.parametrize("form", ["transformers5", "transformers4"])

@@ -487,7 +487,7 @@ def _newest_model(fs: fsspec.AbstractFileSystem, root: str, spec: ModelSpec) -> 
     for _, path in reversed(attempts):
         try:
             saved = read_manifest_at(fs, path, with_ptc=True).ptc
-        except (CheckpointError, FileNotFoundError):
+        except (CheckpointError, OSError):  # no manifest (yet), or a damaged one: the next older attempt
             continue
         try:
             done = spec.carried(ModelSpec.from_json(saved.meta["model"]))
