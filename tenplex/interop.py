@@ -15,9 +15,10 @@
   TP/PP partitioning under ``layout``; Hugging Face names are mapped first; any other tensor
   is imported replicated on every stage.
 * ``export_hf``: a tenplex GPT/Llama checkpoint back to one Hugging Face style
-  ``model.safetensors`` plus ``config.json``: the source's own config when the checkpoint was
-  imported from Hugging Face (kept in its ``extra["hf_config"]``; only the dtype is updated),
-  else a complete config of the model tenplex describes (``spec_to_hf_config``).
+  ``model.safetensors`` plus ``config.json``: the source's own config when the model was
+  imported from Hugging Face (kept in the model description, ``ModelSpec.source_config``, which
+  every later save of the same model carries; only the dtype is updated), else a complete config
+  of the model tenplex describes (``spec_to_hf_config``).
 
 Every URL can carry fsspec ``storage_options``: ``storage_options`` for the tenplex checkpoint,
 ``source_storage_options`` for an import's source, ``out_storage_options`` for an export's
@@ -41,6 +42,7 @@ so import followed by export returns the original tensors bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -60,7 +62,7 @@ from .checkpoint.writer import default_save_id
 from .checkpoint.reader import url_fs
 from .config import ParallelConfig
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, TenplexError
-from .models import NORM_EPS, ROPE_THETA, ModelSpec, model_ptc, model_spec, optimizer_names
+from .models import ModelSpec, model_ptc, model_spec, optimizer_names
 from .ptc import PTC, Layout, TensorSpec, dtype_to_str
 from .state_layout import Boxes, StateLayout, spec_for
 
@@ -103,11 +105,29 @@ class ImportResult:
 # ---------------------------------------------------------------------------------------------
 # Hugging Face configs
 # ---------------------------------------------------------------------------------------------
-def hf_config_to_spec(config: Mapping[str, Any], dtype: torch.dtype, *, vocab_pad: int = 128) -> ModelSpec:
-    """The tenplex ModelSpec of a Hugging Face Llama or GPT-2 ``config.json``.
+# transformers' defaults for keys a config.json may leave out (LlamaConfig, GPT2Config)
+_HF_LLAMA_EPS, _HF_GPT2_EPS, _HF_ROPE_THETA = 1e-6, 1e-5, 10000.0
 
-    The spec holds the dimensions only; norm epsilon, RoPE parameters and token ids stay in the
-    config, which ``import_hf`` keeps in the checkpoint's ``extra["hf_config"]`` for ``export_hf``.
+
+def _hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """RoPE base and scaling of a Llama config.json: ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` / ``rope_scaling`` (before); the scaling without its base, None when default."""
+    params = config.get("rope_parameters")
+    params = dict(params) if isinstance(params, Mapping) else {}
+    theta = params.get("rope_theta", config.get("rope_theta", _HF_ROPE_THETA))
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if not scaling or scaling.get("rope_type", "default") == "default":
+        old = config.get("rope_scaling")
+        scaling = dict(old) if isinstance(old, Mapping) else {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return float(theta), (scaling if kind != "default" else None)
+
+
+def hf_config_to_spec(config: Mapping[str, Any], dtype: torch.dtype, *, vocab_pad: int = 128) -> ModelSpec:
+    """The tenplex ModelSpec of a Hugging Face Llama or GPT-2 ``config.json``: dimensions and
+    the hyperparameters that change logits (norm epsilon, RoPE base and scaling; transformers'
+    defaults where the config leaves them out). The config itself is not included: ``import_hf``
+    adds it as ``source_config``, which ``export_hf`` writes back (token ids and all).
     """
     mtype = config.get("model_type")
     if mtype == "llama":
@@ -118,12 +138,14 @@ def hf_config_to_spec(config: Mapping[str, Any], dtype: torch.dtype, *, vocab_pa
         if head_dim is not None and int(head_dim) * heads != hidden:
             raise ConfigError(f"head_dim={head_dim} times num_attention_heads={heads} is not hidden_size={hidden}: "
                               "tenplex's Llama has head_dim = hidden_size / num_attention_heads")
+        theta, scaling = _hf_rope(config)
         return ModelSpec(
             arch="llama", num_layers=int(config["num_hidden_layers"]), hidden=hidden, heads=heads,
             kv_heads=int(config.get("num_key_value_heads") or heads),
             ffn_hidden=int(config["intermediate_size"]), vocab=int(config["vocab_size"]),
             seq_len=int(config.get("max_position_embeddings", 2048)),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)), dtype=dtype, vocab_pad=vocab_pad,
+            norm_eps=float(config.get("rms_norm_eps", _HF_LLAMA_EPS)), rope_theta=theta, rope_scaling=scaling,
         )
     if mtype == "gpt2":
         h = int(config["n_embd"])
@@ -131,19 +153,24 @@ def hf_config_to_spec(config: Mapping[str, Any], dtype: torch.dtype, *, vocab_pa
             arch="gpt", num_layers=int(config["n_layer"]), hidden=h, heads=int(config["n_head"]),
             ffn_hidden=int(config.get("n_inner") or 4 * h), vocab=int(config["vocab_size"]),
             seq_len=int(config["n_positions"]), tied_embeddings=True, dtype=dtype, vocab_pad=vocab_pad,
+            norm_eps=float(config.get("layer_norm_epsilon", _HF_GPT2_EPS)),
         )
     raise ConfigError(f"unsupported Hugging Face model_type {mtype!r}: tenplex imports 'llama' and 'gpt2'")
 
 
 def _spec_fields(spec: ModelSpec) -> dict[str, Any]:
-    """The ``config.json`` fields that ``spec`` determines (dimensions, vocabulary without padding)."""
+    """The ``config.json`` fields that ``spec`` determines (dimensions, vocabulary without padding,
+    and its hyperparameters, unstated ones resolved to what tenplex's model computes with)."""
+    r = spec.resolved()
     if spec.arch == "llama":
+        rope = {"rope_type": "default", **(r.rope_scaling or {}), "rope_theta": r.rope_theta}
         return {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec.hidden,
             "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.heads,
             "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim, "intermediate_size": spec.ffn_hidden,
             "vocab_size": spec.vocab, "max_position_embeddings": spec.seq_len,
-            "tie_word_embeddings": bool(spec.tied_embeddings),
+            "tie_word_embeddings": bool(spec.tied_embeddings), "rms_norm_eps": r.norm_eps,
+            "rope_theta": r.rope_theta, "rope_parameters": rope,
         }
     if not spec.tied_embeddings:
         raise ConfigError("GPT-2 ties its LM head to the word embedding; this GPT has an untied head")
@@ -151,20 +178,19 @@ def _spec_fields(spec: ModelSpec) -> dict[str, Any]:
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": spec.hidden,
         "n_layer": spec.num_layers, "n_head": spec.heads, "n_inner": spec.ffn_hidden, "vocab_size": spec.vocab,
         "n_positions": spec.seq_len, "n_ctx": spec.seq_len, "tie_word_embeddings": True,
+        "layer_norm_epsilon": r.norm_eps,
     }
 
 
-# What tenplex's models compute with besides the dimensions (tenplex.models.NORM_EPS / ROPE_THETA).
-# No token ids are known: they are written as null so that transformers' defaults (1/2 for Llama,
-# 50256 for GPT-2) are not mistaken for this model's.
+# What tenplex's models compute with besides the ModelSpec (norm epsilon and RoPE come from the
+# spec, ModelSpec.resolved). No token ids are known: they are written as null so that transformers'
+# defaults (1/2 for Llama, 50256 for GPT-2) are not mistaken for this model's.
 _TENPLEX_LLAMA = {
-    "hidden_act": "silu", "rms_norm_eps": NORM_EPS, "rope_theta": ROPE_THETA,
-    "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
-    "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
     "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
 }
 _TENPLEX_GPT = {
-    "activation_function": "gelu_new", "layer_norm_epsilon": NORM_EPS, "scale_attn_weights": True,
+    "activation_function": "gelu_new", "scale_attn_weights": True,
     "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
     "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
 }
@@ -180,32 +206,65 @@ def _with_dtype(config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
 def spec_to_hf_config(spec: ModelSpec, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A Hugging Face ``config.json`` for ``spec`` (the inverse of ``hf_config_to_spec``).
 
-    ``base``: the config the model was imported with; it is returned as it is but for the dtype
-    (and ``architectures`` / ``model_type`` when missing), so norm epsilon, RoPE parameters,
-    token ids and the rest survive a round trip. A ``base`` whose dimensions differ from ``spec``
-    gets ``spec``'s (logged). Without ``base``: every field transformers' ``LlamaConfig`` /
-    ``GPT2Config`` needs to compute what tenplex's model computes (norm epsilon
-    ``tenplex.models.NORM_EPS``, RoPE base ``ROPE_THETA``, head_dim, KV heads, tying, the
-    vocabulary without tenplex's padding, dtype), no token ids.
+    ``base`` (default: ``spec.source_config``, the config the model was imported with): returned
+    as it is but for the dtype (and ``architectures`` / ``model_type`` when missing), so norm
+    epsilon, RoPE parameters, token ids and the rest survive a round trip. A ``base`` that
+    describes another model than ``spec`` (dimensions, or a hyperparameter ``spec`` states) gets
+    ``spec``'s fields (logged, with what differs). Without either: every field transformers'
+    ``LlamaConfig`` / ``GPT2Config`` needs to compute what tenplex's model computes (norm epsilon
+    and RoPE of ``spec.resolved()``: ``tenplex.models.NORM_EPS`` / ``ROPE_THETA`` unless stated,
+    head_dim, KV heads, tying, the vocabulary without tenplex's padding, dtype), no token ids.
     """
+    base = spec.source_config if base is None else base
     fields = _spec_fields(spec)
     if base is None:
         defaults = _TENPLEX_LLAMA if spec.arch == "llama" else _TENPLEX_GPT
         return _with_dtype({**defaults, **fields}, spec.dtype)
     out = dict(base)
     try:
-        same = hf_config_to_spec(base, spec.dtype, vocab_pad=spec.vocab_pad) == spec
-    except (ConfigError, KeyError, TypeError, ValueError):
-        same = False
-    if same:
+        diffs = spec.differences(hf_config_to_spec(base, spec.dtype, vocab_pad=spec.vocab_pad),
+                                 tuple(f for f in ModelSpec.__dataclass_fields__ if f != "source_config"))
+    except (ConfigError, KeyError, TypeError, ValueError) as e:
+        diffs = [f"it cannot be read ({type(e).__name__}: {e})"]
+    if not diffs:
         for k in ("architectures", "model_type"):
             if not out.get(k):
                 out[k] = fields[k]
     else:
-        log.warning("the Hugging Face config kept from the import describes another model than the checkpoint; "
-                    "writing the checkpoint's dimensions into it")
-        out.update(fields)
+        if spec.arch == "llama" and "rope_parameters" not in base:  # the source's form: before transformers 5
+            fields.pop("rope_parameters")
+            fields["rope_scaling"] = spec.resolved().rope_scaling
+        keys = _changed_keys(spec, diffs, base, fields)
+        log.warning("the Hugging Face config kept from the import describes another model than the checkpoint "
+                    "(%s); writing the checkpoint's values into it: %s", "; ".join(diffs), ", ".join(sorted(keys)))
+        out.update({k: fields[k] for k in keys})
     return _with_dtype(out, spec.dtype)
+
+
+# The config.json keys (of _spec_fields) that each ModelSpec field sets.
+_HF_KEYS = {
+    "llama": {"num_layers": ("num_hidden_layers",), "hidden": ("hidden_size", "head_dim"),
+              "heads": ("num_attention_heads", "head_dim"), "kv_heads": ("num_key_value_heads",),
+              "ffn_hidden": ("intermediate_size",), "vocab": ("vocab_size",), "seq_len": ("max_position_embeddings",),
+              "tied_embeddings": ("tie_word_embeddings",), "norm_eps": ("rms_norm_eps",),
+              "rope_theta": ("rope_theta", "rope_parameters"), "rope_scaling": ("rope_scaling", "rope_parameters")},
+    "gpt": {"num_layers": ("n_layer",), "hidden": ("n_embd",), "heads": ("n_head",), "ffn_hidden": ("n_inner",),
+            "vocab": ("vocab_size",), "seq_len": ("n_positions", "n_ctx"), "tied_embeddings": ("tie_word_embeddings",),
+            "norm_eps": ("layer_norm_epsilon",)},
+}
+
+
+def _changed_keys(spec: ModelSpec, diffs: list[str], base: Mapping[str, Any], fields: Mapping[str, Any]) -> set[str]:
+    """The keys of ``fields`` to write into ``base`` for the ModelSpec fields ``diffs`` names: those
+    fields' keys (RoPE in the form ``base`` uses), every key when the architecture differs or ``base``
+    cannot be read."""
+    names = {d.split(":", 1)[0] for d in diffs}
+    known = _HF_KEYS[spec.arch]
+    if not names <= set(known) | {"dtype", "vocab_pad"}:
+        return set(fields)
+    v5 = "rope_parameters" in base  # then RoPE is written there only, not also as top-level keys
+    return {k for n in names for k in known.get(n, ())
+            if k in fields and not (v5 and k in ("rope_theta", "rope_scaling") and k not in base)}
 
 
 def _infer_hf_config(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -630,8 +689,10 @@ def import_hf(src: str | Path, url: str, *, layout: ParallelConfig | None = None
               source_storage_options: Mapping[str, Any] | None = None) -> ImportResult:
     """Import a Hugging Face Llama or GPT-2 safetensors checkpoint as a tenplex checkpoint.
 
-    The source's ``config.json`` is kept in the checkpoint's ``extra["hf_config"]`` (``export_hf``
-    writes it back). ``step``: default the source's (``source_step``: ``checkpoint-500``), else 0.
+    The source's ``config.json`` is kept in the model description (``meta["model"]``, the
+    ``ModelSpec``'s ``source_config``, with its norm epsilon and RoPE as hyperparameters): a job's
+    later saves of the same model carry it (``tenplex.checkpoint.carry_model``), and ``export_hf``
+    writes it back. ``step``: default the source's (``source_step``: ``checkpoint-500``), else 0.
     ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
     ``source_storage_options``: of ``src`` when it is a URL.
     """
@@ -642,21 +703,13 @@ def import_hf(src: str | Path, url: str, *, layout: ParallelConfig | None = None
         _infer_hf_config(hf_state)
     assert config is not None
     dt = _state_dtype(hf_state, dtype)
-    spec = hf_config_to_spec(config, dt, vocab_pad=vocab_pad)
+    spec = dataclasses.replace(hf_config_to_spec(config, dt, vocab_pad=vocab_pad), source_config=config)
     state = {k: v.to(dt) for k, v in hf_to_tenplex(hf_state, spec).items()}
-    ptc = _spec_ptc(spec, optimizer=False)
+    ptc = model_ptc(spec, optimizer=False)
     _check_shapes(ptc, state)
-    n = _save_all(url, ptc, state, layout, step, extra={"imported_from": "hf", "hf_config": config},
-                  storage_options=storage_options)
+    n = _save_all(url, ptc, state, layout, step, extra={"imported_from": "hf"}, storage_options=storage_options)
     log.info("imported %s (%s, %d tensors) into %s under %s", src, config.get("model_type"), len(state), url, layout)
     return ImportResult(ptc, layout, step, url, "hf", len(state), n)
-
-
-def _spec_ptc(spec: ModelSpec, *, optimizer: bool) -> PTC:
-    return model_ptc(arch=spec.arch, num_layers=spec.num_layers, hidden=spec.hidden, heads=spec.heads,
-                     kv_heads=spec.kv_heads, ffn_hidden=spec.ffn_hidden, vocab=spec.vocab, seq_len=spec.seq_len,
-                     tied_embeddings=spec.tied_embeddings, dtype=spec.dtype, vocab_pad=spec.vocab_pad,
-                     optimizer=optimizer)
 
 
 def _check_shapes(ptc: PTC, state: Mapping[str, torch.Tensor]) -> None:
@@ -672,7 +725,7 @@ def _dcp_ptc(tensors: Mapping[str, torch.Tensor], spec: ModelSpec | None) -> PTC
     if spec is None:
         specs = [TensorSpec(n, tuple(t.shape), t.dtype, placement="all") for n, t in tensors.items()]
         return PTC(specs, meta={"imported_from": "dcp"})
-    params = _spec_ptc(spec, optimizer=False)
+    params = model_ptc(spec, optimizer=False)
     opt_names = [n for p in params for n in optimizer_names(p).values()
                  if not (n.startswith("optimizer.main.") and spec.dtype == torch.float32)]
     have = [n for n in opt_names if n in tensors]
@@ -680,7 +733,7 @@ def _dcp_ptc(tensors: Mapping[str, torch.Tensor], spec: ModelSpec | None) -> PTC
         missing = sorted(set(opt_names) - set(have))
         raise CheckpointError(f"the DCP checkpoint has optimizer state for some parameters only; "
                               f"missing e.g. {missing[:3]}")
-    base = _spec_ptc(spec, optimizer=bool(have))
+    base = model_ptc(spec, optimizer=bool(have))
     missing = [n for n in base if n not in tensors]
     if missing:
         raise CheckpointError(f"the DCP checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[:3]}")
@@ -737,7 +790,8 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
     if hf_config is not None or _looks_hf(tensors):
         if hf_config is None:
             raise ConfigError("the DCP checkpoint holds Hugging Face names: pass the model's config.json (hf_config)")
-        spec = hf_config_to_spec(hf_config, _state_dtype(tensors, None))
+        spec = dataclasses.replace(hf_config_to_spec(hf_config, _state_dtype(tensors, None)),
+                                   source_config=dict(hf_config))
         tensors = hf_to_tenplex(tensors, spec)
     else:
         spec = model_spec(model) if isinstance(model, str) else model
@@ -749,8 +803,6 @@ def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = Non
             state[o] = objects[o]
     extra: dict[str, Any] = {"imported_from": "dcp",
                              "objects": {k: v for k, v in objects.items() if k not in ptc.objects}}
-    if hf_config is not None:
-        extra["hf_config"] = dict(hf_config)
     n = _save_all(url, ptc, state, layout, step, extra=extra, storage_options=storage_options)
     log.info("imported DCP checkpoint %s (%d tensors) into %s under %s", src, len(ptc), url, layout)
     return ImportResult(ptc, layout, step, url, "dcp", len(ptc), n)
@@ -788,7 +840,8 @@ def load_global(url: str, *, step: int | None = None, storage_options: Mapping[s
 
 
 def _hf_config_of(extra: Any) -> Mapping[str, Any] | None:
-    """The Hugging Face config an import kept in ``extra`` (None for checkpoints of other origin)."""
+    """The Hugging Face config an import by an older tenplex kept in ``extra`` (None for checkpoints
+    of other origin, and for newer imports, which keep it in the model description)."""
     cfg = extra.get("hf_config") if isinstance(extra, Mapping) else None
     return cfg if isinstance(cfg, Mapping) else None
 
@@ -800,7 +853,8 @@ def export_hf(url: str, out: str | Path, *, step: int | None = None,
 
     ``out`` ending in ``.safetensors`` is the file written (``config.json`` goes beside it);
     otherwise ``out`` is a directory that receives ``model.safetensors`` and ``config.json``.
-    ``config.json`` is the source's own when the checkpoint was imported from Hugging Face (dtype
+    ``config.json`` is the source's own when the model was imported from Hugging Face (its
+    ``ModelSpec.source_config``, which the job's later saves of the same model carry; dtype
     updated), else ``spec_to_hf_config`` of the checkpoint's model. ``storage_options``: fsspec
     options of the checkpoint ``url``; ``out_storage_options``: of ``out`` when it is a URL.
     Returns the safetensors path (a URL for a remote ``out``).
@@ -814,7 +868,7 @@ def export_hf(url: str, out: str | Path, *, step: int | None = None,
         raise CheckpointError(f"{url} holds no GPT/Llama model description (meta.model); "
                               "only model_ptc collections can be exported to Hugging Face format")
     spec = ModelSpec.from_json(dict(mj))
-    config = spec_to_hf_config(spec, _hf_config_of(res.extra))
+    config = spec_to_hf_config(spec, spec.source_config or _hf_config_of(res.extra))
     hf = {k: v.contiguous() for k, v in tenplex_to_hf(state, spec).items()}
     fs, p = _url_fs(out, out_storage_options, "out_storage_options")
     path = p if p.endswith(".safetensors") else p.rstrip("/") + "/model.safetensors"

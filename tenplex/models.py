@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -12,7 +15,8 @@ import torch
 from .errors import LayoutError, SpecError
 from .ptc import PTC, Placement, Replicated, Split, TensorSpec, dtype_from_str, dtype_to_str
 
-__all__ = ["ModelSpec", "PRESETS", "NORM_EPS", "ROPE_THETA", "model_spec", "model_ptc", "optimizer_names"]
+__all__ = ["ModelSpec", "PRESETS", "NORM_EPS", "ROPE_THETA", "HPARAMS", "model_spec", "model_ptc", "optimizer_names",
+           "model_differences"]
 
 # What tenplex's models compute with beyond the ModelSpec dimensions (tenplex.train.model's Llama uses
 # these values; interop.export_hf writes them into the config.json of a checkpoint not imported from
@@ -20,6 +24,30 @@ __all__ = ["ModelSpec", "PRESETS", "NORM_EPS", "ROPE_THETA", "model_spec", "mode
 # RoPE, no scaling, head_dim = hidden / heads).
 NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
+
+# The ModelSpec fields beyond the dimensions: None means "not stated" (tenplex's own model computes
+# with NORM_EPS / ROPE_THETA / no scaling; a load accepts the checkpoint's; a save carries the
+# checkpoint's, see ``ModelSpec.carried``).
+HPARAMS = ("norm_eps", "rope_theta", "rope_scaling")
+_OPEN = (*HPARAMS, "source_config")
+# What a model's tensors and computation depend on (not the dtype, padding or training context).
+_IDENTITY = ("arch", "num_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "tied_embeddings")
+
+
+def _json_copy(value: Any, what: str) -> dict[str, Any] | None:
+    """A deep copy of a JSON object (None stays None); SpecError for anything JSON cannot hold."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{what} must be a JSON object (a dict), got {type(value).__name__}")
+    try:
+        return json.loads(json.dumps(dict(value), allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise SpecError(f"{what} must be plain JSON (str, number, bool, null, lists, dicts): {e}") from None
+
+
+def _canon(value: Any) -> Any:
+    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
 
 
 @functools.lru_cache(maxsize=256)
@@ -35,6 +63,15 @@ class ModelSpec:
     tied embedding by default. Llama: RMSNorm, SwiGLU MLP ([gate; up] fused), GQA with
     ``kv_heads``, RoPE (no position table), untied LM head by default. The vocabulary is
     padded to a multiple of ``vocab_pad * tp`` as Megatron does.
+
+    Beyond the dimensions (``HPARAMS``; None: not stated, see ``resolved``): ``norm_eps`` (RMSNorm /
+    LayerNorm epsilon), ``rope_theta`` (RoPE base, Llama) and ``rope_scaling`` (Hugging Face's
+    RoPE scaling parameters, e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``, Llama), and
+    ``source_config``: the configuration the model was imported with, verbatim (Hugging Face's
+    ``config.json``), which ``export_hf`` writes back. A checkpoint keeps all of them in its
+    manifest (``meta["model"]``), and a save whose spec leaves them unstated carries the ones of
+    the newest step under its URL (``carried``), so a job's own saves keep an imported model's
+    configuration.
     """
 
     arch: str
@@ -48,6 +85,10 @@ class ModelSpec:
     tied_embeddings: bool | None = None
     dtype: torch.dtype = torch.bfloat16
     vocab_pad: int = 128
+    norm_eps: float | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    source_config: dict[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.arch not in ("gpt", "llama"):
@@ -75,6 +116,54 @@ class ModelSpec:
             object.__setattr__(self, "tied_embeddings", self.arch == "gpt")
         if isinstance(self.dtype, str):
             object.__setattr__(self, "dtype", dtype_from_str(self.dtype))
+        for name in ("norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise SpecError(f"{name} must be a positive finite number or None, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        for name in ("rope_scaling", "source_config"):
+            object.__setattr__(self, name, _json_copy(getattr(self, name), name))
+        if self.arch == "gpt" and (self.rope_theta is not None or self.rope_scaling is not None):
+            raise SpecError(f"the GPT family has learned positions, no RoPE: rope_theta={self.rope_theta!r} and "
+                            f"rope_scaling={self.rope_scaling!r} must be None")
+
+    def resolved(self) -> ModelSpec:
+        """This spec with every unstated hyperparameter set to what tenplex's own model computes
+        with (``NORM_EPS``; Llama: ``ROPE_THETA``, no scaling)."""
+        return dataclasses.replace(
+            self, norm_eps=NORM_EPS if self.norm_eps is None else self.norm_eps,
+            rope_theta=(ROPE_THETA if self.rope_theta is None else self.rope_theta) if self.arch == "llama" else None)
+
+    def differences(self, saved: ModelSpec, names: tuple[str, ...] | None = None) -> list[str]:
+        """Where this spec (a request, or a save's) states another model than ``saved`` (a
+        checkpoint's, its unstated hyperparameters resolved), over the fields ``names`` (default:
+        all); this spec's unstated hyperparameters and source config accept ``saved``'s."""
+        theirs = saved.resolved()
+        out = []
+        for name in names or tuple(f.name for f in dataclasses.fields(self)):
+            mine, other = getattr(self, name), getattr(theirs, name)
+            if (name in _OPEN and mine is None) or _canon(mine) == _canon(other):
+                continue
+            if name == "source_config":
+                other = other or {}
+                keys = sorted(k for k in set(mine) | set(other) if _canon(mine.get(k)) != _canon(other.get(k)))
+                out.append(f"source_config: differs in {keys[:5]}")
+            else:
+                if name == "dtype":  # as the manifest records it
+                    mine, other = dtype_to_str(mine), dtype_to_str(other)
+                out.append(f"{name}: saved {other!r}, requested {mine!r}")
+        return out
+
+    def carried(self, previous: ModelSpec) -> ModelSpec | None:
+        """This spec completed by ``previous`` (the newest saved step's): its unstated hyperparameters
+        and source config taken from there, when both have the same dimensions; None when they do
+        not (nothing is carried). What this spec states stays: a job that changed the RoPE base
+        keeps the source config, and ``export_hf`` writes the new base into it."""
+        if self.differences(previous, _IDENTITY):
+            return None
+        return dataclasses.replace(self, **{n: getattr(previous, n) for n in _OPEN if getattr(self, n) is None})
 
     @property
     def head_dim(self) -> int:
@@ -140,13 +229,28 @@ class ModelSpec:
         return specs
 
     def to_json(self) -> dict[str, Any]:
+        """The spec as JSON; unstated hyperparameters and source config are left out (so a spec
+        without them reads as it did before they existed)."""
         d = dataclasses.asdict(self)
         d["dtype"] = dtype_to_str(self.dtype)
-        return d
+        return {k: v for k, v in d.items() if not (k in _OPEN and v is None)}
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> ModelSpec:
+    def from_json(cls, obj: Mapping[str, Any]) -> ModelSpec:
         return cls(**{**obj, "dtype": dtype_from_str(obj["dtype"])})
+
+
+def model_differences(saved: Any, requested: Any) -> list[str]:
+    """How the model description ``requested`` (a PTC's ``meta["model"]``) differs from the
+    checkpoint's ``saved`` (``ModelSpec.differences`` when both are ModelSpecs; else key by key)."""
+    try:
+        a, b = ModelSpec.from_json(saved), ModelSpec.from_json(requested)
+    except (SpecError, TypeError, KeyError):
+        a = b = None
+    if a is not None and b is not None:
+        return b.differences(a)
+    x, y = json.loads(json.dumps(saved)), json.loads(json.dumps(requested))  # tuples and lists alike
+    return [f"{k}: saved {x.get(k)!r}, requested {y.get(k)!r}" for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)]
 
 
 OPTIMIZER_STATES = ("main", "exp_avg", "exp_avg_sq")
@@ -216,12 +320,17 @@ def model_ptc(
     tied_embeddings: bool | None = None,
     dtype: torch.dtype | str | None = None,
     vocab_pad: int | None = None,
+    norm_eps: float | None = None,
+    rope_theta: float | None = None,
+    rope_scaling: Mapping[str, Any] | None = None,
+    source_config: Mapping[str, Any] | None = None,
     optimizer: bool = True,
     distributed_optimizer: bool = False,
 ) -> PTC:
     """The PTC of a GPT or Llama model, with Adam state unless ``optimizer=False``.
 
-    ``preset``: a preset's name or a ``ModelSpec``; the other dimensions override it.
+    ``preset``: a preset's name or a ``ModelSpec``; the other dimensions and hyperparameters
+    (``ModelSpec``'s fields) override it.
 
     Optimizer state (``optimizer.main.*`` fp32 master copy when the model dtype is not fp32,
     ``optimizer.exp_avg.*``, ``optimizer.exp_avg_sq.*``) follows each parameter's TP/PP
@@ -233,7 +342,8 @@ def model_ptc(
         base, preset = {f: getattr(preset, f) for f in preset.__dataclass_fields__}, None
     overrides = dict(arch=arch, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                      ffn_hidden=ffn_hidden, vocab=vocab, seq_len=seq_len, tied_embeddings=tied_embeddings,
-                     dtype=dtype, vocab_pad=vocab_pad)
+                     dtype=dtype, vocab_pad=vocab_pad, norm_eps=norm_eps, rope_theta=rope_theta,
+                     rope_scaling=rope_scaling, source_config=source_config)
     spec = model_spec(preset, **(base | {k: v for k, v in overrides.items() if v is not None}))
     params = spec.param_specs()
     tensors = list(params)

@@ -6,6 +6,7 @@ the source tensors, and export must give back the Hugging Face file's tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -314,6 +315,209 @@ def test_dcp_import_with_hf_config_keeps_it_for_export(tmp_path: Path) -> None:
     assert {k: out_cfg[k] for k in cfg} == cfg
 
 
+# Tiny models with transformers' own configs (the installed release's config.json keys): Llama 3 style
+# (RoPE base 5e5 with llama3 scaling, eps 1e-5, bos/eos of Llama 3's vocabulary, untied head), a
+# default-config Llama (eps 1e-6, RoPE base 1e4, bos 1 / eos 2) with and without tied embeddings, and
+# a GPT-2 with a non-default epsilon. Every one differs from tenplex's own defaults somewhere.
+_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=500)
+HF_CONFIGS = {
+    "llama3": ("llama", dict(_TINY, max_position_embeddings=256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                               high_freq_factor=4.0, original_max_position_embeddings=64),
+                             bos_token_id=498, eos_token_id=499, tie_word_embeddings=False)),
+    "llama_default": ("llama", dict(_TINY)),
+    "llama_tied": ("llama", dict(_TINY, tie_word_embeddings=True)),
+    "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=500, n_positions=64, layer_norm_epsilon=1e-6,
+                          bos_token_id=498, eos_token_id=499)),
+}
+IDS_500 = torch.tensor([[498, 5, 9, 200, 3, 17, 60, 33, 2, 250, 7, 8, 100, 120, 40, 41, 42, 43, 44, 45, 46, 47, 300,
+                         499]])
+
+
+def _job_resaves(url: str, cfg: ParallelConfig, own_ptc: bool, step: int) -> None:
+    """What a job does: every rank of ``cfg`` loads its shard and saves it again with ``tenplex.save``
+    (one rank after another in this process), with its own ``extra``; ``own_ptc``: the job builds
+    its PTC from the model's dimensions (``model_ptc``) instead of saving with the loaded one."""
+    saved = tenplex.read_manifest(url)["ptc"]
+    spec = saved.meta["model"]
+    mine = model_ptc(arch=spec["arch"], num_layers=spec["num_layers"], hidden=spec["hidden"], heads=spec["heads"],
+                     kv_heads=spec["kv_heads"], ffn_hidden=spec["ffn_hidden"], vocab=spec["vocab"],
+                     seq_len=spec["seq_len"], tied_embeddings=spec["tied_embeddings"], dtype=spec["dtype"],
+                     vocab_pad=spec["vocab_pad"], optimizer=False)
+    for r in range(cfg.world_size):
+        res = tenplex.load(url, cfg, r, ptc=mine if own_ptc else None)
+        tenplex.save(url, mine if own_ptc else res.ptc, cfg, r, res.shard, step=step, extra={"job": "finetune"})
+
+
+@pytest.mark.parametrize("own_ptc", [False, True], ids=["loaded_ptc", "own_ptc"])
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_export_after_a_job_resaves_keeps_the_source_config(tmp_path: Path, name: str, own_ptc: bool) -> None:
+    """import -> a job loads under dp=1,tp=2,pp=2 and saves twice (what training does) -> export: the
+    exported config.json is the source's, key for key, and transformers' logits equal the original's."""
+    kind, kw = HF_CONFIGS[name]
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (optional test dep)")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**kw) if kind == "llama" else transformers.GPT2Config(**kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf_cls(kind)(config).save_pretrained(str(tmp_path / "hf"))
+    url = str(tmp_path / "tp")
+    assert cli_main(["import", str(tmp_path / "hf"), url]) == 0  # tenplex import / export, as the finding did
+    cfg = P("dp=1,tp=2,pp=2")
+    _job_resaves(url, cfg, own_ptc, step=1)
+    _job_resaves(url, cfg, own_ptc, step=2)
+    assert tenplex.read_manifest(url)["step"] == 2
+    assert cli_main(["export", url, str(tmp_path / "out")]) == 0
+    src_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    changed = sorted(k for k in set(src_cfg) | set(out_cfg) if src_cfg.get(k) != out_cfg.get(k))
+    assert out_cfg == src_cfg, f"keys changed by the round trip: {changed}"
+    a, b = _from_pretrained(kind, tmp_path / "hf"), _from_pretrained(kind, tmp_path / "out")
+    diff = (_logits(a, IDS_500) - _logits(b, IDS_500)).abs().max().item()
+    assert diff <= 1e-6
+
+
+def _save_pretrained(kind: str, kw: dict, out: Path) -> Path:
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (optional test dep)")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**kw) if kind == "llama" else transformers.GPT2Config(**kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _hf_cls(kind)(config)
+        with torch.no_grad():  # norms other than 1, so that a wrong epsilon shows
+            for n, p in model.named_parameters():
+                if "norm" in n or "ln_" in n:
+                    p.add_(0.3 * torch.randn(p.shape))
+        model.save_pretrained(str(out))
+    return out
+
+
+def test_a_job_stating_other_hyperparameters_is_refused_and_its_change_exported(tmp_path: Path, caplog) -> None:
+    """The import's norm epsilon and RoPE are model settings: a job whose PTC states others is
+    refused (unless allow_meta_change); one that goes on with another RoPE base exports the source
+    config with that base, every other key kept."""
+    from tenplex.errors import CheckpointMismatchError
+
+    src = _save_pretrained("llama", HF_CONFIGS["llama3"][1], tmp_path / "hf")
+    url, cfg = str(tmp_path / "tp"), P("dp=1,tp=2,pp=1")
+    tenplex.import_hf(src, url)
+    spec = tenplex.read_manifest(url)["ptc"].meta["model"]
+    assert (spec["norm_eps"], spec["rope_theta"], spec["rope_scaling"]["rope_type"]) == (1e-5, 500000.0, "llama3")
+    dims = {k: spec[k] for k in ("arch", "num_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
+                                 "seq_len", "tied_embeddings", "dtype", "vocab_pad")}
+    other = model_ptc(**dims, rope_theta=10000.0, optimizer=False)
+    with pytest.raises(CheckpointMismatchError, match="rope_theta: saved 500000.0, requested 10000.0"):
+        tenplex.load(url, cfg, 0, ptc=other)
+    with pytest.raises(CheckpointMismatchError, match="norm_eps: saved 1e-05, requested 1e-06"):
+        tenplex.load(url, cfg, 0, ptc=model_ptc(**dims, norm_eps=1e-6, optimizer=False))
+    for r in range(cfg.world_size):
+        res = tenplex.load(url, cfg, r, ptc=other, allow_meta_change=True)
+        tenplex.save(url, other, cfg, r, res.shard, step=1)
+    with caplog.at_level("WARNING", logger="tenplex.interop"):
+        export_hf(url, tmp_path / "out")
+    assert "rope_theta: saved 500000.0, requested 10000.0" in caplog.text
+    src_cfg = json.loads((src / "config.json").read_text())
+    out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out_cfg["rope_parameters"] == {**src_cfg["rope_parameters"], "rope_theta": 10000.0}
+    changed = {k for k in set(src_cfg) | set(out_cfg) if src_cfg.get(k) != out_cfg.get(k)}
+    assert changed == {"rope_parameters"}  # the new base; token ids, scaling, eps: the source's
+
+
+def test_fine_tuning_into_a_new_directory_with_adam_state_keeps_the_source_config(tmp_path: Path) -> None:
+    """The common fine-tuning shape: parameters from the import, Adam state added, saved into the
+    run's own directory under dp=1,tp=2,pp=2 with a PTC built from the loaded model description."""
+    from tenplex.models import ModelSpec
+
+    src = _save_pretrained("llama", HF_CONFIGS["llama3"][1], tmp_path / "hf")
+    tenplex.import_hf(src, str(tmp_path / "imported"))
+    cfg, run = P("dp=1,tp=2,pp=2"), str(tmp_path / "run")
+    for r in range(cfg.world_size):
+        res = tenplex.load(str(tmp_path / "imported"), cfg, r)
+        ptc = model_ptc(ModelSpec.from_json(res.ptc.meta["model"]), optimizer=True)
+        shard = {n: res.shard[n] if n in res.shard else torch.zeros(ptc.local_shape(n, cfg, r),
+                                                                    dtype=ptc.tensors[n].dtype)
+                 for n in ptc.rank_tensors(cfg, r)}
+        tenplex.save(run, ptc, cfg, r, {**shard, "optimizer.step": 0}, step=10)
+    export_hf(run, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    diff = (_logits(_from_pretrained("llama", src), IDS_500) - _logits(_from_pretrained("llama", tmp_path / "out"),
+                                                                        IDS_500)).abs().max().item()
+    assert diff <= 1e-6
+
+
+def test_no_description_is_carried_into_another_model(tmp_path: Path) -> None:
+    """A save of a model with other dimensions into a URL holding an import carries nothing of it."""
+    src = _save_pretrained("llama", HF_CONFIGS["llama_default"][1], tmp_path / "hf")
+    url = str(tmp_path / "tp")
+    tenplex.import_hf(src, url)
+    ptc = model_ptc("tiny", optimizer=False)
+    _save_global(url, ptc, _random_state(ptc), ParallelConfig())
+    assert tenplex.read_manifest(url)["ptc"].meta["model"] == ptc.meta["model"]
+
+
+def test_a_checkpoint_imported_before_keeps_its_config_from_extra(tmp_path: Path) -> None:
+    """Imports by an older tenplex kept the config in the step's extra (not in the description)."""
+    config = {**LLAMA_CFG, "rope_theta": 500000.0, "rms_norm_eps": 1e-6, "bos_token_id": 256}
+    spec = hf_config_to_spec(LLAMA_CFG, torch.float32)
+    ptc = model_ptc(arch="llama", num_layers=spec.num_layers, hidden=spec.hidden, heads=spec.heads,
+                    kv_heads=spec.kv_heads, ffn_hidden=spec.ffn_hidden, vocab=spec.vocab, seq_len=spec.seq_len,
+                    dtype=torch.float32, optimizer=False)
+    shard = ptc.shard(_random_state(ptc), ParallelConfig())[0]
+    tenplex.save(str(tmp_path / "t"), ptc, ParallelConfig(), 0, shard, step=0,
+                 extra={"imported_from": "hf", "hf_config": config})
+    export_hf(str(tmp_path / "t"), tmp_path / "out")
+    out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: out_cfg[k] for k in config} == config
+
+
+@pytest.mark.parametrize("name", ["llama_default", "llama_rope5e5"])
+def test_tenplex_model_computes_with_the_imported_hyperparameters(tmp_path: Path, name: str) -> None:
+    """tenplex's own Llama (the reference trainer's) on an imported model gives transformers' logits:
+    it computes with the description's norm epsilon and RoPE base, not tenplex's defaults."""
+    from tenplex.models import ModelSpec
+    from tenplex.train.model import StageModel
+
+    kw = dict(_TINY, rope_theta=500000.0, bos_token_id=498) if name == "llama_rope5e5" else dict(_TINY)
+    src = _save_pretrained("llama", kw, tmp_path / "hf")
+    tenplex.import_hf(src, str(tmp_path / "tp"))
+    ptc, state, _ = load_global(str(tmp_path / "tp"))
+    spec = ModelSpec.from_json(ptc.meta["model"])
+    assert spec.norm_eps == 1e-6 and spec.rope_theta == kw.get("rope_theta", 10000.0)
+    one = ParallelConfig()
+    params = ptc.shard(state, one)[0]
+    with torch.no_grad():
+        ref = (StageModel(spec, one, 0, params, None).forward(IDS_500) @ params["lm_head.weight"].t())[..., :spec.vocab]
+    got = _logits(_from_pretrained("llama", src), IDS_500)
+    assert (ref - got).abs().max().item() <= 1e-6
+    scaled = dataclasses.replace(spec, rope_scaling=HF_CONFIGS["llama3"][1]["rope_scaling"])
+    with pytest.raises(ConfigError, match="implements unscaled RoPE"):  # rather than computing another model
+        StageModel(scaled, one, 0, params, None)
+
+
+@pytest.mark.parametrize("form", ["transformers5", "transformers4"])
+def test_a_changed_setting_is_written_into_the_source_config_in_its_own_form(form: str) -> None:
+    """Only the keys of what changed are written, RoPE in the form the source config uses."""
+    from tenplex.interop import spec_to_hf_config
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    rope = ({"rope_parameters": {**scaling, "rope_theta": 500000.0}} if form == "transformers5"
+            else {"rope_theta": 500000.0, "rope_scaling": scaling})
+    base = {**LLAMA_CFG, **rope, "rms_norm_eps": 1e-6, "bos_token_id": 256, "initializer_range": 0.02,
+            "dtype": "float32"}
+    spec = dataclasses.replace(hf_config_to_spec(base, torch.float32), source_config=base)
+    assert spec_to_hf_config(spec) == base
+    longer = dataclasses.replace(spec, seq_len=128)
+    assert spec_to_hf_config(longer) == {**base, "max_position_embeddings": 128}
+    other = dataclasses.replace(spec, rope_theta=1e4, norm_eps=1e-5)
+    got = spec_to_hf_config(other)
+    want_rope = ({"rope_parameters": {**scaling, "rope_theta": 1e4}} if form == "transformers5"
+                 else {"rope_theta": 1e4, "rope_scaling": scaling})
+    assert got == {**base, **want_rope, "rms_norm_eps": 1e-5}
+    assert hf_config_to_spec(got, torch.float32) == dataclasses.replace(other, source_config=None)
+
+
 def test_hf_head_dim_other_than_hidden_over_heads_is_refused() -> None:
     with pytest.raises(ConfigError, match="head_dim=16 times num_attention_heads=8 is not hidden_size=64"):
         hf_config_to_spec({**LLAMA_CFG, "head_dim": 16}, torch.float32)
@@ -341,7 +545,7 @@ def test_native_llama_export_computes_what_tenplex_computes(tmp_path: Path) -> N
     export_hf(str(tmp_path / "ck"), tmp_path / "out")
     spec = ModelSpec.from_json(ptc.meta["model"])
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert hf_config_to_spec(config, spec.dtype, vocab_pad=spec.vocab_pad) == spec
+    assert hf_config_to_spec(config, spec.dtype, vocab_pad=spec.vocab_pad) == spec.resolved()  # eps, RoPE stated
     assert (config["rms_norm_eps"], config["rope_theta"], config["head_dim"]) == (NORM_EPS, ROPE_THETA, spec.head_dim)
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": ROPE_THETA}
     assert config["bos_token_id"] is None and config["eos_token_id"] is None  # tenplex knows none
@@ -366,7 +570,7 @@ def test_native_gpt_export_config_reproduces_the_spec(tmp_path: Path) -> None:
     export_hf(str(tmp_path / "ck"), tmp_path / "out")
     spec = ModelSpec.from_json(ptc.meta["model"])
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert hf_config_to_spec(config, spec.dtype, vocab_pad=spec.vocab_pad) == spec
+    assert hf_config_to_spec(config, spec.dtype, vocab_pad=spec.vocab_pad) == spec.resolved()  # eps, RoPE stated
     assert config["layer_norm_epsilon"] == NORM_EPS and config["n_inner"] == 192 and config["vocab_size"] == 259
     assert config["architectures"] == ["GPT2LMHeadModel"] and config["dtype"] == config["torch_dtype"] == "float32"
     model = _from_pretrained("gpt2", tmp_path / "out")

@@ -8,6 +8,7 @@ from conftest import examples, model_kwargs, random_global
 from hypothesis import given, settings
 
 from tenplex import PRESETS, ConfigError, LayoutError, ModelSpec, ParallelConfig, Replicated, Split, model_ptc, model_spec
+from tenplex.errors import SpecError
 from tenplex.models import optimizer_names
 
 
@@ -223,3 +224,67 @@ def test_model_ptc_takes_a_model_spec() -> None:
     by_name, by_spec = model_ptc("tiny"), model_ptc(model_spec("tiny"))
     assert by_name.tensors == by_spec.tensors and by_name.meta["model"] == by_spec.meta["model"]
     assert model_ptc(model_spec("tiny"), num_layers=2).meta["model"]["num_layers"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# hyperparameters and source config (issue 29 item 5): stated, unstated, compared, carried
+# ---------------------------------------------------------------------------------------------
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+SOURCE = {"model_type": "llama", "rope_parameters": {**LLAMA3_SCALING, "rope_theta": 500000.0}, "bos_token_id": 498}
+
+
+def test_spec_json_leaves_unstated_hyperparameters_out_and_round_trips_stated_ones() -> None:
+    from tenplex.models import NORM_EPS, ROPE_THETA, model_differences
+
+    plain = model_spec("tiny")
+    assert set(plain.to_json()) == {"arch", "num_layers", "hidden", "heads", "vocab", "kv_heads", "ffn_hidden",
+                                    "seq_len", "tied_embeddings", "dtype", "vocab_pad"}  # as before the fields existed
+    full = model_spec("tiny", norm_eps=1e-6, rope_theta=5e5, rope_scaling=LLAMA3_SCALING, source_config=SOURCE)
+    assert ModelSpec.from_json(full.to_json()) == full and hash(full) == hash(ModelSpec.from_json(full.to_json()))
+    assert full.source_config == SOURCE and full.source_config is not SOURCE  # a copy: the caller's dict may change
+    assert plain.resolved().norm_eps == NORM_EPS and plain.resolved().rope_theta == ROPE_THETA
+    assert full.resolved() == full
+    assert model_ptc(full, optimizer=False).meta["model"] == full.to_json()
+    # a request that leaves them unstated accepts the checkpoint's; a stated other value is another model
+    assert model_differences(full.to_json(), plain.to_json()) == []
+    assert model_differences(full.to_json(), model_spec("tiny", rope_theta=ROPE_THETA).to_json()) == [
+        "rope_theta: saved 500000.0, requested 10000.0"]
+    # a checkpoint written before the fields existed computed with tenplex's defaults
+    assert model_differences(plain.to_json(), model_spec("tiny", norm_eps=NORM_EPS).to_json()) == []
+    assert model_differences(plain.to_json(), model_spec("tiny", norm_eps=1e-6).to_json()) == [
+        "norm_eps: saved 1e-05, requested 1e-06"]
+    assert model_differences(full.to_json(), model_spec("tiny", source_config={**SOURCE, "bos_token_id": 1}).to_json()
+                             ) == ["source_config: differs in ['bos_token_id']"]
+
+
+def test_carried_fills_what_a_spec_leaves_unstated_from_the_same_model_only() -> None:
+    full = model_spec("tiny", norm_eps=1e-6, rope_theta=5e5, rope_scaling=LLAMA3_SCALING, source_config=SOURCE)
+    plain = model_spec("tiny")
+    assert plain.carried(full) == full
+    assert model_spec("tiny", seq_len=32).carried(full) == ModelSpec(**{**_fields(full), "seq_len": 32})
+    changed = model_spec("tiny", rope_theta=1e4)  # stated: kept, the rest carried
+    assert changed.carried(full) == ModelSpec(**{**_fields(full), "rope_theta": 1e4})
+    assert model_spec("tiny", heads=4, kv_heads=2).carried(full) is None  # another model: nothing carried
+    assert full.carried(plain) == full
+
+
+def _fields(spec: ModelSpec) -> dict:
+    return {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(norm_eps=0.0), "norm_eps must be a positive finite number"),
+    (dict(rope_theta=float("nan")), "rope_theta must be a positive finite number"),
+    (dict(norm_eps="1e-5"), "norm_eps must be a positive finite number"),
+    (dict(rope_scaling=[1, 2]), "rope_scaling must be a JSON object"),
+    (dict(source_config={"x": object()}), "source_config must be plain JSON"),
+])
+def test_hyperparameter_errors(kw, msg) -> None:
+    with pytest.raises(SpecError, match=msg):
+        model_spec("tiny", **kw)
+
+
+def test_gpt_has_no_rope() -> None:
+    with pytest.raises(SpecError, match="learned positions, no RoPE"):
+        ModelSpec(arch="gpt", num_layers=1, hidden=8, heads=2, vocab=11, rope_theta=1e4)

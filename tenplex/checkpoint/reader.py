@@ -18,7 +18,6 @@ import bisect
 import dataclasses
 import hashlib
 import io
-import json
 import logging
 import os
 import struct
@@ -37,6 +36,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from ..models import model_differences
 from ..planner import intersect
 from ..ptc import PAD, PTC, Layout
 from .format import (
@@ -1114,7 +1114,9 @@ def read_objects(sources: Sequence[tuple[fsspec.AbstractFileSystem, str]],
 
 def check_model(saved: PTC, expected: PTC, where: str, *, allow_meta_change: bool = False) -> None:
     """CheckpointMismatchError unless ``saved`` has ``expected``'s tensors and, unless
-    ``allow_meta_change``, its model settings (``meta["model"]``, where both record them)."""
+    ``allow_meta_change``, its model settings (``meta["model"]``, where both record them; what
+    ``expected`` leaves unstated, norm epsilon, RoPE or source config, is the checkpoint's:
+    ``tenplex.models.model_differences``)."""
     if expected.fingerprint() != saved.fingerprint():
         diff = "; ".join(expected.diff(saved)) or "specs differ"
         raise CheckpointMismatchError(f"checkpoint {where} holds another model than the one requested: {diff}")
@@ -1126,9 +1128,7 @@ def check_model(saved: PTC, expected: PTC, where: str, *, allow_meta_change: boo
     a, b = saved.meta.get("model"), expected.meta.get("model")
     if allow_meta_change or not isinstance(a, dict) or not isinstance(b, dict):
         return
-    a, b = json.loads(json.dumps(a)), json.loads(json.dumps(b))  # tuples and lists alike
-    diffs = [f"{k}: saved {a.get(k)!r}, requested {b.get(k)!r}" for k in sorted(set(a) | set(b))
-             if a.get(k) != b.get(k)]
+    diffs = model_differences(a, b)  # the request's unstated hyperparameters and source config accept the saved ones
     if diffs:
         raise CheckpointMismatchError(
             f"checkpoint {where} was saved with other model settings ({'; '.join(diffs)}); its tensors have the "

@@ -29,7 +29,8 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import CheckpointError, CheckpointValueError
+from ..errors import CheckpointError, CheckpointValueError, SpecError
+from ..models import HPARAMS, ModelSpec
 from ..ptc import PTC, Layout
 from .format import (
     FORMAT,
@@ -46,16 +47,18 @@ from .format import (
     index_name,
     index_object,
     manifest_object,
+    parse_step_dir,
     rank_stem,
     safetensors_header,
     seal_json,
     step_dir,
     writer_assignment,
 )
-from .reader import local_path, scan_attempts, url_fs
+from .reader import local_path, read_manifest_at, scan_attempts, url_fs
 
 __all__ = ["SaveResult", "PartChunk", "PartWriter", "save", "default_save_id", "write_once", "publish",
-           "existing_files", "refuse_reuse", "payload_bytes", "write_rank0_meta", "write_index", "prune"]
+           "existing_files", "refuse_reuse", "payload_bytes", "write_rank0_meta", "write_index", "prune",
+           "carry_model"]
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +393,10 @@ def save(
     with ``keep_last=K`` removes steps older than the K newest complete ones.
     ``step``: an int in [0, MAX_STEP). ``save_id`` (8 hex digits) names this save attempt;
     every rank must pass the same one. The default (``default_save_id``) differs between
-    launches, restarts and layouts. Files are written once and never replaced: if this
+    launches, restarts and layouts. A model description (``ptc.meta["model"]``) that leaves
+    hyperparameters or the source config unstated is completed from the newest step under ``url``
+    when that step holds the same model (``carry_model``): an imported model's configuration
+    survives the job's own saves. Files are written once and never replaced: if this
     rank's part of the attempt exists already, the save id was reused and ``save`` raises
     CheckpointError without touching it (see ``refuse_reuse``).
     """
@@ -418,6 +424,7 @@ def save(
         flats.add(name, t.detach().to("cpu", ptc.tensors[name].dtype))
     if rank == 0:
         payload = payload_bytes({o: shard[o] for o in ptc.objects if o in shard}, extra)
+        ptc = carry_model(fs, root, ptc)  # only rank 0 writes the manifest, which holds the description
     else:  # only rank 0 writes extra, but every rank learns of a value that cannot be stored
         payload_bytes({}, extra)
         payload = None
@@ -432,6 +439,67 @@ def save(
     log.debug("saved step %d rank %d: %d chunks, %d bytes in %.3fs", step, rank, len(part.chunks), written,
               result.seconds)
     return result
+
+
+_CARRIED: dict[tuple[str, str], dict[str, Any] | None] = {}  # (checkpoint URL, saving description) -> carried one
+_CARRIED_MAX = 256
+
+
+def carry_model(fs: fsspec.AbstractFileSystem, root: str, ptc: PTC) -> PTC:
+    """``ptc`` with its model description completed by the newest save attempt's under ``root``.
+
+    A ``ModelSpec`` description that leaves hyperparameters (norm epsilon, RoPE) or the source
+    config unstated takes them from the newest attempt whose manifest verifies, when that attempt
+    holds the same model (``ModelSpec.carried``): a job whose PTC was built from the dimensions
+    keeps an imported model's configuration, step after step. Nothing is carried from another
+    model, and a description that states everything is saved as it is. The answer is remembered
+    per URL and description, so a job lists its directory once, not at every save.
+    """
+    mine = ptc.meta.get("model")
+    if not isinstance(mine, dict):
+        return ptc
+    try:
+        spec = ModelSpec.from_json(mine)
+    except (SpecError, TypeError, KeyError):
+        return ptc
+    key = (fs.unstrip_protocol(root), json.dumps(mine, sort_keys=True))
+    if key not in _CARRIED:
+        if len(_CARRIED) >= _CARRIED_MAX:
+            _CARRIED.clear()
+        _CARRIED[key] = _newest_model(fs, root, spec)
+    carried = _CARRIED[key]
+    if carried is None:
+        return ptc
+    return PTC(ptc.tensors.values(), num_layers=ptc.num_layers, objects=ptc.objects,
+               meta={**ptc.meta, "model": json.loads(json.dumps(carried))})  # the remembered one stays as it is
+
+
+def _newest_model(fs: fsspec.AbstractFileSystem, root: str, spec: ModelSpec) -> dict[str, Any] | None:
+    """``spec`` completed by the description of the newest attempt under ``root`` whose manifest
+    verifies (JSON), or None when that holds another model, nothing new, or there is none."""
+    if spec.source_config is not None and spec.norm_eps is not None:
+        return None  # an imported model's own description: states everything there is to carry
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return None
+    attempts = sorted((p, e.rstrip("/")) for e in entries if (p := parse_step_dir(e)))
+    for _, path in reversed(attempts):
+        try:
+            saved = read_manifest_at(fs, path, with_ptc=True).ptc
+        except (CheckpointError, OSError):  # no manifest (yet), or a damaged one: the next older attempt
+            continue
+        try:
+            done = spec.carried(ModelSpec.from_json(saved.meta["model"]))
+        except (AttributeError, SpecError, TypeError, KeyError):  # no model description there
+            done = None
+        if done is None or done == spec:
+            return None
+        log.info("the model description of %s carries over to the new save: %s", path,
+                 ", ".join(n for n in (*HPARAMS, "source_config") if getattr(spec, n) is None
+                           and getattr(done, n) is not None))
+        return done.to_json()
+    return None
 
 
 class _LocalFlats(Mapping[str, torch.Tensor]):

@@ -106,6 +106,9 @@ class StageModel:
             raise ConfigError(f"the reference trainer implements the Llama family (arch='llama'), not "
                               f"arch={spec.arch!r}")
         assert spec.kv_heads is not None and spec.ffn_hidden is not None
+        if spec.rope_scaling is not None:
+            raise ConfigError(f"the reference trainer implements unscaled RoPE; this model scales it "
+                              f"({spec.rope_scaling})")
         if recompute not in RECOMPUTE:
             raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
         self.spec, self.cfg, self.params, self.group = spec, cfg, params, tp_group
@@ -122,8 +125,11 @@ class StageModel:
         self.ffn = spec.ffn_hidden // t
         self.vocab_local = spec.padded_vocab(t) // t
         self.vocab_start = c.tp * self.vocab_local
+        hp = spec.resolved()  # norm epsilon and RoPE base: the model's own, tenplex's defaults unless stated
+        assert hp.norm_eps is not None and hp.rope_theta is not None
+        self.eps = hp.norm_eps
         pos = torch.arange(spec.seq_len, dtype=torch.float32)
-        inv = 1.0 / (10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd))
+        inv = 1.0 / (hp.rope_theta ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd))
         ang = torch.outer(pos, inv)
         self.cos, self.sin = ang.cos(), ang.sin()
 
@@ -140,8 +146,8 @@ class StageModel:
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.recompute == "selective" and torch.is_grad_enabled():
-            return checkpoint(_rms_norm, x, w, use_reentrant=False)
-        return _rms_norm(x, w)
+            return checkpoint(_rms_norm, x, w, self.eps, use_reentrant=False)
+        return _rms_norm(x, w, self.eps)
 
     def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
         if self.recompute == "selective" and torch.is_grad_enabled():
@@ -180,7 +186,7 @@ class StageModel:
         for i in self.layers:
             x = self.layer(i, x)
         if self.is_last:
-            x = _rms_norm(x, self.params["final_norm.weight"])
+            x = _rms_norm(x, self.params["final_norm.weight"], self.eps)
         return x
 
     def loss(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
