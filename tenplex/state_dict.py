@@ -102,7 +102,7 @@ def _local_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _describe(value: torch.Tensor, group: Any, meshes: dict[int, tuple[Any, ...]], *,
+def _describe(value: torch.Tensor, group: Any, meshes: dict[int, Any], *,
               root: bool = False) -> tuple[Any, ...]:
     """A tensor's global shape, dtype and (DTensors) mesh, placements and job ranks, as plain data;
     ``root``: and, sixth, the dims and job ranks of the mesh its mesh was sliced from (None for a
@@ -170,18 +170,20 @@ def state_layout_of(descriptions: list[dict[str, tuple[Any, ...]]]) -> tuple[PTC
     (``state_layout.merge_replicas``), as DCP saves them. CheckpointValueError names a key that ranks
     describe differently, and the fields that differ."""
     world = len(descriptions)
-    variants: dict[str, dict[tuple[Any, ...], tuple[int, tuple[Any, ...]]]] = {}
+    first: dict[str, tuple[int, tuple[Any, ...]]] = {}
+    variants: dict[str, dict[tuple[Any, ...], tuple[int, tuple[Any, ...]]]] = {}  # keys described differently
     holders: dict[str, list[int]] = {}
     for rank, descs in enumerate(descriptions):
         for key, desc in descs.items():
-            known = variants.setdefault(key, {})
-            frozen = _frozen(desc)
-            if frozen not in known:
-                known[frozen] = (rank, desc)
+            known = first.get(key)
+            if known is None:
+                first[key] = (rank, desc)
+            elif known[1] != desc:
+                variants.setdefault(key, {_frozen(known[1]): known}).setdefault(_frozen(desc), (rank, desc))
             holders.setdefault(key, []).append(rank)
     specs, placed = [], {}
-    for key in sorted(variants):
-        found = list(variants[key].values())
+    for key in sorted(first):
+        found = list(variants[key].values()) if key in variants else [first[key]]
         desc = found[0][1]
         shape, dtype, dims = desc[:3]
         p = _placed(desc, holders[key]) if len(found) == 1 else _merged(key, found)
@@ -212,17 +214,18 @@ def _merged(key: str, found: list[tuple[int, tuple[Any, ...]]]) -> Placed:
                 f"{key}: ranks disagree on its {' and '.join(fields)}: rank {r0} has {_text(d0)} but rank {r1} has "
                 f"{_text(d1)}; every rank holding a key must agree on its global shape, dtype and placement")
     roots = {_frozen_root(d) for _, d in found}
-    root = found[0][1][5] if len(roots) == 1 and len(found[0][1]) > 5 and found[0][1][5] is not None else None
+    root = roots.pop() if len(roots) == 1 else None
     try:
         return merge_replicas([_placed(d, ()) for _, d in found],
-                              None if root is None else (MeshLayout(tuple((n, s) for n, s in root[0])), root[1]))
+                              None if root is None else (MeshLayout(root[0]), root[1]))
     except LayoutError as e:
-        raise CheckpointValueError(f"{key}: ranks hold it on sub-meshes that are not replicas of one another: {e}; "
-                                   f"e.g. rank {r0} has {_text(d0)} but rank {found[1][0]} has "
+        raise CheckpointValueError(f"{key}: ranks disagree on its {_FIELDS[4]}, sub-meshes that are not replicas of "
+                                   f"one another ({e}): rank {r0} has {_text(d0)} but rank {found[1][0]} has "
                                    f"{_text(found[1][1])}") from None
 
 
-def _frozen_root(desc: tuple[Any, ...]) -> Any:
+def _frozen_root(desc: tuple[Any, ...]) -> tuple[tuple[tuple[str, int], ...], tuple[int, ...]] | None:
+    """A description's root mesh (``_root_of``) as ``(dims, job ranks)`` tuples; None without one."""
     root = desc[5] if len(desc) > 5 else None
     return None if root is None else (tuple(tuple(d) for d in root[0]), tuple(root[1]))
 
