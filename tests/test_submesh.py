@@ -35,7 +35,7 @@ from conftest import examples
 from spawned import free_port, run_spawned
 from tenplex.errors import CheckpointValueError, LayoutError
 from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard, local_box
-from tenplex.state_dict import load_state_dict, save_state_dict, state_layout_of
+from tenplex.state_dict import describe_state_dict, load_state_dict, save_state_dict, state_layout_of
 from tenplex.state_layout import Placed, StateLayout, merge_replicas
 
 REPO = Path(__file__).resolve().parent.parent
@@ -349,8 +349,13 @@ def _load_all(kind: str, name: str, layouts: dict[str, tuple], root: Path) -> di
     """Build ``name``'s layout once and load every other layout's checkpoint into it."""
     model, optim = _build(kind, layouts[name], 99)
     sd = _state(model, optim)
-    out: dict[str, Any] = {}
-    for src, (_, _, _) in layouts.items():
+    _, described = describe_state_dict(sd)  # what an in-process rescale plans from, and predicts on other meshes
+    out: dict[str, Any] = {"described": {k: (str(p.mesh), p.placements, p.ranks) for k, p in described.tensors
+                                         if ("embed" in k or "output" in k or "lm_head" in k) and
+                                         not k.endswith(".step")}}  # not AdamW's step counters: plain tensors
+    if name == "dp2_tp2":
+        out["remeshed"] = {k: described.remesh({"dp": 1, "tp": 2}).placed[k].placements for k in out["described"]}
+    for src in layouts:
         if src == name:
             continue
         r = load_state_dict(sd, str(root / src))
@@ -419,8 +424,13 @@ def _every_direction(kind: str, layouts: dict[str, tuple], root: Path, *,
         loads[(n, 0)] = _load_all(kind, n, layouts, root)
     ratios: dict[tuple[str, str], float] = {}
     for (name, rank), got in sorted(loads.items()):
-        assert sorted(got) == sorted(set(layouts) - {name}), (name, got)
-        for src, r in got.items():
+        assert sorted(set(got) - {"described", "remeshed"}) == sorted(set(layouts) - {name}), got
+        if name == "dp2_tp2":  # the embedding and head FSDP2 shards on {0, 2} and {1, 3}: one placement
+            assert len(got["described"]) >= 3, got["described"]  # weight, exp_avg, exp_avg_sq at least
+            for key, (mesh, placements, ranks) in got["described"].items():
+                assert (mesh, placements, ranks) == ("dp=2,tp=2", (Shard(0), Replicate()), (0, 1, 2, 3)), key
+                assert got["remeshed"][key] == placements, (key, got["remeshed"][key])
+        for src, r in ((s, r) for s, r in got.items() if s not in ("described", "remeshed")):
             assert not r["diff"], (f"{src} -> {name} rank {rank}", r["diff"])
             assert r["step"] == (single and src in single and len(names) + 1 or names.index(src) + 1)
             assert r["needed"] > 0 and r["read"] >= r["needed"], (src, name, rank, r)
