@@ -400,19 +400,25 @@ def _world_worker(rank: int, kind: str, phase: str, name: str, layouts: dict[str
     return res["error"]
 
 
-def _every_direction(kind: str, layouts: dict[str, tuple], root: Path, *,
-                     fresh: bool) -> tuple[dict[tuple[str, str], float], dict[str, list[str]]]:
+def _every_direction(kind: str, layouts: dict[str, tuple],
+                     root: Path) -> tuple[dict[tuple[str, str], float], dict[str, list[str]]]:
     """Save under every layout, load under every other: bit-exact; the read amplification by
     (saved, loaded) layout (the largest over the loading ranks) and the placements each saved.
-    ``fresh``: new processes for each world (torch 2.13 keeps the group names of a destroyed world
-    that a ``_flatten``-ed mesh then asks for), else one set of processes forms them all in turn."""
+    One set of processes forms the worlds in turn, but a world with a ``_flatten``-ed mesh gets new
+    ones (torch 2.13 keeps the group names of a destroyed world, which that mesh then asks for)."""
     names = [n for n, (world, _, _) in layouts.items() if world > 1]
     single = [n for n, (world, _, _) in layouts.items() if world == 1]
     for n in single:  # one process, no torch.distributed: saved first, loaded last
         _save(kind, n, layouts[n], root, seed=len(names) + 1)
     worlds = [(phase, n, free_port(), i + 1) for phase in ("save", "load") for i, n in enumerate(names)]
     results: dict[tuple[str, str, int], dict[str, Any]] = {}
-    for group in ([[w] for w in worlds] if fresh else [worlds]):
+    groups: list[list[tuple[str, str, int, int]]] = []
+    for w in worlds:
+        if groups and layouts[w[1]][2] != "flat" and layouts[groups[-1][-1][1]][2] != "flat":
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    for group in groups:
         expect = sum(layouts[n][0] for _, n, _, _ in group)
         results.update(run_spawned(_worlds_worker, [(r, kind, group, layouts, root) for r in range(4)],
                                    expect=expect, timeout=240))
@@ -443,7 +449,7 @@ def _every_direction(kind: str, layouts: dict[str, tuple], root: Path, *,
 
 @pytest.mark.timeout(300)
 def test_llama_sub_mesh_layouts_load_each_other(tmp_path: Path) -> None:
-    ratios, saved = _every_direction("llama", LLAMA_LAYOUTS, tmp_path, fresh=True)
+    ratios, saved = _every_direction("llama", LLAMA_LAYOUTS, tmp_path)
     # the issue's case really was saved: the untied embedding on the 1-D dp sub-mesh, the blocks 2-D
     assert any(p.startswith("model.tok_embeddings.weight: ('dp',) (Shard(dim=0),)") for p in saved["dp2_tp2"])
     assert any("model.layers.0.attention.wq.weight: ('dp', 'tp') (_StridedShard" in p for p in saved["dp2_tp2"])
@@ -453,6 +459,6 @@ def test_llama_sub_mesh_layouts_load_each_other(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_transformers_qwen2_fsdp_tp_layouts_load_each_other(tmp_path: Path) -> None:
-    ratios, saved = _every_direction("qwen", QWEN_LAYOUTS, tmp_path, fresh=False)
+    ratios, saved = _every_direction("qwen", QWEN_LAYOUTS, tmp_path)
     assert any(p.startswith("model.model.embed_tokens.weight: ('dp',) (Shard(dim=0),)") for p in saved["dp2_tp2"])
     assert max(ratios.values()) < MAX_OVER_READ, ratios
