@@ -171,7 +171,7 @@ def state_layout_of(descriptions: list[dict[str, tuple[Any, ...]]]) -> tuple[PTC
     describe differently, and the fields that differ."""
     world = len(descriptions)
     first: dict[str, tuple[int, tuple[Any, ...]]] = {}
-    variants: dict[str, dict[tuple[Any, ...], tuple[int, tuple[Any, ...]]]] = {}  # keys described differently
+    variants: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}  # keys described differently: each distinct one
     holders: dict[str, list[int]] = {}
     for rank, descs in enumerate(descriptions):
         for key, desc in descs.items():
@@ -179,14 +179,23 @@ def state_layout_of(descriptions: list[dict[str, tuple[Any, ...]]]) -> tuple[PTC
             if known is None:
                 first[key] = (rank, desc)
             elif known[1] != desc:
-                variants.setdefault(key, {_frozen(known[1]): known}).setdefault(_frozen(desc), (rank, desc))
+                found = variants.setdefault(key, [known])
+                if all(d[:5] != desc[:5] for _, d in found):  # the root mesh is a hint, not a field
+                    found.append((rank, desc))
             holders.setdefault(key, []).append(rank)
     specs, placed = [], {}
+    merges: dict[tuple[Any, ...], Placed] = {}  # the keys of a module and its optimizer states share one
     for key in sorted(first):
-        found = list(variants[key].values()) if key in variants else [first[key]]
+        found = variants.get(key, [first[key]])
         desc = found[0][1]
         shape, dtype, dims = desc[:3]
-        p = _placed(desc, holders[key]) if len(found) == 1 else _merged(key, found)
+        if len(found) == 1:
+            p = _placed(desc, holders[key])
+        else:
+            signature = tuple((_frozen(d), _frozen_root(d)) for _, d in found)
+            if signature not in merges:
+                merges[signature] = _merged(key, found)
+            p = merges[signature]
         if dims is not None:
             if set(p.ranks) != set(holders[key]):
                 raise CheckpointValueError(
