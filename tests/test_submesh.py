@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from conftest import examples
 from spawned import free_port, run_spawned
+from tenplex.assignment import locality_order
 from tenplex.errors import CheckpointValueError, LayoutError
 from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard, local_box
 from tenplex.state_dict import describe_state_dict, load_state_dict, save_state_dict, state_layout_of
@@ -144,9 +145,13 @@ def test_the_issue_case_merges_and_real_disagreements_name_their_field() -> None
     root = [[["dp", 2], ["tp", 2]], [0, 1, 2, 3]]
     subs = [[0, 2], [1, 3], [0, 2], [1, 3]]
     descs = [{"tok.weight": _desc([1003, 96], [["dp", 2]], ["S0"], subs[r], root=root)} for r in range(4)]
-    _, layout = state_layout_of(descs)
+    ptc, layout = state_layout_of(descs)
     assert layout.placed["tok.weight"] == Placed(MeshLayout.parse("dp=2,tp=2"), (Shard(0), Replicate()), (0, 1, 2, 3))
-    assert layout.remesh({"dp": 1, "tp": 2}).placed["tok.weight"].placements == (Shard(0), Replicate())
+    new = layout.remesh({"dp": 1, "tp": 2})  # the in-process rescale's prediction and its survivors' order
+    assert new.placed["tok.weight"].placements == (Shard(0), Replicate())
+    order = locality_order(ptc, layout, new, [1, 2, 3])
+    # new ranks 0 and 1 each need all rows: on rank 1 (rows ..501) and one of 2, 3 (rows 502..), not on both of those
+    assert sorted(order) == [1, 2, 3] and 1 in order[:2] and set(order[:2]) & {2, 3}, order
     for r in range(4):  # without the root mesh (another torch, hand-built meshes): a replica dim first
         descs[r]["tok.weight"] = descs[r]["tok.weight"][:5]
     _, layout = state_layout_of(descs)
