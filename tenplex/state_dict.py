@@ -4,7 +4,8 @@
 called by every rank, like ``torch.distributed.checkpoint.save`` / ``load``, with the state dict
 the job already has (``get_state_dict(model, optimizer)`` plus anything else). tenplex derives
 the layout from the values themselves: a DTensor's mesh and placements (FSDP2, HSDP, TP,
-FSDP2 over TP, pipeline stages on sub-meshes), a plain tensor is held whole by the ranks that
+FSDP2 over TP, pipeline stages on sub-meshes, a replica per sub-mesh where ranks hold one tensor
+on different sub-meshes of the same dims), a plain tensor is held whole by the ranks that
 have it, anything else is a small object. The result is an ordinary tenplex checkpoint (the
 same atomic steps, checksums and partial reads as ``tenplex.save``), and a load under any other
 mesh or world size reads only the byte ranges each rank's local tensors need, straight into the
