@@ -17,7 +17,8 @@ from .errors import SpecError
 from .mesh import MeshLayout, MeshPlacement, Replicate, Shard, StridedShard, TensorPlacement
 from .ptc import dtype_to_str
 
-__all__ = ["mesh_of", "mesh_ranks", "placement_of", "from_dtensor_spec", "tensor_placement", "release_mesh"]
+__all__ = ["mesh_of", "mesh_ranks", "root_mesh", "placement_of", "from_dtensor_spec", "tensor_placement",
+           "release_mesh"]
 
 
 def mesh_of(device_mesh: DeviceMesh) -> MeshLayout:
@@ -33,6 +34,15 @@ def mesh_of(device_mesh: DeviceMesh) -> MeshLayout:
 def mesh_ranks(device_mesh: DeviceMesh) -> tuple[int, ...]:
     """Global (process group) rank of every mesh rank of ``mesh_of(device_mesh)``."""
     return tuple(int(r) for r in device_mesh.mesh.reshape(-1).tolist())
+
+
+def root_mesh(device_mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh ``device_mesh`` was sliced or flattened from (``mesh["dp"]``'s ``mesh``), None when it is
+    a root itself or this torch does not say. Ranks holding one tensor on different slices of a root
+    (a replica per TP rank) say so through it: ``state_layout.merge_replicas``."""
+    get = getattr(device_mesh, "_get_root_mesh", None)  # private (torch 2.13); without it replicas merge on a new dim
+    root = get() if callable(get) else None
+    return root if isinstance(root, DeviceMesh) and root is not device_mesh else None
 
 
 def _dim(dim: int, ndim: int) -> int:

@@ -4,7 +4,8 @@
 called by every rank, like ``torch.distributed.checkpoint.save`` / ``load``, with the state dict
 the job already has (``get_state_dict(model, optimizer)`` plus anything else). tenplex derives
 the layout from the values themselves: a DTensor's mesh and placements (FSDP2, HSDP, TP,
-FSDP2 over TP, pipeline stages on sub-meshes), a plain tensor is held whole by the ranks that
+FSDP2 over TP, pipeline stages on sub-meshes, a replica per sub-mesh where ranks hold one tensor
+on different sub-meshes of the same dims), a plain tensor is held whole by the ranks that
 have it, anything else is a small object. The result is an ordinary tenplex checkpoint (the
 same atomic steps, checksums and partial reads as ``tenplex.save``), and a load under any other
 mesh or world size reads only the byte ranges each rank's local tensors need, straight into the
@@ -44,10 +45,11 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointValueError,
     CheckpointWriteError,
+    LayoutError,
 )
 from .mesh import MeshLayout
 from .ptc import PTC, TensorSpec, dtype_to_str
-from .state_layout import Placed, StateLayout, parse_placement, placement_text, spec_for
+from .state_layout import Placed, StateLayout, merge_replicas, parse_placement, placement_text, spec_for
 
 __all__ = ["StateDictLoad", "save_state_dict", "load_state_dict", "flatten_state_dict", "state_layout_of",
            "describe_state_dict", "local_shard", "fill_state_dict", "is_stateful", "stateful_view"]
@@ -127,50 +129,100 @@ def _local_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _describe(value: torch.Tensor, group: Any, meshes: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
-    """A tensor's global shape, dtype and (DTensors) mesh, placements and job ranks, as plain data.
-    ``meshes``: a cache by DeviceMesh object over one state dict (its tensors share a few meshes, and
-    ``DeviceMesh.mesh`` costs about 0.5 ms: 0.2 s for a 444-tensor state dict)."""
+def _describe(value: torch.Tensor, group: Any, meshes: dict[int, Any], *,
+              root: bool = False) -> tuple[Any, ...]:
+    """A tensor's global shape, dtype and (DTensors) mesh, placements and job ranks, as plain data;
+    ``root``: and, sixth, the dims and job ranks of the mesh its mesh was sliced from (None for a
+    root, or one with ranks outside ``group``): how ranks holding one tensor on different slices
+    (a replica per TP rank) are merged into one placement. ``meshes``: a cache by DeviceMesh object
+    over one state dict (its tensors share a few meshes, and ``DeviceMesh.mesh`` costs about 0.5 ms:
+    0.2 s for a 444-tensor state dict)."""
     from torch.distributed.tensor import DTensor  # lazy: 1.5 s of imports every trainer process need not pay
 
     from .dtensor import mesh_of, mesh_ranks, placement_of  # lazy: the same
 
     shape, dtype = tuple(int(s) for s in value.shape), dtype_to_str(value.dtype)
     if not isinstance(value, DTensor):
-        return (shape, dtype, None, None, None)
+        return (shape, dtype, None, None, None, None) if root else (shape, dtype, None, None, None)
     device_mesh = value.device_mesh
     known = meshes.get(id(device_mesh))
     if known is None or known[0] is not device_mesh:
-        ranks = mesh_ranks(device_mesh)
-        if group is not None:
-            ranks = tuple(dist.get_group_rank(group, r) for r in ranks)
-        known = meshes[id(device_mesh)] = (device_mesh, [list(d) for d in mesh_of(device_mesh).dims], list(ranks))
+        ranks = _job_ranks(mesh_ranks(device_mesh), group)
+        known = meshes[id(device_mesh)] = [device_mesh, [list(d) for d in mesh_of(device_mesh).dims], list(ranks),
+                                           _UNKNOWN]
+    if root and known[3] is _UNKNOWN:
+        known[3] = _root_of(device_mesh, group)
     placements = [placement_text(placement_of(p, len(shape))) for p in value.placements]
-    return (shape, dtype, [list(d) for d in known[1]], placements, list(known[2]))
+    desc = (shape, dtype, [list(d) for d in known[1]], placements, list(known[2]))
+    return desc + (known[3],) if root else desc
+
+
+_UNKNOWN = object()
+
+
+def _job_ranks(ranks: Sequence[int], group: Any) -> tuple[int, ...]:
+    """Global ranks as ranks of ``group`` (themselves for the default group)."""
+    if group is None:
+        return tuple(ranks)
+    return tuple(dist.get_group_rank(group, r) for r in ranks)
+
+
+def _root_of(device_mesh: Any, group: Any) -> list[Any] | None:
+    """``[dims, job ranks]`` of the root mesh ``device_mesh`` was sliced from, None when it is a root
+    or some rank of the root is outside ``group``."""
+    from .dtensor import mesh_of, mesh_ranks, root_mesh  # lazy: 1.5 s of imports every trainer process need not pay
+
+    root = root_mesh(device_mesh)
+    if root is None:
+        return None
+    try:
+        ranks = _job_ranks(mesh_ranks(root), group)
+    except (RuntimeError, ValueError):  # a rank of the root outside the process group
+        return None
+    if any(r < 0 for r in ranks):
+        return None
+    return [[list(d) for d in mesh_of(root).dims], list(ranks)]
+
+
+_FIELDS = ("global shape", "dtype", "mesh dims", "placements", "mesh's job ranks")
+"""What a description says, in its order; ``_text`` shows every one of them, so two ranks whose
+descriptions differ never print the same text."""
 
 
 def state_layout_of(descriptions: list[dict[str, tuple[Any, ...]]]) -> tuple[PTC, StateLayout]:
     """The collection and layout of a state dict from every rank's ``{key: description}`` (pure:
-    every rank computes the same from the same gathered list). CheckpointValueError names a key
-    that ranks describe differently."""
+    every rank computes the same from the same gathered list). Ranks that hold one key on different,
+    disjoint sub-meshes of the same dims and placements hold replicas of it (FSDP2 over ``dp`` of a
+    ``(dp, tp)`` mesh, for a module TP leaves alone): one placement of them all
+    (``state_layout.merge_replicas``), as DCP saves them. CheckpointValueError names a key that ranks
+    describe differently, and the fields that differ."""
     world = len(descriptions)
     first: dict[str, tuple[int, tuple[Any, ...]]] = {}
+    variants: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}  # keys described differently: each distinct one
     holders: dict[str, list[int]] = {}
     for rank, descs in enumerate(descriptions):
         for key, desc in descs.items():
-            if key not in first:
+            known = first.get(key)
+            if known is None:
                 first[key] = (rank, desc)
-            elif first[key][1] != desc:
-                r0, d0 = first[key]
-                raise CheckpointValueError(
-                    f"{key}: rank {r0} has {_text(d0)} but rank {rank} has {_text(desc)}; every rank holding a key "
-                    "must agree on its global shape, dtype and placement")
+            elif known[1] != desc:
+                found = variants.setdefault(key, [known])
+                if all(d[:5] != desc[:5] for _, d in found):  # the root mesh is a hint, not a field
+                    found.append((rank, desc))
             holders.setdefault(key, []).append(rank)
     specs, placed = [], {}
+    merges: dict[tuple[Any, ...], Placed] = {}  # the keys of a module and its optimizer states share one
     for key in sorted(first):
-        desc = first[key][1]
+        found = variants.get(key, [first[key]])
+        desc = found[0][1]
         shape, dtype, dims = desc[:3]
-        p = _placed(desc, holders[key])
+        if len(found) == 1:
+            p = _placed(desc, holders[key])
+        else:
+            signature = tuple((_frozen(d), _frozen_root(d)) for _, d in found)
+            if signature not in merges:
+                merges[signature] = _merged(key, found)
+            p = merges[signature]
         if dims is not None:
             if set(p.ranks) != set(holders[key]):
                 raise CheckpointValueError(
@@ -181,10 +233,43 @@ def state_layout_of(descriptions: list[dict[str, tuple[Any, ...]]]) -> tuple[PTC
     return PTC(specs, num_layers=0), StateLayout.of(world, placed)
 
 
+def _frozen(desc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A description's five fields as a hashable value (the root mesh is a hint, not a field)."""
+    return tuple(tuple(tuple(d) if isinstance(d, list) else d for d in f) if isinstance(f, list) else f
+                 for f in desc[:5])
+
+
+def _merged(key: str, found: list[tuple[int, tuple[Any, ...]]]) -> Placed:
+    """The one placement of ``key`` that ranks describe on different sub-meshes: their replicas merged,
+    or CheckpointValueError naming the first two ranks whose descriptions differ, and in what."""
+    (r0, d0) = found[0]
+    for r1, d1 in found[1:]:
+        fields = [name for name, a, b in zip(_FIELDS, _frozen(d0), _frozen(d1)) if a != b]
+        if d0[2] is None or fields != [_FIELDS[4]]:
+            raise CheckpointValueError(
+                f"{key}: ranks disagree on its {' and '.join(fields)}: rank {r0} has {_text(d0)} but rank {r1} has "
+                f"{_text(d1)}; every rank holding a key must agree on its global shape, dtype and placement")
+    roots = {_frozen_root(d) for _, d in found}
+    root = roots.pop() if len(roots) == 1 else None
+    try:
+        return merge_replicas([_placed(d, ()) for _, d in found],
+                              None if root is None else (MeshLayout(root[0]), root[1]))
+    except LayoutError as e:
+        raise CheckpointValueError(f"{key}: ranks disagree on its {_FIELDS[4]}, sub-meshes that are not replicas of "
+                                   f"one another ({e}): rank {r0} has {_text(d0)} but rank {found[1][0]} has "
+                                   f"{_text(found[1][1])}") from None
+
+
+def _frozen_root(desc: tuple[Any, ...]) -> tuple[tuple[tuple[str, int], ...], tuple[int, ...]] | None:
+    """A description's root mesh (``_root_of``) as ``(dims, job ranks)`` tuples; None without one."""
+    root = desc[5] if len(desc) > 5 else None
+    return None if root is None else (tuple(tuple(d) for d in root[0]), tuple(root[1]))
+
+
 def _placed(desc: tuple[Any, ...], holders: Sequence[int]) -> Placed:
     """A description's placement: its DTensor mesh, placements and ranks, or (a plain tensor) held
     whole by ``holders``."""
-    _, _, dims, placements, ranks = desc
+    _, _, dims, placements, ranks = desc[:5]
     if dims is None:
         return Placed.replicated(holders)
     return Placed(MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(t) for t in placements),
@@ -192,8 +277,10 @@ def _placed(desc: tuple[Any, ...], holders: Sequence[int]) -> Placed:
 
 
 def _text(desc: tuple[Any, ...]) -> str:
-    shape, dtype, dims, placements, _ = desc
-    where = "a plain tensor" if dims is None else f"placements {placements} on mesh {dims}"
+    """Every field of a description (``_FIELDS``), as a message shows it."""
+    shape, dtype, dims, placements, ranks = desc[:5]
+    where = "a plain tensor" if dims is None else \
+        f"placements {placements} on mesh {','.join(f'{n}={s}' for n, s in dims)} of job ranks {list(ranks)}"
     return f"shape {list(shape)} {dtype}, {where}"
 
 
@@ -243,7 +330,7 @@ def _gathered(state_dict: Mapping[str, Any], process_group: Any, what: str, *,
         tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
         objects = {k: (v if values else None) for k, (_, _, v) in leaves.items() if not isinstance(v, torch.Tensor)}
         meshes: dict[int, tuple[Any, ...]] = {}
-        descs = {k: _describe(v, process_group, meshes) for k, v in tensors.items()}
+        descs = {k: _describe(v, process_group, meshes, root=True) for k, v in tensors.items()}
         if world > 1:
             pickle.dumps(objects)  # all_gather_object pickles before its collective: fail here, not alone there
     except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each

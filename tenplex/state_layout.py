@@ -27,7 +27,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from .errors import LayoutError, SpecError
+from .errors import ConfigError, LayoutError, SpecError
 from .mesh import (
     MeshLayout,
     MeshPlacement,
@@ -43,7 +43,7 @@ from .mesh import (
 from .ptc import PTC, Panels, Replicated, SegmentTable, Split, TensorSpec, dtype_from_str
 
 __all__ = ["Placed", "Boxes", "Placement", "StateLayout", "spec_for", "boxes_split_dim", "placement_text",
-           "parse_placement", "PANELS", "PANEL_MIN_ROWS", "PANEL_MIN_COLS", "NEW_DIM_PLACEMENTS"]
+           "parse_placement", "merge_replicas", "PANELS", "PANEL_MIN_ROWS", "PANEL_MIN_COLS", "NEW_DIM_PLACEMENTS"]
 
 PANELS = 8
 """Panel count ``spec_for`` gives 2-D and higher tensors (the lcm of the TP sizes 1, 2, 4, 8: a TP
@@ -124,6 +124,136 @@ class Placed:
             if isinstance(e, SpecError):
                 raise
             raise SpecError(f"a tensor's placement {obj!r} is not [mesh dims, placements, ranks] ({e})") from None
+
+
+def merge_replicas(parts: Sequence[Placed], root: tuple[MeshLayout, Sequence[int]] | None = None) -> Placed:
+    """One tensor that several disjoint sub-meshes of the same dims each hold whole, in the same
+    placements (a replica per sub-mesh), as one ``Placed``: the sub-mesh dims plus ``Replicate()`` on
+    the dims that tell the replicas apart. FSDP2 over the ``dp`` dim of a ``(dp, tp)`` mesh gives a
+    module TP leaves alone one such replica per TP rank (ranks {0, 2} and {1, 3}); DCP saves it once.
+
+    ``root``: the mesh the sub-meshes were sliced from and its job ranks (row-major). When every
+    part is a slice of it along whole dims or adjacent groups of dims (a ``_flatten``-ed dim), the
+    result is on the root's dims (a group as the part's one dim, the dims the replicas span named as
+    the root names them, dims no replica varies dropped), so it remeshes by dim name; else (or
+    without ``root``) on a new first dim ``replica`` of one coordinate per part, parts by first rank.
+    LayoutError, saying which, when the parts differ in mesh dims or placements, or share ranks."""
+    parts = list(parts)
+    if not parts:
+        raise LayoutError("merging the replicas of a tensor needs at least one part")
+    first = parts[0]
+    for p in parts[1:]:
+        if p.mesh != first.mesh or p.placements != first.placements:
+            raise LayoutError(f"replicas on different sub-meshes must have the same mesh dims and placements: "
+                              f"{_placed_text(first)} vs {_placed_text(p)}")
+    seen: dict[int, Placed] = {}
+    for p in parts:
+        for r in p.ranks:
+            if r in seen and seen[r] is not p:
+                raise LayoutError(f"job rank {r} is in two sub-meshes, {_placed_text(seen[r])} and {_placed_text(p)}: "
+                                  "replicas of a tensor must be on disjoint sub-meshes")
+            seen[r] = p
+    if len(parts) == 1:
+        return first
+    parts.sort(key=lambda p: p.ranks[0])
+    lifted = None if root is None else _lift(parts, root[0], tuple(int(r) for r in root[1]))
+    if lifted is not None:
+        return lifted
+    name = "replica"
+    while name in first.mesh.names:
+        name = "_" + name
+    return Placed(MeshLayout(((name, len(parts)),) + first.mesh.dims), (Replicate(),) + first.placements,
+                  tuple(r for p in parts for r in p.ranks))
+
+
+def _placed_text(p: Placed) -> str:
+    return f"{[placement_text(q) for q in p.placements]} on {p.mesh} of job ranks {list(p.ranks)}"
+
+
+def _lift(parts: list[Placed], root: MeshLayout, root_ranks: tuple[int, ...]) -> Placed | None:
+    """``merge_replicas`` on the dims of ``root`` (job ranks ``root_ranks``), or None where the parts
+    are not slices of it along whole dims or adjacent groups of them."""
+    if len(root_ranks) != root.world_size or len(set(root_ranks)) != len(root_ranks):
+        return None
+    pos = {r: i for i, r in enumerate(root_ranks)}
+    if any(r not in pos for p in parts for r in p.ranks):
+        return None
+    sub, first = parts[0].mesh, parts[0]
+    # per sub dim, the adjacent root dims it runs over (innermost: the one its first step changes)
+    groups: list[tuple[int, ...] | None] = []
+    for i, (name, size) in enumerate(sub.dims):
+        if size == 1:
+            same = [j for j, (n, s) in enumerate(root.dims) if n == name and s == 1]
+            groups.append(tuple(same) or None)  # None: a new size-1 dim after the previous sub dim
+            continue
+        step = [0] * sub.ndim
+        step[i] = 1
+        a, b = root.coords(pos[first.ranks[0]]), root.coords(pos[first.ranks[sub.rank(step)]])
+        changed = [j for j in range(root.ndim) if a[j] != b[j]]
+        if not changed:
+            return None
+        hi = lo = max(changed)
+        n = root.sizes[hi]
+        while n < size and lo > 0:
+            lo -= 1
+            n *= root.sizes[lo]
+        if n != size:
+            return None
+        groups.append(tuple(range(lo, hi + 1)))
+    owner: dict[int, int] = {}
+    for i, g in enumerate(groups):
+        for j in g or ():
+            if j in owner:
+                return None
+            owner[j] = i
+    entries: list[tuple[str, int]] = []  # ("sub", i) or ("root", j), in the merged mesh's dim order
+    for i, g in enumerate(groups):  # new size-1 sub dims before any other come first
+        if g is not None:
+            break
+        entries.append(("sub", i))
+    for j in range(root.ndim):
+        if j not in owner:
+            entries.append(("root", j))
+            continue
+        i = owner[j]
+        if j != groups[i][0]:  # type: ignore[index]
+            continue
+        entries.append(("sub", i))
+        for k in range(i + 1, sub.ndim):  # new size-1 sub dims follow the sub dim before them
+            if groups[k] is not None:
+                break
+            entries.append(("sub", k))
+    if [i for kind, i in entries if kind == "sub"] != list(range(sub.ndim)):
+        return None
+    dims = [sub.dims[i] if kind == "sub" else root.dims[i] for kind, i in entries]
+    try:
+        merged = MeshLayout(tuple(dims))
+    except ConfigError:
+        return None
+    # which root-only dims the parts span (kept) or share one coordinate of (dropped)
+    spare = [k for k, (kind, _) in enumerate(entries) if kind == "root"]
+    corners = {tuple(merged.coords(pos[p.ranks[0]])[k] for k in spare) for p in parts}
+    values = {k: {c[n] for c in corners} for n, k in enumerate(spare)}
+    if any(1 < len(v) < merged.sizes[k] for k, v in values.items()):
+        return None
+    keep = [k for k in range(merged.ndim) if k not in spare or len(values[k]) > 1]
+    if len(corners) != len(parts) or math.prod(merged.sizes[k] for k in keep if k in spare) != len(parts):
+        return None
+    grid = np.asarray(root_ranks, dtype=np.int64).reshape(merged.sizes)
+    fixed = tuple(slice(None) if k in keep else next(iter(values[k])) for k in range(merged.ndim))
+    out = Placed(MeshLayout(tuple(merged.dims[k] for k in keep)),
+                 tuple(first.placements[entries[k][1]] if entries[k][0] == "sub" else Replicate() for k in keep),
+                 tuple(grid[fixed].ravel().tolist()))
+    # the proof: every rank's coordinates on the sub dims are the ones its part gave it
+    at = {r: out.mesh.coords(i) for i, r in enumerate(out.ranks)}
+    subs = [n for n, k in enumerate(keep) if entries[k][0] == "sub"]
+    for p in parts:
+        for i, r in enumerate(p.ranks):
+            if r not in at or tuple(at[r][n] for n in subs) != p.mesh.coords(i):
+                return None
+    if len(at) != sum(len(p.ranks) for p in parts):
+        return None
+    return out
 
 
 BoxChunk = tuple[int, tuple[int, ...], tuple[int, ...]]

@@ -329,11 +329,13 @@ def test_ranks_disagreeing_on_a_key_are_named() -> None:
     layout = StateLayout.of(2, {"model.w": Placed(MeshLayout.parse("dp=2"), (Shard(0),), (0, 1))})
     descs = descriptions(layout, {"model.w": ((4, 2), torch.float32)})
     descs[1]["model.w"] = ([5, 2], *descs[1]["model.w"][1:])
-    with pytest.raises(CheckpointValueError, match=r"model\.w: rank 0 has shape \[4, 2\].*rank 1 has shape \[5, 2\]"):
+    with pytest.raises(CheckpointValueError, match=r"model\.w: ranks disagree on its global shape: rank 0 has shape "
+                                                   r"\[4, 2\].*rank 1 has shape \[5, 2\]"):
         state_layout_of(descs)
     descs = descriptions(layout, {"model.w": ((4, 2), torch.float32)})
     descs[1]["model.w"] = (descs[1]["model.w"][0], "bfloat16", *descs[1]["model.w"][2:])
-    with pytest.raises(CheckpointValueError, match=r"model\.w"):
+    with pytest.raises(CheckpointValueError, match=r"model\.w: ranks disagree on its dtype: rank 0 has shape \[4, 2\] "
+                                                   r"float32.* but rank 1 has shape \[4, 2\] bfloat16"):
         state_layout_of(descs)
     descs = descriptions(layout, {"model.w": ((4, 2), torch.float32)})
     del descs[1]["model.w"]  # a DTensor of a 2-rank mesh that one rank leaves out
