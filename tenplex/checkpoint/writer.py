@@ -142,6 +142,11 @@ def publish(fs: fsspec.AbstractFileSystem, tmp: str, path: str) -> bool:
         except FileExistsError:
             os.unlink(src)
             return False
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{tmp} or its directory vanished before it was named {path}: another process removed files of "
+                "this save attempt while this rank wrote it (a store's GC or a clean-up; every file is left to "
+                "its writer)") from None
         except OSError:  # a filesystem without hard links: check, then rename
             if os.path.exists(dst):
                 os.unlink(src)
