@@ -353,7 +353,7 @@ def test_gc_never_removes_the_newest_complete_step(tmp_path: Path) -> None:
         server.shutdown()
 
 
-def _part(server: StoreServer, cfg: ParallelConfig, rank: int, step: int, save_id: str) -> "PartWriter":
+def _part(server: StoreServer, cfg: ParallelConfig, rank: int, step: int, save_id: str) -> PartWriter:
     """Rank ``rank``'s part of ``step`` streamed to its temporary file, not yet published."""
     part = PartWriter(fsspec.filesystem("file"), f"{server.root}/step-{step:012d}-{save_id}", PTC_, cfg, rank,
                       step=step, save_id=save_id)
