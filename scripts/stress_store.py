@@ -14,9 +14,9 @@ Two parts, each repeated ``--iterations`` times (goal: every loss count 0):
   (``info_unprovoked_recoveries``), its resume step still checked; an iteration whose worker lost
   its free port to another process is void (``void_port_taken``) and repeated.
 * ``concurrent``: 2-3 rank processes write one launch's snapshots into one store while a thread
-  runs its GC every millisecond (besides the GC each ``/replicate`` runs): periodic steps, then
-  the SIGTERM pattern (rank 0 flushes steps T and T+1, the others T-1 and T, in random order
-  and pace). Losses: a write that failed, files missing from step T (the newest every rank
+  runs its GC every millisecond (besides the GC each ``/replicate`` runs): periodic steps (a
+  barrier after each, as the trainer's next step needs every rank), then the SIGTERM pattern
+  (rank 0 flushes steps T and T+1, the others T-1 and T, in random order and pace). Losses: a write that failed, files missing from step T (the newest every rank
   wrote), T not usable, a shard of T read back with other bytes.
 
 Run: ``PYTHONPATH=. python scripts/stress_store.py --iterations 50`` (about 10 s per sigterm
@@ -161,17 +161,21 @@ def _state(step: int, cfg: ParallelConfig) -> list[dict[str, Any]]:
     return PTC_.shard(full, cfg)
 
 
-def _rank_writer(root: str, url: str, cfg: ParallelConfig, rank: int, steps: list[int], seed: int,
-                 errors: Any) -> None:
-    """One rank's snapshots, in order, at a random pace; failures go to ``errors``."""
+def _rank_writer(root: str, url: str, cfg: ParallelConfig, rank: int, steps: list[int], periodic: int, seed: int,
+                 errors: Any, barrier: Any) -> None:
+    """One rank's snapshots, in order, at a random pace; failures go to ``errors``. After each of
+    the first ``periodic`` ones a barrier: the trainer's next step needs every rank, whose snapshot
+    runs in the foreground, so no rank starts a periodic snapshot before all finished the one before."""
     rng = random.Random(seed)
     host = HostStore(root, url, TOKEN)
-    for step in steps:
+    for i, step in enumerate(steps):
         time.sleep(rng.uniform(0, 0.02))
         try:
             host.snapshot(PTC_, cfg, rank, _state(step, cfg)[rank], step=step, save_id="5e55a5e5")
         except Exception:  # noqa: BLE001 - counted
             errors.put((rank, step, traceback.format_exc(limit=3)))
+        if i < periodic:
+            barrier.wait(60)
 
 
 def concurrent_iteration(tmp: Path, rng: random.Random) -> dict[str, int]:
@@ -193,9 +197,10 @@ def concurrent_iteration(tmp: Path, rng: random.Random) -> dict[str, int]:
         periodic = [s for s in range(2, t - 1, 2)]
         plans = [periodic + ([t, t + 1] if r == 0 else [t - 1, t]) for r in range(world)]
         ctx = multiprocessing.get_context("fork")
-        errors = ctx.Queue()
+        errors, barrier = ctx.Queue(), ctx.Barrier(world)
         procs = [ctx.Process(target=_rank_writer, args=(str(server.root), server.address, cfg, r, plans[r],
-                                                         rng.randrange(2**31), errors)) for r in range(world)]
+                                                         len(periodic), rng.randrange(2**31), errors, barrier))
+                 for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
