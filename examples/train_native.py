@@ -58,7 +58,7 @@ import native_llama as nl  # noqa: E402 - the user's model, next to this script
 
 import tenplex  # noqa: E402
 from tenplex.assignment import load_solvers  # noqa: E402
-from tenplex.checkpoint import save  # noqa: E402
+from tenplex.checkpoint import default_save_id, save  # noqa: E402
 from tenplex.data.corpus import stdlib_corpus  # noqa: E402
 from tenplex.data.partition import DataState, global_batch_ids  # noqa: E402
 from tenplex.elastic import LiveState, choose_mesh, live_order, predict_layout  # noqa: E402
@@ -216,6 +216,11 @@ def main() -> None:
         membership.fits = fits
     ring = StateRing(3) if args.in_process else None
     live_ptc = live_layout = None
+    # what the SIGTERM flush writes the ring's states as: their description, this rank and the save id
+    # of the mesh they were taken on, set with them. Derived in the handler, a recovery under way (the
+    # group dropped, the rank renumbered) gave another save id and rank: the step every rank held
+    # landed in two attempts, neither complete (issue 29 item 6)
+    flush_as: tuple[Any, Any, int, str] | None = None
     seen: dict[tuple[tuple[str, int], ...], Any] = {}  # the state dict's layout on every mesh this process ran
 
     def guard() -> Any:
@@ -226,10 +231,11 @@ def main() -> None:
     def remember() -> None:
         """The state after ``step`` into the ring, and (at a mesh's first step) the layout it has, with
         the survivors' order for a failure: where most of each new rank's state already is."""
-        nonlocal live_ptc, live_layout, warmed
+        nonlocal live_ptc, live_layout, warmed, flush_as
         sd = state()
         if live_layout is None:  # collective: while every rank of this mesh is alive
             live_ptc, live_layout = describe_state_dict(sd)
+            flush_as = (live_ptc, live_layout, rank, default_save_id(live_layout, live_ptc))
             seen[tuple(dims.items())] = live_layout
             membership.order = live_order(live_ptc, live_layout, rule, membership.members, known=seen)
             if not warmed:  # the scipy import and the assignment once, before any failure needs them
@@ -244,16 +250,17 @@ def main() -> None:
         states of the ring the checkpoint lacks go there first, then exit at once. Workers are at most
         one step apart, so the newest step every worker completed is written by all of them (each its own
         part, the pure writer assignment: no message); a step only some reached stays incomplete."""
-        held = ring.states() if live_layout is not None else {}
+        held = ring.states() if flush_as is not None else {}
         for s_, shard in sorted(held.items())[-2:]:
             if s_ in saved:
                 continue
-            part = shard if rank == 0 else {k: v for k, v in shard.items() if isinstance(v, torch.Tensor)}
+            ptc_, layout_, rank_, sid = flush_as
+            part = shard if rank_ == 0 else {k: v for k, v in shard.items() if isinstance(v, torch.Tensor)}
             try:
-                save(args.ckpt, live_ptc, live_layout, rank, part, step=s_)
-                log.warning("rank %d: SIGTERM: step %d's state is in the checkpoint %s", rank, s_, args.ckpt)
+                save(args.ckpt, ptc_, layout_, rank_, part, step=s_, save_id=sid)
+                log.warning("rank %d: SIGTERM: step %d's state is in the checkpoint %s", rank_, s_, args.ckpt)
             except Exception:  # noqa: BLE001 - exiting anyway; the restart loads what is there
-                log.exception("rank %d: SIGTERM: could not save step %d", rank, s_)
+                log.exception("rank %d: SIGTERM: could not save step %d", rank_, s_)
         logging.shutdown()
         os._exit(128 + signum)
 
@@ -270,7 +277,7 @@ def main() -> None:
     def recover(reason: str) -> dict[str, Any]:
         """Agree on the members (the survivors; at a join, the workers and the joiners), rebuild mesh and
         model for them, move the state live; exit 75 on failure (a joiner: 76)."""
-        nonlocal rank, world, dims, mesh, model, optimizer, step, data, live_ptc, live_layout
+        nonlocal rank, world, dims, mesh, model, optimizer, step, data, live_ptc, live_layout, flush_as
         joining = membership.joining
         try:
             t0, wall0 = time.perf_counter(), time.time()
@@ -306,7 +313,7 @@ def main() -> None:
             sums = torch.tensor([b.get("live", 0), b.get("storage", 0), b.get("local", 0)], dtype=torch.float64)
             dist.all_reduce(sums)
             ring.clear()
-            live_ptc = live_layout = None
+            live_ptc = live_layout = flush_as = None
             remember()  # a failure here: exit 75 (the except below)
             ring.pin(step)  # a checkpoint step when pieces came from storage; else the state the survivors held
             t4 = time.perf_counter()

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import tempfile
+import time
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -621,6 +622,32 @@ def test_keep_last_never_removes_the_last_good_step_during_a_save(url):
     # keep_last=1 with a complete step
     save_all(url, ptc, cfg, random_bits(ptc, 6, 6), step=6, keep_last=1, ranks=[1, 0])
     assert [i.step for i in list_steps(url)] == [6]
+
+
+def test_keep_last_never_removes_a_save_under_way_after_a_rollback(tmp_path):
+    """Issue 29 item 6, the class: after a rollback to step 20 a job saves step 30 while steps
+    40-60 of the earlier run are complete. Rank 0's part lands first and its prune (keep_last 2)
+    removed the attempt of step 30 as older than the kept ones while rank 1 still wrote into
+    it: rank 1's publish found its temporary file gone."""
+    from tenplex.checkpoint.format import step_dir
+    from tenplex.checkpoint.writer import PartWriter
+
+    url = str(tmp_path / "ckpt")
+    ptc = tiny_ptc(num_layers=2)
+    cfg = ParallelConfig(tp=2)
+    for step in (40, 50, 60):
+        save_all(url, ptc, cfg, random_bits(ptc, step, step), step=step, keep_last=3, save_id="0000aaaa")
+    glob = random_bits(ptc, 30, 30)
+    shards = ptc.shard(glob, cfg)
+    part = PartWriter(fsspec.filesystem("file"), step_dir(url, 30, "0000bbbb"), ptc, cfg, 1, step=30,
+                      save_id="0000bbbb")
+    part.begin()
+    part.stream({n: ptc.to_local_flat(n, shards[1][n], cfg, 1) for n in ptc.rank_tensors(cfg, 1)})
+    time.sleep(0.01)  # a later manifest than the kept steps'
+    save(url, ptc, cfg, 0, shards[0], step=30, keep_last=2, save_id="0000bbbb")  # rank 0's prune: 40 goes
+    part.publish()  # before: FileNotFoundError, the attempt removed under it
+    assert_shard_equal(load(url, cfg, 1, step=30).shard, shards[1], "rank 1")
+    assert [i.step for i in list_steps(url)] == [30, 50, 60]
 
 
 def test_bad_keep_last_and_step(url):

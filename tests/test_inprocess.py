@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import signal
 import time
 from pathlib import Path
 from collections.abc import Callable, Iterator
@@ -430,6 +432,44 @@ def test_a_joining_torchrun_node_restarts_the_workers_who_first_store_their_newe
     seen = [x for s in range(1, steps + 1) for x in got[s]["samples"]]
     assert sorted(got) == list(range(1, steps + 1)) and len(seen) == len(set(seen)) == steps * 8
     assert all(got[s]["samples"] == reference[s]["samples"] for s in got)
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_during_a_recovery_flushes_into_the_attempt_of_the_others(tmp_path: Path) -> None:
+    """Issue 29 item 6: an agent restarting its workers SIGTERMs them all, but one notices the
+    other's exit first and starts an in-process recovery, which drops the process group. Its own
+    SIGTERM then came mid-recovery, and its flush derived the save id anew: without the group's
+    launch nonce it differed, so the step both ranks held landed in two attempts, neither
+    usable (the host store's GC then ranked them as two launches and removed the other's). The
+    ring's states are flushed with the layout, save id and rank they were taken under."""
+    from tenplex.store import Tier, usable_steps
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    host = tmp_path / "store"
+    host.mkdir()
+    log = tmp_path / "log.jsonl"
+    procs = _world(tmp_path, 2, ["--steps", "300", "--parallel", "dp=2,tp=1,pp=1", "--store", str(host),
+                                 "--snapshot-every", "100", "--log", str(log)], store.port)
+    try:
+        deadline = time.monotonic() + 60
+        while _logged_steps(log) < 4:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), log_tails(tmp_path)
+            time.sleep(0.01)
+        os.kill(procs[0].pid, signal.SIGTERM)
+        assert wait_procs([procs[0]], 30) == [128 + signal.SIGTERM], log_tails(tmp_path)
+        while "recovering in-process" not in (tmp_path / "worker1.log").read_text():
+            assert time.monotonic() < deadline and procs[1].poll() is None, log_tails(tmp_path)
+            time.sleep(0.002)
+        os.kill(procs[1].pid, signal.SIGTERM)  # inside its recovery: the group is gone, the ring still the old one
+        assert wait_procs([procs[1]], 30) == [128 + signal.SIGTERM], log_tails(tmp_path)
+    finally:
+        wait_procs(procs, 0)
+    flushed = [int(m) for m in re.findall(r"rank 0: SIGTERM: step (\d+)'s state is in the host store",
+                                          (tmp_path / "worker0.log").read_text())]
+    assert len(flushed) == 2, log_tails(tmp_path)
+    usable = [s for s, _, world in usable_steps([Tier("local", str(host), "local")]) if world == 2]
+    # rank 1 holds rank 0's step or the one before (one step apart at most): both flush it
+    assert usable and usable[-1] >= max(flushed) - 1, (usable, flushed, sorted(os.listdir(host)))
 
 
 def test_state_ring_and_live_step() -> None:

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tenplex import CheckpointCorruptError, ConfigError, ParallelConfig, model_ptc, save
+from tenplex.checkpoint.writer import PartWriter
 from tenplex.cli import main as cli_main
 from tenplex.store import (HostStore, StoreServer, Tier, alive_stores, load_tiered, peer_storage_options,
                            recovery_tiers, resolve_token, step_complete, store_token, usable_steps)
@@ -348,6 +349,77 @@ def test_gc_never_removes_the_newest_complete_step(tmp_path: Path) -> None:
         (d / "rank-00000.json").write_text(json.dumps({"file": "rank-00000.safetensors", "file_size": 11}))
         server.gc()
         assert _usable(server) == [5]
+    finally:
+        server.shutdown()
+
+
+def _part(server: StoreServer, cfg: ParallelConfig, rank: int, step: int, save_id: str) -> PartWriter:
+    """Rank ``rank``'s part of ``step`` streamed to its temporary file, not yet published."""
+    part = PartWriter(fsspec.filesystem("file"), f"{server.root}/step-{step:012d}-{save_id}", PTC_, cfg, rank,
+                      step=step, save_id=save_id)
+    part.begin()
+    part.stream(_Flats(PTC_.shard(_global(step), cfg)[rank], cfg, rank))
+    return part
+
+
+class _Flats(dict):
+    """A shard as ``PartWriter.stream`` reads it: each tensor's canonical flat form."""
+
+    def __init__(self, shard: dict, cfg: ParallelConfig, rank: int) -> None:
+        super().__init__({n: PTC_.to_local_flat(n, t, cfg, rank) for n, t in shard.items() if n in PTC_.tensors})
+
+
+@pytest.mark.timeout(60)
+def test_gc_leaves_a_step_another_local_rank_still_writes(tmp_path: Path) -> None:
+    """Issue 29 item 6: two ranks of one host flush their newest states on SIGTERM, rank 0 steps
+    136 and 137, rank 1 (one step behind) 135 and 136. Rank 1's 135 lands after rank 0's 136,
+    so by arrival 136 was the oldest of three attempts that each held one whole part; rank 0's
+    ``/replicate`` of 137 made the GC (keep_last 2) remove 136 while rank 1 streamed into it:
+    its publish found its temporary file gone, and the one step both ranks held was lost.
+    A step lacking a rank that the same launch's other steps here hold is not complete."""
+    server = StoreServer(str(tmp_path / "s"), keep_last=2).start()
+    cfg, sid = ParallelConfig(dp=2), "0000c0de"
+    host = HostStore(str(server.root), server.address, server.token)
+    g = {s: PTC_.shard(_global(s), cfg) for s in (100, 135, 136, 137)}
+    try:
+        for r in (0, 1):  # the periodic snapshot: both ranks
+            host.snapshot(PTC_, cfg, r, g[100][r], step=100, save_id=sid)
+        for rank, step in ((0, 136), (1, 135)):
+            time.sleep(0.02)  # distinct modification times
+            host.snapshot(PTC_, cfg, rank, g[step][rank], step=step, save_id=sid)
+        part = _part(server, cfg, 1, 136, sid)  # rank 1 streams its part of 136 ...
+        time.sleep(0.02)
+        host.snapshot(PTC_, cfg, 0, g[137][0], step=137, save_id=sid)  # ... when rank 0's 137 asks for GC
+        part.publish()  # before the fix: FileNotFoundError, its temporary file removed
+        server.gc()
+        assert 136 in _usable(server), server.listing()
+        tier = [Tier("local", str(server.root), "local")]
+        for r in (0, 1):
+            res = load_tiered(tier, cfg, r, ptc=PTC_, step=136)
+            assert res.result.step == 136
+            assert all(torch.equal(res.result.shard[n], g[136][r][n]) for n in PTC_.rank_tensors(cfg, r))
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_gc_never_removes_an_attempt_a_writer_is_writing_into(tmp_path: Path) -> None:
+    """A launch's first step: rank 0's part is whole, rank 1 streams its own; a newer complete
+    attempt of another launch (keep_last 1) supersedes it, but rank 1's fresh temporary file
+    keeps it: no clean-up removes a file a live writer owns."""
+    server = StoreServer(str(tmp_path / "s"), keep_last=1).start()
+    cfg = ParallelConfig(dp=2)
+    host = HostStore(str(server.root), server.address, server.token)
+    try:
+        host.snapshot(PTC_, cfg, 0, PTC_.shard(_global(10), cfg)[0], step=10, save_id="0000aaaa")
+        part = _part(server, cfg, 1, 10, "0000aaaa")
+        time.sleep(0.02)
+        for r in (0, 1):
+            host.snapshot(PTC_, cfg, r, PTC_.shard(_global(12), cfg)[r], step=12, save_id="0000bbbb")
+        part.publish()  # before: FileNotFoundError, the attempt removed under it
+        assert step_complete(server.root / "step-000000000010-0000aaaa")
+        server.incomplete_grace = 0.0  # once nobody writes into it, the superseded attempt goes
+        assert server.gc() == ["step-000000000010-0000aaaa"]
     finally:
         server.shutdown()
 

@@ -145,6 +145,11 @@ def publish(fs: fsspec.AbstractFileSystem, tmp: str, path: str) -> bool:
         except FileExistsError:
             os.unlink(src)
             return False
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{tmp} or its directory vanished before it was named {path}: another process removed files of "
+                "this save attempt while this rank wrote it (a store's GC or a clean-up; every file is left to "
+                "its writer)") from None
         except OSError:  # a filesystem without hard links: check, then rename
             if os.path.exists(dst):
                 os.unlink(src)
@@ -533,7 +538,10 @@ class _LocalFlats(Mapping[str, torch.Tensor]):
 
 
 def prune(fs: fsspec.AbstractFileSystem, root: str, keep_last: int) -> None:
-    """Remove the save attempts of steps older than the ``keep_last`` newest complete ones."""
+    """Remove the save attempts of steps older than the ``keep_last`` newest complete ones, except
+    an incomplete one begun after every kept one (its manifest is newer): a save under way, after a
+    rollback to an older step, whose other ranks may still write into it (removed under them, their
+    parts found their temporary files gone; issue 29 item 6)."""
     if keep_last < 1:
         raise CheckpointValueError(f"keep_last must be >= 1, got {keep_last}")
     infos = [info for info, _ in scan_attempts(fs, root)]
@@ -541,7 +549,8 @@ def prune(fs: fsspec.AbstractFileSystem, root: str, keep_last: int) -> None:
     if len(complete) <= keep_last:
         return
     oldest_kept = complete[-keep_last]
+    kept_since = min(i.created for i in infos if i.complete and i.step >= oldest_kept)
     for info in infos:
-        if info.step < oldest_kept:
+        if info.step < oldest_kept and (info.complete or info.created <= kept_since):
             log.info("removing checkpoint step %d (keep_last=%d)", info.step, keep_last)
             fs.rm(info.path, recursive=True)

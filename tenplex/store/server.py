@@ -46,7 +46,7 @@ from ..checkpoint.format import MANIFEST_NAME, PART_NAME_RE, RANK_INDEX_RE, STEP
 from ..errors import ConfigError
 from .auth import resolve_token
 
-__all__ = ["StoreServer", "serve", "step_complete", "parse_listen", "check_peers", "PART_NAME"]
+__all__ = ["StoreServer", "serve", "step_complete", "whole_ranks", "parse_listen", "check_peers", "PART_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +115,16 @@ def step_complete(step_dir: str | os.PathLike[str]) -> bool:
     when present, parses as an object with a positive ``world_size`` that covers the ranks
     here. The one place to call the checkpoint module's verifier from once it has one.
     """
+    return whole_ranks(step_dir) is not None
+
+
+def whole_ranks(step_dir: str | os.PathLike[str]) -> frozenset[int] | None:
+    """The ranks whose parts ``step_dir`` holds whole, or None when it is not complete
+    (``step_complete``)."""
     try:
         dfd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return False
+        return None
     try:
         names = {e.name: e for e in os.scandir(dfd)}
         ranks = []
@@ -129,25 +135,25 @@ def step_complete(step_dir: str | os.PathLike[str]) -> bool:
             index = _load_json(dfd, name)
             data = data_name(int(m.group(1)))
             if not isinstance(index, dict) or index.get("file") != data or data not in names:
-                return False
+                return None
             st = os.stat(data, dir_fd=dfd, follow_symlinks=False)
             size = index.get("file_size")
             if not stat.S_ISREG(st.st_mode) or not isinstance(size, int) or st.st_size != size:
-                return False
+                return None
             ranks.append(int(m.group(1)))
         if not ranks:
-            return False
+            return None
         if any(n.endswith(".safetensors") and n[: -len(".safetensors")] + ".json" not in names
                for n in names if PART_NAME.fullmatch(n)):
-            return False
+            return None
         if MANIFEST_NAME in names:
             manifest = _load_json(dfd, MANIFEST_NAME)
             world = manifest.get("world_size") if isinstance(manifest, dict) else None
             if not isinstance(world, int) or world < 1 or max(ranks) >= world:
-                return False
-        return True
+                return None
+        return frozenset(ranks)
     except (OSError, ValueError):
-        return False
+        return None
     finally:
         os.close(dfd)
 
@@ -156,9 +162,11 @@ def step_complete(step_dir: str | os.PathLike[str]) -> bool:
 class _Attempt:
     name: str
     step: int
-    complete: bool
+    save_id: str
+    ranks: frozenset[int] | None  # ranks whose parts are whole here (None: not complete, ``whole_ranks``)
     first_ns: int  # when the first rank part here was whole (its index's mtime)
     last_ns: int  # newest modification of the directory or a file in it
+    temp_ns: int  # newest modification of a temporary file in it (a writer's part under way); 0: none
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +274,7 @@ class StoreServer:
     # -- garbage collection ------------------------------------------------------------------------
     def _attempts(self) -> list[_Attempt]:
         out = []
-        cache: dict[str, tuple[tuple, bool]] = {}
+        cache: dict[str, tuple[tuple, frozenset[int] | None]] = {}
         for e in os.scandir(self.root):
             m = STEP_DIR_RE.fullmatch(e.name)
             if not m or not e.is_dir(follow_symlinks=False):
@@ -281,39 +289,61 @@ class StoreServer:
                 continue
             sig = tuple(sorted(entries))
             cached = self._complete_cache.get(e.name)
-            complete = cached[1] if cached and cached[0] == sig else step_complete(e.path)
-            cache[e.name] = (sig, complete)
+            ranks = cached[1] if cached and cached[0] == sig else whole_ranks(e.path)
+            cache[e.name] = (sig, ranks)
             first = min((t for n, _, t in entries if RANK_INDEX_RE.fullmatch(n)), default=last)
-            out.append(_Attempt(e.name, int(m.group(1)), complete, first, last))
+            temp = max((t for n, _, t in entries if ".tmp-" in n), default=0)
+            out.append(_Attempt(e.name, int(m.group(1)), m.group(2), ranks, first, last, temp))
         self._complete_cache = cache  # (re-checked only when a file of the attempt changed)
         return out
 
     def gc(self) -> list[str]:
         """Remove what is not worth keeping; returns the removed step directories.
 
-        Complete attempts (``step_complete``) are ordered by when their first rank part was
-        whole here, not by step number: after a rollback to an older step the new snapshots are
-        the ones to keep, and a late replica does not make an old step new. The ``keep_last``
-        newest are kept, so the newest complete one always is. Incomplete attempts do not
-        count: one is removed only once it is older than every kept attempt and has not changed
-        for ``incomplete_grace`` seconds (a part still arriving keeps its attempt).
+        Complete attempts are ordered by when their first rank part was whole here, not by step
+        number: after a rollback to an older step the new snapshots are the ones to keep, and a
+        late replica does not make an old step new. The ``keep_last`` newest are kept, so the
+        newest complete one always is. An attempt counts as complete when its parts here are
+        whole (``whole_ranks``) and it holds every rank that the same launch (save id) has
+        whole in any attempt here: ranks of one host write at different speeds (on SIGTERM
+        each flushes its own newest steps), and a step with only the faster rank's part is one
+        the slower rank may still be writing; counted as complete, it was removed under that
+        writer (issue 29 item 6). A step short of ranks counts once unchanged for
+        ``incomplete_grace`` seconds (a replica that never comes must not stop GC), but never
+        pushes out its launch's newest step that has them all. Incomplete attempts are removed
+        only once older than every kept attempt and unchanged for ``incomplete_grace``; no
+        attempt is removed while a temporary file in it changed within ``incomplete_grace``
+        (a writer's part under way).
         """
         with self._write_lock:
             attempts = self._attempts()
-            complete = sorted((a for a in attempts if a.complete), key=lambda a: (a.first_ns, a.step))
+            now = time.time_ns()
+            grace = int(self.incomplete_grace * 1e9)
+            launch: dict[str, frozenset[int]] = {}
+            for a in attempts:
+                launch[a.save_id] = launch.get(a.save_id, frozenset()) | (a.ranks or frozenset())
+
+            def full(a: _Attempt) -> bool:
+                return a.ranks is not None and a.ranks >= launch[a.save_id]
+
+            complete = sorted((a for a in attempts if a.ranks is not None and (full(a) or now - a.last_ns >= grace)),
+                              key=lambda a: (a.first_ns, a.step))
             kept = complete[-self.keep_last:]
             if not kept:
                 return []
-            remove = complete[: -self.keep_last]
-            cutoff = kept[0].first_ns
-            now = time.time_ns()
-            grace = int(self.incomplete_grace * 1e9)
-            remove += [a for a in attempts if not a.complete and a.last_ns < cutoff and now - a.last_ns >= grace]
+            for sid in {a.save_id for a in kept if not full(a)}:  # its newest attempt with every rank stays
+                newest_full = [a for a in complete if a.save_id == sid and full(a)][-1:]
+                kept += [a for a in newest_full if a not in kept]
+            kept_names = {a.name for a in kept}
+            counted = {a.name for a in complete}
+            cutoff = min(a.first_ns for a in kept)
+            remove = [a for a in attempts if a.name not in kept_names and now - a.temp_ns >= grace
+                      and (a.name in counted or (a.last_ns < cutoff and now - a.last_ns >= grace))]
             for a in remove:
                 shutil.rmtree(self.root / a.name, ignore_errors=True)  # fd-based: never follows symlinks
                 self._complete_cache.pop(a.name, None)
                 log.info("store %s: removed %s (%s)", self.address, a.name,
-                         "older than the newest complete steps" if a.complete else "incomplete, superseded")
+                         "older than the newest complete steps" if a.name in counted else "incomplete, superseded")
             return [a.name for a in remove]
 
     def listing(self) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import save
+from ..checkpoint import default_save_id, save
 from ..config import ParallelConfig
 from ..data.corpus import TokenCorpus, stdlib_corpus
 from ..data.partition import DataState
@@ -455,24 +455,42 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
 
     snapped: set[int] = set()  # steps whose snapshot of this rank's state is in the host store
     snapping: list[int] = []  # the step whose snapshot the main thread is writing
+    # (layout, save id, rank, trainer) of the states the ring holds, set with them: the SIGTERM flush
+    # writes them into the attempt the other ranks write. Derived in the handler, the id changed once
+    # a recovery had dropped the process group (its launch nonce): a rank that noticed a peer's exit
+    # before its own SIGTERM wrote the step every rank held into another attempt, which the store's
+    # GC then ranked against the others' (issue 29 item 6); a handler running inside a recovery must
+    # not mix the old ring with the new layout, rank or trainer either
+    ring_as: list[tuple[ParallelConfig, str, int, Any]] = []
+
+    def ring_layout() -> None:
+        assert state is not None
+        ring_as[:] = [(state.cfg, save_id or default_save_id(state.cfg, ptc), rank, trainer)] if store else []
+
+    if state is not None:
+        ring_layout()
 
     def terminated(signum: int, frame: Any) -> None:
         """SIGTERM (torchrun's agent restarting the workers, e.g. for a joining node): put the
         consistent states held in memory that the host store lacks there, then exit at once."""
-        held_states = ring.states() if ring is not None and state is not None and store is not None else {}
-        if held_states and isinstance(trainer, Trainer) and not trainer.updating and trainer.step not in held_states:
+        if snapping and snapper.wait() is None:  # the periodic snapshot under way: os._exit would cut it off
+            snapped.update(snapping)  # (its temporary file left behind, this rank's part of that step missing)
+        held_states = ring.states() if ring is not None and ring_as and store is not None else {}
+        if held_states and isinstance(trainer, Trainer) and trainer is ring_as[0][3] and not trainer.updating \
+                and trainer.step not in held_states:
             held_states[trainer.step] = trainer.consistent_state()  # completed, not yet copied into the ring
         # the two newest (ranks are at most one step apart, so every rank writes the step they all
         # hold), oldest first: the host store keeps the attempts that arrived last
         for step, held in sorted(held_states.items())[-2:]:
-            assert store is not None and state is not None
-            if step in snapped or step in snapping:
+            assert store is not None
+            if step in snapped or step in snapping:  # (a failed one: written again, its attempt would be refused)
                 continue
+            cfg, sid, as_rank, _ = ring_as[0]
             try:
-                store.snapshot(ptc, state.cfg, rank, held, step=step, replicate=bool(store.url), save_id=save_id)
-                log.warning("rank %d: SIGTERM: step %d's state is in the host store %s", rank, step, store.root)
+                store.snapshot(ptc, cfg, as_rank, held, step=step, replicate=bool(store.url), save_id=sid)
+                log.warning("rank %d: SIGTERM: step %d's state is in the host store %s", as_rank, step, store.root)
             except Exception:  # noqa: BLE001 - exiting anyway; the restart loads what is there
-                log.exception("rank %d: SIGTERM: could not snapshot step %d", rank, step)
+                log.exception("rank %d: SIGTERM: could not snapshot step %d", as_rank, step)
         logging.shutdown()
         os._exit(128 + signum)
 
@@ -526,6 +544,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
             rank, world = groups.rank, dist.get_world_size()
             where = f"rank {rank}: "
             ring.clear()
+            ring_layout()
             _record(ring, trainer)
             _ring_side_task(ring, trainer, groups)
             recovered = _recovery_record(rec, before, trainer.step, "failure" if regroup not in ("join", "joining")
@@ -575,7 +594,7 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
                     if ring is not None:
                         ring.hold(step, snap)  # written in the foreground: done when the wait below returns
                     snapper.start(describe_snap, store.snapshot, ptc, state.cfg, groups.rank, snap,
-                                  step=step, replicate=bool(store.url), save_id=save_id)
+                                  step=step, replicate=bool(store.url), save_id=ring_as[0][1])
                     # in-process runs wait interruptibly: a death found meanwhile recovers now, not after it
                     fault = snapper.wait(membership.check if membership is not None else None)
                     if fault is None:
