@@ -275,16 +275,17 @@ def run_join(work: Path, reference: dict[int, float]) -> dict:
                       f"failure); see {work}")
     rel = max(abs(r["loss"] - reference[r["step"]]) / abs(reference[r["step"]]) for r in runs)
     seen = [x for r in runs for x in r["samples"]]
-    return check_positive({"joined_after_step": rec["step"], "layout_before": rec["previous"], "layout_after": rec["layout"],
-            "join_s": first["wall"] - rec["failed_at"], "agree_s": rec["agree_s"], "regroup_s": rec["regroup_s"],
-            "choose_plan_s": t.get("choose", 0) + t.get("plan", 0) + t.get("agree", 0),
-            "transfer_s": t.get("migrate_transfer", 0), "migrate_s": t.get("migrate", 0),
-            "first_step_s": first["wall"] - rec["wall"], "first_step_compute_s": first["time_s"],
-            "step_s_before": statistics.median(r["time_s"] for r in runs if r["world_size"] == 2),
-            "step_s_after": statistics.median(r["time_s"] for r in runs if r["world_size"] == 4 and r is not first),
-            "bytes_live": rec["bytes_live"], "plan_bytes_peer": rec["plan_bytes_peer"],
-            "bytes_storage": rec["bytes_storage"], "max_rel_loss_diff": rel,
-            "samples_once": len(seen) == len(set(seen)) == 8 * len(runs)}, "join", f"join (see {work})")
+    out = {"joined_after_step": rec["step"], "layout_before": rec["previous"], "layout_after": rec["layout"],
+           "join_s": first["wall"] - rec["failed_at"], "agree_s": rec["agree_s"], "regroup_s": rec["regroup_s"],
+           "choose_plan_s": t.get("choose", 0) + t.get("plan", 0) + t.get("agree", 0),
+           "transfer_s": t.get("migrate_transfer", 0), "migrate_s": t.get("migrate", 0),
+           "first_step_s": first["wall"] - rec["wall"], "first_step_compute_s": first["time_s"],
+           "step_s_before": statistics.median(r["time_s"] for r in runs if r["world_size"] == 2),
+           "step_s_after": statistics.median(r["time_s"] for r in runs if r["world_size"] == 4 and r is not first),
+           "bytes_live": rec["bytes_live"], "plan_bytes_peer": rec["plan_bytes_peer"],
+           "bytes_storage": rec["bytes_storage"], "max_rel_loss_diff": rel,
+           "samples_once": len(seen) == len(set(seen)) == 8 * len(runs)}
+    return check_positive(out, "join", f"join (see {work})")
 
 
 def join_bench(repeats: int) -> dict:
