@@ -14,8 +14,8 @@ itself after 10 minutes) beside one of:
   tenplex.train --in-process`` workers (tiny model, env://, their real start-up under load), rank 3
   killed in step 5's forward pass (``--die-at``): one recovery to 3 workers at step 4, all steps.
 
-Counted: ``unprovoked`` (a failure seen or a recovery begun before the kill, e.g. a live member
-found dead by its silent heartbeats; goal 0) and ``unrecovered`` (the kill not followed by the
+Counted: ``unprovoked`` (a failure seen or a recovery begun before the kill, or a trainer's second
+recovery with one kill: a live member found dead by its silent heartbeats; goal 0) and ``unrecovered`` (the kill not followed by the
 expected recovery; goal 0). Prints JSON (every run, the counts, load averages); exits 1 if either
 count is not 0.
 
@@ -180,7 +180,7 @@ def run_trainer(work: Path) -> dict[str, Any]:
     records, events = read_train_log(log)
     steps = {r["step"] for r in records}
     rec = [(e["step"], e["world_size"]) for e in events if e.get("event") == "recover"]
-    unprovoked = [r for r in rec if r[0] < KILLED_STEP - 1]
+    unprovoked = [r for r in rec if r[0] < KILLED_STEP - 1] + rec[1:]  # before the kill, or a second one
     recovered = codes == [0, 0, 0, -9] and rec == [(KILLED_STEP - 1, 3)] and max(steps, default=0) == 8
     return {"scenario": "trainer", "unprovoked": bool(unprovoked), "recovered": recovered, "codes": codes,
             "recoveries": rec, "tail": "" if recovered else
