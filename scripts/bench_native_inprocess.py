@@ -121,7 +121,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--dead-after", type=float, default=0.8, help="the job's heartbeat verdict (its default 0.8 s)")
+    ap.add_argument("--dead-after", type=float, default=10.0, help="the job's heartbeat verdict (its default 10 s)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench_native_inprocess.json"))
     ap.add_argument("--root", default=str(ROOT), help="the checkout whose examples/train_native.py and tenplex run")
     args = ap.parse_args()

@@ -21,6 +21,10 @@ the workers admit the joiners at a step boundary and send them their state live;
 under dp=1,tp=2,pp=2. Reported per repeat: join boundary -> first step under the new layout and
 its parts, bytes sent live against the plan's peer bytes, bytes from storage, losses against a
 single-process run; medians with min/max over `--repeats`, the load average, docs/bench_join.json.
+
+A run whose log shows a recovery that began before the kill (a failure verdict with no failure),
+or whose figures are not all positive, is refused: the script exits with status 3 and says why
+(issue 29 item 7: such a run once reported recovery_s -6.16 and detect_s -103.5 and exited 0).
 """
 
 from __future__ import annotations
@@ -42,6 +46,46 @@ sys.path.insert(0, str(ROOT))
 
 from tenplex.cli import human_bytes  # noqa: E402
 from tenplex.train.launch import RendezvousStore, free_port, read_train_log, start_hosts, wait_for  # noqa: E402
+
+REFUSED = 3  # the exit status of a refused run
+
+#: Figures of a run (seconds) that are positive in every sound run, by mode.
+POSITIVE = {
+    "in_process": ("recovery_s", "detect_s", "agree_s", "regroup_s", "first_step_s", "first_step_compute_s",
+                   "ready_s", "step_s"),
+    "stores": ("recovery_s", "restart_s", "startup_s", "first_step_s", "first_step_compute_s", "ready_s", "step_s"),
+    "join": ("join_s", "agree_s", "regroup_s", "first_step_s", "first_step_compute_s", "step_s_before",
+             "step_s_after"),
+}
+POSITIVE["persistent"] = POSITIVE["stores"]
+
+
+class Refused(RuntimeError):
+    """A run this benchmark will not report: its log contradicts what was done to it."""
+
+
+def recovery_after(events: list[dict], t_fail: float, where: str) -> dict:
+    """The first in-process recovery of ``events`` (the log's start/recover events), which must have
+    begun after the kill at ``t_fail`` (``time.time()``); Refused for one that began before it (a
+    member found dead with nobody killed: the heartbeat verdict of issue 29 item 7) or for none."""
+    recs = [e for e in events if e.get("event") == "recover"]
+    early = [e for e in recs if min(e["wall"], e["failed_at"]) <= t_fail]
+    if early:
+        e = early[0]
+        raise Refused(f"{where}: an in-process recovery at step {e['step']} began {t_fail - e['failed_at']:.1f} s "
+                      f"before the kill (a failure verdict with no failure)")
+    if not recs:
+        raise Refused(f"{where}: the log holds no in-process recovery after the kill")
+    return recs[0]
+
+
+def check_positive(out: dict, mode: str, where: str) -> dict:
+    """``out`` if each of its figures ``POSITIVE[mode]`` is a positive number, else Refused naming them."""
+    bad = {k: out.get(k) for k in POSITIVE[mode] if not (isinstance(out.get(k), (int, float)) and out[k] > 0)}
+    if bad:
+        raise Refused(f"{where}: figures that must be positive are not: "
+                      + ", ".join(f"{k}={v!r}" for k, v in bad.items()))
+    return out
 
 
 
@@ -88,8 +132,9 @@ def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: i
     runs, starts = read_train_log(log)
     step_s = sorted(r["time_s"] for r in runs if r["world_size"] == 4)
     final = {r["step"]: r for r in runs}
+    where = f"{model}/{mode} (load {load_at_failure:.1f}; see {work})"
     if mode == "in_process":
-        rec = [s for s in starts if s.get("event") == "recover"][0]
+        rec = recovery_after(starts, t_fail, where)
         first = min((r for r in runs if r["wall"] > rec["wall"]), key=lambda r: r["wall"])
         t = rec["timings"]
         persistent = any(str(work / "ckpt") in u for u in rec.get("storage_urls", []))
@@ -127,6 +172,7 @@ def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: i
             "losses": {s: final[s]["loss"] for s in sorted(final)},
             "samples": [x for s in sorted(final) for x in final[s]["samples"]],
         }
+    check_positive(out, mode, where)
     # time to get back to where the failure struck: recovery plus redoing the lost steps
     out["time_to_catch_up_s"] = out["recovery_s"] + max(0, out["steps_lost"] - 1) * out["step_s"]
     shutil.rmtree(work, ignore_errors=True)
@@ -224,18 +270,22 @@ def run_join(work: Path, reference: dict[int, float]) -> dict:
     rec = [e for e in events if e.get("event") == "recover"][0]
     first = min((r for r in runs if r["wall"] > rec["wall"]), key=lambda r: r["wall"])
     t = rec["timings"]
+    if any(e.get("event") == "recover" and e.get("reason") == "failure" for e in events):
+        raise Refused(f"join: a recovery from a failure where nothing was killed (a failure verdict with no "
+                      f"failure); see {work}")
     rel = max(abs(r["loss"] - reference[r["step"]]) / abs(reference[r["step"]]) for r in runs)
     seen = [x for r in runs for x in r["samples"]]
-    return {"joined_after_step": rec["step"], "layout_before": rec["previous"], "layout_after": rec["layout"],
-            "join_s": first["wall"] - rec["failed_at"], "agree_s": rec["agree_s"], "regroup_s": rec["regroup_s"],
-            "choose_plan_s": t.get("choose", 0) + t.get("plan", 0) + t.get("agree", 0),
-            "transfer_s": t.get("migrate_transfer", 0), "migrate_s": t.get("migrate", 0),
-            "first_step_s": first["wall"] - rec["wall"], "first_step_compute_s": first["time_s"],
-            "step_s_before": statistics.median(r["time_s"] for r in runs if r["world_size"] == 2),
-            "step_s_after": statistics.median(r["time_s"] for r in runs if r["world_size"] == 4 and r is not first),
-            "bytes_live": rec["bytes_live"], "plan_bytes_peer": rec["plan_bytes_peer"],
-            "bytes_storage": rec["bytes_storage"], "max_rel_loss_diff": rel,
-            "samples_once": len(seen) == len(set(seen)) == 8 * len(runs)}
+    out = {"joined_after_step": rec["step"], "layout_before": rec["previous"], "layout_after": rec["layout"],
+           "join_s": first["wall"] - rec["failed_at"], "agree_s": rec["agree_s"], "regroup_s": rec["regroup_s"],
+           "choose_plan_s": t.get("choose", 0) + t.get("plan", 0) + t.get("agree", 0),
+           "transfer_s": t.get("migrate_transfer", 0), "migrate_s": t.get("migrate", 0),
+           "first_step_s": first["wall"] - rec["wall"], "first_step_compute_s": first["time_s"],
+           "step_s_before": statistics.median(r["time_s"] for r in runs if r["world_size"] == 2),
+           "step_s_after": statistics.median(r["time_s"] for r in runs if r["world_size"] == 4 and r is not first),
+           "bytes_live": rec["bytes_live"], "plan_bytes_peer": rec["plan_bytes_peer"],
+           "bytes_storage": rec["bytes_storage"], "max_rel_loss_diff": rel,
+           "samples_once": len(seen) == len(set(seen)) == 8 * len(runs)}
+    return check_positive(out, "join", f"join (see {work})")
 
 
 def join_bench(repeats: int) -> dict:
@@ -270,6 +320,14 @@ def join_bench(repeats: int) -> dict:
 
 
 def main() -> int:
+    try:
+        return _main()
+    except Refused as e:
+        print(f"bench_recovery: refused: {e}", file=sys.stderr)
+        return REFUSED
+
+
+def _main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only")
     ap.add_argument("--shm", default="/dev/shm", help="tmpfs for the host stores")

@@ -4,16 +4,26 @@ Each worker creates a :class:`Membership` after ``init_process_group``, given a 
 outlives the workers (the job's rendezvous store) and a job prefix. Then:
 
 * a heartbeat thread (its own store connection, so a blocking wait of the main thread never
-  delays it) bumps this member's counter every ``interval`` seconds and reads the others'; a
-  member whose counter has not moved for ``dead_after`` seconds is dead. A death, or a failure
-  flagged by another member, sets :meth:`Membership.failed` and calls ``on_failure``;
+  delays it) bumps this member's counter every ``interval`` seconds and reads the others'. A
+  death, or a failure flagged by another member, sets :meth:`Membership.failed` and calls
+  ``on_failure``;
 * the same thread watches TCP links to this member's ring neighbours (:mod:`tenplex.liveness`):
   a process that dies while its host lives (killed, crashed) has its connections closed by its
   kernel, so its neighbours know within milliseconds, append its id to ``{prefix}/gone`` and flag
-  the failure; the others read the list at their next heartbeat and in the agreement, which
-  therefore does not wait ``dead_after`` for it. Heartbeats remain for what closes no connection
-  (a host that lost power or its network). A member leaving on purpose (:meth:`close`) says
-  goodbye on its links first;
+  the failure; the others read the list at their next heartbeat and in the agreement. A host that
+  vanishes silently (power, network) is found the same way within ``link_timeout`` seconds: the
+  links' TCP keepalive ends them when the peer's kernel stops answering. A member leaving on
+  purpose (:meth:`close`) says goodbye on its links first;
+* a link that is open says the process exists, however starved it is: a heartbeat thread can go
+  without the GIL for seconds (measured: 0.62 s while the main thread imported torch and scipy
+  beside 6 busy processes on 2 CPUs; a big pickle, a long C call, a loaded machine), and a
+  verdict from that silence is a live member left out of the group (issue 29 item 7). So each
+  member also bumps the counters of the neighbours its links to are open (it vouches for them):
+  the others see those counters move. A counter that stands still for ``dead_after`` seconds
+  (default 10) of this observer's own on-time observations (:class:`HeartbeatMonitor`) means
+  dead: only members that no open link vouches for and that beat no more, e.g. one whose links
+  could not be made. A hung but living process (deadlock, SIGSTOP) holds its links and is no
+  death: a collective blocked on it fails after the group's ``timeout``;
 * :meth:`Membership.guard` turns a ``RuntimeError`` raised by a collective (gloo: "Connection
   reset/closed by peer", nccl, ``DistError``) into :class:`~tenplex.errors.PeerFailure` and flags
   the failure in the store, so every member learns at once;
@@ -258,8 +268,10 @@ class HeartbeatMonitor:
     """Which members are dead, from counters observed over time (pure: the caller passes the clock).
 
     A member is dead once its counter has not changed for ``dead_after`` seconds of observation.
-    When the observer itself stalls (two observations more than ``dead_after / 2`` apart), the
-    gap is not held against the others: their last-change times move forward by it.
+    When the observer itself stalls (two observations more than ``dead_after / 2`` apart: its
+    thread was starved or descheduled, its store call slow), the gap is not held against the
+    others: their last-change times move forward by it, since a stalled observer cannot tell
+    whether they beat meanwhile.
     """
 
     def __init__(self, dead_after: float) -> None:
@@ -335,7 +347,10 @@ class Membership:
     the job's key prefix (one per job, or per restart of a job); ``rank`` / ``world_size``: this
     process in the current default group (default: from it); ``backend``: of the groups
     re-formed (default: the current group's). ``interval`` / ``dead_after``: heartbeat period and
-    silence that means death; ``agree_timeout``: bound of one round's agreement and of the group
+    silence that means death for a member no open link vouches for; ``link_timeout``: seconds
+    after which a link whose peer's kernel answers nothing ends (a vanished host: its death is
+    known that long after it vanished, plus one heartbeat for the members not linked to it);
+    ``agree_timeout``: bound of one round's agreement and of the group
     start; ``max_rounds``: rounds one recovery may use; ``on_failure(reason)``: called from the
     heartbeat thread on the first failure it sees; ``order``: how a decision orders its members
     (ids in, ids out; default by previous rank); ``pg_timeout``: the new groups' collective timeout;
@@ -350,9 +365,9 @@ class Membership:
     """
 
     def __init__(self, store: Any, prefix: str, *, rank: int | None = None, world_size: int | None = None,
-                 backend: str | None = None, interval: float = 0.2, dead_after: float = 0.8,
-                 agree_timeout: float = 20.0, max_rounds: int = 4, start_timeout: float = 30.0,
-                 on_failure: Callable[[str], None] | None = None,
+                 backend: str | None = None, interval: float = 0.2, dead_after: float = 10.0,
+                 link_timeout: float = 3.0, agree_timeout: float = 20.0, max_rounds: int = 4,
+                 start_timeout: float = 30.0, on_failure: Callable[[str], None] | None = None,
                  order: Callable[[Sequence[int]], Sequence[int]] | None = None,
                  pg_timeout: datetime.timedelta = datetime.timedelta(seconds=30), joiner: bool = False,
                  fits: Callable[[int], bool] | None = None) -> None:
@@ -386,7 +401,7 @@ class Membership:
                              round=self.round)
         self._stop = threading.Event()
         self._hb_store = store.clone()  # its own connection: the main thread's blocking waits hold theirs
-        self._links = PeerLinks(self.id, link_host(_store_host(store)))
+        self._links = PeerLinks(self.id, link_host(_store_host(store)), timeout=link_timeout)
         self._hb_store.set(self._key("link", self.id), self._links.address)  # before the heartbeat others wait for
         self._hb_store.add(self._hb_key(self.id), 1)
         self._hb_store.add(self._key("join_requests"), 0)  # exists before any heartbeat reads it
@@ -455,8 +470,8 @@ class Membership:
             except RuntimeError as e:
                 log.error("member %d could not record member %d's death in the store: %s", self.id, p, e)
         if members & set(news):
-            self._fail(f"members {[p for p in news if p in members]} exited (their links to member {self.id} "
-                       f"closed)", publish=True, round=rnd)
+            self._fail(f"members {[p for p in news if p in members]} exited or their hosts vanished (their links "
+                       f"to member {self.id} ended without a goodbye)", publish=True, round=rnd)
             if self.backend == "nccl":
                 self._abort()
 
@@ -498,6 +513,10 @@ class Membership:
     def failed(self) -> bool:
         """Whether this member knows of a failure since its group formed."""
         return self._state.failed_at is not None
+
+    def linked(self) -> frozenset[int]:
+        """Members this member holds an open link to (their processes exist; it vouches for them)."""
+        return self._links.linked()
 
     def dead(self) -> frozenset[int]:
         """Member ids the heartbeats found dead (ever)."""
@@ -568,6 +587,8 @@ class Membership:
                 store.add(self._hb_key(self.id), 1)
                 with st.lock:
                     watched, rnd, baseline, joins_seen = st.watched, st.round, self._failures_seen, st.joins_seen
+                for peer in self._links.linked() & set(watched):  # open links: those processes exist
+                    store.add(self._hb_key(peer), 1)
                 vals = store.multi_get([*(self._hb_key(m) for m in watched), self._key("join_requests")])
                 failures = int(store.add(self._failures_key(rnd), 0))
                 link_deaths = self._gone(store) if failures != baseline else []  # deaths others' links saw
@@ -606,7 +627,8 @@ class Membership:
                     st.detect_s = max(now - (last[m] or now) for m in newly)
             if newly:
                 why = [f"members {sorted(newly & silent)} stopped their heartbeats"] if newly & silent else []
-                why += [f"members {sorted(newly & exited)} exited (a link to them closed)"] if newly & exited else []
+                why += [f"members {sorted(newly & exited)} exited or their hosts vanished (a link to them ended)"] \
+                    if newly & exited else []
                 self._fail("; ".join(why), publish=True, round=rnd)
                 if self.backend == "nccl":
                     self._abort()
@@ -626,7 +648,8 @@ class Membership:
             log.warning("aborting the process group failed: %s", e)
 
     def close(self) -> None:
-        """Stop the heartbeat (others will find this member dead after ``dead_after``)."""
+        """Stop the heartbeat and say goodbye on the links (then, its counter still, the others
+        find this member dead after ``dead_after``; its goodbyes are no death)."""
         self._stop.set()
         self._thread.join(timeout=5 * self.interval + 1)
         self._links.close()  # goodbyes: the others do not take this member's exit for a death

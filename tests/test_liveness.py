@@ -9,6 +9,8 @@ unreachable peer is not declared dead (its heartbeats decide).
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
 import time
@@ -29,6 +31,12 @@ def _child_main(addr: str, mode: str, out: Any) -> None:
     while time.monotonic() < end and 1 not in me.linked():
         me.poll(0.05)
     out.put("linked")
+    if mode == "fork":  # a child (a data loader worker, say) that outlives this process by 20 s
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(20)
+            os._exit(0)
+        out.put(pid)
     if mode == "bye":
         me.close()
         out.put("closed")
@@ -59,20 +67,25 @@ def _poll_until(links: PeerLinks, cond, timeout: float) -> set[int]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["kill", "bye"])
+@pytest.mark.parametrize("mode", ["kill", "bye", "fork"])
 def test_a_killed_peer_is_named_at_once_and_a_goodbye_is_not_a_death(mode: str) -> None:
+    """``fork``: the peer forked a child before it was killed; the child's copies of the link
+    sockets are closed as it starts, so they do not keep the dead peer's links open."""
     me = PeerLinks(1)
+    grandchild = None
     p, q, child_addr = _child(me.address, mode)
     try:
         me.want({7: child_addr})  # links both ways: each end sees the other's death
         _poll_until(me, lambda _: me.linked() == {7}, 30)
         assert me.linked() == {7}
         assert q.get(timeout=30) == "linked"
-        if mode == "kill":
+        if mode == "fork":
+            grandchild = q.get(timeout=30)
+        if mode in ("kill", "fork"):
             t0 = time.monotonic()
             p.kill()  # SIGKILL
             dead = _poll_until(me, lambda d: 7 in d, 10)
-            assert dead == {7}
+            assert dead == {7} and time.monotonic() - t0 < 2, (dead, time.monotonic() - t0)
             print(f"\nSIGKILL -> named dead in {time.monotonic() - t0:.4f} s")
             assert _poll_until(me, lambda _: not me.linked(), 5) <= {7}  # the other direction's link
             assert me.linked() == frozenset()
@@ -86,6 +99,8 @@ def test_a_killed_peer_is_named_at_once_and_a_goodbye_is_not_a_death(mode: str) 
         p.kill()
         p.join()
         me.close()
+        if grandchild is not None:
+            os.kill(grandchild, signal.SIGKILL)
 
 
 @pytest.mark.timeout(30)

@@ -400,3 +400,92 @@ def test_agreement_timeouts_and_exclusion_in_one_process() -> None:
         m.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# a live member is not dead: stopped or starved, its links stay open (issue 29 item 7)
+# ---------------------------------------------------------------------------------------------
+STOP_DEAD_AFTER = 0.5  # the silence a heartbeat verdict needs here; the stopped member is silent 4x as long
+
+
+def _stopped_member(port: int, out: Any) -> None:
+    """Member 3 of 4: reports its pid, runs its heartbeat ``run_s`` seconds (stopped meanwhile by the
+    test), then reports what it saw: whether it found anyone dead after its own stop."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from tenplex.membership import Membership
+
+    res: dict[str, Any] = {"error": None}
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        m = Membership(store, "stop", rank=3, world_size=4, backend="gloo", interval=0.05,
+                       dead_after=STOP_DEAD_AFTER)
+        out.put(("ready", os.getpid()))
+        store.wait(["stop/test/report"], datetime.timedelta(seconds=60))
+        res.update(failed=m.failed, dead=sorted(m.dead()))
+        out.put(("done", res))
+        store.wait(["stop/test/exit"], datetime.timedelta(seconds=60))
+        m.close()
+    except BaseException as e:  # reported to the test
+        res["error"] = f"{type(e).__name__}: {e}"
+        out.put(("done", res))
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_member_whose_links_are_open_is_not_dead_and_a_killed_one_still_is() -> None:
+    """Members 0-2 in this process, member 3 in a child; heartbeats would call a member dead after
+    0.5 s of silence. The child is SIGSTOPped for 2 s (what a process starved of the CPU or the GIL
+    by a loaded machine looks like to the others, to the extreme): its kernel keeps its links to
+    its ring neighbours 0 and 2 open, so nobody, not even member 1 that has no link to it, finds it
+    dead, and the child itself, an observer stalled for 2 s, finds nobody dead when it resumes.
+    Then the child is SIGKILLed: all three know within a second. (Before issue 29 item 7 the
+    stop was a death: the others left a live member out of the group.)"""
+    import datetime
+
+    import torch.distributed as dist
+
+    from tenplex.membership import Membership
+
+    rdzv = RendezvousStore()
+    ctx = worker_context()
+    q = ctx.Queue()
+    with gloo_env():
+        child = ctx.Process(target=in_env, args=(*here(), _stopped_member, rdzv.port, q))
+    members: list[Any] = []
+    try:
+        child.start()
+        stores = [dist.TCPStore("127.0.0.1", rdzv.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+                  for _ in range(3)]
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(3) as pool:  # each waits for the others' first heartbeat
+            members = list(pool.map(lambda r: Membership(stores[r], "stop", rank=r, world_size=4, backend="gloo",
+                                                         interval=0.05, dead_after=STOP_DEAD_AFTER), range(3)))
+        kind, pid = q.get(timeout=30)
+        assert kind == "ready", pid
+        deadline = time.monotonic() + 10
+        while not (3 in members[0].linked() and 3 in members[2].linked()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert 3 in members[0].linked() and 3 in members[2].linked() and 3 not in members[1].linked()
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(4 * STOP_DEAD_AFTER)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(4 * STOP_DEAD_AFTER)  # the child's observer runs again for as long as it was stopped
+        assert [(m.failed, sorted(m.dead())) for m in members] == [(False, [])] * 3
+        stores[0].set("stop/test/report", "1")
+        kind, res = q.get(timeout=30)
+        assert res["error"] is None and (res["failed"], res["dead"]) == (False, []), res
+        t_kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        while not all(m.failed for m in members) and time.monotonic() < t_kill + 5:
+            time.sleep(0.01)
+        took = time.monotonic() - t_kill
+        assert all(m.failed for m in members) and took < 1.0, took
+        assert [sorted(m.dead()) for m in members] == [[3]] * 3
+    finally:
+        for m in members:
+            m.close()
+        reap([child], timeout=5)
+        rdzv.stop()

@@ -365,3 +365,51 @@ def test_network_failure_with_host_stores_across_namespaces(netns_ok: None, tmp_
     assert from_h1 > 500_000, from_h1
     log0 = (tmp_path / "host0.log").read_text()
     assert "timed out" in log0.lower(), "the survivor did not fail by a timeout"
+
+
+MEMBER = textwrap.dedent("""
+    import datetime, json, sys, time
+    import torch.distributed as dist
+    from tenplex.membership import Membership
+    host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    m = Membership(store, "cut", rank=rank, world_size=4, backend="gloo", interval=0.1, dead_after=60.0,
+                   link_timeout=3.0, start_timeout=90.0)
+    while len(m.linked()) < 2:
+        time.sleep(0.01)
+    print("linked", flush=True)
+    while not m.failed:
+        time.sleep(0.005)
+    print(json.dumps({"failed_at": time.time(), "dead": sorted(m.dead())}), flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.timeout(150)
+def test_a_silently_vanished_host_is_dead_within_the_link_timeout(netns_ok: None) -> None:
+    """Four members in four host namespaces, the membership store on the bridge; heartbeats would
+    need 60 s of silence. Host 3's cable is cut (its process runs on, cut off: no FIN, no reset
+    reaches anyone): its ring neighbours 2 and 0 find it dead when their links' keepalive gets no
+    answer for ``link_timeout`` (3 s), and member 1, not linked to it, reads that in the store at
+    its next heartbeat. The bound docs/inprocess.md states: ``link_timeout`` + 1 s."""
+    with HostNetwork.create(4) as net:
+        rdzv = RendezvousStore(net=net.switch)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen(h.command([sys.executable, "-c", MEMBER, net.switch.address, str(rdzv.port), str(r)]),
+                                  stdout=subprocess.PIPE, text=True, env=env) for r, h in enumerate(net.hosts)]
+        try:
+            for p in procs:
+                assert p.stdout is not None and p.stdout.readline().strip() == "linked"
+            time.sleep(1.5)  # the links idle: keepalive probes are under way and answered
+            t_cut = time.time()
+            net.set_link(net.hosts[3], up=False)
+            seen = [json.loads(p.stdout.readline()) for p in procs[:3]]  # type: ignore[union-attr]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait(timeout=10)
+            rdzv.stop()
+    took = [s["failed_at"] - t_cut for s in seen]
+    print(f"\nvanished host found dead after {', '.join(f'{t:.2f}' for t in took)} s (members 0-2)")
+    assert all(s["dead"] == [3] for s in seen), seen
+    assert all(2.0 < t < 3.0 + 1.0 for t in took), took

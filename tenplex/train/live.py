@@ -268,7 +268,7 @@ def job_key() -> str:
     return f"{addr}:{port}"
 
 
-def start_membership(store: Any, *, interval: float = 0.1, dead_after: float = 0.8) -> Membership:
+def start_membership(store: Any, *, interval: float = 0.1, dead_after: float = 10.0) -> Membership:
     """Every rank of the default group: a Membership under a prefix fresh for this group (a nonce
     from rank 0), so a restarted job never reads a previous launch's keys. Rank 0 then publishes
     the prefix under the job's key (:func:`job_key`) for joiners."""
@@ -282,7 +282,7 @@ def start_membership(store: Any, *, interval: float = 0.1, dead_after: float = 0
 
 
 def join_membership(store: Any, backend: str, *, timeout_s: float, interval: float = 0.1,
-                    dead_after: float = 0.8) -> Membership:
+                    dead_after: float = 10.0) -> Membership:
     """A joiner: wait up to ``timeout_s`` for the job (:func:`job_key`) to publish its membership
     prefix, then register in it (``Membership(joiner=True)``); MembershipError when none appears."""
     key = f"{JOBS_KEY}/{job_key()}"

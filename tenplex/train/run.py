@@ -122,9 +122,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ap.add_argument("--live-keep", type=int, default=3,
                     help="--in-process: consistent states kept in memory (CPU copies of this rank's state after "
                          "each of the last K steps, K >= 2)")
-    ap.add_argument("--dead-after", type=float, default=0.8,
-                    help="--in-process: seconds without a heartbeat (every 0.1 s) after which a peer is dead; "
-                         "recovery waits this long for the verdict on a peer whose collective failed")
+    ap.add_argument("--dead-after", type=float, default=10.0,
+                    help="--in-process: seconds without a heartbeat (every 0.1 s) after which a peer no open link "
+                         "vouches for is dead (a killed process or a vanished host ends its links: known within "
+                         "milliseconds or 3 s; a starved or stopped one keeps them and is not dead)")
     ap.add_argument("--pg-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="timeout of the job's collectives: how long a rank blocked on a peer that stopped "
                          "answering (a cut network link, a hung host) waits before it fails and the launcher "

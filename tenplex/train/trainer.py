@@ -76,7 +76,7 @@ class TrainConfig:
     recompute: str = "none"
     in_process: bool = False
     live_keep: int = 3
-    dead_after: float = 0.8
+    dead_after: float = 10.0
     die_at: str | None = None
     pg_timeout: float = 60.0
     join: bool = False
