@@ -270,8 +270,9 @@ def row_bytes(spec: TensorSpec) -> int:
 def row_block(spec: TensorSpec, nbytes: int) -> int | None:
     """Version 3: the checksum block of a chunk of ``nbytes`` of ``spec``: ``k`` whole canonical rows
     (``k`` the smallest power of two giving at least ``max(ROW_BLOCK_MIN, nbytes / ROW_BLOCK_SHARE)``
-    bytes, halved while over ``MAX_BLOCK``), or, for rows larger than that, ``1/2``, ``1/4`` or ``1/8`` of
-    a row (when it divides the row into whole elements). Chunks of row-split layouts start at a row, so
+    bytes, halved while over ``MAX_BLOCK``), or, for rows of ``2 * ROW_BLOCK_MIN`` bytes or more, the
+    smallest of ``1/2``, ``1/4``, ``1/8`` of a row that divides it into whole elements and keeps
+    ``ROW_BLOCK_MIN`` bytes. Chunks of row-split layouts start at a row, so
     a load that splits rows anywhere (uneven FSDP2 shards of any count, TP row shards) reads no byte of
     a block outside its rows beyond the ``k - 1`` rows of its end blocks, and a column half, quarter or
     eighth of row-major rows reads its bytes only. None (the byte rule, ``block_bytes``) for empty
@@ -281,9 +282,9 @@ def row_block(spec: TensorSpec, nbytes: int) -> int | None:
         return None
     # a row cut of a panel-ordered chunk crosses each of its panels: its blocks stay small whatever the chunk's size
     target = ROW_BLOCK_MIN if spec.panels else max(ROW_BLOCK_MIN, min(nbytes // ROW_BLOCK_SHARE, MAX_BLOCK))
-    if row > target:
-        elems, parts = row // spec.itemsize, 1
-        while parts < 8 and elems % (2 * parts) == 0 and row // (2 * parts) >= target:
+    if row >= 2 * ROW_BLOCK_MIN or row > target:  # a row's half, quarter or eighth: a TP column shard of
+        elems, parts = row // spec.itemsize, 1  # a row-ordered chunk (rows of its canonical order) reads its bytes
+        while parts < 8 and elems % (2 * parts) == 0 and row // (2 * parts) >= ROW_BLOCK_MIN:
             parts *= 2
         return row // parts
     k = 1
