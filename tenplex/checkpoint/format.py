@@ -41,14 +41,13 @@ try:  # ISA-L's CRC32 (same polynomial and values as zlib's) runs about 8x faste
 except ImportError:  # pragma: no cover - platforms without an isal wheel
     from zlib import crc32
 
-__all__ = ["FORMAT", "VERSION", "MAX_STEP", "MANIFEST_NAME", "OBJECTS_NAME", "REUSED_PREFIX", "STEP_DIR_RE",
-           "RANK_INDEX_RE", "PART_NAME_RE", "SAVE_ID_RE", "BLOCK_SIZES", "MIN_BLOCK", "MAX_BLOCK", "Chunk", "crc32",
-           "READ_VERSIONS", "ROW_BLOCK_MIN", "ROW_BLOCK_SHARE", "step_dir_name", "step_dir", "parse_step_dir", "rank_stem",
-           "data_name", "index_name", "part_files",
-           "check_step", "check_save_id", "seal_json", "open_sealed_json", "safetensors_header", "block_bytes", "panel_block", "row_bytes", "row_block",
-           "chunk_block",
-           "block_crcs_hex", "writer_assignment", "manifest_object", "index_object", "Manifest", "verify_manifest",
-           "Binding", "verify_index"]
+__all__ = ["FORMAT", "VERSION", "READ_VERSIONS", "MAX_STEP", "MANIFEST_NAME", "OBJECTS_NAME", "REUSED_PREFIX",
+           "STEP_DIR_RE", "RANK_INDEX_RE", "PART_NAME_RE", "SAVE_ID_RE", "BLOCK_SIZES", "MIN_BLOCK", "MAX_BLOCK",
+           "ROW_BLOCK_MIN", "ROW_BLOCK_SHARE", "Chunk", "crc32", "step_dir_name", "step_dir", "parse_step_dir",
+           "rank_stem", "data_name", "index_name", "part_files", "check_step", "check_save_id", "seal_json",
+           "open_sealed_json", "safetensors_header", "block_bytes", "panel_block", "row_bytes", "row_block",
+           "chunk_block", "block_crcs_hex", "writer_assignment", "manifest_object", "index_object", "Manifest",
+           "verify_manifest", "Binding", "verify_index"]
 
 FORMAT = "tenplex-checkpoint"
 """The format tag every manifest, rank index and safetensors header carries."""
@@ -270,9 +269,11 @@ def row_bytes(spec: TensorSpec) -> int:
 def row_block(spec: TensorSpec, nbytes: int) -> int | None:
     """Version 3: the checksum block of a chunk of ``nbytes`` of ``spec``: ``k`` whole canonical rows
     (``k`` the smallest power of two giving at least ``max(ROW_BLOCK_MIN, nbytes / ROW_BLOCK_SHARE)``
-    bytes, halved while over ``MAX_BLOCK``), or, for rows of ``2 * ROW_BLOCK_MIN`` bytes or more, the
-    smallest of ``1/2``, ``1/4``, ``1/8`` of a row that divides it into whole elements and keeps
-    ``ROW_BLOCK_MIN`` bytes. Chunks of row-split layouts start at a row, so
+    bytes, halved while over ``MAX_BLOCK``; panel order: at least ``ROW_BLOCK_MIN`` whatever the
+    chunk's size), or, for tensors not in panel order whose rows hold twice ``least =
+    max(ROW_BLOCK_MIN, nbytes / (8 * ROW_BLOCK_SHARE))`` bytes or more, the smallest of ``1/2``,
+    ``1/4``, ``1/8`` of a row that divides it into whole elements and keeps ``least`` bytes (at most
+    about 2048 blocks a chunk). Chunks of row-split layouts start at a row, so
     a load that splits rows anywhere (uneven FSDP2 shards of any count, TP row shards) reads no byte of
     a block outside its rows beyond the ``k - 1`` rows of its end blocks, and a column half, quarter or
     eighth of row-major rows reads its bytes only. None (the byte rule, ``block_bytes``) for empty
@@ -280,13 +281,16 @@ def row_block(spec: TensorSpec, nbytes: int) -> int | None:
     row = row_bytes(spec)
     if not 0 < row <= MAX_BLOCK:
         return None
-    # a row cut of a panel-ordered chunk crosses each of its panels: its blocks stay small whatever the chunk's size
-    target = ROW_BLOCK_MIN if spec.panels else max(ROW_BLOCK_MIN, min(nbytes // ROW_BLOCK_SHARE, MAX_BLOCK))
-    if row >= 2 * ROW_BLOCK_MIN or row > target:  # a row's half, quarter or eighth: a TP column shard of
-        elems, parts = row // spec.itemsize, 1  # a row-ordered chunk (rows of its canonical order) reads its bytes
-        while parts < 8 and elems % (2 * parts) == 0 and row // (2 * parts) >= ROW_BLOCK_MIN:
-            parts *= 2
-        return row // parts
+    if spec.panels is not None:  # a row cut crosses each panel of a chunk: small blocks whatever its size
+        target = ROW_BLOCK_MIN  # (and TP column cuts fall on panels: no cuts inside a row)
+    else:
+        target = max(ROW_BLOCK_MIN, min(nbytes // ROW_BLOCK_SHARE, MAX_BLOCK))
+        least = max(ROW_BLOCK_MIN, min(nbytes // (8 * ROW_BLOCK_SHARE), MAX_BLOCK))
+        if row >= 2 * least:  # a row's half, quarter or eighth: a TP column shard of row-ordered rows
+            elems, parts = row // spec.itemsize, 1
+            while parts < 8 and elems % (2 * parts) == 0 and row // (2 * parts) >= least:
+                parts *= 2
+            return row // parts
     k = 1
     while k * row < target:
         k *= 2
