@@ -370,12 +370,15 @@ def spec_for(name: str, shape: Sequence[int], dtype: Any, placements: Sequence[M
     in its boundary panels only.)"""
     shape = tuple(shape)
     dt = dtype_from_str(dtype) if isinstance(dtype, str) else dtype
+    paneled = len(shape) >= 2 and shape[0] >= PANEL_MIN_ROWS and shape[1] >= PANEL_MIN_COLS and shape[1] % PANELS == 0
     if isinstance(placements, Boxes):
         d = boxes_split_dim(shape, placements)
+        if paneled and d != 1 and not any(a or n != s for _, o, z in placements.chunks
+                                          for a, n, s in zip(o[2:], z[2:], shape[2:])):
+            return TensorSpec(name, shape, dt, tp=Panels(1, PANELS))
         tp = Split(d) if d else Replicated()
         return TensorSpec(name, shape, dt, tp=tp)
-    if (len(shape) >= 2 and shape[0] >= PANEL_MIN_ROWS and shape[1] >= PANEL_MIN_COLS and shape[1] % PANELS == 0
-            and not any(isinstance(p, (Shard, StridedShard)) and p.dim > 1 for p in placements)):
+    if paneled and not any(isinstance(p, (Shard, StridedShard)) and p.dim > 1 for p in placements):
         return TensorSpec(name, shape, dt, tp=Panels(1, PANELS))
     order = canonical_order(shape, tuple(placements))
     tp = Split(order[0]) if order and order[0] != 0 else Replicated()

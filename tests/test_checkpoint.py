@@ -31,6 +31,7 @@ from tenplex import (
     ParallelConfig,
     model_ptc,
 )
+from tenplex.checkpoint.format import chunk_block
 from tenplex.checkpoint import (
     list_steps,
     load,
@@ -729,9 +730,9 @@ def test_flipped_byte_in_block_read_only_partly_is_detected(url):
     """The loader verifies whole checksum blocks even when it needs only a few elements of one."""
     ptc = tiny_ptc(hidden=64, ffn_hidden=128)
     save_all(url, ptc, ParallelConfig(), random_bits(ptc, 2), step=1)
-    name = "layers.0.mlp.gate_up.weight"  # (256, 64) fp32 = 64 KiB: blocks of 4 KiB
+    name = "layers.0.mlp.gate_up.weight"  # (256, 64) fp32 = 64 KiB: blocks of one 256-byte row (version 3)
     _, chunk = _chunk(url, 1, 0, name)
-    assert chunk["block"] == 4096
+    assert chunk["block"] == chunk_block(ptc.tensors[name], 64 << 10) == 256
     rel = f"{_step(1)}/rank-00000.safetensors"
     raw = bytearray(_read_bytes(url, rel))
     # new TP=2 rank 0 needs the first half of gate and of up (block-aligned), rank 1 the second

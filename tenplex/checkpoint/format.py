@@ -41,16 +41,22 @@ try:  # ISA-L's CRC32 (same polynomial and values as zlib's) runs about 8x faste
 except ImportError:  # pragma: no cover - platforms without an isal wheel
     from zlib import crc32
 
-__all__ = ["FORMAT", "VERSION", "MAX_STEP", "MANIFEST_NAME", "OBJECTS_NAME", "REUSED_PREFIX", "STEP_DIR_RE",
-           "RANK_INDEX_RE", "PART_NAME_RE", "SAVE_ID_RE", "BLOCK_SIZES", "MIN_BLOCK", "MAX_BLOCK", "Chunk", "crc32",
-           "step_dir_name", "step_dir", "parse_step_dir", "rank_stem", "data_name", "index_name", "part_files",
-           "check_step", "check_save_id", "seal_json", "open_sealed_json", "safetensors_header", "block_bytes", "panel_block", "chunk_block",
-           "block_crcs_hex", "writer_assignment", "manifest_object", "index_object", "Manifest", "verify_manifest",
-           "Binding", "verify_index"]
+__all__ = ["FORMAT", "VERSION", "READ_VERSIONS", "MAX_STEP", "MANIFEST_NAME", "OBJECTS_NAME", "REUSED_PREFIX",
+           "STEP_DIR_RE", "RANK_INDEX_RE", "PART_NAME_RE", "SAVE_ID_RE", "BLOCK_SIZES", "MIN_BLOCK", "MAX_BLOCK",
+           "ROW_BLOCK_MIN", "ROW_BLOCK_SHARE", "Chunk", "crc32", "step_dir_name", "step_dir", "parse_step_dir",
+           "rank_stem", "data_name", "index_name", "part_files", "check_step", "check_save_id", "seal_json",
+           "open_sealed_json", "safetensors_header", "block_bytes", "panel_block", "row_bytes", "row_block",
+           "chunk_block", "block_crcs_hex", "writer_assignment", "manifest_object", "index_object", "Manifest",
+           "verify_manifest", "Binding", "verify_index"]
 
 FORMAT = "tenplex-checkpoint"
 """The format tag every manifest, rank index and safetensors header carries."""
-VERSION = 2
+VERSION = 3
+"""The version this tenplex writes. Version 3 changed only the checksum block rule (``chunk_block``):
+blocks of whole canonical rows (or of 1/2, 1/4, 1/8 of a row), at least ``ROW_BLOCK_MIN`` bytes,
+instead of at least 4 KiB; the files and schemas are those of version 2."""
+READ_VERSIONS = frozenset({2, 3})
+"""The versions this tenplex reads (version 2: the block rule ``chunk_block(..., version=2)``)."""
 MAX_STEP = 10**12
 """Steps are in [0, MAX_STEP): directory names hold 12 digits."""
 MANIFEST_NAME, OBJECTS_NAME = "manifest.json", "objects.pt"
@@ -66,7 +72,14 @@ PART_NAME_RE = re.compile(r"manifest\.json|objects\.pt|rank-[0-9]{5}\.(?:json|sa
 SAVE_ID_RE = re.compile(r"[0-9a-f]{8}")
 MIN_BLOCK, MAX_BLOCK = 4096, 65536
 BLOCK_SIZES = frozenset(1 << k for k in range(12, 17))
-"""The legal checksum block sizes: powers of two in [MIN_BLOCK, MAX_BLOCK]."""
+"""The byte rule's checksum block sizes (``block_bytes``): powers of two in [MIN_BLOCK, MAX_BLOCK]."""
+ROW_BLOCK_MIN = 256
+"""Version 3: the smallest row block (``row_block``) of a chunk; its CRC (8 hex digits in the index)
+costs 3 % of the block's bytes at most, and a piece that ends inside a block reads at most one
+block beyond it."""
+ROW_BLOCK_SHARE = 256
+"""Version 3: a chunk is cut into about this many row blocks at most (larger chunks: larger blocks,
+still whole rows, up to ``MAX_BLOCK``), so its index entry stays small."""
 
 Chunk = tuple[str, int, int, int]
 """One chunk a rank writes: ``(tensor, local_offset, start, length)`` in elements."""
@@ -172,7 +185,7 @@ def open_sealed_json(raw: bytes, path: str) -> dict[str, Any]:
         if isinstance(obj, dict) and obj.get("format") == FORMAT and obj.get("version") == 1 and "digest" not in obj:
             raise CheckpointError(
                 f"{path} belongs to a checkpoint of format version 1, which carries no digests and cannot be "
-                f"verified; this tenplex reads version {VERSION}: load it with the tenplex that wrote it and "
+                f"verified; this tenplex reads versions {sorted(READ_VERSIONS)}: load it with the tenplex that wrote it and "
                 "save it again, or start fresh"
             )
         raise CheckpointCorruptError(f"{path} does not end in its SHA-256 digest; the file is damaged or truncated")
@@ -241,9 +254,57 @@ def panel_block(spec: TensorSpec) -> int | None:
     return k * row
 
 
-def chunk_block(spec: TensorSpec, nbytes: int) -> int:
-    """The checksum block size of a chunk of ``nbytes`` of ``spec``: ``panel_block`` for a
-    panel-ordered tensor, else ``block_bytes``. Writers use it, indexes must record it."""
+def row_bytes(spec: TensorSpec) -> int:
+    """Bytes of one row of ``spec``'s canonical order: what follows one index of its leading
+    dimension (a panel's row for panel order, else the split dim's or dim 0's slab). A 0-d
+    tensor's row is its one element."""
+    if not spec.shape:
+        return spec.itemsize
+    if spec.panels is not None:
+        return spec.shape[1] // spec.panels * math.prod(spec.shape[2:]) * spec.itemsize
+    lead = spec.shape[spec.split_dim or 0]
+    return (math.prod(spec.shape) // lead if lead else 0) * spec.itemsize
+
+
+def row_block(spec: TensorSpec, nbytes: int) -> int | None:
+    """Version 3: the checksum block of a chunk of ``nbytes`` of ``spec``: ``k`` whole canonical rows
+    (``k`` the smallest power of two giving at least ``max(ROW_BLOCK_MIN, nbytes / ROW_BLOCK_SHARE)``
+    bytes, halved while over ``MAX_BLOCK``; panel order: at least ``ROW_BLOCK_MIN`` whatever the
+    chunk's size), or, for tensors not in panel order whose rows hold twice ``least =
+    max(ROW_BLOCK_MIN, nbytes / (8 * ROW_BLOCK_SHARE))`` bytes or more, the smallest of ``1/2``,
+    ``1/4``, ``1/8`` of a row that divides it into whole elements and keeps ``least`` bytes (at most
+    about 2048 blocks a chunk). Chunks of row-split layouts start at a row, so
+    a load that splits rows anywhere (uneven FSDP2 shards of any count, TP row shards) reads no byte of
+    a block outside its rows beyond the ``k - 1`` rows of its end blocks, and a column half, quarter or
+    eighth of row-major rows reads its bytes only. None (the byte rule, ``block_bytes``) for empty
+    rows or rows over ``MAX_BLOCK``."""
+    row = row_bytes(spec)
+    if not 0 < row <= MAX_BLOCK:
+        return None
+    if spec.panels is not None:  # a row cut crosses each panel of a chunk: small blocks whatever its size
+        target = ROW_BLOCK_MIN  # (and TP column cuts fall on panels: no cuts inside a row)
+    else:
+        target = max(ROW_BLOCK_MIN, min(nbytes // ROW_BLOCK_SHARE, MAX_BLOCK))
+        least = max(ROW_BLOCK_MIN, min(nbytes // (8 * ROW_BLOCK_SHARE), MAX_BLOCK))
+        if row >= 2 * least:  # a row's half, quarter or eighth: a TP column shard of row-ordered rows
+            elems, parts = row // spec.itemsize, 1
+            while parts < 8 and elems % (2 * parts) == 0 and row // (2 * parts) >= least:
+                parts *= 2
+            return row // parts
+    k = 1
+    while k * row < target:
+        k *= 2
+    while k > 1 and k * row > MAX_BLOCK:
+        k //= 2
+    return k * row
+
+
+def chunk_block(spec: TensorSpec, nbytes: int, version: int = VERSION) -> int:
+    """The checksum block size of a chunk of ``nbytes`` of ``spec`` under format ``version``: version
+    3 ``row_block``, version 2 ``panel_block`` (panel-ordered tensors), else ``block_bytes``. Writers
+    use it, indexes must record it."""
+    if version >= 3:
+        return row_block(spec, nbytes) or block_bytes(nbytes)
     return panel_block(spec) or block_bytes(nbytes)
 
 
@@ -379,9 +440,9 @@ def verify_manifest(obj: dict[str, Any], path: str, nbytes: int, *, step: int | 
     version = obj.get("version")
     if not _is_int(version):
         bad(f"version {version!r} is not an integer")
-    if version != VERSION:
+    if version not in READ_VERSIONS:
         raise CheckpointError(f"{path}: checkpoint format version {version} is not supported; this tenplex reads "
-                              f"version {VERSION}")
+                              f"versions {sorted(READ_VERSIONS)}")
     try:
         s = obj["step"]
         if not _is_int(s) or not 0 <= s < MAX_STEP:
@@ -450,8 +511,10 @@ class Binding:
     fingerprint: str
     itemsize: Mapping[str, int]
     writers: Mapping[int, list[Chunk]]
-    panel_blocks: Mapping[str, int] = field(default_factory=dict)
-    """``panel_block`` of each panel-ordered tensor (the others' blocks follow ``block_bytes``)."""
+    specs: Mapping[str, TensorSpec] = field(default_factory=dict)
+    """The saved tensors' specs, for the block rule (``chunk_block``) of their chunks."""
+    version: int = VERSION
+    """The attempt's format version (its manifest's): its indexes must have it, and its block rule."""
 
     @classmethod
     def of(cls, manifest: Manifest, writers: Mapping[int, list[Chunk]] | None = None) -> Binding:
@@ -460,7 +523,7 @@ class Binding:
         return cls(manifest.step, manifest.save_id, manifest.raw["layout"], manifest.world_size, manifest.fingerprint,
                    {n: t.itemsize for n, t in saved.tensors.items()},
                    writers if writers is not None else writer_assignment(saved, manifest.layout),
-                   {n: b for n, t in saved.tensors.items() if (b := panel_block(t))})
+                   saved.tensors, manifest.raw["version"])
 
 
 _HEX_RE = re.compile(r"[0-9a-f]*")
@@ -474,8 +537,9 @@ def verify_index(idx: Mapping[str, Any], path: str, rank: int, b: Binding) -> di
     def bad(what: str) -> NoReturn:
         raise CheckpointCorruptError(f"{path}: {what}; the rank index is damaged or belongs to another save")
 
-    if idx.get("format") != FORMAT or idx.get("version") != VERSION:
-        bad(f"format {idx.get('format')!r} version {idx.get('version')!r} is not {FORMAT!r} version {VERSION}")
+    if idx.get("format") != FORMAT or idx.get("version") != b.version or type(idx.get("version")) is not int:
+        bad(f"format {idx.get('format')!r} version {idx.get('version')!r} is not {FORMAT!r} version {b.version} "
+            "(its manifest's)")
     for key, want in (("step", b.step), ("save_id", b.save_id), ("rank", rank), ("layout", b.layout),
                       ("world_size", b.world_size), ("fingerprint", b.fingerprint), ("file", data_name(rank))):
         got = idx.get(key)
@@ -490,7 +554,8 @@ def verify_index(idx: Mapping[str, Any], path: str, rank: int, b: Binding) -> di
         bad(f"it lists {len(chunks) if isinstance(chunks, list) else repr(chunks)} chunks, the saved layout assigns "
             f"{len(expected)} to rank {rank}")
     out: dict[tuple[str, int], dict[str, Any]] = {}
-    itemsize, hexdigits, panel_blocks = b.itemsize, _HEX_RE.fullmatch, b.panel_blocks
+    itemsize, hexdigits, specs, version = b.itemsize, _HEX_RE.fullmatch, b.specs, b.version
+    rule: dict[tuple[str, int], int] = {}  # chunk_block by (tensor, bytes): chunks of one tensor share a few
     for c in chunks:  # the hot loop of metadata checks (thousands of chunks per index): kept lean
         try:
             t, st, ln, off, blk, crc = c["tensor"], c["start"], c["length"], c["offset"], c["block"], c["crc32"]
@@ -500,9 +565,12 @@ def verify_index(idx: Mapping[str, Any], path: str, rank: int, b: Binding) -> di
         if not known:
             bad(f"chunk {t!r}@{st!r} of {ln!r} elements is not one the saved layout assigns to rank {rank}")
         nbytes = ln * itemsize[t]
-        if type(blk) is not int or blk != (panel_blocks.get(t) or block_bytes(nbytes)):
-            bad(f"chunk {t}@{st}: block {blk!r} is not the format's {panel_blocks.get(t) or block_bytes(nbytes)} "
-                f"for {nbytes} bytes of this tensor")
+        want = rule.get((t, nbytes))
+        if want is None:
+            want = rule[(t, nbytes)] = chunk_block(specs[t], nbytes, version)
+        if type(blk) is not int or blk != want:
+            bad(f"chunk {t}@{st}: block {blk!r} is not the format's {want} for {nbytes} bytes of this tensor "
+                f"(version {version})")
         if type(off) is not int or off < 0 or off + nbytes > size:
             bad(f"chunk {t}@{st}: bytes [{off!r}, {off!r}+{nbytes}) are not inside the data file's {size} bytes")
         if type(crc) is not str or len(crc) != 8 * -(-nbytes // blk) or not hexdigits(crc):

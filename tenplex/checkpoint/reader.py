@@ -47,12 +47,12 @@ from .format import (
     Binding,
     Chunk,
     MAX_BLOCK,
+    VERSION,
     Manifest,
-    block_bytes,
+    chunk_block,
     crc32,
     index_name,
     open_sealed_json,
-    panel_block,
     parse_step_dir,
     verify_index,
     verify_manifest,
@@ -312,13 +312,14 @@ def span_of(a: int, b: int, itemsize: int, block: int, nbytes: int) -> tuple[int
 
 
 def plan_reads(saved: PTC, old: Layout, new: Layout, rank: int, *,
-               writers: Mapping[int, list[Chunk]] | None = None) -> tuple[ReadItem, ...]:
+               writers: Mapping[int, list[Chunk]] | None = None, version: int = VERSION) -> tuple[ReadItem, ...]:
     """The reads that give rank ``rank`` under ``new`` its tensors from chunks written under ``old``.
 
     Pure (no I/O): items in the order of the rank's tensors (``saved.rank_tensors``), each
     tensor's in the order of its flat buffer. Raises CheckpointCorruptError when the old
     layout's chunks do not cover an element the rank needs. ``writers``:
-    ``writer_assignment(saved, old)`` when the caller has it.
+    ``writer_assignment(saved, old)`` when the caller has it; ``version``: the checkpoint's format
+    version, whose block rule (``chunk_block``) gives each item's ``block``.
     """
     if writers is None:
         writers = writer_assignment(saved, old)
@@ -329,7 +330,7 @@ def plan_reads(saved: PTC, old: Layout, new: Layout, rank: int, *,
     # Tensors of one geometry (the layers' weights and their optimizer states: the same segments
     # and chunk bounds) cut into the same pieces: intersected once per geometry, 8-20 of 444 here.
     cuts: dict[tuple[Any, ...], list[tuple[int, int, int, int]]] = {}
-    blocks: dict[tuple[Any, ...], int | None] = {}  # panel_block by (shape, panels, itemsize)
+    blocks: dict[tuple[Any, ...], int] = {}  # chunk_block by (geometry, chunk length)
     items: list[ReadItem] = []
     for name in saved.rank_tensors(new, rank):
         spec = saved.tensors[name]
@@ -342,13 +343,13 @@ def plan_reads(saved: PTC, old: Layout, new: Layout, rank: int, *,
         if pieces is None:
             pieces = cuts[key] = _cut(real, chunks, name, rank)
         itemsize = spec.itemsize
-        fixed = blocks.get((spec.shape, spec.panels, itemsize), -1)
-        if fixed == -1:
-            fixed = blocks[(spec.shape, spec.panels, itemsize)] = panel_block(spec)
         for dst, c, s, e in pieces:
             cs, ce, w = chunks[c]
-            items.append(ReadItem(name, dst, w, cs, ce - cs, s - cs, e - cs, itemsize,
-                                  fixed or block_bytes((ce - cs) * itemsize)))
+            bkey = (spec.shape, spec.panels, spec.split_dim, itemsize, ce - cs)
+            block = blocks.get(bkey)
+            if block is None:
+                block = blocks[bkey] = chunk_block(spec, (ce - cs) * itemsize, version)
+            items.append(ReadItem(name, dst, w, cs, ce - cs, s - cs, e - cs, itemsize, block))
     return tuple(items)
 
 
@@ -969,13 +970,13 @@ class ShardSink(Protocol):
 
 def read_shard(saved: PTC, old: Layout, cfg: Layout, rank: int, reader: ShardReader,
                writers: Mapping[int, list[Chunk]] | None = None,
-               sink: ShardSink | None = None) -> tuple[dict[str, Any], int]:
+               sink: ShardSink | None = None, version: int = VERSION) -> tuple[dict[str, Any], int]:
     """Rank ``rank``'s tensors under ``cfg`` from chunks written under ``old``: the plan
     (``plan_reads``), executed by ``reader``; which file (or tier) each read comes from is the
     reader's business. Returns the shard and the real (non-padding) bytes it needed.
     ``writers``: ``writer_assignment(saved, old)`` when the caller has it; ``sink``: where the
-    tensors go (default: new tensors in their natural local shape)."""
-    items = plan_reads(saved, old, cfg, rank, writers=writers)
+    tensors go (default: new tensors in their natural local shape); ``version``: the checkpoint's format version."""
+    items = plan_reads(saved, old, cfg, rank, writers=writers, version=version)
     needed = sum(item.length * item.itemsize for item in items)
     if sink is None:
         buffers = shard_buffers(saved, cfg, rank)
@@ -1158,7 +1159,8 @@ def load_with_reader(manifest: Manifest, where: str, cfg: Layout, rank: int, rea
     reader.bind(Binding.of(manifest, writers))
     try:
         objects, extra, objects_bytes = read_objects(objects_from, manifest)  # small: fails fast, before the data
-        shard, needed = read_shard(saved, old, cfg, rank, reader, writers=writers, sink=sink)
+        shard, needed = read_shard(saved, old, cfg, rank, reader, writers=writers, sink=sink,
+                                   version=manifest.raw["version"])
         shard.update(objects)
     finally:
         reader.close()
