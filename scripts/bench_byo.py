@@ -36,7 +36,19 @@ from one real optimizer step. For every pair (from-mesh -> to-mesh), in one run:
 
 Medians over the repeats, with min and max. The load average is printed at start and end.
 
+Small states (#29 item 3, "no fixed cost"): ``--sizes 1,4,18,35`` runs each pair (default: FSDP2 4 -> 2,
+TP 2 -> FSDP2 2 x TP 2, and the sub-mesh pattern both ways: FSDP2 over ``dp_shard`` of a (dp_shard, tp)
+mesh whose embedding, norms and head are not TP-parallelized, ``parallelize_submesh``) on a model
+(``config_for``) whose state dict is about that many MiB. Saves are timed ``--repeats`` times too,
+the order alternating (``*_save_s`` with min/max); each new world also times its imports of
+``torch.distributed.checkpoint`` and then ``tenplex`` (``*_import_s``) and its first load of each,
+tenplex's first (``*_load_first_s``); ratios are tenplex / DCP of the medians (``save_ratio``,
+``load_ratio``, ``load_warm_ratio``, ``load_first_ratio``). A tenplex save that fails is reported
+(``tenplex_save_error``) and its pair's loads skipped. ``--kept K``: K steps under tenplex's URL
+(the loaded one newest; ``tenplex_ckpt_bytes`` counts all of them).
+
     python scripts/bench_byo.py                       # 100m, 3 repeats, all pairs
+    python scripts/bench_byo.py --sizes 1,4,18,35 --no-own --json /tmp/small.json   # small states
     python scripts/bench_byo.py --json docs/bench_byo.json
     python scripts/bench_byo.py --quick --pairs fsdp4-fsdp2 --json /tmp/x.json   # tiny, 1 repeat
 
@@ -344,6 +356,9 @@ def save_phase(rank: int, job: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             if rank == 0 and rep > 0:
                 shutil.rmtree(where, ignore_errors=True)
+    if error is None:  # older steps kept beside the loaded one (--kept): what a training run's directory holds
+        for older in range(job.get("kept", 1) - 1):
+            tenplex.save_state_dict(sd, job["tenplex_url"], step=older)
     out: dict[str, Any] = {"tenplex_save_error": error}
     for name, ts in times.items():
         out[f"{name}_save_runs"] = ts
@@ -590,7 +605,8 @@ def run_pair(pair: Pair, args: argparse.Namespace, root: Path, size_mib: float |
            "new_submesh": pair.new_submesh, "old": pair.old,
            "new": pair.new, "tenplex_url": str(tdir / "tenplex"), "dcp_dir": str(tdir / "dcp"),
            "dcp_sync": args.dcp_sync_files, "repeats": args.repeats, "timeout": args.timeout, "profile": args.profile,
-           "result": str(tdir / "result.json"), "own": not args.no_own, "own_dir": str(tdir / "own")}
+           "result": str(tdir / "result.json"), "own": not args.no_own, "own_dir": str(tdir / "own"),
+           "kept": args.kept}
     load0 = os.getloadavg()
     log(f"{pair.title}{'' if size_mib is None else f' ({size_mib:g} MiB)'}: save in a world of "
         f"{world_of(pair.old)} ({dims_text(pair.old)})")
@@ -598,7 +614,9 @@ def run_pair(pair: Pair, args: argparse.Namespace, root: Path, size_mib: float |
     row: dict[str, Any] = {
         "pair": pair.key, "title": pair.title, "from": dims_text(pair.old), "to": dims_text(pair.new),
         "preset": args.preset if config is None else None, "size_mib": size_mib, "config": config,
-        "repeats": args.repeats, "dcp_sync_files": args.dcp_sync_files, "loadavg_start": list(load0),
+        "repeats": args.repeats, "kept": args.kept, "dcp_sync_files": args.dcp_sync_files,
+        "tenplex_bytecode": not args.no_compile,
+        "loadavg_start": list(load0),
         "tenplex_save_error": saved["tenplex_save_error"]}
     for name in ("tenplex", "dcp"):
         ts = saved[f"{name}_save_runs"]
@@ -747,6 +765,11 @@ def main(argv: list[str] | None = None) -> int:
                     "PREFIX.<pair>.<system>.{prof,txt}")
     ap.add_argument("--no-own", action="store_true", help="skip the own-copy-per-rank loads (each new rank "
                     "loading its own cp -a copy of the checkpoints, page cache dropped)")
+    ap.add_argument("--no-compile", action="store_true", help="do not compile tenplex to bytecode first (as pip "
+                    "install does, and as torch's is): with PYTHONDONTWRITEBYTECODE=1 every new world then compiles "
+                    "tenplex from source, which its import time shows")
+    ap.add_argument("--kept", type=int, default=1, help="tenplex: steps kept under the URL, the loaded one the "
+                    "newest (older steps saved after the timed saves; DCP loads its one directory)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per world, seconds")
     args = ap.parse_args(argv)
     if args.quick:
@@ -757,8 +780,13 @@ def main(argv: list[str] | None = None) -> int:
     if not chosen or (args.pairs != "all" and len(chosen) != len(args.pairs.split(","))):
         ap.error(f"--pairs: choose from {[p.key for p in PAIRS]}")
     sizes: list[float | None] = [float(x) for x in args.sizes.split(",")] if args.sizes else [None]
+    if not args.no_compile:  # __pycache__ beside the sources (git ignores it), read even under PYTHONDONTWRITEBYTECODE
+        import compileall
+
+        compileall.compile_dir(str(REPO / "tenplex"), quiet=1)
     la = os.getloadavg()
-    print(f"load average at start: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}  ({os.cpu_count()} CPUs)", flush=True)
+    print(f"load average at start: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}  ({os.cpu_count()} CPUs); tenplex "
+          f"{'from source' if args.no_compile else 'compiled to bytecode first'}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_byo_", dir=args.tmpdir) as tmp:
         for size in sizes:
