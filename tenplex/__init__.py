@@ -12,9 +12,13 @@ Everything else is imported from its module (``from tenplex.planner import Move`
 ``__all__`` stay reachable as ``tenplex.<name>`` for code written against earlier versions.
 """
 
+import sys
+import types
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from .checkpoint import LoadResult, LoadStats, SaveResult, StepInfo, list_steps, load, read_manifest, save
 from .config import Coords, ParallelConfig
-from .elastic import RescaleResult, rescale
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -28,18 +32,66 @@ from .errors import (
     SpecError,
     TenplexError,
 )
-from .interop import ImportResult, export_hf, import_checkpoint, import_dcp, import_hf
-from .layouts import Hardware, LayoutChoice, choose_layout, rank_layouts, valid_layouts
-from .memory import MemoryEstimate, StageMemory, estimate_memory
-from .models import PRESETS, ModelSpec, model_ptc, model_spec
 from .planner import Move, Plan, PlanStats, plan
 from .ptc import PTC, Replicated, Split, TensorSpec
-from .reshard import reshard
-from .schedule import Schedule, Transfer, schedule
 from .state_dict import StateDictLoad, load_state_dict, save_state_dict
-from .topology import Topology
 
-from .store.recovery import Tier
+#: Names imported on first use (PEP 562), by the module that defines them: ``import tenplex`` for a
+#: checkpoint load or save no longer pays for rescaling, the store, layouts, interop, model presets and
+#: networkx (0.3-1 s of a restarted job's start on a loaded host; #29 item 3).
+_LAZY = {
+    "RescaleResult": "elastic", "rescale": "elastic",
+    "ImportResult": "interop", "export_hf": "interop", "import_checkpoint": "interop", "import_dcp": "interop",
+    "import_hf": "interop",
+    "Hardware": "layouts", "LayoutChoice": "layouts", "choose_layout": "layouts", "rank_layouts": "layouts",
+    "valid_layouts": "layouts",
+    "MemoryEstimate": "memory", "StageMemory": "memory", "estimate_memory": "memory",
+    "PRESETS": "models", "ModelSpec": "models", "model_ptc": "models", "model_spec": "models",
+    "Topology": "topology",
+    "reshard": "reshard",
+    "Schedule": "schedule", "Transfer": "schedule", "schedule": "schedule",
+    "Tier": "store.recovery",
+}
+
+if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
+    from .elastic import RescaleResult, rescale
+    from .interop import ImportResult, export_hf, import_checkpoint, import_dcp, import_hf
+    from .layouts import Hardware, LayoutChoice, choose_layout, rank_layouts, valid_layouts
+    from .memory import MemoryEstimate, StageMemory, estimate_memory
+    from .reshard import reshard
+    from .schedule import Schedule, Transfer, schedule
+    from .models import PRESETS, ModelSpec, model_ptc, model_spec
+    from .store.recovery import Tier
+    from .topology import Topology
+
+
+def __getattr__(name: str) -> Any:
+    """A name of ``_LAZY``: imported from its module on first use, then kept in the package's namespace."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    """``tenplex.reshard`` and ``tenplex.schedule`` are the functions (as when they were imported
+    eagerly), not the submodules of the same names: the import system binds a submodule to its
+    parent's attribute when it first loads it, which this refuses for those two names."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == name:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     # layouts

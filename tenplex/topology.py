@@ -24,13 +24,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import numpy as np
 
 from .config import MAX_WORLD_SIZE
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 __all__ = ["Link", "Topology", "parse_bandwidth", "parse_duration", "probe_bandwidth", "DEFAULT_SPEC"]
 
@@ -188,6 +190,8 @@ class Topology:
         nvlink = 0.0 if vals["nvlink"] in ("0", "none") else parse_bandwidth(vals["nvlink"])
         bw = {k: parse_bandwidth(vals[k]) for k in ("pcie", "nic", "mem", "storage")}
         lat = {k: parse_duration(vals[f"{k}_lat"]) for k in ("nvlink", "pcie", "mem", "nic", "storage")}
+        import networkx as nx  # lazy: 0.2-0.5 s that a checkpoint load or save (import tenplex) need not pay
+
         g = nx.DiGraph()
 
         def both(u: str, v: str, b: float, la: float, kind: str) -> None:
@@ -235,6 +239,8 @@ class Topology:
         else:
             if "gpus_per_host" not in data:
                 raise ConfigError("topology JSON needs 'spec' or 'gpus_per_host' with 'nodes' and 'links'")
+            import networkx as nx  # lazy: 0.2-0.5 s that a checkpoint load or save (import tenplex) need not pay
+
             g, gph = nx.DiGraph(), int(data["gpus_per_host"])
         for n in data.get("nodes", []):
             attrs = {k: v for k, v in n.items() if k != "id"}

@@ -222,3 +222,37 @@ def test_tier_is_the_recovery_tier() -> None:
     import tenplex.store.recovery as recovery
 
     assert tenplex.Tier is recovery.Tier
+
+
+def test_import_tenplex_loads_only_the_checkpoint_path() -> None:
+    """``import tenplex`` in a fresh interpreter loads what ``save_state_dict`` / ``load_state_dict``
+    need and nothing of rescaling, the store, scheduling, interop or networkx (#29 item 3: 0.3-1 s
+    of every restarted job's start on a loaded host, where DCP's own import costs 0.3 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tenplex; import tenplex.state_dict; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith(('tenplex', 'networkx')))))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         cwd=ROOT, timeout=120).stdout.split()
+    assert "tenplex.state_dict" in out and "tenplex.checkpoint.reader" in out
+    heavy = [m for m in out if m.split(".")[0] == "networkx" or m.split(".")[1:2] and m.split(".")[1] in
+             ("elastic", "store", "schedule", "interop", "topology", "layouts", "models", "memory", "reshard",
+              "migrate", "membership", "data")]
+    assert heavy == [], heavy
+
+
+def test_lazy_names_are_their_modules_and_survive_submodule_imports() -> None:
+    """Every name ``tenplex`` imports on first use is the object its module defines; ``tenplex.schedule``
+    and ``tenplex.reshard`` stay the functions when their submodules are imported first."""
+    import subprocess
+    import sys
+
+    code = ("import tenplex, tenplex.schedule.scheduler, tenplex.reshard, inspect; "
+            "assert inspect.isfunction(tenplex.schedule) and inspect.isfunction(tenplex.reshard), "
+            "(tenplex.schedule, tenplex.reshard); print('ok')")
+    assert subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT,
+                          timeout=120).stdout.strip() == "ok"
+    for name, module in tenplex._LAZY.items():  # noqa: SLF001 - the table under test
+        assert getattr(tenplex, name) is getattr(importlib.import_module(f"tenplex.{module}"), name), name
+    assert set(tenplex._LAZY) <= set(dir(tenplex))  # noqa: SLF001

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-import networkx as nx
 import numpy as np
 
 from ..errors import PlanError
@@ -55,6 +54,8 @@ def _option(topology: Topology, k: int, source: str, paths: dict[str, tuple[str,
 
 
 def _alt_path(topology: Topology, s: str, d: str, first: tuple[str, ...], ref: float) -> tuple[str, ...] | None:
+    import networkx as nx  # lazy: 0.2-0.5 s that a checkpoint load or save (import tenplex) need not pay
+
     used = set(zip(first, first[1:]))
     try:
         p = nx.dijkstra_path(topology.graph, s, d, weight=lambda u, v, a: (a["latency"] + ref / a["bandwidth"])
