@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tenplex
+from tenplex.checkpoint.format import ROW_BLOCK_MIN
 from tenplex.bubbles import BubbleRuntime, SideTaskMemoryError, SnapshotTask, StoreWriteTask, side_task_memory_budget
 from tenplex.memory import estimate_memory
 from tenplex.train.schedule import Op
@@ -119,8 +120,8 @@ def test_store_write_under_a_small_budget_uses_smaller_buckets_and_equals_the_ch
         for name, t in ref.items():
             if isinstance(t, torch.Tensor):
                 assert torch.equal(got[name], t), (root, name)
-    with pytest.raises(SideTaskMemoryError):  # not even one checksum block fits
-        BubbleRuntime(memory_budget=1024).register(StoreWriteTask(str(tmp_path / "c"), ptc, cfg, 0))
+    with pytest.raises(SideTaskMemoryError):  # not even one checksum block fits (blocks are >= ROW_BLOCK_MIN)
+        BubbleRuntime(memory_budget=ROW_BLOCK_MIN - 1).register(StoreWriteTask(str(tmp_path / "c"), ptc, cfg, 0))
 
 
 def test_windows_report_start_expected_length_and_side_task_memory() -> None:
