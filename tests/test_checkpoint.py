@@ -31,12 +31,13 @@ from tenplex import (
     ParallelConfig,
     model_ptc,
 )
-from tenplex.checkpoint.format import chunk_block
+from tenplex.checkpoint.format import CRC_TABLE, chunk_block
 from tenplex.checkpoint import (
     list_steps,
     load,
     open_sealed_json,
     read_manifest,
+    read_part_chunks,
     save,
     seal_json,
     writer_assignment,
@@ -211,7 +212,7 @@ def tiny_ptc(**kw):
 
 
 def data_file_sizes(url: str, step: int) -> dict[int, int]:
-    """Bytes of tensor data (header excluded) in every rank's safetensors file."""
+    """Bytes of tensor data (header and CRC table excluded) in every rank's safetensors file."""
     fs, root = _fs_root(url)
     out = {}
     for path in fs.ls(_sdir(fs, root, step), detail=False):
@@ -219,7 +220,8 @@ def data_file_sizes(url: str, step: int) -> dict[int, int]:
         if m:
             raw = fs.cat_file(path)
             header_len = int.from_bytes(raw[:8], "little")
-            out[int(m.group(1))] = len(raw) - 8 - header_len
+            entry = json.loads(raw[8 : 8 + header_len]).get(CRC_TABLE)
+            out[int(m.group(1))] = (entry["data_offsets"][0] if entry else len(raw) - 8 - header_len)
     return out
 
 
@@ -359,8 +361,18 @@ def medium_ptc(**kw):
     return model_ptc(**args)
 
 
-def _data_reads(since: int = 0):
-    return [r for r in CountingMemFS.reads[since:] if r[0].endswith(".safetensors")]
+def crc_table_start(path: str) -> int:
+    """Where the CRC table (``CRC_TABLE``, format version 4) of in-memory data file ``path`` begins
+    (its size when it has none): read from the stored bytes, uncounted."""
+    raw = CountingMemFS.store[path].getvalue()
+    n = int.from_bytes(raw[:8], "little")
+    entry = json.loads(raw[8 : 8 + n]).get(CRC_TABLE)
+    return 8 + n + entry["data_offsets"][0] if entry else len(raw)
+
+
+def data_reads(since: int = 0):
+    """The reads of tensor bytes (of data files, before their CRC tables) since ``since``."""
+    return [r for r in CountingMemFS.reads[since:] if r[0].endswith(".safetensors") and r[1] < crc_table_start(r[0])]
 
 
 def _check_load_reads(url, ptc, cfg, glob, ratios: list[float]):
@@ -374,7 +386,7 @@ def _check_load_reads(url, ptc, cfg, glob, ratios: list[float]):
         res = load(url, cfg, r)
         assert_shard_equal(res.shard, want[r], f"rank {r}")
         st_ = res.stats
-        reads = _data_reads(mark)
+        reads = data_reads(mark)
         # (a) the filesystem saw exactly the data bytes the loader reports
         assert sum(n for *_, n in reads) == st_.bytes_read
         assert len(reads) == st_.ranges
@@ -392,7 +404,8 @@ def _check_load_reads(url, ptc, cfg, glob, ratios: list[float]):
         for path, n in per_file.items():
             assert n < sizes[path], f"rank {r} read {n} of {sizes[path]} bytes of {path}"
         # metadata is accounted separately and is small next to the data
-        meta = sum(n for p, _, _, n in CountingMemFS.reads[mark:] if not p.endswith(".safetensors"))
+        data = set(data_reads(mark))
+        meta = sum(n for r in CountingMemFS.reads[mark:] if r not in data for n in r[3:])
         assert meta >= st_.metadata_bytes > 0
 
 
@@ -419,12 +432,12 @@ def test_bytes_read_pp_only_touches_needed_files():
     CountingMemFS.reads.clear()
     new = ParallelConfig(pp=4)
     res = load(url, new, 0)  # embedding + layer 0: all on old stage 0 = old rank 0
-    touched = {p.rsplit("/", 1)[-1] for p, *_ in _data_reads()}
+    touched = {p.rsplit("/", 1)[-1] for p, *_ in data_reads()}
     assert touched == {"rank-00000.safetensors"}
     assert_shard_equal(res.shard, ptc.shard(glob, new)[0])
     CountingMemFS.reads.clear()
     res = load(url, new, 3)  # layer 3, final norm, lm head: all on old rank 1
-    assert {p.rsplit("/", 1)[-1] for p, *_ in _data_reads()} == {"rank-00001.safetensors"}
+    assert {p.rsplit("/", 1)[-1] for p, *_ in data_reads()} == {"rank-00001.safetensors"}
     assert res.stats.bytes_read <= res.stats.bytes_needed + res.stats.ranges * 2 * KIB64
     ratios: list[float] = []
     _check_load_reads(url, ptc, ParallelConfig(tp=2, pp=2, stages=(1, 3)), glob, ratios)
@@ -669,7 +682,9 @@ def test_bad_keep_last_and_step(url):
 # ---------------------------------------------------------------------------------------------
 def _chunk(url, step, rank, tensor):
     idx = json.loads(_read_bytes(url, f"{_step(step)}/rank-{rank:05d}.json"))
-    chunks = [c for c in idx["chunks"] if c["tensor"] == tensor]
+    fs, root = _fs_root(url)
+    sdir = _resolve(fs, root, _step(step))
+    chunks = [c for c in read_part_chunks(fs.unstrip_protocol(sdir), rank) if c["tensor"] == tensor]
     assert chunks, f"rank {rank} wrote no chunk of {tensor}"
     return idx, chunks[0]
 
