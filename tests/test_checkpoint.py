@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import tempfile
 import time
 import uuid
+import zlib
 from collections import defaultdict
 from typing import Any
 
@@ -31,7 +33,7 @@ from tenplex import (
     ParallelConfig,
     model_ptc,
 )
-from tenplex.checkpoint.format import CRC_TABLE, chunk_block
+from tenplex.checkpoint.format import CRC_GROUP, CRC_TABLE, chunk_block, crc_concat, crc_spans
 from tenplex.checkpoint import (
     list_steps,
     load,
@@ -1365,3 +1367,29 @@ def test_a_rank_that_sees_no_checkpoint_never_makes_the_others_start_fresh(tmp_p
     want = ptc.shard(g20, cfg)
     for r in range(2):
         assert_shard_equal(torch.load(tmp_path / f"shard-{r}.pt", weights_only=True), want[r], f"rank {r}")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.sampled_from([1, 3, 256, 512]), st.data())
+def test_crc_spans_cover_a_read_and_group_words_combine(nbytes: int, block: int, data: st.DataObject) -> None:
+    """Format version 4: the block, group and block words ``crc_spans`` picks for bytes [lo, hi) of a
+    chunk check exactly those bytes, in order, each group whole inside them; and a group's word,
+    combined from its blocks' words (``crc_concat``, as the writer does), is the CRC32 of its bytes."""
+    nblocks = -(-nbytes // block)
+    k0 = data.draw(st.integers(0, nblocks - 1))
+    k1 = data.draw(st.integers(k0 + 1, nblocks))
+    lo, hi = k0 * block, min(k1 * block, nbytes)
+    (a0, a1), (g0, g1), (t0, t1) = crc_spans(nbytes, block, lo, hi)
+    group = block * CRC_GROUP
+    pieces = [(a * block, min(b * block, nbytes)) for a, b in ((a0, a1),) if b > a]
+    pieces += [(g * group, min((g + 1) * group, nbytes)) for g in range(g0, g1)]
+    pieces += [(a * block, min(b * block, nbytes)) for a, b in ((t0, t1),) if b > a]
+    assert pieces[0][0] == lo and pieces[-1][1] == hi and all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))
+    raw, seed = bytes(random.Random(nbytes).randrange(256) for _ in range(nbytes)), 0x1234567
+    for g in range(g0, g1):
+        end = min((g + 1) * group, nbytes)
+        words = [zlib.crc32(raw[p : min(p + block, nbytes)], seed) for p in range(g * group, end, block)]
+        acc = words[0]
+        for k, w in enumerate(words[1:], 1):
+            acc = crc_concat(acc, w, min(block, nbytes - g * group - k * block), seed)
+        assert acc == zlib.crc32(raw[g * group : end], seed)

@@ -46,7 +46,8 @@ __all__ = ["FORMAT", "VERSION", "READ_VERSIONS", "MAX_STEP", "MANIFEST_NAME", "O
            "ROW_BLOCK_MIN", "ROW_BLOCK_SHARE", "Chunk", "crc32", "step_dir_name", "step_dir", "parse_step_dir",
            "rank_stem", "data_name", "index_name", "part_files", "check_step", "check_save_id", "seal_json",
            "open_sealed_json", "safetensors_header", "block_bytes", "panel_block", "row_bytes", "row_block",
-           "chunk_block", "block_crcs_hex", "CRC_TABLE", "crc_seed", "chunks_digest", "part_chunks",
+           "chunk_block", "block_crcs_hex", "CRC_TABLE", "CRC_GROUP", "crc_seed", "crc_concat", "chunks_digest",
+           "part_chunks", "crc_spans",
            "writer_assignment", "manifest_object", "index_object", "Manifest",
            "verify_manifest", "Binding", "verify_index"]
 
@@ -64,8 +65,12 @@ READ_VERSIONS = frozenset({2, 3, 4})
 """The versions this tenplex reads (version 2: the block rule ``chunk_block(..., version=2)``; 2 and 3:
 the chunks and their CRCs in the index)."""
 CRC_TABLE = "__tenplex_crc32__"
-"""Version 4: the data file's last safetensors entry, the block CRC32s of its chunks (``U8``, 4 bytes
-each, big-endian), chunk after chunk in file order."""
+"""Version 4: the data file's last safetensors entry (``U8``, 4-byte big-endian words): the block CRC32s
+of its chunks, chunk after chunk in file order, then the CRC32s of their groups of ``CRC_GROUP`` blocks
+(the last group of a chunk may be shorter), chunk after chunk."""
+CRC_GROUP = 8
+"""Version 4: blocks per group word. A load checks whole groups inside a piece by their group word and
+only the blocks at its ends by theirs: about 1/8 of the CRC words for long pieces."""
 MAX_STEP = 10**12
 """Steps are in [0, MAX_STEP): directory names hold 12 digits."""
 MANIFEST_NAME, OBJECTS_NAME = "manifest.json", "objects.pt"
@@ -328,6 +333,25 @@ def crc_seed(step: int, save_id: str, rank: int) -> int:
     return crc32(f"{FORMAT}/{step}/{save_id}/{rank}".encode())
 
 
+def crc_concat(a: int, b: int, nbytes_b: int, seed: int) -> int:
+    """The CRC32 from ``seed`` of bytes ``A + B`` given ``a`` and ``b``, those of ``A`` and of ``B``
+    (``nbytes_b`` bytes) from ``seed``: ``B``'s CRC with ``a ^ seed`` carried through its length."""
+    zeros = bytes(nbytes_b)
+    return b ^ crc32(zeros, a ^ seed) ^ crc32(zeros, 0)
+
+
+def crc_spans(nbytes: int, block: int, lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """Version 4: which CRC words check bytes [lo, hi) of a chunk of ``nbytes`` (``lo`` on a block
+    boundary, ``hi`` on one or the chunk's end): blocks ``[k0, k1)`` by their own words, groups
+    ``[g0, g1)`` of ``CRC_GROUP`` blocks by theirs, then blocks ``[t0, t1)``; in that byte order."""
+    k0, k1, last = lo // block, -(-hi // block), -(-nbytes // block)
+    g0 = -(-k0 // CRC_GROUP)
+    g1 = -(-k1 // CRC_GROUP) if k1 == last else k1 // CRC_GROUP
+    if g1 <= g0:
+        return (k0, k1), (g0, g0), (k1, k1)
+    return (k0, g0 * CRC_GROUP), (g0, g1), (min(g1 * CRC_GROUP, k1), k1)
+
+
 def chunks_digest(assigned: list[Chunk]) -> str:
     """Version 4: the SHA-256 (hex) of a rank's chunk list, recorded in its index so a reader whose
     ``writer_assignment`` differs from the writer's refuses the part instead of misreading it."""
@@ -337,8 +361,9 @@ def chunks_digest(assigned: list[Chunk]) -> str:
 def part_chunks(assigned: list[Chunk], specs: Mapping[str, TensorSpec], data_offset: int,
                 version: int = VERSION) -> tuple[list[dict[str, Any]], int, int]:
     """Version 4: a part's chunk entries derived from its assignment (the writer stores them in
-    order from ``data_offset``): ``tensor, start, length, offset, block`` and ``crc_at``, the index of
-    its first CRC word in the table; with the table's byte offset and its word count."""
+    order from ``data_offset``): ``tensor, start, length, offset, block``, ``crc_at`` and ``group_at``,
+    the table's word of its first block and of its first group; with the table's byte offset and its
+    word count."""
     out, off, words = [], data_offset, 0
     rule: dict[tuple[str, int], int] = {}
     for t, _, st, ln in assigned:
@@ -350,6 +375,9 @@ def part_chunks(assigned: list[Chunk], specs: Mapping[str, TensorSpec], data_off
         out.append({"tensor": t, "start": st, "length": ln, "offset": off, "block": blk, "crc_at": words})
         off += nbytes
         words += -(-nbytes // blk)
+    for c in out:
+        c["group_at"] = words
+        words += -(-c["length"] * specs[c["tensor"]].itemsize // (c["block"] * CRC_GROUP))
     return out, off, words
 
 

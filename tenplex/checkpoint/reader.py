@@ -44,13 +44,15 @@ from .format import (
     OBJECTS_NAME,
     RANK_INDEX_RE,
     REUSED_PREFIX,
+    CRC_GROUP,
+    MAX_BLOCK,
     Binding,
     Chunk,
-    MAX_BLOCK,
     VERSION,
     Manifest,
     chunk_block,
     crc32,
+    crc_spans,
     index_name,
     open_sealed_json,
     parse_step_dir,
@@ -826,8 +828,11 @@ class PartReader:
             _, chunk, lo, hi = self._span(item)
             words = chunk.get("crcs")
             if words is not None:
-                k0 = chunk["crc_at"] + lo // chunk["block"]
-                wanted.setdefault(item.writer, []).append((k0, k0 + -(-(hi - lo) // chunk["block"]), 0))
+                (k0, k1), (g0, g1), (t0, t1) = crc_spans(chunk["length"] * item.itemsize, chunk["block"], lo, hi)
+                pieces = wanted.setdefault(item.writer, [])
+                for at, a, b in ((chunk["crc_at"], k0, k1), (chunk["group_at"], g0, g1), (chunk["crc_at"], t0, t1)):
+                    if b > a:
+                        pieces.append((at + a, at + b, 0))
                 tables[item.writer] = words
                 planned += hi - lo
         if not wanted:
@@ -960,35 +965,50 @@ def coalesce(pieces: Sequence[tuple[int, int, int]], max_gap: int, budget: int,
 def _check_blocks(path: str, item: ReadItem, chunk: dict[str, Any], segs: list[memoryview], lo: int,
                   hi: int) -> None:
     """CheckpointCorruptError unless bytes [lo, hi) of ``item``'s chunk (``lo`` on a block boundary),
-    laid out across ``segs``, match the block CRCs its part records (version 4: words of the data
-    file's CRC table, seeded with the part's binding; before: the index's hex digits)."""
+    laid out across ``segs``, match the CRCs its part records (version 4: words of the data file's CRC
+    table, seeded with the part's binding, groups of blocks inside the range by their group words
+    (``crc_spans``); before: every block against the index's hex digits)."""
     block, seed = chunk["block"], chunk.get("seed", 0)
-    if len(segs) == 1:
-        raw = segs[0]
-        got = [crc32(raw[p : p + block], seed) for p in range(0, hi - lo, block)]
-    else:
-        got = _block_crcs(segs, lo, hi, block, seed)
-    k0 = lo // block
     table = chunk.get("crcs")
-    if table is not None:
-        want, at = table.words(chunk["crc_at"] + k0, chunk["crc_at"] + k0 + len(got)), 0
+    if table is None:
+        checks = [(lo, hi, block, chunk.get("crc32_bytes"), lo // block)]
+        if checks[0][3] is None:  # the index's hex digits as bytes, once per chunk (a race only computes it twice)
+            checks = [(lo, hi, block, chunk.setdefault("crc32_bytes", bytes.fromhex(chunk["crc32"])), lo // block)]
     else:
-        want, at = chunk.get("crc32_bytes"), k0
-        if want is None:  # the index's hex digits as bytes, once per chunk (a race only computes it twice)
-            want = chunk["crc32_bytes"] = bytes.fromhex(chunk["crc32"])
-    if struct.pack(f">{len(got)}I", *got) != want[4 * at : 4 * (at + len(got))]:  # about 1 us
-        words = np.frombuffer(want, dtype=">u4").tolist()
-        bad = next(j for j, (g, w) in enumerate(zip(got, words[at:] + [None] * len(got))) if g != w)
-        off = (k0 + bad) * block
-        raise CheckpointCorruptError(
-            f"{path}: checksum mismatch in {item.tensor} bytes [{off}, {min(off + block, chunk['length'] * item.itemsize)}) "
-            f"of the chunk at offset {item.chunk_start}: the file is corrupted; load an earlier step"
-        )
+        nbytes = chunk["length"] * item.itemsize
+        (k0, k1), (g0, g1), (t0, t1) = crc_spans(nbytes, block, lo, hi)
+        group = block * CRC_GROUP
+        checks = [(a, b, size, table.words(at + x, at + y), 0) for a, b, size, at, x, y in (
+            (k0 * block, min(k1 * block, hi), block, chunk["crc_at"], k0, k1),
+            (g0 * group, min(g1 * group, hi), group, chunk["group_at"], g0, g1),
+            (t0 * block, hi, block, chunk["crc_at"], t0, t1)) if y > x]
+    for a, b, size, want, at in checks:
+        if len(segs) == 1:
+            raw = segs[0]
+            got = [crc32(raw[p - lo : min(p + size, b) - lo], seed) for p in range(a, b, size)]
+        else:
+            got = _block_crcs(segs, lo, a, b, size, seed)
+        if struct.pack(f">{len(got)}I", *got) != want[4 * at : 4 * (at + len(got))]:  # about 1 us
+            words = np.frombuffer(want, dtype=">u4").tolist()
+            bad = next(j for j, (g, w) in enumerate(zip(got, words[at:] + [None] * len(got))) if g != w)
+            off = a + bad * size
+            raise CheckpointCorruptError(
+                f"{path}: checksum mismatch in {item.tensor} bytes [{off}, {min(off + size, chunk['length'] * item.itemsize)}) "
+                f"of the chunk at offset {item.chunk_start}: the file is corrupted; load an earlier step"
+            )
 
 
-def _block_crcs(segs: list[memoryview], lo: int, hi: int, block: int, seed: int = 0) -> list[int]:
-    """The CRC32 (from ``seed``) of each checksum block of bytes [lo, hi) laid out across ``segs``."""
-    out, si, soff, pos = [], 0, 0, lo
+def _block_crcs(segs: list[memoryview], base: int, lo: int, hi: int, block: int, seed: int = 0) -> list[int]:
+    """The CRC32 (from ``seed``) of each ``block`` bytes of [lo, hi), the chunk's bytes from ``base`` on
+    laid out across ``segs``."""
+    out, si, soff, skip = [], 0, 0, lo - base
+    while skip:  # to ``lo``
+        take = min(skip, len(segs[si]) - soff)
+        soff += take
+        skip -= take
+        if soff == len(segs[si]):
+            si, soff = si + 1, 0
+    pos = lo
     while pos < hi:
         end = min(pos + block, hi)
         crc, need = seed, end - pos

@@ -35,6 +35,7 @@ from ..models import HPARAMS, ModelSpec
 from ..ptc import PTC, Layout
 from . import format as format_mod
 from .format import (
+    CRC_GROUP,
     CRC_TABLE,
     FORMAT,
     MANIFEST_NAME,
@@ -44,6 +45,7 @@ from .format import (
     chunk_block,
     block_crcs_hex,
     chunks_digest,
+    crc_concat,
     crc_seed,
     check_save_id,
     check_step,
@@ -317,7 +319,8 @@ class PartWriter:
         self.version = format_mod.VERSION  # read here: tests write older versions by setting it
         table = self.version >= 4  # version 4: the block CRCs in the data file, last (``part_chunks``)
         blocks = [chunk_block(ptc.tensors[name], ln * ptc.tensors[name].itemsize) for name, _, _, ln in assigned]
-        words = sum(-(-ln * ptc.tensors[name].itemsize // blk) for (name, _, _, ln), blk in zip(assigned, blocks))
+        sizes = [ln * ptc.tensors[name].itemsize for name, _, _, ln in assigned]
+        words = sum(-(-n // blk) + -(-n // (blk * CRC_GROUP)) for n, blk in zip(sizes, blocks))
         self.header, offsets = safetensors_header(
             [*((f"{name}@{start}", ptc.tensors[name].dtype, ln) for name, _, start, ln in assigned),
              *([(CRC_TABLE, torch.uint8, 4 * words)] if table else [])],
@@ -375,8 +378,16 @@ class PartWriter:
         self.checksum(i, a, view)
 
     def crc_table(self) -> bytes:
-        """The data file's last entry (``CRC_TABLE``): every block CRC32, big-endian, in file order."""
+        """The data file's last entry (``CRC_TABLE``): every block CRC32, big-endian, in file order, then
+        every group's (``CRC_GROUP`` blocks), combined from its blocks' (``crc_concat``)."""
         words = [w for crcs in self.crcs for w in crcs]
+        seed = self.seed
+        for c, crcs in zip(self.chunks, self.crcs):
+            for g in range(0, len(crcs), CRC_GROUP):
+                acc = crcs[g]
+                for k in range(g + 1, min(g + CRC_GROUP, len(crcs))):
+                    acc = crc_concat(acc, crcs[k], min(c.block, c.nbytes - k * c.block), seed)
+                words.append(acc)
         return struct.pack(f">{len(words)}I", *words)
 
     def finish_local(self, fd: int) -> None:
