@@ -336,8 +336,11 @@ def crc_seed(step: int, save_id: str, rank: int) -> int:
 def crc_concat(a: int, b: int, nbytes_b: int, seed: int) -> int:
     """The CRC32 from ``seed`` of bytes ``A + B`` given ``a`` and ``b``, those of ``A`` and of ``B``
     (``nbytes_b`` bytes) from ``seed``: ``B``'s CRC with ``a ^ seed`` carried through its length."""
-    zeros = bytes(nbytes_b)
+    zeros = _ZEROS[:nbytes_b] if nbytes_b <= MAX_BLOCK else bytes(nbytes_b)
     return b ^ crc32(zeros, a ^ seed) ^ crc32(zeros, 0)
+
+
+_ZEROS = memoryview(bytes(MAX_BLOCK))
 
 
 def crc_spans(nbytes: int, block: int, lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
