@@ -658,7 +658,7 @@ def resume_check(args, setup, rank, out, tr) -> None:
 
 def checkpoint_sizes(tdir, tenplex_dir) -> dict:
     """Bytes of the DCP checkpoint's tensors (its chunks, from .metadata), of its files, and of the
-    tenplex checkpoint's data files: the tensor payload (file minus safetensors header) and in all."""
+    tenplex checkpoint's data files: the tensor payload (file minus safetensors header and CRC table) and in all."""
     import math
     import struct
 
@@ -671,11 +671,14 @@ def checkpoint_sizes(tdir, tenplex_dir) -> dict:
                        for m in md.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)
                        for c in m.chunks)
     payload = files = 0
+    from tenplex.checkpoint.format import CRC_TABLE
+
     for f in Path(tenplex_dir).glob("step-*/rank-*.safetensors"):
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
+            table = json.loads(fh.read(n)).get(CRC_TABLE)  # format version 4: the block CRCs, not payload
         files += f.stat().st_size
-        payload += f.stat().st_size - 8 - n
+        payload += f.stat().st_size - 8 - n - (table["data_offsets"][1] - table["data_offsets"][0] if table else 0)
     return {"dcp_tensor_bytes": tensor_bytes, "dcp_files_bytes": sum(f.stat().st_size for f in Path(tdir).iterdir()),
             "tenplex_data_payload_bytes": payload, "tenplex_data_files_bytes": files,
             "tenplex_all_files_bytes": sum(f.stat().st_size for f in Path(tenplex_dir).rglob("*") if f.is_file())}

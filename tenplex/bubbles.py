@@ -588,6 +588,8 @@ class StoreWriteTask:
                 n += self._write_one()
             self.blocking_bytes += n
             self._measure("bucket", time.perf_counter() - t0, n, k)
+        assert self._part is not None
+        self._part.finish_local(self._fd)  # the CRC table, now that every block is checksummed
         os.close(self._fd)
         self._fd = -1
         assert self._part is not None

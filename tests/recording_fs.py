@@ -45,7 +45,8 @@ fsspec.register_implementation("recfs", RecordingFileSystem, clobber=True)
 
 
 class CountingFileSystem(DirFileSystem):
-    """Local files through fsspec (``countfs:///abs/path``), counting every byte ``cat_file`` returns
+    """Local files through fsspec (``countfs:///abs/path``), counting every byte ``cat_file`` and
+    ``cat_ranges`` return
     (``CountingFileSystem.bytes``, per process): what a load really fetched, data and metadata, to
     hold against its own ``LoadStats``. Not a ``LocalFileSystem``, so tenplex reads it with ranged
     ``cat_file`` calls as it reads remote storage."""
@@ -65,6 +66,11 @@ class CountingFileSystem(DirFileSystem):
         raw = super().cat_file(path, start=start, end=end, **kwargs)
         type(self).bytes += len(raw)
         return raw
+
+    def cat_ranges(self, paths: list[str], starts: list[int], ends: list[int], *args: Any, **kwargs: Any) -> list[Any]:
+        out = super().cat_ranges(paths, starts, ends, *args, **kwargs)
+        type(self).bytes += sum(len(raw) for raw in out if isinstance(raw, bytes))
+        return out
 
 
 fsspec.register_implementation("countfs", CountingFileSystem, clobber=True)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import tempfile
 import time
 import uuid
+import zlib
 from collections import defaultdict
 from typing import Any
 
@@ -31,12 +33,13 @@ from tenplex import (
     ParallelConfig,
     model_ptc,
 )
-from tenplex.checkpoint.format import chunk_block
+from tenplex.checkpoint.format import CRC_GROUP, CRC_TABLE, chunk_block, crc_concat, crc_spans
 from tenplex.checkpoint import (
     list_steps,
     load,
     open_sealed_json,
     read_manifest,
+    read_part_chunks,
     save,
     seal_json,
     writer_assignment,
@@ -211,7 +214,7 @@ def tiny_ptc(**kw):
 
 
 def data_file_sizes(url: str, step: int) -> dict[int, int]:
-    """Bytes of tensor data (header excluded) in every rank's safetensors file."""
+    """Bytes of tensor data (header and CRC table excluded) in every rank's safetensors file."""
     fs, root = _fs_root(url)
     out = {}
     for path in fs.ls(_sdir(fs, root, step), detail=False):
@@ -219,7 +222,8 @@ def data_file_sizes(url: str, step: int) -> dict[int, int]:
         if m:
             raw = fs.cat_file(path)
             header_len = int.from_bytes(raw[:8], "little")
-            out[int(m.group(1))] = len(raw) - 8 - header_len
+            entry = json.loads(raw[8 : 8 + header_len]).get(CRC_TABLE)
+            out[int(m.group(1))] = (entry["data_offsets"][0] if entry else len(raw) - 8 - header_len)
     return out
 
 
@@ -359,8 +363,18 @@ def medium_ptc(**kw):
     return model_ptc(**args)
 
 
-def _data_reads(since: int = 0):
-    return [r for r in CountingMemFS.reads[since:] if r[0].endswith(".safetensors")]
+def crc_table_start(path: str) -> int:
+    """Where the CRC table (``CRC_TABLE``, format version 4) of in-memory data file ``path`` begins
+    (its size when it has none): read from the stored bytes, uncounted."""
+    raw = CountingMemFS.store[path].getvalue()
+    n = int.from_bytes(raw[:8], "little")
+    entry = json.loads(raw[8 : 8 + n]).get(CRC_TABLE)
+    return 8 + n + entry["data_offsets"][0] if entry else len(raw)
+
+
+def data_reads(since: int = 0):
+    """The reads of tensor bytes (of data files, before their CRC tables) since ``since``."""
+    return [r for r in CountingMemFS.reads[since:] if r[0].endswith(".safetensors") and r[1] < crc_table_start(r[0])]
 
 
 def _check_load_reads(url, ptc, cfg, glob, ratios: list[float]):
@@ -374,7 +388,7 @@ def _check_load_reads(url, ptc, cfg, glob, ratios: list[float]):
         res = load(url, cfg, r)
         assert_shard_equal(res.shard, want[r], f"rank {r}")
         st_ = res.stats
-        reads = _data_reads(mark)
+        reads = data_reads(mark)
         # (a) the filesystem saw exactly the data bytes the loader reports
         assert sum(n for *_, n in reads) == st_.bytes_read
         assert len(reads) == st_.ranges
@@ -392,7 +406,8 @@ def _check_load_reads(url, ptc, cfg, glob, ratios: list[float]):
         for path, n in per_file.items():
             assert n < sizes[path], f"rank {r} read {n} of {sizes[path]} bytes of {path}"
         # metadata is accounted separately and is small next to the data
-        meta = sum(n for p, _, _, n in CountingMemFS.reads[mark:] if not p.endswith(".safetensors"))
+        data = set(data_reads(mark))
+        meta = sum(n for r in CountingMemFS.reads[mark:] if r not in data for n in r[3:])
         assert meta >= st_.metadata_bytes > 0
 
 
@@ -419,12 +434,12 @@ def test_bytes_read_pp_only_touches_needed_files():
     CountingMemFS.reads.clear()
     new = ParallelConfig(pp=4)
     res = load(url, new, 0)  # embedding + layer 0: all on old stage 0 = old rank 0
-    touched = {p.rsplit("/", 1)[-1] for p, *_ in _data_reads()}
+    touched = {p.rsplit("/", 1)[-1] for p, *_ in data_reads()}
     assert touched == {"rank-00000.safetensors"}
     assert_shard_equal(res.shard, ptc.shard(glob, new)[0])
     CountingMemFS.reads.clear()
     res = load(url, new, 3)  # layer 3, final norm, lm head: all on old rank 1
-    assert {p.rsplit("/", 1)[-1] for p, *_ in _data_reads()} == {"rank-00001.safetensors"}
+    assert {p.rsplit("/", 1)[-1] for p, *_ in data_reads()} == {"rank-00001.safetensors"}
     assert res.stats.bytes_read <= res.stats.bytes_needed + res.stats.ranges * 2 * KIB64
     ratios: list[float] = []
     _check_load_reads(url, ptc, ParallelConfig(tp=2, pp=2, stages=(1, 3)), glob, ratios)
@@ -701,7 +716,9 @@ def test_bad_keep_last_and_step(url):
 # ---------------------------------------------------------------------------------------------
 def _chunk(url, step, rank, tensor):
     idx = json.loads(_read_bytes(url, f"{_step(step)}/rank-{rank:05d}.json"))
-    chunks = [c for c in idx["chunks"] if c["tensor"] == tensor]
+    fs, root = _fs_root(url)
+    sdir = _resolve(fs, root, _step(step))
+    chunks = [c for c in read_part_chunks(fs.unstrip_protocol(sdir), rank) if c["tensor"] == tensor]
     assert chunks, f"rank {rank} wrote no chunk of {tensor}"
     return idx, chunks[0]
 
@@ -1382,3 +1399,29 @@ def test_a_rank_that_sees_no_checkpoint_never_makes_the_others_start_fresh(tmp_p
     want = ptc.shard(g20, cfg)
     for r in range(2):
         assert_shard_equal(torch.load(tmp_path / f"shard-{r}.pt", weights_only=True), want[r], f"rank {r}")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.sampled_from([1, 3, 256, 512]), st.data())
+def test_crc_spans_cover_a_read_and_group_words_combine(nbytes: int, block: int, data: st.DataObject) -> None:
+    """Format version 4: the block, group and block words ``crc_spans`` picks for bytes [lo, hi) of a
+    chunk check exactly those bytes, in order, each group whole inside them; and a group's word,
+    combined from its blocks' words (``crc_concat``, as the writer does), is the CRC32 of its bytes."""
+    nblocks = -(-nbytes // block)
+    k0 = data.draw(st.integers(0, nblocks - 1))
+    k1 = data.draw(st.integers(k0 + 1, nblocks))
+    lo, hi = k0 * block, min(k1 * block, nbytes)
+    (a0, a1), (g0, g1), (t0, t1) = crc_spans(nbytes, block, lo, hi)
+    group = block * CRC_GROUP
+    pieces = [(a * block, min(b * block, nbytes)) for a, b in ((a0, a1),) if b > a]
+    pieces += [(g * group, min((g + 1) * group, nbytes)) for g in range(g0, g1)]
+    pieces += [(a * block, min(b * block, nbytes)) for a, b in ((t0, t1),) if b > a]
+    assert pieces[0][0] == lo and pieces[-1][1] == hi and all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))
+    raw, seed = bytes(random.Random(nbytes).randrange(256) for _ in range(nbytes)), 0x1234567
+    for g in range(g0, g1):
+        end = min((g + 1) * group, nbytes)
+        words = [zlib.crc32(raw[p : min(p + block, nbytes)], seed) for p in range(g * group, end, block)]
+        acc = words[0]
+        for k, w in enumerate(words[1:], 1):
+            acc = crc_concat(acc, w, min(block, nbytes - g * group - k * block), seed)
+        assert acc == zlib.crc32(raw[g * group : end], seed)

@@ -23,6 +23,7 @@ import pytest
 import torch
 from hostile import Tally
 
+from tenplex.checkpoint import read_part_chunks
 from tenplex.train.run import main
 
 BASE = ["--model", "tiny", "--seed", "7", "--global-batch", "8", "--micro-batch", "2"]
@@ -96,7 +97,7 @@ def _flip(path: Path, offset: int) -> None:
 
 def _damage(sdir: Path, how: str) -> None:
     part, index = sdir / "rank-00000.safetensors", sdir / "rank-00000.json"
-    chunks = json.loads(index.read_text())["chunks"]
+    chunks = read_part_chunks(str(sdir), 0)
     if how == "data byte":
         _flip(part, chunks[0]["offset"] + 3)
     elif how == "last data byte":

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_checkpoint import CountingMemFS, assert_shard_equal, model_and_layouts, random_bits, save_all
+from test_checkpoint import CountingMemFS, data_reads, assert_shard_equal, model_and_layouts, random_bits, save_all
 import torch
 from test_state_dict import blocks_once, descriptions
 
@@ -23,10 +23,6 @@ from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard
 from tenplex.ptc import PTC
 from tenplex.state_dict import state_layout_of
 from tenplex.state_layout import Placed, StateLayout
-
-
-def _data_reads(since: int) -> list:
-    return [r for r in CountingMemFS.reads[since:] if r[0].endswith(".safetensors")]
 
 
 def _no_io(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -77,7 +73,7 @@ def _check_plans(url: str, case) -> None:  # noqa: ANN001
             assert reader.bytes_read == sum(item.nbytes for item in plan)
             assert reader.ranges == len(plan)
         if url.startswith("countmem://"):
-            reads = _data_reads(mark)
+            reads = data_reads(mark)
             got = sorted((p.rsplit("/", 1)[-1], start, end) for p, start, end, _ in reads)
             assert got == sorted(planned) and sum(n for *_, n in reads) == reader.bytes_read
         shard = {name: ptc.from_local_flat(name, b, buffers[name]) for name in ptc.rank_tensors(b, r)}

@@ -12,6 +12,7 @@ import torch
 import tenplex.store.recovery_plan as recovery_plan
 from tenplex import ParallelConfig, model_ptc, save
 from tenplex.store import HostStore, StoreServer, Tier, TieredLoad, load_tiered, recovery_tiers
+from tenplex.checkpoint import read_part_chunks
 from tenplex.store.recovery import find_usable, plan_recovery
 
 PTC_ = model_ptc("tiny")
@@ -153,8 +154,8 @@ def test_corrupt_peer_copy_falls_back_within_the_rounds(hosts, tmp_path: Path) -
         save(persistent, PTC_, OLD, r, shards[r], step=5, save_id=find_usable(_tiers(servers, 0))[-1].save_id)
     # damage host 1's copy of rank 2's data in a chunk new rank 0 reads
     (sdir,) = [d for d in servers[1].root.iterdir() if d.is_dir()]
-    index = json.loads((sdir / "rank-00002.json").read_text())
-    chunk = next(c for c in index["chunks"] if c["tensor"].endswith("norm.weight"))
+    # the chunks of the attempt's rank 2 part (from its complete copy: host 1 holds no manifest)
+    chunk = next(c for c in read_part_chunks(f"{persistent}/{sdir.name}", 2) if c["tensor"].endswith("norm.weight"))
     data = bytearray((sdir / "rank-00002.safetensors").read_bytes())
     data[chunk["offset"] + 1] ^= 0xFF
     (sdir / "rank-00002.safetensors").write_bytes(bytes(data))
@@ -193,7 +194,8 @@ def test_malformed_peer_index_and_manifest_fall_back_within_the_rounds(hosts, tm
         save(persistent, PTC_, OLD, r, shards[r], step=5, save_id=find_usable(_tiers(servers, 0))[-1].save_id)
     (peer_dir,) = [d for d in servers[1].root.iterdir() if d.is_dir()]
     (local_dir,) = [d for d in servers[0].root.iterdir() if d.is_dir()]
-    for path, find in ((peer_dir / "rank-00002.json", b'"offset":'), (local_dir / "manifest.json", b'"world_size":')):
+    for path, find in ((peer_dir / "rank-00002.json", b'"data_offset":'),
+                       (local_dir / "manifest.json", b'"world_size":')):
         raw = path.read_bytes()
         bad = bytearray(raw)
         bad[raw.index(find) + len(find)] ^= 0x01  # a digit: still valid JSON

@@ -10,6 +10,7 @@ paths of the concurrent reader (short read, failed GET, checksum mismatch) are c
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 from test_checkpoint import assert_shard_equal, random_bits, save_all
 
 from tenplex.checkpoint import Binding, PartReader, list_steps, load, plan_reads
-from tenplex.checkpoint.format import writer_assignment
+from tenplex.checkpoint.format import CRC_TABLE, writer_assignment
 from tenplex.checkpoint.reader import CONCURRENT_ENV, coalesce, read_manifest_at, shard_buffers
 from tenplex.config import ParallelConfig
 from tenplex.errors import CheckpointCorruptError
@@ -151,16 +152,23 @@ def s3(monkeypatch) -> Iterator[dict[str, Any]]:  # noqa: ANN001
 
 
 class _GetCounter:
-    """Counts s3fs's ranged GETs of data files and the most in flight at once."""
+    """Counts s3fs's ranged GETs of data files' tensor bytes and the most in flight at once, and
+    apart (``crc_gets``) those of their CRC tables (format version 4), which start at ``tables[path]``."""
 
-    def __init__(self) -> None:
+    def __init__(self, tables: dict[str, int]) -> None:
         self.gets = 0
+        self.crc_gets = 0
         self.active = 0
         self.most = 0
+        self.tables = tables
 
     def wrap(self, real: Any) -> Any:
         async def _cat_file(fs: Any, path: str, *args: Any, **kw: Any) -> bytes:
             if not path.endswith(".safetensors"):
+                return await real(fs, path, *args, **kw)
+            start = kw.get("start", args[0] if args else None)
+            if start is not None and start >= self.tables[path.split("://")[-1]]:
+                self.crc_gets += 1
                 return await real(fs, path, *args, **kw)
             self.gets += 1
             self.active += 1
@@ -183,16 +191,24 @@ def test_s3_load_coalesces_and_overlaps_gets(s3, monkeypatch) -> None:  # noqa: 
     url = "s3://ckpt/run"
     save_all(url, ptc, OLD, glob, step=1, storage_options=s3)
     want = ptc.shard(glob, NEW)
+    fs = fsspec.filesystem("s3", **s3)
+    tables = {}  # each data file's CRC table: where it starts (its safetensors entry CRC_TABLE)
+    for path in fs.ls(list_steps(url, storage_options=s3)[-1].path, detail=False):
+        if path.endswith(".safetensors"):
+            n = int.from_bytes(fs.cat_file(path, start=0, end=8), "little")
+            tables[path] = 8 + n + json.loads(fs.cat_file(path, start=8, end=8 + n))[CRC_TABLE]["data_offsets"][0]
     gets: dict[str, list[int]] = {"sequential": [], "concurrent": []}
     for mode in gets:
         monkeypatch.setenv(CONCURRENT_ENV, "0" if mode == "sequential" else "1")
         for r in range(NEW.world_size):
-            counter = _GetCounter()
+            counter = _GetCounter(tables)
             with mock.patch.object(s3fs.S3FileSystem, "_cat_file", counter.wrap(s3fs.S3FileSystem._cat_file)):
                 res = load(url, NEW, r, storage_options=s3)
             assert_shard_equal(res.shard, want[r], f"{mode} rank {r}")
             st = res.stats
             assert st.ranges == counter.gets, (mode, r, st.ranges, counter.gets)
+            # the CRC words of the blocks read, coalesced like the data (issued together, before it)
+            assert 0 < counter.crc_gets < st.ranges, (mode, r, counter.crc_gets, st.ranges)
             assert st.bytes_needed <= st.bytes_read <= 1.01 * st.bytes_needed, (mode, r, st)
             if mode == "sequential":
                 assert counter.most == 1 and st.ranges == len(plan_reads(ptc, OLD, NEW, r))

@@ -30,7 +30,7 @@ from conftest import examples
 from hostile import Tally
 from spawned import free_port, run_spawned
 import tenplex.checkpoint.reader as reader_mod
-from tenplex.checkpoint import load, open_sealed_json, plan_reads, save, seal_json, writer_assignment
+from tenplex.checkpoint import load, open_sealed_json, plan_reads, read_part_chunks, save, seal_json, writer_assignment
 from tenplex.checkpoint.format import Binding, panel_block
 from tenplex.checkpoint.reader import PartReader, Scatter, list_steps, read_manifest_at, read_shard
 from tenplex.errors import (
@@ -205,10 +205,10 @@ def check_writers(ptc: PTC, layout: StateLayout, sdir: Path) -> None:
         assert all(s + n <= s2 for (s, n), (s2, _) in zip(chunks, chunks[1:])), (name, chunks)  # disjoint
     on_disk: dict[str, int] = {}
     for rank in range(layout.world_size):
-        idx = open_sealed_json((sdir / f"rank-{rank:05d}.json").read_bytes(), "index")
-        got = sorted((c["tensor"], c["start"], c["length"]) for c in idx["chunks"])
+        chunks = read_part_chunks(str(sdir), rank)
+        got = sorted((c["tensor"], c["start"], c["length"]) for c in chunks)
         assert got == sorted((t, s, n) for t, _, s, n in writers[rank]), rank
-        for c in idx["chunks"]:
+        for c in chunks:
             on_disk[c["tensor"]] = on_disk.get(c["tensor"], 0) + c["length"]
     assert on_disk == {n: s.numel for n, s in ptc.tensors.items() if s.numel}
     # balance (the greedy's invariant): when w took its last chunk it had the least load of that

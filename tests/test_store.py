@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tenplex import CheckpointCorruptError, ConfigError, ParallelConfig, model_ptc, save
+from tenplex.checkpoint import read_part_chunks
 from tenplex.checkpoint.writer import PartWriter
 from tenplex.cli import main as cli_main
 from tenplex.store import (HostStore, StoreServer, Tier, alive_stores, load_tiered, peer_storage_options,
@@ -237,8 +238,7 @@ def test_corrupted_copy_falls_back_to_another(tmp_path: Path) -> None:
         _wait_replicated(servers, files=6)
         # damage host 0's own copy of rank 0's data inside a chunk every new rank reads (a replicated tensor)
         (sdir,) = [d for d in servers[0].root.iterdir() if d.is_dir()]
-        index = json.loads((sdir / "rank-00000.json").read_text())
-        chunk = next(c for c in index["chunks"] if c["tensor"].endswith("norm.weight"))
+        chunk = next(c for c in read_part_chunks(str(sdir), 0) if c["tensor"].endswith("norm.weight"))
         data = bytearray((sdir / "rank-00000.safetensors").read_bytes())
         data[chunk["offset"] + 1] ^= 0xFF
         (sdir / "rank-00000.safetensors").write_bytes(bytes(data))

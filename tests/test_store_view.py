@@ -90,7 +90,8 @@ def test_damaged_or_reused_snapshots_are_hidden(tmp_path: Path) -> None:
     (sdir,) = root.iterdir()
     index = sdir / "rank-00001.json"
     raw = index.read_bytes()
-    index.write_bytes(raw.replace(b'"offset":', b'"offset":1', 1))
+    index.write_bytes(raw.replace(b'"data_offset":', b'"data_offset":1', 1))
+    assert index.read_bytes() != raw
     assert tree.lookup("/model/step-3/rank-001") is None
     index.write_bytes(raw)
     (sdir / "reused-rank-00001").write_bytes(b"{}")

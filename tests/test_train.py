@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tenplex import ParallelConfig
-from tenplex.checkpoint import list_steps
+from tenplex.checkpoint import list_steps, read_part_chunks
 from tenplex.train.launch import Agent, RendezvousStore, free_port, wait_for
 
 from spawned import Forked, start_trainer
@@ -443,7 +443,7 @@ def _attempt(ckpt: Path, step: int) -> Path:
 def flip_data_byte(ckpt: Path, step: int, rank: int) -> None:
     """Flip one bit inside the first chunk's data of ``rank``'s part of ``step``."""
     sdir = _attempt(ckpt, step)
-    chunk = json.loads((sdir / f"rank-{rank:05d}.json").read_text())["chunks"][0]
+    chunk = read_part_chunks(str(sdir), rank)[0]
     part = sdir / f"rank-{rank:05d}.safetensors"
     raw = bytearray(part.read_bytes())
     raw[chunk["offset"] + 5] ^= 0x01

@@ -50,6 +50,7 @@ from .reader import (
     plan_reads,
     read_manifest,
     read_objects,
+    read_part_chunks,
     read_shard,
 )
 from .writer import PartWriter, SaveResult, carry_model, default_save_id, save, write_index, write_rank0_meta
@@ -57,7 +58,8 @@ from .writer import PartWriter, SaveResult, carry_model, default_save_id, save, 
 __all__ = ["SaveResult", "LoadStats", "LoadResult", "StepInfo", "save", "load", "list_steps", "read_manifest",
            "writer_assignment", "default_save_id", "seal_json", "open_sealed_json", "MAX_STEP", "FORMAT", "VERSION",
            "check_step", "check_model", "safetensors_header", "Manifest", "Binding", "verify_manifest",
-           "verify_index", "write_index", "write_rank0_meta", "load_with_reader", "read_objects", "read_shard",
+           "verify_index", "write_index", "write_rank0_meta", "load_with_reader", "read_objects",
+           "read_part_chunks", "read_shard",
            "ReadItem", "plan_reads", "ShardReader", "ShardSink", "PartReader", "PartWriter", "carry_model",
            "CheckpointError",
            "CheckpointCorruptError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointValueError"]

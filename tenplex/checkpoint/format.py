@@ -23,7 +23,7 @@ import math
 import operator
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -46,17 +46,31 @@ __all__ = ["FORMAT", "VERSION", "READ_VERSIONS", "MAX_STEP", "MANIFEST_NAME", "O
            "ROW_BLOCK_MIN", "ROW_BLOCK_SHARE", "Chunk", "crc32", "step_dir_name", "step_dir", "parse_step_dir",
            "rank_stem", "data_name", "index_name", "part_files", "check_step", "check_save_id", "seal_json",
            "open_sealed_json", "safetensors_header", "block_bytes", "panel_block", "row_bytes", "row_block",
-           "chunk_block", "block_crcs_hex", "writer_assignment", "manifest_object", "index_object", "Manifest",
+           "chunk_block", "block_crcs_hex", "CRC_TABLE", "CRC_GROUP", "crc_seed", "crc_concat", "chunks_digest",
+           "part_chunks", "crc_spans",
+           "writer_assignment", "manifest_object", "index_object", "Manifest",
            "verify_manifest", "Binding", "verify_index"]
 
 FORMAT = "tenplex-checkpoint"
 """The format tag every manifest, rank index and safetensors header carries."""
-VERSION = 3
+VERSION = 4
 """The version this tenplex writes. Version 3 changed only the checksum block rule (``chunk_block``):
 blocks of whole canonical rows (or of 1/2, 1/4, 1/8 of a row), at least ``ROW_BLOCK_MIN`` bytes,
-instead of at least 4 KiB; the files and schemas are those of version 2."""
-READ_VERSIONS = frozenset({2, 3})
-"""The versions this tenplex reads (version 2: the block rule ``chunk_block(..., version=2)``)."""
+instead of at least 4 KiB. Version 4 (same block rule) moved the block CRCs out of the rank index:
+they are binary words at the end of the data file (``CRC_TABLE``), seeded with the part's binding
+(``crc_seed``), and a load reads only the words of the blocks it reads; the index lists no chunks
+(their offsets, blocks and words follow from ``writer_assignment``: ``part_chunks``), only their
+count and digest (``chunks_digest``)."""
+READ_VERSIONS = frozenset({2, 3, 4})
+"""The versions this tenplex reads (version 2: the block rule ``chunk_block(..., version=2)``; 2 and 3:
+the chunks and their CRCs in the index)."""
+CRC_TABLE = "__tenplex_crc32__"
+"""Version 4: the data file's last safetensors entry (``U8``, 4-byte big-endian words): the block CRC32s
+of its chunks, chunk after chunk in file order, then the CRC32s of their groups of ``CRC_GROUP`` blocks
+(the last group of a chunk may be shorter), chunk after chunk."""
+CRC_GROUP = 8
+"""Version 4: blocks per group word. A load checks whole groups inside a piece by their group word and
+only the blocks at its ends by theirs: about 1/8 of the CRC words for long pieces."""
 MAX_STEP = 10**12
 """Steps are in [0, MAX_STEP): directory names hold 12 digits."""
 MANIFEST_NAME, OBJECTS_NAME = "manifest.json", "objects.pt"
@@ -309,8 +323,65 @@ def chunk_block(spec: TensorSpec, nbytes: int, version: int = VERSION) -> int:
 
 
 def block_crcs_hex(crcs: list[int]) -> str:
-    """A chunk's block CRC32s as its index stores them: 8 hex digits each."""
+    """A chunk's block CRC32s as a version 2/3 index stores them: 8 hex digits each."""
     return "".join(f"{c:08x}" for c in crcs)
+
+
+def crc_seed(step: int, save_id: str, rank: int) -> int:
+    """Version 4: the start value of every block CRC32 of rank ``rank``'s part of attempt ``save_id``
+    of ``step``, so a data file (with its CRC table) of another attempt or rank fails its checks."""
+    return crc32(f"{FORMAT}/{step}/{save_id}/{rank}".encode())
+
+
+def crc_concat(a: int, b: int, nbytes_b: int, seed: int) -> int:
+    """The CRC32 from ``seed`` of bytes ``A + B`` given ``a`` and ``b``, those of ``A`` and of ``B``
+    (``nbytes_b`` bytes) from ``seed``: ``B``'s CRC with ``a ^ seed`` carried through its length."""
+    zeros = _ZEROS[:nbytes_b] if nbytes_b <= MAX_BLOCK else bytes(nbytes_b)
+    return b ^ crc32(zeros, a ^ seed) ^ crc32(zeros, 0)
+
+
+_ZEROS = memoryview(bytes(MAX_BLOCK))
+
+
+def crc_spans(nbytes: int, block: int, lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """Version 4: which CRC words check bytes [lo, hi) of a chunk of ``nbytes`` (``lo`` on a block
+    boundary, ``hi`` on one or the chunk's end): blocks ``[k0, k1)`` by their own words, groups
+    ``[g0, g1)`` of ``CRC_GROUP`` blocks by theirs, then blocks ``[t0, t1)``; in that byte order."""
+    k0, k1, last = lo // block, -(-hi // block), -(-nbytes // block)
+    g0 = -(-k0 // CRC_GROUP)
+    g1 = -(-k1 // CRC_GROUP) if k1 == last else k1 // CRC_GROUP
+    if g1 <= g0:
+        return (k0, k1), (g0, g0), (k1, k1)
+    return (k0, g0 * CRC_GROUP), (g0, g1), (min(g1 * CRC_GROUP, k1), k1)
+
+
+def chunks_digest(assigned: list[Chunk]) -> str:
+    """Version 4: the SHA-256 (hex) of a rank's chunk list, recorded in its index so a reader whose
+    ``writer_assignment`` differs from the writer's refuses the part instead of misreading it."""
+    return hashlib.sha256("\n".join(f"{t}@{s}+{n}" for t, _, s, n in assigned).encode()).hexdigest()
+
+
+def part_chunks(assigned: list[Chunk], specs: Mapping[str, TensorSpec], data_offset: int,
+                version: int = VERSION) -> tuple[list[dict[str, Any]], int, int]:
+    """Version 4: a part's chunk entries derived from its assignment (the writer stores them in
+    order from ``data_offset``): ``tensor, start, length, offset, block``, ``crc_at`` and ``group_at``,
+    the table's word of its first block and of its first group; with the table's byte offset and its
+    word count."""
+    out, off, words = [], data_offset, 0
+    rule: dict[tuple[str, int], int] = {}
+    for t, _, st, ln in assigned:
+        spec = specs[t]
+        nbytes = ln * spec.itemsize
+        blk = rule.get((t, nbytes))
+        if blk is None:
+            blk = rule[(t, nbytes)] = chunk_block(spec, nbytes, version)
+        out.append({"tensor": t, "start": st, "length": ln, "offset": off, "block": blk, "crc_at": words})
+        off += nbytes
+        words += -(-nbytes // blk)
+    for c in out:
+        c["group_at"] = words
+        words += -(-c["length"] * specs[c["tensor"]].itemsize // (c["block"] * CRC_GROUP))
+    return out, off, words
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,12 +436,18 @@ def manifest_object(ptc: PTC, cfg: Layout, *, step: int, save_id: str, payload: 
     return obj
 
 
-def index_object(rank: int, file_size: int, chunks: list[dict[str, Any]], *, step: int, save_id: str,
-                 cfg: Layout, fingerprint: str) -> dict[str, Any]:
-    """A rank part's index (before sealing), bound to its step, save id, rank, layout and model."""
-    return {"format": FORMAT, "version": VERSION, "step": step, "save_id": save_id, "rank": rank,
-            "layout": str(cfg), "world_size": cfg.world_size, "fingerprint": fingerprint,
-            "file": data_name(rank), "file_size": file_size, "chunks": chunks}
+def index_object(rank: int, file_size: int, chunks: list[dict[str, Any]] | int, *, step: int, save_id: str,
+                 cfg: Layout, fingerprint: str, data_offset: int | None = None,
+                 digest: str | None = None) -> dict[str, Any]:
+    """A rank part's index (before sealing), bound to its step, save id, rank, layout and model.
+    Version 4 (``chunks`` a count): the data section's offset and the chunk list's digest
+    (``chunks_digest``) instead of the chunks."""
+    obj = {"format": FORMAT, "version": VERSION, "step": step, "save_id": save_id, "rank": rank,
+           "layout": str(cfg), "world_size": cfg.world_size, "fingerprint": fingerprint,
+           "file": data_name(rank), "file_size": file_size, "chunks": chunks}
+    if isinstance(chunks, int):
+        obj |= {"data_offset": data_offset, "chunks_sha256": digest}
+    return obj
 
 
 @dataclass(frozen=True, slots=True)
@@ -548,6 +625,8 @@ def verify_index(idx: Mapping[str, Any], path: str, rank: int, b: Binding) -> di
     size = idx.get("file_size")
     if not _is_int(size) or size < 0:
         bad(f"file_size {size!r} is not a byte count")
+    if b.version >= 4:
+        return _verify_index_v4(idx, rank, b, size, bad)
     chunks = idx.get("chunks")
     expected = {(name, start): ln for name, _, start, ln in b.writers.get(rank, ())}
     if not isinstance(chunks, list) or len(chunks) != len(expected):
@@ -578,4 +657,28 @@ def verify_index(idx: Mapping[str, Any], path: str, rank: int, b: Binding) -> di
         out[(t, st)] = c
     if len(out) != len(chunks):
         bad("a chunk is listed twice")
+    return out
+
+
+def _verify_index_v4(idx: Mapping[str, Any], rank: int, b: Binding, size: int,
+                     bad: Callable[[str], NoReturn]) -> dict[tuple[str, int], dict[str, Any]]:
+    """``verify_index`` of version 4: the chunk count and digest are those of the saved layout's
+    assignment, and the chunks (``part_chunks``) and their CRC table fill the data file exactly."""
+    assigned = b.writers.get(rank, [])
+    count, digest, base = idx.get("chunks"), idx.get("chunks_sha256"), idx.get("data_offset")
+    if not _is_int(count) or count != len(assigned):
+        bad(f"it counts {count!r} chunks, the saved layout assigns {len(assigned)} to rank {rank}")
+    if not isinstance(digest, str) or digest != chunks_digest(assigned):
+        bad(f"chunks_sha256 {digest!r} is not that of the chunks the saved layout assigns to rank {rank}")
+    if not _is_int(base) or base < 8:
+        bad(f"data_offset {base!r} is not a byte offset after the safetensors header's length")
+    chunks, crc_offset, words = part_chunks(assigned, b.specs, base, b.version)
+    if crc_offset + 4 * words != size:
+        bad(f"data_offset {base} + {crc_offset - base} chunk bytes + {4 * words} CRC bytes ({words} blocks) is not "
+            f"the data file's {size} bytes")
+    seed = crc_seed(b.step, b.save_id, rank)
+    out = {}
+    for c in chunks:
+        c["seed"], c["crc_table"] = seed, crc_offset
+        out[(c["tensor"], c["start"])] = c
     return out

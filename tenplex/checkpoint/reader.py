@@ -44,13 +44,15 @@ from .format import (
     OBJECTS_NAME,
     RANK_INDEX_RE,
     REUSED_PREFIX,
+    CRC_GROUP,
+    MAX_BLOCK,
     Binding,
     Chunk,
-    MAX_BLOCK,
     VERSION,
     Manifest,
     chunk_block,
     crc32,
+    crc_spans,
     index_name,
     open_sealed_json,
     parse_step_dir,
@@ -60,7 +62,8 @@ from .format import (
 )
 
 __all__ = ["LoadStats", "LoadResult", "StepInfo", "ScannedAttempt", "url_fs", "local_path", "read_sealed",
-           "read_manifest_at", "scan_attempts", "iter_candidates", "list_steps", "read_manifest", "ReadItem", "plan_reads",
+           "read_manifest_at", "read_part_chunks", "scan_attempts", "iter_candidates", "list_steps", "read_manifest",
+           "ReadItem", "plan_reads",
            "shard_buffers", "ShardReader", "ShardSink", "Scatter", "PartReader", "CONCURRENT_ENV", "coalesce", "read_shard", "read_objects", "check_model",
            "load_with_reader", "load"]
 
@@ -151,6 +154,20 @@ def read_manifest_at(fs: fsspec.AbstractFileSystem, sdir: str, *, step: int | No
     path = f"{sdir}/{MANIFEST_NAME}"
     obj, nbytes = read_sealed(fs, path)
     return verify_manifest(obj, path, nbytes, step=step, save_id=save_id, with_ptc=with_ptc)
+
+
+def read_part_chunks(sdir: str, rank: int, *, storage_options: Mapping[str, Any] | None = None,
+                     manifest: Manifest | None = None) -> list[dict[str, Any]]:
+    """The chunks of rank ``rank``'s part of save attempt ``sdir`` (a URL or path), verified, in file
+    order: ``tensor, start, length, offset, block`` (bytes ``[offset, offset + length * itemsize)`` of
+    the data file); version 4 derives them from the manifest (``part_chunks``), older versions list
+    them (with ``crc32``) in the index. For tools and tests; loads use ``PartReader``."""
+    fs, path = url_fs(sdir, storage_options)
+    path = path.rstrip("/")
+    full = (manifest or read_manifest_at(fs, path)).full()
+    ipath = f"{path}/{index_name(rank)}"
+    idx, _ = read_sealed(fs, ipath)
+    return list(verify_index(idx, ipath, rank, Binding.of(full)).values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,6 +494,8 @@ _MAX_GAP = 64 << 10
 _GAP_SHARE = 0.005
 _MAX_REQUEST = 32 << 20
 _IN_FLIGHT = 16
+_CRC_GAP_WORDS = 2
+"""Version 4, local files: CRC words of two pieces at most this many words apart are read as one range."""
 CONCURRENT_ENV = "TENPLEX_CONCURRENT_READS"
 """Set to ``0`` to read remote pieces one by one, one GET each (the old path; for benchmarks)."""
 
@@ -534,6 +553,11 @@ class PartReader:
                 )
             idx["by_key"] = by_key
             idx["path"] = data_path
+            if self.binding.version >= 4:  # the block CRCs are words at the data file's end, read by range
+                words = CrcWords(self, rank, data_path, next(iter(by_key.values()))["crc_table"] if by_key else size,
+                                 size)
+                for c in by_key.values():
+                    c["crcs"] = words
             self.indexes[rank] = idx
         return self.indexes[rank]
 
@@ -612,6 +636,7 @@ class PartReader:
         copied into place. Loading rank
         ``rank`` starts at its own place in the writer order, so ranks of one host that need the
         same parts fetch different ones first and then find the others' in the page cache."""
+        self.prefetch_crcs(items)
         if self.concurrent:
             self._read_remote(items, buffers, rank, on_read)
             return
@@ -823,10 +848,100 @@ class PartReader:
         body[:] = raw[head : head + len(body)]
         _check_blocks(idx["path"], item, chunk, [raw], lo, hi)
 
+    def prefetch_crcs(self, items: Sequence[ReadItem]) -> None:
+        """Version 4: read the CRC words of every block ``items`` read, before the data: each
+        writer's words coalesced into few ranges (local files: only ranges a few words apart;
+        remote ones: gaps up to ``_GAP_SHARE`` of the planned bytes, as for data, all requests at once)."""
+        wanted: dict[int, list[tuple[int, int, int]]] = {}
+        tables: dict[int, CrcWords] = {}
+        planned = 0
+        for item in items:
+            if item.b <= item.a:
+                continue
+            _, chunk, lo, hi = self._span(item)
+            words = chunk.get("crcs")
+            if words is not None:
+                (k0, k1), (g0, g1), (t0, t1) = crc_spans(chunk["length"] * item.itemsize, chunk["block"], lo, hi)
+                pieces = wanted.setdefault(item.writer, [])
+                for at, a, b in ((chunk["crc_at"], k0, k1), (chunk["group_at"], g0, g1), (chunk["crc_at"], t0, t1)):
+                    if b > a:
+                        pieces.append((at + a, at + b, 0))
+                tables[item.writer] = words
+                planned += hi - lo
+        if not wanted:
+            return
+        if self.local:
+            gap, budget = _CRC_GAP_WORDS, 1 << 62
+        else:
+            gap, budget = _MAX_GAP // 4, int(_GAP_SHARE * planned) // 4
+        ranges = [(w, lo, hi) for w, pieces in sorted(wanted.items())
+                  for lo, hi, _ in coalesce(pieces, gap, budget, _MAX_REQUEST // 4)]
+        if self.local:
+            for w, lo, hi in ranges:
+                tables[w].fetch([(lo, hi)])
+            return
+        ranges = [(w, lo, hi) for w, lo, hi in ranges if not tables[w].have[lo:hi].all()]
+        if not ranges:
+            return
+        raws = self.fs.cat_ranges([tables[w].path for w, _, _ in ranges],  # concurrent on async filesystems
+                                  [tables[w].offset + 4 * lo for w, lo, _ in ranges],
+                                  [tables[w].offset + 4 * hi for w, _, hi in ranges], on_error="return")
+        for (w, lo, hi), raw in zip(ranges, raws):
+            if isinstance(raw, BaseException):
+                raise raw  # a failed GET raises as a data read's would
+            self.metadata_bytes += len(raw)
+            tables[w].put(lo, hi, raw)
+
+    def read_crc_words(self, rank: int, path: str, lo: int, hi: int) -> bytes:
+        """Bytes [lo, hi) of rank ``rank``'s data file ``path`` (its CRC table), counted as metadata."""
+        if self.local:
+            buf = bytearray(hi - lo)
+            got = _preadv_full(self._fd(rank, path), [memoryview(buf)], lo)
+            raw = bytes(buf[:got])
+        else:
+            raw = self.fs.cat_file(path, start=lo, end=hi)
+        self.metadata_bytes += len(raw)
+        return raw
+
     def close(self) -> None:
         for fd in self.handles.values():
             os.close(fd)
         self.handles.clear()
+
+
+class CrcWords:
+    """Version 4: the block CRC32 words of one data file (its ``CRC_TABLE``), read by word range on
+    demand (``fetch``, ``words``) through the reader that counts the bytes."""
+
+    def __init__(self, reader: PartReader, rank: int, path: str, offset: int, file_size: int) -> None:
+        self.reader, self.rank, self.path, self.offset = reader, rank, path, offset
+        n = max(0, (file_size - offset) // 4)
+        self.buf = bytearray(4 * n)
+        self.have = np.zeros(n, dtype=bool)
+
+    def fetch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Read the words [lo, hi) of each range that are not here yet (each range read whole)."""
+        for lo, hi in ranges:
+            if not self.have[lo:hi].all():
+                self.put(lo, hi, self.reader.read_crc_words(self.rank, self.path, self.offset + 4 * lo,
+                                                            self.offset + 4 * hi))
+
+    def put(self, lo: int, hi: int, raw: bytes) -> None:
+        """Words [lo, hi) read as ``raw`` (CheckpointCorruptError when the file ended early)."""
+        if len(raw) != 4 * (hi - lo):
+            raise CheckpointCorruptError(f"{self.path}: short read of its CRC table ({len(raw)} of {4 * (hi - lo)} "
+                                         "bytes)")
+        self.buf[4 * lo : 4 * hi] = raw
+        self.have[lo:hi] = True
+
+    def words(self, lo: int, hi: int) -> bytes:
+        """Words [lo, hi) as big-endian bytes, read first if needed."""
+        if hi > len(self.have):
+            raise CheckpointCorruptError(f"{self.path}: CRC words [{lo}, {hi}) lie beyond its table")
+        missing = np.flatnonzero(~self.have[lo:hi])
+        if len(missing):
+            self.fetch([(lo + int(missing[0]), lo + int(missing[-1]) + 1)])
+        return bytes(self.buf[4 * lo : 4 * hi])
 
 
 def _preadv_full(fd: int, segs: list[memoryview], offset: int) -> int:
@@ -883,33 +998,53 @@ def coalesce(pieces: Sequence[tuple[int, int, int]], max_gap: int, budget: int,
 def _check_blocks(path: str, item: ReadItem, chunk: dict[str, Any], segs: list[memoryview], lo: int,
                   hi: int) -> None:
     """CheckpointCorruptError unless bytes [lo, hi) of ``item``'s chunk (``lo`` on a block boundary),
-    laid out across ``segs``, match the block CRCs its index records."""
-    block = chunk["block"]
-    if len(segs) == 1:
-        raw = segs[0]
-        got = [crc32(raw[p : p + block]) for p in range(0, hi - lo, block)]
+    laid out across ``segs``, match the CRCs its part records (version 4: words of the data file's CRC
+    table, seeded with the part's binding, groups of blocks inside the range by their group words
+    (``crc_spans``); before: every block against the index's hex digits)."""
+    block, seed = chunk["block"], chunk.get("seed", 0)
+    table = chunk.get("crcs")
+    if table is None:
+        checks = [(lo, hi, block, chunk.get("crc32_bytes"), lo // block)]
+        if checks[0][3] is None:  # the index's hex digits as bytes, once per chunk (a race only computes it twice)
+            checks = [(lo, hi, block, chunk.setdefault("crc32_bytes", bytes.fromhex(chunk["crc32"])), lo // block)]
     else:
-        got = _block_crcs(segs, lo, hi, block)
-    want = chunk.get("crc32_bytes")
-    if want is None:  # the index's hex digits as bytes, once per chunk (a race only computes it twice)
-        want = chunk["crc32_bytes"] = bytes.fromhex(chunk["crc32"])
-    k0 = lo // block
-    if struct.pack(f">{len(got)}I", *got) != want[4 * k0 : 4 * (k0 + len(got))]:  # about 1 us
-        words = np.frombuffer(want, dtype=">u4").tolist()
-        bad = next(j for j, (g, w) in enumerate(zip(got, words[k0:] + [None] * len(got))) if g != w)
-        off = (k0 + bad) * block
-        raise CheckpointCorruptError(
-            f"{path}: checksum mismatch in {item.tensor} bytes [{off}, {min(off + block, chunk['length'] * item.itemsize)}) "
-            f"of the chunk at offset {item.chunk_start}: the file is corrupted; load an earlier step"
-        )
+        nbytes = chunk["length"] * item.itemsize
+        (k0, k1), (g0, g1), (t0, t1) = crc_spans(nbytes, block, lo, hi)
+        group = block * CRC_GROUP
+        checks = [(a, b, size, table.words(at + x, at + y), 0) for a, b, size, at, x, y in (
+            (k0 * block, min(k1 * block, hi), block, chunk["crc_at"], k0, k1),
+            (g0 * group, min(g1 * group, hi), group, chunk["group_at"], g0, g1),
+            (t0 * block, hi, block, chunk["crc_at"], t0, t1)) if y > x]
+    for a, b, size, want, at in checks:
+        if len(segs) == 1:
+            raw = segs[0]
+            got = [crc32(raw[p - lo : min(p + size, b) - lo], seed) for p in range(a, b, size)]
+        else:
+            got = _block_crcs(segs, lo, a, b, size, seed)
+        if struct.pack(f">{len(got)}I", *got) != want[4 * at : 4 * (at + len(got))]:  # about 1 us
+            words = np.frombuffer(want, dtype=">u4").tolist()
+            bad = next(j for j, (g, w) in enumerate(zip(got, words[at:] + [None] * len(got))) if g != w)
+            off = a + bad * size
+            raise CheckpointCorruptError(
+                f"{path}: checksum mismatch in {item.tensor} bytes [{off}, {min(off + size, chunk['length'] * item.itemsize)}) "
+                f"of the chunk at offset {item.chunk_start}: the file is corrupted; load an earlier step"
+            )
 
 
-def _block_crcs(segs: list[memoryview], lo: int, hi: int, block: int) -> list[int]:
-    """The CRC32 of each checksum block of bytes [lo, hi) laid out across ``segs``."""
-    out, si, soff, pos = [], 0, 0, lo
+def _block_crcs(segs: list[memoryview], base: int, lo: int, hi: int, block: int, seed: int = 0) -> list[int]:
+    """The CRC32 (from ``seed``) of each ``block`` bytes of [lo, hi), the chunk's bytes from ``base`` on
+    laid out across ``segs``."""
+    out, si, soff, skip = [], 0, 0, lo - base
+    while skip:  # to ``lo``
+        take = min(skip, len(segs[si]) - soff)
+        soff += take
+        skip -= take
+        if soff == len(segs[si]):
+            si, soff = si + 1, 0
+    pos = lo
     while pos < hi:
         end = min(pos + block, hi)
-        crc, need = 0, end - pos
+        crc, need = seed, end - pos
         while need:
             seg = segs[si]
             take = min(need, len(seg) - soff)

@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import struct
 import threading
 import time
 import uuid
@@ -32,7 +33,10 @@ from fsspec.implementations.local import LocalFileSystem
 from ..errors import CheckpointError, CheckpointValueError, SpecError
 from ..models import HPARAMS, ModelSpec
 from ..ptc import PTC, Layout
+from . import format as format_mod
 from .format import (
+    CRC_GROUP,
+    CRC_TABLE,
     FORMAT,
     MANIFEST_NAME,
     OBJECTS_NAME,
@@ -40,6 +44,9 @@ from .format import (
     Chunk,
     chunk_block,
     block_crcs_hex,
+    chunks_digest,
+    crc_concat,
+    crc_seed,
     check_save_id,
     check_step,
     crc32,
@@ -261,12 +268,13 @@ def write_rank0_meta(fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: La
     return len(mbytes) + len(payload)
 
 
-def write_index(fs: fsspec.AbstractFileSystem, sdir: str, rank: int, file_size: int, chunks: list[dict[str, Any]],
-                *, step: int, save_id: str, cfg: Layout, fingerprint: str) -> int:
+def write_index(fs: fsspec.AbstractFileSystem, sdir: str, rank: int, file_size: int,
+                chunks: list[dict[str, Any]] | int, *, step: int, save_id: str, cfg: Layout, fingerprint: str,
+                data_offset: int | None = None, digest: str | None = None) -> int:
     """A rank part's index, bound to its step, save id, rank, layout and model; written last
     (write-once): its presence marks the part complete."""
     ibytes = seal_json(index_object(rank, file_size, chunks, step=step, save_id=save_id, cfg=cfg,
-                                    fingerprint=fingerprint))
+                                    fingerprint=fingerprint, data_offset=data_offset, digest=digest))
     if not write_once(fs, f"{sdir}/{index_name(rank)}", ibytes):
         refuse_reuse(fs, sdir, rank, save_id, [index_name(rank)])
     return len(ibytes)
@@ -307,15 +315,24 @@ class PartWriter:
         self.step, self.save_id = step, save_id
         if assigned is None:  # the caller may have it: writer_assignment(ptc, cfg)[rank]
             assigned = writer_assignment(ptc, cfg)[rank]
+        self.assigned = list(assigned)
+        self.version = format_mod.VERSION  # read here: tests write older versions by setting it
+        table = self.version >= 4  # version 4: the block CRCs in the data file, last (``part_chunks``)
+        blocks = [chunk_block(ptc.tensors[name], ln * ptc.tensors[name].itemsize) for name, _, _, ln in assigned]
+        sizes = [ln * ptc.tensors[name].itemsize for name, _, _, ln in assigned]
+        words = sum(-(-n // blk) + -(-n // (blk * CRC_GROUP)) for n, blk in zip(sizes, blocks))
         self.header, offsets = safetensors_header(
-            [(f"{name}@{start}", ptc.tensors[name].dtype, ln) for name, _, start, ln in assigned],
+            [*((f"{name}@{start}", ptc.tensors[name].dtype, ln) for name, _, start, ln in assigned),
+             *([(CRC_TABLE, torch.uint8, 4 * words)] if table else [])],
             {"format": FORMAT, "step": str(step), "save_id": save_id, "rank": str(rank)})
         base = len(self.header)
-        self.chunks = tuple(PartChunk(name, lo, start, ln, base + b0, b1 - b0, chunk_block(ptc.tensors[name], b1 - b0))
-                            for (name, lo, start, ln), (b0, b1) in zip(assigned, offsets))
+        self.chunks = tuple(PartChunk(name, lo, start, ln, base + b0, b1 - b0, blk)
+                            for (name, lo, start, ln), (b0, b1), blk in zip(assigned, offsets, blocks))
+        self.crc_offset = base + (offsets[-1][0] if table else offsets[-1][1] if offsets else 0)
         self.size = base + (offsets[-1][1] if offsets else 0)
         self.path = f"{sdir}/{data_name(rank)}"
         self.tmp = tmp_name(self.path)
+        self.seed = crc_seed(step, save_id, rank) if table else 0
         self.crcs: list[list[int]] = [[0] * (-(-c.nbytes // c.block)) for c in self.chunks]
 
     def begin(self) -> None:
@@ -331,8 +348,9 @@ class PartWriter:
         """Record the CRC32s of bytes [a, a + len(view)) of chunk ``i`` (``a`` on a block
         boundary; the range ends on one or at the chunk's end)."""
         block, crcs = self.chunks[i].block, self.crcs[i]
+        seed = self.seed
         for pos in range(a, a + len(view), block):
-            crcs[pos // block] = crc32(view[pos - a : pos - a + block])
+            crcs[pos // block] = crc32(view[pos - a : pos - a + block], seed)
 
     def stream(self, flats: Mapping[str, torch.Tensor]) -> None:
         """Write the whole part to ``tmp`` in order, from each tensor's canonical flat shard
@@ -344,6 +362,8 @@ class PartWriter:
                                   .numpy()).cast("B")
                 f.write(view)
                 self.checksum(i, 0, view)
+            if self.version >= 4:
+                f.write(self.crc_table())
 
     def open_local(self) -> int:
         """Create ``tmp`` (a local file) at its full size with the header written; returns its descriptor."""
@@ -357,10 +377,23 @@ class PartWriter:
         os.pwrite(fd, view, self.chunks[i].offset + a)
         self.checksum(i, a, view)
 
-    def index_chunks(self) -> list[dict[str, Any]]:
-        """The chunk entries of this part's index."""
-        return [{"tensor": c.tensor, "start": c.start, "length": c.length, "offset": c.offset, "block": c.block,
-                 "crc32": block_crcs_hex(crcs)} for c, crcs in zip(self.chunks, self.crcs)]
+    def crc_table(self) -> bytes:
+        """The data file's last entry (``CRC_TABLE``): every block CRC32, big-endian, in file order, then
+        every group's (``CRC_GROUP`` blocks), combined from its blocks' (``crc_concat``)."""
+        words = [w for crcs in self.crcs for w in crcs]
+        seed = self.seed
+        for c, crcs in zip(self.chunks, self.crcs):
+            for g in range(0, len(crcs), CRC_GROUP):
+                acc = crcs[g]
+                for k in range(g + 1, min(g + CRC_GROUP, len(crcs))):
+                    acc = crc_concat(acc, crcs[k], min(c.block, c.nbytes - k * c.block), seed)
+                words.append(acc)
+        return struct.pack(f">{len(words)}I", *words)
+
+    def finish_local(self, fd: int) -> None:
+        """Write the CRC table into ``fd`` (from ``open_local``) once every chunk is written."""
+        if self.version >= 4:
+            os.pwrite(fd, self.crc_table(), self.crc_offset)
 
     def publish(self, *, objects: Mapping[str, Any] | None = None, payload: bytes | None = None) -> int:
         """Name the data file, write rank 0's objects (``payload``, else serialised from
@@ -372,8 +405,15 @@ class PartWriter:
         if self.rank == 0:
             written += write_rank0_meta(self.fs, self.sdir, self.ptc, self.cfg, objects or {}, step=self.step,
                                         save_id=self.save_id, payload=payload)
-        return written + write_index(self.fs, self.sdir, self.rank, self.size, self.index_chunks(), step=self.step,
-                                     save_id=self.save_id, cfg=self.cfg, fingerprint=self.ptc.fingerprint())
+        if self.version < 4:  # versions 2 and 3: the chunks and their CRCs (hex) in the index
+            return written + write_index(
+                self.fs, self.sdir, self.rank, self.size,
+                [{"tensor": c.tensor, "start": c.start, "length": c.length, "offset": c.offset, "block": c.block,
+                  "crc32": block_crcs_hex(crcs)} for c, crcs in zip(self.chunks, self.crcs)],
+                step=self.step, save_id=self.save_id, cfg=self.cfg, fingerprint=self.ptc.fingerprint())
+        return written + write_index(self.fs, self.sdir, self.rank, self.size, len(self.chunks), step=self.step,
+                                     save_id=self.save_id, cfg=self.cfg, fingerprint=self.ptc.fingerprint(),
+                                     data_offset=len(self.header), digest=chunks_digest(self.assigned))
 
 
 def save(

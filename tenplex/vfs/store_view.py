@@ -31,6 +31,7 @@ from ..checkpoint.format import (
     open_sealed_json,
     parse_step_dir,
 )
+from ..checkpoint.reader import read_part_chunks
 from ..errors import CheckpointError
 from ..ptc import dtype_from_str
 from .fuse import FuseOps, check_fuse, check_mountpoint, fuse_class, mfusepy
@@ -77,13 +78,11 @@ class StoreTree:
         return dict(sorted(out.items()))
 
     def _chunks(self, d: Path, rank: int) -> dict[str, tuple[str, int, int]]:
-        p = d / index_name(rank)
-        idx = open_sealed_json(p.read_bytes(), str(p))
         manifest = self._manifest(d)
         sizes = {t["name"]: dtype_from_str(t["dtype"]).itemsize for t in manifest["ptc"]["tensors"]}
-        data = str(d / idx["file"])
+        data = str(d / data_name(rank))
         return {f"{c['tensor']}@{c['start']}": (data, int(c["offset"]), int(c["length"]) * sizes[c["tensor"]])
-                for c in idx["chunks"]}
+                for c in read_part_chunks(str(d), rank)}  # verified; version 4 derives them from the manifest
 
     def _resolve(self, path: str) -> tuple[Node, tuple[str, int, int] | None]:
         parts = [p for p in path.split("/") if p]
