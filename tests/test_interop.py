@@ -10,6 +10,7 @@ import dataclasses
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -275,16 +276,23 @@ def _logits(model, ids: torch.Tensor = IDS) -> torch.Tensor:  # type: ignore[no-
         return model(ids).logits
 
 
+def _save_pretrained(kind: str, kw: dict[str, Any], path: Path) -> Any:
+    """A seeded transformers Llama or GPT-2 of config ``kw`` saved with ``save_pretrained`` at ``path``;
+    returns the transformers module (skips where it is not installed)."""
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (optional test dep)")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**kw) if kind == "llama" else transformers.GPT2Config(**kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf_cls(kind)(config).save_pretrained(str(path))
+    return transformers
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_export_writes_back_the_imported_hf_config(tmp_path: Path, kind: str) -> None:
     """An imported model with non-default RoPE base, norm epsilon, head_dim, activation and token ids
     exports to a model whose logits equal the original's (the export reuses the source config)."""
-    transformers = pytest.importorskip("transformers", reason="transformers not installed (optional test dep)")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**LLAMA_ODD) if kind == "llama" else transformers.GPT2Config(**GPT2_ODD)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _hf_cls(kind)(config).save_pretrained(str(tmp_path / "hf"))
+    _save_pretrained(kind, LLAMA_ODD if kind == "llama" else GPT2_ODD, tmp_path / "hf")
     import_hf(tmp_path / "hf", str(tmp_path / "tp"), layout=P("dp=1,tp=2,pp=2"))
     export_hf(str(tmp_path / "tp"), tmp_path / "out")
     src_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -356,12 +364,7 @@ def test_export_after_a_job_resaves_keeps_the_source_config(tmp_path: Path, name
     """import -> a job loads under dp=1,tp=2,pp=2 and saves twice (what training does) -> export: the
     exported config.json is the source's, key for key, and transformers' logits equal the original's."""
     kind, kw = HF_CONFIGS[name]
-    transformers = pytest.importorskip("transformers", reason="transformers not installed (optional test dep)")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**kw) if kind == "llama" else transformers.GPT2Config(**kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _hf_cls(kind)(config).save_pretrained(str(tmp_path / "hf"))
+    transformers = _save_pretrained(kind, kw, tmp_path / "hf")
     url = str(tmp_path / "tp")
     assert cli_main(["import", str(tmp_path / "hf"), url]) == 0  # tenplex import / export, as the finding did
     cfg = P("dp=1,tp=2,pp=2")
