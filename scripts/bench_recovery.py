@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tenplex.cli import human_bytes  # noqa: E402
-from tenplex.train.launch import RendezvousStore, free_port, read_train_log, start_hosts, wait_for  # noqa: E402
+from tenplex.train.launch import RendezvousStore, free_port, kill_alive, read_train_log, start_hosts, wait_for  # noqa: E402
 
 REFUSED = 3  # the exit status of a refused run
 
@@ -261,10 +261,7 @@ def run_join(work: Path, reference: dict[int, float]) -> dict:
         if codes != [0, 0, 0, 0]:
             raise RuntimeError(f"exit codes {codes}; see {work}")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_alive(procs)
         rdzv.stop()
     runs, events = read_train_log(log)
     rec = [e for e in events if e.get("event") == "recover"][0]

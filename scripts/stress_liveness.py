@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tenplex.train.launch import RendezvousStore, free_port, read_train_log  # noqa: E402
+from tenplex.train.launch import RendezvousStore, free_port, kill_alive, read_train_log  # noqa: E402
 
 WORLD = 4
 TRAINER_ARGS = ["--model", "tiny", "--steps", "8", "--global-batch", "8", "--micro-batch", "2", "--lr", "3e-3",
@@ -172,10 +172,7 @@ def run_trainer(work: Path) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 codes.append(None)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_alive(procs)
         rdzv.stop()
     records, events = read_train_log(log)
     steps = {r["step"] for r in records}

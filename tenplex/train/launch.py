@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from .netns import LOOPBACK, HostNet, HostNetwork
 
 __all__ = ["free_port", "RendezvousStore", "Agent", "StoreProcess", "SimulatedHost", "start_hosts", "read_train_log",
-           "wait_for"]
+           "wait_for", "kill_alive"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,14 @@ def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:  # noqa:
             return True
         time.sleep(interval)
     return False
+
+
+def kill_alive(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGKILL and reap every process of ``procs`` still running (a run's clean-up, whatever ended it)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 class StoreProcess:
