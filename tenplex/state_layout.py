@@ -395,8 +395,8 @@ def _order(spec: TensorSpec) -> tuple[int, ...]:
 class StateLayout:
     """Every tensor's ``Placed`` (or ``Boxes``) over a job of ``world_size`` ranks.
 
-    Duck-types the questions ``PTC`` asks a layout (``world_size``, ``holds``, ``holder_table``,
-    ``segments``, ``local_shape``, ``check``); a rank's local tensors are unpadded DTensor locals,
+    A ``ptc.Layout`` (``world_size``, ``check``, ``rank_tensors``, ``holder_table``, ``segments``,
+    ``local_shape``, ``to_local_flat``, ``from_local_flat``); a rank's local tensors are unpadded DTensor locals,
     and FSDP2-over-TP tensors (``StridedShard``) are taken as FSDP2 stores them (the TP chunk
     first, then FSDP2's chunk of it: ``mesh.local_box(right_to_left=True)``).
     """
@@ -453,7 +453,7 @@ class StateLayout:
             self._memo["digest"] = hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
         return self._memo["digest"]
 
-    # -- what PTC asks a layout --------------------------------------------------------------
+    # -- the Layout protocol (what PTC asks) and the questions behind it -------------------------
     def coords(self, rank: int) -> int:
         """Validate ``rank`` (LayoutError outside 0..world_size-1) and return it."""
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
@@ -465,8 +465,13 @@ class StateLayout:
             self._memo["ranks"] = {n: frozenset(p.ranks) for n, p in self.tensors}
         return rank in self._memo["ranks"].get(name, ())
 
-    def holder_table(self, spec: TensorSpec) -> SegmentTable:
-        """Every (job rank, segment) of ``spec`` in its canonical order, sorted by rank."""
+    def rank_tensors(self, ptc: PTC, rank: int) -> list[str]:
+        """Names of the tensors of ``ptc`` that ``rank`` holds, in collection order."""
+        return [n for n in ptc.tensors if self.holds(n, rank)]
+
+    def holder_table(self, spec: TensorSpec, num_layers: int = 0) -> SegmentTable:
+        """Every (job rank, segment) of ``spec`` in its canonical order, sorted by rank (``num_layers``:
+        unused, every tensor is placed here itself)."""
         placed = self.placed[spec.name]
         tables = self._memo.setdefault("tables", {})  # by geometry: no hash of the placement per call
         key = (spec.shape, spec.split_dim, spec.panels, id(placed))
@@ -523,15 +528,23 @@ class StateLayout:
         return memo[key]
 
     def to_local_flat(self, spec: TensorSpec, rank: int, local: Any) -> Any:
-        """``rank``'s natural local tensor of a panel-ordered ``spec`` as its flat buffer (the pieces of
-        ``mesh.panel_pieces``, each permuted panel first); a new tensor."""
+        """``rank``'s natural local tensor of ``spec`` as its flat buffer; a panel-ordered one's the pieces of
+        ``mesh.panel_pieces``, each permuted panel first, in a new tensor."""
+        if spec.panels is None:
+            return spec.local_to_flat(local)
         out = local.new_empty(local.numel())
         for pos, n, part, flat_shape in self._panel_parts(spec, rank, local):
             out[pos:pos + n].view(flat_shape).copy_(part.movedim(1, 0))
         return out
 
-    def from_local_flat(self, spec: TensorSpec, rank: int, flat: Any, out: Any) -> Any:
-        """Inverse of ``to_local_flat``: ``flat`` copied into ``out`` (the natural local tensor)."""
+    def from_local_flat(self, spec: TensorSpec, rank: int, flat: Any, out: Any = None) -> Any:
+        """Inverse of ``to_local_flat``: ``flat`` as ``rank``'s natural local tensor, copied into ``out``
+        (a new tensor when None)."""
+        if spec.panels is None:
+            local = spec.local_from_flat(flat, self.local_shape(spec, rank))
+            return local if out is None else out.copy_(local)
+        if out is None:
+            out = flat.new_empty(self.local_shape(spec, rank))
         for pos, n, part, flat_shape in self._panel_parts(spec, rank, out):
             part.movedim(1, 0).copy_(flat[pos:pos + n].view(flat_shape))
         return out
