@@ -38,7 +38,7 @@ from .topology import Topology
 from .vfs.control import remount
 from .vfs.fuse import check_fuse, check_mountpoint, mount, spawn_mount
 from .vfs.store_view import mount_store
-from .vfs.tree import Layout
+from .vfs.tree import DataView
 
 __all__ = ["main", "human_bytes", "parse_ranks", "parse_rank_ranges"]
 
@@ -817,7 +817,7 @@ def _cmd_data_index(args: argparse.Namespace) -> int:
 
 
 def _cmd_mount(args: argparse.Namespace) -> int:
-    layout = Layout(dp=args.dp, progress=args.progress,
+    layout = DataView(dp=args.dp, progress=args.progress,
                     global_batch=args.dp if args.global_batch is None else args.global_batch,
                     seed=args.seed, shuffle=not args.no_shuffle, num_epochs=args.epochs,
                     micro_batch=args.micro_batch)
