@@ -32,7 +32,7 @@ from .memory import RECOMPUTE, estimate_memory, parse_size
 from .models import model_ptc
 from .planner import locality_order, plan
 from .schedule import demands, lower_bound, naive_bounds, schedule
-from .simulate import CostModel, draw_trace, plot_simulation, read_trace, simulate_trace
+from .simulate import CostModel, SimulationSettings, draw_trace, plot_simulation, read_trace, simulate_trace
 from .store import serve
 from .topology import Topology
 from .vfs.control import remount
@@ -345,11 +345,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if say:
         print(f"{args.model} on {args.gpus} GPUs ({args.gpus_per_host} per host, {args.spare_hosts} spare hosts): "
               f"{len(trace)} interruptions over {args.days if not args.trace else 'the trace'} days", flush=True)
-    res = simulate_trace(args.model, args.gpus, trace, gpus_per_host=args.gpus_per_host, spare_hosts=args.spare_hosts,
-                   hours=None if args.trace else 24.0 * args.days,
-                   global_batch=args.global_batch, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                   gpu_mem=args.gpu_mem, topology=args.topology, costs=costs, schedule_limit=args.schedule_limit,
-                   seed=args.seed, layout=args.layout, progress=say)
+    settings = SimulationSettings(args.model, args.gpus, args.global_batch, args.seq_len,
+                                  gpus_per_host=args.gpus_per_host, spare_hosts=args.spare_hosts,
+                                  hours=None if args.trace else 24.0 * args.days, micro_batch=args.micro_batch,
+                                  gpu_mem=args.gpu_mem, topology=args.topology, costs=costs,
+                                  schedule_limit=args.schedule_limit, seed=args.seed, layout=args.layout)
+    res = simulate_trace(trace, settings, progress=say)
     if args.plot:
         plot_simulation(res, args.plot)
     if args.json:
