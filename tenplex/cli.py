@@ -33,7 +33,7 @@ from .models import model_ptc
 from .planner import locality_order, plan
 from .schedule import demands, lower_bound, naive_bounds, schedule
 from .simulate import CostModel, SimulationSettings, draw_trace, plot_simulation, read_trace, simulate_trace
-from .store import serve
+from .store import StoreOptions, serve
 from .topology import Topology
 from .vfs.control import remount
 from .vfs.fuse import check_fuse, check_mountpoint, mount, spawn_mount
@@ -903,9 +903,9 @@ def _cmd_store_serve(args: argparse.Namespace) -> int:
     if args.token is not None:
         raise ConfigError("--token puts the secret in the process list: pass --token-file FILE (mode 0600) or set "
                           "TENPLEX_STORE_TOKEN")
-    serve(args.root, args.listen, token_file=args.token_file,
-          peers=[u for u in args.peers.split(",") if u.strip()], replicas=args.replicas, keep_last=args.keep_last,
-          timeout=args.timeout, max_connections=args.max_connections)
+    serve(args.root, args.listen, StoreOptions(
+        token_file=args.token_file, peers=[u for u in args.peers.split(",") if u.strip()], replicas=args.replicas,
+        keep_last=args.keep_last, timeout=args.timeout, max_connections=args.max_connections))
     return 0
 
 

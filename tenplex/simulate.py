@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ import numpy as np
 
 from .config import ParallelConfig
 from .errors import ConfigError
-from .layouts import Hardware, LayoutChoice, choose_layout
+from .layouts import LayoutChoice, choose_layout
 from .memory import resolve_model
 from .models import ModelSpec, model_ptc
 from .planner import locality_order, plan
