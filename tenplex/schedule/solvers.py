@@ -13,6 +13,7 @@ import numpy as np
 
 from ..topology import Topology
 from .commodities import Demands
+from .listsched import Chunks
 from .routes import Option, Routes, merge_paths
 
 log = logging.getLogger(__name__)
@@ -312,14 +313,14 @@ def _te_extract(dem: Demands, opts: list[list[Option]], offs: _Offsets,
     return out
 
 
-def solve_milp(topology: Topology, dem: Demands, opts: list[list[Option]], chunk_com: np.ndarray,
-          chunk_nb: np.ndarray, chunk_bytes: int, horizon_s: float, deadline: float,
-          window: int = 6) -> dict[str, Any] | None:
+def solve_milp(topology: Topology, dem: Demands, opts: list[list[Option]], chunks: Chunks, horizon_s: float,
+               deadline: float, window: int = 6) -> dict[str, Any] | None:
     """Time-expanded MILP over route options (TE-CCL with copy): x[k, option, t] integer chunks
     leaving in epoch t. Small instances in one shot (objective: sum of delivery epochs); larger
     ones in rounds of ``window`` epochs, each delivering as much as it can, the links its chunks
     will still use in later epochs reserved (the buffers carried forward)."""
-    tau, cap, lat_ep, offs = _te_setup(topology, opts, chunk_bytes)
+    chunk_com, chunk_nb = chunks.commodity, chunks.nbytes
+    tau, cap, lat_ep, offs = _te_setup(topology, opts, chunks.chunk_bytes)
     n_k = np.bincount(chunk_com, minlength=len(dem.commodities))
     need = {(k, d): int(n_k[k]) for k, c in enumerate(dem.commodities) for d in c.dests}
     max_arr = max(max(a.values()) for row in offs for _, a in row)
