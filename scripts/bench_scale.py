@@ -178,10 +178,11 @@ def one_world_sizes() -> dict[str, Any]:
 
 def one_simulate(layout: str, spare_hosts: int) -> dict[str, Any]:
     """tenplex simulate: the 54-day, 419-failure trace on 405B at 16,384 GPUs."""
-    from tenplex.simulate import draw_trace, simulate_trace
+    from tenplex.simulate import SimulationSettings, draw_trace, simulate_trace
 
-    res = simulate_trace("llama3-405b", 16384, draw_trace(seed=0), hours=54 * 24.0, spare_hosts=spare_hosts,
-                         global_batch=2048, seq_len=8192, layout=ParallelConfig.parse(layout) if layout else None)
+    settings = SimulationSettings("llama3-405b", 16384, global_batch=2048, seq_len=8192, hours=54 * 24.0,
+                                  spare_hosts=spare_hosts, layout=ParallelConfig.parse(layout) if layout else None)
+    res = simulate_trace(draw_trace(seed=0), settings)
     kinds: dict[str, int] = {}
     for e in res.events:
         kinds[e.kind] = kinds.get(e.kind, 0) + 1

@@ -32,8 +32,8 @@ from .memory import RECOMPUTE, estimate_memory, parse_size
 from .models import model_ptc
 from .planner import locality_order, plan
 from .schedule import demands, lower_bound, naive_bounds, schedule
-from .simulate import CostModel, draw_trace, plot_simulation, read_trace, simulate_trace
-from .store import serve
+from .simulate import CostModel, SimulationSettings, draw_trace, plot_simulation, read_trace, simulate_trace
+from .store import StoreOptions, serve
 from .topology import Topology
 from .vfs.control import remount
 from .vfs.fuse import check_fuse, check_mountpoint, mount, spawn_mount
@@ -345,11 +345,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if say:
         print(f"{args.model} on {args.gpus} GPUs ({args.gpus_per_host} per host, {args.spare_hosts} spare hosts): "
               f"{len(trace)} interruptions over {args.days if not args.trace else 'the trace'} days", flush=True)
-    res = simulate_trace(args.model, args.gpus, trace, gpus_per_host=args.gpus_per_host, spare_hosts=args.spare_hosts,
-                   hours=None if args.trace else 24.0 * args.days,
-                   global_batch=args.global_batch, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                   gpu_mem=args.gpu_mem, topology=args.topology, costs=costs, schedule_limit=args.schedule_limit,
-                   seed=args.seed, layout=args.layout, progress=say)
+    settings = SimulationSettings(args.model, args.gpus, args.global_batch, args.seq_len,
+                                  gpus_per_host=args.gpus_per_host, spare_hosts=args.spare_hosts,
+                                  hours=None if args.trace else 24.0 * args.days, micro_batch=args.micro_batch,
+                                  gpu_mem=args.gpu_mem, topology=args.topology, costs=costs,
+                                  schedule_limit=args.schedule_limit, seed=args.seed, layout=args.layout)
+    res = simulate_trace(trace, settings, progress=say)
     if args.plot:
         plot_simulation(res, args.plot)
     if args.json:
@@ -553,11 +554,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tenplex", description="Change the parallelism of a running training job.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex plan``."""
     p = sub.add_parser("plan", help="plan the move of a model's state between two layouts")
     p.add_argument("--model", required=True, help="model preset, e.g. gpt3-175b, llama3-8b, tiny")
     p.add_argument("--from", dest="from_", required=True, type=_layout, metavar="LAYOUT", help="dp=..,tp=..,pp=..")
@@ -572,6 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_plan)
 
+
+def _add_estimate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex estimate``."""
     p = sub.add_parser("estimate", help="estimate per-GPU memory of every pipeline stage of a layout")
     p.add_argument("--model", required=True, help="model preset, e.g. llama3-8b")
     p.add_argument("--layout", type=_layout, default=None, metavar="LAYOUT",
@@ -593,6 +594,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_estimate)
 
+
+def _add_configs_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex configs``."""
     p = sub.add_parser("configs",
                        help="list the layouts of N GPUs: ranked by estimated speed, rejected ones with the reason")
     p.add_argument("--model", required=True, help="model preset, e.g. llama3-70b")
@@ -620,6 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_configs)
 
+
+def _add_schedule_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex schedule``."""
     p = sub.add_parser("schedule", help="schedule a plan's transfers over a cluster topology (TE-CCL style)")
     p.add_argument("--model", required=True, help="model preset, e.g. gpt3-2.7b")
     p.add_argument("--from", dest="from_", required=True, type=_layout, metavar="LAYOUT", help="dp=..,tp=..,pp=..")
@@ -638,6 +645,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_schedule)
 
+
+def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex simulate``."""
     p = sub.add_parser("simulate", help="replay a failure trace on a large job: layouts, planning, goodput")
     p.add_argument("--model", default="llama3-405b", help="model preset (default llama3-405b)")
     p.add_argument("--gpus", type=_POS, default=16384, help="GPUs of the job (default 16384)")
@@ -666,6 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_simulate)
 
+
+def _add_inspect_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex inspect``."""
     p = sub.add_parser("inspect", help="list a checkpoint's steps, layouts, completeness and tensors")
     p.add_argument("url", type=_url, help="checkpoint URL (local path, memory://, s3://, ...)")
     p.add_argument("--step", type=_STEP, default=None, help="step to describe (default: latest complete)")
@@ -674,6 +687,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_inspect)
 
+
+def _add_import_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex import``."""
     p = sub.add_parser("import", help="import a DCP or Hugging Face (Llama, GPT-2) checkpoint as a tenplex checkpoint")
     p.add_argument("src", type=_url, help="DCP checkpoint directory, HF model directory or .safetensors file "
                                          "(local path or URL)")
@@ -699,6 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_import)
 
+
+def _add_export_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex export``."""
     p = sub.add_parser("export", help="export a tenplex GPT/Llama checkpoint as Hugging Face safetensors")
     p.add_argument("src", type=_url, help="tenplex checkpoint URL")
     p.add_argument("dst", type=_url, help="output .safetensors file, or a directory (model.safetensors + "
@@ -708,6 +727,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_storage_option(p, "--out-storage-option", "out_storage_option", "the output (dst) when it is a URL")
     p.set_defaults(func=_cmd_export)
 
+
+def _add_store_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex store serve``."""
     p = sub.add_parser("store", help="the per-host tensor store")
     store_sub = p.add_subparsers(dest="store_command", required=True)
     q = store_sub.add_parser("serve", help="serve a host's snapshots to its peers over HTTP (byte ranges)")
@@ -723,19 +745,35 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--timeout", type=float, default=30.0, help="seconds a connection may idle or stall")
     q.add_argument("--max-connections", type=int, default=128, help="connections served at once")
     q.set_defaults(func=_cmd_store_serve)
-    _add_data_parsers(sub)
 
+
+def _add_mount_store_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex mount-store``."""
     p = sub.add_parser("mount-store", help="show a host store's snapshots as files (FUSE, read-only)")
     p.add_argument("root", help="the store's root directory")
     p.add_argument("mountpoint")
     p.add_argument("--debug", action="store_true")
     p.set_defaults(func=_cmd_mount_store)
 
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex bench bubbles``."""
     p = sub.add_parser("bench", help="built-in benchmarks")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     q = bench_sub.add_parser("bubbles", help="snapshot overhead: none vs blocking vs in pipeline bubbles "
                              "(options: tenplex bench bubbles --help)", add_help=False)
     q.set_defaults(func=_cmd_bench_bubbles)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tenplex`` command line: one subparser per command, each registered by its ``_add_*_parser``."""
+    parser = argparse.ArgumentParser(prog="tenplex", description="Change the parallelism of a running training job.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_plan_parser, _add_estimate_parser, _add_configs_parser, _add_schedule_parser,
+                _add_simulate_parser, _add_inspect_parser, _add_import_parser, _add_export_parser, _add_store_parser,
+                _add_data_parser, _add_mount_parser, _add_remount_parser, _add_mount_store_parser, _add_bench_parser):
+        add(sub)
     return parser
 
 
@@ -751,7 +789,8 @@ def _cmd_bench_bubbles(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
-def _add_data_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_data_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex data index``."""
     p = sub.add_parser("data", help="dataset indexes (samples as byte ranges in files)")
     data_sub = p.add_subparsers(dest="data_command", required=True)
     q = data_sub.add_parser("index", help="index the samples of files (local paths or fsspec URLs)")
@@ -767,6 +806,9 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     q.add_argument("--json", action="store_true", help="print one JSON object")
     q.set_defaults(func=_cmd_data_index)
 
+
+def _add_mount_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex mount``."""
     p = sub.add_parser("mount", help="mount a dataset index as per-DP-rank files (FUSE, read-only)")
     p.add_argument("index", help="index written by `tenplex data index`")
     p.add_argument("mountpoint", help="an existing empty directory")
@@ -787,6 +829,9 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--debug", action="store_true", help="libfuse debug output")
     p.set_defaults(func=_cmd_mount)
 
+
+def _add_remount_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``tenplex remount``."""
     p = sub.add_parser("remount", help="re-shard a running mount in place (new DP size and progress)")
     p.add_argument("mountpoint")
     p.add_argument("--dp", type=int, default=None, help="new data-parallel size")
@@ -858,9 +903,9 @@ def _cmd_store_serve(args: argparse.Namespace) -> int:
     if args.token is not None:
         raise ConfigError("--token puts the secret in the process list: pass --token-file FILE (mode 0600) or set "
                           "TENPLEX_STORE_TOKEN")
-    serve(args.root, args.listen, token_file=args.token_file,
-          peers=[u for u in args.peers.split(",") if u.strip()], replicas=args.replicas, keep_last=args.keep_last,
-          timeout=args.timeout, max_connections=args.max_connections)
+    serve(args.root, args.listen, StoreOptions(
+        token_file=args.token_file, peers=[u for u in args.peers.split(",") if u.strip()], replicas=args.replicas,
+        keep_last=args.keep_last, timeout=args.timeout, max_connections=args.max_connections))
     return 0
 
 

@@ -9,6 +9,7 @@ flight on that stage. See docs/memory.md for the derivation of every term.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -27,6 +28,7 @@ __all__ = [
     "RECOMPUTE",
     "StageMemory",
     "MemoryEstimate",
+    "MemoryOptions",
     "estimate_memory",
     "layer_params",
     "recompute_flops",
@@ -294,41 +296,60 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
-def estimate_memory(
-    model: ModelSpec | str | PTC,
-    cfg: ParallelConfig,
-    *,
-    seq_len: int,
-    micro_batch: int,
-    cp: int = 1,
-    distributed_optimizer: bool = True,
-    num_microbatches: int | None = None,
-    precision: str = "bf16",
-    gpus_per_host: int | None = None,
-    recompute: str = "none",
-) -> MemoryEstimate:
+@dataclass(frozen=True, slots=True)
+class MemoryOptions:
+    """How a layout runs, as far as its memory goes (:func:`estimate_memory`).
+
+    ``seq_len`` and ``micro_batch``: tokens per sequence and sequences per micro-batch; ``cp``:
+    context-parallel size; ``distributed_optimizer``: optimizer state sharded across DP (and
+    CP); ``num_microbatches`` (default ``cfg.pp``) bounds the 1F1B in-flight count: stage i
+    keeps ``min(pp - i, m)`` micro-batches; ``precision``: one of ``PRECISIONS``; with
+    ``gpus_per_host``, a TP group larger than a host is rejected (TP traffic must stay on the
+    intra-host links); ``recompute``: activation recomputation, one of ``RECOMPUTE``.
+    """
+
+    seq_len: int
+    micro_batch: int
+    cp: int = 1
+    distributed_optimizer: bool = True
+    num_microbatches: int | None = None
+    precision: str = "bf16"
+    gpus_per_host: int | None = None
+    recompute: str = "none"
+
+    def __post_init__(self) -> None:
+        _positive("seq_len", self.seq_len)
+        _positive("micro_batch", self.micro_batch)
+        _positive("cp", self.cp)
+        if self.num_microbatches is not None:
+            _positive("num_microbatches", self.num_microbatches)
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.gpus_per_host is not None:
+            _positive("gpus_per_host", self.gpus_per_host)
+
+
+def estimate_memory(model: ModelSpec | str | PTC, cfg: ParallelConfig, options: MemoryOptions | None = None,
+                    **settings: Any) -> MemoryEstimate:
     """Memory of the most loaded GPU of every pipeline stage of ``cfg`` (Fujii et al.'s estimator).
 
-    ``num_microbatches`` (default ``cfg.pp``) bounds the 1F1B in-flight count: stage i keeps
-    ``min(pp - i, m)`` micro-batches. With ``gpus_per_host``, a TP group larger than a host
-    is rejected (TP traffic must stay on the intra-host links). ``recompute``: activation
-    recomputation, one of ``RECOMPUTE``. Raises LayoutError when the
-    layout cannot split the model and ConfigError for malformed arguments.
+    ``options`` (:class:`MemoryOptions`), or its fields as keywords (which override single
+    fields of ``options`` when both are given): ``estimate_memory(m, cfg, seq_len=4096,
+    micro_batch=1)``. Raises LayoutError when the layout cannot split the model and ConfigError
+    for malformed arguments.
     """
+    opts = dataclasses.replace(options, **settings) if options is not None else MemoryOptions(**settings)
     spec = resolve_model(model)
-    _positive("seq_len", seq_len)
-    _positive("micro_batch", micro_batch)
-    _positive("cp", cp)
+    cp, recompute = opts.cp, opts.recompute
+    seq_len, micro_batch = opts.seq_len, opts.micro_batch
     if cfg.world_size * cp > MAX_WORLD_SIZE:
         raise ConfigError(f"dp*tp*pp*cp = {cfg.world_size}*{cp} = {cfg.world_size * cp} GPUs, more than the "
                           f"{MAX_WORLD_SIZE} a layout may have: check cp")
-    m = cfg.pp if num_microbatches is None else _positive("num_microbatches", num_microbatches)
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if recompute not in RECOMPUTE:
-        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
-    if gpus_per_host is not None and cfg.tp > _positive("gpus_per_host", gpus_per_host):
-        raise LayoutError(f"tp={cfg.tp} is larger than a host's {gpus_per_host} GPUs; keep TP within a host")
+    m = cfg.pp if opts.num_microbatches is None else opts.num_microbatches
+    if opts.gpus_per_host is not None and cfg.tp > opts.gpus_per_host:
+        raise LayoutError(f"tp={cfg.tp} is larger than a host's {opts.gpus_per_host} GPUs; keep TP within a host")
     t, p = cfg.tp, cfg.pp
     layers = cfg.layers_per_stage(spec.num_layers)
     split, replicated = layer_params(spec, t)
@@ -338,8 +359,8 @@ def estimate_memory(
     embedding = vocab_shard + (spec.seq_len * h if spec.arch == "gpt" else 0)
     final_norm = 2 * h if spec.arch == "gpt" else h
     head = 0 if spec.tied_embeddings else vocab_shard
-    w_b, g_b, o_b, a_b = PRECISIONS[precision]
-    shards = cfg.dp * cp if distributed_optimizer else 1
+    w_b, g_b, o_b, a_b = PRECISIONS[opts.precision]
+    shards = cfg.dp * cp if opts.distributed_optimizer else 1
     act_layer = _activation_per_layer(spec, seq_len, micro_batch, t, cp, a_b, recompute)
     workspace = _activation_per_layer(spec, seq_len, micro_batch, t, cp, a_b) if recompute == "full" else 0
 
@@ -365,7 +386,7 @@ def estimate_memory(
             activation_bytes=in_flight * n * act_layer,
             recompute_bytes=workspace if n else 0,
         ))
-    est = MemoryEstimate(spec, cfg, tuple(stages), seq_len, micro_batch, cp, m, distributed_optimizer, precision,
-                         recompute)
+    est = MemoryEstimate(spec, cfg, tuple(stages), seq_len, micro_batch, cp, m, opts.distributed_optimizer,
+                         opts.precision, recompute)
     log.debug("memory of %s (cp=%d): peak %.2f GiB on stage %d", cfg, cp, est.peak_bytes / GiB, est.peak_stage)
     return est

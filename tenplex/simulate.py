@@ -3,7 +3,7 @@
 A trace is a list of :class:`FailureEvent` (a JSON-lines file, or drawn from the failure rates
 and classes the Llama 3 report gives for 16,384 H100s: 419 unexpected interruptions in 54
 days). :func:`simulate_trace` replays it on a job of ``gpus`` GPUs in hosts of ``gpus_per_host``
-with a pool of spare hosts. A failed host goes to repair and comes back as a spare
+with a pool of spare hosts (:class:`SimulationSettings`). A failed host goes to repair and comes back as a spare
 ``repair_h`` hours later; a spare replaces a failed host at once when one is free, else the job
 shrinks to the GPUs it has and grows back when hosts return.
 
@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ import numpy as np
 
 from .config import ParallelConfig
 from .errors import ConfigError
-from .layouts import Hardware, LayoutChoice, choose_layout
+from .layouts import LayoutChoice, choose_layout
 from .memory import resolve_model
 from .models import ModelSpec, model_ptc
 from .planner import locality_order, plan
@@ -41,7 +41,7 @@ from .schedule import schedule
 from .topology import Topology
 
 __all__ = ["FailureClass", "FAILURE_CLASSES", "FailureEvent", "draw_trace", "read_trace", "CostModel",
-           "EventResult", "SimulationResult", "simulate_trace", "plot_simulation"]
+           "SimulationSettings", "EventResult", "SimulationResult", "simulate_trace", "plot_simulation"]
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,75 @@ class CostModel:
 
 
 @dataclass(frozen=True, slots=True)
+class SimulationSettings:
+    """The job, cluster and cost model a replay runs under (:func:`simulate_trace`).
+
+    ``model``: a preset name or a ModelSpec; ``gpus``: the job's GPUs, in hosts of
+    ``gpus_per_host``, with ``spare_hosts`` spare hosts. ``hours``: the run's length (None: the
+    trace's last event, rounded up to a day). ``global_batch``, ``seq_len``, ``micro_batch``,
+    ``gpu_mem``, ``distributed_optimizer``: what the chooser fits layouts to. ``topology``: link
+    bandwidths of the cluster (``tenplex.topology.Topology.from_spec`` without hosts and gpus,
+    which come from the job). ``classes``: the failure classes the trace names; ``costs``: the
+    goodput comparison's seconds and rates; ``schedule_limit``: seconds the transfer scheduler
+    may take per event shape; ``seed``: which rank or host a failure hits. ``layout``: the
+    starting layout (None: the chooser's best for ``gpus``; the chooser picks every later one).
+    The one place a replay's choices live: further policies compared side by side go here.
+    """
+
+    model: ModelSpec | str
+    gpus: int
+    global_batch: int
+    seq_len: int
+    gpus_per_host: int = 8
+    spare_hosts: int = 16
+    hours: float | None = None
+    micro_batch: int = 1
+    gpu_mem: int | str = "80GiB"
+    distributed_optimizer: bool = True
+    topology: str = "nvlink=300GB/s,pcie=32GB/s,nic=50GB/s"
+    classes: Mapping[str, FailureClass] = field(default_factory=lambda: dict(FAILURE_CLASSES))
+    costs: CostModel = CostModel()
+    schedule_limit: float = 10.0
+    seed: int = 0
+    layout: ParallelConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "global_batch", "seq_len", "gpus_per_host", "micro_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"SimulationSettings.{name} must be an integer >= 1, got {v!r}")
+        if self.gpus % self.gpus_per_host:
+            raise ConfigError(f"gpus={self.gpus} is not a multiple of gpus_per_host={self.gpus_per_host} "
+                              f"({self.gpus} % {self.gpus_per_host} = {self.gpus % self.gpus_per_host})")
+        if not isinstance(self.spare_hosts, int) or self.spare_hosts < 0:
+            raise ConfigError(f"SimulationSettings.spare_hosts must be an integer >= 0, got {self.spare_hosts!r}")
+        if self.hours is not None and not (math.isfinite(self.hours) and self.hours > 0):
+            raise ConfigError(f"SimulationSettings.hours must be a finite number > 0 or None, got {self.hours!r}")
+        if not (math.isfinite(self.schedule_limit) and self.schedule_limit > 0):
+            raise ConfigError(f"SimulationSettings.schedule_limit must be a finite number > 0, "
+                              f"got {self.schedule_limit!r}")
+        if not self.classes:
+            raise ConfigError("SimulationSettings.classes is empty: a trace's causes need at least one class")
+
+    @property
+    def hosts(self) -> int:
+        """Hosts of the job at full size."""
+        return self.gpus // self.gpus_per_host
+
+    def end_hours(self, trace: Sequence[FailureEvent]) -> float:
+        """The run's length: ``hours``, else the trace's last event rounded up to a day."""
+        if self.hours is not None:
+            return self.hours
+        return 24.0 * math.ceil(max([e.time_h for e in trace], default=0.0) / 24.0 + 1e-9)
+
+    def check_trace(self, trace: Sequence[FailureEvent]) -> None:
+        """ConfigError when the trace names a failure class the settings do not have."""
+        unknown = sorted({e.cause for e in trace} - set(self.classes))
+        if unknown:
+            raise ConfigError(f"the trace names failure classes {unknown} that are not among {sorted(self.classes)}")
+
+
+@dataclass(frozen=True, slots=True)
 class EventResult:
     """One event of the replay. ``kind``: ``fail`` (a host lost, replaced by a spare or the job
     shrinks), ``restart`` (a process crash, same hosts) or ``grow`` (a repaired host rejoins).
@@ -211,209 +280,227 @@ class _Shape:
     schedule_s: float
 
 
-def simulate_trace(
-    model: ModelSpec | str,
-    gpus: int,
-    trace: Sequence[FailureEvent],
-    *,
-    gpus_per_host: int = 8,
-    spare_hosts: int = 16,
-    hours: float | None = None,
-    global_batch: int,
-    seq_len: int,
-    micro_batch: int = 1,
-    gpu_mem: int | str = "80GiB",
-    distributed_optimizer: bool = True,
-    topology: str = "nvlink=300GB/s,pcie=32GB/s,nic=50GB/s",
-    classes: Mapping[str, FailureClass] = FAILURE_CLASSES,
-    costs: CostModel = CostModel(),
-    schedule_limit: float = 10.0,
-    seed: int = 0,
-    layout: ParallelConfig | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> SimulationResult:
-    """Replay ``trace`` on a job of ``gpus`` GPUs (see the module docstring); ``hours``: the
-    run's length (default: the last event, rounded up to a day). ``topology``: link
-    bandwidths of the cluster (``tenplex.topology.Topology.from_spec`` without hosts and gpus,
-    which come from the job). ``layout``: the starting layout (default: the chooser's best for
-    ``gpus``; the chooser picks every later one). ``progress``: called with a line per event."""
+def simulate_trace(trace: Sequence[FailureEvent], settings: SimulationSettings, *,
+                   progress: Callable[[str], None] | None = None) -> SimulationResult:
+    """Replay ``trace`` on the job ``settings`` describe (see the module docstring);
+    ``progress``: called with a line per event."""
     t_start = time.perf_counter()
-    spec = resolve_model(model)
-    if gpus % gpus_per_host:
-        raise ConfigError(f"gpus={gpus} is not a multiple of gpus_per_host={gpus_per_host}")
-    unknown = sorted({e.cause for e in trace} - set(classes))
-    if unknown:
-        raise ConfigError(f"the trace names failure classes {unknown} that are not among {sorted(classes)}")
-    hosts = gpus // gpus_per_host
-    end_h = hours if hours is not None else 24.0 * math.ceil(max([e.time_h for e in trace], default=0.0) / 24.0 + 1e-9)
-    opts: dict[str, Any] = dict(gpu_mem=gpu_mem, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch,
-                                gpus_per_host=gpus_per_host, distributed_optimizer=distributed_optimizer,
-                                allow_idle=True, uneven_batch=True)
-    ptc = model_ptc(spec, optimizer=True, distributed_optimizer=distributed_optimizer)
-    choices: dict[int, tuple[LayoutChoice, float]] = {}
+    settings.check_trace(trace)
+    replay = _Replay(settings, progress)
+    end_h = settings.end_hours(trace)
+    replay.run(trace, end_h)
+    return replay.result(end_h, time.perf_counter() - t_start)
 
-    def choose(n: int) -> tuple[LayoutChoice, float]:
-        if n not in choices:
+
+class _Replay:
+    """The state of one replay: the job's hosts and layout, spares, the measured event shapes
+    and the seconds each path lost; one method per kind of event."""
+
+    def __init__(self, settings: SimulationSettings, progress: Callable[[str], None] | None) -> None:
+        s = self.settings = settings
+        self.progress = progress
+        self.spec = resolve_model(s.model)
+        self.choose_options: dict[str, Any] = dict(
+            gpu_mem=s.gpu_mem, global_batch=s.global_batch, seq_len=s.seq_len, micro_batch=s.micro_batch,
+            gpus_per_host=s.gpus_per_host, distributed_optimizer=s.distributed_optimizer, allow_idle=True,
+            uneven_batch=True)
+        self.ptc = model_ptc(self.spec, optimizer=True, distributed_optimizer=s.distributed_optimizer)
+        self.choices: dict[int, tuple[LayoutChoice, float]] = {}
+        if s.layout is not None:
             t0 = time.perf_counter()
-            choices[n] = (choose_layout(spec, n, **opts), time.perf_counter() - t0)
-        return choices[n]
+            pinned = choose_layout(self.spec, s.gpus, pin=s.layout, **self.choose_options)
+            self.choices[s.gpus] = (pinned, time.perf_counter() - t0)
+        self.full, _ = self.choose(s.gpus)
+        assert self.full.estimate is not None
+        self.ideal_tps = self.full.tokens_per_second or 0.0
+        self.step_s = self.full.step_seconds or 0.0
+        self.shapes: dict[tuple[Any, ...], _Shape] = {}
+        self.rng = np.random.default_rng(s.seed)
+        # the job: its hosts (with their layout), spares
+        self.current = self.full
+        self.job_hosts = s.hosts
+        self.spares = s.spare_hosts
+        self.events: list[EventResult] = []
+        self.timeline: list[tuple[float, int, float]] = [(0.0, self.full.cfg.world_size, 1.0)]
+        self.lost_s = {"tenplex": 0.0, "restart": 0.0, "ckpt": 0.0}  # seconds of full-speed training lost
+        self.degraded: list[tuple[float, float]] = []  # (hours at this rate, tokens/s ratio to ideal)
+        self.last_h, self.rate = 0.0, 1.0
+        # the baseline: its checkpoint load reads the largest stage's state, per GPU in parallel
+        self.load_s = _state_per_gpu(self.full) / s.costs.storage_bw
+        self.ckpt_down_since: float | None = None  # hours: the baseline waits for hosts since then
 
-    if layout is not None:
-        t0 = time.perf_counter()
-        choices[gpus] = (choose_layout(spec, gpus, pin=layout, **opts), time.perf_counter() - t0)
-    full, _ = choose(gpus)
-    ideal_tps = full.tokens_per_second or 0.0
-    assert full.estimate is not None
-    state_per_gpu = _state_per_gpu(full)  # what the baseline's checkpoint load reads
-    shapes: dict[tuple[Any, ...], _Shape] = {}
-    rng = np.random.default_rng(seed)
+    # -- the real code, timed ----------------------------------------------------------------------
+    def choose(self, n: int) -> tuple[LayoutChoice, float]:
+        """The chooser's layout of ``n`` GPUs and the seconds it took (once per ``n``)."""
+        if n not in self.choices:
+            t0 = time.perf_counter()
+            self.choices[n] = (choose_layout(self.spec, n, **self.choose_options), time.perf_counter() - t0)
+        return self.choices[n]
 
-    def measure(old: ParallelConfig, new: ParallelConfig, lost: Sequence[int], key: tuple[Any, ...],
+    def measure(self, old: ParallelConfig, new: ParallelConfig, lost: Sequence[int], key: tuple[Any, ...],
                 old_world: int, gpus_after: int) -> tuple[_Shape, bool]:
         """Plan and schedule the move from ``old`` (ranks ``lost`` gone) to ``new``, the layout the
-        chooser gave for ``gpus_after`` GPUs (its time counts as the event's)."""
-        if key in shapes:
-            return shapes[key], True
-        _, chooser_s = choose(gpus_after)
+        chooser gave for ``gpus_after`` GPUs (its time counts as the event's); (shape, cached)."""
+        if key in self.shapes:
+            return self.shapes[key], True
+        s = self.settings
+        _, chooser_s = self.choose(gpus_after)
         gone = set(lost)
         survivors = [r for r in range(old.world_size) if r not in gone]
         t0 = time.perf_counter()
-        alive = locality_order(ptc, old, new, survivors)  # new ranks beyond the survivors run on fresh devices
+        alive = locality_order(self.ptc, old, new, survivors)  # new ranks beyond the survivors run on fresh devices
         assign_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        moves = plan(ptc, old, new, alive=alive, gpus_per_host=gpus_per_host)
+        moves = plan(self.ptc, old, new, alive=alive, gpus_per_host=s.gpus_per_host)
         plan_s = time.perf_counter() - t0
         need = max(old_world, int(moves.devices.max()) + 1 if len(moves.devices) else 0)
-        topo = Topology.from_spec(f"hosts={-(-need // gpus_per_host)},gpus={gpus_per_host},{topology}")
-        sched = schedule(moves, topo, time_limit=schedule_limit)
+        topo = Topology.from_spec(f"hosts={-(-need // s.gpus_per_host)},gpus={s.gpus_per_host},{s.topology}")
+        sched = schedule(moves, topo, time_limit=s.schedule_limit)
         # the scheduler's own figure: at 16,384 GPUs the naive schedule's max-min fair completion
         # is known only within bounds by the limit (its exact value takes hours), then the upper one
         lo, hi = sched.completion_bounds()
         shape = _Shape(chooser_s, assign_s, plan_s, int(moves.stats.bytes_moved), hi,
                        None if lo == hi else (lo, hi), sched.solve_seconds)
-        shapes[key] = shape
+        self.shapes[key] = shape
         return shape, False
 
-    # the replay: job hosts (with their layout), spares, repairs in flight
-    cfg_choice = full
-    job_hosts = hosts
-    spares = spare_hosts
-    events: list[EventResult] = []
-    timeline: list[tuple[float, int, float]] = [(0.0, full.cfg.world_size, 1.0)]
-    lost_s = {"tenplex": 0.0, "restart": 0.0, "ckpt": 0.0}  # seconds of full-speed training lost
-    degraded: list[tuple[float, float]] = []  # (hours at this rate, tokens/s ratio to ideal)
-    last_h, rate = 0.0, 1.0
-    step_s = full.step_seconds or 0.0
+    # -- accounting --------------------------------------------------------------------------------
+    def advance(self, to_h: float) -> None:
+        """The job ran at the current rate until ``to_h``."""
+        self.degraded.append((to_h - self.last_h, self.rate))
+        self.last_h = to_h
 
-    def advance(to_h: float) -> None:
-        nonlocal last_h
-        degraded.append((to_h - last_h, rate))
-        last_h = to_h
-
-    def restart_cost(shape: _Shape, after: LayoutChoice) -> float:
+    def restart_cost(self, shape: _Shape, after: LayoutChoice) -> float:
         """Seconds the restart path loses: every process is relaunched, so every rank reads its
         whole state under the new layout (the largest stage's, all ranks at once) from the host
         stores, the bytes it lacks over the network (no sooner than the schedule's transfer);
         the same for a crash, a failed host and a returning one (docs/scale.md)."""
+        costs = self.settings.costs
         reload = max(_state_per_gpu(after) / costs.host_store_bw, shape.transfer_s)
         return (costs.detect_s + costs.restart_s + shape.chooser_s + shape.assign_s + shape.plan_s + reload
-                + step_s / 2)
+                + self.step_s / 2)
 
-    def record(time_h: float, kind: str, cause: str, lost_gpus: int, before: LayoutChoice, after: LayoutChoice,
-               shape: _Shape, cached: bool) -> EventResult:
+    def record(self, time_h: float, kind: str, cause: str, lost_gpus: int, after: LayoutChoice,
+               shape: _Shape, cached: bool) -> None:
+        """One event from the current layout to ``after``: its record, and the seconds the two
+        tenplex paths lose to it."""
+        before = self.current
         transfer = shape.transfer_s
-        recovery = costs.detect_s + shape.chooser_s + shape.assign_s + shape.plan_s + transfer + step_s / 2
-        ev = EventResult(time_h, kind, cause, lost_gpus, str(before.cfg), str(after.cfg), after.idle_gpus,
-                         shape.chooser_s, shape.assign_s, shape.plan_s, shape.bytes_moved, transfer, recovery, cached,
-                         shape.transfer_bounds_s, shape.schedule_s)
-        events.append(ev)
-        if progress is not None:
-            progress(f"{time_h:8.2f} h {kind:<7} {cause:<8} {before.cfg} -> {after.cfg} idle {after.idle_gpus}: "
-                     f"plan {shape.plan_s:.2f}s transfer {transfer:.2f}s recovery {recovery:.2f}s"
-                     f"{' (cached)' if cached else ''}")
-        return ev
+        recovery = self.settings.costs.detect_s + shape.chooser_s + shape.assign_s + shape.plan_s + transfer \
+            + self.step_s / 2
+        self.events.append(EventResult(
+            time_h, kind, cause, lost_gpus, str(before.cfg), str(after.cfg), after.idle_gpus, shape.chooser_s,
+            shape.assign_s, shape.plan_s, shape.bytes_moved, transfer, recovery, cached, shape.transfer_bounds_s,
+            shape.schedule_s))
+        self.lost_s["tenplex"] += recovery
+        self.lost_s["restart"] += self.restart_cost(shape, after)
+        if self.progress is not None:
+            self.progress(f"{time_h:8.2f} h {kind:<7} {cause:<8} {before.cfg} -> {after.cfg} idle {after.idle_gpus}: "
+                          f"plan {shape.plan_s:.2f}s transfer {transfer:.2f}s recovery {recovery:.2f}s"
+                          f"{' (cached)' if cached else ''}")
 
-    queue = [(e.time_h, 1, i, e) for i, e in enumerate(trace) if e.time_h <= end_h]
-    heapq.heapify(queue)
-    ckpt_interval_s = costs.ckpt_interval_h * HOUR
-    load_s = state_per_gpu / costs.storage_bw  # the baseline's checkpoint load, per GPU in parallel
-    ckpt_down_since: float | None = None  # hours: the baseline waits for hosts since then
-    while queue:
-        t_h, order, _, ev = heapq.heappop(queue)
-        if t_h > end_h:
-            break
-        advance(t_h)
-        before = cfg_choice
-        world_before = job_hosts * gpus_per_host
-        if order == 0:  # a repaired host returns: to the job if it is short, else to the spares
-            if job_hosts < hosts:
-                job_hosts += 1
-                after, _ = choose(job_hosts * gpus_per_host)
-                key = ("grow", str(before.cfg), str(after.cfg))
-                shape, cached = measure(before.cfg, after.cfg, (), key, world_before, job_hosts * gpus_per_host)
-                e = record(t_h, "grow", "repair", 0, before, after, shape, cached)
-                lost_s["tenplex"] += e.recovery_s
-                lost_s["restart"] += restart_cost(shape, after)
-                cfg_choice = after
-                if job_hosts == hosts and ckpt_down_since is not None:  # the baseline runs again: restart, load
-                    lost_s["ckpt"] += (t_h - ckpt_down_since) * HOUR + costs.restart_s + load_s
-                    ckpt_down_since = None
-            else:
-                spares += 1
-            rate = (cfg_choice.tokens_per_second or 0.0) / ideal_tps if ideal_tps else 1.0
-            timeline.append((t_h, cfg_choice.cfg.world_size, rate))
-            continue
-        cls = classes[ev.cause]
-        since_ckpt = (t_h * HOUR) % ckpt_interval_s
-        if cls.hosts == 0:  # a process crash: same hosts, the crashed rank's state comes from its peers
-            victim = int(rng.integers(before.cfg.world_size))
-            key = ("restart", str(before.cfg), _stage_of(before.cfg, victim, spec.num_layers))
-            shape, cached = measure(before.cfg, before.cfg, [victim], key, world_before + 1, world_before)
-            e = record(t_h, "restart", ev.cause, 0, before, before, shape, cached)
-            lost_s["tenplex"] += e.recovery_s
-            lost_s["restart"] += restart_cost(shape, before)
-            if ckpt_down_since is None:
-                lost_s["ckpt"] += costs.detect_s + costs.restart_s + load_s + since_ckpt
-            continue
-        # a host fails: it goes to repair; a spare replaces it, else the job shrinks
-        heapq.heappush(queue, (t_h + cls.repair_h, 0, len(trace) + len(events), ev))
-        victim_host = int(rng.integers(job_hosts))
-        lost = [r for r in range(victim_host * gpus_per_host, (victim_host + 1) * gpus_per_host)
-                if r < before.cfg.world_size]
-        stage = _stage_of(before.cfg, lost[0], spec.num_layers) if lost else -1
-        if spares > 0:
-            spares -= 1
-            after = before
+    def mark_rate(self, t_h: float) -> None:
+        """The current layout's throughput relative to the start, from ``t_h`` on."""
+        self.rate = (self.current.tokens_per_second or 0.0) / self.ideal_tps if self.ideal_tps else 1.0
+        self.timeline.append((t_h, self.current.cfg.world_size, self.rate))
+
+    def ckpt_restart(self, since_ckpt_s: float) -> None:
+        """The baseline restarts from its last checkpoint, unless it is down waiting for hosts."""
+        if self.ckpt_down_since is None:
+            c = self.settings.costs
+            self.lost_s["ckpt"] += c.detect_s + c.restart_s + self.load_s + since_ckpt_s
+
+    # -- events ------------------------------------------------------------------------------------
+    def run(self, trace: Sequence[FailureEvent], end_h: float) -> None:
+        """Replay the events up to ``end_h``; repaired hosts return as events of their own."""
+        queue = [(e.time_h, 1, i, e) for i, e in enumerate(trace) if e.time_h <= end_h]
+        heapq.heapify(queue)
+        ckpt_interval_s = self.settings.costs.ckpt_interval_h * HOUR
+        while queue:
+            t_h, order, _, ev = heapq.heappop(queue)
+            if t_h > end_h:
+                break
+            self.advance(t_h)
+            if order == 0:
+                self.host_returns(t_h)
+                continue
+            cls = self.settings.classes[ev.cause]
+            since_ckpt_s = (t_h * HOUR) % ckpt_interval_s
+            if cls.hosts == 0:
+                self.process_crash(t_h, ev.cause, since_ckpt_s)
+                continue
+            heapq.heappush(queue, (t_h + cls.repair_h, 0, len(trace) + len(self.events), ev))
+            self.host_fails(t_h, ev.cause, since_ckpt_s)
+        self.advance(end_h)
+        if self.ckpt_down_since is not None:
+            self.lost_s["ckpt"] += (end_h - self.ckpt_down_since) * HOUR
+
+    def host_returns(self, t_h: float) -> None:
+        """A repaired host returns: to the job if it is short, else to the spares."""
+        s = self.settings
+        if self.job_hosts >= s.hosts:
+            self.spares += 1
+            self.mark_rate(t_h)
+            return
+        world_before = self.job_hosts * s.gpus_per_host
+        self.job_hosts += 1
+        after, _ = self.choose(self.job_hosts * s.gpus_per_host)
+        key = ("grow", str(self.current.cfg), str(after.cfg))
+        shape, cached = self.measure(self.current.cfg, after.cfg, (), key, world_before,
+                                     self.job_hosts * s.gpus_per_host)
+        self.record(t_h, "grow", "repair", 0, after, shape, cached)
+        self.current = after
+        if self.job_hosts == s.hosts and self.ckpt_down_since is not None:  # the baseline runs again: restart, load
+            self.lost_s["ckpt"] += (t_h - self.ckpt_down_since) * HOUR + s.costs.restart_s + self.load_s
+            self.ckpt_down_since = None
+        self.mark_rate(t_h)
+
+    def process_crash(self, t_h: float, cause: str, since_ckpt_s: float) -> None:
+        """A process crash: same hosts, the crashed rank's state comes from its peers."""
+        before = self.current
+        world_before = self.job_hosts * self.settings.gpus_per_host
+        victim = int(self.rng.integers(before.cfg.world_size))
+        key = ("restart", str(before.cfg), _stage_of(before.cfg, victim, self.spec.num_layers))
+        shape, cached = self.measure(before.cfg, before.cfg, [victim], key, world_before + 1, world_before)
+        self.record(t_h, "restart", cause, 0, before, shape, cached)
+        self.ckpt_restart(since_ckpt_s)
+
+    def host_fails(self, t_h: float, cause: str, since_ckpt_s: float) -> None:
+        """A host fails (it went to repair): a spare replaces it, else the job shrinks."""
+        per_host = self.settings.gpus_per_host
+        before = self.current
+        world_before = self.job_hosts * per_host
+        victim_host = int(self.rng.integers(self.job_hosts))
+        lost = [r for r in range(victim_host * per_host, (victim_host + 1) * per_host) if r < before.cfg.world_size]
+        stage = _stage_of(before.cfg, lost[0], self.spec.num_layers) if lost else -1
+        if self.spares > 0:
+            self.spares -= 1
             key = ("replace", str(before.cfg), stage)
-            shape, cached = measure(before.cfg, after.cfg, lost, key, world_before + gpus_per_host, world_before)
-            e = record(t_h, "fail", ev.cause, gpus_per_host, before, after, shape, cached)
-            if ckpt_down_since is None:
-                lost_s["ckpt"] += costs.detect_s + costs.restart_s + load_s + since_ckpt
+            shape, cached = self.measure(before.cfg, before.cfg, lost, key, world_before + per_host, world_before)
+            self.record(t_h, "fail", cause, per_host, before, shape, cached)
+            self.ckpt_restart(since_ckpt_s)
         else:
-            job_hosts -= 1
-            after, _ = choose(job_hosts * gpus_per_host)
+            self.job_hosts -= 1
+            after, _ = self.choose(self.job_hosts * per_host)
             key = ("shrink", str(before.cfg), str(after.cfg), stage)
-            shape, cached = measure(before.cfg, after.cfg, lost, key, world_before, job_hosts * gpus_per_host)
-            e = record(t_h, "fail", ev.cause, gpus_per_host, before, after, shape, cached)
-            cfg_choice = after
+            shape, cached = self.measure(before.cfg, after.cfg, lost, key, world_before, self.job_hosts * per_host)
+            self.record(t_h, "fail", cause, per_host, after, shape, cached)
+            self.current = after
             # the baseline cannot run short of hosts: it stops (losing the work since its last
             # checkpoint) until the job has all its hosts again
-            if ckpt_down_since is None:
-                lost_s["ckpt"] += costs.detect_s + since_ckpt
-                ckpt_down_since = t_h
-        lost_s["tenplex"] += e.recovery_s
-        lost_s["restart"] += restart_cost(shape, after)
-        rate = (cfg_choice.tokens_per_second or 0.0) / ideal_tps if ideal_tps else 1.0
-        timeline.append((t_h, cfg_choice.cfg.world_size, rate))
-    advance(end_h)
-    if ckpt_down_since is not None:
-        lost_s["ckpt"] += (end_h - ckpt_down_since) * HOUR
-    total_s = end_h * HOUR
-    useful = sum(h * r for h, r in degraded) * HOUR  # full-speed-equivalent seconds while degraded
-    goodput = {k: max(0.0, (useful - v) / total_s) for k, v in lost_s.items()}
-    goodput["ckpt"] = max(0.0, (total_s - lost_s["ckpt"]) / total_s)  # it runs at full speed or not at all
-    return SimulationResult(tuple(events), goodput["tenplex"], goodput["restart"], goodput["ckpt"],
-                            time.perf_counter() - t_start, end_h, str(full.cfg), tuple(timeline))
+            if self.ckpt_down_since is None:
+                self.lost_s["ckpt"] += self.settings.costs.detect_s + since_ckpt_s
+                self.ckpt_down_since = t_h
+        self.mark_rate(t_h)
+
+    def result(self, end_h: float, simulate_s: float) -> SimulationResult:
+        """The goodput of each path over the replay."""
+        total_s = end_h * HOUR
+        useful = sum(h * r for h, r in self.degraded) * HOUR  # full-speed-equivalent seconds while degraded
+        goodput = {k: max(0.0, (useful - v) / total_s) for k, v in self.lost_s.items()}
+        goodput["ckpt"] = max(0.0, (total_s - self.lost_s["ckpt"]) / total_s)  # it runs at full speed or not at all
+        return SimulationResult(tuple(self.events), goodput["tenplex"], goodput["restart"], goodput["ckpt"],
+                                simulate_s, end_h, str(self.full.cfg), tuple(self.timeline))
 
 
 def _state_per_gpu(choice: LayoutChoice) -> int:

@@ -22,7 +22,7 @@ from tenplex import (
     model_ptc,
     model_spec,
 )
-from tenplex.memory import GiB, layer_params, parse_size, recompute_flops
+from tenplex.memory import GiB, MemoryOptions, layer_params, parse_size, recompute_flops
 
 P = ParallelConfig
 
@@ -270,3 +270,17 @@ def test_stage_params_match_ptc_shards_random_models(data: st.DataObject) -> Non
     est = estimate_memory(ptc, cfg, seq_len=4, micro_batch=1)
     for stage in est.stages:
         assert stage_params_from_ptc(ptc, cfg, stage.stage, cfg.tp - 1) == stage.params, (kw, cfg, stage.stage)
+
+
+def test_memory_options_object_and_keywords_agree() -> None:
+    opts = MemoryOptions(seq_len=16, micro_batch=2, num_microbatches=4, recompute="selective")
+    a = estimate_memory(TINY_LLAMA, P(dp=2, tp=2, pp=2), opts)
+    b = estimate_memory(TINY_LLAMA, P(dp=2, tp=2, pp=2), seq_len=16, micro_batch=2, num_microbatches=4,
+                        recompute="selective")
+    assert a == b and a.recompute == "selective" and a.num_microbatches == 4
+    c = estimate_memory(TINY_LLAMA, P(dp=2, tp=2, pp=2), opts, recompute="none")  # a keyword overrides one field
+    assert c.recompute == "none" and c.peak_bytes > a.peak_bytes
+    with pytest.raises(ConfigError, match="num_microbatches must be a positive integer, got 0"):
+        MemoryOptions(seq_len=16, micro_batch=1, num_microbatches=0)
+    with pytest.raises(ConfigError, match="gpus_per_host must be a positive integer, got -8"):
+        MemoryOptions(seq_len=16, micro_batch=1, gpus_per_host=-8)

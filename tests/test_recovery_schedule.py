@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import tenplex.store.recovery_plan as recovery_plan
-from tenplex import ParallelConfig, model_ptc, save
+from tenplex import ConfigError, ParallelConfig, Topology, model_ptc, save
 from tenplex.store import HostStore, StoreServer, Tier, TieredLoad, load_tiered, recovery_tiers
 from tenplex.checkpoint import read_part_chunks
 from tenplex.store.recovery import find_usable, plan_recovery
+from tenplex.store.recovery_plan import RecoveryOptions
 
 PTC_ = model_ptc("tiny")
 OLD, NEW = ParallelConfig(dp=2, tp=2), ParallelConfig(tp=2, pp=2)
@@ -205,3 +206,20 @@ def test_malformed_peer_index_and_manifest_fall_back_within_the_rounds(hosts, tm
     assert res.result.step == 5 and res.result.skipped == ()
     assert res.tiers_used[2] == "storage" and res.bytes_by_kind["storage"] > 0
     assert all(torch.equal(res.result.shard[n], PTC_.shard(g, NEW)[0][n]) for n in PTC_.rank_tensors(NEW, 0))
+
+
+def test_recovery_options_are_validated_and_fields_override() -> None:
+    with pytest.raises(ConfigError, match="RecoveryOptions.gpus_per_host must be an integer >= 1, got 0"):
+        RecoveryOptions(gpus_per_host=0)
+    with pytest.raises(ConfigError, match="RecoveryOptions.method 'fast' is not one of auto, milp, lp, greedy"):
+        RecoveryOptions(method="fast")
+    with pytest.raises(ConfigError, match="time_limit must be a finite number > 0, got 0"):
+        RecoveryOptions(time_limit=0)
+    # the default topology: as many hosts as stores (one more without a local one) or as the new world needs
+    local, peer = Tier("local", "memory://a", "local"), Tier("peer:b", "memory://b", "peer")
+    def hosts(topo: Topology) -> int:
+        return sum(d.get("kind") == "host" for _, d in topo.graph.nodes(data=True))
+
+    topo = RecoveryOptions(gpus_per_host=2).topology_for([local, peer], ParallelConfig(dp=3, tp=2))
+    assert (topo.gpus_per_host, hosts(topo)) == (2, 3)  # 6 GPUs of the new world: 3 hosts of 2
+    assert hosts(RecoveryOptions(gpus_per_host=4).topology_for([peer], ParallelConfig(dp=1))) == 2

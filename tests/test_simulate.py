@@ -9,7 +9,8 @@ import pytest
 
 from tenplex import ConfigError
 from tenplex.cli import main
-from tenplex.simulate import FAILURE_CLASSES, CostModel, FailureClass, FailureEvent, draw_trace, read_trace, simulate_trace
+from tenplex.simulate import (FAILURE_CLASSES, CostModel, FailureClass, FailureEvent, SimulationSettings, draw_trace,
+                              read_trace, simulate_trace)
 
 HOUR = 3600.0
 SMALL = dict(global_batch=16, seq_len=1024, micro_batch=1, gpus_per_host=4)
@@ -41,8 +42,8 @@ def test_one_failure_by_hand() -> None:
     last checkpoint, then a restart and a checkpoint load."""
     classes = {"gpu": FailureClass(1.0, 1, 2.0)}
     costs = CostModel(detect_s=1.0, restart_s=100.0, ckpt_interval_h=0.75, storage_bw=1e9)
-    res = simulate_trace("llama-100m", 16, [FailureEvent(1.0, "gpu")], spare_hosts=0, hours=4.0, classes=classes,
-                         costs=costs, **SMALL)
+    res = simulate_trace([FailureEvent(1.0, "gpu")], SimulationSettings("llama-100m", 16, spare_hosts=0, hours=4.0,
+                                                                        classes=classes, costs=costs, **SMALL))
     fail, grow = res.events
     assert (fail.kind, fail.gpus_lost, grow.kind, grow.time_h) == ("fail", 4, "grow", 3.0)
     assert fail.layout_before == grow.layout_after and fail.layout_after == grow.layout_before
@@ -66,7 +67,7 @@ def test_one_failure_by_hand() -> None:
 
 def test_spares_replace_and_shapes_are_cached() -> None:
     trace = [FailureEvent(1.0, "gpu"), FailureEvent(2.0, "gpu"), FailureEvent(2.5, "software")]
-    res = simulate_trace("tiny", 16, trace, spare_hosts=4, hours=3.0, seed=1, **SMALL)
+    res = simulate_trace(trace, SimulationSettings("tiny", 16, spare_hosts=4, hours=3.0, seed=1, **SMALL))
     kinds = [(e.kind, e.layout_before == e.layout_after) for e in res.events]
     assert kinds == [("fail", True), ("fail", True), ("restart", True)]  # a spare took each failed host
     assert len({w for _, w, _ in res.timeline}) == 1
@@ -78,11 +79,11 @@ def test_spares_replace_and_shapes_are_cached() -> None:
 
 def test_unknown_cause_and_bad_costs() -> None:
     with pytest.raises(ConfigError, match=r"failure classes \['cosmic'\]"):
-        simulate_trace("tiny", 16, [FailureEvent(1.0, "cosmic")], **SMALL)
+        simulate_trace([FailureEvent(1.0, "cosmic")], SimulationSettings("tiny", 16, **SMALL))
     with pytest.raises(ConfigError, match="CostModel.restart_s must be a finite number >= 0"):
         CostModel(restart_s=-1)
     with pytest.raises(ConfigError, match="not a multiple of gpus_per_host"):
-        simulate_trace("tiny", 10, [], **SMALL)
+        simulate_trace([], SimulationSettings("tiny", 10, **SMALL))
 
 
 def test_cli_simulate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,3 +96,16 @@ def test_cli_simulate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert key in out
     assert len(out["events"]) >= 4 and out["events"][0]["time_h"] <= 24
     assert png.stat().st_size > 10_000
+
+
+def test_settings_are_validated_with_the_arithmetic() -> None:
+    with pytest.raises(ConfigError, match=r"gpus=18 is not a multiple of gpus_per_host=4 \(18 % 4 = 2\)"):
+        SimulationSettings("tiny", 18, 16, 1024, gpus_per_host=4)
+    with pytest.raises(ConfigError, match="SimulationSettings.gpus must be an integer >= 1, got 0"):
+        SimulationSettings("tiny", 0, 16, 1024)
+    with pytest.raises(ConfigError, match="spare_hosts must be an integer >= 0, got -1"):
+        SimulationSettings("tiny", 16, 16, 1024, spare_hosts=-1)
+    with pytest.raises(ConfigError, match="hours must be a finite number > 0 or None, got -2.0"):
+        SimulationSettings("tiny", 16, 16, 1024, hours=-2.0)
+    s = SimulationSettings("tiny", 16, 16, 1024, gpus_per_host=4)
+    assert s.hosts == 4 and s.end_hours([FailureEvent(25.0, "gpu")]) == 48.0 and s.end_hours([]) == 24.0

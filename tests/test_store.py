@@ -28,7 +28,7 @@ from tenplex import CheckpointCorruptError, ConfigError, ParallelConfig, model_p
 from tenplex.checkpoint import read_part_chunks
 from tenplex.checkpoint.writer import PartWriter
 from tenplex.cli import main as cli_main
-from tenplex.store import (HostStore, StoreServer, Tier, alive_stores, load_tiered, peer_storage_options,
+from tenplex.store import (HostStore, StoreOptions, StoreServer, Tier, alive_stores, load_tiered, peer_storage_options,
                            recovery_tiers, resolve_token, step_complete, store_token, usable_steps)
 from tenplex.train.launch import StoreProcess, free_port
 
@@ -432,6 +432,24 @@ def test_keep_last_must_be_at_least_one(tmp_path: Path, capsys: pytest.CaptureFi
                      "--keep-last", "-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "keep_last = -1 < 1" in err and "--keep-last 1" in err
+
+
+def test_store_options_are_validated_and_fields_override(tmp_path: Path) -> None:
+    """StoreOptions: validated once (the CLI's, serve's and StoreServer's), the token out of its repr;
+    StoreServer's keywords override single fields of the options given."""
+    with pytest.raises(ConfigError, match=r"incomplete_grace = -1\.0 < 0"):
+        StoreOptions(incomplete_grace=-1.0)
+    with pytest.raises(ConfigError, match="is not a store URL"):
+        StoreOptions(peers=["ftp://10.0.0.2:7700"])
+    opts = StoreOptions(token="s3cret-token", keep_last=3, peers=["http://10.0.0.2:7700/"])
+    assert "s3cret" not in repr(opts) and opts.peers == ("http://10.0.0.2:7700",)
+    server = StoreServer(str(tmp_path / "s"), options=opts, replicas=0)
+    try:
+        assert (server.keep_last, server.replicas, server.token, server.peers) == \
+            (3, 0, "s3cret-token", ["http://10.0.0.2:7700"])
+        assert server.replica_targets() == []
+    finally:
+        server.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,9 +4,11 @@ the link graph (and chunk by chunk when it has a cycle); chunks of a commodity."
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import PlanError
 from ..topology import Topology
 from .arrays import excl_cumsum, sort_order
 from .commodities import Demands, commodity_nbytes
@@ -211,3 +213,25 @@ def split_chunks(dem: Demands, chunk_bytes: int) -> tuple[np.ndarray, np.ndarray
     return com, off, np.minimum(chunk_bytes, total[com] - off), idx
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Chunks:
+    """Demands cut into chunks of at most ``chunk_bytes``: per chunk its commodity, byte offset,
+    bytes and index within its commodity (the columns of :func:`split_chunks`)."""
+
+    commodity: np.ndarray
+    offset: np.ndarray
+    nbytes: np.ndarray
+    index: np.ndarray
+    chunk_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 1:
+            raise PlanError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
+        sizes = (len(self.commodity), len(self.offset), len(self.nbytes), len(self.index))
+        if len(set(sizes)) != 1:
+            raise PlanError(f"chunk columns of different lengths (commodity, offset, nbytes, index): {sizes}")
+
+    @classmethod
+    def split(cls, dem: Demands, chunk_bytes: int) -> Chunks:
+        """Every commodity of ``dem`` in chunks of ``chunk_bytes`` (:func:`split_chunks`)."""
+        return cls(*split_chunks(dem, chunk_bytes), chunk_bytes)

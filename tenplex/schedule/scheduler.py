@@ -18,7 +18,7 @@ from ..topology import Topology
 from .bounds import lower_bound
 from .commodities import Demands, commodity_nbytes, demands
 from .arrays import Columns
-from .listsched import list_schedule, split_chunks
+from .listsched import Chunks, list_schedule, split_chunks
 from .naive import NaiveFlows, naive_flows
 from .result import HOP_COLUMNS, Schedule
 from .routes import Option, Routes, greedy_choices, greedy_routes, net_of, route_options
@@ -122,12 +122,7 @@ def _naive_only(plan: Plan | None, topology: Topology, dem: Demands | None, t0: 
     floor = flows.floor(topology)
     t_floor = time.perf_counter() - t_floor
     info: dict[str, Any] = {"lower_bound_s": None, "candidates": {}, "greedy_skipped": why, "naive_floor_s": floor}
-    if chunk_bytes is None:
-        target = min(_TARGET_CHUNKS, max(200, int((limit_at - time.perf_counter()) * 4000)))
-        total = flows.demands.bytes_unique
-        chunk_bytes = max(4096, 1 << max(0, math.ceil(math.log2(max(total, 1) / target))))
-    if chunk_bytes < 1:
-        raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    chunk_bytes = _chunk_bytes(chunk_bytes, flows.demands.bytes_unique, limit_at)
     end = limit_at - _RESERVE * (limit_at - t0)
     # the naive bounds' set-up and cut-short, and the rendering, scale with the flows' links (the
     # floor's work) and the hops (a flow's links per chunk)
@@ -174,111 +169,160 @@ def _naive_only(plan: Plan | None, topology: Topology, dem: Demands | None, t0: 
     return _naive_done(s, lo, hi, t0, info)
 
 
-def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, method: str, t0: float,
-                      deadline: float, chunk_bytes: int | None, epochs: int) -> Schedule:
-    limit_at = deadline  # `deadline` may shrink below (auto: no longer than improving could save)
-    total = dem.bytes_unique
-    if chunk_bytes is None:  # fewer chunks when the time limit is short (list scheduling is ~50 us a chunk)
+def _chunk_bytes(chunk_bytes: int | None, total: int, deadline: float) -> int:
+    """``chunk_bytes`` as given, or by default fewer chunks when the time limit is short (list
+    scheduling is ~50 us a chunk): ``total`` / the target count as a power of two, at least 4 KiB."""
+    if chunk_bytes is None:
         target = min(_TARGET_CHUNKS, max(200, int((deadline - time.perf_counter()) * 4000)))
         chunk_bytes = max(4096, 1 << max(0, math.ceil(math.log2(max(total, 1) / target))))
     if chunk_bytes < 1:
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    chunk_bytes = _capped(dem, chunk_bytes)
-    chunk_com, chunk_off, chunk_nb, chunk_idx = split_chunks(dem, chunk_bytes)
-    if not len(chunk_com):
+    return chunk_bytes
+
+
+def _schedule_demands(plan: Plan | None, topology: Topology, dem: Demands, method: str, t0: float,
+                      deadline: float, chunk_bytes: int | None, epochs: int) -> Schedule:
+    """The demands' chunks list-scheduled by ``method`` (auto: the best of greedy, LP and MILP in the
+    time left, never slower than the naive schedule; see :func:`schedule`)."""
+    chunk_bytes = _capped(dem, _chunk_bytes(chunk_bytes, dem.bytes_unique, deadline))
+    chunks = Chunks.split(dem, chunk_bytes)
+    if not len(chunks.commodity):
         return _empty(plan, topology, dem, method, chunk_bytes, t0)
-    ref = float(chunk_bytes)
     if method == "auto" and _too_large(topology):
         log.info("%d topology nodes: beyond the greedy routes' tables (%d^2 > %d); the naive schedule",
                  len(topology.node_names), len(topology.node_names), _NET_CELLS)
-        return _naive_only(plan, topology, dem, t0, limit_at, chunk_bytes, epochs, _TOO_LARGE)
-    if method == "auto" and time.perf_counter() - t0 > _LATE * (limit_at - t0):
+        return _naive_only(plan, topology, dem, t0, deadline, chunk_bytes, epochs, _TOO_LARGE)
+    if method == "auto" and time.perf_counter() - t0 > _LATE * (deadline - t0):
         log.info("%.2fs of the %.2fs limit gone before routing: the naive schedule", time.perf_counter() - t0,
-                 limit_at - t0)
-        return _naive_only(plan, topology, dem, t0, limit_at, chunk_bytes, epochs, "time limit")
-    small = len(dem.commodities) * max(len(c.sources) for c in dem.commodities) <= 64
-    opts: list[list[Option]] | None = None
-    if small:  # greedy may also take a second, link-avoiding path
-        opts = route_options(topology, dem, ref, alt=True)
-        choices = greedy_choices(dem, opts, topology, ref)
-        cands = Routes.of([(o.hop_link, o.hop_parent) for cs in choices for o in cs], np.zeros(0, dtype=np.int64))
-        cand = np.concatenate([[0], np.cumsum([len(cs) for cs in choices])])
-    else:
-        cands, cand = greedy_routes(dem, net_of(topology, ref))
-    lb = lower_bound(dem, topology)
-    key = _progress(chunk_com, chunk_idx)
-    order = np.lexsort((chunk_com, key))
-    # release: chunk j of n leaves its source no earlier than j / n of the way through a slightly
-    # faster-than-bound fluid schedule, so queues at shared links fill in priority order, not per source
-    release = np.floor(chunk_idx / np.bincount(chunk_com)[chunk_com] * _PACE * epochs).astype(np.int64)
-    candidates: list[tuple[float, str, dict[str, Any], float]] = []
-    tau = max(lb, 1e-9) / max(epochs, 1)
-
-    def finish(name: str, arrays: dict[str, Any], tau_: float) -> None:
-        s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
-                     Columns(HOP_COLUMNS, arrays))
-        candidates.append((simulate(s), name, arrays, tau_))
-
-    # greedy: always (the fallback)
-    t_greedy = time.perf_counter()
-    routes = assign_greedy(cands, cand, chunk_com, chunk_nb, key, order, topology)
-    finish("greedy", list_schedule(topology, routes, chunk_nb, order, tau, release), tau)
-    t_greedy = time.perf_counter() - t_greedy
-    lp_t = None
-    done = method == "auto" and candidates[0][0] <= _GOOD_ENOUGH * lb  # auto: stop improving
-    if method == "auto":  # never spend longer improving a schedule than the improvement could save
-        now = time.perf_counter()
-        deadline = min(deadline, now + max(candidates[0][0] - lb, 0.0))
-        # the LP takes 3 to 6 times as long as the greedy schedule (benchmark): a budget below
-        # twice the time spent so far would be spent without a result
-        done = done or deadline - now < 2 * (now - t0)
-    if method in ("auto", "lp", "milp") and not done and time.perf_counter() < deadline:
-        if opts is None:
-            opts = route_options(topology, dem, ref, alt=False)
-        frac = static_lp(topology, dem, opts, deadline - time.perf_counter())
-        if frac is not None and time.perf_counter() < deadline:
-            routes = assign_lp(dem, opts, frac, chunk_com, chunk_idx, topology)
-            arr = list_schedule(topology, routes, chunk_nb, order, tau, release)
-            if time.perf_counter() < deadline:
-                finish("lp", arr, tau)
-                lp_t = candidates[-1][0]
-    done = done or (method == "auto" and lp_t is not None and lp_t <= _GOOD_ENOUGH * lb)
-    if method in ("auto", "milp") and not done and time.perf_counter() < deadline:
-        horizon = 1.5 * min(c[0] for c in candidates)
-        arr = solve_milp(topology, dem, opts, chunk_com, chunk_nb, chunk_bytes, horizon, deadline)
-        if arr is not None:
-            finish("milp", arr, float(arr["tau"]))
-    if method != "auto":
-        wanted = [c for c in candidates if c[1] == method]
-        pick = wanted[0] if wanted else min(candidates, key=lambda c: c[0])
-        if not wanted:
-            log.warning("method %s gave no schedule in time; falling back to %s", method, pick[1])
-    else:
-        pick = min(candidates, key=lambda c: (c[0], -len(c[1])))
-    comp, name, arrays, tau_ = pick
-    info = {"lower_bound_s": lb, "candidates": {c[1]: c[0] for c in candidates}}
+                 deadline - t0)
+        return _naive_only(plan, topology, dem, t0, deadline, chunk_bytes, epochs, "time limit")
+    run = _Candidates(plan, topology, dem, chunks, epochs)
+    t_greedy = run.greedy()
+    lp_t = run.improve(method, t0, deadline)
+    comp, name, arrays, tau = run.pick(method)
+    info: dict[str, Any] = {"lower_bound_s": run.lb, "candidates": {c[1]: c[0] for c in run.candidates}}
     if lp_t is not None:
         info["lp_s"] = lp_t
     if method == "auto":  # never slower than the naive baseline
-        flows = naive_flows(plan if plan is not None else dem, topology)
-        floor = flows.floor(topology)
-        info["naive_floor_s"] = floor
-        if comp > floor * (1 - 1e-6):  # else: faster than anything naive can be
-            # exact where it finishes by the limit, else bounds; naive when it may be faster
-            # what is left of the limit, less a reserve for the naive schedule (about a greedy one)
-            lo, hi = flows.bounds(topology, deadline=limit_at - 2 * t_greedy - 0.05 * (limit_at - t0))
-            if lo == hi:
-                info["naive_s"] = lo
-            else:
-                info["naive_bounds_s"] = [lo, hi]
-            if comp > lo:
-                s = _naive_render(plan, topology, flows, lo, chunk_bytes, epochs, deadline=limit_at)
-                return _naive_done(s, lo, hi, t0, info)
-    s = Schedule(plan, topology, dem, name, tau_, chunk_bytes, chunk_com, chunk_off, chunk_nb,
+        naive = run.naive_if_faster(comp, info, t0, deadline - 2 * t_greedy - 0.05 * (deadline - t0), deadline)
+        if naive is not None:
+            return naive
+    s = Schedule(plan, topology, dem, name, tau, chunk_bytes, chunks.commodity, chunks.offset, chunks.nbytes,
                  Columns(HOP_COLUMNS, arrays), solve_seconds=time.perf_counter() - t0, info=info)
-    log.info("scheduled %d chunks with %s in %.3fs: %.4fs (lower bound %.4fs)", len(chunk_com), name,
-             s.solve_seconds, comp, lb)
+    log.info("scheduled %d chunks with %s in %.3fs: %.4fs (lower bound %.4fs)", len(chunks.commodity), name,
+             s.solve_seconds, comp, run.lb)
     return s
+
+
+class _Candidates:
+    """The list-scheduled schedules of one set of demands' chunks: greedy always (the fallback),
+    then LP and MILP where the method and the time left allow; ``candidates``: (completion, method,
+    hop columns, epoch length)."""
+
+    def __init__(self, plan: Plan | None, topology: Topology, dem: Demands, chunks: Chunks, epochs: int) -> None:
+        self.plan, self.topology, self.dem, self.chunks, self.epochs = plan, topology, dem, chunks, epochs
+        self.chunk_com, self.chunk_nb, self.chunk_idx = chunks.commodity, chunks.nbytes, chunks.index
+        self.ref = float(chunks.chunk_bytes)
+        small = len(dem.commodities) * max(len(c.sources) for c in dem.commodities) <= 64
+        self.opts: list[list[Option]] | None = None
+        if small:  # greedy may also take a second, link-avoiding path
+            self.opts = route_options(topology, dem, self.ref, alt=True)
+            choices = greedy_choices(dem, self.opts, topology, self.ref)
+            self.cands = Routes.of([(o.hop_link, o.hop_parent) for cs in choices for o in cs],
+                                   np.zeros(0, dtype=np.int64))
+            self.cand = np.concatenate([[0], np.cumsum([len(cs) for cs in choices])])
+        else:
+            self.cands, self.cand = greedy_routes(dem, net_of(topology, self.ref))
+        self.lb = lower_bound(dem, topology)
+        self.key = _progress(self.chunk_com, self.chunk_idx)
+        self.order = np.lexsort((self.chunk_com, self.key))
+        # release: chunk j of n leaves its source no earlier than j / n of the way through a slightly
+        # faster-than-bound fluid schedule, so queues at shared links fill in priority order, not per source
+        self.release = np.floor(self.chunk_idx / np.bincount(self.chunk_com)[self.chunk_com] * _PACE
+                                * epochs).astype(np.int64)
+        self.tau = max(self.lb, 1e-9) / max(epochs, 1)
+        self.candidates: list[tuple[float, str, dict[str, Any], float]] = []
+
+    def finish(self, name: str, arrays: dict[str, Any], tau: float) -> None:
+        c = self.chunks
+        s = Schedule(self.plan, self.topology, self.dem, name, tau, c.chunk_bytes, c.commodity, c.offset, c.nbytes,
+                     Columns(HOP_COLUMNS, arrays))
+        self.candidates.append((simulate(s), name, arrays, tau))
+
+    def greedy(self) -> float:
+        """The greedy schedule; returns the seconds it took."""
+        t = time.perf_counter()
+        routes = assign_greedy(self.cands, self.cand, self.chunk_com, self.chunk_nb, self.key, self.order,
+                               self.topology)
+        self.finish("greedy", list_schedule(self.topology, routes, self.chunk_nb, self.order, self.tau, self.release),
+                    self.tau)
+        return time.perf_counter() - t
+
+    def improve(self, method: str, t0: float, deadline: float) -> float | None:
+        """The LP, then the MILP schedule, as ``method`` asks and by ``deadline``; auto stops as soon
+        as one is close enough to the lower bound and never spends longer improving a schedule than
+        the improvement could save. Returns the LP schedule's completion (None: none)."""
+        done = method == "auto" and self.candidates[0][0] <= _GOOD_ENOUGH * self.lb  # auto: stop improving
+        if method == "auto":
+            now = time.perf_counter()
+            deadline = min(deadline, now + max(self.candidates[0][0] - self.lb, 0.0))
+            # the LP takes 3 to 6 times as long as the greedy schedule (benchmark): a budget below
+            # twice the time spent so far would be spent without a result
+            done = done or deadline - now < 2 * (now - t0)
+        lp_t = None
+        if method in ("auto", "lp", "milp") and not done and time.perf_counter() < deadline:
+            lp_t = self.lp(deadline)
+        done = done or (method == "auto" and lp_t is not None and lp_t <= _GOOD_ENOUGH * self.lb)
+        if method in ("auto", "milp") and not done and time.perf_counter() < deadline:
+            horizon = 1.5 * min(c[0] for c in self.candidates)
+            arr = solve_milp(self.topology, self.dem, self.opts, self.chunks, horizon, deadline)
+            if arr is not None:
+                self.finish("milp", arr, float(arr["tau"]))
+        return lp_t
+
+    def lp(self, deadline: float) -> float | None:
+        """The fluid LP's routes, list-scheduled; its completion, or None when it did not finish in time."""
+        if self.opts is None:
+            self.opts = route_options(self.topology, self.dem, self.ref, alt=False)
+        frac = static_lp(self.topology, self.dem, self.opts, deadline - time.perf_counter())
+        if frac is None or time.perf_counter() >= deadline:
+            return None
+        routes = assign_lp(self.dem, self.opts, frac, self.chunk_com, self.chunk_idx, self.topology)
+        arr = list_schedule(self.topology, routes, self.chunk_nb, self.order, self.tau, self.release)
+        if time.perf_counter() >= deadline:
+            return None
+        self.finish("lp", arr, self.tau)
+        return self.candidates[-1][0]
+
+    def pick(self, method: str) -> tuple[float, str, dict[str, Any], float]:
+        """The candidate of ``method`` (the fastest where it gave none), or auto's fastest."""
+        if method == "auto":
+            return min(self.candidates, key=lambda c: (c[0], -len(c[1])))
+        wanted = [c for c in self.candidates if c[1] == method]
+        pick = wanted[0] if wanted else min(self.candidates, key=lambda c: c[0])
+        if not wanted:
+            log.warning("method %s gave no schedule in time; falling back to %s", method, pick[1])
+        return pick
+
+    def naive_if_faster(self, comp: float, info: dict[str, Any], t0: float, bounds_by: float,
+                        limit_at: float) -> Schedule | None:
+        """The naive schedule where it may be faster than ``comp`` (the best solved completion), else
+        None; ``info`` gains the naive floor and the naive completion (exact where it finishes by
+        ``bounds_by``, else its bounds)."""
+        flows = naive_flows(self.plan if self.plan is not None else self.dem, self.topology)
+        floor = flows.floor(self.topology)
+        info["naive_floor_s"] = floor
+        if comp <= floor * (1 - 1e-6):  # faster than anything naive can be
+            return None
+        lo, hi = flows.bounds(self.topology, deadline=bounds_by)
+        if lo == hi:
+            info["naive_s"] = lo
+        else:
+            info["naive_bounds_s"] = [lo, hi]
+        if comp <= lo:
+            return None
+        s = _naive_render(self.plan, self.topology, flows, lo, self.chunks.chunk_bytes, self.epochs, deadline=limit_at)
+        return _naive_done(s, lo, hi, t0, info)
 
 
 def _progress(chunk_com: np.ndarray, chunk_idx: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..topology import Topology
 from .commodities import Demands
+from .listsched import Chunks
 from .routes import Option, Routes, merge_paths
 
 log = logging.getLogger(__name__)
@@ -173,8 +174,20 @@ def assign_greedy(routes: Routes, cand: np.ndarray, chunk_com: np.ndarray, chunk
 _Offsets = list[list[tuple[np.ndarray, dict[str, int]]]]  # per commodity, per option: hop offsets, arrivals
 
 
-def _te_setup(topology: Topology, opts: list[list[Option]],
-              chunk_bytes: int) -> tuple[float, np.ndarray, np.ndarray, _Offsets]:
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _TimeExpanded:
+    """The time-expanded network of the MILP: route options ``opts``, epoch length ``tau``,
+    per-link capacity ``cap`` (chunks per epoch), latency ``lat_ep`` (epochs) and every option's
+    hop offsets and arrivals ``offs``."""
+
+    opts: list[list[Option]]
+    tau: float
+    cap: np.ndarray
+    lat_ep: np.ndarray
+    offs: _Offsets
+
+
+def _te_setup(topology: Topology, opts: list[list[Option]], chunk_bytes: int) -> _TimeExpanded:
     """Epoch length, per-link capacity (chunks per epoch), latency (epochs) and every option's hop offsets.
 
     Epoch: the time the slowest used link needs for one chunk; capacity floor(bandwidth * tau /
@@ -195,11 +208,10 @@ def _te_setup(topology: Topology, opts: list[list[Option]],
             arr = {d: int(off[h] + 1 + lat_ep[o.hop_link[h]]) for d, h in o.dest_hop.items()}
             row.append((off, arr))
         offs.append(row)
-    return tau, cap, lat_ep, offs
+    return _TimeExpanded(opts, tau, cap, lat_ep, offs)
 
 
-def _te_solve(opts: list[list[Option]], offs: _Offsets, cap: np.ndarray,
-              resv: np.ndarray, t0: int, t1: int, need: dict[tuple[int, str], int], exact: bool,
+def _te_solve(te: _TimeExpanded, resv: np.ndarray, t0: int, t1: int, need: dict[tuple[int, str], int], exact: bool,
               time_limit: float) -> list[tuple[int, int, int, int]] | None:
     """One MILP over start epochs [t0, t1): x[k, option, t] chunks; capacity minus reservations ``resv``.
 
@@ -211,6 +223,7 @@ def _te_solve(opts: list[list[Option]], offs: _Offsets, cap: np.ndarray,
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
+    opts, offs, cap = te.opts, te.offs, te.cap
     nl, horizon = resv.shape
     var: list[tuple[int, int, int]] = []
     rows, cols, vals, cost = [], [], [], []
@@ -255,14 +268,15 @@ def _te_solve(opts: list[list[Option]], offs: _Offsets, cap: np.ndarray,
     return [(*var[j], int(x[j])) for j in np.flatnonzero(x)]
 
 
-def _te_extract(dem: Demands, opts: list[list[Option]], offs: _Offsets,
-                lat_ep: np.ndarray, sends: list[tuple[int, int, int, int]], chunk_com: np.ndarray,
-                chunk_nb: np.ndarray) -> dict[str, Any]:
+def _te_extract(dem: Demands, te: _TimeExpanded, sends: list[tuple[int, int, int, int]],
+                chunks: Chunks) -> dict[str, Any]:
     """Chunk-level hops from (commodity, option, epoch, count) sends.
 
     Chunk i of commodity k, destination d, takes the i-th send instance covering d: full-coverage
     instances first in one canonical order, so a multicast instance serves the same chunk everywhere.
     """
+    opts, offs, lat_ep = te.opts, te.offs, te.lat_ep
+    chunk_com, chunk_nb = chunks.commodity, chunks.nbytes
     n_k = np.bincount(chunk_com, minlength=len(dem.commodities))
     inst: dict[int, list[tuple[int, int, int]]] = {}
     for k, oi, t, cnt in sends:
@@ -312,15 +326,15 @@ def _te_extract(dem: Demands, opts: list[list[Option]], offs: _Offsets,
     return out
 
 
-def solve_milp(topology: Topology, dem: Demands, opts: list[list[Option]], chunk_com: np.ndarray,
-          chunk_nb: np.ndarray, chunk_bytes: int, horizon_s: float, deadline: float,
-          window: int = 6) -> dict[str, Any] | None:
+def solve_milp(topology: Topology, dem: Demands, opts: list[list[Option]], chunks: Chunks, horizon_s: float,
+               deadline: float, window: int = 6) -> dict[str, Any] | None:
     """Time-expanded MILP over route options (TE-CCL with copy): x[k, option, t] integer chunks
     leaving in epoch t. Small instances in one shot (objective: sum of delivery epochs); larger
     ones in rounds of ``window`` epochs, each delivering as much as it can, the links its chunks
     will still use in later epochs reserved (the buffers carried forward)."""
-    tau, cap, lat_ep, offs = _te_setup(topology, opts, chunk_bytes)
-    n_k = np.bincount(chunk_com, minlength=len(dem.commodities))
+    te = _te_setup(topology, opts, chunks.chunk_bytes)
+    tau, cap, offs = te.tau, te.cap, te.offs
+    n_k = np.bincount(chunks.commodity, minlength=len(dem.commodities))
     need = {(k, d): int(n_k[k]) for k, c in enumerate(dem.commodities) for d in c.dests}
     max_arr = max(max(a.values()) for row in offs for _, a in row)
     horizon = int(math.ceil(horizon_s / tau)) + max_arr + 1
@@ -328,7 +342,7 @@ def solve_milp(topology: Topology, dem: Demands, opts: list[list[Option]], chunk
     sends: list[tuple[int, int, int, int]] | None
     if n_opts * horizon <= _MILP_MAX_VARS:
         resv = np.zeros((len(cap), horizon))
-        sends = _te_solve(opts, offs, cap, resv, 0, horizon, need, True, deadline - time.perf_counter())
+        sends = _te_solve(te, resv, 0, horizon, need, True, deadline - time.perf_counter())
     elif n_opts * window <= _MILP_MAX_VARS and n_opts * horizon <= _MILP_ROUNDS_MAX:
         resv = np.zeros((len(cap), horizon))
         sends = []
@@ -337,7 +351,7 @@ def solve_milp(topology: Topology, dem: Demands, opts: list[list[Option]], chunk
             if time.perf_counter() >= deadline or t0 + max_arr >= horizon:
                 log.info("MILP rounds stopped at epoch %d with %d chunk deliveries left", t0, sum(need.values()))
                 return None
-            got = _te_solve(opts, offs, cap, resv, t0, t0 + window, need, False, deadline - time.perf_counter())
+            got = _te_solve(te, resv, t0, t0 + window, need, False, deadline - time.perf_counter())
             for k, oi, t, cnt in got or []:
                 o = opts[k][oi]
                 off, _ = offs[k][oi]
@@ -351,6 +365,6 @@ def solve_milp(topology: Topology, dem: Demands, opts: list[list[Option]], chunk
         return None
     if sends is None:
         return None
-    out = _te_extract(dem, opts, offs, lat_ep, sends, chunk_com, chunk_nb)
+    out = _te_extract(dem, te, sends, chunks)
     out["tau"] = tau
     return out

@@ -9,12 +9,14 @@ clock (see docs/store.md, "Reads in rounds").
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,11 +27,11 @@ from ..errors import ConfigError
 from ..planner import Plan
 from ..planner import plan as plan_moves
 from ..ptc import PTC
-from ..schedule import Demands, Schedule, schedule
+from ..schedule import METHODS, Demands, Schedule, schedule
 from ..topology import Topology
 from .tiers import Tier, UsableStep
 
-__all__ = ["RECOVERY_LINKS", "RecoveryPlan", "plan_recovery", "schedule_recovery", "ReadOrder", "order_reads"]
+__all__ = ["RECOVERY_LINKS", "RecoveryOptions", "RecoveryPlan", "plan_recovery", "schedule_recovery", "ReadOrder", "order_reads"]
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +76,44 @@ def _host_stores(tiers: Sequence[Tier], topology: Topology, my_host: int) -> tup
     return tuple(out)
 
 
-def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *,
-                  gpus_per_host: int = 8, topology: Topology | None = None, method: str = "greedy",
-                  time_limit: float = 2.0, moves: Plan | None = None) -> RecoveryPlan:
+@dataclass(frozen=True, slots=True, eq=False)
+class RecoveryOptions:
+    """How the recovery schedule is computed (``plan_recovery``, ``schedule_recovery``).
+
+    ``gpus_per_host``: new rank i runs on host ``i // gpus_per_host`` of the default topology.
+    ``topology``: default ``Topology.from_spec("hosts=H,gpus=G," + RECOVERY_LINKS)`` with G =
+    ``gpus_per_host`` and H the number of stores or of hosts the new world needs, whichever is
+    larger. ``method`` and ``time_limit``: as for ``tenplex.schedule.schedule`` (the default
+    ``greedy`` is deterministic: every rank computes the same schedule). ``moves``: the
+    repartition plan when the caller has it (used when it is the plan of the saved layout to
+    the new one on the topology's hosts; otherwise computed).
+    """
+
+    gpus_per_host: int = 8
+    topology: Topology | None = None
+    method: str = "greedy"
+    time_limit: float = 2.0
+    moves: Plan | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus_per_host, int) or self.gpus_per_host < 1:
+            raise ConfigError(f"RecoveryOptions.gpus_per_host must be an integer >= 1, got {self.gpus_per_host!r}")
+        if self.method not in METHODS:
+            raise ConfigError(f"RecoveryOptions.method {self.method!r} is not one of {', '.join(METHODS)}")
+        if not (math.isfinite(self.time_limit) and self.time_limit > 0):
+            raise ConfigError(f"RecoveryOptions.time_limit must be a finite number > 0, got {self.time_limit!r}")
+
+    def topology_for(self, stores: Sequence[Tier], cfg: ParallelConfig) -> Topology:
+        """``topology``, or the default one for ``stores`` and the new world (see above)."""
+        if self.topology is not None:
+            return self.topology
+        g = self.gpus_per_host
+        hosts_needed = max(len(stores) + (not any(t.kind == "local" for t in stores)), math.ceil(cfg.world_size / g))
+        return Topology.from_spec(f"hosts={hosts_needed},gpus={g},{RECOVERY_LINKS}")
+
+
+def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int,
+                  options: RecoveryOptions | None = None, **settings: Any) -> RecoveryPlan:
     """Schedule the reads between host stores that loading ``found`` under ``cfg`` needs.
 
     Every rank computes the same schedule (with the deterministic ``greedy`` method), so the
@@ -88,98 +125,115 @@ def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig,
     needs; a piece whose writer rank's part is not in its host's store is read from the first
     other store holding the part (the tier order of the reads), a flow from that host's
     memory to the GPUs of the new ranks that need it (one flow for all of them: multicast).
-    ``topology``: default ``Topology.from_spec("hosts=H,gpus=G," + RECOVERY_LINKS)`` with G =
-    ``gpus_per_host`` and H the number of stores or of hosts the new world needs, whichever
-    is larger. ``moves``: the repartition plan when the caller has it (used when it is the plan
-    of ``found``'s layout to ``cfg`` on the topology's hosts; otherwise computed here).
+    ``options`` (:class:`RecoveryOptions`): topology, method, limit, the plan when the caller
+    has it; keyword ``settings`` override single fields of it.
     """
     t0 = time.perf_counter()
-    manifest = found.manifest
-    saved = PTC.from_json(manifest["ptc"])
-    old = ParallelConfig.parse(manifest["layout"])
-    stores = [t for t in tiers if t.kind in ("local", "peer")]
-    if topology is None:
-        hosts_needed = max(len(stores) + (not any(t.kind == "local" for t in stores)),
-                           math.ceil(cfg.world_size / gpus_per_host))
-        topology = Topology.from_spec(f"hosts={hosts_needed},gpus={gpus_per_host},{RECOVERY_LINKS}")
+    opts = dataclasses.replace(options or RecoveryOptions(), **settings)
+    saved = PTC.from_json(found.manifest["ptc"])
+    old = ParallelConfig.parse(found.manifest["layout"])
+    topology = opts.topology_for([t for t in tiers if t.kind in ("local", "peer")], cfg)
+    moves = opts.moves
     if moves is None or (moves.old, moves.new, moves.gpus_per_host) != (old, cfg, topology.gpus_per_host):
         moves = plan_moves(saved, old, cfg, gpus_per_host=topology.gpus_per_host)
     gpu_of = [topology.gpu(int(d)) for d in moves.devices]
-    host_of = [int(topology.host_of(g)) for g in gpu_of]
-    hosts = _host_stores(tiers, topology, host_of[rank])
-    mem = {int(d["host"]): str(n) for n, d in topology.graph.nodes(data=True) if d.get("kind") == "host"}
+    hosts = _host_stores(tiers, topology, int(topology.host_of(gpu_of[rank])))
     holds = [found.attempt.ranks.get(name, set()) if name else set() for name in hosts]
+    pieces = _peer_pieces(moves, _writers(saved, old, moves), [int(topology.host_of(g)) for g in gpu_of], gpu_of,
+                          holds)
+    mem = {int(d["host"]): str(n) for n, d in topology.graph.nodes(data=True) if d.get("kind") == "host"}
+    # one flow per (source host, destination GPUs): its pieces back to back, in a fixed order
+    flows: dict[tuple[str, tuple[str, ...]], list[tuple[int, int, int]]] = {}
+    for (src, ti, s, ln), dests in sorted(pieces.items()):
+        flows.setdefault((mem[src], tuple(sorted(dests))), []).append((ti, s, ln))
+    my_gpu = gpu_of[rank]
+    if not flows:
+        return RecoveryPlan(None, topology, hosts, my_gpu, (), time.perf_counter() - t0)
+    flow = _Flows(flows, [saved.tensors[n].itemsize for n in moves.tensor_names], moves.tensor_names)
+    sched = schedule(flow.demands(), topology, method=opts.method, time_limit=opts.time_limit)
+    deliveries = tuple(flow.delivered(rnd, my_gpu) for rnd in sched.rounds())
+    seconds = time.perf_counter() - t0
+    log.info("recovery schedule for rank %d: %d flows between %d hosts, %d rounds (%s, %.3fs)", rank, len(flows),
+             len(hosts), len(deliveries), sched.method, seconds)
+    return RecoveryPlan(sched, topology, hosts, my_gpu, deliveries, seconds)
 
-    # writer rank of every chunk, per tensor, sorted by start (chunks are the old layout's holder classes)
-    chunk_starts: dict[int, np.ndarray] = {}
-    chunk_writers: dict[int, np.ndarray] = {}
+
+def _writers(saved: PTC, old: ParallelConfig, moves: Plan) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per tensor index of ``moves``: the starts of its chunks (the old layout's holder classes),
+    sorted, and the writer rank of each."""
     tindex = {n: i for i, n in enumerate(moves.tensor_names)}
     rows: dict[int, list[tuple[int, int]]] = {}
     for w, chunks in writer_assignment(saved, old).items():
         for name, _, start, _ in chunks:
             rows.setdefault(tindex[name], []).append((start, w))
+    out = {}
     for ti, r in rows.items():
         arr = np.array(sorted(r), dtype=np.int64)
-        chunk_starts[ti], chunk_writers[ti] = arr[:, 0], arr[:, 1]
+        out[ti] = (arr[:, 0], arr[:, 1])
+    return out
 
+
+def _peer_pieces(moves: Plan, writers: Mapping[int, tuple[np.ndarray, np.ndarray]], host_of: Sequence[int],
+                 gpu_of: Sequence[str], holds: Sequence[set[int]]) -> dict[tuple[int, int, int, int], set[str]]:
+    """(source host, tensor, start, length) -> the GPUs that read the piece from that host's store:
+    pieces whose writer's part is not in the reading rank's own host store (``holds[h]``: the
+    writer ranks host h's store holds), from the first other store that holds it."""
     source: dict[tuple[int, int], int] = {}  # (destination host, writer) -> source host, -1: none
 
     def source_host(h: int, w: int) -> int:
         if (h, w) not in source:
             source[(h, w)] = -1 if w in holds[h] else next(
-                (o for o in range(len(hosts)) if o != h and w in holds[o]), -1)
+                (o for o in range(len(holds)) if o != h and w in holds[o]), -1)
         return source[(h, w)]
 
     c = moves.columns
-    pieces: dict[tuple[int, int, int, int], set[str]] = {}  # (source host, tensor, start, length) -> GPUs
+    pieces: dict[tuple[int, int, int, int], set[str]] = {}
     for ti in np.unique(c["tensor"]).tolist():
         sel = np.flatnonzero(c["tensor"] == ti)
         starts = c["start"][sel]
-        writers = chunk_writers[ti][np.searchsorted(chunk_starts[ti], starts, side="right") - 1]
+        chunk_starts, chunk_writers = writers[ti]
+        who = chunk_writers[np.searchsorted(chunk_starts, starts, side="right") - 1]
         for i, s, ln, w in zip(c["new_rank"][sel].tolist(), starts.tolist(), c["length"][sel].tolist(),
-                               writers.tolist()):
+                               who.tolist()):
             src = source_host(host_of[i], w)
             if src >= 0:
                 pieces.setdefault((src, ti, s, ln), set()).add(gpu_of[i])
-    # one flow per (source host, destination GPUs): its pieces back to back, in a fixed order
-    flows: dict[tuple[str, tuple[str, ...]], list[tuple[int, int, int]]] = {}
-    for (src, ti, s, ln), dests in sorted(pieces.items()):
-        flows.setdefault((mem[src], tuple(sorted(dests))), []).append((ti, s, ln))
-    keys = sorted(flows)
-    my_gpu = gpu_of[rank]
-    if not keys:
-        return RecoveryPlan(None, topology, hosts, my_gpu, (), time.perf_counter() - t0)
-    itemsize = [saved.tensors[n].itemsize for n in moves.tensor_names]
-    offsets = []  # per flow: byte offset of each piece
-    sizes = []
-    for k in keys:
-        off = np.cumsum([0] + [ln * itemsize[ti] for ti, _, ln in flows[k]])
-        offsets.append(off.tolist())
-        sizes.append(int(off[-1]))
-    dem = Demands.of([((src,), dests, n) for (src, dests), n in zip(keys, sizes)])
-    sched = schedule(dem, topology, method=method, time_limit=time_limit)
-    deliveries = []
-    for rnd in sched.rounds():
+    return pieces
+
+
+class _Flows:
+    """The flows of a recovery (``(source memory, destination GPUs) -> pieces`` back to back) as
+    demands in bytes, and the element intervals a schedule round delivers to a GPU."""
+
+    def __init__(self, flows: Mapping[tuple[str, tuple[str, ...]], list[tuple[int, int, int]]],
+                 itemsize: Sequence[int], names: Sequence[str]) -> None:
+        self.keys = sorted(flows)
+        self.flows, self.itemsize, self.names = flows, itemsize, names
+        self.offsets = []  # per flow: byte offset of each piece
+        for k in self.keys:
+            self.offsets.append(np.cumsum([0] + [ln * itemsize[ti] for ti, _, ln in flows[k]]).tolist())
+
+    def demands(self) -> Demands:
+        return Demands.of([((src,), dests, off[-1]) for (src, dests), off in zip(self.keys, self.offsets)])
+
+    def delivered(self, rnd: Sequence[Any], gpu: str) -> tuple[tuple[str, int, int], ...]:
+        """The ``(tensor, start, length)`` element intervals round ``rnd`` delivers to ``gpu``."""
         got = []
         for x in rnd:  # Demands.of: transfer "tensor" i is flow i, start/length in bytes
             f = int(x.tensor)
-            if x.dst != my_gpu or my_gpu not in keys[f][1]:
+            if x.dst != gpu or gpu not in self.keys[f][1]:
                 continue
             lo, hi = x.start, x.start + x.length
-            off = offsets[f]
+            off, pieces = self.offsets[f], self.flows[self.keys[f]]
             p = bisect.bisect_right(off, lo) - 1
-            while p < len(flows[keys[f]]) and off[p] < hi:
-                ti, s, _ = flows[keys[f]][p]
+            while p < len(pieces) and off[p] < hi:
+                ti, s, _ = pieces[p]
                 a, b = max(lo, off[p]) - off[p], min(hi, off[p + 1]) - off[p]
                 if b > a:
-                    sz = itemsize[ti]
-                    got.append((moves.tensor_names[ti], s + a // sz, -(-b // sz) - a // sz))
+                    sz = self.itemsize[ti]
+                    got.append((self.names[ti], s + a // sz, -(-b // sz) - a // sz))
                 p += 1
-        deliveries.append(tuple(got))
-    seconds = time.perf_counter() - t0
-    log.info("recovery schedule for rank %d: %d flows between %d hosts, %d rounds (%s, %.3fs)", rank, len(keys),
-             len(hosts), len(deliveries), sched.method, seconds)
-    return RecoveryPlan(sched, topology, hosts, my_gpu, tuple(deliveries), seconds)
+        return tuple(got)
 
 
 _Index = dict[str, tuple[list[int], list[int], list[int]]]
@@ -212,26 +266,25 @@ def _round_of(index: _Index, name: str, lo: int, hi: int) -> int:
     return best
 
 
-
-def schedule_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *,
-                      gpus_per_host: int = 8, topology: Topology | None = None, method: str = "greedy",
-                      time_limit: float = 2.0, moves: Plan | None = None) -> tuple[RecoveryPlan | None, str]:
+def schedule_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int,
+                      options: RecoveryOptions | None = None, **settings: Any) -> tuple[RecoveryPlan | None, str]:
     """``plan_recovery`` bounded in time, run before any read: the plan and "", or None and why
     there is none (no peer store holds a part of ``found``, scheduling failed, or it outlasted
     ``time_limit`` plus a grace period; failures are logged). The schedule runs in a daemon
-    thread so that an overrun can be abandoned: the loader then reads without rounds."""
+    thread so that an overrun can be abandoned: the loader then reads without rounds.
+    ``options`` and ``settings``: as for ``plan_recovery``."""
+    opts = dataclasses.replace(options or RecoveryOptions(), **settings)
     if not any(t.kind == "peer" and t.name in found.attempt.dirs for t in tiers):
         return None, "no peer store holds a part of this step"
     box: dict[str, object] = {}
 
     def run() -> None:
         try:
-            box["plan"] = plan_recovery(found, tiers, cfg, rank, gpus_per_host=gpus_per_host, topology=topology,
-                                        method=method, time_limit=time_limit, moves=moves)
+            box["plan"] = plan_recovery(found, tiers, cfg, rank, opts)
         except Exception as e:  # noqa: BLE001 - any failure falls back to unscheduled reads
             box["error"] = e
 
-    wait = time_limit + max(1.0, time_limit)  # the schedule itself returns within about its limit
+    wait = opts.time_limit + max(1.0, opts.time_limit)  # the schedule itself returns within about its limit
     th = threading.Thread(target=run, name="tenplex-recovery-schedule", daemon=True)
     th.start()
     th.join(wait)

@@ -5,7 +5,9 @@ directory with ``tenplex.save`` (a memory copy when the root is on tmpfs); the s
 byte ranges to peer hosts over HTTP (``Range`` requests, readable with fsspec's HTTP
 filesystem), accepts replicas pushed by peers (``PUT``, write-once), pushes its own ranks'
 parts to its replica hosts in the background, keeps the newest complete steps only, and
-answers ``/health`` and ``/list``.
+answers ``/health`` and ``/list``. This module is the process and its protocol: the server, its
+connections and the request handler; what it keeps and collects is ``tenplex.store.space``,
+the pushes to peers ``tenplex.store.replication``.
 
 Its trust boundary (docs/security.md): every request carries the shared token
 (``tenplex.store.auth``), loopback included; only regular files directly inside step
@@ -14,48 +16,45 @@ bytes; malformed requests are answered 4xx; connections are capped, time out, an
 streamed in bounded chunks.
 """
 
+
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hmac
 import html
-import http.client
 import ipaddress
 import json
 import logging
 import os
 import re
-import shutil
+import signal
 import socket
-import stat
 import sys
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote_to_bytes, urlsplit
+from urllib.parse import unquote_to_bytes
 
-from ..checkpoint.format import MANIFEST_NAME, PART_NAME_RE, RANK_INDEX_RE, STEP_DIR_RE, data_name
+from ..checkpoint.format import RANK_INDEX_RE, STEP_DIR_RE
 from ..errors import ConfigError
 from .auth import resolve_token
+from .replication import Replicator, check_peers, ring_targets
+from .space import NAME_MAX, PART_NAME, StoreSpace, step_complete, whole_ranks
 
-__all__ = ["StoreServer", "serve", "step_complete", "whole_ranks", "parse_listen", "check_peers", "PART_NAME"]
+__all__ = ["StoreOptions", "StoreServer", "serve", "step_complete", "whole_ranks", "parse_listen", "check_peers",
+           "PART_NAME"]
 
 log = logging.getLogger(__name__)
 
-PART_NAME = PART_NAME_RE  # (from the checkpoint format) always .fullmatch: "$" would allow a trailing newline
-"""Names of the checkpoint files a store accepts (``PUT``) and replicates (use ``.fullmatch``)."""
-_NAME_MAX = 255
 _CHUNK = 1 << 20
 _MAX_POST = 64 << 10
-_MAX_QUEUE = 1024
 _MAX_FILES = 64
 
 
@@ -77,96 +76,44 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def check_peers(peers: Sequence[str]) -> list[str]:
-    """Peer store URLs, normalised (``http://HOST:PORT``); ConfigError naming the first bad one."""
-    out = []
-    for p in peers:
-        try:
-            u = urlsplit(p.strip())
-            port = u.port
-        except ValueError:
-            u, port = None, None
-        if u is None or u.scheme != "http" or not u.hostname or port is None or u.path not in ("", "/") \
-                or u.query or u.fragment or u.username or u.password:
-            raise ConfigError(f"peer {p!r} is not a store URL: use http://HOST:PORT (e.g. http://10.0.0.2:7700), "
-                              "comma-separated, one per host store")
-        out.append(f"http://{u.netloc}")
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# completeness of a step attempt (what garbage collection keeps)
-# ---------------------------------------------------------------------------------------------
-def _load_json(dir_fd: int, name: str) -> Any:
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{name} is not a regular file")  # step_complete: not a complete part
-        return json.loads(f.read())
-
-
-def step_complete(step_dir: str | os.PathLike[str]) -> bool:
-    """Whether a step attempt directory holds only whole, parseable parts (what GC counts).
-
-    A store holds some ranks' parts of a step (its own and replicas), so "complete" is judged
-    on what is here: at least one rank part; every rank index (``rank-NNNNN.json``) parses as
-    an object naming its data file, which exists as a regular file of the index's
-    ``file_size``; no data file lacks its index (a part still being written); the manifest,
-    when present, parses as an object with a positive ``world_size`` that covers the ranks
-    here. The one place to call the checkpoint module's verifier from once it has one.
-    """
-    return whole_ranks(step_dir) is not None
-
-
-def whole_ranks(step_dir: str | os.PathLike[str]) -> frozenset[int] | None:
-    """The ranks whose parts ``step_dir`` holds whole, or None when it is not complete
-    (``step_complete``)."""
-    try:
-        dfd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        names = {e.name: e for e in os.scandir(dfd)}
-        ranks = []
-        for name in names:
-            m = RANK_INDEX_RE.fullmatch(name)
-            if m is None:
-                continue
-            index = _load_json(dfd, name)
-            data = data_name(int(m.group(1)))
-            if not isinstance(index, dict) or index.get("file") != data or data not in names:
-                return None
-            st = os.stat(data, dir_fd=dfd, follow_symlinks=False)
-            size = index.get("file_size")
-            if not stat.S_ISREG(st.st_mode) or not isinstance(size, int) or st.st_size != size:
-                return None
-            ranks.append(int(m.group(1)))
-        if not ranks:
-            return None
-        if any(n.endswith(".safetensors") and n[: -len(".safetensors")] + ".json" not in names
-               for n in names if PART_NAME.fullmatch(n)):
-            return None
-        if MANIFEST_NAME in names:
-            manifest = _load_json(dfd, MANIFEST_NAME)
-            world = manifest.get("world_size") if isinstance(manifest, dict) else None
-            if not isinstance(world, int) or world < 1 or max(ranks) >= world:
-                return None
-        return frozenset(ranks)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(dfd)
-
 
 @dataclass(frozen=True, slots=True)
-class _Attempt:
-    name: str
-    step: int
-    save_id: str
-    ranks: frozenset[int] | None  # ranks whose parts are whole here (None: not complete, ``whole_ranks``)
-    first_ns: int  # when the first rank part here was whole (its index's mtime)
-    last_ns: int  # newest modification of the directory or a file in it
-    temp_ns: int  # newest modification of a temporary file in it (a writer's part under way); 0: none
+class StoreOptions:
+    """How a store serves, replicates and keeps (``tenplex store serve``'s options).
+
+    ``token``: the shared token (default: ``tenplex.store.auth.resolve_token`` with
+    ``token_file``, generated into the user's token file when none exists). ``peers``: URLs of
+    all host stores (the replication ring), ``replicas``: copies of each snapshot on the next
+    hosts of the ring. ``keep_last`` (>= 1): complete step attempts kept. ``timeout``: seconds a
+    connection may wait for the next request or stall one socket operation.
+    ``max_connections``: connections served at once; further ones wait up to ``timeout`` for a
+    slot, then get 503. ``max_put_bytes``: largest accepted ``PUT`` body. ``incomplete_grace``:
+    seconds an incomplete attempt, once superseded, is left alone before it is removed.
+    """
+
+    token: str | None = field(default=None, repr=False)
+    token_file: str | None = None
+    peers: Sequence[str] = ()
+    replicas: int = 1
+    keep_last: int = 2
+    timeout: float = 30.0
+    max_connections: int = 128
+    max_put_bytes: int = 1 << 40
+    incomplete_grace: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ConfigError(f"keep_last = {self.keep_last} < 1: the store must keep at least its newest complete "
+                              "step; pass --keep-last 1 or more (default 2)")
+        if self.replicas < 0:
+            raise ConfigError(f"replicas = {self.replicas} < 0: pass --replicas 0 (no copies) or more")
+        if self.max_connections < 1 or self.timeout <= 0 or self.max_put_bytes < 1:
+            raise ConfigError(f"max_connections = {self.max_connections}, timeout = {self.timeout}, max_put_bytes = "
+                              f"{self.max_put_bytes}: each must be positive")
+        if self.incomplete_grace < 0:
+            raise ConfigError(f"incomplete_grace = {self.incomplete_grace} < 0: pass 0 (remove superseded "
+                              "incomplete attempts at once) or more seconds")
+        object.__setattr__(self, "peers", tuple(check_peers(self.peers)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,60 +122,32 @@ class _Attempt:
 class StoreServer:
     """An HTTP server over ``root``: GET/HEAD with ranges, PUT, /health, /list, /replicate.
 
-    ``token``: the shared token (default: ``tenplex.store.auth.resolve_token``, generated into
-    the user's token file when none exists). ``keep_last`` (>= 1): complete step attempts kept.
-    ``timeout``: seconds a connection may wait for the next request or stall one socket
-    operation. ``max_connections``: connections served at once; further ones wait up to
-    ``timeout`` for a slot, then get 503. ``max_put_bytes``: largest accepted ``PUT`` body.
-    ``incomplete_grace``: seconds an incomplete attempt, once superseded, is left alone before
-    it is removed.
+    ``options`` (:class:`StoreOptions`) says how it serves, replicates and keeps; keyword
+    ``settings`` override single fields of it (``StoreServer(root, keep_last=1)``).
     """
 
-    def __init__(self, root: str, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
-                 token_file: str | None = None, peers: Sequence[str] = (), replicas: int = 1, keep_last: int = 2,
-                 timeout: float = 30.0, max_connections: int = 128, max_put_bytes: int = 1 << 40,
-                 incomplete_grace: float = 60.0) -> None:
-        if keep_last < 1:
-            raise ConfigError(f"keep_last = {keep_last} < 1: the store must keep at least its newest complete step; "
-                              "pass --keep-last 1 or more (default 2)")
-        if replicas < 0:
-            raise ConfigError(f"replicas = {replicas} < 0: pass --replicas 0 (no copies) or more")
-        if max_connections < 1 or timeout <= 0 or max_put_bytes < 1:
-            raise ConfigError(f"max_connections = {max_connections}, timeout = {timeout}, max_put_bytes = "
-                              f"{max_put_bytes}: each must be positive")
-        rootp = Path(root)
-        if rootp.exists() and not rootp.is_dir():
-            raise ConfigError(f"store root {root} exists and is not a directory: pass --root DIR (a new or existing "
-                              "directory, e.g. on tmpfs: /dev/shm/tenplex-store)")
-        try:
-            rootp.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"cannot create the store root {root} ({e.strerror}): pass --root DIR where you may "
-                              "write") from None
-        self.root = rootp.resolve()
-        if os.stat(self.root).st_mode & 0o077:
-            log.warning("store root %s is accessible by group or others: local users can read snapshots without "
-                        "the token (chmod 700 it)", self.root)
-        found = resolve_token(token, token_file=token_file, create=True)
+    def __init__(self, root: str, host: str = "127.0.0.1", port: int = 0, options: StoreOptions | None = None,
+                 **settings: Any) -> None:
+        opts = dataclasses.replace(options or StoreOptions(), **settings)
+        self.options = opts
+        self.space = StoreSpace(root)
+        self.root = self.space.root
+        found = resolve_token(opts.token, token_file=opts.token_file, create=True)
         assert found is not None  # create=True: generated when nothing else gives one
         self.token = found.value
         self.token_source = found.source
         self._expected_auth = f"Bearer {self.token}".encode("ascii")
-        self.peers = check_peers(peers)
-        self.replicas, self.keep_last = replicas, keep_last
-        self.timeout, self.max_put_bytes, self.incomplete_grace = timeout, max_put_bytes, incomplete_grace
+        self.peers = list(opts.peers)
+        self.replicas, self.keep_last = opts.replicas, opts.keep_last
+        self.timeout, self.max_put_bytes = opts.timeout, opts.max_put_bytes
+        self.incomplete_grace = opts.incomplete_grace
         self.bytes_served = 0
-        self.bytes_replicated = 0
         self._lock = threading.Lock()  # counters
-        self._write_lock = threading.Lock()  # creating step dirs and files vs GC removing them
-        self._complete_cache: dict[str, tuple[tuple, bool]] = {}
-        self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self._replicator = _Replicator(self)
         self._serving = False
         try:
-            self.httpd = _bind(self, host, port, max_connections)
+            self.httpd = _bind(self, host, port, opts.max_connections)
         except BaseException:
-            os.close(self._root_fd)
+            self.space.close()
             raise
         bound = self.httpd.server_address[0]
         self.loopback = ipaddress.ip_address(bound.split("%")[0]).is_loopback
@@ -237,121 +156,32 @@ class StoreServer:
                         "on a trusted network only (docs/security.md)", bound)
         shown = f"[{host}]" if ":" in host else host
         self.address = f"http://{shown}:{self.httpd.server_address[1]}"
+        self._replicator = Replicator(self.space, self.token, self.timeout, self.replica_targets, self.address)
 
-    # -- files -------------------------------------------------------------------------------------
+    # -- what it keeps (tenplex.store.space) -------------------------------------------------------
     @contextmanager
     def open_file(self, step_dir: str, name: str) -> Iterator[tuple[int, os.stat_result]]:
-        """A regular file directly inside a step directory of the root, never through a symlink.
+        """A regular file directly inside a step directory of the root (``StoreSpace.open_file``)."""
+        with self.space.open_file(step_dir, name) as opened:
+            yield opened
 
-        Raises FileNotFoundError when there is none (missing, a symlink, a directory, a FIFO)."""
-        if not STEP_DIR_RE.fullmatch(step_dir) or not _valid_name(name):
-            raise FileNotFoundError(f"{step_dir}/{name}")
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            dfd = os.open(step_dir, flags | os.O_DIRECTORY, dir_fd=self._root_fd)
-        except OSError:
-            raise FileNotFoundError(step_dir) from None
-        try:
-            fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=dfd)
-        except OSError:
-            raise FileNotFoundError(f"{step_dir}/{name}") from None
-        finally:
-            os.close(dfd)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise FileNotFoundError(f"{step_dir}/{name} is not a regular file")
-            yield fd, st
-        finally:
-            os.close(fd)
+    def gc(self) -> list[str]:
+        """Remove what is not worth keeping (``StoreSpace.gc`` under this store's ``keep_last``
+        and ``incomplete_grace``); returns the removed step directories."""
+        return self.space.gc(self.keep_last, self.incomplete_grace, self.address)
+
+    def listing(self) -> dict[str, Any]:
+        """Step directory -> its visible files (``/list``)."""
+        return self.space.listing()
 
     def replica_targets(self) -> list[str]:
         """The next ``replicas`` peers after this store in the ring of all stores."""
-        ring = sorted(set(self.peers) | {self.address})
-        i = ring.index(self.address)
-        return [ring[(i + k) % len(ring)] for k in range(1, min(self.replicas, len(ring) - 1) + 1)]
+        return ring_targets(self.peers, self.address, self.replicas)
 
-    # -- garbage collection ------------------------------------------------------------------------
-    def _attempts(self) -> list[_Attempt]:
-        out = []
-        cache: dict[str, tuple[tuple, frozenset[int] | None]] = {}
-        for e in os.scandir(self.root):
-            m = STEP_DIR_RE.fullmatch(e.name)
-            if not m or not e.is_dir(follow_symlinks=False):
-                continue
-            try:
-                entries = []
-                for f in os.scandir(e.path):
-                    st = f.stat(follow_symlinks=False)
-                    entries.append((f.name, st.st_size, st.st_mtime_ns))
-                last = max([e.stat(follow_symlinks=False).st_mtime_ns, *(t for _, _, t in entries)])
-            except OSError:
-                continue
-            sig = tuple(sorted(entries))
-            cached = self._complete_cache.get(e.name)
-            ranks = cached[1] if cached and cached[0] == sig else whole_ranks(e.path)
-            cache[e.name] = (sig, ranks)
-            first = min((t for n, _, t in entries if RANK_INDEX_RE.fullmatch(n)), default=last)
-            temp = max((t for n, _, t in entries if ".tmp-" in n), default=0)
-            out.append(_Attempt(e.name, int(m.group(1)), m.group(2), ranks, first, last, temp))
-        self._complete_cache = cache  # (re-checked only when a file of the attempt changed)
-        return out
-
-    def gc(self) -> list[str]:
-        """Remove what is not worth keeping; returns the removed step directories.
-
-        Complete attempts are ordered by when their first rank part was whole here, not by step
-        number: after a rollback to an older step the new snapshots are the ones to keep, and a
-        late replica does not make an old step new. The ``keep_last`` newest are kept, so the
-        newest complete one always is. An attempt counts as complete when its parts here are
-        whole (``whole_ranks``) and it holds every rank that the same launch (save id) has
-        whole in any attempt here: ranks of one host write at different speeds (on SIGTERM
-        each flushes its own newest steps), and a step with only the faster rank's part is one
-        the slower rank may still be writing; counted as complete, it was removed under that
-        writer (issue 29 item 6). A step short of ranks counts once unchanged for
-        ``incomplete_grace`` seconds (a replica that never comes must not stop GC), but never
-        pushes out its launch's newest step that has them all. Incomplete attempts are removed
-        only once older than every kept attempt and unchanged for ``incomplete_grace``; no
-        attempt is removed while a temporary file in it changed within ``incomplete_grace``
-        (a writer's part under way).
-        """
-        with self._write_lock:
-            attempts = self._attempts()
-            now = time.time_ns()
-            grace = int(self.incomplete_grace * 1e9)
-            launch: dict[str, frozenset[int]] = {}
-            for a in attempts:
-                launch[a.save_id] = launch.get(a.save_id, frozenset()) | (a.ranks or frozenset())
-
-            def full(a: _Attempt) -> bool:
-                return a.ranks is not None and a.ranks >= launch[a.save_id]
-
-            complete = sorted((a for a in attempts if a.ranks is not None and (full(a) or now - a.last_ns >= grace)),
-                              key=lambda a: (a.first_ns, a.step))
-            kept = complete[-self.keep_last:]
-            if not kept:
-                return []
-            for sid in {a.save_id for a in kept if not full(a)}:  # its newest attempt with every rank stays
-                newest_full = [a for a in complete if a.save_id == sid and full(a)][-1:]
-                kept += [a for a in newest_full if a not in kept]
-            kept_names = {a.name for a in kept}
-            counted = {a.name for a in complete}
-            cutoff = min(a.first_ns for a in kept)
-            remove = [a for a in attempts if a.name not in kept_names and now - a.temp_ns >= grace
-                      and (a.name in counted or (a.last_ns < cutoff and now - a.last_ns >= grace))]
-            for a in remove:
-                shutil.rmtree(self.root / a.name, ignore_errors=True)  # fd-based: never follows symlinks
-                self._complete_cache.pop(a.name, None)
-                log.info("store %s: removed %s (%s)", self.address, a.name,
-                         "older than the newest complete steps" if a.name in counted else "incomplete, superseded")
-            return [a.name for a in remove]
-
-    def listing(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for d in sorted(self.root.iterdir()):
-            if STEP_DIR_RE.fullmatch(d.name) and d.is_dir() and not d.is_symlink():
-                out[d.name] = sorted(f.name for f in d.iterdir() if _visible(f))
-        return out
+    @property
+    def bytes_replicated(self) -> int:
+        """Bytes this store pushed to its replica hosts."""
+        return self._replicator.bytes_replicated
 
     def health(self) -> dict[str, Any]:
         """What ``/health`` answers: ok only while the replicator runs."""
@@ -380,20 +210,12 @@ class StoreServer:
             self._serving = False
         self.httpd.server_close()
         self.httpd.close_connections()
-        fd, self._root_fd = self._root_fd, -1
-        if fd >= 0:  # once: a second close could hit a reused descriptor
-            os.close(fd)
+        self.space.close()
 
 
-def _valid_name(name: str) -> bool:
-    return 0 < len(name.encode("utf-8", "surrogateescape")) <= _NAME_MAX and "/" not in name and "\x00" not in name \
-        and not name.startswith(".")
-
-
-def _visible(p: Path) -> bool:
-    return p.is_file() and not p.is_symlink() and ".tmp-" not in p.name and not p.name.startswith(".")
-
-
+# ---------------------------------------------------------------------------------------------
+# connections
+# ---------------------------------------------------------------------------------------------
 class _HTTPServer(ThreadingHTTPServer):
     """A thread per connection, at most ``max_connections`` at once (the rest wait, then get 503)."""
 
@@ -476,141 +298,6 @@ def _bind(store: StoreServer, host: str, port: int, max_connections: int) -> _HT
             raise ConfigError(f"{host}:{port} is in use: pick another port with --listen HOST:PORT (port 0 picks a "
                               "free one), or stop the process using it") from None
         raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}): pass another --listen HOST:PORT") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# replication
-# ---------------------------------------------------------------------------------------------
-class _Replicator:
-    """Background pushes of complete rank parts to the replica hosts, data before index.
-
-    Reads only regular files directly inside step directories (never through a symlink);
-    a bad item is logged, counted and skipped; the thread outlives every error."""
-
-    def __init__(self, store: StoreServer) -> None:
-        self.store = store
-        self.queue: deque[tuple[str, list[str]]] = deque()
-        self.cv = threading.Condition()
-        self.running = False
-        self.thread: threading.Thread | None = None
-        self.pushed = 0
-        self.failures = 0
-        self.last_error = ""
-
-    def start(self) -> None:
-        self.running = True
-        self.thread = threading.Thread(target=self._run, daemon=True, name="tenplex-replicator")
-        self.thread.start()
-
-    def stop(self) -> None:
-        with self.cv:
-            self.running = False
-            self.cv.notify_all()
-
-    def state(self) -> dict[str, Any]:
-        with self.cv:
-            return {"alive": self.thread is not None and self.thread.is_alive(), "queue": len(self.queue),
-                    "pushed": self.pushed, "failures": self.failures, "last_error": self.last_error}
-
-    def submit(self, step_dir: str, files: list[str]) -> bool:
-        """Queue one part; False when the queue is full."""
-        with self.cv:
-            if len(self.queue) >= _MAX_QUEUE:
-                return False
-            self.queue.append((step_dir, files))
-            self.cv.notify_all()
-            return True
-
-    def _failed(self, what: str) -> None:
-        log.warning("store %s: %s", self.store.address, what)
-        with self.cv:
-            self.failures += 1
-            self.last_error = what
-
-    def _run(self) -> None:
-        while True:
-            with self.cv:
-                while self.running and not self.queue:
-                    self.cv.wait(timeout=1.0)
-                if not self.running:
-                    return
-                step_dir, files = self.queue.popleft()
-            try:
-                self._push(step_dir, files)
-            except Exception as e:  # noqa: BLE001 - bad input must never end replication
-                self._failed(f"replicating {step_dir!r} failed: {type(e).__name__}: {e}")
-
-    def _push(self, step_dir: str, files: list[str]) -> None:
-        if not STEP_DIR_RE.fullmatch(step_dir) or not all(PART_NAME.fullmatch(f) for f in files):
-            return self._failed(f"refused to replicate {step_dir!r} {files!r}: not checkpoint file names")
-        # index files last: a peer sees a complete part or none
-        ordered = sorted(set(files), key=lambda f: (RANK_INDEX_RE.fullmatch(f) is not None, f))
-        for target in self.store.replica_targets():
-            try:
-                with _Peer(target, self.store.token, self.store.timeout) as peer:
-                    for name in ordered:
-                        try:
-                            with self.store.open_file(step_dir, name) as (fd, st):
-                                n = peer.put(f"/{step_dir}/{name}", fd, st.st_size)
-                        except FileNotFoundError as e:
-                            raise _Skip(f"not replicating {step_dir}/{name}: no regular file in the root ({e})") \
-                                from None
-                        with self.store._lock:
-                            self.store.bytes_replicated += n
-                        with self.cv:
-                            self.pushed += 1
-            except _Skip as e:
-                self._failed(str(e))
-            except (OSError, http.client.HTTPException) as e:
-                self._failed(f"replicating {step_dir} to {target} failed: {type(e).__name__}: {e}")
-
-
-class _Skip(Exception):
-    """One part of a replication item cannot be pushed: the rest of it (its index) must not follow."""
-
-
-class _Peer:
-    """One keep-alive connection to a peer store (TCP_NODELAY), for PUTs streamed from files."""
-
-    def __init__(self, url: str, token: str, timeout: float) -> None:
-        u = urlsplit(url)
-        self.conn = http.client.HTTPConnection(u.hostname or "", u.port, timeout=timeout)
-        self.token = token
-
-    def __enter__(self) -> _Peer:
-        self.conn.connect()
-        self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.conn.close()
-
-    def put(self, path: str, fd: int, size: int) -> int:
-        c = self.conn
-        if c.sock is None:  # the peer closed the previous connection
-            self.__enter__()
-        c.putrequest("PUT", path, skip_accept_encoding=True)
-        c.putheader("Authorization", f"Bearer {self.token}")
-        c.putheader("Content-Type", "application/octet-stream")
-        c.putheader("Content-Length", str(size))
-        c.endheaders()
-        sent = 0
-        with open(os.dup(fd), "rb") as f:
-            while sent < size:
-                n = c.sock.sendfile(f, sent, size - sent)
-                if n == 0:
-                    raise OSError(f"{path} shrank to {sent} bytes while being sent")
-                sent += n
-        resp = c.getresponse()
-        body = resp.read(1 << 16)
-        if resp.status == HTTPStatus.CONFLICT:
-            raise _Skip(f"peer {c.host}:{c.port} holds other bytes for {path} (parts are write-once): "
-                        f"{body.decode(errors='replace').strip()}")
-        if resp.status >= 300:
-            raise OSError(f"PUT {path}: HTTP {resp.status} {body.decode(errors='replace').strip()}")
-        if resp.will_close or not resp.isclosed():
-            c.close()  # reconnects on the next request
-        return size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -727,8 +414,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise _Refused(HTTPStatus.FORBIDDEN, "path outside the store")
         if any(p == "" for p in parts) or len(parts) > 2:
             raise _Refused(HTTPStatus.NOT_FOUND, "no such file: the store serves /STEP_DIR/FILE")
-        if any(len(p.encode()) > _NAME_MAX for p in parts):
-            raise _Refused(HTTPStatus.BAD_REQUEST, f"a path component is longer than {_NAME_MAX} bytes")
+        if any(len(p.encode()) > NAME_MAX for p in parts):
+            raise _Refused(HTTPStatus.BAD_REQUEST, f"a path component is longer than {NAME_MAX} bytes")
         return parts
 
     def _length(self, limit: int) -> int:
@@ -836,8 +523,8 @@ class _Handler(BaseHTTPRequestHandler):
         if length > st.f_bavail * st.f_frsize:
             raise _Refused(HTTPStatus.INSUFFICIENT_STORAGE, f"{length} bytes do not fit in the store's "
                            f"{st.f_bavail * st.f_frsize} free bytes")
-        root = self.store._root_fd
-        with self.store._write_lock:
+        root = self.store.space.root_fd
+        with self.store.space.write_lock:
             try:
                 os.mkdir(step_dir, 0o700, dir_fd=root)
             except FileExistsError:
@@ -873,7 +560,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _place(self, dfd: int, tmp: str, fd: int, step_dir: str, name: str, length: int) -> HTTPStatus:
         """Link the received body into place unless the name exists: parts are write-once."""
-        with self.store._write_lock:
+        with self.store.space.write_lock:
             try:
                 os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 return HTTPStatus.CREATED
@@ -925,15 +612,10 @@ def _same_bytes(a: int, b: int, length: int) -> bool:
     return True
 
 
-def serve(root: str, listen: str, *, token: str | None = None, token_file: str | None = None,
-          peers: Sequence[str] = (), replicas: int = 1, keep_last: int = 2, timeout: float = 30.0,
-          max_connections: int = 128) -> None:
+def serve(root: str, listen: str, options: StoreOptions | None = None) -> None:
     """Run a store in the foreground until SIGTERM/SIGINT (``tenplex store serve``)."""
-    import signal
-
     host, port = parse_listen(listen)
-    server = StoreServer(root, host, port, token=token, token_file=token_file, peers=peers, replicas=replicas,
-                         keep_last=keep_last, timeout=timeout, max_connections=max_connections)
+    server = StoreServer(root, host, port, options or StoreOptions())
 
     def stop(signum: int, frame: Any) -> None:
         threading.Thread(target=server.shutdown, daemon=True).start()
