@@ -33,7 +33,7 @@ import numpy as np
 
 from tenplex import mesh as mesh_module
 from tenplex import state_layout
-from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard
+from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard
 from tenplex.planner import locality_order, plan
 from tenplex.ptc import PTC
 from tenplex.state_layout import Placed, StateLayout, spec_for
@@ -66,7 +66,7 @@ def llama_tensors(layers: int, dim: int, ffn: int, vocab: int) -> dict[str, tupl
 
 def job_layout(tensors: dict[str, tuple[tuple[int, ...], str]], dims: dict[str, int]) -> tuple[PTC, StateLayout]:
     """The collection and layout ``describe_state_dict`` gives such a job on the mesh ``dims``."""
-    mesh = MeshLayout(tuple(dims.items()))
+    mesh = NamedMesh(tuple(dims.items()))
     n, tp = mesh.world_size, dims.get("tp", 1)
     ranks = tuple(range(n))
     placed: dict[str, Placed] = {}

@@ -40,7 +40,7 @@ import torch
 import tenplex
 from tenplex import PTC, ParallelConfig, model_ptc
 from tenplex import checkpoint as ckpt
-from tenplex import ptc as ptc_mod
+from tenplex import config as config_mod
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -96,7 +96,7 @@ QUICK_MODEL = dict(arch="gpt", num_layers=4, hidden=256, heads=8, vocab=5000, dt
 # ---------------------------------------------------------------------------------------------
 def clear_caches() -> None:
     """Forget memoised segment tables so a plan is timed as a fresh process would see it."""
-    for fn in (getattr(ptc_mod, "_holder_table", None), getattr(ptc_mod, "_stage_map", None)):
+    for fn in (getattr(config_mod, "_holder_table", None), getattr(config_mod, "_stage_map", None)):
         if fn is not None and hasattr(fn, "cache_clear"):
             fn.cache_clear()
 

@@ -614,7 +614,7 @@ def bench_plans(reps: int, sample_ranks: int) -> list[dict[str, Any]]:
         ptc = model_ptc(preset, distributed_optimizer=bool(dist and dist[0]))
         best = math.inf
         for _ in range(reps):
-            for fn in (getattr(tenplex.ptc, "_holder_table", None), getattr(tenplex.ptc, "_stage_map", None)):
+            for fn in (getattr(tenplex.config, "_holder_table", None), getattr(tenplex.config, "_stage_map", None)):
                 if fn is not None:
                     fn.cache_clear()
             t0 = time.perf_counter()

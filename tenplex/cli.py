@@ -27,7 +27,7 @@ from .config import MAX_WORLD_SIZE, ParallelConfig
 from .data.index import build_index, load_index
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError
 from .interop import detect_format, export_hf, import_checkpoint
-from .layouts import Hardware, rank_layouts
+from .layouts import Hardware, LayoutSearch, rank_layouts
 from .memory import RECOMPUTE, estimate_memory, parse_size
 from .models import model_ptc
 from .planner import locality_order, plan
@@ -38,7 +38,7 @@ from .topology import Topology
 from .vfs.control import remount
 from .vfs.fuse import check_fuse, check_mountpoint, mount, spawn_mount
 from .vfs.store_view import mount_store
-from .vfs.tree import Layout
+from .vfs.tree import DataView
 
 __all__ = ["main", "human_bytes", "parse_ranks", "parse_rank_ranges"]
 
@@ -265,12 +265,12 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 def _cmd_configs(args: argparse.Namespace) -> int:
     hw = Hardware(flops=args.flops, intra_host_bw=args.intra_host_bw, inter_host_bw=args.inter_host_bw)
-    choices = rank_layouts(args.model, args.gpus, gpu_mem=args.gpu_mem, global_batch=args.global_batch,
-                           seq_len=args.seq_len, micro_batch=args.micro_batch, gpus_per_host=args.gpus_per_host,
-                           cp=args.cp, distributed_optimizer=not args.no_distributed_optimizer,
-                           precision=args.precision, current=args.from_, horizon_steps=args.horizon_steps,
-                           hardware=hw, recompute=args.recompute, allow_idle=args.allow_idle,
-                           uneven_batch=args.uneven_batch)
+    search = LayoutSearch(gpu_mem=args.gpu_mem, global_batch=args.global_batch, seq_len=args.seq_len,
+                          micro_batch=args.micro_batch, gpus_per_host=args.gpus_per_host, cp=args.cp,
+                          distributed_optimizer=not args.no_distributed_optimizer, precision=args.precision,
+                          horizon_steps=args.horizon_steps, hardware=hw, recompute=args.recompute,
+                          allow_idle=args.allow_idle, uneven_batch=args.uneven_batch)
+    choices = rank_layouts(args.model, args.gpus, search, current=args.from_)
     feasible = [c for c in choices if c.feasible]
     if args.json:
         out = {"model": args.model, "gpus": args.gpus, "gpu_mem": args.gpu_mem, "global_batch": args.global_batch,
@@ -862,7 +862,7 @@ def _cmd_data_index(args: argparse.Namespace) -> int:
 
 
 def _cmd_mount(args: argparse.Namespace) -> int:
-    layout = Layout(dp=args.dp, progress=args.progress,
+    layout = DataView(dp=args.dp, progress=args.progress,
                     global_batch=args.dp if args.global_batch is None else args.global_batch,
                     seed=args.seed, shuffle=not args.no_shuffle, num_epochs=args.epochs,
                     micro_batch=args.micro_batch)

@@ -14,21 +14,21 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import placement_types as pt
 
 from .errors import SpecError
-from .mesh import MeshLayout, MeshPlacement, Replicate, Shard, StridedShard, TensorPlacement
+from .mesh import NamedMesh, MeshPlacement, Replicate, Shard, StridedShard, TensorPlacement
 from .ptc import dtype_to_str
 
 __all__ = ["mesh_of", "mesh_ranks", "root_mesh", "placement_of", "from_dtensor_spec", "tensor_placement",
            "release_mesh"]
 
 
-def mesh_of(device_mesh: DeviceMesh) -> MeshLayout:
+def mesh_of(device_mesh: DeviceMesh) -> NamedMesh:
     """The named mesh of ``device_mesh`` (unnamed dims are called ``dim0``, ``dim1``, ...).
 
     Mesh rank ``r`` of the result is the device at row-major position ``r`` of
     ``device_mesh.mesh``; ``mesh_ranks`` gives its global rank (they differ for a sub-mesh).
     """
     names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(device_mesh.ndim))
-    return MeshLayout(tuple(zip(names, (int(s) for s in device_mesh.shape))))
+    return NamedMesh(tuple(zip(names, (int(s) for s in device_mesh.shape))))
 
 
 def mesh_ranks(device_mesh: DeviceMesh) -> tuple[int, ...]:
@@ -70,7 +70,7 @@ def from_dtensor_spec(dt: DTensor) -> TensorPlacement:
                            tuple(placement_of(p, ndim) for p in dt.placements))
 
 
-def tensor_placement(value: Any, mesh: MeshLayout) -> TensorPlacement:
+def tensor_placement(value: Any, mesh: NamedMesh) -> TensorPlacement:
     """The placement of a state-dict value on ``mesh``: a DTensor's own, or ``Replicate()`` on every
     mesh dim for a plain tensor (every rank holds all of it, e.g. an optimizer step counter)."""
     if isinstance(value, DTensor):

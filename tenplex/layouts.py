@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, replace
+from dataclasses import fields as fields_of
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from .models import ModelSpec, model_ptc
 from .planner import CROSS_HOST, SAME_HOST, STORAGE, Plan, plan
 from .ptc import PTC
 
-__all__ = ["Hardware", "LayoutChoice", "valid_layouts", "rank_layouts", "choose_layout", "divisors", "step_time",
+__all__ = ["Hardware", "LayoutChoice", "LayoutSearch", "valid_layouts", "rank_layouts", "choose_layout", "divisors", "step_time",
            "reconfig_time", "batch_split"]
 
 log = logging.getLogger(__name__)
@@ -116,11 +117,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_common(gpus: int, global_batch: int, micro_batch: int, gpus_per_host: int) -> None:
-    for name, value in (("gpus", gpus), ("global_batch", global_batch), ("micro_batch", micro_batch),
-                        ("gpus_per_host", gpus_per_host)):
+def _positive_ints(**values: Any) -> None:
+    """ConfigError naming the first of ``values`` that is not a positive integer."""
+    for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_gpus(gpus: int) -> None:
+    _positive_ints(gpus=gpus)
     if gpus > MAX_WORLD_SIZE:
         raise ConfigError(f"gpus={gpus} is more than the {MAX_WORLD_SIZE} GPUs a layout may have: check --gpus")
 
@@ -220,7 +225,8 @@ def valid_layouts(
     host's GPUs; pp at most the number of layers; global_batch divisible by dp*micro_batch.
     """
     spec = resolve_model(model)
-    _check_common(gpus, global_batch, micro_batch, gpus_per_host)
+    _check_gpus(gpus)
+    _positive_ints(global_batch=global_batch, micro_batch=micro_batch, gpus_per_host=gpus_per_host)
     return [cfg for cfg, reason in _candidates(spec, gpus, global_batch=global_batch, micro_batch=micro_batch,
                                                 gpus_per_host=gpus_per_host) if reason is None]
 
@@ -311,89 +317,153 @@ def _memory_reason(est: MemoryEstimate, gpu_mem: int, fraction: float) -> str | 
             f"> {100 * fraction:.0f}%")
 
 
+@dataclass(frozen=True, slots=True)
+class LayoutSearch:
+    """What ranks a job's layouts (:func:`rank_layouts`, :func:`choose_layout`): its batch and GPUs,
+    the throughput model's constants and the search's options; validated here, once.
+
+    ``gpu_mem``: bytes or a size such as ``"80GiB"`` (stored as bytes). ``cp``: context-parallel
+    size (the layouts use ``gpus / cp`` ranks). ``mem_fraction``: the share of ``gpu_mem`` a stage
+    may use. ``horizon_steps``: steps a reconfiguration's cost is amortised over. ``recompute``: a
+    mode of ``RECOMPUTE``, or ``"auto"``: per layout the cheapest that fits. ``allow_idle``: also
+    layouts that leave GPUs idle as spares (``LayoutChoice.idle_gpus``); ``uneven_batch``: replicas
+    may take micro-batch counts that differ by one (``batch_split``).
+    """
+
+    gpu_mem: int | str
+    global_batch: int
+    seq_len: int
+    micro_batch: int
+    gpus_per_host: int = 8
+    cp: int = 1
+    distributed_optimizer: bool = True
+    precision: str = "bf16"
+    mem_fraction: float = 0.8
+    horizon_steps: int = 1000
+    hardware: Hardware = Hardware()
+    recompute: str = "auto"
+    allow_idle: bool = False
+    uneven_batch: bool = False
+
+    def __post_init__(self) -> None:
+        _positive_ints(global_batch=self.global_batch, micro_batch=self.micro_batch, gpus_per_host=self.gpus_per_host,
+                       cp=self.cp)
+        object.__setattr__(self, "gpu_mem", parse_size(self.gpu_mem))
+        if not 0 < self.mem_fraction <= 1:
+            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.horizon_steps < 1:
+            raise ConfigError(f"horizon_steps must be >= 1, got {self.horizon_steps}")
+        if self.recompute != "auto" and self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be 'auto' or one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+
+    @classmethod
+    def of(cls, search: LayoutSearch | None = None, **fields: Any) -> LayoutSearch:
+        """``search`` with ``fields`` replaced, or a new one of ``fields``; ConfigError naming the fields
+        for a missing or unknown one."""
+        known = [f.name for f in fields_of(cls)]
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown layout search options {unknown}; LayoutSearch has {', '.join(known)}")
+        if search is not None:
+            return replace(search, **fields) if fields else search
+        missing = [f.name for f in fields_of(cls) if f.default is MISSING and f.name not in fields]
+        if missing:
+            raise ConfigError(f"ranking layouts needs {', '.join(missing)} (LayoutSearch's fields without a default)")
+        return cls(**fields)
+
+    @property
+    def recompute_modes(self) -> tuple[str, ...]:
+        """The recomputation modes a layout tries, cheapest compute first."""
+        return RECOMPUTE if self.recompute == "auto" else (self.recompute,)
+
+    def micro_batches(self, cfg: ParallelConfig) -> int:
+        """Micro-batches of ``cfg``'s most loaded replica (all equal when the split is even)."""
+        return -(-self.global_batch // (cfg.dp * self.micro_batch))
+
+
 def rank_layouts(
     model: ModelSpec | str | PTC,
     gpus: int,
+    search: LayoutSearch | None = None,
     *,
-    gpu_mem: int | str,
-    global_batch: int,
-    seq_len: int,
-    micro_batch: int,
-    gpus_per_host: int = 8,
-    cp: int = 1,
-    distributed_optimizer: bool = True,
-    precision: str = "bf16",
-    mem_fraction: float = 0.8,
     current: ParallelConfig | None = None,
     ptc: PTC | None = None,
     alive: list[int] | tuple[int, ...] | None = None,
-    horizon_steps: int = 1000,
-    hardware: Hardware = Hardware(),
     only: list[ParallelConfig] | None = None,
-    recompute: str = "auto",
-    allow_idle: bool = False,
-    uneven_batch: bool = False,
     best_only: bool = False,
+    **options: Any,
 ) -> list[LayoutChoice]:
     """Every candidate layout of ``gpus`` GPUs: feasible ones best first, then the rejected ones.
 
+    ``search``: a :class:`LayoutSearch`; ``options``: its fields (replacing ``search``'s, or making one).
     Feasible ones are sorted by ``step_seconds + reconfig_seconds / horizon_steps``; the
     reconfiguration cost is planned from ``current`` with ``ptc`` (built from the model, with
     Adam state, when not given) and ``alive``, in order of step time until no remaining
     layout can beat the best score. Rejected ones keep the enumeration order (tp, then pp) and
-    say why in ``reason``. ``gpu_mem``: bytes or a size such as ``"80GiB"``. ``only``:
-    evaluate these layouts (e.g. with uneven stages) instead of enumerating. ``recompute``: a
-    mode of ``RECOMPUTE``, or ``"auto"``: per layout the cheapest that fits. ``allow_idle``:
-    also layouts that leave GPUs idle as spares (``LayoutChoice.idle_gpus``); ``uneven_batch``:
-    replicas may take micro-batch counts that differ by one (``batch_split``). ``best_only``:
-    return only the best feasible layout, evaluating candidates in order of a bound on their
-    step time until none left can beat it (what ``choose_layout`` needs; much faster at
-    thousands of GPUs); when none is feasible, every candidate as without it.
+    say why in ``reason``. ``only``: evaluate these layouts (e.g. with uneven stages) instead of
+    enumerating. ``best_only``: return only the best feasible layout, evaluating candidates in
+    order of a bound on their step time until none left can beat it (what ``choose_layout``
+    needs; much faster at thousands of GPUs); when none is feasible, every candidate as without it.
     """
     spec = resolve_model(model)
-    _check_common(gpus, global_batch, micro_batch, gpus_per_host)
-    mem = parse_size(gpu_mem)
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ConfigError(f"cp must be a positive integer, got {cp!r}")
-    if gpus % cp:
-        raise LayoutError(f"cp={cp} does not divide {gpus} GPUs ({gpus} % {cp} = {gpus % cp})")
-    if not 0 < mem_fraction <= 1:
-        raise ConfigError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
-    if horizon_steps < 1:
-        raise ConfigError(f"horizon_steps must be >= 1, got {horizon_steps}")
-    if recompute != "auto" and recompute not in RECOMPUTE:
-        raise ConfigError(f"recompute must be 'auto' or one of {', '.join(RECOMPUTE)}, got {recompute!r}")
-    modes = RECOMPUTE if recompute == "auto" else (recompute,)
+    _check_gpus(gpus)
+    s = LayoutSearch.of(search, **options)
+    if gpus % s.cp:
+        raise LayoutError(f"cp={s.cp} does not divide {gpus} GPUs ({gpus} % {s.cp} = {gpus % s.cp})")
     if current is not None and ptc is None:
         ptc = model if isinstance(model, PTC) else model_ptc(spec, optimizer=True,
-                                                             distributed_optimizer=distributed_optimizer)
-    if only is None:
-        candidates = list(_candidates(spec, gpus // cp, global_batch=global_batch, micro_batch=micro_batch,
-                                      gpus_per_host=gpus_per_host, allow_idle=allow_idle, uneven_batch=uneven_batch))
-    else:
-        candidates = []
-        for cfg in only:
-            if cfg.world_size * cp > gpus or (cfg.world_size * cp < gpus and not allow_idle):
-                raise ConfigError(f"layout {cfg} with cp={cp} needs dp*tp*pp*cp = {cfg.world_size}*{cp} = "
-                                  f"{cfg.world_size * cp} GPUs but there are {gpus}")
-            candidates.append((cfg, _structural_reason(spec, cfg, global_batch=global_batch, micro_batch=micro_batch,
-                                                       gpus_per_host=gpus_per_host, uneven_batch=uneven_batch)))
+                                                             distributed_optimizer=s.distributed_optimizer)
+    ranking = _Ranking(spec, gpus, s, current, ptc, alive)
+    candidates = ranking.candidates(only)
+    if best_only:
+        top = ranking.best(candidates)
+        if top is not None:
+            log.info("%d GPUs: best %s of %d candidates", gpus, top.cfg, len(candidates))
+            return [top]
+    return ranking.all(candidates)
 
-    def evaluate(cfg: ParallelConfig, reason: str | None) -> LayoutChoice:
-        idle = gpus - cfg.world_size * cp
+
+class _Ranking:
+    """One ``rank_layouts`` call's candidates, their evaluation and their order."""
+
+    def __init__(self, spec: ModelSpec, gpus: int, search: LayoutSearch, current: ParallelConfig | None,
+                 ptc: PTC | None, alive: list[int] | tuple[int, ...] | None) -> None:
+        self.spec, self.gpus, self.s = spec, gpus, search
+        self.current, self.ptc, self.alive = current, ptc, alive
+
+    def candidates(self, only: list[ParallelConfig] | None) -> list[tuple[ParallelConfig, str | None]]:
+        """The layouts to evaluate with the reason each cannot run (None if it can)."""
+        s, spec, gpus = self.s, self.spec, self.gpus
+        shape = dict(global_batch=s.global_batch, micro_batch=s.micro_batch, gpus_per_host=s.gpus_per_host,
+                     uneven_batch=s.uneven_batch)
+        if only is None:
+            return list(_candidates(spec, gpus // s.cp, allow_idle=s.allow_idle, **shape))
+        out = []
+        for cfg in only:
+            if cfg.world_size * s.cp > gpus or (cfg.world_size * s.cp < gpus and not s.allow_idle):
+                raise ConfigError(f"layout {cfg} with cp={s.cp} needs dp*tp*pp*cp = {cfg.world_size}*{s.cp} = "
+                                  f"{cfg.world_size * s.cp} GPUs but there are {gpus}")
+            out.append((cfg, _structural_reason(spec, cfg, **shape)))
+        return out
+
+    def evaluate(self, cfg: ParallelConfig, reason: str | None) -> LayoutChoice:
+        """``cfg``'s memory estimate (the cheapest recomputation that fits) and step time."""
+        s = self.s
+        idle = self.gpus - cfg.world_size * s.cp
         if reason is not None:
             return LayoutChoice(cfg, None, False, reason, idle_gpus=idle)
-        m = -(-global_batch // (cfg.dp * micro_batch))  # the most loaded replica's (all equal when even)
+        m = s.micro_batches(cfg)
+        modes = s.recompute_modes
         for mode in modes:  # cheapest compute first
-            est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=micro_batch, cp=cp,
-                                  distributed_optimizer=distributed_optimizer, num_microbatches=m,
-                                  precision=precision, gpus_per_host=gpus_per_host, recompute=mode)
-            reason = _memory_reason(est, mem, mem_fraction)
+            est = estimate_memory(self.spec, cfg, seq_len=s.seq_len, micro_batch=s.micro_batch, cp=s.cp,
+                                  distributed_optimizer=s.distributed_optimizer, num_microbatches=m,
+                                  precision=s.precision, gpus_per_host=s.gpus_per_host, recompute=mode)
+            reason = _memory_reason(est, s.gpu_mem, s.mem_fraction)  # type: ignore[arg-type]
             if reason is None:
                 break
-        step, _ = step_time(spec, est, global_batch=global_batch, gpus_per_host=gpus_per_host, hardware=hardware,
-                            micro_batches=m)
-        tps = global_batch * seq_len / step
+        step, _ = step_time(self.spec, est, global_batch=s.global_batch, gpus_per_host=s.gpus_per_host,
+                            hardware=s.hardware, micro_batches=m)
+        tps = s.global_batch * s.seq_len / step
         common: dict[str, Any] = dict(recompute=est.recompute, idle_gpus=idle, micro_batches=m)
         if reason is not None:
             if len(modes) > 1:
@@ -401,65 +471,71 @@ def rank_layouts(
             return LayoutChoice(cfg, est, False, reason, step, tps, **common)
         return LayoutChoice(cfg, est, True, None, step, tps, score=step, **common)
 
-    def with_move(choice: LayoutChoice) -> LayoutChoice:
-        assert ptc is not None and current is not None
-        moves = plan(ptc, current, choice.cfg, alive=alive, gpus_per_host=gpus_per_host)
-        seconds = reconfig_time(moves, hardware)
+    def with_move(self, choice: LayoutChoice) -> LayoutChoice:
+        """``choice`` with the cost of moving the state there from ``current`` added to its score."""
+        assert self.ptc is not None and self.current is not None
+        moves = plan(self.ptc, self.current, choice.cfg, alive=self.alive, gpus_per_host=self.s.gpus_per_host)
+        seconds = reconfig_time(moves, self.s.hardware)
         return replace(choice, bytes_moved=moves.stats.bytes_moved, bytes_cross_host=moves.stats.bytes_cross_host,
-                       reconfig_seconds=seconds, score=choice.score + seconds / horizon_steps)  # type: ignore[operator]
+                       reconfig_seconds=seconds,
+                       score=choice.score + seconds / self.s.horizon_steps)  # type: ignore[operator]
 
-    if best_only:
-        # candidates in order of a bound on their step time (no DP traffic, the cheapest
-        # recomputation): once the bound reaches the best score, no later one can win
-        def bound(cfg: ParallelConfig) -> float:
-            m = -(-global_batch // (cfg.dp * micro_batch))
-            layers = max(cfg.layers_per_stage(spec.num_layers))
-            compute, tp_comm, bubble = _pipeline_terms(spec, cfg, cp, m, seq_len, micro_batch, precision, modes[0],
-                                                       layers, hardware)
-            return (compute + tp_comm) / (1 - bubble)
+    def bound(self, cfg: ParallelConfig) -> float:
+        """A lower bound on ``cfg``'s step time: no DP traffic, the cheapest recomputation."""
+        s = self.s
+        layers = max(cfg.layers_per_stage(self.spec.num_layers))
+        compute, tp_comm, bubble = _pipeline_terms(self.spec, cfg, s.cp, s.micro_batches(cfg), s.seq_len,
+                                                   s.micro_batch, s.precision, s.recompute_modes[0], layers,
+                                                   s.hardware)
+        return (compute + tp_comm) / (1 - bubble)
 
-        valid = sorted((bound(cfg), i, cfg) for i, (cfg, reason) in enumerate(candidates) if reason is None)
+    def best(self, candidates: list[tuple[ParallelConfig, str | None]]) -> LayoutChoice | None:
+        """The best feasible layout, candidates evaluated in order of their bound until the bound
+        reaches the best score (no later one can win); None when none is feasible."""
+        valid = sorted((self.bound(cfg), i, cfg) for i, (cfg, reason) in enumerate(candidates) if reason is None)
         top: LayoutChoice | None = None
         for lower, _, cfg in valid:
             if top is not None and lower > top.score:  # type: ignore[operator]
                 break
-            choice = evaluate(cfg, None)
-            if choice.feasible and current is not None and (top is None or choice.score < top.score):
-                choice = with_move(choice)
+            choice = self.evaluate(cfg, None)
+            if choice.feasible and self.current is not None and (top is None or choice.score < top.score):
+                choice = self.with_move(choice)
             if choice.feasible and (top is None or (choice.score, choice.idle_gpus, cfg.tp, cfg.pp)
                                     < (top.score, top.idle_gpus, top.cfg.tp, top.cfg.pp)):
                 top = choice
-        if top is not None:
-            log.info("%d GPUs: best %s of %d candidates", gpus, top.cfg, len(candidates))
-            return [top]
-    feasible: list[LayoutChoice] = []
-    rejected: list[LayoutChoice] = []
-    for cfg, reason in candidates:
-        choice = evaluate(cfg, reason)
-        (feasible if choice.feasible else rejected).append(choice)
-    if current is not None:
-        feasible.sort(key=lambda c: (c.score, c.cfg.tp, c.cfg.pp))
-        best = float("inf")
-        for i, choice in enumerate(feasible):
-            if choice.step_seconds is not None and choice.step_seconds >= best:
-                break  # score >= step time: no later layout can beat the best any more
-            feasible[i] = with_move(choice)
-            best = min(best, feasible[i].score)  # type: ignore[type-var]
-    feasible.sort(key=lambda c: (c.score, c.idle_gpus, c.cfg.tp, c.cfg.pp))
-    log.info("%d GPUs: %d feasible layouts of %d candidates%s", gpus, len(feasible), len(candidates),
-             f", best {feasible[0].cfg}" if feasible else "")
-    return feasible + rejected
+        return top
+
+    def all(self, candidates: list[tuple[ParallelConfig, str | None]]) -> list[LayoutChoice]:
+        """Every candidate evaluated: the feasible best first, then the rejected in enumeration order."""
+        feasible: list[LayoutChoice] = []
+        rejected: list[LayoutChoice] = []
+        for cfg, reason in candidates:
+            choice = self.evaluate(cfg, reason)
+            (feasible if choice.feasible else rejected).append(choice)
+        if self.current is not None:
+            feasible.sort(key=lambda c: (c.score, c.cfg.tp, c.cfg.pp))
+            best = float("inf")
+            for i, choice in enumerate(feasible):
+                if choice.step_seconds is not None and choice.step_seconds >= best:
+                    break  # score >= step time: no later layout can beat the best any more
+                feasible[i] = self.with_move(choice)
+                best = min(best, feasible[i].score)  # type: ignore[type-var]
+        feasible.sort(key=lambda c: (c.score, c.idle_gpus, c.cfg.tp, c.cfg.pp))
+        log.info("%d GPUs: %d feasible layouts of %d candidates%s", self.gpus, len(feasible), len(candidates),
+                 f", best {feasible[0].cfg}" if feasible else "")
+        return feasible + rejected
 
 
 def choose_layout(
     model: ModelSpec | str | PTC,
     gpus: int,
+    search: LayoutSearch | None = None,
     *,
     pin: ParallelConfig | None = None,
     rank: Callable[[list[LayoutChoice]], list[LayoutChoice]] | None = None,
     **options: Any,
 ) -> LayoutChoice:
-    """The best feasible layout of ``gpus`` GPUs (``options`` as for :func:`rank_layouts`).
+    """The best feasible layout of ``gpus`` GPUs (``search`` and ``options`` as for :func:`rank_layouts`).
 
     ``pin`` forces a layout: it is checked like any candidate (world size, model, batch,
     memory) and returned, or rejected with LayoutError. ``rank`` reorders (or filters) the
@@ -467,11 +543,11 @@ def choose_layout(
     LayoutError listing every rejection when nothing fits.
     """
     if pin is not None:
-        (choice,) = rank_layouts(model, gpus, only=[pin], **options)
+        (choice,) = rank_layouts(model, gpus, search, only=[pin], **options)
         if not choice.feasible:
             raise LayoutError(f"pinned layout {pin} cannot run: {choice.reason}")
         return choice
-    choices = rank_layouts(model, gpus, best_only=rank is None, **options)
+    choices = rank_layouts(model, gpus, search, best_only=rank is None, **options)
     feasible = [c for c in choices if c.feasible]
     if not feasible:
         reasons = "; ".join(f"{c.cfg}: {c.reason}" for c in choices)

@@ -1,6 +1,6 @@
 """Named device meshes and DTensor placements, reduced to intervals in canonical flat order (#17).
 
-A layout is a named mesh (``MeshLayout``: any dims in any order, e.g. HSDP + TP as
+A job's devices form a named mesh (``NamedMesh``: any dims in any order, e.g. HSDP + TP as
 ``dp_replicate=2,dp_shard=2,tp=2``) and a tensor's partitioning is one placement per mesh dim
 (``Shard``, ``Replicate``, ``StridedShard``), with exactly the semantics of torch DTensor:
 
@@ -39,7 +39,7 @@ from .errors import ConfigError, LayoutError, SpecError
 from .ptc import SegmentTable, dtype_from_str, dtype_to_str
 
 __all__ = [
-    "MeshLayout",
+    "NamedMesh",
     "Shard",
     "Replicate",
     "StridedShard",
@@ -66,7 +66,7 @@ def _positive_int(value: object) -> bool:
 # The mesh
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class MeshLayout:
+class NamedMesh:
     """A named device mesh: ``dims`` are ``(name, size)`` pairs, outermost first.
 
     Ranks are numbered row-major over the sizes, exactly as
@@ -150,7 +150,7 @@ class MeshLayout:
         return rank
 
     @classmethod
-    def parse(cls, text: str) -> MeshLayout:
+    def parse(cls, text: str) -> NamedMesh:
         """``"dp_shard=2,tp=2"`` -> the mesh (inverse of ``str``)."""
         dims = []
         for part in str(text).split(","):
@@ -214,7 +214,7 @@ def chunk_range(size: int, chunks: int, index: int) -> tuple[int, int]:
     return min(index * full, size), min((index + 1) * full, size)
 
 
-def _check(shape: Sequence[int], mesh: MeshLayout, placements: Sequence[MeshPlacement]) -> tuple[int, ...]:
+def _check(shape: Sequence[int], mesh: NamedMesh, placements: Sequence[MeshPlacement]) -> tuple[int, ...]:
     shape = tuple(shape)
     if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in shape):
         raise LayoutError(f"shape {shape} must be non-negative integers")
@@ -257,7 +257,7 @@ def _merge(ranges: Sequence[range]) -> tuple[range, ...]:
     return tuple(out)
 
 
-def _right_to_left(mesh: MeshLayout, placements: Sequence[MeshPlacement]) -> list[tuple[int, MeshPlacement]]:
+def _right_to_left(mesh: NamedMesh, placements: Sequence[MeshPlacement]) -> list[tuple[int, MeshPlacement]]:
     """(mesh dim, placement) in the order FSDP2 really shards: each ``StridedShard`` becomes a plain
     ``Shard`` applied after the mesh dims to its right that shard the same tensor dim (the
     rightmost first), whose sizes multiply to its split factor."""
@@ -281,7 +281,7 @@ def _right_to_left(mesh: MeshLayout, placements: Sequence[MeshPlacement]) -> lis
 
 def local_box(
     shape: Sequence[int],
-    mesh: MeshLayout,
+    mesh: NamedMesh,
     placements: Sequence[MeshPlacement],
     coords: Sequence[int],
     *,
@@ -320,7 +320,7 @@ def local_box(
 
 def local_shape(
     shape: Sequence[int],
-    mesh: MeshLayout,
+    mesh: NamedMesh,
     placements: Sequence[MeshPlacement],
     coords: Sequence[int],
     *,
@@ -508,7 +508,7 @@ def box_segments(
 
 def segments(
     shape: Sequence[int],
-    mesh: MeshLayout,
+    mesh: NamedMesh,
     placements: Sequence[MeshPlacement],
     rank: int,
     order: Sequence[int] | None = None,
@@ -528,7 +528,7 @@ def segments(
 
 def holder_table(
     shape: Sequence[int],
-    mesh: MeshLayout,
+    mesh: NamedMesh,
     placements: Sequence[MeshPlacement],
     order: Sequence[int] | None = None,
     *,
@@ -545,7 +545,7 @@ def holder_table(
 @lru_cache(maxsize=4096)
 def _holder_table(
     shape: tuple[int, ...],
-    mesh: MeshLayout,
+    mesh: NamedMesh,
     placements: tuple[MeshPlacement, ...],
     order: tuple[int, ...],
     right_to_left: bool,
@@ -600,21 +600,21 @@ class TensorPlacement:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def check(self, mesh: MeshLayout) -> None:
+    def check(self, mesh: NamedMesh) -> None:
         """Raise LayoutError unless there is one placement per dim of ``mesh``."""
         _check(self.shape, mesh, self.placements)
 
     def canonical_order(self) -> tuple[int, ...]:
         return canonical_order(self.shape, self.placements)
 
-    def local_box(self, mesh: MeshLayout, rank: int, *, right_to_left: bool = False) -> tuple[tuple[range, ...], ...]:
+    def local_box(self, mesh: NamedMesh, rank: int, *, right_to_left: bool = False) -> tuple[tuple[range, ...], ...]:
         return local_box(self.shape, mesh, self.placements, mesh.coords(rank), right_to_left=right_to_left)
 
-    def local_shape(self, mesh: MeshLayout, rank: int, *, right_to_left: bool = False) -> tuple[int, ...]:
+    def local_shape(self, mesh: NamedMesh, rank: int, *, right_to_left: bool = False) -> tuple[int, ...]:
         return local_shape(self.shape, mesh, self.placements, mesh.coords(rank), right_to_left=right_to_left)
 
-    def segments(self, mesh: MeshLayout, rank: int, *, right_to_left: bool = False) -> list[tuple[int, int, int]]:
+    def segments(self, mesh: NamedMesh, rank: int, *, right_to_left: bool = False) -> list[tuple[int, int, int]]:
         return segments(self.shape, mesh, self.placements, rank, right_to_left=right_to_left)
 
-    def holder_table(self, mesh: MeshLayout, *, right_to_left: bool = False) -> SegmentTable:
+    def holder_table(self, mesh: NamedMesh, *, right_to_left: bool = False) -> SegmentTable:
         return holder_table(self.shape, mesh, self.placements, right_to_left=right_to_left)

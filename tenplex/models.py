@@ -290,10 +290,17 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def model_spec(preset: str | None = None, **overrides: Any) -> ModelSpec:
-    """A ModelSpec from a preset name and/or keyword dimensions (keywords override the preset)."""
+def model_spec(preset: str | ModelSpec | None = None, **overrides: Any) -> ModelSpec:
+    """A ModelSpec from a preset (its name or a ``ModelSpec``) and/or keyword dimensions, ``ModelSpec``'s
+    fields (keywords override the preset; None: not given). SpecError naming the fields for any other keyword."""
+    known = [f.name for f in dataclasses.fields(ModelSpec)]
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise SpecError(f"unknown model dimensions {unknown}; a ModelSpec has {', '.join(known)}")
     base: dict[str, Any] = {}
-    if preset is not None:
+    if isinstance(preset, ModelSpec):
+        base = {f: getattr(preset, f) for f in known}
+    elif preset is not None:
         if preset not in PRESETS:
             raise SpecError(f"unknown model preset {preset!r}; known: {', '.join(PRESETS)}")
         base = dict(PRESETS[preset])
@@ -306,45 +313,21 @@ def model_spec(preset: str | None = None, **overrides: Any) -> ModelSpec:
     return ModelSpec(**base)
 
 
-def model_ptc(
-    preset: str | ModelSpec | None = None,
-    *,
-    arch: str | None = None,
-    num_layers: int | None = None,
-    hidden: int | None = None,
-    heads: int | None = None,
-    kv_heads: int | None = None,
-    ffn_hidden: int | None = None,
-    vocab: int | None = None,
-    seq_len: int | None = None,
-    tied_embeddings: bool | None = None,
-    dtype: torch.dtype | str | None = None,
-    vocab_pad: int | None = None,
-    norm_eps: float | None = None,
-    rope_theta: float | None = None,
-    rope_scaling: Mapping[str, Any] | None = None,
-    source_config: Mapping[str, Any] | None = None,
-    optimizer: bool = True,
-    distributed_optimizer: bool = False,
-) -> PTC:
+def model_ptc(preset: str | ModelSpec | None = None, *, optimizer: bool = True, distributed_optimizer: bool = False,
+              **dims: Any) -> PTC:
     """The PTC of a GPT or Llama model, with Adam state unless ``optimizer=False``.
 
-    ``preset``: a preset's name or a ``ModelSpec``; the other dimensions and hyperparameters
-    (``ModelSpec``'s fields) override it.
+    ``preset``: a preset's name or a ``ModelSpec``; ``dims``: ``ModelSpec``'s fields (dimensions and
+    hyperparameters, e.g. ``num_layers=4``) that override it (:func:`model_spec`).
 
     Optimizer state (``optimizer.main.*`` fp32 master copy when the model dtype is not fp32,
     ``optimizer.exp_avg.*``, ``optimizer.exp_avg_sq.*``) follows each parameter's TP/PP
     layout; with ``distributed_optimizer`` it is sharded across DP ranks as flat fragments.
     The step counter is carried as the object ``optimizer.step``.
     """
-    base: dict[str, Any] = {}
+    spec = model_spec(preset, **dims)
     if isinstance(preset, ModelSpec):
-        base, preset = {f: getattr(preset, f) for f in preset.__dataclass_fields__}, None
-    overrides = dict(arch=arch, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                     ffn_hidden=ffn_hidden, vocab=vocab, seq_len=seq_len, tied_embeddings=tied_embeddings,
-                     dtype=dtype, vocab_pad=vocab_pad, norm_eps=norm_eps, rope_theta=rope_theta,
-                     rope_scaling=rope_scaling, source_config=source_config)
-    spec = model_spec(preset, **(base | {k: v for k, v in overrides.items() if v is not None}))
+        preset = None
     params = spec.param_specs()
     tensors = list(params)
     if optimizer:

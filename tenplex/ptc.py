@@ -21,22 +21,16 @@ import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Protocol, Union, runtime_checkable
 
 import numpy as np
 import torch
 
-from .config import ParallelConfig
-from .errors import ConfigError, LayoutError, SpecError
-
-if TYPE_CHECKING:  # lazy: state_layout builds on this module
-    from .state_layout import StateLayout
-
-Layout = Union[ParallelConfig, "StateLayout"]
-"""A layout: (DP, TP, PP) derived from the specs, or a torch-native state dict's per-tensor placements."""
+from .errors import LayoutError, SpecError
 
 __all__ = [
+    "Layout",
+    "ParallelGrid",
     "Replicated",
     "Split",
     "Panels",
@@ -319,11 +313,11 @@ class TensorSpec:
         row = self.numel // rows if rows else 0
         return self.local_rows(tp) * row
 
-    def fragment_numel(self, cfg: ParallelConfig) -> int:
+    def fragment_numel(self, cfg: ParallelGrid) -> int:
         """Length of one DP fragment (distributed optimizer), padding included."""
         return -(-self.tp_local_numel(cfg.tp) // cfg.dp)
 
-    def segments(self, cfg: ParallelConfig, tp_index: int, dp_index: int) -> list[tuple[int, int, int]]:
+    def segments(self, cfg: ParallelGrid, tp_index: int, dp_index: int) -> list[tuple[int, int, int]]:
         """Segments of the local shard held at (tp_index, dp_index) under ``cfg``."""
         segs = self.tp_segments(cfg.tp, tp_index)
         if not self.dp_sharded:
@@ -342,7 +336,7 @@ class TensorSpec:
             out.append((start - f0, PAD, f1 - start))
         return out
 
-    def local_shape(self, cfg: ParallelConfig) -> tuple[int, ...]:
+    def local_shape(self, cfg: ParallelGrid) -> tuple[int, ...]:
         """Natural shape of a rank's local shard (1-D for a DP-sharded tensor)."""
         self._no_panels("place")
         if self.dp_sharded:
@@ -352,6 +346,22 @@ class TensorSpec:
         shape = list(self.shape)
         shape[self.tp.dim] = self.local_rows(cfg.tp)
         return tuple(shape)
+
+    def local_to_flat(self, local: torch.Tensor) -> torch.Tensor:
+        """A local shard (or a DP fragment) in canonical flat order: the split dim moved to the front,
+        a reshape where that is the natural order. A panel-ordered tensor's needs its layout (SpecError)."""
+        self._no_panels("lay out")
+        if self.dp_sharded or self.natural:
+            return local.contiguous().reshape(-1)
+        return local.movedim(self.split_dim, 0).contiguous().reshape(-1)
+
+    def local_from_flat(self, flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """Inverse of ``local_to_flat`` for a local shard of natural shape ``shape``."""
+        self._no_panels("lay out")
+        d = self.split_dim
+        if self.dp_sharded or d in (None, 0):
+            return flat.reshape(shape)
+        return flat.reshape((shape[d],) + shape[:d] + shape[d + 1:]).movedim(0, d).contiguous()
 
     # -- (de)serialisation ----------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -441,46 +451,56 @@ class SegmentTable:
         return cls(*cols)
 
 
-def _table(rows: list[tuple[int, int, int, int]]) -> SegmentTable:
-    arr = np.array(rows, dtype=np.int64).reshape(-1, 4)
-    return SegmentTable.from_columns(*arr.T)
+# ---------------------------------------------------------------------------------------------
+# Layouts: what the collection asks of one
+# ---------------------------------------------------------------------------------------------
+@runtime_checkable
+class Layout(Protocol):
+    """Where every byte of a collection lives under a job of ``world_size`` ranks: which ranks hold
+    each tensor and which segments of its canonical flat order. ``PTC`` asks only this;
+    ``config.ParallelConfig`` derives the answers from (DP, TP, PP) and the specs,
+    ``state_layout.StateLayout`` from a torch-native state dict's per-tensor placements.
+
+    ``num_layers`` is the collection's layer count: a pipeline layout maps a layer-placed tensor to
+    its stage by it, a layout that places every tensor itself ignores it."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def check(self, ptc: PTC) -> None:
+        """LayoutError / ConfigError / SpecError unless this layout can hold ``ptc``."""
+
+    def rank_tensors(self, ptc: PTC, rank: int) -> list[str]:
+        """Names of the tensors of ``ptc`` that ``rank`` holds, in collection order."""
+
+    def holder_table(self, spec: TensorSpec, num_layers: int = 0) -> SegmentTable:
+        """Every (rank, segment) holding real (non-padding) bytes of ``spec``, sorted by rank."""
+
+    def segments(self, spec: TensorSpec, rank: int) -> list[tuple[int, int, int]]:
+        """Segments (local_off, global_off or -1 for padding, length) of ``rank``'s shard of ``spec``."""
+
+    def local_shape(self, spec: TensorSpec, rank: int) -> tuple[int, ...]:
+        """Natural shape of ``rank``'s local tensor of ``spec``."""
+
+    def to_local_flat(self, spec: TensorSpec, rank: int, local: torch.Tensor) -> torch.Tensor:
+        """``rank``'s natural local tensor of ``spec`` in canonical flat order."""
+
+    def from_local_flat(self, spec: TensorSpec, rank: int, flat: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``to_local_flat``: a new tensor of ``local_shape(spec, rank)``."""
 
 
-@lru_cache(maxsize=65536)
-def _holder_table(spec_key: tuple, stages: tuple[int, ...], cfg: ParallelConfig) -> SegmentTable:
-    spec = _spec_from_key(spec_key)
-    # rows in the order (TP index, DP index, stage, segment), vectorised over all four: every TP
-    # index's segments padded to the longest list with empty ones (dropped with the others)
-    per_t = [np.array([s for s in spec.tp_segments(cfg.tp, t) if s[1] != PAD], dtype=np.int64).reshape(-1, 3)
-             for t in range(cfg.tp)]
-    width = max(len(x) for x in per_t)
-    if not width:
-        return _table([])
-    segs = np.zeros((cfg.tp, width, 3), dtype=np.int64)
-    for t, x in enumerate(per_t):
-        segs[t, : len(x)] = x
-    lo, g, ln = (segs[:, None, None, :, i] for i in range(3))
-    t_idx = np.arange(cfg.tp, dtype=np.int64)[:, None, None, None]
-    d = np.arange(cfg.dp, dtype=np.int64)[None, :, None, None]
-    st = np.asarray(stages, dtype=np.int64)[None, None, :, None]
-    if spec.dp_sharded:  # a DP rank's fragment [f0, f1) of the TP shard's flat order
-        c = -(-spec.tp_local_numel(cfg.tp) // cfg.dp)
-        f0 = d * c
-        s0, e0 = np.maximum(lo, f0), np.minimum(lo + ln, f0 + c)
-        lo, g, ln = s0 - f0, g + (s0 - lo), e0 - s0
-    shape = (cfg.tp, cfg.dp, len(stages), width)
-    keep = np.broadcast_to(ln > 0, shape)
-    rank = t_idx + cfg.tp * (d + cfg.dp * st)
-    return SegmentTable.from_columns(*(np.broadcast_to(x, shape)[keep] for x in (rank, lo, g, ln)))
+class ParallelGrid(Protocol):
+    """What a spec's own DP/TP arithmetic and ``PTC.stages_of`` read of a (DP, TP, PP) layout
+    (``config.ParallelConfig``): named structurally, so this module needs no import of it."""
 
+    @property
+    def dp(self) -> int: ...
 
-def _spec_key(spec: TensorSpec) -> tuple:
-    return (spec.shape, spec.dtype, spec.tp, spec.dp_sharded)
+    @property
+    def tp(self) -> int: ...
 
-
-def _spec_from_key(key: tuple) -> TensorSpec:
-    shape, dtype, tp, dp_sharded = key
-    return TensorSpec("_", shape, dtype, tp, "all", dp_sharded)
+    def stages_of(self, placement: Placement, num_layers: int) -> tuple[int, ...]:
+        """The pipeline stages holding a tensor placed at ``placement`` of a ``num_layers``-layer model."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,7 +511,7 @@ class PTC:
     names of small global objects (step counter, scheduler, data position) carried along.
 
     >>> ptc = PTC([TensorSpec("w", (8, 4), tp=Split(0), placement=0)], num_layers=1)
-    >>> shards = ptc.shard({"w": torch.zeros(8, 4)}, ParallelConfig(tp=2))
+    >>> shards = ptc.shard({"w": torch.zeros(8, 4)}, ParallelConfig(tp=2))  # any Layout
     """
 
     def __init__(
@@ -545,64 +565,39 @@ class PTC:
 
     def check(self, cfg: Layout) -> None:
         """Raise LayoutError/ConfigError if ``cfg`` cannot hold this collection."""
-        if not isinstance(cfg, ParallelConfig):
-            cfg.check(self)
-            return
-        for what, value in self.meta.get("tp_divides", {}).items():
-            if value % cfg.tp:
-                raise LayoutError(f"tp={cfg.tp} does not divide {what}={value} ({value} % {cfg.tp} = {value % cfg.tp})")
-        if self.num_layers:
-            cfg.layers_per_stage(self.num_layers)
-        if self._split_specs is None:  # one check per distinct (shape, split)
+        cfg.check(self)
+
+    def distinct_specs(self) -> list[TensorSpec]:
+        """One spec per distinct (shape, partition spec), in collection order: what a layout checks
+        once instead of per tensor (a model's layers repeat a few shapes)."""
+        if self._split_specs is None:
             distinct: dict[tuple[Any, Any], TensorSpec] = {}
             for spec in self.tensors.values():
                 distinct.setdefault((spec.shape, spec.tp), spec)
             self._split_specs = list(distinct.values())
-        for spec in self._split_specs:
-            spec.check_tp(cfg.tp)
+        return self._split_specs
 
-    def stages_of(self, name: str, cfg: ParallelConfig) -> tuple[int, ...]:
-        return self._stages(self.tensors[name].placement, cfg)
-
-    def _stages(self, placement: Placement, cfg: ParallelConfig) -> tuple[int, ...]:
-        if isinstance(placement, int):
-            return (_stage_map(cfg, self.num_layers)[placement],)
-        if placement == "first":
-            return (0,)
-        if placement == "last":
-            return (cfg.pp - 1,)
-        if placement == "both":
-            return (0,) if cfg.pp == 1 else (0, cfg.pp - 1)
-        return tuple(range(cfg.pp))
+    def stages_of(self, name: str, cfg: ParallelGrid) -> tuple[int, ...]:
+        """The pipeline stages holding ``name`` under the (DP, TP, PP) layout ``cfg``."""
+        return cfg.stages_of(self.tensors[name].placement, self.num_layers)
 
     def holders(self, name: str, cfg: Layout) -> SegmentTable:
         """Every (rank, segment) holding real (non-padding) bytes of ``name`` under ``cfg``."""
-        spec = self.tensors[name]
-        if not isinstance(cfg, ParallelConfig):
-            return cfg.holder_table(spec)
-        return _holder_table(_spec_key(spec), self.stages_of(name, cfg), cfg)
+        return cfg.holder_table(self.tensors[name], self.num_layers)
 
     def rank_tensors(self, cfg: Layout, rank: int) -> list[str]:
         """Names of the tensors rank ``rank`` holds under ``cfg``, in collection order."""
-        if not isinstance(cfg, ParallelConfig):
-            return [n for n in self.tensors if cfg.holds(n, rank)]
-        stage = cfg.coords(rank).pp
-        return [n for n, s in self.tensors.items() if stage in self._stages(s.placement, cfg)]
+        return cfg.rank_tensors(self, rank)
 
     def segments(self, name: str, cfg: Layout, rank: int) -> list[tuple[int, int, int]]:
         """Segments (local_off, global_off or -1 for padding, length) of ``rank``'s shard of ``name``."""
-        if not isinstance(cfg, ParallelConfig):
-            return cfg.segments(self.tensors[name], rank)
-        c = cfg.coords(rank)
-        return self.tensors[name].segments(cfg, c.tp, c.dp)
+        return cfg.segments(self.tensors[name], rank)
 
     def local_shape(self, name: str, cfg: Layout, rank: int = 0) -> tuple[int, ...]:
         """Natural shape of ``rank``'s shard of ``name`` (the same for every rank under a ``ParallelConfig``)."""
-        if not isinstance(cfg, ParallelConfig):
-            return cfg.local_shape(self.tensors[name], rank)
-        return self.tensors[name].local_shape(cfg)
+        return cfg.local_shape(self.tensors[name], rank)
 
-    def rank_nbytes(self, cfg: ParallelConfig, rank: int) -> int:
+    def rank_nbytes(self, cfg: Layout, rank: int) -> int:
         """Bytes of real (non-padding) data that ``rank`` holds under ``cfg``."""
         total = 0
         for name in self.rank_tensors(cfg, rank):
@@ -611,7 +606,7 @@ class PTC:
         return total
 
     # -- shard / unshard ------------------------------------------------------------------
-    def shard_tensor(self, name: str, cfg: ParallelConfig, rank: int, flat: torch.Tensor) -> torch.Tensor:
+    def shard_tensor(self, name: str, cfg: Layout, rank: int, flat: torch.Tensor) -> torch.Tensor:
         """Rank ``rank``'s local shard of ``name`` from the tensor's canonical flat global form."""
         spec = self.tensors[name]
         segs = self.segments(name, cfg, rank)
@@ -619,25 +614,12 @@ class PTC:
         for lo, g, ln in segs:
             if g != PAD:
                 local[lo : lo + ln] = flat[g : g + ln]
-        return self.from_local_flat(name, cfg, local)
+        return self.from_local_flat(name, cfg, local, rank)
 
     def from_local_flat(self, name: str, cfg: Layout, local: torch.Tensor, rank: int = 0) -> torch.Tensor:
         """Reshape a canonical flat local shard into its natural local shape (``rank``'s, under a
         state-dict layout, where local shapes differ between ranks)."""
-        spec = self.tensors[name]
-        if not isinstance(cfg, ParallelConfig):
-            shape = cfg.local_shape(spec, rank)
-            if spec.panels is not None:
-                out = local.new_empty(shape)
-                cfg.from_local_flat(spec, rank, local, out)
-                return out
-            d = spec.split_dim
-            if d in (None, 0):
-                return local.reshape(shape)
-            return local.reshape((shape[d],) + shape[:d] + shape[d + 1:]).movedim(0, d).contiguous()
-        if spec.dp_sharded or spec.split_dim is None:
-            return local.reshape(spec.local_shape(cfg))
-        return spec.from_canonical(local, rows=spec.local_rows(cfg.tp))
+        return cfg.from_local_flat(self.tensors[name], rank, local)
 
     def relaid(self, name: str) -> bool:
         """Whether a local shard's canonical (split dim first, or panel) order may differ from its
@@ -649,15 +631,11 @@ class PTC:
         """A local shard in canonical flat order (inverse of ``from_local_flat``); a panel-ordered
         tensor's needs the state-dict layout ``cfg`` and the ``rank`` holding it (which columns it has)."""
         spec = self.tensors[name]
-        if spec.panels is not None:
-            if cfg is None or isinstance(cfg, ParallelConfig):
-                spec._no_panels("lay out")
-            return cfg.to_local_flat(spec, rank, local)  # type: ignore[union-attr]
-        if not self.relaid(name):
-            return local.contiguous().reshape(-1)
-        return local.movedim(spec.split_dim, 0).contiguous().reshape(-1)
+        if cfg is None:
+            return spec.local_to_flat(local)
+        return cfg.to_local_flat(spec, rank, local)
 
-    def shard(self, global_state: Mapping[str, Any], cfg: ParallelConfig) -> dict[int, dict[str, Any]]:
+    def shard(self, global_state: Mapping[str, Any], cfg: Layout) -> dict[int, dict[str, Any]]:
         """Split global tensors into ``{rank: {name: local shard}}``; objects go to every rank."""
         self.check(cfg)
         missing = [n for n in self.tensors if n not in global_state]
@@ -680,7 +658,7 @@ class PTC:
             out[rank] = shard
         return out
 
-    def unshard(self, shards: Mapping[int, Mapping[str, Any]], cfg: ParallelConfig) -> dict[str, Any]:
+    def unshard(self, shards: Mapping[int, Mapping[str, Any]], cfg: Layout) -> dict[str, Any]:
         """Rebuild the global tensors from every rank's shard (exact inverse of ``shard``)."""
         self.check(cfg)
         out: dict[str, Any] = {}
@@ -690,7 +668,7 @@ class PTC:
             for rank in sorted(shards):
                 if name not in shards[rank]:
                     continue
-                local = self.to_local_flat(name, shards[rank][name])
+                local = self.to_local_flat(name, shards[rank][name], cfg, rank)
                 for lo, g, ln in self.segments(name, cfg, rank):
                     if g != PAD:
                         flat[g : g + ln] = local[lo : lo + ln]
@@ -758,13 +736,6 @@ class PTC:
                 if len(out) > limit:
                     break
         return out
-
-
-@lru_cache(maxsize=4096)
-def _stage_map(cfg: ParallelConfig, num_layers: int) -> tuple[int, ...]:
-    if num_layers == 0:
-        raise ConfigError("the PTC has no layers, so no tensor can belong to a layer")
-    return cfg.stage_of_layers(num_layers)
 
 
 def _first_gap(intervals: list[tuple[int, int]], n: int) -> tuple[int, int] | None:

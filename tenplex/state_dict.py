@@ -47,7 +47,7 @@ from .errors import (
     CheckpointWriteError,
     LayoutError,
 )
-from .mesh import MeshLayout
+from .mesh import NamedMesh
 from .ptc import PTC, TensorSpec, dtype_to_str
 from .state_layout import Placed, StateLayout, merge_replicas, parse_placement, placement_text, spec_for
 
@@ -253,7 +253,7 @@ def _merged(key: str, found: list[tuple[int, tuple[Any, ...]]]) -> Placed:
     root = roots.pop() if len(roots) == 1 else None
     try:
         return merge_replicas([_placed(d, ()) for _, d in found],
-                              None if root is None else (MeshLayout(root[0]), root[1]))
+                              None if root is None else (NamedMesh(root[0]), root[1]))
     except LayoutError as e:
         raise CheckpointValueError(f"{key}: ranks disagree on its {_FIELDS[4]}, sub-meshes that are not replicas of "
                                    f"one another ({e}): rank {r0} has {_text(d0)} but rank {found[1][0]} has "
@@ -272,7 +272,7 @@ def _placed(desc: tuple[Any, ...], holders: Sequence[int]) -> Placed:
     _, _, dims, placements, ranks = desc[:5]
     if dims is None:
         return Placed.replicated(holders)
-    return Placed(MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(t) for t in placements),
+    return Placed(NamedMesh(tuple((n, s) for n, s in dims)), tuple(parse_placement(t) for t in placements),
                   tuple(ranks))
 
 

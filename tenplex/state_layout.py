@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import ConfigError, LayoutError, SpecError
 from .mesh import (
-    MeshLayout,
+    NamedMesh,
     MeshPlacement,
     Replicate,
     Shard,
@@ -88,7 +88,7 @@ class Placed:
     holder has whole lives on a one-dim mesh of its holders with ``Replicate()``.
     """
 
-    mesh: MeshLayout
+    mesh: NamedMesh
     placements: tuple[MeshPlacement, ...]
     ranks: tuple[int, ...]
 
@@ -107,7 +107,7 @@ class Placed:
     @classmethod
     def replicated(cls, ranks: Sequence[int]) -> Placed:
         """A tensor every one of ``ranks`` holds whole (a plain, non-DTensor tensor)."""
-        return cls(MeshLayout((("replica", len(ranks)),)), (Replicate(),), tuple(ranks))
+        return cls(NamedMesh((("replica", len(ranks)),)), (Replicate(),), tuple(ranks))
 
     def to_json(self) -> list[Any]:
         return [[[n, s] for n, s in self.mesh.dims], [placement_text(p) for p in self.placements], list(self.ranks)]
@@ -118,7 +118,7 @@ class Placed:
             dims, placements, ranks = obj
             if not all(type(r) is int for r in ranks):
                 raise SpecError(f"job ranks {ranks!r} are not integers")
-            return cls(MeshLayout(tuple((n, s) for n, s in dims)), tuple(parse_placement(p) for p in placements),
+            return cls(NamedMesh(tuple((n, s) for n, s in dims)), tuple(parse_placement(p) for p in placements),
                        tuple(ranks))
         except (TypeError, ValueError) as e:
             if isinstance(e, SpecError):
@@ -126,7 +126,7 @@ class Placed:
             raise SpecError(f"a tensor's placement {obj!r} is not [mesh dims, placements, ranks] ({e})") from None
 
 
-def merge_replicas(parts: Sequence[Placed], root: tuple[MeshLayout, Sequence[int]] | None = None) -> Placed:
+def merge_replicas(parts: Sequence[Placed], root: tuple[NamedMesh, Sequence[int]] | None = None) -> Placed:
     """One tensor that several disjoint sub-meshes of the same dims each hold whole, in the same
     placements (a replica per sub-mesh), as one ``Placed``: the sub-mesh dims plus ``Replicate()`` on
     the dims that tell the replicas apart. FSDP2 over the ``dp`` dim of a ``(dp, tp)`` mesh gives a
@@ -162,7 +162,7 @@ def merge_replicas(parts: Sequence[Placed], root: tuple[MeshLayout, Sequence[int
     name = "replica"
     while name in first.mesh.names:
         name = "_" + name
-    return Placed(MeshLayout(((name, len(parts)),) + first.mesh.dims), (Replicate(),) + first.placements,
+    return Placed(NamedMesh(((name, len(parts)),) + first.mesh.dims), (Replicate(),) + first.placements,
                   tuple(r for p in parts for r in p.ranks))
 
 
@@ -170,7 +170,7 @@ def _placed_text(p: Placed) -> str:
     return f"{[placement_text(q) for q in p.placements]} on {p.mesh} of job ranks {list(p.ranks)}"
 
 
-def _lift(parts: list[Placed], root: MeshLayout, root_ranks: tuple[int, ...]) -> Placed | None:
+def _lift(parts: list[Placed], root: NamedMesh, root_ranks: tuple[int, ...]) -> Placed | None:
     """``merge_replicas`` on the dims of ``root`` (job ranks ``root_ranks``), or None where the parts
     are not slices of it along whole dims or adjacent groups of them."""
     if len(root_ranks) != root.world_size or len(set(root_ranks)) != len(root_ranks):
@@ -227,7 +227,7 @@ def _lift(parts: list[Placed], root: MeshLayout, root_ranks: tuple[int, ...]) ->
         return None
     dims = [sub.dims[i] if kind == "sub" else root.dims[i] for kind, i in entries]
     try:
-        merged = MeshLayout(tuple(dims))
+        merged = NamedMesh(tuple(dims))
     except ConfigError:
         return None
     # which root-only dims the parts span (kept) or share one coordinate of (dropped)
@@ -241,7 +241,7 @@ def _lift(parts: list[Placed], root: MeshLayout, root_ranks: tuple[int, ...]) ->
         return None
     grid = np.asarray(root_ranks, dtype=np.int64).reshape(merged.sizes)
     fixed = tuple(slice(None) if k in keep else next(iter(values[k])) for k in range(merged.ndim))
-    out = Placed(MeshLayout(tuple(merged.dims[k] for k in keep)),
+    out = Placed(NamedMesh(tuple(merged.dims[k] for k in keep)),
                  tuple(first.placements[entries[k][1]] if entries[k][0] == "sub" else Replicate() for k in keep),
                  tuple(grid[fixed].ravel().tolist()))
     # the proof: every rank's coordinates on the sub dims are the ones its part gave it
@@ -395,8 +395,8 @@ def _order(spec: TensorSpec) -> tuple[int, ...]:
 class StateLayout:
     """Every tensor's ``Placed`` (or ``Boxes``) over a job of ``world_size`` ranks.
 
-    Duck-types the questions ``PTC`` asks a layout (``world_size``, ``holds``, ``holder_table``,
-    ``segments``, ``local_shape``, ``check``); a rank's local tensors are unpadded DTensor locals,
+    A ``ptc.Layout`` (``world_size``, ``check``, ``rank_tensors``, ``holder_table``, ``segments``,
+    ``local_shape``, ``to_local_flat``, ``from_local_flat``); a rank's local tensors are unpadded DTensor locals,
     and FSDP2-over-TP tensors (``StridedShard``) are taken as FSDP2 stores them (the TP chunk
     first, then FSDP2's chunk of it: ``mesh.local_box(right_to_left=True)``).
     """
@@ -453,7 +453,7 @@ class StateLayout:
             self._memo["digest"] = hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
         return self._memo["digest"]
 
-    # -- what PTC asks a layout --------------------------------------------------------------
+    # -- the Layout protocol (what PTC asks) and the questions behind it -------------------------
     def coords(self, rank: int) -> int:
         """Validate ``rank`` (LayoutError outside 0..world_size-1) and return it."""
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
@@ -465,8 +465,13 @@ class StateLayout:
             self._memo["ranks"] = {n: frozenset(p.ranks) for n, p in self.tensors}
         return rank in self._memo["ranks"].get(name, ())
 
-    def holder_table(self, spec: TensorSpec) -> SegmentTable:
-        """Every (job rank, segment) of ``spec`` in its canonical order, sorted by rank."""
+    def rank_tensors(self, ptc: PTC, rank: int) -> list[str]:
+        """Names of the tensors of ``ptc`` that ``rank`` holds, in collection order."""
+        return [n for n in ptc.tensors if self.holds(n, rank)]
+
+    def holder_table(self, spec: TensorSpec, num_layers: int = 0) -> SegmentTable:
+        """Every (job rank, segment) of ``spec`` in its canonical order, sorted by rank (``num_layers``:
+        unused, every tensor is placed here itself)."""
         placed = self.placed[spec.name]
         tables = self._memo.setdefault("tables", {})  # by geometry: no hash of the placement per call
         key = (spec.shape, spec.split_dim, spec.panels, id(placed))
@@ -523,15 +528,23 @@ class StateLayout:
         return memo[key]
 
     def to_local_flat(self, spec: TensorSpec, rank: int, local: Any) -> Any:
-        """``rank``'s natural local tensor of a panel-ordered ``spec`` as its flat buffer (the pieces of
-        ``mesh.panel_pieces``, each permuted panel first); a new tensor."""
+        """``rank``'s natural local tensor of ``spec`` as its flat buffer; a panel-ordered one's the pieces of
+        ``mesh.panel_pieces``, each permuted panel first, in a new tensor."""
+        if spec.panels is None:
+            return spec.local_to_flat(local)
         out = local.new_empty(local.numel())
         for pos, n, part, flat_shape in self._panel_parts(spec, rank, local):
             out[pos:pos + n].view(flat_shape).copy_(part.movedim(1, 0))
         return out
 
-    def from_local_flat(self, spec: TensorSpec, rank: int, flat: Any, out: Any) -> Any:
-        """Inverse of ``to_local_flat``: ``flat`` copied into ``out`` (the natural local tensor)."""
+    def from_local_flat(self, spec: TensorSpec, rank: int, flat: Any, out: Any = None) -> Any:
+        """Inverse of ``to_local_flat``: ``flat`` as ``rank``'s natural local tensor, copied into ``out``
+        (a new tensor when None)."""
+        if spec.panels is None:
+            local = spec.local_from_flat(flat, self.local_shape(spec, rank))
+            return local if out is None else out.copy_(local)
+        if out is None:
+            out = flat.new_empty(self.local_shape(spec, rank))
         for pos, n, part, flat_shape in self._panel_parts(spec, rank, out):
             part.movedim(1, 0).copy_(flat[pos:pos + n].view(flat_shape))
         return out
@@ -645,7 +658,7 @@ class StateLayout:
         ``Boxes`` or on a part of the job (a pipeline stage's sub-mesh), a new dim other than
         ``dp_replicate`` that its mesh lacks (TP appearing), a split factor this rule does not give."""
         items = dims.items() if isinstance(dims, Mapping) else dims
-        mesh = MeshLayout(tuple((str(n), s) for n, s in items))
+        mesh = NamedMesh(tuple((str(n), s) for n, s in items))
         world = mesh.world_size
         ranks = tuple(range(world))
         everyone = tuple(range(self.world_size))
@@ -677,7 +690,7 @@ class StateLayout:
     def from_json(cls, obj: Any) -> StateLayout:
         """The layout ``to_json`` wrote; SpecError / LayoutError saying what is wrong otherwise."""
         try:
-            meshes = [(MeshLayout(tuple((n, s) for n, s in dims)), tuple(ranks)) for dims, ranks in obj["meshes"]]
+            meshes = [(NamedMesh(tuple((n, s) for n, s in dims)), tuple(ranks)) for dims, ranks in obj["meshes"]]
             tensors = []
             for name, idx, placements in obj["tensors"]:
                 if idx == "boxes" and isinstance(name, str):
@@ -730,7 +743,7 @@ def _box_table(shape: tuple[int, ...], order: tuple[int, ...], boxes: Boxes, pan
 NEW_DIM_PLACEMENTS: dict[str, MeshPlacement] = {"dp_replicate": Replicate()}
 
 
-def _remesh(name: str, placed: Placement, mesh: MeshLayout, ranks: tuple[int, ...],
+def _remesh(name: str, placed: Placement, mesh: NamedMesh, ranks: tuple[int, ...],
             everyone: tuple[int, ...]) -> Placed:
     """One tensor's ``StateLayout.remesh``."""
     if isinstance(placed, Boxes):

@@ -21,7 +21,7 @@ from test_state_dict import descriptions, placed_on
 
 from tenplex import ParallelConfig, PlanError, model_ptc, plan
 from tenplex import assignment
-from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard
+from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard
 from tenplex.planner import locality_order
 from tenplex.ptc import PTC, Replicated, Split, TensorSpec
 from tenplex.state_dict import state_layout_of
@@ -201,15 +201,15 @@ def named(kind: str, world: int, ndim: int) -> Placed:
     if kind == "plain" or not ndim:
         return Placed.replicated(everyone)
     if kind == "fsdp2":
-        return Placed(MeshLayout((("dp_shard", world),)), (Shard(0),), everyone)
+        return Placed(NamedMesh((("dp_shard", world),)), (Shard(0),), everyone)
     tp = 2 if world % 2 == 0 else 1
     if kind == "tp":
-        return Placed(MeshLayout((("tp", world),)), (Shard(ndim - 1),), everyone)
+        return Placed(NamedMesh((("tp", world),)), (Shard(ndim - 1),), everyone)
     if kind == "hsdp":
-        return Placed(MeshLayout((("dp_replicate", 2), ("dp_shard", world // 2))), (Replicate(), Shard(0)), everyone) \
-            if tp == 2 else Placed(MeshLayout((("dp_shard", world),)), (Shard(0),), everyone)
+        return Placed(NamedMesh((("dp_replicate", 2), ("dp_shard", world // 2))), (Replicate(), Shard(0)), everyone) \
+            if tp == 2 else Placed(NamedMesh((("dp_shard", world),)), (Shard(0),), everyone)
     # FSDP2 x TP (colwise): the TP chunk first, FSDP2's rows of it
-    mesh = MeshLayout((("dp_shard", world // tp), ("tp", tp)))
+    mesh = NamedMesh((("dp_shard", world // tp), ("tp", tp)))
     return Placed(mesh, (StridedShard(0, tp) if tp > 1 else Shard(0), Shard(0)), everyone)
 
 
@@ -267,7 +267,7 @@ def pc_as_state_layout(ptc: PTC, cfg: ParallelConfig) -> StateLayout:
     placed = {}
     for name, spec in ptc.tensors.items():
         stage = ptc.stages_of(name, cfg)[0]
-        mesh = MeshLayout((("dp", cfg.dp), ("tp", cfg.tp)))
+        mesh = NamedMesh((("dp", cfg.dp), ("tp", cfg.tp)))
         tp = Replicate() if spec.split_dim is None else Shard(spec.split_dim)
         first = stage * cfg.dp * cfg.tp
         placed[name] = Placed(mesh, (Replicate(), tp), tuple(range(first, first + cfg.dp * cfg.tp)))

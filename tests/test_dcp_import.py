@@ -16,7 +16,7 @@ import tenplex
 from tenplex.cli import main as cli_main
 from tenplex.errors import CheckpointError, LayoutError, SpecError
 from tenplex.interop import dcp_chunk_layout, import_dcp
-from tenplex.mesh import MeshLayout, Shard, box_segments
+from tenplex.mesh import NamedMesh, Shard, box_segments
 from tenplex.ptc import PTC, Replicated, Split
 from tenplex.state_layout import Boxes, Placed, StateLayout, spec_for
 
@@ -38,7 +38,7 @@ def test_boxes_segments_json_and_checks() -> None:
     specs = [spec_for(n, (8, 6), "float32", b) for n, b in (("q", quads), ("c", cols), ("r", rows))]
     specs.append(spec_for("p", (8, 6), "float32", (Shard(0),)))
     layout = StateLayout.of(4, {"q": quads, "c": cols, "r": rows,
-                                "p": Placed(MeshLayout((("dp", 2),)), (Shard(0),), (2, 3))})
+                                "p": Placed(NamedMesh((("dp", 2),)), (Shard(0),), (2, 3))})
     ptc = PTC(specs, num_layers=0)
     layout.check(ptc, complete=True)
     assert StateLayout.from_json(layout.to_json()) == layout

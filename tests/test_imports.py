@@ -153,6 +153,55 @@ def test_the_scanner_sees_violations() -> None:
     assert lazy == [(6, "tenplex.vfs.tree")]
 
 
+def _import_map() -> dict[str, set[str]]:
+    """Module -> the tenplex modules it imports: every import statement, at the top, under
+    ``TYPE_CHECKING`` or inside a function (a type-only or lazy arrow is an arrow of the map)."""
+    arrows: dict[str, set[str]] = {}
+    for path in _modules():
+        me = _module_name(path)
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                mod = _resolve(path, node)
+                if mod.split(".")[0] == "tenplex":
+                    out |= {f"{mod}.{a.name}" if _is_module(f"{mod}.{a.name}") else mod for a in node.names}
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name.split(".")[0] == "tenplex"}
+        arrows[me] = out - {me}
+    return arrows
+
+
+def _cycle(arrows: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the map (its modules, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(arrows.get(m, ())):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        state[m] = 2
+        path.pop()
+        return None
+
+    for m in sorted(arrows):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_import_map_has_no_cycle_type_only_included() -> None:
+    """#30: no two modules import each other, even for type hints only (``ptc`` typed its layouts
+    with ``state_layout.StateLayout``, ``schedule.simulator`` its argument with ``result.Schedule``)."""
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the search finds one
+    cycle = _cycle(_import_map())
+    assert cycle is None, "modules that import each other: " + " -> ".join(cycle or [])
+
+
 def test_every_public_exception_lives_in_errors_py() -> None:
     """Exception classes defined outside errors.py are private control flow (``_Refused``); public
     ones are defined in errors.py, listed in its ``__all__`` and derive from TenplexError."""

@@ -25,7 +25,7 @@ from tenplex import (
     valid_layouts,
 )
 from tenplex.cli import main
-from tenplex.layouts import batch_split, reconfig_time, step_time
+from tenplex.layouts import LayoutSearch, batch_split, reconfig_time, step_time
 from tenplex.memory import GiB
 
 P = ParallelConfig
@@ -221,6 +221,28 @@ def test_context_parallel_layouts_use_gpus_over_cp() -> None:
     choices = rank_layouts("tiny", 8, cp=2, **TINY)
     assert all(c.cfg.world_size == 4 for c in choices)
     assert all(c.estimate.cp == 2 for c in choices if c.estimate is not None)
+
+
+def test_layout_search_is_the_options_of_rank_layouts_validated_once() -> None:
+    """#30 item 4: rank_layouts' 21 parameters are a frozen LayoutSearch (keywords still make one);
+    a wrong option is a ConfigError naming the options, not a TypeError."""
+    search = LayoutSearch(**TINY)
+    assert search.gpu_mem == 80 * GiB  # stored as bytes
+    by_object, by_keywords = rank_layouts("tiny", 8, search), rank_layouts("tiny", 8, **TINY)
+    assert [(c.cfg, c.feasible, c.reason, c.step_seconds) for c in by_object] == \
+        [(c.cfg, c.feasible, c.reason, c.step_seconds) for c in by_keywords]
+    assert rank_layouts("tiny", 8, search, cp=2)[0].cfg.world_size == 4  # keywords replace the object's fields
+    assert choose_layout("tiny", 8, search).cfg == choose_layout("tiny", 8, **TINY).cfg
+    with pytest.raises(ConfigError, match=r"unknown layout search options \['gpu_memory'\]; LayoutSearch has gpu_mem"):
+        rank_layouts("tiny", 8, gpu_memory="80GiB", **TINY)
+    with pytest.raises(ConfigError, match="ranking layouts needs gpu_mem, seq_len"):
+        rank_layouts("tiny", 8, global_batch=8, micro_batch=1)
+    for bad, match in ((dict(global_batch=0), "global_batch must be a positive integer, got 0"),
+                       (dict(mem_fraction=1.5), r"mem_fraction must be in \(0, 1\], got 1.5"),
+                       (dict(recompute="most"), "recompute must be 'auto' or one of none, selective, full"),
+                       (dict(gpu_mem="lots"), "cannot parse size")):
+        with pytest.raises(ConfigError, match=match):
+            LayoutSearch(**(TINY | bad))
 
 
 # -- command line --------------------------------------------------------------------------------

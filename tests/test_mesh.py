@@ -26,7 +26,7 @@ from spawned import free_port, run_spawned
 from tenplex.config import ParallelConfig
 from tenplex.errors import ConfigError, LayoutError, SpecError
 from tenplex.mesh import (
-    MeshLayout,
+    NamedMesh,
     Replicate,
     Shard,
     StridedShard,
@@ -74,19 +74,19 @@ def local_flat(local: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# MeshLayout
+# NamedMesh
 # ---------------------------------------------------------------------------------------------
 def test_mesh_parse_str_round_trip_and_sizes() -> None:
-    m = MeshLayout.parse("dp_replicate=2, dp_shard=2,tp=2")
+    m = NamedMesh.parse("dp_replicate=2, dp_shard=2,tp=2")
     assert m.dims == (("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))
-    assert str(m) == "dp_replicate=2,dp_shard=2,tp=2" and MeshLayout.parse(str(m)) == m
+    assert str(m) == "dp_replicate=2,dp_shard=2,tp=2" and NamedMesh.parse(str(m)) == m
     assert (m.world_size, m.ndim, m.names, m.sizes) == (8, 3, ("dp_replicate", "dp_shard", "tp"), (2, 2, 2))
     assert m.size("dp_shard") == 2 and m.index("tp") == 2
 
 
 @pytest.mark.parametrize("sizes", [(1,), (4,), (2, 3), (3, 1, 2), (2, 2, 2, 2)])
 def test_mesh_ranks_are_devicemesh_row_major(sizes: tuple[int, ...]) -> None:
-    m = MeshLayout(tuple((f"d{i}", s) for i, s in enumerate(sizes)))
+    m = NamedMesh(tuple((f"d{i}", s) for i, s in enumerate(sizes)))
     grid = torch.arange(m.world_size).reshape(sizes)  # what DeviceMesh(..., arange(world).reshape(sizes)) holds
     for coords in np.ndindex(*sizes):
         assert m.rank(coords) == int(grid[coords]) and m.coords(int(grid[coords])) == coords
@@ -102,13 +102,13 @@ def test_mesh_ranks_are_devicemesh_row_major(sizes: tuple[int, ...]) -> None:
 ])
 def test_mesh_rejects_bad_dims(dims: tuple, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        MeshLayout(dims)
+        NamedMesh(dims)
 
 
 def test_mesh_rejects_bad_text_ranks_and_coords() -> None:
     with pytest.raises(ConfigError, match="'tp' is not NAME=SIZE"):
-        MeshLayout.parse("dp=2,tp")
-    m = MeshLayout.parse("dp=2,tp=3")
+        NamedMesh.parse("dp=2,tp")
+    m = NamedMesh.parse("dp=2,tp=3")
     with pytest.raises(ConfigError, match=r"rank 6 is outside \[0, 6\)"):
         m.coords(6)
     with pytest.raises(ConfigError, match=r"coordinate \(0, 3\) does not fit"):
@@ -125,7 +125,7 @@ def test_placement_validation() -> None:
         Shard(-1)
     with pytest.raises(SpecError, match="split_factor must be a positive integer, got 0"):
         StridedShard(0, 0)
-    m = MeshLayout.parse("dp=2,tp=2")
+    m = NamedMesh.parse("dp=2,tp=2")
     with pytest.raises(LayoutError, match="1 placements .* with 2 dims"):
         segments((4,), m, (Shard(0),), 0)
     with pytest.raises(LayoutError, match=r"Shard\(dim=1\) on mesh dim tp shards dim 1 but shape \(4,\) has 1 dims"):
@@ -137,7 +137,7 @@ def test_placement_validation() -> None:
     tp = TensorPlacement((4, 6), "torch.bfloat16", (Shard(0), Shard(1)))
     assert tp.dtype == "bfloat16" and tp.numel == 24 and tp.canonical_order() == (1, 0)
     with pytest.raises(LayoutError, match="2 placements"):
-        tp.check(MeshLayout.parse("dp=4"))
+        tp.check(NamedMesh.parse("dp=4"))
 
 
 @pytest.mark.parametrize("n", range(13))
@@ -151,7 +151,7 @@ def test_chunk_range_is_torch_chunk_with_empty_tail(n: int, k: int) -> None:
 def test_strided_shard_docstring_example() -> None:
     """torch's _StridedShard docstring: [8, 8] on mesh (dp=2, tp=2), (_StridedShard(0, 2), Shard(0))
     gives rank 1 rows 4-5 and rank 2 rows 2-3 (right-to-left sharding)."""
-    m = MeshLayout.parse("dp=2,tp=2")
+    m = NamedMesh.parse("dp=2,tp=2")
     rows = [local_box((8, 8), m, (StridedShard(0, 2), Shard(0)), m.coords(r))[0] for r in range(4)]
     assert rows == [(range(0, 2),), (range(4, 6),), (range(2, 4),), (range(6, 8),)]
     assert segments((8, 8), m, (StridedShard(0, 2), Shard(0)), 1) == [(0, 32, 16)]
@@ -159,7 +159,7 @@ def test_strided_shard_docstring_example() -> None:
 
 def test_compute_local_shape_docstring_example() -> None:
     """torch's compute_local_shape_and_global_offset docstring: [2, 5] with (Shard(1), Shard(1)) on 2x2."""
-    m = MeshLayout.parse("dp=2,tp=2")
+    m = NamedMesh.parse("dp=2,tp=2")
     boxes = [local_box((2, 5), m, (Shard(1), Shard(1)), m.coords(r)) for r in range(4)]
     assert [b[1] for b in boxes] == [(range(0, 2),), (range(2, 3),), (range(3, 4),), (range(4, 5),)]
     # dim 1 alone is sharded: it comes first, so each piece is one interval of the (5, 2) canonical order
@@ -168,7 +168,7 @@ def test_compute_local_shape_docstring_example() -> None:
 
 
 def test_fewer_rows_than_chunks_leave_later_ranks_empty() -> None:
-    m = MeshLayout.parse("fsdp=4")
+    m = NamedMesh.parse("fsdp=4")
     assert [local_shape((2, 3), m, (Shard(0),), (c,)) for c in range(4)] == [(1, 3), (1, 3), (0, 3), (0, 3)]
     assert [local_shape((5,), m, (Shard(0),), (c,)) for c in range(4)] == [(2,), (2,), (1,), (0,)]
     assert segments((5,), m, (Shard(0),), 3) == []
@@ -189,14 +189,14 @@ def test_canonical_order_rule() -> None:
 def test_tp_mesh_gives_tensorspec_segments(shape: tuple[int, ...], split: Split, tp: int) -> None:
     """A TP-only mesh with Shard(d) is ParallelConfig(tp=...) with Split(d): the same intervals."""
     spec = TensorSpec("w", shape, tp=split)
-    mesh = MeshLayout((("tp", tp),))
+    mesh = NamedMesh((("tp", tp),))
     for t in range(tp):
         assert segments(shape, mesh, (Shard(split.dim),), t) == spec.segments(ParallelConfig(tp=tp), t, 0)
 
 
 def test_large_piece_is_vectorised() -> None:
     """A 4096x4096 FSDP2-over-row-wise-TP tensor: thousands of runs, built in numpy, not per element."""
-    m = MeshLayout.parse("dp_shard=2,tp=2")
+    m = NamedMesh.parse("dp_shard=2,tp=2")
     t0 = time.perf_counter()
     table = holder_table((4096, 4096), m, (Shard(0), Shard(1)))
     elapsed = time.perf_counter() - t0
@@ -204,12 +204,12 @@ def test_large_piece_is_vectorised() -> None:
     assert int(table.length.sum()) == 4096 * 4096
     assert elapsed < 2.0, f"holder table of a 4096x4096 tensor took {elapsed:.2f}s"
     # a strided piece of a 3-D tensor: every run of a rank continues after the previous one's local end
-    segs = segments((64, 48, 40), MeshLayout.parse("a=3,b=2,c=2"), (Shard(2), StridedShard(1, 3), Shard(1)), 5)
+    segs = segments((64, 48, 40), NamedMesh.parse("a=3,b=2,c=2"), (Shard(2), StridedShard(1, 3), Shard(1)), 5)
     assert all(lo2 == lo + n for (lo, _, n), (lo2, _, _) in zip(segs, segs[1:]))
 
 
 def test_holder_table_is_every_ranks_segments_sorted_by_rank() -> None:
-    m = MeshLayout.parse("r=2,s=3,t=2")
+    m = NamedMesh.parse("r=2,s=3,t=2")
     pl = (Replicate(), StridedShard(0, 2), Shard(0))
     table = holder_table((7, 3), m, pl)
     assert np.all(np.diff(table.rank) >= 0) and not table.rank.flags.writeable
@@ -228,22 +228,22 @@ def test_adapter_converts_torch_placements() -> None:
     assert placement_of(tpt.Replicate(), 2) == Replicate()
     with pytest.raises(SpecError, match="pending reduction"):
         placement_of(tpt.Partial(), 2)
-    step = tensor_placement(torch.tensor(3.0), MeshLayout.parse("dp_shard=2,tp=2"))
+    step = tensor_placement(torch.tensor(3.0), NamedMesh.parse("dp_shard=2,tp=2"))
     assert step == TensorPlacement((), "float32", (Replicate(), Replicate()))
-    assert step.segments(MeshLayout.parse("dp_shard=2,tp=2"), 3) == [(0, 0, 1)]
+    assert step.segments(NamedMesh.parse("dp_shard=2,tp=2"), 3) == [(0, 0, 1)]
     with pytest.raises(SpecError, match="expected a tensor or DTensor, got int"):
-        tensor_placement(3, MeshLayout.parse("dp=2"))
+        tensor_placement(3, NamedMesh.parse("dp=2"))
 
 
 # ---------------------------------------------------------------------------------------------
 # Brute force against torch's split functions
 # ---------------------------------------------------------------------------------------------
 @st.composite
-def cases(draw: st.DrawFn) -> tuple[tuple[int, ...], MeshLayout, tuple]:
+def cases(draw: st.DrawFn) -> tuple[tuple[int, ...], NamedMesh, tuple]:
     ndim = draw(st.integers(0, 3))
     shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
     sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
-    mesh = MeshLayout(tuple((f"m{i}", s) for i, s in enumerate(sizes)))
+    mesh = NamedMesh(tuple((f"m{i}", s) for i, s in enumerate(sizes)))
     options = [st.just(Replicate())]
     if ndim:
         options += [st.builds(Shard, st.integers(0, ndim - 1)),
@@ -252,7 +252,7 @@ def cases(draw: st.DrawFn) -> tuple[tuple[int, ...], MeshLayout, tuple]:
     return shape, mesh, placements
 
 
-def check_case(shape: tuple[int, ...], mesh: MeshLayout, placements: tuple) -> None:
+def check_case(shape: tuple[int, ...], mesh: NamedMesh, placements: tuple) -> None:
     """Every rank's local box and segments against torch, and the coverage of the global tensor."""
     g = torch.arange(math.prod(shape)).reshape(shape)
     order = canonical_order(shape, placements)
@@ -297,7 +297,7 @@ def test_segments_match_torch_split_functions(case: tuple) -> None:
     ((7, 7, 3), "a=2,b=3,c=2", (Shard(1), StridedShard(1, 3), Shard(0))),
 ])
 def test_named_cases_match_torch(shape: tuple[int, ...], mesh: str, placements: tuple) -> None:
-    check_case(shape, MeshLayout.parse(mesh), placements)
+    check_case(shape, NamedMesh.parse(mesh), placements)
 
 
 @given(n=st.integers(0, 30), dp=st.integers(1, 5), tp=st.integers(1, 5), cols=st.integers(0, 3),
@@ -307,7 +307,7 @@ def test_right_to_left_is_what_fsdp2_stores(n: int, dp: int, tp: int, cols: int,
     """``right_to_left``: the TP chunk first, then FSDP2's chunk of it (``fsdp_rows``), also under HSDP;
     the same as DTensor's arithmetic whenever n divides evenly, and for placements without StridedShard."""
     dims = ((("dp_replicate", 2),) if hsdp else ()) + (("dp_shard", dp), ("tp", tp))
-    mesh = MeshLayout(dims)
+    mesh = NamedMesh(dims)
     pl = ((Replicate(),) if hsdp else ()) + ((StridedShard(0, tp) if tp > 1 else Shard(0)), Shard(0))
     shape = (n, cols)
     g = torch.arange(n * cols).reshape(shape)
@@ -332,10 +332,10 @@ def _merge_ranges(r: range) -> tuple[range, ...]:
 
 
 def test_right_to_left_checks_the_split_factor() -> None:
-    mesh = MeshLayout.parse("dp=2,tp=4")
+    mesh = NamedMesh.parse("dp=2,tp=4")
     with pytest.raises(LayoutError, match=r"split_factor = the product .* = 4 = 4, got 2"):
         local_box((8,), mesh, (StridedShard(0, 2), Shard(0)), (0, 0), right_to_left=True)
-    torch_docstring = [local_box((8, 8), MeshLayout.parse("dp=2,tp=2"), (StridedShard(0, 2), Shard(0)), c,
+    torch_docstring = [local_box((8, 8), NamedMesh.parse("dp=2,tp=2"), (StridedShard(0, 2), Shard(0)), c,
                                  right_to_left=True)[0] for c in ((0, 0), (0, 1), (1, 0), (1, 1))]
     assert torch_docstring == [(range(0, 2),), (range(4, 6),), (range(2, 4),), (range(6, 8),)]
 
@@ -408,7 +408,7 @@ def _module_checks(rank: int, mesh_dims: tuple[tuple[str, int], ...], dp_names: 
         p.grad = p.detach().clone()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     opt.step()
-    layout = MeshLayout(mesh_dims)
+    layout = NamedMesh(mesh_dims)
     tp_size = dict(mesh_dims).get("tp", 1)
     dp_size = dict(mesh_dims)[dp_names[-1]]
     for name, p in params.items():
@@ -602,7 +602,7 @@ def test_panel_segments_are_few() -> None:
 
 
 def test_panel_holder_table_covers_every_rank() -> None:
-    mesh = MeshLayout.parse("dp_shard=2,tp=2")
+    mesh = NamedMesh.parse("dp_shard=2,tp=2")
     placements = (StridedShard(0, 2), Shard(0))
     table = holder_table((9, 16), mesh, placements, (0, 1), right_to_left=True, panels=4)
     assert sorted(set(table.rank.tolist())) == [0, 1, 2, 3]

@@ -288,3 +288,13 @@ def test_hyperparameter_errors(kw, msg) -> None:
 def test_gpt_has_no_rope() -> None:
     with pytest.raises(SpecError, match="learned positions, no RoPE"):
         ModelSpec(arch="gpt", num_layers=1, hidden=8, heads=2, vocab=11, rope_theta=1e4)
+
+
+def test_model_ptc_takes_model_spec_fields_and_names_them_for_anything_else() -> None:
+    """#30 item 4: model_ptc's 18 parameters are a preset or ModelSpec plus ModelSpec's fields; a
+    misspelt one is a SpecError listing the fields (it was a TypeError)."""
+    spec = model_spec("tiny")
+    assert model_ptc(spec, num_layers=2).fingerprint() == model_ptc("tiny", num_layers=2).fingerprint()
+    assert model_ptc("tiny", hidden=None).fingerprint() == model_ptc("tiny").fingerprint()  # None: not given
+    with pytest.raises(SpecError, match=r"unknown model dimensions \['layers'\]; a ModelSpec has arch, num_layers"):
+        model_ptc("tiny", layers=2)

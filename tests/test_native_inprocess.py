@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from tenplex.checkpoint import save
-from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard
+from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard
 from tenplex.elastic import live_order, predict_layout
 from tenplex.errors import LayoutError
 from tenplex.planner import KIND_NAMES, STORAGE, locality_order, plan
@@ -58,7 +58,7 @@ SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
 
 
 def old_layout() -> StateLayout:
-    mesh = MeshLayout.parse("dp_shard=2,tp=2")
+    mesh = NamedMesh.parse("dp_shard=2,tp=2")
     ranks = (0, 1, 2, 3)
     return StateLayout.of(4, {
         "model.w1": Placed(mesh, (StridedShard(0, 2), Shard(0)), ranks),
@@ -70,14 +70,14 @@ def old_layout() -> StateLayout:
 
 
 def new_layout() -> StateLayout:
-    mesh = MeshLayout.parse("dp_shard=3")
+    mesh = NamedMesh.parse("dp_shard=3")
     return StateLayout.of(3, {name: Placed(mesh, (Shard(0),) if shape else (Replicate(),), (0, 1, 2))
                               for name, (shape, _) in SHAPES.items()})
 
 
 def hsdp_layout() -> StateLayout:
     """HSDP 2 x 2 (the example's ``--hsdp``): FSDP2 rows on ``dp_shard``, two replicas."""
-    mesh = MeshLayout.parse("dp_replicate=2,dp_shard=2")
+    mesh = NamedMesh.parse("dp_replicate=2,dp_shard=2")
     ranks = (0, 1, 2, 3)
     return StateLayout.of(4, {name: Placed(mesh, (Replicate(), Shard(0)), ranks) if shape else Placed.replicated(ranks)
                               for name, (shape, _) in SHAPES.items()})
@@ -127,7 +127,7 @@ def test_remesh_predicts_the_state_dict_layout_on_another_mesh() -> None:
     old = old_layout()
     assert old.remesh({"dp_shard": 2, "tp": 2}) == old
     fsdp = old.remesh({"dp_shard": 3})
-    mesh3 = MeshLayout.parse("dp_shard=3")
+    mesh3 = NamedMesh.parse("dp_shard=3")
     assert fsdp.placed == {**{n: Placed(mesh3, (Shard(0),), (0, 1, 2)) for n in SHAPES if SHAPES[n][0]},
                            "optim.step": Placed.replicated((0, 1, 2))}
     assert fsdp.remesh({"dp_shard": 3}) == fsdp
@@ -142,8 +142,8 @@ def test_remesh_predicts_the_state_dict_layout_on_another_mesh() -> None:
 def test_remesh_refuses_what_it_cannot_tell() -> None:
     with pytest.raises(LayoutError, match="'tp'"):  # TP appearing: which dim would it split?
         new_layout().remesh({"dp_shard": 2, "tp": 2})
-    stage = StateLayout.of(4, {"a": Placed(MeshLayout.parse("dp_shard=2"), (Shard(0),), (0, 1)),
-                               "b": Placed(MeshLayout.parse("dp_shard=2"), (Shard(0),), (2, 3))})
+    stage = StateLayout.of(4, {"a": Placed(NamedMesh.parse("dp_shard=2"), (Shard(0),), (0, 1)),
+                               "b": Placed(NamedMesh.parse("dp_shard=2"), (Shard(0),), (2, 3))})
     with pytest.raises(LayoutError, match="sub-mesh"):  # pipeline stages: which stage holds what?
         stage.remesh({"dp_shard": 3})
 
@@ -161,7 +161,7 @@ def test_live_order_puts_the_survivors_where_their_state_is() -> None:
     assert locality_order(ptc, layout, layout.remesh({"dp_shard": 3}), [0, 1, 2]) == [0, 2, 1]
     with_joiner = order([10, 11, 12, 99])
     assert with_joiner[-1] == 99 and sorted(with_joiner[:3]) == [10, 11, 12]
-    pp = StateLayout.of(4, {n: Placed(MeshLayout.parse("dp_shard=2"), (Shard(0),), (0, 1) if i % 2 else (2, 3))
+    pp = StateLayout.of(4, {n: Placed(NamedMesh.parse("dp_shard=2"), (Shard(0),), (0, 1) if i % 2 else (2, 3))
                             for i, n in enumerate(SHAPES)})
     assert live_order(collection(pp), pp, lambda n: {"dp_shard": n}, ids)([12, 10, 11]) == [10, 11, 12]
 

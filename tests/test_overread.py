@@ -36,7 +36,7 @@ from spawned import free_port, run_spawned
 import tenplex.checkpoint.format as format_mod
 import tenplex.checkpoint.writer as writer_mod
 from tenplex.checkpoint import load, open_sealed_json, save
-from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard, local_box
+from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard, local_box
 from tenplex.ptc import PTC
 from tenplex.state_layout import Boxes, Placed, StateLayout, spec_for
 
@@ -115,19 +115,19 @@ COL, ROW = 0, 1  # TP colwise (Shard(0) of the weight) / rowwise (Shard(1))
 
 
 def fsdp(shapes: Shapes, n: int) -> StateLayout:
-    mesh = MeshLayout((("dp_shard", n),))
+    mesh = NamedMesh((("dp_shard", n),))
     return StateLayout.of(n, {k: Placed(mesh, (Shard(0),), range(n)) for k in shapes})
 
 
 def tp(shapes: Shapes, kinds: dict[str, int | None], n: int) -> StateLayout:
-    mesh = MeshLayout((("tp", n),))
+    mesh = NamedMesh((("tp", n),))
     return StateLayout.of(n, {k: Placed(mesh, (Shard(kinds[k]),), range(n)) if kinds[k] is not None
                               else Placed.replicated(range(n)) for k in shapes})
 
 
 def fsdp_tp(shapes: Shapes, kinds: dict[str, int | None], dp: int, t: int) -> StateLayout:
     """FSDP2 over ``dp`` of TP over ``t`` (torch's placements: ``StridedShard`` for a colwise weight)."""
-    mesh = MeshLayout((("dp_shard", dp), ("tp", t)))
+    mesh = NamedMesh((("dp_shard", dp), ("tp", t)))
     out = {}
     for k in shapes:
         kind = kinds[k]
@@ -234,7 +234,7 @@ def titan(config: str) -> tuple[Shapes, StateLayout, StateLayout]:
     placed = {}
     for k, per in entries.items():
         e = per[min(per)]
-        mesh = MeshLayout(tuple(zip(e["mesh_dim_names"], e["mesh_shape"])))
+        mesh = NamedMesh(tuple(zip(e["mesh_dim_names"], e["mesh_shape"])))
         ranks = [r for row in e["mesh_ranks"] for r in (row if isinstance(row, list) else [row])]
         placed[k] = Placed(mesh, tuple(_placement(p) for p in e["placements"]), ranks)
     layout = StateLayout.of(4, placed)

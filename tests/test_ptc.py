@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from tenplex import PTC, LayoutError, ParallelConfig, Replicated, Split, TensorSpec, model_ptc
 from tenplex.errors import SpecError
-from tenplex.ptc import PAD, Panels, dtype_from_str, dtype_to_str
+from tenplex.ptc import PAD, Layout, Panels, SegmentTable, dtype_from_str, dtype_to_str
+from tenplex.state_layout import StateLayout
 
 
 @st.composite
@@ -528,3 +529,63 @@ def test_panels_spec_json_round_trip_and_refused_by_parallel_config() -> None:
         TensorSpec("w", (6, 6), tp=Panels(1, 4))
     with pytest.raises(SpecError, match="panels"):
         TensorSpec.from_json({**spec.to_json(), "tp": {"kind": "panels", "dim": 1}})
+
+
+class _Backwards:
+    """A layout of another kind: ``cfg``'s answers with the ranks numbered backwards."""
+
+    def __init__(self, cfg: ParallelConfig) -> None:
+        self.cfg, self.world_size = cfg, cfg.world_size
+
+    def _r(self, rank: int) -> int:
+        return self.world_size - 1 - rank
+
+    def check(self, ptc: PTC) -> None:
+        self.cfg.check(ptc)
+
+    def rank_tensors(self, ptc: PTC, rank: int) -> list[str]:
+        return self.cfg.rank_tensors(ptc, self._r(rank))
+
+    def holder_table(self, spec: TensorSpec, num_layers: int = 0) -> SegmentTable:
+        t = self.cfg.holder_table(spec, num_layers)
+        rank = self.world_size - 1 - t.rank
+        order = np.argsort(rank, kind="stable")
+        return SegmentTable.from_columns(rank[order], t.local[order], t.start[order], t.length[order])
+
+    def segments(self, spec: TensorSpec, rank: int) -> list[tuple[int, int, int]]:
+        return self.cfg.segments(spec, self._r(rank))
+
+    def local_shape(self, spec: TensorSpec, rank: int) -> tuple[int, ...]:
+        return self.cfg.local_shape(spec, self._r(rank))
+
+    def to_local_flat(self, spec: TensorSpec, rank: int, local: torch.Tensor) -> torch.Tensor:
+        return self.cfg.to_local_flat(spec, self._r(rank), local)
+
+    def from_local_flat(self, spec: TensorSpec, rank: int, flat: torch.Tensor) -> torch.Tensor:
+        return self.cfg.from_local_flat(spec, self._r(rank), flat)
+
+
+def test_ptc_asks_any_layout_through_the_layout_protocol() -> None:
+    """#30 item 2: ParallelConfig and StateLayout are ``ptc.Layout``s and PTC asks only the protocol
+    (it dispatched on ``isinstance(cfg, ParallelConfig)`` and took anything else for a StateLayout), so a
+    layout of a third kind shards, unshards and reports holders bit-exactly."""
+    assert isinstance(ParallelConfig(dp=2), Layout) and isinstance(StateLayout(1, ()), Layout)
+    ptc = model_ptc("tiny", num_layers=4, distributed_optimizer=True)
+    g = random_global(ptc, seed=3)
+    cfg = ParallelConfig(dp=2, tp=2, pp=2)
+    back = _Backwards(cfg)
+    assert isinstance(back, Layout)
+    want, got = ptc.shard(g, cfg), ptc.shard(g, back)
+    for rank in range(cfg.world_size):
+        assert list(got[rank]) == list(want[cfg.world_size - 1 - rank])
+        for name in ptc.tensors:
+            if name in got[rank]:
+                assert torch.equal(got[rank][name], want[cfg.world_size - 1 - rank][name])
+    back_global = ptc.unshard(got, back)
+    for name in ptc.tensors:
+        assert_same(back_global[name], g[name], name)
+    name = next(iter(ptc.tensors))
+    assert sorted(ptc.holders(name, back).rank.tolist()) == sorted(
+        cfg.world_size - 1 - r for r in ptc.holders(name, cfg).rank.tolist())
+    assert sum(ptc.rank_nbytes(back, r) for r in range(cfg.world_size)) == sum(
+        ptc.rank_nbytes(cfg, r) for r in range(cfg.world_size))

@@ -19,7 +19,7 @@ from test_state_dict import blocks_once, descriptions
 from tenplex.checkpoint import Binding, PartReader, ReadItem, list_steps, plan_reads
 from tenplex.checkpoint.format import data_name, writer_assignment
 from tenplex.checkpoint.reader import read_manifest_at, shard_buffers, url_fs
-from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard
+from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard
 from tenplex.ptc import PTC
 from tenplex.state_dict import state_layout_of
 from tenplex.state_layout import Placed, StateLayout
@@ -98,10 +98,10 @@ def test_tensors_of_one_geometry_get_the_plan_each_gets_alone() -> None:
     placement), and equal placements are one object in a layout: each tensor's reads must still be
     exactly those it gets in a collection of its own (the writer aside, which balancing picks), and
     every read's chunk one the assignment gives its writer. Pure, under 0.1 s."""
-    hsdp = Placed(MeshLayout((("dp_replicate", 2), ("dp_shard", 2))), (Replicate(), Shard(0)), (0, 1, 2, 3))
-    fsdp_tp = Placed(MeshLayout((("dp_shard", 2), ("tp", 2))), (StridedShard(0, 2), Shard(0)), (0, 1, 2, 3))
-    cols = Placed(MeshLayout((("tp", 4),)), (Shard(1),), (0, 1, 2, 3))
-    rows = Placed(MeshLayout((("tp", 4),)), (Shard(0),), (3, 2, 1, 0))
+    hsdp = Placed(NamedMesh((("dp_replicate", 2), ("dp_shard", 2))), (Replicate(), Shard(0)), (0, 1, 2, 3))
+    fsdp_tp = Placed(NamedMesh((("dp_shard", 2), ("tp", 2))), (StridedShard(0, 2), Shard(0)), (0, 1, 2, 3))
+    cols = Placed(NamedMesh((("tp", 4),)), (Shard(1),), (0, 1, 2, 3))
+    rows = Placed(NamedMesh((("tp", 4),)), (Shard(0),), (3, 2, 1, 0))
     shapes = {f"{kind}{i}": ({"w": (64, 64), "u": (24, 16), "v": (13,)}[kind], torch.float32) for i in range(4) for kind in "wuv"}
     shapes["odd"] = ((9, 16), torch.float32)
     old = StateLayout.of(4, {n: (hsdp if n[0] != "u" else fsdp_tp) for n in shapes})

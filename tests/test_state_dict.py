@@ -40,7 +40,7 @@ from tenplex.errors import (
     CheckpointValueError,
     CheckpointWriteError,
 )
-from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard, local_box
+from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard, local_box
 from tenplex.ptc import PTC, Panels, dtype_to_str
 from tenplex.state_dict import _InPlace, load_state_dict, save_state_dict, state_layout_of
 from tenplex.state_layout import PANELS, Placed, StateLayout, placement_text, spec_for
@@ -101,7 +101,7 @@ def placed_on(draw: st.DrawFn, ndim: int, world: int) -> Placed:
         tp = draw(st.integers(2, min(4, world // 2)))
         dp = draw(st.integers(2, world // tp))
         hsdp = world >= 2 * dp * tp and draw(st.booleans())
-        mesh = MeshLayout(((("dp_replicate", 2),) if hsdp else ()) + (("dp_shard", dp), ("tp", tp)))
+        mesh = NamedMesh(((("dp_replicate", 2),) if hsdp else ()) + (("dp_shard", dp), ("tp", tp)))
         placements = ((Replicate(),) if hsdp else ()) + (StridedShard(0, tp), Shard(0))
         return Placed(mesh, placements, draw(st.permutations(range(world)))[: mesh.world_size])
     sizes: list[int] = []
@@ -110,7 +110,7 @@ def placed_on(draw: st.DrawFn, ndim: int, world: int) -> Placed:
         if room < 1:
             break
         sizes.append(draw(st.integers(1, min(4, room))))
-    mesh = MeshLayout(tuple((f"m{i}", s) for i, s in enumerate(sizes)))
+    mesh = NamedMesh(tuple((f"m{i}", s) for i, s in enumerate(sizes)))
     kinds = [draw(st.integers(0, ndim)) if ndim else 0 for _ in sizes]  # 0: Replicate, d + 1: Shard(d)
     placements: list[Any] = []
     for i, k in enumerate(kinds):
@@ -277,7 +277,7 @@ def _reshard_round_trip(shapes: dict, saved: StateLayout, new: StateLayout, seed
 def test_named_reshards() -> None:
     """FSDP2 over TP with uneven rows (9 rows on dp_shard=2,tp=2 and dp_shard=4,tp=2; 3 rows on dp_shard=2,tp=4), HSDP,
     a sub-mesh (a pipeline stage), a 0-d and an empty tensor: saved, loaded under other meshes."""
-    m22, m24 = MeshLayout.parse("dp_shard=2,tp=2"), MeshLayout.parse("dp_shard=2,tp=4")
+    m22, m24 = NamedMesh.parse("dp_shard=2,tp=2"), NamedMesh.parse("dp_shard=2,tp=4")
     shapes = {"w": ((9, 5), torch.float32), "v": ((3, 4), torch.bfloat16), "h": ((7, 3, 2), torch.float16),
               "u": ((9, 4), torch.float32), "u3": ((7, 3), torch.float64),
               "stage1": ((6, 2), torch.float32), "s": ((), torch.int64), "e": ((0, 4), torch.float32)}
@@ -285,17 +285,17 @@ def test_named_reshards() -> None:
         "w": Placed(m22, (StridedShard(0, 2), Shard(0)), range(4)),
         "v": Placed(m24, (StridedShard(0, 4), Shard(0)), range(8)),
         # where FSDP2's storage and DTensor's StridedShard arithmetic differ (row 8 at (3, 1), not (3, 0))
-        "u": Placed(MeshLayout.parse("dp_shard=4,tp=2"), (StridedShard(0, 2), Shard(0)), range(8)),
-        "u3": Placed(MeshLayout.parse("dp_shard=3,tp=2"), (StridedShard(0, 2), Shard(0)), (7, 6, 5, 4, 3, 2)),
-        "h": Placed(MeshLayout.parse("r=2,s=2,tp=2"), (Replicate(), StridedShard(0, 2), Shard(0)), range(8)),
-        "stage1": Placed(MeshLayout.parse("dp=2,tp=2"), (Shard(0), Shard(1)), (4, 5, 6, 7)),
+        "u": Placed(NamedMesh.parse("dp_shard=4,tp=2"), (StridedShard(0, 2), Shard(0)), range(8)),
+        "u3": Placed(NamedMesh.parse("dp_shard=3,tp=2"), (StridedShard(0, 2), Shard(0)), (7, 6, 5, 4, 3, 2)),
+        "h": Placed(NamedMesh.parse("r=2,s=2,tp=2"), (Replicate(), StridedShard(0, 2), Shard(0)), range(8)),
+        "stage1": Placed(NamedMesh.parse("dp=2,tp=2"), (Shard(0), Shard(1)), (4, 5, 6, 7)),
         "s": Placed.replicated(range(8)),
         "e": Placed(m22, (Shard(0), Shard(1)), range(4)),
     })
     loads = [
-        StateLayout.of(2, {n: Placed(MeshLayout.parse("tp=2"), (Shard(1 if len(s) > 1 else 0),) if s else
+        StateLayout.of(2, {n: Placed(NamedMesh.parse("tp=2"), (Shard(1 if len(s) > 1 else 0),) if s else
                                      (Replicate(),), (1, 0)) for n, (s, _) in shapes.items()}),
-        StateLayout.of(3, {n: Placed(MeshLayout.parse("fsdp=3"), (Shard(0),) if s else (Replicate(),), (0, 1, 2))
+        StateLayout.of(3, {n: Placed(NamedMesh.parse("fsdp=3"), (Shard(0),) if s else (Replicate(),), (0, 1, 2))
                            for n, (s, _) in shapes.items()}),
         StateLayout.of(1, {n: Placed.replicated([0]) for n in shapes}),
     ]
@@ -326,7 +326,7 @@ def test_replicated_writes_are_balanced() -> None:
 
 
 def test_ranks_disagreeing_on_a_key_are_named() -> None:
-    layout = StateLayout.of(2, {"model.w": Placed(MeshLayout.parse("dp=2"), (Shard(0),), (0, 1))})
+    layout = StateLayout.of(2, {"model.w": Placed(NamedMesh.parse("dp=2"), (Shard(0),), (0, 1))})
     descs = descriptions(layout, {"model.w": ((4, 2), torch.float32)})
     descs[1]["model.w"] = ([5, 2], *descs[1]["model.w"][1:])
     with pytest.raises(CheckpointValueError, match=r"model\.w: ranks disagree on its global shape: rank 0 has shape "
@@ -544,9 +544,9 @@ def test_bad_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 # ---------------------------------------------------------------------------------------------
 _H_SHAPES = {"a": ((5, 3), torch.float32), "b": ((4,), torch.bfloat16), "c": ((3, 2), torch.float32)}
 _H_SAVED = StateLayout.of(4, {
-    "a": Placed(MeshLayout.parse("dp=2,tp=2"), (StridedShard(0, 2), Shard(0)), (0, 1, 2, 3)),
+    "a": Placed(NamedMesh.parse("dp=2,tp=2"), (StridedShard(0, 2), Shard(0)), (0, 1, 2, 3)),
     "b": Placed.replicated((1, 3)),
-    "c": Placed(MeshLayout.parse("tp=2"), (Shard(1),), (2, 0)),
+    "c": Placed(NamedMesh.parse("tp=2"), (Shard(1),), (2, 0)),
 })
 _H_NEW = StateLayout.of(1, {n: Placed.replicated([0]) for n in _H_SHAPES})
 
@@ -884,7 +884,7 @@ def test_scatter_puts_any_flat_range_in_panel_order(rows: int, width: int, count
     numpy byte views (``panel_byte_views``; columns split by ``tp=3``: parts
     of partial and whole panels)."""
     shape = (rows, 3 * count * width)
-    layout = StateLayout.of(3, {"w": Placed(MeshLayout.parse("tp=3"), (Shard(1),), (0, 1, 2))})
+    layout = StateLayout.of(3, {"w": Placed(NamedMesh.parse("tp=3"), (Shard(1),), (0, 1, 2))})
     spec = dataclasses.replace(spec_for("w", shape, "float32", (Shard(1),)), tp=Panels(1, count))
     g = global_tensor(shape, torch.float32, rows)
     local = local_of(g, layout.placed["w"], shard)
@@ -912,14 +912,14 @@ def test_panel_loads_in_place_read_exactly_their_bytes(tmp_path: Path, monkeypat
     that cannot scatter (temporaries)."""
     monkeypatch.setattr(reader_mod, "_STAGE", 16 << 10)  # windows of a 64 KiB panel, and runs of pieces
     shapes = {"w": ((256, 512), torch.float32), "e": ((256, 512), torch.bfloat16)}  # blocks: 32 rows
-    m4, m2, m22 = MeshLayout.parse("dp_shard=4"), MeshLayout.parse("tp=2"), MeshLayout.parse("dp_shard=2,tp=2")
+    m4, m2, m22 = NamedMesh.parse("dp_shard=4"), NamedMesh.parse("tp=2"), NamedMesh.parse("dp_shard=2,tp=2")
 
-    def on(mesh: MeshLayout, placements: tuple) -> StateLayout:
+    def on(mesh: NamedMesh, placements: tuple) -> StateLayout:
         return StateLayout.of(mesh.world_size, {n: Placed(mesh, placements, tuple(range(mesh.world_size)))
                                                 for n in shapes})
 
     layouts = {"fsdp4": on(m4, (Shard(0),)), "tp2cols": on(m2, (Shard(1),)), "tp2rows": on(m2, (Shard(0),)),
-               "fsdp2xtp2": on(m22, (Shard(0), Shard(1))), "whole": on(MeshLayout.parse("dp=1"), (Replicate(),))}
+               "fsdp2xtp2": on(m22, (Shard(0), Shard(1))), "whole": on(NamedMesh.parse("dp=1"), (Replicate(),))}
     for saved_name in ("fsdp4", "tp2cols", "whole"):
         url = str(tmp_path / saved_name)
         ptc, globals_ = _save_all(url, shapes, layouts[saved_name], 7, panels={n: PANELS for n in shapes})

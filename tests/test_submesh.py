@@ -35,7 +35,7 @@ from conftest import examples
 from spawned import free_port, run_spawned
 from tenplex.assignment import locality_order
 from tenplex.errors import CheckpointValueError, LayoutError
-from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard, local_box
+from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard, local_box
 from tenplex.state_dict import describe_state_dict, load_state_dict, save_state_dict, state_layout_of
 from tenplex.state_layout import Placed, StateLayout, merge_replicas
 
@@ -47,13 +47,13 @@ sys.path.insert(0, str(REPO / "examples"))
 # 1. pure: merge_replicas
 # ---------------------------------------------------------------------------------------------
 @st.composite
-def sliced(draw: st.DrawFn) -> tuple[MeshLayout, tuple[int, ...], list[Placed], bool]:
+def sliced(draw: st.DrawFn) -> tuple[NamedMesh, tuple[int, ...], list[Placed], bool]:
     """A root mesh (job ranks permuted or not), a slice of it along whole dims and adjacent groups
     of dims (a ``_flatten``-ed dim), placements on the slice, and the parts: the slice at some
     coordinates of the dims it leaves out (all of them, one, or a product of whole dims and fixed
     ones, as FSDP2 on a pipeline stage gives). Also whether the parts are a product (liftable)."""
     sizes = draw(st.lists(st.integers(1, 3), min_size=2, max_size=4))
-    root = MeshLayout(tuple((f"r{i}", s) for i, s in enumerate(sizes)))
+    root = NamedMesh(tuple((f"r{i}", s) for i, s in enumerate(sizes)))
     ranks = tuple(range(root.world_size))
     if draw(st.booleans()):
         ranks = tuple(draw(st.permutations(ranks)))
@@ -71,7 +71,7 @@ def sliced(draw: st.DrawFn) -> tuple[MeshLayout, tuple[int, ...], list[Placed], 
     if not groups or len(inside) == root.ndim:
         groups = [(0,)]
         inside = {0}
-    sub = MeshLayout(tuple((f"r{g[0]}" if len(g) == 1 else f"flat{g[0]}", math.prod(sizes[j] for j in g))
+    sub = NamedMesh(tuple((f"r{g[0]}" if len(g) == 1 else f"flat{g[0]}", math.prod(sizes[j] for j in g))
                            for g in groups))
     kinds = [draw(st.integers(0, 2)) for _ in groups]  # 0: Replicate, 1: Shard(0), 2: Shard(1)
     placements: list[Any] = []
@@ -127,7 +127,7 @@ def test_merged_replicas_give_every_rank_its_own_box(case: tuple, shape: tuple[i
 
 
 def test_merge_replicas_refuses_what_is_not_a_replica() -> None:
-    dp = MeshLayout.parse("dp=2")
+    dp = NamedMesh.parse("dp=2")
     with pytest.raises(LayoutError, match=r"same mesh dims and placements.*\['S0'\] on dp=2.*\['R'\] on dp=2"):
         merge_replicas([Placed(dp, (Shard(0),), (0, 2)), Placed(dp, (Replicate(),), (1, 3))])
     with pytest.raises(LayoutError, match=r"job rank 2 is in two sub-meshes"):
@@ -146,7 +146,7 @@ def test_the_issue_case_merges_and_real_disagreements_name_their_field() -> None
     subs = [[0, 2], [1, 3], [0, 2], [1, 3]]
     descs = [{"tok.weight": _desc([1003, 96], [["dp", 2]], ["S0"], subs[r], root=root)} for r in range(4)]
     ptc, layout = state_layout_of(descs)
-    assert layout.placed["tok.weight"] == Placed(MeshLayout.parse("dp=2,tp=2"), (Shard(0), Replicate()), (0, 1, 2, 3))
+    assert layout.placed["tok.weight"] == Placed(NamedMesh.parse("dp=2,tp=2"), (Shard(0), Replicate()), (0, 1, 2, 3))
     new = layout.remesh({"dp": 1, "tp": 2})  # the in-process rescale's prediction and its survivors' order
     assert new.placed["tok.weight"].placements == (Shard(0), Replicate())
     order = locality_order(ptc, layout, new, [1, 2, 3])
@@ -155,7 +155,7 @@ def test_the_issue_case_merges_and_real_disagreements_name_their_field() -> None
     for r in range(4):  # without the root mesh (another torch, hand-built meshes): a replica dim first
         descs[r]["tok.weight"] = descs[r]["tok.weight"][:5]
     _, layout = state_layout_of(descs)
-    assert layout.placed["tok.weight"] == Placed(MeshLayout.parse("replica=2,dp=2"), (Replicate(), Shard(0)),
+    assert layout.placed["tok.weight"] == Placed(NamedMesh.parse("replica=2,dp=2"), (Replicate(), Shard(0)),
                                                  (0, 2, 1, 3))
     base = _desc([1003, 96], [["dp", 2]], ["S0"], [0, 2], root=root)
     changes = {"global shape": (0, [1003, 95]), "dtype": (1, "bfloat16"), "mesh dims": (2, [["dp_shard", 2]]),

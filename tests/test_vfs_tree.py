@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_data_index import write_jsonl
 
 from tenplex.data import DataState, build_index, remaining_ids
-from tenplex.vfs import DatasetTree, Layout, VfsError, gen_name, mount_status, remount
+from tenplex.vfs import DatasetTree, DataView, VfsError, gen_name, mount_status, remount
 from tenplex.vfs.control import ControlServer, handle_request, socket_path
 
 
@@ -42,7 +42,7 @@ def _resolve(tree: DatasetTree, path: str) -> str:
 
 def test_layout_and_contents(data) -> None:  # type: ignore[no-untyped-def]
     index, samples = data
-    tree = DatasetTree(index, Layout(dp=2, progress=6, global_batch=4, seed=3))
+    tree = DatasetTree(index, DataView(dp=2, progress=6, global_batch=4, seed=3))
     root = tree.lookup("/")
     assert root is not None and root.entries == ("job.json", "rank-000", "rank-001", gen_name(1))
     link = tree.lookup("/rank-001")
@@ -68,7 +68,7 @@ def test_layout_and_contents(data) -> None:  # type: ignore[no-untyped-def]
 
 def test_paths_outside_the_tree(data) -> None:  # type: ignore[no-untyped-def]
     index, _ = data
-    tree = DatasetTree(index, Layout(dp=2, progress=0, global_batch=2))
+    tree = DatasetTree(index, DataView(dp=2, progress=0, global_batch=2))
     for p in ("/..", "/../etc/passwd", "/rank-000/../../x", "/gen-000001/../..", "/rank-002", "/rank-2",
               "/rank-0000", "/gen-1", "/gen-000009", "/gen-000001/rank-000/x", "/gen-000001/rank-005/ids.txt",
               "/job.json/x", "/gen-000001/job.json/x", "/etc", "/rank-000/samples.bin"):
@@ -81,7 +81,7 @@ def test_paths_outside_the_tree(data) -> None:  # type: ignore[no-untyped-def]
 @given(st.integers(1, 5), st.integers(0, 200), st.integers(1, 4), st.booleans(), st.data())
 def test_union_over_ranks(data, dp: int, progress: int, per: int, shuffle: bool, d: st.DataObject) -> None:  # type: ignore[no-untyped-def]
     index, samples = data
-    tree = DatasetTree(index, Layout(dp=dp, progress=progress, global_batch=dp * per, shuffle=shuffle, seed=1))
+    tree = DatasetTree(index, DataView(dp=dp, progress=progress, global_batch=dp * per, shuffle=shuffle, seed=1))
     gen = tree.current
     got = [np.array(_read_all(tree, f"/gen-000001/rank-{r:03d}/ids.txt").split(), dtype=np.int64) for r in range(dp)]
     assert sum(map(len, got)) == gen.end - progress
@@ -95,7 +95,7 @@ def test_union_over_ranks(data, dp: int, progress: int, per: int, shuffle: bool,
 
 def test_reshard_pins_open_handles(data) -> None:  # type: ignore[no-untyped-def]
     index, samples = data
-    tree = DatasetTree(index, Layout(dp=3, progress=0, global_batch=6), keep=1)
+    tree = DatasetTree(index, DataView(dp=3, progress=0, global_batch=6), keep=1)
     fh = tree.open(_resolve(tree, "/rank-002/samples.bin"))
     old = tree.read_handle(fh, 0, 1 << 20)
     gen = tree.reshard(dp=2, progress=12)
@@ -117,7 +117,7 @@ def test_reshard_pins_open_handles(data) -> None:  # type: ignore[no-untyped-def
 
 def test_control_protocol(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
     index, _ = data
-    tree = DatasetTree(index, Layout(dp=2, progress=0, global_batch=4))
+    tree = DatasetTree(index, DataView(dp=2, progress=0, global_batch=4))
     assert handle_request(tree, {"op": "status"})["generation"] == 1
     assert handle_request(tree, {"op": "bogus"})["ok"] is False
     assert "not divisible" in handle_request(tree, {"op": "reshard", "dp": 3})["error"]
@@ -172,7 +172,7 @@ BAD_LAYOUTS = [  # (reshard kwargs, message)
 @pytest.mark.parametrize("kwargs, match", BAD_LAYOUTS)
 def test_bad_reshard_changes_nothing(data, kwargs, match) -> None:  # type: ignore[no-untyped-def]
     index, samples = data
-    tree = DatasetTree(index, Layout(dp=2, progress=4, global_batch=4, seed=3))
+    tree = DatasetTree(index, DataView(dp=2, progress=4, global_batch=4, seed=3))
     before = (tree.status(), _read_all(tree, "/gen-000001/rank-001/samples.bin"), tree.lookup("/"))
     with pytest.raises(VfsError, match=match):
         tree.reshard(**kwargs)
@@ -188,9 +188,9 @@ def test_bad_reshard_changes_nothing(data, kwargs, match) -> None:  # type: igno
 
 def test_mount_layout_is_checked_first_by_dp() -> None:
     with pytest.raises(VfsError, match="dp must be >= 1"):
-        Layout(dp=0, progress=0, global_batch=0)
+        DataView(dp=0, progress=0, global_batch=0)
     with pytest.raises(VfsError, match="global_batch must be >= 1"):
-        Layout(dp=1, progress=0, global_batch=0)
+        DataView(dp=1, progress=0, global_batch=0)
 
 
 @pytest.mark.parametrize("req, match", [
@@ -201,7 +201,7 @@ def test_mount_layout_is_checked_first_by_dp() -> None:
 ])
 def test_control_requests_of_the_wrong_shape_are_refused(data, req, match) -> None:  # type: ignore[no-untyped-def]
     index, _ = data
-    tree = DatasetTree(index, Layout(dp=2, progress=0, global_batch=4))
+    tree = DatasetTree(index, DataView(dp=2, progress=0, global_batch=4))
     before = tree.status()
     resp = handle_request(tree, req)
     assert resp["ok"] is False and match in resp["error"]
@@ -214,7 +214,7 @@ def test_root_of_a_huge_dp_is_listed_lazily(tmp_path) -> None:  # type: ignore[n
     src = tmp_path / "r.bin"
     n = 1_000_000
     src.write_bytes(bytes(range(256)) * (n // 256) + bytes(n % 256))
-    tree = DatasetTree(build_index([str(src)], kind="records", record_bytes=1), Layout(dp=1, progress=0,
+    tree = DatasetTree(build_index([str(src)], kind="records", record_bytes=1), DataView(dp=1, progress=0,
                                                                                         global_batch=1))
     tree.reshard(dp=n, global_batch=n)
     tracemalloc.start()
@@ -245,7 +245,7 @@ def test_uneven_split_over_ranks(data, dp: int, micro_batches: int, mb: int, pro
     its share of whole micro-batches of every step (replica_samples), every sample once."""
     index, samples = data
     g = mb * micro_batches
-    layout = Layout(dp=dp, progress=progress, global_batch=g, seed=1, micro_batch=mb)
+    layout = DataView(dp=dp, progress=progress, global_batch=g, seed=1, micro_batch=mb)
     if dp > micro_batches:
         with pytest.raises(VfsError, match="cannot each take a micro-batch"):
             DatasetTree(index, layout)

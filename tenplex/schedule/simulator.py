@@ -3,21 +3,55 @@ the time-expanded model (:func:`validate`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import PlanError
+from ..topology import Topology
 from .arrays import member, sort_order
-from .commodities import FlowCommodities, commodity_nbytes
+from .commodities import Demands, FlowCommodities, commodity_nbytes
 from .listsched import by_level, fifo, link_levels
 from .naive import maxmin_completion
 
-if TYPE_CHECKING:  # result.py imports this module (Schedule.completion_s runs simulate)
-    from .result import Schedule
+
+class HopSchedule(Protocol):
+    """What simulating and validating read of a schedule (``result.Schedule``, whose
+    ``completion_s`` runs :func:`simulate`): named structurally, so this module needs no import of it."""
+
+    @property
+    def topology(self) -> Topology: ...
+    @property
+    def demands(self) -> Demands: ...
+    @property
+    def method(self) -> str: ...
+    @property
+    def tau(self) -> float: ...
+    @property
+    def chunk_commodity(self) -> np.ndarray: ...
+    @property
+    def chunk_nbytes(self) -> np.ndarray: ...
+    @property
+    def hop_chunk(self) -> np.ndarray: ...
+    @property
+    def hop_link(self) -> np.ndarray: ...
+    @property
+    def hop_parent(self) -> np.ndarray: ...
+    @property
+    def hop_first(self) -> np.ndarray: ...
+    @property
+    def hop_last(self) -> np.ndarray: ...
+    @property
+    def hop_arrival(self) -> np.ndarray: ...
+    @property
+    def slice_hop(self) -> np.ndarray: ...
+    @property
+    def slice_epoch(self) -> np.ndarray: ...
+    @property
+    def slice_nbytes(self) -> np.ndarray: ...
 
 
-def simulate(s: Schedule) -> float:
+def simulate(s: HopSchedule) -> float:
     """Seconds until the last chunk reaches its last destination.
 
     A schedule runs store-and-forward (:func:`store_and_forward`), except the naive one
@@ -32,7 +66,7 @@ def simulate(s: Schedule) -> float:
     return store_and_forward(s)
 
 
-def store_and_forward(s: Schedule) -> float:
+def store_and_forward(s: HopSchedule) -> float:
     """Seconds until the last chunk reaches its last destination when every link sends its chunks
     in the schedule's order (by starting epoch, then hop index), each as soon as it has arrived
     and the link is free.
@@ -59,7 +93,7 @@ def store_and_forward(s: Schedule) -> float:
     return float(done.max())
 
 
-def simulate_seq(s: Schedule) -> float:
+def simulate_seq(s: HopSchedule) -> float:
     """:func:`store_and_forward`, one hop at a time (any link graph)."""
     bw, lat = s.topology.bandwidth, s.topology.latency
     order = np.lexsort((np.arange(len(s.hop_first)), s.hop_first))
@@ -81,7 +115,7 @@ def simulate_seq(s: Schedule) -> float:
     return end
 
 
-def _simulate_naive(s: Schedule) -> float:
+def _simulate_naive(s: HopSchedule) -> float:
     """Completion of a naive schedule: its commodities (one source, one destination each) are the
     flows, each on the path of its chunks."""
     first = np.searchsorted(s.chunk_commodity, np.arange(len(s.demands.commodities)))  # a chunk of each
@@ -97,7 +131,7 @@ def _simulate_naive(s: Schedule) -> float:
     return maxmin_completion(paths, nbytes, topo.bandwidth, latency)
 
 
-def validate(s: Schedule) -> None:
+def validate(s: HopSchedule) -> None:
     """Raise PlanError unless: per (link, epoch) bytes <= bandwidth * tau; a hop starts only after
     its chunk arrived at the link's tail; every chunk reaches every destination of its commodity."""
     topo, d = s.topology, s.demands

@@ -8,7 +8,7 @@ mount starts).
 
 from .control import mount_status, remount, socket_path
 from .fuse import mount, unmount
-from .tree import DatasetTree, Generation, Layout, Node, VfsError, gen_name, rank_name
+from .tree import DatasetTree, DataView, Generation, Node, VfsError, gen_name, rank_name
 
-__all__ = ["DatasetTree", "Generation", "Layout", "Node", "VfsError", "gen_name", "rank_name", "remount",
+__all__ = ["DatasetTree", "Generation", "DataView", "Node", "VfsError", "gen_name", "rank_name", "remount",
            "mount_status", "socket_path", "mount", "unmount"]

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..data.index import DataIndexError, SourceReadError, load_index
 from .control import ControlServer, check_not_stale, socket_path
-from .tree import DIR, FILE, DatasetTree, Layout, VfsError
+from .tree import DIR, FILE, DataView, DatasetTree, VfsError
 
 __all__ = ["mount", "spawn_mount", "check_fuse", "check_mountpoint", "unmount", "FUSE_LIBRARY", "FuseOps", "fuse_class",
            "mfusepy"]
@@ -277,7 +277,7 @@ def _raise_readahead(mountpoint: str, kib: int, timeout: float = 30.0) -> None:
         log.info("could not raise the read-ahead of %s (%s); reads stay at 128 KiB", mountpoint, e)
 
 
-def mount(index_url: str, mountpoint: str, layout: Layout, *, keep: int = 4, debug: bool = False,
+def mount(index_url: str, mountpoint: str, layout: DataView, *, keep: int = 4, debug: bool = False,
           read_ahead_kib: int = 1024) -> None:
     """Mount ``index_url`` at ``mountpoint`` in the foreground until unmounted or signalled."""
     mp = check_mountpoint(mountpoint)

@@ -1,6 +1,6 @@
 """The mount's file tree, free of FUSE: paths -> nodes, sizes, ``read(offset, size)``.
 
-Layout (see docs/vfs.md)::
+Directory tree (see docs/vfs.md)::
 
     /job.json             -> gen-NNNNNN/job.json   (symlink to the current generation)
     /rank-000             -> gen-NNNNNN/rank-000   (one symlink per DP rank of the current generation)
@@ -37,7 +37,7 @@ from ..data.partition import MAX_POSITION, MAX_SEED, DataState, checked_int, ran
 from ..data.view import LineFile, RankView, rank_view
 from ..errors import VfsError
 
-__all__ = ["Layout", "Generation", "Node", "Names", "DatasetTree", "VfsError", "gen_name", "rank_name",
+__all__ = ["DataView", "Generation", "Node", "Names", "DatasetTree", "VfsError", "gen_name", "rank_name",
            "MAX_EPOCHS_AHEAD", "UNCHANGED"]
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def rank_name(i: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class DataView:
     """What a generation shows: DP size, progress and the order's parameters; ``micro_batch``
     (None: equal slices) splits each global batch by whole micro-batches (``replica_samples``)."""
 
@@ -98,7 +98,7 @@ class Layout:
                          shuffle=self.shuffle, consumed=self.progress)
 
     def check(self, num_samples: int) -> None:
-        """Raise :class:`VfsError` unless this layout can show an index of ``num_samples`` samples.
+        """Raise :class:`VfsError` unless this view can show an index of ``num_samples`` samples.
 
         Bounds keep a generation's memory proportional to the index whatever the request: dp and
         the global batch at most the samples, and a view at most :data:`MAX_EPOCHS_AHEAD` epochs long.
@@ -207,7 +207,7 @@ class Node:
 class Generation:
     """One immutable view: a layout, its ``job.json`` and the per-rank views (built lazily)."""
 
-    def __init__(self, number: int, layout: Layout, index: DataIndex, reader: SourceReader,
+    def __init__(self, number: int, layout: DataView, index: DataIndex, reader: SourceReader,
                  extra: dict[str, Any] | None = None) -> None:
         self.number = number
         self.layout = layout
@@ -250,7 +250,7 @@ class Generation:
 class DatasetTree:
     """The whole tree: generations, path lookup, open handles pinned to their generation."""
 
-    def __init__(self, index: DataIndex, layout: Layout, *, reader: SourceReader | None = None, keep: int = 4,
+    def __init__(self, index: DataIndex, layout: DataView, *, reader: SourceReader | None = None, keep: int = 4,
                  extra: dict[str, Any] | None = None) -> None:
         self.index = index
         self.reader = reader or SourceReader(index.files)
@@ -269,7 +269,7 @@ class DatasetTree:
     def current(self) -> Generation:
         return self._current
 
-    def _new_generation(self, number: int, layout: Layout) -> Generation:
+    def _new_generation(self, number: int, layout: DataView) -> Generation:
         layout.check(self.index.num_samples)
         gen = Generation(number, layout, self.index, self.reader, self.extra)
         self._gens[number] = gen
