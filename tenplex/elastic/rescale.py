@@ -1,0 +1,367 @@
+"""rescale(): what a worker calls at start-up, after torchrun's elastic agent (re)started it.
+
+It reads the latest complete checkpoint, takes the world size from the environment, picks a
+layout that is valid for the model and world size (memory-aware by default), plans the move
+from the saved layout, loads this rank's state reading only the bytes it needs, and returns
+the layout, the state and timings. A layout may use fewer ranks than the world (the default
+chooser considers spares and uneven batch splits): ranks ``cfg.world_size`` and up are
+spares, which load nothing (``RescaleResult.idle``) and take a place at the next rescale. A damaged newest step is passed over for the newest one
+that verifies (reported in ``skipped``). With no checkpoint (or no URL) it says to start fresh.
+
+There is one path: a checkpoint URL is a recovery tier (persistent storage), so every resume
+is one scan of the tiers, one model check and one tiered load (``tenplex.store.recovery``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import MAX_STEP, check_model, list_steps
+from ..choose import Chooser, check_fits, default_chooser, layout_options_for, pinned
+from ..config import ParallelConfig
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ..planner import plan
+from ..ptc import PTC
+from ..state_dict import describe_state_dict, fill_state_dict, load_state_dict
+from ..state_layout import StateLayout
+from ..migrate import migrate
+from ..store.recovery import Tier, TierScan, load_tiered, scan_tiers
+from ..topology import Topology
+from .live import LiveState, agree_live, live_for_group, rescale_live, same_model
+from .result import RescaleResult
+
+__all__ = ["rescale", "agree_on_step", "env_world", "storage_tier"]
+
+log = logging.getLogger(__name__)
+
+
+def env_world() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) when run alone."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def storage_tier(url: str, storage_options: Mapping[str, Any] | None = None) -> Tier:
+    """The checkpoints under ``url`` as the one tier of a recovery: persistent storage."""
+    return Tier("storage", url, "storage", storage_options)
+
+
+def _tiers_of(url: str | None, tiers: Sequence[Tier] | None,
+              storage_options: Mapping[str, Any] | None) -> tuple[list[Tier], str]:
+    """The tiers a resume reads (``tiers``, else ``url`` as storage, else none) and how to name them."""
+    if tiers:
+        return list(tiers), ", ".join(f"{t.name}={t.url}" for t in tiers)
+    if url:
+        return [storage_tier(url, storage_options)], url
+    return [], "(no checkpoint URL)"
+
+
+def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *, live: LiveState | None,
+                        step: int | None, storage_options: Mapping[str, Any] | None,
+                        gpus_per_host: int) -> RescaleResult:
+    """``rescale`` for a torch-native job's ``state_dict`` (built for the new mesh, every rank of the
+    default group together): moved live from the survivors' states, or loaded in place from ``url``."""
+    t0 = time.perf_counter()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    # the values of a state dict about to be filled do not matter (a joiner's step counters differ)
+    new_ptc, layout = describe_state_dict(state_dict, values=live is None)
+    timings = {"describe": time.perf_counter() - t0}
+    if live is not None:
+        if live.cfg is not None and (not isinstance(live.cfg, StateLayout) or live.ptc is None):
+            raise ConfigError("rescale(url, state_dict, live=...) needs LiveState(cfg=the StateLayout and ptc=the "
+                              "collection the survivors' states have): describe_state_dict(state_dict) before a "
+                              "failure; a joiner passes LiveState(cfg=None, states={}, alive=...)")
+        live = live_for_group(live, rank, world)
+        old, ptc = live.cfg, live.ptc
+        assert isinstance(old, StateLayout) and ptc is not None
+        holders = len(live.alive)
+        same_model(ptc, new_ptc)
+        layout.check(ptc, complete=True)
+        t1 = time.perf_counter()
+        moves = plan(ptc, old, layout, alive=list(live.alive), gpus_per_host=gpus_per_host)
+        t2 = time.perf_counter()
+        moved, src, needs = agree_live(moves, live, rank, world, holders)
+        timings.update({"plan": t2 - t1, "agree": time.perf_counter() - t2})
+        if moved is not None:
+            res = migrate(ptc, old, layout, live.states[moved] if rank < holders else None, alive=list(live.alive),
+                          storage=src, step=moved, plan=moves, gpus_per_host=gpus_per_host)
+            t3 = time.perf_counter()
+            fill_state_dict(state_dict, res.shard)
+            timings.update({"migrate": res.seconds, **{f"migrate_{k}": v for k, v in res.timings.items()},
+                            "fill": time.perf_counter() - t3})
+            result = RescaleResult(layout, rank, world, moved, False, None, None, old, moves.stats, None, timings,
+                                   {"local": res.bytes_local, "live": res.bytes_received,
+                                    "storage": res.bytes_storage}, live=True, storage_url=src if needs else None)
+            log.info("%s", result.summary())
+            return result
+    if not url or not any(s.complete for s in list_steps(url, storage_options=storage_options)):
+        log.info("no checkpoint under %s: fresh start under %s", url, layout)
+        return RescaleResult(layout, rank, world, 0, True, timings=timings)
+    t1 = time.perf_counter()
+    loaded = load_state_dict(state_dict, url, step=step, storage_options=storage_options)
+    timings["load"] = time.perf_counter() - t1
+    result = RescaleResult(layout, rank, world, loaded.step, False, None, loaded.extra, None, None, loaded.stats,
+                           timings, {"storage": loaded.bytes_read}, loaded.skipped)
+    log.info("%s", result.summary())
+    return result
+
+
+def rescale(
+    url: str | None,
+    ptc: PTC | MutableMapping[str, Any],
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    parallel: ParallelConfig | None = None,
+    choose: Chooser | None = None,
+    layout_options: Mapping[str, Any] | None = None,
+    gpus_per_host: int = 8,
+    storage_options: Mapping[str, Any] | None = None,
+    tiers: Sequence[Tier] | None = None,
+    topology: Topology | None = None,
+    step: int | None = None,
+    allow_meta_change: bool = False,
+    live: LiveState | None = None,
+) -> RescaleResult:
+    """Pick this worker's layout and move its state live from the survivors, or load it from the
+    latest complete checkpoint.
+
+    A torch-native job passes its ``state_dict`` (model and optimizer from ``get_state_dict`` plus
+    anything else, built for the mesh it runs now: ``choose_mesh``) instead of a PTC: with ``live``
+    (``LiveState(cfg=StateLayout, ptc=..., states=..., alive=..., sources=...)``, every rank of the
+    survivors' default group) the state is moved live into it by the same ``plan`` and ``migrate``,
+    pieces no survivor holds read from ``live.sources`` (``url``'s checkpoints); without (or when no
+    step is held by every survivor and stored where needed) it is loaded in place from ``url``
+    (``load_state_dict``); no checkpoint: a fresh start. ``RescaleResult.cfg`` is then the state
+    dict's ``StateLayout``, ``live`` says which path ran.
+
+    ``live`` (in-process, after ``Membership.recover``; every process of the survivors' default
+    group together): the layout is chosen for the group's size, ``plan`` with ``alive`` = the
+    survivors gives every piece its source, and ``tenplex.migrate.migrate`` moves the state held
+    in memory between the survivors; pieces no survivor holds are read from ``live.sources`` at
+    the same step. The step is the newest one every survivor holds in memory and, for those
+    pieces, a source holds complete (``live_step``); when there is none, the state is loaded as
+    below (from ``tiers`` / ``url``) under the chosen layout and ``agree_on_step`` settles the
+    ranks on one step. ``RescaleResult.live`` says which happened.
+
+    ``url``: where the checkpoints are; None or "" (and no ``tiers``) is a fresh start that
+    only chooses the layout. ``parallel`` pins the layout; otherwise ``choose(ptc,
+    world_size, previous_layout)`` picks it, by default ``tenplex.layouts.choose_layout``
+    (:func:`default_chooser`) with ``layout_options`` completed by :func:`layout_options_for`:
+    ``global_batch`` and ``micro_batch`` must be given (ConfigError naming them otherwise);
+    ``seq_len``, ``precision`` and ``distributed_optimizer`` default to the PTC's,
+    ``gpu_mem`` to this worker's device memory, ``gpus_per_host`` to the argument. Raises
+    CheckpointMismatchError for a checkpoint of another model, or of other model settings
+    (``ptc.meta["model"]``) unless ``allow_meta_change``, and LayoutError when no layout fits
+    the world size.
+
+    ``step``: resume from this step (default: the newest). The load falls back from a damaged
+    attempt to the newest older one that verifies (only among ``step``'s attempts when
+    given); ``RescaleResult.skipped`` lists what it passed over. Checkpoints that exist but of
+    which none verifies raise CheckpointCorruptError rather than starting fresh.
+
+    Every resume is a tiered recovery (``tenplex.store.recovery``): ``tiers``
+    (``tenplex.store.Tier``, cheapest first: this host's store, peer stores, persistent
+    storage), or without them ``url`` as the one storage tier (:func:`storage_tier`, with
+    ``storage_options``). One scan of the tiers (``scan_tiers``: one listing, each manifest
+    read once) gives the steps and the newest manifest, whose model is checked once
+    (``check_model``); the newest step whose parts all exist in some tier is loaded
+    (``load_tiered``), each part from the cheapest tier holding an intact copy, and a step
+    only ``url`` holds is read as ``tenplex.load`` reads it. Reads from peer stores follow the
+    recovery schedule's rounds over ``topology`` (default: hosts of ``gpus_per_host`` GPUs
+    with ``RECOVERY_LINKS``). ``plan_stats``: the repartition plan from the saved layout to
+    the new one (what a live reconfiguration would move) on hosts of ``gpus_per_host`` GPUs
+    (``topology``'s when given), computed once and handed to the recovery schedule.
+    """
+    if not isinstance(ptc, PTC):  # a torch-native job's state dict, built for the mesh it runs now
+        if not isinstance(ptc, MutableMapping):
+            raise ConfigError(f"rescale() takes a PTC or a state dict, got {type(ptc).__name__}")
+        if parallel is not None or choose is not None or layout_options or tiers or rank is not None or \
+                world_size is not None:
+            raise ConfigError("rescale(url, state_dict): the job chose its mesh (choose_mesh) and built the state dict "
+                              "for it; parallel=, choose=, layout_options=, tiers=, rank= and world_size= do not apply")
+        return _rescale_state_dict(url, ptc, live=live, step=step, storage_options=storage_options,
+                                   gpus_per_host=gpus_per_host)
+    env_rank, env_size = env_world()
+    rank = env_rank if rank is None else rank
+    world = env_size if world_size is None else world_size
+    chooser = (pinned(parallel) if parallel is not None else  # options checked before any I/O
+               choose or default_chooser(layout_options_for(ptc, layout_options, gpus_per_host=gpus_per_host)))
+    if live is not None:
+        moved = rescale_live(ptc, live, chooser, gpus_per_host=gpus_per_host)
+        if isinstance(moved, RescaleResult):
+            return moved
+        rank, world = dist.get_rank(), dist.get_world_size()
+        new = chooser(ptc, world, moved)
+        loaded = rescale(url, ptc, rank=rank, world_size=world, parallel=new, gpus_per_host=gpus_per_host,
+                         storage_options=storage_options, tiers=tiers, topology=topology, step=step,
+                         allow_meta_change=allow_meta_change)
+        return agree_on_step(loaded, url, ptc, tiers=tiers, storage_options=storage_options,
+                             allow_meta_change=allow_meta_change, gpus_per_host=gpus_per_host, topology=topology)
+    found, where = _tiers_of(url, tiers, storage_options)
+    t0 = time.perf_counter()
+    scan = scan_tiers(found) if found else TierScan([])  # one scan serves the step choice and the load
+    if not tiers and found and found[0].name in scan.unavailable:
+        # the scan passes over tiers it cannot list (a peer that is gone); a checkpoint URL that
+        # cannot be read must not look like one without checkpoints: a fresh start would overwrite them
+        raise scan.unavailable[found[0].name]
+    timings = {"list": time.perf_counter() - t0}
+    return _resume(found, scan, where, ptc, rank, world, chooser, step=step, allow_meta_change=allow_meta_change,
+                   gpus_per_host=gpus_per_host, topology=topology, timings=timings)
+
+
+def _resume(tiers: list[Tier], scan: TierScan, where: str, ptc: PTC, rank: int, world: int, chooser: Chooser, *,
+            step: int | None, allow_meta_change: bool, gpus_per_host: int, topology: Topology | None,
+            timings: dict[str, float]) -> RescaleResult:
+    """``rescale`` after the scan: check the newest usable step's model, choose, plan, load."""
+    usable = [u for u in scan.usable if step is None or u.step == step]
+    damaged = [f"step {s} ({sid}): {why}" for s, sid, why in scan.unusable if step is None or s == step]
+    if not usable and damaged:
+        raise CheckpointCorruptError(f"checkpoints exist under {where} but none can be used (refusing to start "
+                                     f"fresh): {'; '.join(damaged)}")
+    if not usable and step is not None:
+        raise CheckpointNotFoundError(f"no complete checkpoint of step {step} under {where}")
+    saved: PTC | None = None
+    previous = None
+    if usable:
+        newest = usable[-1]
+        saved = newest.verified.ptc if newest.verified else None
+        saved = saved or PTC.from_json(newest.manifest["ptc"])
+        check_model(saved, ptc, f"{where} step {newest.step}", allow_meta_change=allow_meta_change)
+        previous = ParallelConfig.parse(newest.manifest["layout"])
+
+    t0 = time.perf_counter()
+    cfg = chooser(ptc, world, previous)
+    check_fits(cfg, world)
+    ptc.check(cfg)
+    timings["choose"] = time.perf_counter() - t0
+    if not usable:
+        log.info("no checkpoint under %s: fresh start under %s", where, cfg)
+        return RescaleResult(cfg, rank, world, 0, True, timings=timings)
+    if rank >= cfg.world_size:  # a spare: nothing to load; the step the placed ranks resume (agree_on_step settles it)
+        log.info("rank %d is a spare under %s (%d ranks): resuming step %d without state", rank, cfg, world,
+                 usable[-1].step)
+        return RescaleResult(cfg, rank, world, usable[-1].step, False, None, None, previous, timings=timings)
+
+    assert saved is not None and previous is not None
+    # The repartition from the saved layout: what a live reconfiguration would move (plan_stats),
+    # and the pieces the recovery schedule routes between host stores (one plan for both).
+    plan_gpus = topology.gpus_per_host if topology is not None else gpus_per_host
+    t0 = time.perf_counter()
+    moves = plan(saved, previous, cfg, gpus_per_host=plan_gpus)
+    timings["plan"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    # ptc=None: the model was checked above, on the manifest the load uses unless it falls back
+    tiered = load_tiered(tiers, cfg, rank, step=step, scan=scan, gpus_per_host=gpus_per_host, topology=topology,
+                         moves=moves)
+    res = tiered.result
+    timings["load"] = time.perf_counter() - t0
+    if res.ptc is not saved:  # fell back to an older attempt: its model is checked too
+        check_model(res.ptc, ptc, f"{where} step {res.step}", allow_meta_change=allow_meta_change)
+    if res.saved_layout != previous:  # ... saved under another layout: the plan of that move
+        previous = res.saved_layout
+        t0 = time.perf_counter()
+        moves = plan(res.ptc, previous, cfg, gpus_per_host=plan_gpus)
+        timings["plan"] += time.perf_counter() - t0
+    result = RescaleResult(cfg, rank, world, res.step, False, res.shard, res.extra, previous, moves.stats,
+                           res.stats, timings, tiered.bytes_by_kind, res.skipped)
+    log.info("%s", result.summary())
+    return result
+
+
+def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Sequence[Tier] | None = None,
+                  storage_options: Mapping[str, Any] | None = None, allow_meta_change: bool = False,
+                  gpus_per_host: int = 8, topology: Topology | None = None, group: Any = None) -> RescaleResult:
+    """Make every rank of the initialised process group resume from the same step.
+
+    ``rescale`` passes over damage it sees, and ranks read different bytes (a damaged block or
+    index may be read by some ranks only), so ranks can resume from different steps. This
+    collective (call it on every rank right after ``init_process_group``, with the arguments
+    given to ``rescale``) takes the oldest step any rank resumed from; a rank that resumed from
+    a newer one reloads, under the same layout, the newest step not newer than that which
+    verifies for it, and the ranks repeat until they agree. Returns ``result`` when all ranks
+    agree already, else the reloaded state.
+
+    A fresh start needs every rank to find nothing. Ranks that find no step (a peer store slow to
+    answer, tiers they cannot read) while others resumed look once more, then every rank raises
+    CheckpointNotFoundError naming them: starting all of them fresh would discard the job's state.
+    """
+    if not dist.is_initialized():
+        return result
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    found, where = _tiers_of(url, tiers, storage_options)
+    current = result
+    retried = False
+    while True:
+        bound, newest, fresh = _steps_of_ranks(current, device, group)
+        if not fresh and bound == newest or len(fresh) == dist.get_world_size(group):
+            return current
+        if fresh:
+            # ranks that see no checkpoint while others resumed from one: a store slow to answer at
+            # start-up, a rank that reads none of the tiers the others read. Starting everybody fresh
+            # would discard the job's state: the blind ranks look once more, then every rank stops.
+            if not retried:
+                retried = True
+                layouts: list[Any] = [None] * dist.get_world_size(group)
+                dist.all_gather_object(layouts, None if current.fresh else str(current.cfg), group=group)
+                if current.fresh:  # under the layout the others chose from the saved one (a blind rank's may differ)
+                    log.warning("rank %d sees no checkpoint under %s while other ranks resumed from step %d: "
+                                "looking again", current.rank, where, bound)
+                    seen = dataclasses.replace(current, cfg=ParallelConfig.parse(next(x for x in layouts if x)))
+                    current = _newest_up_to(bound, seen, found, where, ptc, allow_meta_change=allow_meta_change,
+                                            gpus_per_host=gpus_per_host, topology=topology)
+                continue
+            raise CheckpointNotFoundError(
+                f"rank(s) {fresh} found no checkpoint step up to {bound} that they can read, while the other ranks "
+                f"resumed from steps {bound}..{newest}: starting fresh would discard the job's state. Make every "
+                f"rank reach the checkpoints (this rank reads {where}; the host stores of TENPLEX_STORES, --ckpt), "
+                "then restart the job")
+        if current.step > bound:
+            log.warning("rank %d resumed from step %d, another rank from step %d: reloading", current.rank,
+                        current.step, bound)
+            current = _newest_up_to(bound, current, found, where, ptc, allow_meta_change=allow_meta_change,
+                                    gpus_per_host=gpus_per_host, topology=topology)
+
+
+def _steps_of_ranks(current: RescaleResult, device: torch.device, group: Any) -> tuple[int, int, list[int]]:
+    """The oldest and newest step the ranks of ``group`` resumed from (fresh ones left out) and the
+    group ranks that start fresh (a collective)."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    lo = torch.tensor([MAX_STEP if current.fresh else current.step], dtype=torch.int64, device=device)
+    hi = torch.tensor([-1 if current.fresh else current.step], dtype=torch.int64, device=device)
+    fresh = torch.zeros(world, dtype=torch.int64, device=device)
+    fresh[me] = int(current.fresh)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(fresh, group=group)
+    return int(lo.item()), int(hi.item()), [r for r in range(world) if fresh[r]]
+
+
+def _newest_up_to(bound: int, current: RescaleResult, tiers: list[Tier], where: str, ptc: PTC,
+                  **kw: Any) -> RescaleResult:
+    """This rank's state from the newest step <= ``bound`` that verifies for it (fresh when none),
+    from one scan of the tiers."""
+    t0 = time.perf_counter()
+    scan = scan_tiers(tiers) if tiers else TierScan([])
+    listed = time.perf_counter() - t0
+    skipped: list[tuple[int, str, str]] = list(current.skipped)
+    for step in sorted({u.step for u in scan.usable if u.step <= bound}, reverse=True):
+        try:
+            res = _resume(tiers, scan, where, ptc, current.rank, current.world_size, pinned(current.cfg),
+                          step=step, timings={"list": listed}, **kw)
+        except CheckpointCorruptError as e:
+            skipped.append((step, "", str(e)))
+            continue
+        return dataclasses.replace(res, skipped=tuple(skipped) + res.skipped)
+    log.warning("rank %d: no step up to %d verifies; all ranks start fresh", current.rank, bound)
+    return dataclasses.replace(current, step=0, fresh=True, shard=None, extra=None, previous=None, plan_stats=None,
+                               load_stats=None, bytes_by_tier={}, skipped=tuple(skipped))
