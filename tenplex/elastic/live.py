@@ -13,7 +13,7 @@ import dataclasses
 import datetime
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +27,12 @@ from ..membership import old_ranks
 from ..migrate import migrate
 from ..planner import STORAGE, Plan, locality_order, plan
 from ..ptc import PTC
+from ..state_dict import fill_state_dict
 from ..state_layout import StateLayout
 from .result import RescaleResult
 
-__all__ = ["LiveState", "live_step", "live_order", "live_for_group", "same_model", "agree_live", "rescale_live"]
+__all__ = ["LiveState", "live_step", "live_order", "live_for_group", "same_model", "agree_live", "move_live", "rescale_live",
+           "rescale_state_dict_live"]
 
 log = logging.getLogger(__name__)
 
@@ -156,47 +158,84 @@ def agree_live(moves: Plan, live: LiveState, rank: int, world: int,
     return step, (stored.get(step) if needs else (live.sources[0] if live.sources else None)), needs
 
 
-def rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *,
-                  gpus_per_host: int) -> RescaleResult | ParallelConfig:
-    """The live branch of ``rescale``: every process of the default group together; when no step
-    is held by every survivor and stored where needed, the layout the job ran instead (the caller
-    then loads).
+def move_live(ptc: PTC, live: LiveState, new: ParallelConfig | StateLayout, *, gpus_per_host: int,
+              timings: dict[str, float]) -> RescaleResult | None:
+    """The live move of both kinds of job, once the group's view is complete (``live_for_group``) and
+    the new layout is chosen (a ``ParallelConfig``) or described (a state dict's ``StateLayout``):
+    plan with the survivors as ``alive``, agree on the step (``agree_live``), ``migrate``. The
+    result's ``shard`` is this rank's moved state (None for a spare of ``new``); None when no step is
+    held by every survivor and stored where needed (the caller loads instead). Every process of the
+    default group together.
 
     Group ranks ``< len(live.alive)`` hold state under ``live.cfg``; those after them (spares of
-    ``live.cfg``, and processes that joined: ``LiveState(cfg=None)``) join ``migrate`` as fresh
-    joiners. Ranks beyond both the holders and the new layout are spares that take no part in the
-    move (a subgroup moves the state)."""
-    t0 = time.perf_counter()
+    ``live.cfg``, and processes that joined) join ``migrate`` as fresh joiners. Ranks beyond both
+    the holders and the new layout are spares that take no part in the move (a subgroup moves the
+    state)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    live = live_for_group(live, rank, world)
-    old = live.cfg
-    cfg = chooser(ptc, world, old)
-    check_fits(cfg, world)
-    ptc.check(cfg)
-    holders = len(live.alive)
+    old, holders = live.cfg, len(live.alive)
+    assert old is not None
     t1 = time.perf_counter()
-    moves = plan(ptc, old, cfg, alive=list(live.alive), gpus_per_host=gpus_per_host)
+    moves = plan(ptc, old, new, alive=list(live.alive), gpus_per_host=gpus_per_host)
     t2 = time.perf_counter()
     step, url, needs = agree_live(moves, live, rank, world, holders)
-    t3 = time.perf_counter()
-    timings = {"choose": t1 - t0, "plan": t2 - t1, "agree": t3 - t2}
+    timings.update({"plan": t2 - t1, "agree": time.perf_counter() - t2})
     if step is None:
-        return old
-    movers = max(cfg.world_size, holders)  # group ranks beyond both hold nothing and receive nothing
+        return None
+    movers = max(new.world_size, holders)  # group ranks beyond both hold nothing and receive nothing
     # every rank calls new_group; the timeout is the trainer's default --pg-timeout (a new gloo group's is 30 min)
     group = dist.new_group(list(range(movers)), timeout=datetime.timedelta(seconds=60)) if movers < world else None
     if rank >= movers:
-        result = RescaleResult(cfg, rank, world, step, False, None, None, old, moves.stats, None, timings,
-                               {}, live=True)
-        log.info("%s", result.summary())
-        return result
-    res = migrate(ptc, old, cfg, live.states[step] if rank < holders else None, alive=list(live.alive),
+        return RescaleResult(new, rank, world, step, False, None, None, old, moves.stats, None, timings, {},
+                             live=True)
+    res = migrate(ptc, old, new, live.states[step] if rank < holders else None, alive=list(live.alive),
                   group=group, storage=url, step=step, plan=moves, gpus_per_host=gpus_per_host)
     timings.update({"migrate": res.seconds, **{f"migrate_{k}": v for k, v in res.timings.items()}})
-    result = RescaleResult(cfg, rank, world, step, False, dict(res.shard) if rank < cfg.world_size else None, None,
-                           old, moves.stats, None, timings,
-                           {"local": res.bytes_local, "live": res.bytes_received, "storage": res.bytes_storage},
-                           live=True, storage_url=url if needs else None)
+    return RescaleResult(new, rank, world, step, False, dict(res.shard) if rank < new.world_size else None, None,
+                         old, moves.stats, None, timings,
+                         {"local": res.bytes_local, "live": res.bytes_received, "storage": res.bytes_storage},
+                         live=True, storage_url=url if needs else None)
+
+
+def rescale_live(ptc: PTC, live: LiveState, chooser: Chooser, *,
+                 gpus_per_host: int) -> RescaleResult | ParallelConfig:
+    """The live branch of ``rescale`` for a PTC job: the layout ``chooser`` picks for the group's
+    size, moved live (``move_live``); when no step is held by every survivor and stored where
+    needed, the layout the job ran instead (the caller then loads)."""
+    t0 = time.perf_counter()
+    live = live_for_group(live, dist.get_rank(), dist.get_world_size())
+    assert isinstance(live.cfg, ParallelConfig)
+    cfg = chooser(ptc, dist.get_world_size(), live.cfg)
+    check_fits(cfg, dist.get_world_size())
+    ptc.check(cfg)
+    moved = move_live(ptc, live, cfg, gpus_per_host=gpus_per_host, timings={"choose": time.perf_counter() - t0})
+    if moved is None:
+        return live.cfg
+    log.info("%s", moved.summary())
+    return moved
+
+
+def rescale_state_dict_live(state_dict: MutableMapping[str, Any], live: LiveState, layout: StateLayout,
+                            described: PTC, *, gpus_per_host: int, timings: dict[str, float]) -> RescaleResult | None:
+    """The live branch of ``rescale(url, state_dict)``: the survivors' state moved live
+    (``move_live``) into ``state_dict``, built for the new mesh (``layout`` and ``described``: its
+    ``describe_state_dict``), filled in place; None when no step is held by every survivor and stored
+    where needed (the caller loads instead)."""
+    if live.cfg is not None and (not isinstance(live.cfg, StateLayout) or live.ptc is None):
+        raise ConfigError("rescale(url, state_dict, live=...) needs LiveState(cfg=the StateLayout and ptc=the "
+                          "collection the survivors' states have): describe_state_dict(state_dict) before a "
+                          "failure; a joiner passes LiveState(cfg=None, states={}, alive=...)")
+    live = live_for_group(live, dist.get_rank(), dist.get_world_size())
+    ptc = live.ptc
+    assert isinstance(live.cfg, StateLayout) and ptc is not None
+    same_model(ptc, described)
+    layout.check(ptc, complete=True)
+    moved = move_live(ptc, live, layout, gpus_per_host=gpus_per_host, timings=timings)
+    if moved is None:
+        return None
+    t0 = time.perf_counter()
+    fill_state_dict(state_dict, moved.shard or {})
+    timings["fill"] = time.perf_counter() - t0
+    result = dataclasses.replace(moved, shard=None)
     log.info("%s", result.summary())
     return result
 

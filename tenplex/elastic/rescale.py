@@ -30,12 +30,11 @@ from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 from ..planner import plan
 from ..ptc import PTC
-from ..state_dict import describe_state_dict, fill_state_dict, load_state_dict
+from ..state_dict import describe_state_dict, load_state_dict
 from ..state_layout import StateLayout
-from ..migrate import migrate
 from ..store.recovery import Tier, TierScan, load_tiered, scan_tiers
 from ..topology import Topology
-from .live import LiveState, agree_live, live_for_group, rescale_live, same_model
+from .live import LiveState, rescale_live, rescale_state_dict_live
 from .result import RescaleResult
 
 __all__ = ["rescale", "agree_on_step", "env_world", "storage_tier"]
@@ -74,33 +73,10 @@ def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *
     new_ptc, layout = describe_state_dict(state_dict, values=live is None)
     timings = {"describe": time.perf_counter() - t0}
     if live is not None:
-        if live.cfg is not None and (not isinstance(live.cfg, StateLayout) or live.ptc is None):
-            raise ConfigError("rescale(url, state_dict, live=...) needs LiveState(cfg=the StateLayout and ptc=the "
-                              "collection the survivors' states have): describe_state_dict(state_dict) before a "
-                              "failure; a joiner passes LiveState(cfg=None, states={}, alive=...)")
-        live = live_for_group(live, rank, world)
-        old, ptc = live.cfg, live.ptc
-        assert isinstance(old, StateLayout) and ptc is not None
-        holders = len(live.alive)
-        same_model(ptc, new_ptc)
-        layout.check(ptc, complete=True)
-        t1 = time.perf_counter()
-        moves = plan(ptc, old, layout, alive=list(live.alive), gpus_per_host=gpus_per_host)
-        t2 = time.perf_counter()
-        moved, src, needs = agree_live(moves, live, rank, world, holders)
-        timings.update({"plan": t2 - t1, "agree": time.perf_counter() - t2})
+        moved = rescale_state_dict_live(state_dict, live, layout, new_ptc, gpus_per_host=gpus_per_host,
+                                        timings=timings)
         if moved is not None:
-            res = migrate(ptc, old, layout, live.states[moved] if rank < holders else None, alive=list(live.alive),
-                          storage=src, step=moved, plan=moves, gpus_per_host=gpus_per_host)
-            t3 = time.perf_counter()
-            fill_state_dict(state_dict, res.shard)
-            timings.update({"migrate": res.seconds, **{f"migrate_{k}": v for k, v in res.timings.items()},
-                            "fill": time.perf_counter() - t3})
-            result = RescaleResult(layout, rank, world, moved, False, None, None, old, moves.stats, None, timings,
-                                   {"local": res.bytes_local, "live": res.bytes_received,
-                                    "storage": res.bytes_storage}, live=True, storage_url=src if needs else None)
-            log.info("%s", result.summary())
-            return result
+            return moved
     if not url or not any(s.complete for s in list_steps(url, storage_options=storage_options)):
         log.info("no checkpoint under %s: fresh start under %s", url, layout)
         return RescaleResult(layout, rank, world, 0, True, timings=timings)
