@@ -21,10 +21,10 @@ import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from ..checkpoint import MAX_STEP, check_model, list_steps
+from ..agree import agree_step
+from ..checkpoint import check_model, list_steps
 from ..choose import Chooser, check_fits, default_chooser, layout_options_for, pinned
 from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
@@ -257,69 +257,34 @@ def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Se
                   gpus_per_host: int = 8, topology: Topology | None = None, group: Any = None) -> RescaleResult:
     """Make every rank of the initialised process group resume from the same step.
 
-    ``rescale`` passes over damage it sees, and ranks read different bytes (a damaged block or
-    index may be read by some ranks only), so ranks can resume from different steps. This
-    collective (call it on every rank right after ``init_process_group``, with the arguments
-    given to ``rescale``) takes the oldest step any rank resumed from; a rank that resumed from
-    a newer one reloads, under the same layout, the newest step not newer than that which
-    verifies for it, and the ranks repeat until they agree. Returns ``result`` when all ranks
-    agree already, else the reloaded state.
+    ``rescale`` passes over damage it sees, and ranks read different bytes, so ranks can resume
+    from different steps. This collective (call it on every rank right after
+    ``init_process_group``, with the arguments given to ``rescale``) applies the one rule
+    ``tenplex.agree.agree_step`` (``load_state_dict``'s too): the oldest step any rank resumed from;
+    a rank that resumed from a newer one reloads, under the same layout, the newest step not newer
+    than that which verifies for it, and the ranks repeat until they agree. Returns ``result`` when
+    all ranks agree already, else the reloaded state.
 
     A fresh start needs every rank to find nothing. Ranks that find no step (a peer store slow to
-    answer, tiers they cannot read) while others resumed look once more, then every rank raises
-    CheckpointNotFoundError naming them: starting all of them fresh would discard the job's state.
+    answer, tiers they cannot read) while others resumed look once more, under the layout the others
+    chose from the saved one, then every rank raises CheckpointNotFoundError naming them: starting
+    all of them fresh would discard the job's state.
     """
-    if not dist.is_initialized():
-        return result
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
     found, where = _tiers_of(url, tiers, storage_options)
     current = result
-    retried = False
-    while True:
-        bound, newest, fresh = _steps_of_ranks(current, device, group)
-        if not fresh and bound == newest or len(fresh) == dist.get_world_size(group):
-            return current
-        if fresh:
-            # ranks that see no checkpoint while others resumed from one: a store slow to answer at
-            # start-up, a rank that reads none of the tiers the others read. Starting everybody fresh
-            # would discard the job's state: the blind ranks look once more, then every rank stops.
-            if not retried:
-                retried = True
-                layouts: list[Any] = [None] * dist.get_world_size(group)
-                dist.all_gather_object(layouts, None if current.fresh else str(current.cfg), group=group)
-                if current.fresh:  # under the layout the others chose from the saved one (a blind rank's may differ)
-                    log.warning("rank %d sees no checkpoint under %s while other ranks resumed from step %d: "
-                                "looking again", current.rank, where, bound)
-                    seen = dataclasses.replace(current, cfg=ParallelConfig.parse(next(x for x in layouts if x)))
-                    current = _newest_up_to(bound, seen, found, where, ptc, allow_meta_change=allow_meta_change,
-                                            gpus_per_host=gpus_per_host, topology=topology)
-                continue
-            raise CheckpointNotFoundError(
-                f"rank(s) {fresh} found no checkpoint step up to {bound} that they can read, while the other ranks "
-                f"resumed from steps {bound}..{newest}: starting fresh would discard the job's state. Make every "
-                f"rank reach the checkpoints (this rank reads {where}; the host stores of TENPLEX_STORES, --ckpt), "
-                "then restart the job")
-        if current.step > bound:
-            log.warning("rank %d resumed from step %d, another rank from step %d: reloading", current.rank,
-                        current.step, bound)
-            current = _newest_up_to(bound, current, found, where, ptc, allow_meta_change=allow_meta_change,
-                                    gpus_per_host=gpus_per_host, topology=topology)
 
+    def reload(bound: int, layouts: Sequence[Any]) -> int | None:
+        nonlocal current
+        seen = current
+        if current.fresh:  # under the layout the others chose from the saved one (a blind rank's may differ)
+            seen = dataclasses.replace(current, cfg=ParallelConfig.parse(layouts[0]))
+        current = _newest_up_to(bound, seen, found, where, ptc, allow_meta_change=allow_meta_change,
+                                gpus_per_host=gpus_per_host, topology=topology)
+        return None if current.fresh else current.step
 
-def _steps_of_ranks(current: RescaleResult, device: torch.device, group: Any) -> tuple[int, int, list[int]]:
-    """The oldest and newest step the ranks of ``group`` resumed from (fresh ones left out) and the
-    group ranks that start fresh (a collective)."""
-    world, me = dist.get_world_size(group), dist.get_rank(group)
-    lo = torch.tensor([MAX_STEP if current.fresh else current.step], dtype=torch.int64, device=device)
-    hi = torch.tensor([-1 if current.fresh else current.step], dtype=torch.int64, device=device)
-    fresh = torch.zeros(world, dtype=torch.int64, device=device)
-    fresh[me] = int(current.fresh)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(fresh, group=group)
-    return int(lo.item()), int(hi.item()), [r for r in range(world) if fresh[r]]
+    agree_step(None if result.fresh else result.step, reload, hint=None if result.fresh else str(result.cfg),
+               where=where, group=group)
+    return current
 
 
 def _newest_up_to(bound: int, current: RescaleResult, tiers: list[Tier], where: str, ptc: PTC,
