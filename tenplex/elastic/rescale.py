@@ -18,19 +18,20 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from ..agree import agree_step
-from ..checkpoint import check_model, list_steps
+from ..checkpoint import check_model
 from ..choose import Chooser, check_fits, default_chooser, layout_options_for, pinned
 from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 from ..planner import plan
 from ..ptc import PTC
-from ..state_dict import describe_state_dict, load_state_dict
+from ..checkpoint.reader import LoadResult, ShardSink
+from ..state_dict import StepSource, UrlSource, describe_state_dict, load_state_dict_from
 from ..state_layout import StateLayout
 from ..store.recovery import Tier, TierScan, load_tiered, scan_tiers
 from ..topology import Topology
@@ -62,11 +63,38 @@ def _tiers_of(url: str | None, tiers: Sequence[Tier] | None,
     return [], "(no checkpoint URL)"
 
 
+class _TierSource:
+    """The recovery tiers as a state dict's ``StepSource``: one scan, tiered loads (host stores first,
+    each part from the cheapest tier with an intact copy); ``bytes_by_kind``: the last load's."""
+
+    def __init__(self, tiers: Sequence[Tier], where: str, *, gpus_per_host: int, topology: Topology | None) -> None:
+        self.tiers, self.where = list(tiers), where
+        self.gpus_per_host, self.topology = gpus_per_host, topology
+        self.scan: TierScan | None = None
+        self.bytes_by_kind: dict[str, int] = {}
+
+    def _scanned(self) -> TierScan:
+        if self.scan is None:
+            self.scan = scan_tiers(self.tiers)
+        return self.scan
+
+    def steps(self) -> list[int]:
+        return sorted({u.step for u in self._scanned().usable})
+
+    def load(self, layout: StateLayout, rank: int, *, step: int | None, sink: ShardSink,
+             check: Callable[[PTC], None]) -> LoadResult:
+        tiered = load_tiered(self.tiers, layout, rank, step=step, scan=self._scanned(), sink=sink, check=check,
+                             gpus_per_host=self.gpus_per_host, topology=self.topology)
+        self.bytes_by_kind = dict(tiered.bytes_by_kind)
+        return tiered.result
+
+
 def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *, live: LiveState | None,
-                        step: int | None, storage_options: Mapping[str, Any] | None,
-                        gpus_per_host: int) -> RescaleResult:
+                        step: int | None, storage_options: Mapping[str, Any] | None, tiers: Sequence[Tier] | None,
+                        gpus_per_host: int, topology: Topology | None) -> RescaleResult:
     """``rescale`` for a torch-native job's ``state_dict`` (built for the new mesh, every rank of the
-    default group together): moved live from the survivors' states, or loaded in place from ``url``."""
+    default group together): moved live from the survivors' states, or loaded in place from ``tiers``
+    (host stores, peers, persistent storage) or ``url``."""
     t0 = time.perf_counter()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     # the values of a state dict about to be filled do not matter (a joiner's step counters differ)
@@ -77,14 +105,21 @@ def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *
                                         timings=timings)
         if moved is not None:
             return moved
-    if not url or not any(s.complete for s in list_steps(url, storage_options=storage_options)):
-        log.info("no checkpoint under %s: fresh start under %s", url, layout)
+    found, where = _tiers_of(url, tiers, storage_options)
+    source: StepSource | None = None
+    if tiers:
+        source = _TierSource(found, where, gpus_per_host=gpus_per_host, topology=topology)
+    elif url:
+        source = UrlSource(url, storage_options)
+    if source is None or not source.steps():
+        log.info("no checkpoint under %s: fresh start under %s", where, layout)
         return RescaleResult(layout, rank, world, 0, True, timings=timings)
     t1 = time.perf_counter()
-    loaded = load_state_dict(state_dict, url, step=step, storage_options=storage_options)
+    loaded = load_state_dict_from(state_dict, source, step=step)
     timings["load"] = time.perf_counter() - t1
+    by_tier = source.bytes_by_kind if isinstance(source, _TierSource) else {"storage": loaded.bytes_read}
     result = RescaleResult(layout, rank, world, loaded.step, False, None, loaded.extra, None, None, loaded.stats,
-                           timings, {"storage": loaded.bytes_read}, loaded.skipped)
+                           timings, by_tier, loaded.skipped)
     log.info("%s", result.summary())
     return result
 
@@ -114,8 +149,9 @@ def rescale(
     (``LiveState(cfg=StateLayout, ptc=..., states=..., alive=..., sources=...)``, every rank of the
     survivors' default group) the state is moved live into it by the same ``plan`` and ``migrate``,
     pieces no survivor holds read from ``live.sources`` (``url``'s checkpoints); without (or when no
-    step is held by every survivor and stored where needed) it is loaded in place from ``url``
-    (``load_state_dict``); no checkpoint: a fresh start. ``RescaleResult.cfg`` is then the state
+    step is held by every survivor and stored where needed) it is loaded in place from ``tiers``
+    (host stores first, as below: ``tenplex.state_dict.load_state_dict_from`` over the tiers) or
+    ``url`` (``load_state_dict``); no checkpoint: a fresh start. ``RescaleResult.cfg`` is then the state
     dict's ``StateLayout``, ``live`` says which path ran.
 
     ``live`` (in-process, after ``Membership.recover``; every process of the survivors' default
@@ -159,12 +195,11 @@ def rescale(
     if not isinstance(ptc, PTC):  # a torch-native job's state dict, built for the mesh it runs now
         if not isinstance(ptc, MutableMapping):
             raise ConfigError(f"rescale() takes a PTC or a state dict, got {type(ptc).__name__}")
-        if parallel is not None or choose is not None or layout_options or tiers or rank is not None or \
-                world_size is not None:
+        if parallel is not None or choose is not None or layout_options or rank is not None or world_size is not None:
             raise ConfigError("rescale(url, state_dict): the job chose its mesh (choose_mesh) and built the state dict "
-                              "for it; parallel=, choose=, layout_options=, tiers=, rank= and world_size= do not apply")
-        return _rescale_state_dict(url, ptc, live=live, step=step, storage_options=storage_options,
-                                   gpus_per_host=gpus_per_host)
+                              "for it; parallel=, choose=, layout_options=, rank= and world_size= do not apply")
+        return _rescale_state_dict(url, ptc, live=live, step=step, storage_options=storage_options, tiers=tiers,
+                                   gpus_per_host=gpus_per_host, topology=topology)
     env_rank, env_size = env_world()
     rank = env_rank if rank is None else rank
     world = env_size if world_size is None else world_size

@@ -20,11 +20,10 @@ import numpy as np
 
 from ..checkpoint.format import writer_assignment
 from ..checkpoint.reader import ReadItem
-from ..config import ParallelConfig
 from ..errors import ConfigError
 from ..planner import Plan
 from ..planner import plan as plan_moves
-from ..ptc import PTC
+from ..ptc import PTC, Layout
 from ..schedule import Demands, Schedule, schedule
 from ..topology import Topology
 from .tiers import Tier, UsableStep
@@ -74,7 +73,7 @@ def _host_stores(tiers: Sequence[Tier], topology: Topology, my_host: int) -> tup
     return tuple(out)
 
 
-def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *,
+def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: Layout, rank: int, *,
                   gpus_per_host: int = 8, topology: Topology | None = None, method: str = "greedy",
                   time_limit: float = 2.0, moves: Plan | None = None) -> RecoveryPlan:
     """Schedule the reads between host stores that loading ``found`` under ``cfg`` needs.
@@ -96,7 +95,7 @@ def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig,
     t0 = time.perf_counter()
     manifest = found.manifest
     saved = PTC.from_json(manifest["ptc"])
-    old = ParallelConfig.parse(manifest["layout"])
+    old = found.layout
     stores = [t for t in tiers if t.kind in ("local", "peer")]
     if topology is None:
         hosts_needed = max(len(stores) + (not any(t.kind == "local" for t in stores)),
@@ -213,7 +212,7 @@ def _round_of(index: _Index, name: str, lo: int, hi: int) -> int:
 
 
 
-def schedule_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *,
+def schedule_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: Layout, rank: int, *,
                       gpus_per_host: int = 8, topology: Topology | None = None, method: str = "greedy",
                       time_limit: float = 2.0, moves: Plan | None = None) -> tuple[RecoveryPlan | None, str]:
     """``plan_recovery`` bounded in time, run before any read: the plan and "", or None and why
