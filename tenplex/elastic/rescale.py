@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from ..checkpoint import check_model
 from ..choose import Chooser, check_fits, default_chooser, layout_options_for, pinned
 from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ..options import with_overrides
 from ..planner import plan
 from ..ptc import PTC
 from ..checkpoint.reader import LoadResult, ShardSink
@@ -38,7 +40,7 @@ from ..topology import Topology
 from .live import LiveState, rescale_live, rescale_state_dict_live
 from .result import RescaleResult
 
-__all__ = ["rescale", "agree_on_step", "env_world", "storage_tier"]
+__all__ = ["RescaleOptions", "rescale", "agree_on_step", "env_world", "storage_tier"]
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +91,8 @@ class _TierSource:
         return tiered.result
 
 
-def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *, live: LiveState | None,
-                        step: int | None, storage_options: Mapping[str, Any] | None, tiers: Sequence[Tier] | None,
-                        gpus_per_host: int, topology: Topology | None) -> RescaleResult:
+def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], live: LiveState | None,
+                        o: RescaleOptions) -> RescaleResult:
     """``rescale`` for a torch-native job's ``state_dict`` (built for the new mesh, every rank of the
     default group together): moved live from the survivors' states, or loaded in place from ``tiers``
     (host stores, peers, persistent storage) or ``url``."""
@@ -101,21 +102,21 @@ def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *
     new_ptc, layout = describe_state_dict(state_dict, values=live is None)
     timings = {"describe": time.perf_counter() - t0}
     if live is not None:
-        moved = rescale_state_dict_live(state_dict, live, layout, new_ptc, gpus_per_host=gpus_per_host,
+        moved = rescale_state_dict_live(state_dict, live, layout, new_ptc, gpus_per_host=o.gpus_per_host,
                                         timings=timings)
         if moved is not None:
             return moved
-    found, where = _tiers_of(url, tiers, storage_options)
+    found, where = _tiers_of(url, o.tiers, o.storage_options)
     source: StepSource | None = None
-    if tiers:
-        source = _TierSource(found, where, gpus_per_host=gpus_per_host, topology=topology)
+    if o.tiers:
+        source = _TierSource(found, where, gpus_per_host=o.gpus_per_host, topology=o.topology)
     elif url:
-        source = UrlSource(url, storage_options)
+        source = UrlSource(url, o.storage_options)
     if source is None or not source.steps():
         log.info("no checkpoint under %s: fresh start under %s", where, layout)
         return RescaleResult(layout, rank, world, 0, True, timings=timings)
     t1 = time.perf_counter()
-    loaded = load_state_dict_from(state_dict, source, step=step)
+    loaded = load_state_dict_from(state_dict, source, step=o.step)
     timings["load"] = time.perf_counter() - t1
     by_tier = source.bytes_by_kind if isinstance(source, _TierSource) else {"storage": loaded.bytes_read}
     result = RescaleResult(layout, rank, world, loaded.step, False, None, loaded.extra, None, None, loaded.stats,
@@ -124,48 +125,12 @@ def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], *
     return result
 
 
-def rescale(
-    url: str | None,
-    ptc: PTC | MutableMapping[str, Any],
-    *,
-    rank: int | None = None,
-    world_size: int | None = None,
-    parallel: ParallelConfig | None = None,
-    choose: Chooser | None = None,
-    layout_options: Mapping[str, Any] | None = None,
-    gpus_per_host: int = 8,
-    storage_options: Mapping[str, Any] | None = None,
-    tiers: Sequence[Tier] | None = None,
-    topology: Topology | None = None,
-    step: int | None = None,
-    allow_meta_change: bool = False,
-    live: LiveState | None = None,
-) -> RescaleResult:
-    """Pick this worker's layout and move its state live from the survivors, or load it from the
-    latest complete checkpoint.
+@dataclass(frozen=True)
+class RescaleOptions:
+    """The settings of ``rescale`` (every field optional; ``rescale``'s keywords override them).
 
-    A torch-native job passes its ``state_dict`` (model and optimizer from ``get_state_dict`` plus
-    anything else, built for the mesh it runs now: ``choose_mesh``) instead of a PTC: with ``live``
-    (``LiveState(cfg=StateLayout, ptc=..., states=..., alive=..., sources=...)``, every rank of the
-    survivors' default group) the state is moved live into it by the same ``plan`` and ``migrate``,
-    pieces no survivor holds read from ``live.sources`` (``url``'s checkpoints); without (or when no
-    step is held by every survivor and stored where needed) it is loaded in place from ``tiers``
-    (host stores first, as below: ``tenplex.state_dict.load_state_dict_from`` over the tiers) or
-    ``url`` (``load_state_dict``); no checkpoint: a fresh start. ``RescaleResult.cfg`` is then the state
-    dict's ``StateLayout``, ``live`` says which path ran.
-
-    ``live`` (in-process, after ``Membership.recover``; every process of the survivors' default
-    group together): the layout is chosen for the group's size, ``plan`` with ``alive`` = the
-    survivors gives every piece its source, and ``tenplex.migrate.migrate`` moves the state held
-    in memory between the survivors; pieces no survivor holds are read from ``live.sources`` at
-    the same step. The step is the newest one every survivor holds in memory and, for those
-    pieces, a source holds complete (``live_step``); when there is none, the state is loaded as
-    below (from ``tiers`` / ``url``) under the chosen layout and ``agree_on_step`` settles the
-    ranks on one step. ``RescaleResult.live`` says which happened.
-
-    ``url``: where the checkpoints are; None or "" (and no ``tiers``) is a fresh start that
-    only chooses the layout. ``parallel`` pins the layout; otherwise ``choose(ptc,
-    world_size, previous_layout)`` picks it, by default ``tenplex.layouts.choose_layout``
+    ``rank`` / ``world_size``: this worker (default: torchrun's environment, :func:`env_world`).
+    ``parallel`` pins the layout; otherwise ``choose(ptc, world_size, previous_layout)`` picks it, by default ``tenplex.layouts.choose_layout``
     (:func:`default_chooser`) with ``layout_options`` completed by :func:`layout_options_for`:
     ``global_batch`` and ``micro_batch`` must be given (ConfigError naming them otherwise);
     ``seq_len``, ``precision`` and ``distributed_optimizer`` default to the PTC's,
@@ -191,41 +156,99 @@ def rescale(
     with ``RECOVERY_LINKS``). ``plan_stats``: the repartition plan from the saved layout to
     the new one (what a live reconfiguration would move) on hosts of ``gpus_per_host`` GPUs
     (``topology``'s when given), computed once and handed to the recovery schedule.
+
+    A torch-native job's state dict takes ``tiers``, ``storage_options``, ``step``, ``gpus_per_host``
+    and ``topology``; ``parallel``, ``choose``, ``layout_options``, ``rank`` and ``world_size`` do not
+    apply to it (its mesh is the one it built the state dict for).
     """
+
+    rank: int | None = None
+    world_size: int | None = None
+    parallel: ParallelConfig | None = None
+    choose: Chooser | None = None
+    layout_options: Mapping[str, Any] | None = None
+    gpus_per_host: int = 8
+    storage_options: Mapping[str, Any] | None = None
+    tiers: Sequence[Tier] | None = None
+    topology: Topology | None = None
+    step: int | None = None
+    allow_meta_change: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_host < 1:
+            raise ConfigError(f"gpus_per_host must be >= 1, got {self.gpus_per_host}")
+        if self.world_size is not None and self.world_size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
+        if self.rank is not None and self.world_size is not None and not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside the world: 0 <= rank < world_size = {self.world_size}")
+        if self.step is not None and self.step < 0:
+            raise ConfigError(f"step must be >= 0, got {self.step}")
+        if self.parallel is not None and self.choose is not None:
+            raise ConfigError(f"parallel={self.parallel} pins the layout and choose= picks one: pass one of them")
+
+
+def rescale(url: str | None, ptc: PTC | MutableMapping[str, Any], options: RescaleOptions | None = None, *,
+            live: LiveState | None = None, **overrides: Any) -> RescaleResult:
+    """Pick this worker's layout and move its state live from the survivors, or load it from the
+    latest complete checkpoint.
+
+    A torch-native job passes its ``state_dict`` (model and optimizer from ``get_state_dict`` plus
+    anything else, built for the mesh it runs now: ``choose_mesh``) instead of a PTC: with ``live``
+    (``LiveState(cfg=StateLayout, ptc=..., states=..., alive=..., sources=...)``, every rank of the
+    survivors' default group) the state is moved live into it by the same ``plan`` and ``migrate``,
+    pieces no survivor holds read from ``live.sources`` (``url``'s checkpoints); without (or when no
+    step is held by every survivor and stored where needed) it is loaded in place from ``tiers``
+    (host stores first, as below: ``tenplex.state_dict.load_state_dict_from`` over the tiers) or
+    ``url`` (``load_state_dict``); no checkpoint: a fresh start. ``RescaleResult.cfg`` is then the state
+    dict's ``StateLayout``, ``live`` says which path ran.
+
+    ``live`` (in-process, after ``Membership.recover``; every process of the survivors' default
+    group together): the layout is chosen for the group's size, ``plan`` with ``alive`` = the
+    survivors gives every piece its source, and ``tenplex.migrate.migrate`` moves the state held
+    in memory between the survivors; pieces no survivor holds are read from ``live.sources`` at
+    the same step. The step is the newest one every survivor holds in memory and, for those
+    pieces, a source holds complete (``live_step``); when there is none, the state is loaded as
+    below (from ``tiers`` / ``url``) under the chosen layout and ``agree_on_step`` settles the
+    ranks on one step. ``RescaleResult.live`` says which happened.
+
+    ``url``: where the checkpoints are; None or "" (and no ``tiers``) is a fresh start that only
+    chooses the layout. ``options`` (:class:`RescaleOptions`: the layout, the tiers, the step, ...);
+    keywords override its fields (``rescale(url, ptc, parallel=cfg, step=5)``).
+    """
+    o = with_overrides(options or RescaleOptions(), overrides, "rescale")
     if not isinstance(ptc, PTC):  # a torch-native job's state dict, built for the mesh it runs now
         if not isinstance(ptc, MutableMapping):
             raise ConfigError(f"rescale() takes a PTC or a state dict, got {type(ptc).__name__}")
-        if parallel is not None or choose is not None or layout_options or rank is not None or world_size is not None:
+        if o.parallel is not None or o.choose is not None or o.layout_options or o.rank is not None or \
+                o.world_size is not None:
             raise ConfigError("rescale(url, state_dict): the job chose its mesh (choose_mesh) and built the state dict "
                               "for it; parallel=, choose=, layout_options=, rank= and world_size= do not apply")
-        return _rescale_state_dict(url, ptc, live=live, step=step, storage_options=storage_options, tiers=tiers,
-                                   gpus_per_host=gpus_per_host, topology=topology)
+        return _rescale_state_dict(url, ptc, live, o)
     env_rank, env_size = env_world()
-    rank = env_rank if rank is None else rank
-    world = env_size if world_size is None else world_size
-    chooser = (pinned(parallel) if parallel is not None else  # options checked before any I/O
-               choose or default_chooser(layout_options_for(ptc, layout_options, gpus_per_host=gpus_per_host)))
+    rank = env_rank if o.rank is None else o.rank
+    world = env_size if o.world_size is None else o.world_size
+    chooser = (pinned(o.parallel) if o.parallel is not None else  # options checked before any I/O
+               o.choose or default_chooser(layout_options_for(ptc, o.layout_options, gpus_per_host=o.gpus_per_host)))
     if live is not None:
-        moved = rescale_live(ptc, live, chooser, gpus_per_host=gpus_per_host)
+        moved = rescale_live(ptc, live, chooser, gpus_per_host=o.gpus_per_host)
         if isinstance(moved, RescaleResult):
             return moved
         rank, world = dist.get_rank(), dist.get_world_size()
-        new = chooser(ptc, world, moved)
-        loaded = rescale(url, ptc, rank=rank, world_size=world, parallel=new, gpus_per_host=gpus_per_host,
-                         storage_options=storage_options, tiers=tiers, topology=topology, step=step,
-                         allow_meta_change=allow_meta_change)
-        return agree_on_step(loaded, url, ptc, tiers=tiers, storage_options=storage_options,
-                             allow_meta_change=allow_meta_change, gpus_per_host=gpus_per_host, topology=topology)
-    found, where = _tiers_of(url, tiers, storage_options)
+        pinned_here = dataclasses.replace(o, rank=rank, world_size=world, parallel=chooser(ptc, world, moved),
+                                          choose=None)
+        return agree_on_step(rescale(url, ptc, pinned_here), url, ptc, tiers=o.tiers,
+                             storage_options=o.storage_options, allow_meta_change=o.allow_meta_change,
+                             gpus_per_host=o.gpus_per_host, topology=o.topology)
+    found, where = _tiers_of(url, o.tiers, o.storage_options)
     t0 = time.perf_counter()
     scan = scan_tiers(found) if found else TierScan([])  # one scan serves the step choice and the load
-    if not tiers and found and found[0].name in scan.unavailable:
+    if not o.tiers and found and found[0].name in scan.unavailable:
         # the scan passes over tiers it cannot list (a peer that is gone); a checkpoint URL that
         # cannot be read must not look like one without checkpoints: a fresh start would overwrite them
         raise scan.unavailable[found[0].name]
     timings = {"list": time.perf_counter() - t0}
-    return _resume(found, scan, where, ptc, rank, world, chooser, step=step, allow_meta_change=allow_meta_change,
-                   gpus_per_host=gpus_per_host, topology=topology, timings=timings)
+    return _resume(found, scan, where, ptc, rank, world, chooser, step=o.step, allow_meta_change=o.allow_meta_change,
+                   gpus_per_host=o.gpus_per_host, topology=o.topology, timings=timings)
 
 
 def _resume(tiers: list[Tier], scan: TierScan, where: str, ptc: PTC, rank: int, world: int, chooser: Chooser, *,
