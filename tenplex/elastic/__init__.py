@@ -10,5 +10,5 @@ from .live import LiveState, live_order, live_step
 from .rescale import RescaleOptions, agree_on_step, env_world, rescale, storage_tier
 from .result import RescaleResult
 
-__all__ = ["RescaleResult", "RescaleOptions", "LiveState", "live_step", "live_order", "rescale", "agree_on_step", "env_world",
-           "storage_tier"]
+__all__ = ["RescaleResult", "RescaleOptions", "LiveState", "live_step", "live_order", "rescale", "agree_on_step",
+           "env_world", "storage_tier"]

@@ -31,8 +31,8 @@ from ..state_dict import fill_state_dict
 from ..state_layout import StateLayout
 from .result import RescaleResult
 
-__all__ = ["LiveState", "live_step", "live_order", "live_for_group", "same_model", "agree_live", "move_live", "rescale_live",
-           "rescale_state_dict_live"]
+__all__ = ["LiveState", "live_step", "live_order", "live_for_group", "same_model", "agree_live", "move_live",
+           "rescale_live", "rescale_state_dict_live"]
 
 log = logging.getLogger(__name__)
 

@@ -130,7 +130,8 @@ class RescaleOptions:
     """The settings of ``rescale`` (every field optional; ``rescale``'s keywords override them).
 
     ``rank`` / ``world_size``: this worker (default: torchrun's environment, :func:`env_world`).
-    ``parallel`` pins the layout; otherwise ``choose(ptc, world_size, previous_layout)`` picks it, by default ``tenplex.layouts.choose_layout``
+    ``parallel`` pins the layout; otherwise ``choose(ptc, world_size, previous_layout)`` picks it, by
+    default ``tenplex.layouts.choose_layout``
     (:func:`default_chooser`) with ``layout_options`` completed by :func:`layout_options_for`:
     ``global_batch`` and ``micro_batch`` must be given (ConfigError naming them otherwise);
     ``seq_len``, ``precision`` and ``distributed_optimizer`` default to the PTC's,
@@ -236,9 +237,7 @@ def rescale(url: str | None, ptc: PTC | MutableMapping[str, Any], options: Resca
         rank, world = dist.get_rank(), dist.get_world_size()
         pinned_here = dataclasses.replace(o, rank=rank, world_size=world, parallel=chooser(ptc, world, moved),
                                           choose=None)
-        return agree_on_step(rescale(url, ptc, pinned_here), url, ptc, tiers=o.tiers,
-                             storage_options=o.storage_options, allow_meta_change=o.allow_meta_change,
-                             gpus_per_host=o.gpus_per_host, topology=o.topology)
+        return agree_on_step(rescale(url, ptc, pinned_here), url, ptc, pinned_here)
     found, where = _tiers_of(url, o.tiers, o.storage_options)
     t0 = time.perf_counter()
     scan = scan_tiers(found) if found else TierScan([])  # one scan serves the step choice and the load
@@ -310,9 +309,8 @@ def _resume(tiers: list[Tier], scan: TierScan, where: str, ptc: PTC, rank: int, 
     return result
 
 
-def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Sequence[Tier] | None = None,
-                  storage_options: Mapping[str, Any] | None = None, allow_meta_change: bool = False,
-                  gpus_per_host: int = 8, topology: Topology | None = None, group: Any = None) -> RescaleResult:
+def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, options: RescaleOptions | None = None, *,
+                  group: Any = None, **overrides: Any) -> RescaleResult:
     """Make every rank of the initialised process group resume from the same step.
 
     ``rescale`` passes over damage it sees, and ranks read different bytes, so ranks can resume
@@ -326,9 +324,11 @@ def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Se
     A fresh start needs every rank to find nothing. Ranks that find no step (a peer store slow to
     answer, tiers they cannot read) while others resumed look once more, under the layout the others
     chose from the saved one, then every rank raises CheckpointNotFoundError naming them: starting
-    all of them fresh would discard the job's state.
+    all of them fresh would discard the job's state. ``options`` / keywords: ``rescale``'s (its
+    ``tiers``, ``storage_options``, ``allow_meta_change``, ``gpus_per_host`` and ``topology`` count).
     """
-    found, where = _tiers_of(url, tiers, storage_options)
+    o = with_overrides(options or RescaleOptions(), overrides, "agree_on_step")
+    found, where = _tiers_of(url, o.tiers, o.storage_options)
     current = result
 
     def reload(bound: int, layouts: Sequence[Any]) -> int | None:
@@ -336,8 +336,8 @@ def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, *, tiers: Se
         seen = current
         if current.fresh:  # under the layout the others chose from the saved one (a blind rank's may differ)
             seen = dataclasses.replace(current, cfg=ParallelConfig.parse(layouts[0]))
-        current = _newest_up_to(bound, seen, found, where, ptc, allow_meta_change=allow_meta_change,
-                                gpus_per_host=gpus_per_host, topology=topology)
+        current = _newest_up_to(bound, seen, found, where, ptc, allow_meta_change=o.allow_meta_change,
+                                gpus_per_host=o.gpus_per_host, topology=o.topology)
         return None if current.fresh else current.step
 
     agree_step(None if result.fresh else result.step, reload, hint=None if result.fresh else str(result.cfg),

@@ -40,7 +40,8 @@ from ..topology import Topology
 from .recovery_plan import RECOVERY_LINKS, RecoveryPlan, order_reads, plan_recovery, schedule_recovery
 from .tiers import Attempt, Tier, TierScan, UsableStep, find_usable, scan_tiers, usable_steps
 
-__all__ = ["Tier", "TieredLoad", "TieredLoadOptions", "UsableStep", "TierScan", "scan_tiers", "find_usable", "usable_steps", "load_tiered",
+__all__ = ["Tier", "TieredLoad", "TieredLoadOptions", "UsableStep", "TierScan", "scan_tiers", "find_usable", "usable_steps",
+           "load_tiered",
            "RECOVERY_LINKS", "RecoveryPlan", "plan_recovery", "PeerRead", "RecoveryRounds", "TieredReader",
            "RoundsReader"]
 
@@ -275,6 +276,25 @@ class RoundsReader(TieredReader):
 # ---------------------------------------------------------------------------------------------
 # load
 # ---------------------------------------------------------------------------------------------
+def _tiered_load(result: LoadResult, reader: TieredReader | PartReader, tiers: Sequence[Tier], holders: list[Tier],
+                 rounds: bool) -> TieredLoad:
+    """What ``load_tiered`` reports of a load: the bytes by tier and tier kind, the fallbacks, the tier
+    each rank index came from and how the rounds went."""
+    if isinstance(reader, PartReader):
+        by_tier, fallbacks = {holders[0].name: reader.bytes_read}, 0
+        used = {r: holders[0].name for r in reader.indexes}
+        report = RecoveryRounds(False, "no peer store holds a part of this step" if rounds
+                                else "disabled (rounds=False)")
+    else:
+        by_tier, fallbacks = dict(reader.bytes_by_tier), reader.fallbacks
+        used = {r: names[0] for r, names in reader.choice.items() if names}
+        report = reader.report if isinstance(reader, RoundsReader) else RecoveryRounds(False, "disabled (rounds=False)")
+    by_kind: dict[str, int] = {}
+    for t in tiers:
+        by_kind[t.kind] = by_kind.get(t.kind, 0) + by_tier.get(t.name, 0)
+    return TieredLoad(result, by_tier, by_kind, fallbacks, used, report)
+
+
 @dataclass(frozen=True)
 class TieredLoadOptions:
     """What ``load_tiered`` loads and how it reads (see there): which attempt (``step``, ``found``,
@@ -389,21 +409,7 @@ def load_tiered(tiers: Sequence[Tier], cfg: Layout, rank: int, options: TieredLo
         if passed:
             log.warning("rank %d loaded step %d after passing over %d newer attempts: %s", rank, result.step,
                         len(passed), "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in passed))
-        result = dataclasses.replace(result, skipped=tuple(passed))
-        if isinstance(reader, PartReader):
-            by_tier, fallbacks = {holders[0].name: reader.bytes_read}, 0
-            used = {r: holders[0].name for r in reader.indexes}
-            report = RecoveryRounds(False, "no peer store holds a part of this step" if o.rounds
-                                    else "disabled (rounds=False)")
-        else:
-            by_tier, fallbacks = dict(reader.bytes_by_tier), reader.fallbacks
-            used = {r: names_[0] for r, names_ in reader.choice.items() if names_}
-            report = (reader.report if isinstance(reader, RoundsReader)
-                      else RecoveryRounds(False, "disabled (rounds=False)"))
-        by_kind: dict[str, int] = {}
-        for t in tiers:
-            by_kind[t.kind] = by_kind.get(t.kind, 0) + by_tier.get(t.name, 0)
-        return TieredLoad(result, by_tier, by_kind, fallbacks, used, report)
+        return _tiered_load(dataclasses.replace(result, skipped=tuple(passed)), reader, tiers, holders, o.rounds)
     reasons = sorted([*skipped, *tried], key=lambda x: x[0], reverse=True)
     raise CheckpointCorruptError(f"no step{'' if step is None else f' {step}'} verifies across the tiers {names}: "
                                  + "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in reasons))
