@@ -61,7 +61,8 @@ from tenplex.assignment import load_solvers  # noqa: E402
 from tenplex.checkpoint import default_save_id, save  # noqa: E402
 from tenplex.data.corpus import stdlib_corpus  # noqa: E402
 from tenplex.data.partition import DataState, global_batch_ids  # noqa: E402
-from tenplex.elastic import LiveState, choose_mesh, live_order, predict_layout  # noqa: E402
+from tenplex.choose import choose_mesh, predict_layout  # noqa: E402
+from tenplex.elastic import LiveState, live_order  # noqa: E402
 from tenplex.errors import PeerFailure  # noqa: E402
 from tenplex.dtensor import release_mesh  # noqa: E402
 from tenplex.state_dict import describe_state_dict, local_shard  # noqa: E402

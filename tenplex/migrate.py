@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,8 @@ import torch
 
 from .checkpoint.format import Binding, writer_assignment
 from .checkpoint.reader import PartReader, ReadItem, check_model, plan_reads, scan_attempts, url_fs
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, MigrationError, PlanError
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, MigrationError, PlanError
+from .options import with_overrides
 from .planner import CROSS_HOST, KIND_NAMES, LOCAL, SAME_HOST, STORAGE, Plan, intersect
 from .planner import plan as make_plan
 from .ptc import PAD, PTC, Layout
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from .schedule import Schedule, Transfer
 
 __all__ = ["Message", "ExchangePlan", "exchange_plan", "StorageRead", "storage_items", "read_storage_pieces",
-           "MigrateResult", "migrate"]
+           "MigrateResult", "MigrationInputs", "migrate"]
 
 log = logging.getLogger(__name__)
 
@@ -337,71 +338,199 @@ class MigrateResult:
     timings: Mapping[str, float] = field(default_factory=dict)
 
 
-def migrate(
-    ptc: PTC,
-    old_cfg: Layout,
-    new_cfg: Layout,
-    shard: Mapping[str, Any] | None,
-    *,
-    alive: Sequence[int],
-    group: Any = None,
-    old_rank: int | None = None,
-    new_rank: int | None = None,
-    gpus_per_host: int = 8,
-    storage: str | None = None,
-    step: int | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    rounds: Schedule | Sequence[Sequence[Transfer]] | None = None,
-    plan: Plan | None = None,
-    exchange: ExchangePlan | None = None,
-    device: torch.device | str | None = None,
-) -> MigrateResult:
-    """This rank's shard under ``new_cfg``, moved live from the survivors' shards under ``old_cfg``
-    (``ParallelConfig`` s, or ``StateLayout`` s of a torch-native state dict over the old and the new
-    group's ranks: local tensors by flat key).
+@dataclass(frozen=True)
+class MigrationInputs:
+    """The optional inputs of ``migrate`` (its keywords override these fields).
 
-    Called by every process of ``group`` (default: the default group) together: the survivors'
-    new group, group rank i being the process that ran old rank ``alive[i]`` (new rank i), fresh
-    joiners after them. ``shard``: what this process holds under ``old_cfg`` (``{name: local
-    tensor}``, objects included; None or ``{}`` for a fresh joiner). ``storage``: a checkpoint
-    URL for pieces no survivor holds (``step``: which one; default the newest complete).
-    ``rounds``: a schedule of the plan to send in its rounds (default: all at once). ``plan`` /
-    ``exchange``: computed before (every rank must use the same). ``device``: where buffers live
-    (default: the current CUDA device under nccl, else the CPU). Objects come from group rank 0's
-    shard (none when no survivor is left).
-    A transfer that fails raises MigrationError on that rank; the old shard is never modified.
-    """
-    import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+    ``group``: the migration group (default: the default group); ``old_rank`` / ``new_rank``: this
+    process's ranks, checked against the group's; ``storage``: a checkpoint URL for pieces no
+    survivor holds (``step``: which one, default the newest complete; ``storage_options``);
+    ``device``: where buffers live (default: the current CUDA device under nccl, else the CPU).
 
-    t0 = time.perf_counter()
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    if new_rank is not None and new_rank != rank:
-        raise PlanError(f"new_rank {new_rank} is not this process's rank {rank} in the migration group")
-    alive = [int(a) for a in alive]
+    What to send, three alternatives: ``exchange`` (an ``exchange_plan`` computed before, with its
+    rounds; ``plan``, if given too, must be the one it was computed from), or ``plan`` (computed
+    before) sent in ``rounds`` (a schedule of it; default: all at once), or neither: planned here on
+    hosts of ``gpus_per_host`` GPUs. Every rank must use the same."""
+
+    group: Any = None
+    old_rank: int | None = None
+    new_rank: int | None = None
+    gpus_per_host: int = 8
+    storage: str | None = None
+    step: int | None = None
+    storage_options: Mapping[str, Any] | None = None
+    rounds: Schedule | Sequence[Sequence[Transfer]] | None = None
+    plan: Plan | None = None
+    exchange: ExchangePlan | None = None
+    device: torch.device | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_host < 1:
+            raise ConfigError(f"gpus_per_host must be >= 1, got {self.gpus_per_host}")
+        if self.exchange is not None and self.rounds is not None:
+            raise ConfigError("exchange= was computed with its rounds (exchange_plan(plan, rounds=...)) and rounds= "
+                              "would be ignored: pass one of them")
+
+
+def _exchange_for(ptc: PTC, old_cfg: Layout, new_cfg: Layout, alive: list[int], o: MigrationInputs,
+                  size: int) -> ExchangePlan:
+    """The exchange plan of the move (``o``'s, or computed from its plan and rounds, or planned here),
+    PlanError unless it moves ``old_cfg`` -> ``new_cfg`` with ``alive`` in a group of ``size``."""
+    plan = o.plan
     if plan is None:
-        plan = exchange.plan if exchange is not None else make_plan(ptc, old_cfg, new_cfg, alive=alive,
-                                                                    gpus_per_host=gpus_per_host)
+        plan = o.exchange.plan if o.exchange is not None else make_plan(ptc, old_cfg, new_cfg, alive=alive,
+                                                                        gpus_per_host=o.gpus_per_host)
     if list(plan.alive) != alive or plan.old != old_cfg or plan.new != new_cfg:
         raise PlanError(f"the plan given moves {plan.old} -> {plan.new} with alive {list(plan.alive)}, not "
                         f"{old_cfg} -> {new_cfg} with alive {alive}")
-    ex = exchange if exchange is not None else exchange_plan(plan, rounds=rounds)
+    ex = o.exchange if o.exchange is not None else exchange_plan(plan, rounds=o.rounds)
     if ex.plan is not plan:
         raise PlanError("exchange was computed from another plan than the one given")
     if size != ex.group_size:
         raise PlanError(f"the migration group has {size} ranks but {old_cfg} -> {new_cfg} with {len(alive)} survivors "
                         f"needs {ex.group_size} (max of the new world size and the survivors)")
+    return ex
+
+
+class _Buffers:
+    """One rank's side of an exchange: its old shard's bytes (flattened on first use, on
+    ``device``), its new shard's flat buffers (padding zeroed; pieces fill the rest) and the
+    local copies between them."""
+
+    def __init__(self, ptc: PTC, old_cfg: Layout, new_cfg: Layout, ex: ExchangePlan, rank: int, mine: int | None,
+                 held: Mapping[str, Any], device: torch.device) -> None:
+        self.ptc, self.old_cfg, self.ex, self.mine, self.held, self.device = ptc, old_cfg, ex, mine, held, device
+        self.is_new = rank < new_cfg.world_size
+        self.flats: dict[str, torch.Tensor] = {}
+        if self.is_new:
+            for name in ptc.rank_tensors(new_cfg, rank):
+                segs = ptc.segments(name, new_cfg, rank)
+                self.flats[name] = flat = torch.empty(sum(ln for _, _, ln in segs), dtype=ptc.tensors[name].dtype,
+                                                      device=device)
+                for lo, g, ln in segs:
+                    if g == PAD:
+                        flat[lo : lo + ln] = 0
+        self.dst = {name: f.view(torch.uint8) for name, f in self.flats.items()}
+        self.src: dict[str, torch.Tensor] = {}
+        self.local_rows = ex.rows(rank, LOCAL) if self.is_new else np.zeros(0, dtype=np.int64)
+        self.bytes_local, self.local_s = 0, 0.0
+
+    def name(self, i: int) -> str:
+        return self.ex.tensor_names[self.ex.columns["tensor"][i]]
+
+    def byte_range(self, i: int, column: str) -> tuple[int, int]:
+        """Bytes of piece ``i`` in its source (``column="src_offset"``) or destination flat."""
+        a = int(self.ex.columns[column][i]) * self.ptc.tensors[self.name(i)].itemsize
+        return a, a + int(self.ex.columns["nbytes"][i])
+
+    def old_bytes(self, name: str) -> torch.Tensor:
+        if name not in self.src:
+            if name not in self.held:
+                raise PlanError(f"the plan reads {name} from old rank {self.mine}, whose shard lacks it")
+            flat = self.ptc.to_local_flat(name, self.held[name].detach(), self.old_cfg, self.mine)
+            if flat.device != self.device:
+                flat = flat.to(self.device)
+            self.src[name] = flat.view(torch.uint8)
+        return self.src[name]
+
+    def source(self, i: int) -> torch.Tensor:
+        a, b = self.byte_range(i, "src_offset")
+        return self.old_bytes(self.name(i))[a:b]
+
+    def destination(self, i: int) -> torch.Tensor:
+        x, y = self.byte_range(i, "dst_offset")
+        return self.dst[self.name(i)][x:y]
+
+    def copy_local(self) -> None:
+        t = time.perf_counter()
+        for i in self.local_rows.tolist():
+            piece = self.source(i)
+            self.destination(i).copy_(piece)
+            self.bytes_local += piece.numel()
+        self.local_s = time.perf_counter() - t
+
+
+def _run_rounds(dist: Any, buffers: _Buffers, ex: ExchangePlan, rank: int, group: Any,
+                gr: Callable[[int], int]) -> tuple[int, int]:
+    """The peer rounds (``batch_isend_irecv``, one uint8 buffer per message), local copies during the
+    first; bytes (sent, received)."""
+    sends, recvs = ex.sends(rank), ex.recvs(rank)
+    si = ri = 0
+    sent = received = 0
+    for rnd in range(ex.num_rounds):
+        ops = []
+        bufs: list[tuple[Message, torch.Tensor]] = []
+        while si < len(sends) and sends[si].round == rnd:
+            m = sends[si]
+            si += 1
+            parts = [buffers.source(i) for i in range(m.first, m.last)]
+            ops.append(dist.P2POp(dist.isend, parts[0] if len(parts) == 1 else torch.cat(parts), gr(m.dst), group))
+            sent += m.nbytes
+        while ri < len(recvs) and recvs[ri].round == rnd:
+            m = recvs[ri]
+            ri += 1
+            if m.last - m.first == 1:  # one piece: straight into its place
+                buf = buffers.destination(m.first)
+            else:
+                buf = torch.empty(m.nbytes, dtype=torch.uint8, device=buffers.device)
+                bufs.append((m, buf))
+            ops.append(dist.P2POp(dist.irecv, buf, gr(m.src), group))
+            received += m.nbytes
+        reqs = dist.batch_isend_irecv(ops) if ops else []
+        if rnd == 0:
+            buffers.copy_local()
+        for req in reqs:
+            req.wait()
+        for m, buf in bufs:
+            pos = 0
+            for i in range(m.first, m.last):
+                dst = buffers.destination(i)
+                dst.copy_(buf[pos : pos + dst.numel()])
+                pos += dst.numel()
+    if ex.num_rounds == 0:
+        buffers.copy_local()
+    return sent, received
+
+
+def migrate(ptc: PTC, old_cfg: Layout, new_cfg: Layout, shard: Mapping[str, Any] | None, *, alive: Sequence[int],
+            inputs: MigrationInputs | None = None, **overrides: Any) -> MigrateResult:
+    """This rank's shard under ``new_cfg``, moved live from the survivors' shards under ``old_cfg``
+    (``ParallelConfig`` s, or ``StateLayout`` s of a torch-native state dict over the old and the new
+    group's ranks: local tensors by flat key).
+
+    Called by every process of the group (``inputs.group``, default: the default group) together:
+    the survivors' new group, group rank i being the process that ran old rank ``alive[i]`` (new
+    rank i), fresh joiners after them. ``shard``: what this process holds under ``old_cfg``
+    (``{name: local tensor}``, objects included; None or ``{}`` for a fresh joiner). ``inputs``
+    (:class:`MigrationInputs`: the group, the storage for pieces no survivor holds, the plan or
+    exchange or rounds, the device); keywords override its fields (``migrate(..., alive=a,
+    storage=url)``). Objects come from group rank 0's shard (none when no survivor is left).
+    A transfer that fails raises MigrationError on that rank; the old shard is never modified.
+    """
+    import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+    o = with_overrides(inputs or MigrationInputs(), overrides, "migrate")
+    t0 = time.perf_counter()
+    group = o.group
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if o.new_rank is not None and o.new_rank != rank:
+        raise PlanError(f"new_rank {o.new_rank} is not this process's rank {rank} in the migration group")
+    alive = [int(a) for a in alive]
+    ex = _exchange_for(ptc, old_cfg, new_cfg, alive, o, size)
     mine = ex.old_rank_of(rank)
-    if old_rank is not None and old_rank != mine:
-        raise PlanError(f"group rank {rank} must be the process of old rank alive[{rank}] = {mine}, not {old_rank}")
+    if o.old_rank is not None and o.old_rank != mine:
+        raise PlanError(f"group rank {rank} must be the process of old rank alive[{rank}] = {mine}, not {o.old_rank}")
     held: Mapping[str, Any] = (shard or {}) if mine is not None else {}
     if mine is None and shard:
         raise PlanError(f"group rank {rank} is a fresh joiner (beyond the {len(alive)} survivors) but passed a shard")
-    if storage is None and np.any(ex.columns["kind"] == STORAGE):  # every rank sees it: none starts sending
-        rows = np.flatnonzero(ex.columns["kind"] == STORAGE)
-        raise PlanError(f"new ranks {sorted(set(ex.columns['dst'][rows].tolist()))} need "
-                        f"{int(ex.columns['nbytes'][rows].sum())} bytes that no survivor holds (e.g. "
-                        f"{ex.tensor_names[ex.columns['tensor'][rows[0]]]}); pass storage= a checkpoint URL")
+    c = ex.columns
+    if o.storage is None and np.any(c["kind"] == STORAGE):  # every rank sees it: none starts sending
+        rows = np.flatnonzero(c["kind"] == STORAGE)
+        raise PlanError(f"new ranks {sorted(set(c['dst'][rows].tolist()))} need {int(c['nbytes'][rows].sum())} bytes "
+                        f"that no survivor holds (e.g. {ex.tensor_names[c['tensor'][rows[0]]]}); pass storage= a "
+                        "checkpoint URL")
     backend = dist.get_backend(group)
+    device = o.device
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     device = torch.device(device)
@@ -418,132 +547,40 @@ def migrate(
         raise MigrationError(f"live migration {old_cfg} -> {new_cfg} failed on group rank {rank} before any "
                              f"transfer: {e}") from e
     objects: dict[str, Any] = dict(box[0] or {})
-
-    names = ex.tensor_names
-    specs = ptc.tensors
-    is_new = rank < new_cfg.world_size
-    flats: dict[str, torch.Tensor] = {}
-    if is_new:
-        for name in ptc.rank_tensors(new_cfg, rank):
-            segs = ptc.segments(name, new_cfg, rank)
-            flats[name] = flat = torch.empty(sum(ln for _, _, ln in segs), dtype=specs[name].dtype, device=device)
-            for lo, g, ln in segs:  # pieces fill the rest
-                if g == PAD:
-                    flat[lo : lo + ln] = 0
-    src_bytes: dict[str, torch.Tensor] = {}
-
-    def old_bytes(name: str) -> torch.Tensor:
-        if name not in src_bytes:
-            if name not in held:
-                raise PlanError(f"the plan reads {name} from old rank {mine}, whose shard lacks it")
-            flat = ptc.to_local_flat(name, held[name].detach(), old_cfg, mine)
-            if flat.device != device:
-                flat = flat.to(device)
-            src_bytes[name] = flat.view(torch.uint8)
-        return src_bytes[name]
-
-    dst_bytes = {name: f.view(torch.uint8) for name, f in flats.items()}
-    c = ex.columns
-    tensor, so, do, nbytes = c["tensor"], c["src_offset"], c["dst_offset"], c["nbytes"]
-
-    def byte_range(i: int, off: np.ndarray, name: str) -> tuple[int, int]:
-        a = int(off[i]) * specs[name].itemsize
-        return a, a + int(nbytes[i])
+    buffers = _Buffers(ptc, old_cfg, new_cfg, ex, rank, mine, held, device)
 
     # storage pieces, read while the rounds run
     t_rounds = time.perf_counter()
-    st_rows = ex.rows(rank, STORAGE) if is_new else np.zeros(0, dtype=np.int64)
+    st_rows = ex.rows(rank, STORAGE) if buffers.is_new else np.zeros(0, dtype=np.int64)
     pool: ThreadPoolExecutor | None = None
     st_future = None
     st_seconds = [0.0]
     if len(st_rows):
-        pieces = [(names[tensor[i]], int(c["start"][i]), int(c["length"][i])) for i in st_rows.tolist()]
+        pieces = [(buffers.name(i), int(c["start"][i]), int(c["length"][i])) for i in st_rows.tolist()]
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenplex-migrate-storage")
-        st_future = pool.submit(_read_storage, storage, ptc, new_cfg, rank, pieces, flats, st_rows, ex, device,
-                                step, storage_options, st_seconds)
-
-    # local pieces: copied while the first round's transfers are in flight
-    local_rows = ex.rows(rank, LOCAL) if is_new else np.zeros(0, dtype=np.int64)
-    bytes_local = 0
-    local_s = 0.0
-
-    def copy_local() -> None:
-        nonlocal bytes_local, local_s
-        t = time.perf_counter()
-        for i in local_rows.tolist():
-            name = names[tensor[i]]
-            a, b = byte_range(i, so, name)
-            x, y = byte_range(i, do, name)
-            dst_bytes[name][x:y].copy_(old_bytes(name)[a:b])
-            bytes_local += b - a
-        local_s = time.perf_counter() - t
-
-    # peer rounds
-    sends, recvs = ex.sends(rank), ex.recvs(rank)
-    si = ri = 0
-    sent = received = 0
-    storage_read: StorageRead | None = None
+        st_future = pool.submit(_read_storage, o.storage, ptc, new_cfg, rank, pieces, buffers.flats, st_rows, ex,
+                                device, o.step, o.storage_options, st_seconds)
     try:
-        for rnd in range(ex.num_rounds):
-            ops = []
-            bufs: list[tuple[Message, torch.Tensor]] = []
-            while si < len(sends) and sends[si].round == rnd:
-                m = sends[si]
-                si += 1
-                parts = []
-                for i in range(m.first, m.last):
-                    name = names[tensor[i]]
-                    a, b = byte_range(i, so, name)
-                    parts.append(old_bytes(name)[a:b])
-                buf = parts[0] if len(parts) == 1 else torch.cat(parts)
-                ops.append(dist.P2POp(dist.isend, buf, gr(m.dst), group))
-                sent += m.nbytes
-            while ri < len(recvs) and recvs[ri].round == rnd:
-                m = recvs[ri]
-                ri += 1
-                if m.last - m.first == 1:  # one piece: straight into its place
-                    name = names[tensor[m.first]]
-                    x, y = byte_range(m.first, do, name)
-                    buf = dst_bytes[name][x:y]
-                else:
-                    buf = torch.empty(m.nbytes, dtype=torch.uint8, device=device)
-                    bufs.append((m, buf))
-                ops.append(dist.P2POp(dist.irecv, buf, gr(m.src), group))
-                received += m.nbytes
-            reqs = dist.batch_isend_irecv(ops) if ops else []
-            if rnd == 0:
-                copy_local()
-            for req in reqs:
-                req.wait()
-            for m, buf in bufs:
-                pos = 0
-                for i in range(m.first, m.last):
-                    name = names[tensor[i]]
-                    x, y = byte_range(i, do, name)
-                    dst_bytes[name][x:y].copy_(buf[pos : pos + y - x])
-                    pos += y - x
+        sent, received = _run_rounds(dist, buffers, ex, rank, group, gr)
     except RuntimeError as e:  # gloo/nccl report a dead or broken peer as RuntimeError
         raise MigrationError(f"live migration {old_cfg} -> {new_cfg} failed on group rank {rank}: {e}") from e
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
-    if ex.num_rounds == 0:
-        copy_local()
     t_transfer = time.perf_counter()
-    if st_future is not None:
-        storage_read = st_future.result()
+    storage_read = st_future.result() if st_future is not None else None
     out: dict[str, Any] = {}
-    if is_new:
-        out = {name: ptc.from_local_flat(name, new_cfg, f, rank) for name, f in flats.items()}
+    if buffers.is_new:
+        out = {name: ptc.from_local_flat(name, new_cfg, f, rank) for name, f in buffers.flats.items()}
         out.update(objects)
     t_end = time.perf_counter()
-    timings = {"plan": t_plan - t0, "local": local_s, "transfer": t_transfer - t_rounds - local_s,
+    timings = {"plan": t_plan - t0, "local": buffers.local_s, "transfer": t_transfer - t_rounds - buffers.local_s,
                "storage": st_seconds[0], "finish": t_end - t_transfer}
-    bytes_storage = int(nbytes[st_rows].sum()) if len(st_rows) else 0
+    bytes_storage = int(c["nbytes"][st_rows].sum()) if len(st_rows) else 0
     log.info("migrated rank %d %s -> %s in %.3fs: sent %d B, received %d B, local %d B, storage %d B, %d rounds",
-             rank, old_cfg, new_cfg, t_end - t0, sent, received, bytes_local, bytes_storage, ex.num_rounds)
-    return MigrateResult(out, rank if is_new else None, sent, received, bytes_local, bytes_storage, ex.num_rounds,
-                         t_end - t0, storage_read, timings)
+             rank, old_cfg, new_cfg, t_end - t0, sent, received, buffers.bytes_local, bytes_storage, ex.num_rounds)
+    return MigrateResult(out, rank if buffers.is_new else None, sent, received, buffers.bytes_local, bytes_storage,
+                         ex.num_rounds, t_end - t0, storage_read, timings)
 
 
 def _read_storage(url: str, ptc: PTC, cfg: Layout, rank: int, pieces: list[tuple[str, int, int]],

@@ -29,14 +29,15 @@ import gc
 import logging
 import pickle
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint.reader import LoadResult, LoadStats, Scatter, load
+from .agree import agree_step
+from .checkpoint.reader import LoadResult, LoadStats, Scatter, ShardSink, list_steps, load
 from .checkpoint.writer import SaveResult, save
 from .errors import (
     CheckpointCorruptError,
@@ -52,7 +53,8 @@ from .ptc import PTC, TensorSpec, dtype_to_str
 from .state_layout import Placed, StateLayout, merge_replicas, parse_placement, placement_text, spec_for
 
 __all__ = ["StateDictLoad", "save_state_dict", "load_state_dict", "flatten_state_dict", "state_layout_of",
-           "describe_state_dict", "local_shard", "fill_state_dict", "is_stateful", "stateful_view"]
+           "describe_state_dict", "local_shard", "fill_state_dict", "is_stateful", "stateful_view", "StepSource",
+           "UrlSource", "load_state_dict_from"]
 
 log = logging.getLogger(__name__)
 
@@ -558,19 +560,63 @@ def load_state_dict(state_dict: MutableMapping[str, Any], url: str, *, step: int
     When any rank fails (its state dict, its check or its reads), every rank raises: that rank its
     own error, the others one of its class naming it.
     """
+    return load_state_dict_from(state_dict, UrlSource(url, storage_options), step=step, strict=strict)
+
+
+class StepSource(Protocol):
+    """Where a state dict is loaded from: a checkpoint URL (``UrlSource``) or the recovery tiers
+    (``tenplex.elastic``'s host stores, peers and persistent storage). ``where`` names it."""
+
+    where: str
+
+    def load(self, layout: StateLayout, rank: int, *, step: int | None, sink: ShardSink,
+             check: Callable[[PTC], None]) -> LoadResult:
+        """``rank``'s shard under ``layout`` from the newest attempt that verifies (of ``step`` when
+        given), read through ``sink`` after ``check`` accepted the saved collection."""
+        ...
+
+    def steps(self) -> list[int]:
+        """The steps with a complete attempt (candidates when ranks must agree on an older one)."""
+        ...
+
+
+@dataclass(frozen=True)
+class UrlSource:
+    """The checkpoints under ``url`` (``tenplex.checkpoint.load``)."""
+
+    url: str
+    storage_options: Mapping[str, Any] | None = None
+
+    @property
+    def where(self) -> str:
+        return self.url
+
+    def load(self, layout: StateLayout, rank: int, *, step: int | None, sink: ShardSink,
+             check: Callable[[PTC], None]) -> LoadResult:
+        return load(self.url, layout, rank, step=step, storage_options=self.storage_options, sink=sink, check=check)
+
+    def steps(self) -> list[int]:
+        return sorted({i.step for i in list_steps(self.url, storage_options=self.storage_options) if i.complete})
+
+
+def load_state_dict_from(state_dict: MutableMapping[str, Any], source: StepSource, *, step: int | None = None,
+                         strict: bool = False) -> StateDictLoad:
+    """``load_state_dict`` from any ``StepSource`` (a URL, the recovery tiers): the same checks,
+    in-place reads and agreement of the ranks on one step (``tenplex.agree.agree_step``)."""
     t0 = time.perf_counter()
     collecting = gc.isenabled()
     gc.disable()  # a load allocates many small objects and frees them: no collector passes over the job's heap
     try:
-        return _load_state_dict(state_dict, url, step, strict, storage_options, t0)
+        return _load_state_dict(state_dict, source, step, strict, t0)
     finally:
         if collecting:
             gc.enable()
 
 
-def _load_state_dict(state_dict: MutableMapping[str, Any], url: str, step: int | None, strict: bool,
-                     storage_options: Mapping[str, Any] | None, t0: float) -> StateDictLoad:
+def _load_state_dict(state_dict: MutableMapping[str, Any], source: StepSource, step: int | None, strict: bool,
+                     t0: float) -> StateDictLoad:
     rank, world = _world(None)
+    url = source.where
     where = f"loading {url}"
     mine: list[str] = []
     failure: Exception | None = None
@@ -605,16 +651,26 @@ def _load_state_dict(state_dict: MutableMapping[str, Any], url: str, step: int |
 
     result: LoadResult | None = None
     try:  # a rank whose check or read fails (its keys, its bytes) fails every rank, none waits below
-        result = load(url, layout, rank, step=step, storage_options=storage_options, sink=sink, check=check)
+        result = source.load(layout, rank, step=step, sink=sink, check=check)
     except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each
         failure = e
     steps = _gather_or_raise(None if result is None else result.step, failure, world, None, where)
     assert result is not None
-    if len(set(steps)) > 1:  # ranks saw different damage: all take the oldest step any rank could load
-        oldest = min(steps)
-        log.warning("ranks loaded steps %s of %s; reloading step %d everywhere", sorted(set(steps)), url, oldest)
-        if result.step != oldest:
-            result = load(url, layout, rank, step=oldest, storage_options=storage_options, sink=sink, check=check)
+    if len(set(steps)) > 1:  # ranks saw different damage: the rule rescale's agree_on_step applies too
+
+        def reload(bound: int, _: Sequence[Any]) -> int | None:
+            nonlocal result
+            for s in sorted((s for s in source.steps() if s <= bound), reverse=True):
+                try:
+                    result = source.load(layout, rank, step=s, sink=sink, check=check)
+                except CheckpointCorruptError as e:
+                    log.warning("rank %d: step %d of %s does not verify: %s", rank, s, url, e)
+                    continue
+                return result.step
+            return None
+
+        log.warning("ranks loaded steps %s of %s; agreeing on the oldest", sorted(set(steps)), url)
+        agree_step(result.step, reload, where=url, gathered=steps)
     for k, (container, key, _) in leaves.items():
         if k not in tensors and k in result.shard:
             container[key] = result.shard[k]

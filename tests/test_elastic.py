@@ -4,6 +4,7 @@ model check, and the reads of ``tenplex.load`` (issue #16 item 3)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections import Counter
 from pathlib import Path
 
@@ -13,8 +14,10 @@ from fsspec.implementations.local import LocalFileSystem
 
 import tenplex
 from tenplex import ParallelConfig, load, model_ptc, rescale, save
-from tenplex import elastic
+from tenplex import choose
 from tenplex.planner import plan
+
+elastic = importlib.import_module("tenplex.elastic.rescale")  # the module rescale() runs in: patched below
 
 
 def _ptc() -> tenplex.PTC:
@@ -143,6 +146,38 @@ def test_fresh_start_is_a_rescale_result_without_io(tmp_path: Path) -> None:
     res = rescale(None, ptc, rank=1, world_size=2, parallel=ParallelConfig(tp=2))
     assert res.fresh and res.step == 0 and res.shard is None and res.cfg == ParallelConfig(tp=2)
     assert res.rank == 1 and res.world_size == 2
-    chooser = elastic.default_chooser(elastic.layout_options_for(
+    chooser = choose.default_chooser(choose.layout_options_for(
         ptc, dict(global_batch=8, micro_batch=2, gpu_mem="16GiB")))
     assert chooser(ptc, 2, None).world_size == 2
+
+
+def test_options_objects_validate_with_the_arithmetic_and_refuse_unknown_keywords() -> None:
+    """``RescaleOptions``, ``MigrationInputs`` and ``TieredLoadOptions`` (#30 item 4) refuse bad values in
+    ``__post_init__`` naming them; the keywords of ``rescale`` / ``migrate`` / ``load_tiered`` override
+    their fields, and a keyword none of them has is a ConfigError listing the fields."""
+    from tenplex.elastic import RescaleOptions
+    from tenplex.errors import ConfigError
+    from tenplex.migrate import MigrationInputs, migrate
+    from tenplex.store.recovery import TieredLoadOptions, load_tiered
+
+    with pytest.raises(ConfigError, match=r"rank 4 is outside the world: 0 <= rank < world_size = 4"):
+        RescaleOptions(rank=4, world_size=4)
+    with pytest.raises(ConfigError, match="parallel=.* pins the layout and choose= picks one"):
+        RescaleOptions(parallel=ParallelConfig(), choose=lambda ptc, world, previous: ParallelConfig())
+    with pytest.raises(ConfigError, match="gpus_per_host must be >= 1, got 0"):
+        rescale(None, _ptc(), gpus_per_host=0)
+    with pytest.raises(ConfigError, match=r"rescale\(\) got unknown keyword\(s\) \['ranks'\]; it takes rank, "):
+        rescale(None, _ptc(), ranks=2)
+    res = rescale(None, _ptc(), RescaleOptions(world_size=2, parallel=ParallelConfig(tp=2)), rank=1)
+    assert (res.rank, res.world_size, res.cfg, res.fresh) == (1, 2, ParallelConfig(tp=2), True)
+    ex = elastic.plan(_ptc(), ParallelConfig(tp=2), ParallelConfig(dp=2), alive=[0, 1])
+    from tenplex.migrate import exchange_plan
+
+    with pytest.raises(ConfigError, match="exchange= was computed with its rounds"):
+        MigrationInputs(exchange=exchange_plan(ex), rounds=[])
+    with pytest.raises(ConfigError, match=r"migrate\(\) got unknown keyword\(s\) \['plans'\]"):
+        migrate(_ptc(), ParallelConfig(tp=2), ParallelConfig(dp=2), None, alive=[0, 1], plans=ex)
+    with pytest.raises(ConfigError, match="max_workers must be >= 1, got 0"):
+        TieredLoadOptions(max_workers=0)
+    with pytest.raises(ConfigError, match=r"load_tiered\(\) got unknown keyword\(s\) \['step_'\]"):
+        load_tiered([], ParallelConfig(), 0, step_=3)

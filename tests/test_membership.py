@@ -161,7 +161,7 @@ def _worker(rank: int, port: int, url: str, scenario: str, out: Any) -> None:
 
     import torch.distributed as dist
 
-    from tenplex import elastic
+    from tenplex import choose
     from tenplex.membership import Membership
     from tenplex.migrate import migrate
 
@@ -213,7 +213,7 @@ def _worker(rank: int, port: int, url: str, scenario: str, out: Any) -> None:
             dist.all_reduce(y)
         res["sum"] = float(y.item())
         if scenario == "main":
-            chooser = elastic.default_chooser(elastic.layout_options_for(ptc, LAYOUT_OPTIONS))
+            chooser = choose.default_chooser(choose.layout_options_for(ptc, LAYOUT_OPTIONS))
             new = chooser(ptc, nm.world_size, OLD)
             r = migrate(ptc, OLD, new, shard, alive=nm.alive, storage=url, gpus_per_host=4)
             want = ptc.shard(glob, new)[nm.new_rank]

@@ -36,7 +36,8 @@ import torch
 
 from tenplex.checkpoint import save
 from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard
-from tenplex.elastic import live_order, predict_layout
+from tenplex.choose import predict_layout
+from tenplex.elastic import live_order
 from tenplex.errors import LayoutError
 from tenplex.planner import KIND_NAMES, STORAGE, locality_order, plan
 from tenplex.ptc import PTC

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import tenplex
 from tenplex import ParallelConfig
-from tenplex.elastic import default_chooser, layout_options_for
+from tenplex.choose import default_chooser, layout_options_for
 from tenplex.layouts import batch_split
 from tenplex.train.trainer import trainer_ptc
 

@@ -31,16 +31,17 @@ from typing import Any
 import torch
 
 from ..checkpoint.format import Binding
-from ..checkpoint.reader import LoadResult, PartReader, ReadItem, load_with_reader, read_manifest_at
-from ..config import ParallelConfig
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..checkpoint.reader import LoadResult, PartReader, ReadItem, ShardSink, load_with_reader, read_manifest_at
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ..options import with_overrides
 from ..planner import Plan
-from ..ptc import PTC
+from ..ptc import PTC, Layout
 from ..topology import Topology
 from .recovery_plan import RECOVERY_LINKS, RecoveryPlan, order_reads, plan_recovery, schedule_recovery
 from .tiers import Attempt, Tier, TierScan, UsableStep, find_usable, scan_tiers, usable_steps
 
-__all__ = ["Tier", "TieredLoad", "UsableStep", "TierScan", "scan_tiers", "find_usable", "usable_steps", "load_tiered",
+__all__ = ["Tier", "TieredLoad", "TieredLoadOptions", "UsableStep", "TierScan", "scan_tiers", "find_usable", "usable_steps",
+           "load_tiered",
            "RECOVERY_LINKS", "RecoveryPlan", "plan_recovery", "PeerRead", "RecoveryRounds", "TieredReader",
            "RoundsReader"]
 
@@ -275,11 +276,61 @@ class RoundsReader(TieredReader):
 # ---------------------------------------------------------------------------------------------
 # load
 # ---------------------------------------------------------------------------------------------
-def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: PTC | None = None,
-                step: int | None = None, found: UsableStep | None = None, scan: TierScan | None = None,
-                allow_meta_change: bool = False, rounds: bool = True, gpus_per_host: int = 8,
-                topology: Topology | None = None, method: str = "greedy", time_limit: float = 2.0,
-                max_workers: int = 8, barrier: bool = False, moves: Plan | None = None) -> TieredLoad:
+def _tiered_load(result: LoadResult, reader: TieredReader | PartReader, tiers: Sequence[Tier], holders: list[Tier],
+                 rounds: bool) -> TieredLoad:
+    """What ``load_tiered`` reports of a load: the bytes by tier and tier kind, the fallbacks, the tier
+    each rank index came from and how the rounds went."""
+    if isinstance(reader, PartReader):
+        by_tier, fallbacks = {holders[0].name: reader.bytes_read}, 0
+        used = {r: holders[0].name for r in reader.indexes}
+        report = RecoveryRounds(False, "no peer store holds a part of this step" if rounds
+                                else "disabled (rounds=False)")
+    else:
+        by_tier, fallbacks = dict(reader.bytes_by_tier), reader.fallbacks
+        used = {r: names[0] for r, names in reader.choice.items() if names}
+        report = reader.report if isinstance(reader, RoundsReader) else RecoveryRounds(False, "disabled (rounds=False)")
+    by_kind: dict[str, int] = {}
+    for t in tiers:
+        by_kind[t.kind] = by_kind.get(t.kind, 0) + by_tier.get(t.name, 0)
+    return TieredLoad(result, by_tier, by_kind, fallbacks, used, report)
+
+
+@dataclass(frozen=True)
+class TieredLoadOptions:
+    """What ``load_tiered`` loads and how it reads (see there): which attempt (``step``, ``found``,
+    ``scan``), the model check (``ptc``, ``allow_meta_change``, ``check``), where the bytes go
+    (``sink``), and the recovery schedule (``rounds``, ``gpus_per_host``, ``topology``, ``method``,
+    ``time_limit``, ``max_workers``, ``barrier``, ``moves``)."""
+
+    ptc: PTC | None = None
+    step: int | None = None
+    found: UsableStep | None = None
+    scan: TierScan | None = None
+    allow_meta_change: bool = False
+    rounds: bool = True
+    gpus_per_host: int = 8
+    topology: Topology | None = None
+    method: str = "greedy"
+    time_limit: float = 2.0
+    max_workers: int = 8
+    barrier: bool = False
+    moves: Plan | None = None
+    sink: ShardSink | None = None
+    check: Callable[[PTC], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_host < 1:
+            raise ConfigError(f"gpus_per_host must be >= 1, got {self.gpus_per_host}")
+        if self.max_workers < 1:
+            raise ConfigError(f"max_workers must be >= 1, got {self.max_workers}")
+        if not self.time_limit > 0:
+            raise ConfigError(f"time_limit must be > 0 seconds, got {self.time_limit}")
+        if self.step is not None and self.found is not None and self.found.step != self.step:
+            raise ConfigError(f"found= is attempt {self.found.save_id} of step {self.found.step}, but step={self.step}")
+
+
+def load_tiered(tiers: Sequence[Tier], cfg: Layout, rank: int, options: TieredLoadOptions | None = None,
+                **overrides: Any) -> TieredLoad:
     """Load ``rank``'s shard under ``cfg`` from the newest save attempt that verifies across ``tiers``.
 
     Tiers are tried in the given order for every part (put the cheapest first): a manifest,
@@ -288,7 +339,10 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
     usable attempt is tried (of ``step`` only, when given); ``result.skipped`` lists the
     attempts passed over. ``scan``: the tiers' scan (``scan_tiers``), when the caller has it;
     ``found``: load exactly this attempt (no fallback to another). ``ptc`` and
-    ``allow_meta_change``: as for ``tenplex.checkpoint.load``.
+    ``allow_meta_change``: as for ``tenplex.checkpoint.load``; ``sink`` and ``check``: as for
+    ``load_with_reader`` (a torch-native state dict's in-place reads). ``cfg``: a ``ParallelConfig``
+    or a state dict's ``StateLayout``. ``options`` (``TieredLoadOptions``) holds every setting
+    below; keywords override its fields.
 
     ``rounds`` (default): reads from peer stores follow the recovery schedule
     (``plan_recovery`` with ``gpus_per_host``, ``topology``, ``method``, ``time_limit``),
@@ -305,12 +359,14 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
     as ``tenplex.checkpoint.load`` reads it: the directory's ``PartReader`` (prefetching,
     checksums in a second thread), as there is no other copy to fall back to.
     """
+    o = with_overrides(options or TieredLoadOptions(), overrides, "load_tiered")
     t0 = time.perf_counter()
     skipped: list[tuple[int, str, str]] = []
-    if found is not None:
-        usable = [found]
+    step = o.step
+    if o.found is not None:
+        usable = [o.found]
     else:
-        scan = scan or scan_tiers(tiers)
+        scan = o.scan or scan_tiers(tiers)
         usable = scan.usable
         skipped = [u for u in scan.unusable if step is None or u[0] == step]
     if step is not None:
@@ -329,10 +385,11 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
         reader: TieredReader | PartReader
         if len(holders) == 1 and holders[0].kind == "storage":  # one copy, no fallback: the plain reader
             reader = PartReader(holders[0].fs()[0], attempt.dirs[holders[0].name])
-        elif rounds:  # the schedule first, then the reads
-            rplan, why = schedule_recovery(chosen, tiers, cfg, rank, gpus_per_host=gpus_per_host, topology=topology,
-                                           method=method, time_limit=time_limit, moves=moves)
-            reader = RoundsReader(tiers, attempt, rplan, why, max_workers=max_workers, barrier=barrier)
+        elif o.rounds:  # the schedule first, then the reads
+            rplan, why = schedule_recovery(chosen, tiers, cfg, rank, gpus_per_host=o.gpus_per_host,
+                                           topology=o.topology, method=o.method, time_limit=o.time_limit,
+                                           moves=o.moves)
+            reader = RoundsReader(tiers, attempt, rplan, why, max_workers=o.max_workers, barrier=o.barrier)
         else:
             reader = TieredReader(tiers, attempt)
         reader.metadata_bytes += chosen.manifest_bytes
@@ -340,7 +397,8 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
         objects_from = [(by_name[n].fs()[0], attempt.dirs[n]) for n in meta if n in by_name]
         try:
             result = load_with_reader(verified, f"{chosen.meta_tier.url} step {chosen.step}", cfg, rank, reader,
-                                      objects_from, ptc=ptc, allow_meta_change=allow_meta_change, t0=t0)
+                                      objects_from, ptc=o.ptc, allow_meta_change=o.allow_meta_change, t0=t0,
+                                      sink=o.sink, check=o.check)
         except CheckpointCorruptError as e:
             log.warning("step %d (save %s) has no intact copy across the tiers, trying an older one: %s", chosen.step,
                         chosen.save_id, e)
@@ -351,21 +409,7 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
         if passed:
             log.warning("rank %d loaded step %d after passing over %d newer attempts: %s", rank, result.step,
                         len(passed), "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in passed))
-        result = dataclasses.replace(result, skipped=tuple(passed))
-        if isinstance(reader, PartReader):
-            by_tier, fallbacks = {holders[0].name: reader.bytes_read}, 0
-            used = {r: holders[0].name for r in reader.indexes}
-            report = RecoveryRounds(False, "no peer store holds a part of this step" if rounds
-                                    else "disabled (rounds=False)")
-        else:
-            by_tier, fallbacks = dict(reader.bytes_by_tier), reader.fallbacks
-            used = {r: names_[0] for r, names_ in reader.choice.items() if names_}
-            report = (reader.report if isinstance(reader, RoundsReader)
-                      else RecoveryRounds(False, "disabled (rounds=False)"))
-        by_kind: dict[str, int] = {}
-        for t in tiers:
-            by_kind[t.kind] = by_kind.get(t.kind, 0) + by_tier.get(t.name, 0)
-        return TieredLoad(result, by_tier, by_kind, fallbacks, used, report)
+        return _tiered_load(dataclasses.replace(result, skipped=tuple(passed)), reader, tiers, holders, o.rounds)
     reasons = sorted([*skipped, *tried], key=lambda x: x[0], reverse=True)
     raise CheckpointCorruptError(f"no step{'' if step is None else f' {step}'} verifies across the tiers {names}: "
                                  + "; ".join(f"step {s} ({sid}): {why}" for s, sid, why in reasons))

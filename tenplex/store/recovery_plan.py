@@ -22,11 +22,10 @@ import numpy as np
 
 from ..checkpoint.format import writer_assignment
 from ..checkpoint.reader import ReadItem
-from ..config import ParallelConfig
 from ..errors import ConfigError
 from ..planner import Plan
 from ..planner import plan as plan_moves
-from ..ptc import PTC
+from ..ptc import PTC, Layout
 from ..schedule import METHODS, Demands, Schedule, schedule
 from ..topology import Topology
 from .tiers import Tier, UsableStep
@@ -103,7 +102,7 @@ class RecoveryOptions:
         if not (math.isfinite(self.time_limit) and self.time_limit > 0):
             raise ConfigError(f"RecoveryOptions.time_limit must be a finite number > 0, got {self.time_limit!r}")
 
-    def topology_for(self, stores: Sequence[Tier], cfg: ParallelConfig) -> Topology:
+    def topology_for(self, stores: Sequence[Tier], cfg: Layout) -> Topology:
         """``topology``, or the default one for ``stores`` and the new world (see above)."""
         if self.topology is not None:
             return self.topology
@@ -112,7 +111,7 @@ class RecoveryOptions:
         return Topology.from_spec(f"hosts={hosts_needed},gpus={g},{RECOVERY_LINKS}")
 
 
-def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int,
+def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: Layout, rank: int,
                   options: RecoveryOptions | None = None, **settings: Any) -> RecoveryPlan:
     """Schedule the reads between host stores that loading ``found`` under ``cfg`` needs.
 
@@ -130,8 +129,9 @@ def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig,
     """
     t0 = time.perf_counter()
     opts = dataclasses.replace(options or RecoveryOptions(), **settings)
-    saved = PTC.from_json(found.manifest["ptc"])
-    old = ParallelConfig.parse(found.manifest["layout"])
+    manifest = found.manifest
+    saved = PTC.from_json(manifest["ptc"])
+    old = found.layout
     topology = opts.topology_for([t for t in tiers if t.kind in ("local", "peer")], cfg)
     moves = opts.moves
     if moves is None or (moves.old, moves.new, moves.gpus_per_host) != (old, cfg, topology.gpus_per_host):
@@ -158,7 +158,7 @@ def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig,
     return RecoveryPlan(sched, topology, hosts, my_gpu, deliveries, seconds)
 
 
-def _writers(saved: PTC, old: ParallelConfig, moves: Plan) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def _writers(saved: PTC, old: Layout, moves: Plan) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per tensor index of ``moves``: the starts of its chunks (the old layout's holder classes),
     sorted, and the writer rank of each."""
     tindex = {n: i for i, n in enumerate(moves.tensor_names)}
@@ -266,7 +266,7 @@ def _round_of(index: _Index, name: str, lo: int, hi: int) -> int:
     return best
 
 
-def schedule_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: ParallelConfig, rank: int,
+def schedule_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: Layout, rank: int,
                       options: RecoveryOptions | None = None, **settings: Any) -> tuple[RecoveryPlan | None, str]:
     """``plan_recovery`` bounded in time, run before any read: the plan and "", or None and why
     there is none (no peer store holds a part of ``found``, scheduling failed, or it outlasted

@@ -25,7 +25,10 @@ from ..checkpoint.format import (
     parse_step_dir,
 )
 from ..checkpoint.reader import read_manifest_at, url_fs
+from ..config import ParallelConfig
 from ..errors import CheckpointError
+from ..ptc import Layout
+from ..state_layout import StateLayout
 
 __all__ = ["Tier", "Attempt", "UsableStep", "TierScan", "scan_tiers", "find_usable", "usable_steps"]
 
@@ -116,6 +119,16 @@ class UsableStep:
     manifest_bytes: int
     meta_tier: Tier
     verified: Manifest | None = None
+
+    @property
+    def layout(self) -> Layout:
+        """The layout the attempt was saved under: a ``ParallelConfig``, or a torch-native state
+        dict's ``StateLayout``."""
+        if self.verified is not None:
+            return self.verified.layout
+        if "state_layout" in self.manifest:
+            return StateLayout.from_json(self.manifest["state_layout"])
+        return ParallelConfig.parse(self.manifest["layout"])
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from ..bubbles import BubbleRuntime, SnapshotTask, StoreWriteTask, side_task_memory_budget
 from ..config import ParallelConfig
 from ..data.corpus import stdlib_corpus
-from ..elastic import device_memory, rescale
+from ..choose import device_memory
+from ..elastic import rescale
 from ..memory import estimate_memory, parse_size, resolve_model
 from ..models import ModelSpec
 from .launch import free_port

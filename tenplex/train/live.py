@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from ..bubbles import BubbleRuntime, SnapshotTask
 from ..config import ParallelConfig
-from ..elastic import Chooser, LiveState, MeshChooser, RescaleResult, check_fits, live_order, rescale
+from ..choose import Chooser, MeshChooser, check_fits
+from ..elastic import LiveState, RescaleResult, live_order, rescale
 from ..errors import ConfigError, MembershipError, TenplexError
 from ..membership import Membership, NewMembership
 from ..ptc import PTC

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ParallelConfig
-from ..elastic import check_fits
+from ..choose import check_fits
 
 __all__ = ["Groups", "local_device", "uses_cuda", "join_process_group", "init_distributed", "copy_to_tp",
            "reduce_from_tp", "all_reduce"]

@@ -43,7 +43,8 @@ from ..checkpoint import default_save_id, save
 from ..config import ParallelConfig
 from ..data.corpus import TokenCorpus, stdlib_corpus
 from ..data.partition import DataState
-from ..elastic import Chooser, RescaleResult, agree_on_step, default_chooser, env_world, layout_options_for, rescale
+from ..choose import Chooser, default_chooser, layout_options_for
+from ..elastic import RescaleResult, agree_on_step, env_world, rescale
 from ..errors import CheckpointMismatchError, CheckpointWriteError, ConfigError, PeerFailure, TenplexError
 from ..membership import Membership
 from ..memory import RECOMPUTE
