@@ -41,6 +41,7 @@ import tenplex
 from tenplex import PTC, ParallelConfig, model_ptc
 from tenplex import checkpoint as ckpt
 from tenplex import ptc as ptc_mod
+from tenplex.models import model_spec
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -514,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     model_kw: dict[str, Any] = dict(QUICK_MODEL) if args.quick else {"preset": "gpt-100m"}
     pairs = QUICK_PAIRS if args.quick else FULL_PAIRS
     base = model_ptc(**model_kw)
-    spec = tenplex.model_spec(**model_kw)
+    spec = model_spec(**model_kw)
     log(f"model {'quick GPT' if args.quick else 'gpt-100m'}: {base}, {spec.num_params():,} parameters")
 
     t0 = time.perf_counter()
@@ -541,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_175b:
         ptc175 = model_ptc("gpt3-175b")
         big_model = {"preset": "gpt3-175b", "tensors": len(ptc175), "bytes": ptc175.nbytes,
-                     "params": tenplex.model_spec("gpt3-175b").num_params()}
+                     "params": model_spec("gpt3-175b").num_params()}
         reps = 1 if args.quick else args.plan_reps
         for name, old, new, alive_rule in BIG_PAIRS:
             if args.quick and alive_rule != "default":

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import tenplex
 from tenplex import ParallelConfig, model_ptc
+from tenplex.checkpoint import read_manifest
 from tenplex.cli import main as cli_main
 from tenplex.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from tenplex.interop import (
@@ -49,7 +50,7 @@ def _random_state(ptc: tenplex.PTC, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _load_all(url: str, cfg: ParallelConfig) -> dict[str, torch.Tensor]:
     shards = {r: tenplex.load(url, cfg, r).shard for r in range(cfg.world_size)}
-    ptc = tenplex.read_manifest(url)["ptc"]
+    ptc = read_manifest(url)["ptc"]
     return ptc.unshard(shards, cfg)
 
 
@@ -347,7 +348,7 @@ def _job_resaves(url: str, cfg: ParallelConfig, own_ptc: bool, step: int) -> Non
     """What a job does: every rank of ``cfg`` loads its shard and saves it again with ``tenplex.save``
     (one rank after another in this process), with its own ``extra``; ``own_ptc``: the job builds
     its PTC from the model's dimensions (``model_ptc``) instead of saving with the loaded one."""
-    saved = tenplex.read_manifest(url)["ptc"]
+    saved = read_manifest(url)["ptc"]
     spec = saved.meta["model"]
     mine = model_ptc(arch=spec["arch"], num_layers=spec["num_layers"], hidden=spec["hidden"], heads=spec["heads"],
                      kv_heads=spec["kv_heads"], ffn_hidden=spec["ffn_hidden"], vocab=spec["vocab"],
@@ -370,7 +371,7 @@ def test_export_after_a_job_resaves_keeps_the_source_config(tmp_path: Path, name
     cfg = P("dp=1,tp=2,pp=2")
     _job_resaves(url, cfg, own_ptc, step=1)
     _job_resaves(url, cfg, own_ptc, step=2)
-    assert tenplex.read_manifest(url)["step"] == 2
+    assert read_manifest(url)["step"] == 2
     assert cli_main(["export", url, str(tmp_path / "out")]) == 0
     src_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -405,7 +406,7 @@ def test_a_job_stating_other_hyperparameters_is_refused_and_its_change_exported(
     src = _save_pretrained("llama", HF_CONFIGS["llama3"][1], tmp_path / "hf")
     url, cfg = str(tmp_path / "tp"), P("dp=1,tp=2,pp=1")
     tenplex.import_hf(src, url)
-    spec = tenplex.read_manifest(url)["ptc"].meta["model"]
+    spec = read_manifest(url)["ptc"].meta["model"]
     assert (spec["norm_eps"], spec["rope_theta"], spec["rope_scaling"]["rope_type"]) == (1e-5, 500000.0, "llama3")
     dims = {k: spec[k] for k in ("arch", "num_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                                  "seq_len", "tied_embeddings", "dtype", "vocab_pad")}
@@ -456,7 +457,7 @@ def test_no_description_is_carried_into_another_model(tmp_path: Path) -> None:
     tenplex.import_hf(src, url)
     ptc = model_ptc("tiny", optimizer=False)
     _save_global(url, ptc, _random_state(ptc), ParallelConfig())
-    assert tenplex.read_manifest(url)["ptc"].meta["model"] == ptc.meta["model"]
+    assert read_manifest(url)["ptc"].meta["model"] == ptc.meta["model"]
 
 
 def test_a_checkpoint_imported_before_keeps_its_config_from_extra(tmp_path: Path) -> None:

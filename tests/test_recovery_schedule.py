@@ -139,7 +139,7 @@ def test_fallback_when_scheduling_is_off_fails_or_is_slow(hosts, monkeypatch) ->
 
     # a topology with too few hosts for the stores is a clear error, logged, and the load goes on
     monkeypatch.undo()
-    from tenplex import Topology
+    from tenplex.topology import Topology
 
     res = load_tiered(tiers, NEW, 1, ptc=PTC_, topology=Topology.from_spec("hosts=1,gpus=4"))
     assert not res.rounds.followed and "peer stores" in res.rounds.reason and _same_shard(res, plain, 1)
