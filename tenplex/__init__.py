@@ -38,7 +38,7 @@ from .state_dict import load_state_dict, save_state_dict
 #: networkx (0.3-1 s of a restarted job's start on a loaded host; #29 item 3).
 _LAZY = {
     "rescale": "elastic",
-    "export_hf": "interop", "import_checkpoint": "interop", "import_dcp": "interop", "import_hf": "interop",
+    "export_hf": "hf_export", "import_checkpoint": "auto_import", "import_dcp": "dcp_import", "import_hf": "hf_import",
     "choose_layout": "layouts",
     "estimate_memory": "memory",
     "model_ptc": "models",
@@ -47,7 +47,10 @@ _LAZY = {
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from .elastic import rescale
-    from .interop import export_hf, import_checkpoint, import_dcp, import_hf
+    from .auto_import import import_checkpoint
+    from .dcp_import import import_dcp
+    from .hf_export import export_hf
+    from .hf_import import import_hf
     from .layouts import choose_layout
     from .memory import estimate_memory
     from .models import model_ptc

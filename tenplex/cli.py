@@ -21,12 +21,14 @@ from contextlib import contextmanager
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from .auto_import import import_checkpoint
 from .checkpoint import list_steps, read_manifest
 from .checkpoint.reader import url_fs
 from .config import MAX_WORLD_SIZE, ParallelConfig
 from .data.index import build_index, load_index
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError
-from .interop import detect_format, export_hf, import_checkpoint
+from .hf_export import export_hf
+from .import_source import detect_format
 from .layouts import Hardware, rank_layouts
 from .memory import RECOMPUTE, estimate_memory, parse_size
 from .models import model_ptc

@@ -16,7 +16,7 @@ import tenplex
 from tenplex.checkpoint import read_manifest
 from tenplex.cli import main as cli_main
 from tenplex.errors import CheckpointError, LayoutError, SpecError
-from tenplex.interop import dcp_chunk_layout, import_dcp
+from tenplex.dcp_import import dcp_chunk_layout, import_dcp
 from tenplex.mesh import MeshLayout, Shard, box_segments
 from tenplex.ptc import PTC, Replicated, Split
 from tenplex.state_layout import Boxes, Placed, StateLayout, spec_for

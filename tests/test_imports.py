@@ -239,7 +239,8 @@ def test_import_tenplex_loads_only_the_checkpoint_path() -> None:
                          cwd=ROOT, timeout=120).stdout.split()
     assert "tenplex.state_dict" in out and "tenplex.checkpoint.reader" in out
     heavy = [m for m in out if m.split(".")[0] == "networkx" or m.split(".")[1:2] and m.split(".")[1] in
-             ("elastic", "store", "schedule", "interop", "topology", "layouts", "memory", "reshard",
+             ("elastic", "store", "schedule", "auto_import", "dcp_import", "hf_import", "hf_export",
+              "hf_mapping", "import_source", "topology", "layouts", "memory", "reshard",
               "migrate", "membership", "data")]  # models: the manifest's model description (3 ms), compared on load
     assert heavy == [], heavy
 

@@ -21,17 +21,12 @@ from tenplex import ParallelConfig, model_ptc
 from tenplex.checkpoint import read_manifest
 from tenplex.cli import main as cli_main
 from tenplex.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from tenplex.interop import (
-    detect_format,
-    export_hf,
-    hf_config_to_spec,
-    hf_to_tenplex,
-    import_dcp,
-    import_checkpoint,
-    import_hf,
-    load_global,
-    tenplex_to_hf,
-)
+from tenplex.auto_import import import_checkpoint
+from tenplex.dcp_import import import_dcp
+from tenplex.hf_export import export_hf, load_global
+from tenplex.hf_import import import_hf
+from tenplex.hf_mapping import hf_config_to_spec, hf_to_tenplex, tenplex_to_hf
+from tenplex.import_source import detect_format
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -239,7 +234,7 @@ def test_import_keeps_the_source_step(tmp_path: Path, capsys: pytest.CaptureFixt
     assert json.loads(capsys.readouterr().out)["step"] == 500
     assert cli_main(["import", str(src / "model.safetensors"), str(tmp_path / "c3"), "--step", "7", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 7
-    from tenplex.interop import source_step  # the rule, pure
+    from tenplex.import_source import source_step  # the rule, pure
 
     assert [source_step(p) for p in ("run/step-5", "run/step-5/", "s3://b/step_12", "ck/checkpoint-500/model.safetensors",
                                      "ds/global_step30", "run/model", "run/step-5-x", "mystep-3")] == [
@@ -418,7 +413,7 @@ def test_a_job_stating_other_hyperparameters_is_refused_and_its_change_exported(
     for r in range(cfg.world_size):
         res = tenplex.load(url, cfg, r, ptc=other, allow_meta_change=True)
         tenplex.save(url, other, cfg, r, res.shard, step=1)
-    with caplog.at_level("WARNING", logger="tenplex.interop"):
+    with caplog.at_level("WARNING", logger="tenplex.hf_mapping"):
         export_hf(url, tmp_path / "out")
     assert "rope_theta: saved 500000.0, requested 10000.0" in caplog.text
     src_cfg = json.loads((src / "config.json").read_text())
@@ -502,7 +497,7 @@ def test_tenplex_model_computes_with_the_imported_hyperparameters(tmp_path: Path
 @pytest.mark.parametrize("form", ["transformers5", "transformers4"])
 def test_a_changed_setting_is_written_into_the_source_config_in_its_own_form(form: str) -> None:
     """Only the keys of what changed are written, RoPE in the form the source config uses."""
-    from tenplex.interop import spec_to_hf_config
+    from tenplex.hf_mapping import spec_to_hf_config
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
