@@ -26,6 +26,7 @@ from .checkpoint import list_steps, read_manifest
 from .checkpoint.reader import url_fs
 from .config import MAX_WORLD_SIZE, ParallelConfig
 from .data.index import build_index, load_index
+from .dcp_import import DcpNames
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError
 from .hf_export import export_hf
 from .import_source import detect_format
@@ -531,8 +532,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
         with _storage_errors(_given(source_storage_option=src_opts)):
             fmt = detect_format(args.src, storage_options=src_opts)
     if fmt == "dcp":
-        kw.update(model=args.model, hf_config=hf_config, strip_prefix=args.strip_prefix,
-                  keep_partitioning=args.keep_partitioning)
+        kw["names"] = DcpNames(model=args.model, hf_config=hf_config, strip_prefix=args.strip_prefix,
+                               keep_partitioning=args.keep_partitioning)
     with _storage_errors(_given(source_storage_option=src_opts, storage_option=opts)):
         res = import_checkpoint(args.src, args.dst, fmt=fmt, **kw)
     if args.json:

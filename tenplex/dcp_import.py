@@ -42,7 +42,7 @@ from .models import ModelSpec, model_ptc, model_spec, optimizer_names
 from .ptc import PTC, TensorSpec
 from .state_layout import Boxes, StateLayout, spec_for
 
-__all__ = ["read_dcp_state", "DcpChunk", "dcp_chunk_layout", "import_dcp_chunks", "import_dcp"]
+__all__ = ["read_dcp_state", "DcpChunk", "dcp_chunk_layout", "import_dcp_chunks", "DcpNames", "import_dcp"]
 
 log = logging.getLogger(__name__)
 
@@ -267,34 +267,51 @@ def _dcp_ptc(tensors: Mapping[str, torch.Tensor], spec: ModelSpec | None) -> PTC
                meta={**base.meta, "imported_from": "dcp"})
 
 
-def import_dcp(src: str | Path, url: str, *, layout: ParallelConfig | None = None, step: int | None = None,
-               model: ModelSpec | str | None = None, hf_config: Mapping[str, Any] | None = None,
-               strip_prefix: str = "", keep_partitioning: bool | None = None,
-               storage_options: Mapping[str, Any] | None = None,
-               source_storage_options: Mapping[str, Any] | None = None) -> ImportResult:
-    """Import a torch.distributed.checkpoint directory as a tenplex checkpoint.
+@dataclass(frozen=True, slots=True)
+class DcpNames:
+    """What a DCP checkpoint's tensor names are, and so how ``import_dcp`` partitions them.
 
     ``keep_partitioning`` (default: when neither ``model`` nor ``hf_config`` is given and the names
     are not Hugging Face's): keep the checkpoint's chunks as they are (``import_dcp_chunks``); the
-    result is loaded with ``tenplex.load_state_dict`` under any mesh, and ``layout`` is not used.
-    Otherwise the tensors are read whole and saved under ``layout``: ``model``: the ModelSpec (or
+    result is loaded with ``tenplex.load_state_dict`` under any mesh, and the import's ``layout`` is not
+    used. Otherwise the tensors are read whole and saved under ``layout``: ``model``: the ModelSpec (or
     preset name) whose tenplex-named tensors the checkpoint holds; their TP/PP partitioning then
     applies under every layout. ``hf_config``: the checkpoint holds Hugging Face names of this
     config (mapped as in ``import_hf``). Neither (``keep_partitioning=False``): every tensor is
     imported replicated (loadable under any layout, but not TP-split).
     ``strip_prefix`` is removed from every name first (e.g. ``"model."`` of a wrapped module).
-    ``step``: default the source's (``source_step``: torchtitan's ``step-5``; else its saved
-    ``train_state.step``), else 0.
+    """
+
+    model: ModelSpec | str | None = None
+    hf_config: Mapping[str, Any] | None = None
+    strip_prefix: str = ""
+    keep_partitioning: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_partitioning and (self.model is not None or self.hf_config is not None):
+            raise ConfigError("keep_partitioning keeps the DCP checkpoint's own names and chunks: it takes no "
+                              "model or hf_config")
+
+
+def import_dcp(src: str | Path, url: str, *, names: DcpNames | None = None, layout: ParallelConfig | None = None,
+               step: int | None = None, storage_options: Mapping[str, Any] | None = None,
+               source_storage_options: Mapping[str, Any] | None = None) -> ImportResult:
+    """Import a torch.distributed.checkpoint directory as a tenplex checkpoint.
+
+    ``names``: what the tensor names are and whether the chunks are kept (``DcpNames``; default: kept
+    unless the names are Hugging Face's). ``layout``: the layout the tensors are saved under when the
+    chunks are not kept. ``step``: default the source's (``source_step``: torchtitan's ``step-5``; else
+    its saved ``train_state.step``), else 0.
     ``storage_options``: fsspec options of the tenplex checkpoint ``url``;
     ``source_storage_options``: of ``src`` when it is a URL.
     """
+    names = names or DcpNames()
+    model, hf_config, strip_prefix = names.model, names.hf_config, names.strip_prefix
+    keep_partitioning = names.keep_partitioning
     if keep_partitioning is None:
         keep_partitioning = model is None and hf_config is None and not has_hf_names(
             k.removeprefix(strip_prefix) for k in _dcp_metadata(src, source_storage_options)[1].state_dict_metadata)
     if keep_partitioning:
-        if model is not None or hf_config is not None:
-            raise ConfigError("keep_partitioning keeps the DCP checkpoint's own names and chunks: it takes no "
-                              "model or hf_config")
         if layout is not None and layout != ParallelConfig():
             log.warning("importing %s with its own partitioning: layout %s is not used (load the result with "
                         "tenplex.load_state_dict under any mesh)", src, layout)

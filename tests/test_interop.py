@@ -22,7 +22,7 @@ from tenplex.checkpoint import read_manifest
 from tenplex.cli import main as cli_main
 from tenplex.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from tenplex.auto_import import import_checkpoint
-from tenplex.dcp_import import import_dcp
+from tenplex.dcp_import import DcpNames, import_dcp
 from tenplex.hf_export import export_hf, load_global
 from tenplex.hf_import import import_hf
 from tenplex.hf_mapping import hf_config_to_spec, hf_to_tenplex, tenplex_to_hf
@@ -142,7 +142,7 @@ def test_dcp_import_model_with_optimizer(tmp_path: Path) -> None:
     _dcp_save(dict(state), tmp_path / "dcp")
     assert detect_format(tmp_path / "dcp") == "dcp"
     url = str(tmp_path / "tp")
-    res = import_dcp(tmp_path / "dcp", url, model="tiny", layout=P("dp=2,tp=1,pp=1"))
+    res = import_dcp(tmp_path / "dcp", url, names=DcpNames(model="tiny"), layout=P("dp=2,tp=1,pp=1"))
     assert res.ptc.fingerprint() == ptc.fingerprint()
     for cfg in ("dp=1,tp=4,pp=1", "dp=1,tp=2,pp=2"):
         got = _load_all(url, P(cfg))
@@ -165,7 +165,7 @@ def test_dcp_import_generic_and_hf_names(tmp_path: Path) -> None:
     _dcp_save(dict(hf), tmp_path / "h")
     with pytest.raises(ConfigError, match="hf_config"):
         import_dcp(tmp_path / "h", str(tmp_path / "x"))
-    import_dcp(tmp_path / "h", str(tmp_path / "th"), hf_config=LLAMA_CFG, layout=P("tp=2"))
+    import_dcp(tmp_path / "h", str(tmp_path / "th"), names=DcpNames(hf_config=LLAMA_CFG), layout=P("tp=2"))
     _, glob, _ = load_global(str(tmp_path / "th"))
     want = hf_to_tenplex(hf, hf_config_to_spec(LLAMA_CFG, torch.float32))
     assert all(_bits_equal(glob[n], want[n]) for n in want)
@@ -176,7 +176,7 @@ def test_dcp_import_partial_optimizer_is_an_error(tmp_path: Path) -> None:
     state = {n: t for n, t in _random_state(ptc).items() if not n.startswith("optimizer.exp_avg_sq.layers.3")}
     _dcp_save(state, tmp_path / "d")
     with pytest.raises(CheckpointError, match="optimizer state for some parameters"):
-        import_dcp(tmp_path / "d", str(tmp_path / "t"), model="tiny")
+        import_dcp(tmp_path / "d", str(tmp_path / "t"), names=DcpNames(model="tiny"))
 
 
 def test_errors(tmp_path: Path) -> None:
@@ -222,7 +222,7 @@ def test_import_keeps_the_source_step(tmp_path: Path, capsys: pytest.CaptureFixt
     assert import_dcp(tmp_path / "titan" / "step-5", str(tmp_path / "t2b")).step == 5
     _dcp_save(dict(state), tmp_path / "renamed")  # no step in the name: torchtitan's saved train_state.step
     assert import_checkpoint(tmp_path / "renamed", str(tmp_path / "t3")).step == 5
-    assert import_dcp(tmp_path / "renamed", str(tmp_path / "t3b"), keep_partitioning=False).step == 5
+    assert import_dcp(tmp_path / "renamed", str(tmp_path / "t3b"), names=DcpNames(keep_partitioning=False)).step == 5
     _dcp_save({"tok.weight": state["tok.weight"]}, tmp_path / "plain")
     assert import_checkpoint(tmp_path / "plain", str(tmp_path / "t4")).step == 0  # nothing says a step
     # the CLI: a titan step directory and an HF Trainer checkpoint directory
@@ -313,7 +313,7 @@ def test_dcp_import_with_hf_config_keeps_it_for_export(tmp_path: Path) -> None:
     cfg = {**LLAMA_CFG, "rope_theta": 500000.0, "rms_norm_eps": 1e-6, "bos_token_id": 256, "eos_token_id": 257}
     hf = load_file(str(_hf_by_hand("llama", tmp_path / "hf") / "model.safetensors"))
     _dcp_save(dict(hf), tmp_path / "h")
-    import_dcp(tmp_path / "h", str(tmp_path / "t"), hf_config=cfg)
+    import_dcp(tmp_path / "h", str(tmp_path / "t"), names=DcpNames(hf_config=cfg))
     export_hf(str(tmp_path / "t"), tmp_path / "out")
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert {k: out_cfg[k] for k in cfg} == cfg
@@ -634,7 +634,7 @@ def test_dcp_import_from_a_url_passes_storage_options(tmp_path: Path, recfs) -> 
     recfs().put(str(tmp_path / "dcp"), "recfs://dcp", recursive=True)
     _calls(recfs)
     assert detect_format("recfs://dcp", storage_options=SRC_OPTS) == "dcp"
-    import_dcp("recfs://dcp", str(tmp_path / "t"), model="tiny", source_storage_options=SRC_OPTS)
+    import_dcp("recfs://dcp", str(tmp_path / "t"), names=DcpNames(model="tiny"), source_storage_options=SRC_OPTS)
     calls = _calls(recfs)
     assert calls and all(c == SRC_OPTS for c in calls), calls
     got = _load_all(str(tmp_path / "t"), P("dp=1,tp=2,pp=2"))
@@ -669,3 +669,12 @@ def test_cli_import_export_pass_storage_options(tmp_path: Path, recfs, capsys) -
     calls = _calls(recfs)
     assert CK_OPTS in calls and OUT_OPTS in calls and all(c in (CK_OPTS, OUT_OPTS) for c in calls), calls
     assert fs.exists("recfs://out/config.json")
+
+
+def test_dcp_names_that_keep_the_chunks_take_no_model() -> None:
+    """Keeping a DCP checkpoint's chunks keeps its names: a model or HF config with it is refused up front."""
+    with pytest.raises(ConfigError, match="keep_partitioning keeps the DCP checkpoint's own names"):
+        DcpNames(model="tiny", keep_partitioning=True)
+    with pytest.raises(ConfigError, match="takes no model or hf_config"):
+        DcpNames(hf_config=LLAMA_CFG, keep_partitioning=True)
+    assert DcpNames(model="tiny").keep_partitioning is None
