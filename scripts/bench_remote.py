@@ -8,7 +8,7 @@ coalesced within the gap budget, up to 16 GETs in flight). Reported per rank: da
 (counted in s3fs), bytes read / needed, wall time; three runs (modes interleaved), median and
 spread. ``--latency-ms`` adds a delay to every data GET, as a distant object store would.
 
-    python scripts/bench_remote.py --json            # docs/bench_remote.{md,json}
+    python scripts/bench_remote.py --json            # docs/bench/bench_remote.{md,json}
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def main() -> None:
     ap.add_argument("--new", nargs="+", default=["tp=4", "tp=2,pp=2"])
     ap.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 10.0],
                     help="delays added to every data GET, one table each (0: moto on loopback as it is)")
-    ap.add_argument("--json", action="store_true", help="write docs/bench_remote.{md,json}")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench_remote"))
+    ap.add_argument("--json", action="store_true", help="write docs/bench/bench_remote.{md,json}")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "bench_remote"))
     args = ap.parse_args()
     import s3fs
 

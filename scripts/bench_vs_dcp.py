@@ -24,7 +24,7 @@ at 1024 GPUs versus DCP's load planning (``planner_helpers.create_read_items_for
 the resharding step of ``DefaultLoadPlanner.create_local_plan``) on equivalent metadata,
 timed for a few new ranks and extrapolated to all.
 
-    python scripts/bench_vs_dcp.py            # full run; writes docs/bench_vs_dcp.{md,json,png}
+    python scripts/bench_vs_dcp.py            # full run; writes docs/bench/bench_vs_dcp.{md,json,png}
     python scripts/bench_vs_dcp.py --quick    # small model, writes nothing
     python scripts/bench_vs_dcp.py --json     # one JSON object on stdout
 
@@ -738,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="4-layer GPT, writes nothing unless --out is given")
     ap.add_argument("--model", default="gpt-100m", help="model preset (default gpt-100m)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    ap.add_argument("--out", default=None, help="write <out>.md/.json/.png (default docs/bench_vs_dcp unless --quick)")
+    ap.add_argument("--out", default=None, help="write <out>.md/.json/.png (default docs/bench/bench_vs_dcp unless --quick)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--tmpdir", default=None)
     ap.add_argument("--pairs", default=None,
@@ -777,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         if plans:
             print()
             print(text_table(*plan_table(plans)))
-    out = args.out or (None if args.quick else str(REPO / "docs" / "bench_vs_dcp"))
+    out = args.out or (None if args.quick else str(REPO / "docs" / "bench" / "bench_vs_dcp"))
     if out and not args.no_write:
         Path(out + ".json").write_text(json.dumps(report, indent=1) + "\n")
         Path(out + ".md").write_text(markdown(report))

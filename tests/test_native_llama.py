@@ -23,7 +23,7 @@ tp4_loss_parallel as tp4, pp2_tp2_gpipe as pp2 x tp2):
 Meshes: [dp_shard], [tp], [dp_shard, tp], [dp_replicate, dp_shard]; under PP each stage's
 parameters live on the non-pp sub-mesh ([tp] or [dp_shard]).  The table is checked against what
 the workers report (``EXPECTED_PLACEMENTS``); the same placements as torchtitan 0.3.0's
-partial_dtensor backend (docs/titan/README.md), whose meshes always have the FSDP dim: its
+partial_dtensor backend (docs/titan.md), whose meshes always have the FSDP dim: its
 "tp4" is [fsdp=1, tp], our dp_shard1_tp4.  ``get_state_dict(model, optimizer)``: model
 entries ``<fqn>`` and ``optim.state.<fqn>.exp_avg/exp_avg_sq`` are DTensors (placements as the
 parameter), ``optim.state.<fqn>.step`` a plain 0-d tensor, ``optim.param_groups`` non-tensors
