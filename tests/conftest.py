@@ -8,11 +8,14 @@ included) that are valid for a drawn shape.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from spawned import free_port
 
 from tenplex import ParallelConfig
 
@@ -150,3 +153,49 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(
             f"{area:>12}: tried {row['tried']}, refused {row['refused']}, detected {row['detected']}, "
             f"identical {row['identical']}, silent {row['silent']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures shared by several test modules
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def recfs():  # type: ignore[no-untyped-def]
+    """The recording test filesystem (``recfs://``, tests/recording_fs.py), emptied before and after."""
+    from recording_fs import RecordingFileSystem
+
+    RecordingFileSystem.reset()
+    yield RecordingFileSystem
+    RecordingFileSystem.reset()
+
+
+@pytest.fixture
+def s3(monkeypatch) -> Iterator[dict[str, Any]]:  # noqa: ANN001
+    """A moto S3 server on 127.0.0.1 with bucket ``ckpt``; yields the storage options to reach it."""
+    server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
+    pytest.importorskip("s3fs", reason="s3fs is not installed")
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    port = free_port()
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        opts = {"key": "x", "secret": "y", "skip_instance_cache": True,
+                "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
+        boto3 = pytest.importorskip("boto3")
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").create_bucket(Bucket="ckpt")
+        yield opts
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """A fresh ``TENPLEX_RUNTIME_DIR`` for a module's store or mount processes (inherited by them)."""
+    d = str(tmp_path_factory.mktemp("rt"))
+    old = os.environ.get("TENPLEX_RUNTIME_DIR")
+    os.environ["TENPLEX_RUNTIME_DIR"] = d
+    yield d
+    if old is None:
+        del os.environ["TENPLEX_RUNTIME_DIR"]
+    else:
+        os.environ["TENPLEX_RUNTIME_DIR"] = old

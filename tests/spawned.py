@@ -39,6 +39,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
 
 
 def free_port() -> int:
+    """A port on 127.0.0.1 that nobody listens on (bound, then released)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -208,15 +208,6 @@ def test_sharded_dcp_import_keeps_chunks_and_loads_anywhere(tmp_path: Path) -> N
     assert "state_layout" not in read_manifest(str(tmp_path / "n"))
 
 
-@pytest.fixture
-def recfs():  # type: ignore[no-untyped-def]
-    from recording_fs import RecordingFileSystem
-
-    RecordingFileSystem.reset()
-    yield RecordingFileSystem
-    RecordingFileSystem.reset()
-
-
 def test_kept_partitioning_import_from_a_url_passes_storage_options(tmp_path: Path, recfs) -> None:  # type: ignore[no-untyped-def]
     import torch.distributed.checkpoint as dcp
 

@@ -580,15 +580,6 @@ def test_native_gpt_export_config_reproduces_the_spec(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # storage options reach fsspec (a recording test filesystem, recfs://)
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def recfs():  # type: ignore[no-untyped-def]
-    from recording_fs import RecordingFileSystem
-
-    RecordingFileSystem.reset()
-    yield RecordingFileSystem
-    RecordingFileSystem.reset()
-
-
 def _calls(recfs) -> list[dict]:  # type: ignore[no-untyped-def]
     calls = list(recfs.calls)
     recfs.calls.clear()

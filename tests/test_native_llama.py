@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -228,12 +227,6 @@ def worker(out: Path) -> None:
 # -------------------------------------------------------------------------------- test side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _logged_worker(out: Path, log: Path) -> None:
     """``worker(out)`` in a forked process, its output to ``log``."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -247,10 +240,10 @@ def _logged_worker(out: Path, log: Path) -> None:
 def world(tmp_path_factory) -> dict[str, list[dict]]:
     """Run every config in one world of WORLD gloo processes, forked from the test session's
     forkserver (torch and DTensor imported once: ``spawned.worker_context``); {config: [result of each rank]}."""
-    from spawned import here, in_env, reap, worker_context
+    from spawned import free_port, here, in_env, reap, worker_context
 
     out = tmp_path_factory.mktemp("native_llama")
-    port = _free_port()
+    port = free_port()
     ctx = worker_context()
     procs = []
     t0 = time.monotonic()
