@@ -7,6 +7,7 @@ included) that are valid for a drawn shape.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -168,24 +169,34 @@ def recfs():  # type: ignore[no-untyped-def]
     RecordingFileSystem.reset()
 
 
-@pytest.fixture
-def s3(monkeypatch) -> Iterator[dict[str, Any]]:  # noqa: ANN001
-    """A moto S3 server on 127.0.0.1 with bucket ``ckpt``; yields the storage options to reach it."""
+@contextlib.contextmanager
+def moto_s3() -> Iterator[dict[str, Any]]:
+    """A moto S3 server on 127.0.0.1 with bucket ``ckpt`` (its credentials in the environment meanwhile);
+    yields the storage options to reach it. moto's servers in one process share one backend: tests
+    that start several write under prefixes of their own."""
     server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
     pytest.importorskip("s3fs", reason="s3fs is not installed")
-    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    port = free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        opts = {"key": "x", "secret": "y", "skip_instance_cache": True,
-                "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
-        boto3 = pytest.importorskip("boto3")
-        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").create_bucket(Bucket="ckpt")
+    boto3 = pytest.importorskip("boto3")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            mp.setenv(k, v)
+        port = free_port()
+        server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            endpoint = f"http://127.0.0.1:{port}"
+            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="ckpt")
+            yield {"key": "x", "secret": "y", "skip_instance_cache": True,
+                   "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def s3() -> Iterator[dict[str, Any]]:
+    """``moto_s3`` for one test."""
+    with moto_s3() as opts:
         yield opts
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
