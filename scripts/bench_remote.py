@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from tenplex.checkpoint import load, save  # noqa: E402
 from tenplex.checkpoint.reader import CONCURRENT_ENV  # noqa: E402
 from tenplex.config import ParallelConfig  # noqa: E402
 from tenplex.models import model_ptc  # noqa: E402
+from tenplex.train.launch import free_port  # noqa: E402
 
 MODES = ("sequential", "concurrent")
 
@@ -44,12 +44,6 @@ def bench_ptc() -> Any:
     """A GPT of about 20 MiB (float32, with its optimizer state); hidden 256 keeps TP pieces
     aligned to checksum blocks, so bytes read / needed shows the reader, not the rounding."""
     return model_ptc(arch="gpt", num_layers=2, hidden=256, heads=4, vocab=1000, seq_len=256, dtype=torch.float32)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def layout(text: str) -> ParallelConfig:

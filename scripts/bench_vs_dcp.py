@@ -42,7 +42,6 @@ import os
 import platform
 import resource
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -60,6 +59,7 @@ from fsspec.spec import AbstractFileSystem
 import tenplex
 from tenplex import PTC, ParallelConfig, Split, model_ptc
 from tenplex.ptc import PAD, TensorSpec
+from tenplex.train.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 LOAD_MODES = ("native", "fsspec", "hosts")
@@ -434,19 +434,13 @@ def worker(rank: int, world: int, port: int, phase: str, spec: dict[str, Any]) -
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_phase(phase: str, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
     tdir = Path(spec["tmp"])
     for f in tdir.glob(f"result-{phase}-*.json"):
         f.unlink()
-    mp.start_processes(worker, args=(world, _free_port(), phase, spec), nprocs=world, join=True,
+    mp.start_processes(worker, args=(world, free_port(), phase, spec), nprocs=world, join=True,
                        start_method="spawn")
     return [json.loads((tdir / f"result-{phase}-{r}.json").read_text()) for r in range(world)]
 
