@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,demo]'
-	# torchtitan's own Llama 3 and CheckpointManager for the torch-native tests (docs/titan/README.md):
+	# torchtitan's own Llama 3 and CheckpointManager for the torch-native tests (docs/titan.md):
 	# without --no-deps it would pull wandb and datasets and downgrade fsspec
 	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3
 	$(PY) -m pip install -q tyro==1.0.17 torchdata==0.11.0 tensorboard==2.21.0
@@ -29,20 +29,20 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_reshard.py
 	$(PY) scripts/bench_vs_dcp.py
-	$(PY) scripts/bench_byo.py --json docs/bench_byo.json   # drops the page cache before cold loads when run as root
+	$(PY) scripts/bench_byo.py --json docs/bench/bench_byo.json   # drops the page cache before cold loads when run as root
 	PYTHONPATH=. $(PY) scripts/bench_migrate.py --json
 	$(PY) scripts/bench_remote.py --json   # needs moto[server] and s3fs (the test extras)
 	$(PY) scripts/bench_recovery.py
-	PYTHONPATH=. $(PY) scripts/bench_recovery.py --join   # in-process scale up: 2 workers admit 2 joiners (docs/bench_join.json)
-	PYTHONPATH=. $(PY) scripts/bench_recovery.py --json   # in-process vs restart on the same job, tiny and llama-100m (docs/bench_inprocess.json)
-	PYTHONPATH=. $(PY) scripts/bench_native_inprocess.py --repeats 3   # the torch-native job's in-process recovery (docs/bench_native_inprocess.json)
-	PYTHONPATH=. $(PY) scripts/bench_locality.py --repeats 5   # the survivors' locality order for torch-native state dicts, 8-512 ranks (docs/bench_locality.json)
+	PYTHONPATH=. $(PY) scripts/bench_recovery.py --join   # in-process scale up: 2 workers admit 2 joiners (docs/bench/bench_join.json)
+	PYTHONPATH=. $(PY) scripts/bench_recovery.py --json   # in-process vs restart on the same job, tiny and llama-100m (docs/bench/bench_inprocess.json)
+	PYTHONPATH=. $(PY) scripts/bench_native_inprocess.py --repeats 3   # the torch-native job's in-process recovery (docs/bench/bench_native_inprocess.json)
+	PYTHONPATH=. $(PY) scripts/bench_locality.py --repeats 5   # the survivors' locality order for torch-native state dicts, 8-512 ranks (docs/bench/bench_locality.json)
 	$(PY) scripts/bench_schedule.py
 	$(PY) scripts/bench_schedule_scale.py --json   # the scheduler at 1,024-16,384 GPUs
 	$(PY) scripts/bench_scale.py --json   # chooser, assignment, plans, world sizes, tenplex simulate (#20)
-	$(PY) scripts/bench_vfs.py --out docs/bench_vfs
-	$(PY) -m tenplex bench bubbles --plot docs/bubbles_timeline.png
-	$(PY) scripts/bench_bubbles_cuda.py --json docs/bench_bubbles_cuda.json   # needs a GPU; says so and skips without
+	$(PY) scripts/bench_vfs.py --out docs/bench/bench_vfs
+	$(PY) -m tenplex bench bubbles --plot docs/bench/bubbles_timeline.png
+	$(PY) scripts/bench_bubbles_cuda.py --json docs/bench/bench_bubbles_cuda.json   # needs a GPU; says so and skips without
 	$(PY) scripts/measure_memory.py
 	$(PY) scripts/measure_memory.py --gpu   # needs a GPU; says so and skips without
 

@@ -311,7 +311,7 @@ def _apply_fsdp(model: Llama, dp_mesh: DeviceMesh, *, pp_enabled: bool) -> None:
     fully_shard(model, **kw)
     # No gloo workaround needed here: with the default gradient divide factor FSDP2 reduces with
     # ReduceOp.AVG, which gloo runs (torch 2.13).  torchtitan's factor 1.0 becomes PREMUL_SUM,
-    # which gloo does not (see docs/titan/README.md, set_force_sum_reduction_for_comms).
+    # which gloo does not (see docs/titan.md, set_force_sum_reduction_for_comms).
 
 
 def parallelize(model: Llama, mesh: DeviceMesh, *, loss_parallel: bool = False,

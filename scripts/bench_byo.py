@@ -49,7 +49,7 @@ tenplex's first (``*_load_first_s``); ratios are tenplex / DCP of the medians (`
 
     python scripts/bench_byo.py                       # 100m, 3 repeats, all pairs
     python scripts/bench_byo.py --sizes 1,4,18,35 --no-own --json /tmp/small.json   # small states
-    python scripts/bench_byo.py --json docs/bench_byo.json
+    python scripts/bench_byo.py --json docs/bench/bench_byo.json
     python scripts/bench_byo.py --quick --pairs fsdp4-fsdp2 --json /tmp/x.json   # tiny, 1 repeat
 
 Progress goes to stderr, tables to stdout.

@@ -13,7 +13,7 @@ example's rule gives (``dp_shard = n - 1``). Per case and size, what a recovery 
 
 Also the bytes the plan moves between survivors in the old rank order and in the locality order.
 Medians with min/max of ``--repeats``, the load average before and after, the command; JSON to
-``--out`` (default docs/bench_locality.json).
+``--out`` (default docs/bench/bench_locality.json).
 
     PYTHONPATH=. python scripts/bench_locality.py --repeats 5
 """
@@ -111,7 +111,7 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--ffn", type=int, default=2816)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench_locality.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "bench_locality.json"))
     args = ap.parse_args()
     tensors = llama_tensors(args.layers, args.dim, args.ffn, args.vocab)
     locality_order(*job_layout(tensors, {"dp_shard": 2}), job_layout(tensors, {"dp_shard": 2})[1], [0, 1])  # scipy import

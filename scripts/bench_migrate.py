@@ -10,7 +10,7 @@ else, so some bytes must come from storage) and without (every byte is live).
 
 Times are the slowest rank's, per repeat after a barrier; median and spread (min, max) of
 ``--repeats``. Printed as a table; ``--json [PATH]`` also writes them (default
-docs/bench_migrate.json) with the load average before and after.
+docs/bench/bench_migrate.json) with the load average before and after.
 
     PYTHONPATH=. python scripts/bench_migrate.py [--models tiny,llama-100m] [--repeats 3] [--json [PATH]]
 """
@@ -152,8 +152,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny,llama-100m")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", nargs="?", const=str(ROOT / "docs" / "bench_migrate.json"), default=None,
-                    help="write the figures here (default docs/bench_migrate.json)")
+    ap.add_argument("--json", nargs="?", const=str(ROOT / "docs" / "bench" / "bench_migrate.json"), default=None,
+                    help="write the figures here (default docs/bench/bench_migrate.json)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

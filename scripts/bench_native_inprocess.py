@@ -23,7 +23,7 @@ checkout (e.g. main's, to compare).
 Per repeat, from the job's ``"recover"`` record (new rank 0's view): detection, agreement, regroup,
 mesh + model rebuilt, ``rescale`` (describe, plan, step agreement, migrate), failure -> state moved,
 the first step after it, bytes live / from storage against the plan's. Medians with min/max, the
-load average before and after, the command; JSON to ``--out`` (default docs/bench_native_inprocess.json).
+load average before and after, the command; JSON to ``--out`` (default docs/bench/bench_native_inprocess.json).
 
     PYTHONPATH=. python scripts/bench_native_inprocess.py --repeats 3
 """
@@ -122,7 +122,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--dead-after", type=float, default=10.0, help="the job's heartbeat verdict (its default 10 s)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench_native_inprocess.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "bench_native_inprocess.json"))
     ap.add_argument("--root", default=str(ROOT), help="the checkout whose examples/train_native.py and tenplex run")
     args = ap.parse_args()
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)

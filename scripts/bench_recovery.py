@@ -13,14 +13,14 @@ every step): "in_process" (the survivors keep running, agree, move their state l
 only the dead host's pieces from their host store) and "restart" (torchrun's agent restarts the
 survivors, rescale() loads from the stores), `--repeats` times each (alternating), for tiny and
 llama-100m (`--quick`: tiny only); it prints medians with min/max, every repeat and the load
-average, and writes docs/bench_inprocess.json (not with --quick).
+average, and writes docs/bench/bench_inprocess.json (not with --quick).
 
 `--join` measures scale up in-process (issue #18 item 4): 2 env:// workers (tiny, dp=2) and 2
 processes started with `--join` beside them (the tests' pattern: a standalone membership store);
 the workers admit the joiners at a step boundary and send them their state live; 4 workers go on
 under dp=1,tp=2,pp=2. Reported per repeat: join boundary -> first step under the new layout and
 its parts, bytes sent live against the plan's peer bytes, bytes from storage, losses against a
-single-process run; medians with min/max over `--repeats`, the load average, docs/bench_join.json.
+single-process run; medians with min/max over `--repeats`, the load average, docs/bench/bench_join.json.
 
 A run whose log shows a recovery that began before the kill (a failure verdict with no failure),
 or whose figures are not all positive, is refused: the script exits with status 3 and says why
@@ -328,7 +328,7 @@ def _main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only")
     ap.add_argument("--shm", default="/dev/shm", help="tmpfs for the host stores")
-    ap.add_argument("--out", default=str(ROOT / "docs"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     ap.add_argument("--json", action="store_true", help="in-process vs restart path, side by side (issue #18)")
     ap.add_argument("--repeats", type=int, default=3, help="--json, --join: runs of each path per model")
     ap.add_argument("--join", action="store_true", help="scale up in-process: 2 workers admit 2 joiners (issue #18)")

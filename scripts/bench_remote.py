@@ -8,7 +8,7 @@ coalesced within the gap budget, up to 16 GETs in flight). Reported per rank: da
 (counted in s3fs), bytes read / needed, wall time; three runs (modes interleaved), median and
 spread. ``--latency-ms`` adds a delay to every data GET, as a distant object store would.
 
-    python scripts/bench_remote.py --json            # docs/bench_remote.{md,json}
+    python scripts/bench_remote.py --json            # docs/bench/bench_remote.{md,json}
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from tenplex.checkpoint import load, save  # noqa: E402
 from tenplex.checkpoint.reader import CONCURRENT_ENV  # noqa: E402
 from tenplex.config import ParallelConfig  # noqa: E402
 from tenplex.models import model_ptc  # noqa: E402
+from tenplex.train.launch import free_port  # noqa: E402
 
 MODES = ("sequential", "concurrent")
 
@@ -44,12 +44,6 @@ def bench_ptc() -> Any:
     """A GPT of about 20 MiB (float32, with its optimizer state); hidden 256 keeps TP pieces
     aligned to checksum blocks, so bytes read / needed shows the reader, not the rounding."""
     return model_ptc(arch="gpt", num_layers=2, hidden=256, heads=4, vocab=1000, seq_len=256, dtype=torch.float32)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def layout(text: str) -> ParallelConfig:
@@ -141,8 +135,8 @@ def main() -> None:
     ap.add_argument("--new", nargs="+", default=["tp=4", "tp=2,pp=2"])
     ap.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 10.0],
                     help="delays added to every data GET, one table each (0: moto on loopback as it is)")
-    ap.add_argument("--json", action="store_true", help="write docs/bench_remote.{md,json}")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench_remote"))
+    ap.add_argument("--json", action="store_true", help="write docs/bench/bench_remote.{md,json}")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "bench_remote"))
     args = ap.parse_args()
     import s3fs
 

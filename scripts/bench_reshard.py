@@ -9,7 +9,7 @@ shards are checked bit for bit against ``ptc.shard_tensor`` of the global state.
 
 It then times the planner on GPT-3 175B with optimizer state at 1024 GPUs.
 
-    python scripts/bench_reshard.py              # full run; writes docs/bench_reshard.{md,json}
+    python scripts/bench_reshard.py              # full run; writes docs/bench/bench_reshard.{md,json}
     python scripts/bench_reshard.py --quick      # small model, fewer pairs; writes nothing
     python scripts/bench_reshard.py --json       # one JSON object on stdout instead of the table
 
@@ -41,6 +41,7 @@ import tenplex
 from tenplex import PTC, ParallelConfig, model_ptc
 from tenplex import checkpoint as ckpt
 from tenplex import config as config_mod
+from tenplex.models import model_spec
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -491,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small model and fewer pairs (smoke test)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the table")
     ap.add_argument("--out", default=None,
-                    help="directory for bench_reshard.md and .json (default: docs/ in full mode, nothing in --quick)")
+                    help="directory for bench_reshard.md and .json (default: docs/bench/ in full mode, nothing in --quick)")
     ap.add_argument("--no-write", action="store_true", help="write no files")
     ap.add_argument("--tmpdir", default=None, help="where to put the temporary checkpoints (default: system temp)")
     ap.add_argument("--seed", type=int, default=0)
@@ -507,14 +508,14 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     rel = os.path.relpath(Path(sys.argv[0]).resolve(), Path.cwd()) if sys.argv and sys.argv[0] else __file__
     command = " ".join(["python", shlex.quote(rel), *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
-    out_dir = None if args.no_write else (args.out if args.out is not None else (None if args.quick else "docs/"))
+    out_dir = None if args.no_write else (args.out if args.out is not None else (None if args.quick else "docs/bench/"))
     if out_dir is not None and not Path(out_dir).is_absolute():
         out_dir = str(Path.cwd() / out_dir)
 
     model_kw: dict[str, Any] = dict(QUICK_MODEL) if args.quick else {"preset": "gpt-100m"}
     pairs = QUICK_PAIRS if args.quick else FULL_PAIRS
     base = model_ptc(**model_kw)
-    spec = tenplex.model_spec(**model_kw)
+    spec = model_spec(**model_kw)
     log(f"model {'quick GPT' if args.quick else 'gpt-100m'}: {base}, {spec.num_params():,} parameters")
 
     t0 = time.perf_counter()
@@ -541,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_175b:
         ptc175 = model_ptc("gpt3-175b")
         big_model = {"preset": "gpt3-175b", "tensors": len(ptc175), "bytes": ptc175.nbytes,
-                     "params": tenplex.model_spec("gpt3-175b").num_params()}
+                     "params": model_spec("gpt3-175b").num_params()}
         reps = 1 if args.quick else args.plan_reps
         for name, old, new, alive_rule in BIG_PAIRS:
             if args.quick and alive_rule != "default":

@@ -1,6 +1,6 @@
 """Planning at scale (issue #20): survivor assignment and plans for Llama 3 405B on up to 131,072 GPUs.
 
-    python scripts/bench_scale.py --json            # all sections, writes docs/bench_scale.json
+    python scripts/bench_scale.py --json            # all sections, writes docs/bench/bench_scale.json
     python scripts/bench_scale.py --only plan_rank  # one section (names: see SECTIONS)
 
 Every figure is measured in a fresh process (so holder tables are built, as after a restart): 3
@@ -281,9 +281,9 @@ SECTIONS: dict[str, Callable[[], list[dict[str, Any]]]] = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="write docs/bench_scale.json (merged with what is there)")
+    ap.add_argument("--json", action="store_true", help="write docs/bench/bench_scale.json (merged with what is there)")
     ap.add_argument("--only", action="append", choices=sorted(SECTIONS), help="run only these sections")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench_scale.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "bench_scale.json"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

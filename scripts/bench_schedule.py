@@ -2,7 +2,7 @@
 
 Scale-down and scale-up between 16 and 64 GPUs on 2 to 8 hosts of 8 GPUs. For every case:
 the schedule's completion (simulated), the naive baseline (every transfer at once, max-min fair
-sharing), the lower bound, and the solver time. Writes docs/bench_schedule.{json,md,png}.
+sharing), the lower bound, and the solver time. Writes docs/bench/bench_schedule.{json,md,png}.
 
     .venv/bin/python scripts/bench_schedule.py [--quick] [--spec nvlink=300GB/s,pcie=32GB/s,nic=50GB/s]
 """
@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("--spec", default="nvlink=300GB/s,pcie=32GB/s,nic=50GB/s")
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--quick", action="store_true", help="first model and three cases only")
-    ap.add_argument("--out", default=str(ROOT / "docs"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     args = ap.parse_args()
     import scipy.optimize  # noqa: F401  (import once, outside the timings)
     import scipy.sparse.csgraph  # noqa: F401

@@ -131,8 +131,8 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "bench_schedule_scale.json"),
-                    help="where the JSON goes (default docs/bench_schedule_scale.json)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "bench" / "bench_schedule_scale.json"),
+                    help="where the JSON goes (default docs/bench/bench_schedule_scale.json)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one case in this process
     args = ap.parse_args()
     if args.one:

@@ -6,7 +6,7 @@ through the Python FUSE callbacks; second pass: served from the kernel page cach
 ``os.pread`` (:class:`tenplex.data.RankView`, the no-FUSE reader). Random: one read per
 sample at a random position, through a fresh generation (cold page cache) and directly.
 
-    .venv/bin/python scripts/bench_vfs.py [--mib 256] [--record-kib 4] [--out docs/bench_vfs]
+    .venv/bin/python scripts/bench_vfs.py [--mib 256] [--record-kib 4] [--out docs/bench/bench_vfs]
 """
 
 from __future__ import annotations

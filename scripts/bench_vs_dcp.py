@@ -24,7 +24,7 @@ at 1024 GPUs versus DCP's load planning (``planner_helpers.create_read_items_for
 the resharding step of ``DefaultLoadPlanner.create_local_plan``) on equivalent metadata,
 timed for a few new ranks and extrapolated to all.
 
-    python scripts/bench_vs_dcp.py            # full run; writes docs/bench_vs_dcp.{md,json,png}
+    python scripts/bench_vs_dcp.py            # full run; writes docs/bench/bench_vs_dcp.{md,json,png}
     python scripts/bench_vs_dcp.py --quick    # small model, writes nothing
     python scripts/bench_vs_dcp.py --json     # one JSON object on stdout
 
@@ -42,7 +42,6 @@ import os
 import platform
 import resource
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -60,6 +59,7 @@ from fsspec.spec import AbstractFileSystem
 import tenplex
 from tenplex import PTC, ParallelConfig, Split, model_ptc
 from tenplex.ptc import PAD, TensorSpec
+from tenplex.train.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 LOAD_MODES = ("native", "fsspec", "hosts")
@@ -434,19 +434,13 @@ def worker(rank: int, world: int, port: int, phase: str, spec: dict[str, Any]) -
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_phase(phase: str, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
     tdir = Path(spec["tmp"])
     for f in tdir.glob(f"result-{phase}-*.json"):
         f.unlink()
-    mp.start_processes(worker, args=(world, _free_port(), phase, spec), nprocs=world, join=True,
+    mp.start_processes(worker, args=(world, free_port(), phase, spec), nprocs=world, join=True,
                        start_method="spawn")
     return [json.loads((tdir / f"result-{phase}-{r}.json").read_text()) for r in range(world)]
 
@@ -738,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="4-layer GPT, writes nothing unless --out is given")
     ap.add_argument("--model", default="gpt-100m", help="model preset (default gpt-100m)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    ap.add_argument("--out", default=None, help="write <out>.md/.json/.png (default docs/bench_vs_dcp unless --quick)")
+    ap.add_argument("--out", default=None, help="write <out>.md/.json/.png (default docs/bench/bench_vs_dcp unless --quick)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--tmpdir", default=None)
     ap.add_argument("--pairs", default=None,
@@ -777,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         if plans:
             print()
             print(text_table(*plan_table(plans)))
-    out = args.out or (None if args.quick else str(REPO / "docs" / "bench_vs_dcp"))
+    out = args.out or (None if args.quick else str(REPO / "docs" / "bench" / "bench_vs_dcp"))
     if out and not args.no_write:
         Path(out + ".json").write_text(json.dumps(report, indent=1) + "\n")
         Path(out + ".md").write_text(markdown(report))

@@ -5,8 +5,8 @@ For each layout, the trainer runs two steps under torchrun; every rank measures 
 during the second step (CUDA: allocator peak; CPU: PyTorch's memory-profiler timeline of
 every tensor allocation and free). The peak of each pipeline stage's most loaded rank is
 compared with the estimate for that stage (fp32 training, the trainer's micro-batch count).
-Writes docs/memory_measured.json and prints a markdown table. ``--gpu`` runs one-rank layouts
-with long sequences on the CUDA device instead (docs/memory_measured_gpu.json); without it
+Writes docs/bench/memory_measured.json and prints a markdown table. ``--gpu`` runs one-rank layouts
+with long sequences on the CUDA device instead (docs/bench/memory_measured_gpu.json); without it
 the workers run on CPU with gloo even where CUDA is present.
 """
 
@@ -92,7 +92,7 @@ def _seq_len(model: str) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default=None, help="default: docs/memory_measured.json (--gpu: _gpu.json)")
+    ap.add_argument("--out", default=None, help="default: docs/bench/memory_measured.json (--gpu: _gpu.json)")
     ap.add_argument("--gpu", action="store_true", help="the one-GPU cases on CUDA (the trainer's allocator peak)")
     args = ap.parse_args()
     if args.gpu:
@@ -103,7 +103,7 @@ def main() -> int:
             return 0
     else:
         os.environ["TENPLEX_DEVICE"] = "cpu"  # the workers inherit it: CPU and gloo, as many ranks as a case needs
-    out_path = args.out or str(ROOT / "docs" / ("memory_measured_gpu.json" if args.gpu else "memory_measured.json"))
+    out_path = args.out or str(ROOT / "docs" / "bench" / ("memory_measured_gpu.json" if args.gpu else "memory_measured.json"))
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="tenplex-mem-") as tmp:
         for case in GPU_CASES if args.gpu else CASES:

@@ -40,7 +40,7 @@ uses are replaced by stubs when the real package is absent: the Triton kernels
 of the MoE minimal-async EP (``triton`` is a GPU compiler) and HF ``datasets``
 (text dataloaders; this script feeds random tokens).  Further CPU/gloo adjustments
 (SDPA instead of FlexAttention, FSDP2 plain-SUM reductions, a PP ``schedule.step`` shim,
-``--spmd-backend partial_dtensor``) and the exact errors without them: docs/titan/README.md.
+``--spmd-backend partial_dtensor``) and the exact errors without them: docs/titan.md.
 """
 
 from __future__ import annotations

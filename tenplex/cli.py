@@ -21,12 +21,15 @@ from contextlib import contextmanager
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from .auto_import import import_checkpoint
 from .checkpoint import list_steps, read_manifest
 from .checkpoint.reader import url_fs
 from .config import MAX_WORLD_SIZE, ParallelConfig
 from .data.index import build_index, load_index
+from .dcp_import import DcpNames
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError
-from .interop import detect_format, export_hf, import_checkpoint
+from .hf_export import export_hf
+from .import_source import detect_format
 from .layouts import Hardware, LayoutSearch, rank_layouts
 from .memory import RECOMPUTE, estimate_memory, parse_size
 from .models import model_ptc
@@ -530,8 +533,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
         with _storage_errors(_given(source_storage_option=src_opts)):
             fmt = detect_format(args.src, storage_options=src_opts)
     if fmt == "dcp":
-        kw.update(model=args.model, hf_config=hf_config, strip_prefix=args.strip_prefix,
-                  keep_partitioning=args.keep_partitioning)
+        kw["names"] = DcpNames(model=args.model, hf_config=hf_config, strip_prefix=args.strip_prefix,
+                               keep_partitioning=args.keep_partitioning)
     with _storage_errors(_given(source_storage_option=src_opts, storage_option=opts)):
         res = import_checkpoint(args.src, args.dst, fmt=fmt, **kw)
     if args.json:

@@ -44,12 +44,12 @@ from .mesh import local_box
 from .ptc import PTC
 from .state_layout import Boxes, Placed, StateLayout, spec_for
 
-__all__ = ["TenplexStorageWriter", "TenplexStorageReader", "plans_collection"]
+__all__ = ["TenplexStorageWriter", "TenplexStorageReader"]
 
 log = logging.getLogger(__name__)
 
 
-def plans_collection(plans: list[SavePlan]) -> tuple[PTC, StateLayout]:
+def _plans_collection(plans: list[SavePlan]) -> tuple[PTC, StateLayout]:
     """The collection and layout of DCP's global save plans (pure): rank ``i`` holds the chunks of
     plan ``i``; byte entries become objects. CheckpointValueError for a rank with two chunks of one
     tensor or tensors that ranks describe differently."""
@@ -105,7 +105,7 @@ class TenplexStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        ptc, layout = plans_collection(plans)
+        ptc, layout = _plans_collection(plans)
         save_id = uuid.uuid4().hex[:8]
         return [dataclasses.replace(p, storage_data=(i, ptc, layout, save_id)) for i, p in enumerate(plans)]
 

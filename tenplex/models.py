@@ -19,7 +19,7 @@ __all__ = ["ModelSpec", "PRESETS", "NORM_EPS", "ROPE_THETA", "HPARAMS", "model_s
            "model_differences"]
 
 # What tenplex's models compute with beyond the ModelSpec dimensions (tenplex.train.model's Llama uses
-# these values; interop.export_hf writes them into the config.json of a checkpoint not imported from
+# these values; hf_export.export_hf writes them into the config.json of a checkpoint not imported from
 # Hugging Face): the epsilon of RMSNorm (Llama) and LayerNorm (GPT), and the RoPE base (rotate-half
 # RoPE, no scaling, head_dim = hidden / heads).
 NORM_EPS = 1e-5

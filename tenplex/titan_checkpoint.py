@@ -36,7 +36,7 @@ from torchtitan.tools.utils import GarbageCollection
 
 from .checkpoint.reader import list_steps
 from .errors import ConfigError
-from .interop import source_step
+from .import_source import source_step
 from .state_dict import StateDictLoad, load_state_dict, save_state_dict
 
 __all__ = ["TenplexCheckpointManager"]

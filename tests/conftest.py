@@ -7,12 +7,16 @@ included) that are valid for a drawn shape.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from spawned import free_port
 
 from tenplex import ParallelConfig
 
@@ -150,3 +154,59 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(
             f"{area:>12}: tried {row['tried']}, refused {row['refused']}, detected {row['detected']}, "
             f"identical {row['identical']}, silent {row['silent']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures shared by several test modules
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def recfs():  # type: ignore[no-untyped-def]
+    """The recording test filesystem (``recfs://``, tests/recording_fs.py), emptied before and after."""
+    from recording_fs import RecordingFileSystem
+
+    RecordingFileSystem.reset()
+    yield RecordingFileSystem
+    RecordingFileSystem.reset()
+
+
+@contextlib.contextmanager
+def moto_s3() -> Iterator[dict[str, Any]]:
+    """A moto S3 server on 127.0.0.1 with bucket ``ckpt`` (its credentials in the environment meanwhile);
+    yields the storage options to reach it. moto's servers in one process share one backend: tests
+    that start several write under prefixes of their own."""
+    server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
+    pytest.importorskip("s3fs", reason="s3fs is not installed")
+    boto3 = pytest.importorskip("boto3")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            mp.setenv(k, v)
+        port = free_port()
+        server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            endpoint = f"http://127.0.0.1:{port}"
+            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="ckpt")
+            yield {"key": "x", "secret": "y", "skip_instance_cache": True,
+                   "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def s3() -> Iterator[dict[str, Any]]:
+    """``moto_s3`` for one test."""
+    with moto_s3() as opts:
+        yield opts
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """A fresh ``TENPLEX_RUNTIME_DIR`` for a module's store or mount processes (inherited by them)."""
+    d = str(tmp_path_factory.mktemp("rt"))
+    old = os.environ.get("TENPLEX_RUNTIME_DIR")
+    os.environ["TENPLEX_RUNTIME_DIR"] = d
+    yield d
+    if old is None:
+        del os.environ["TENPLEX_RUNTIME_DIR"]
+    else:
+        os.environ["TENPLEX_RUNTIME_DIR"] = old

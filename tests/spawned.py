@@ -17,7 +17,6 @@ import multiprocessing.forkserver
 import os
 import queue
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tenplex.train.launch import free_port  # a port on 127.0.0.1 nobody listens on: the launcher's
+
 __all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_tails", "worker_context", "here", "in_env",
            "Forked", "start_trainer", "rank_env"]
 
@@ -36,12 +37,6 @@ __all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_ta
 # takes 3.5 s: dynamo, sympy); a module that cannot be imported is skipped by multiprocessing
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "tenplex",
            "tenplex.train.run", "tenplex.membership", "tenplex.migrate", "hypothesis", "pytest")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

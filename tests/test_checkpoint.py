@@ -1214,7 +1214,7 @@ def test_other_model_settings_are_refused_unless_allowed(url, tmp_path):
 def test_save_validates_step_and_extra_up_front(url):
     """save(step=10**12) returned and the step was then invisible; an extra holding a numpy
     float saved fine and the load then called the checkpoint corrupt."""
-    from tenplex import CheckpointValueError
+    from tenplex.errors import CheckpointValueError
 
     ptc = tiny_ptc()
     cfg = ParallelConfig(tp=2)

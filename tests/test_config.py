@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tenplex import ConfigError, Coords, ParallelConfig, TenplexError
+from tenplex import ConfigError, ParallelConfig, TenplexError
+from tenplex.config import Coords
 
 
 # -- validation ---------------------------------------------------------------------------

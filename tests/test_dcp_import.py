@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 import tenplex
+from tenplex.checkpoint import read_manifest
 from tenplex.cli import main as cli_main
 from tenplex.errors import CheckpointError, LayoutError, SpecError
-from tenplex.interop import dcp_chunk_layout, import_dcp
+from tenplex.dcp_import import dcp_chunk_layout, import_dcp
 from tenplex.mesh import NamedMesh, Shard, box_segments
 from tenplex.ptc import PTC, Replicated, Split
 from tenplex.state_layout import Boxes, Placed, StateLayout, spec_for
@@ -192,7 +193,7 @@ def test_sharded_dcp_import_keeps_chunks_and_loads_anywhere(tmp_path: Path) -> N
     from tenplex.dcp_storage import TenplexStorageReader
 
     direct = str(tmp_path / "dcp_tenplex")
-    layout = StateLayout.from_json(tenplex.read_manifest(direct)["state_layout"])
+    layout = StateLayout.from_json(read_manifest(direct)["state_layout"])
     assert layout.placed["model.cols"] == Boxes(((0, (0, 0), (6, 3)), (1, (0, 3), (6, 2))))
     for url in (direct, str(tmp_path / "t")):
         back = {"model": {k.split(".")[1]: torch.zeros_like(v) for k, v in want.items() if k.startswith("model.")},
@@ -202,18 +203,9 @@ def test_sharded_dcp_import_keeps_chunks_and_loads_anywhere(tmp_path: Path) -> N
         assert torch.equal(back["scalar"], g["scalar"]) and back["extra"] == {"step": 3, "name": "run"}
     # the CLI keeps the partitioning by default too; --no-keep-partitioning imports whole tensors
     assert cli_main(["import", str(src), str(tmp_path / "c"), "--json"]) == 0
-    assert "state_layout" in tenplex.read_manifest(str(tmp_path / "c"))
+    assert "state_layout" in read_manifest(str(tmp_path / "c"))
     assert cli_main(["import", str(src), str(tmp_path / "n"), "--no-keep-partitioning", "--json"]) == 0
-    assert "state_layout" not in tenplex.read_manifest(str(tmp_path / "n"))
-
-
-@pytest.fixture
-def recfs():  # type: ignore[no-untyped-def]
-    from recording_fs import RecordingFileSystem
-
-    RecordingFileSystem.reset()
-    yield RecordingFileSystem
-    RecordingFileSystem.reset()
+    assert "state_layout" not in read_manifest(str(tmp_path / "n"))
 
 
 def test_kept_partitioning_import_from_a_url_passes_storage_options(tmp_path: Path, recfs) -> None:  # type: ignore[no-untyped-def]
@@ -245,7 +237,7 @@ def test_dcp_save_and_load_through_tenplex_storage(tmp_path: Path) -> None:
           "n": torch.arange(5), "step": torch.tensor(7.0), "meta": {"epoch": 2, "name": "run"}}
     url = str(tmp_path / "t")
     dcp.save(sd, storage_writer=TenplexStorageWriter(url, step=4), no_dist=True)
-    assert tenplex.read_manifest(url)["step"] == 4
+    assert read_manifest(url)["step"] == 4
     back = {"model": {"w": torch.zeros(6, 4), "b": torch.zeros(4, dtype=torch.bfloat16)},
             "n": torch.zeros(5, dtype=torch.int64), "step": torch.zeros(()), "meta": {"epoch": None, "name": None}}
     dcp.load(back, storage_reader=TenplexStorageReader(url), no_dist=True)

@@ -8,7 +8,6 @@ subprocesses. ``store serve`` belongs to the store's own hostile suite.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,19 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from hostile import Tally
+from spawned import free_port
 
 import tenplex
 from tenplex.cli import main
 from tenplex.data import build_index
 
 BIG = str(10**30)
-
-
-def _free_port() -> int:
-    """A port on 127.0.0.1 that nobody listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +47,7 @@ def files(tmp_path_factory) -> dict[str, str]:  # type: ignore[no-untyped-def]
     return {"d": str(d), "src": str(src), "idx": str(idx), "trunc": str(d / "trunc.npz"),
             "garbage": str(d / "garbage.npz"), "bad_json": str(d / "bad.json"), "list_json": str(d / "list.json"),
             "topo": str(d / "topo.json"), "afile": str(d / "afile"), "mnt": str(d / "mnt"),
-            "empty": str(d / "empty"), "damaged": str(d / "damaged"), "port": str(_free_port())}
+            "empty": str(d / "empty"), "damaged": str(d / "damaged"), "port": str(free_port())}
 
 
 # (argv with {placeholders}, fragment the error line must contain)

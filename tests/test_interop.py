@@ -18,19 +18,15 @@ from safetensors.torch import load_file, save_file
 
 import tenplex
 from tenplex import ParallelConfig, model_ptc
+from tenplex.checkpoint import read_manifest
 from tenplex.cli import main as cli_main
 from tenplex.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from tenplex.interop import (
-    detect_format,
-    export_hf,
-    hf_config_to_spec,
-    hf_to_tenplex,
-    import_dcp,
-    import_checkpoint,
-    import_hf,
-    load_global,
-    tenplex_to_hf,
-)
+from tenplex.auto_import import import_checkpoint
+from tenplex.dcp_import import DcpNames, import_dcp
+from tenplex.hf_export import export_hf, load_global
+from tenplex.hf_import import import_hf
+from tenplex.hf_mapping import hf_config_to_spec, hf_to_tenplex, tenplex_to_hf
+from tenplex.import_source import detect_format
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,7 +45,7 @@ def _random_state(ptc: tenplex.PTC, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _load_all(url: str, cfg: ParallelConfig) -> dict[str, torch.Tensor]:
     shards = {r: tenplex.load(url, cfg, r).shard for r in range(cfg.world_size)}
-    ptc = tenplex.read_manifest(url)["ptc"]
+    ptc = read_manifest(url)["ptc"]
     return ptc.unshard(shards, cfg)
 
 
@@ -146,7 +142,7 @@ def test_dcp_import_model_with_optimizer(tmp_path: Path) -> None:
     _dcp_save(dict(state), tmp_path / "dcp")
     assert detect_format(tmp_path / "dcp") == "dcp"
     url = str(tmp_path / "tp")
-    res = import_dcp(tmp_path / "dcp", url, model="tiny", layout=P("dp=2,tp=1,pp=1"))
+    res = import_dcp(tmp_path / "dcp", url, names=DcpNames(model="tiny"), layout=P("dp=2,tp=1,pp=1"))
     assert res.ptc.fingerprint() == ptc.fingerprint()
     for cfg in ("dp=1,tp=4,pp=1", "dp=1,tp=2,pp=2"):
         got = _load_all(url, P(cfg))
@@ -169,7 +165,7 @@ def test_dcp_import_generic_and_hf_names(tmp_path: Path) -> None:
     _dcp_save(dict(hf), tmp_path / "h")
     with pytest.raises(ConfigError, match="hf_config"):
         import_dcp(tmp_path / "h", str(tmp_path / "x"))
-    import_dcp(tmp_path / "h", str(tmp_path / "th"), hf_config=LLAMA_CFG, layout=P("tp=2"))
+    import_dcp(tmp_path / "h", str(tmp_path / "th"), names=DcpNames(hf_config=LLAMA_CFG), layout=P("tp=2"))
     _, glob, _ = load_global(str(tmp_path / "th"))
     want = hf_to_tenplex(hf, hf_config_to_spec(LLAMA_CFG, torch.float32))
     assert all(_bits_equal(glob[n], want[n]) for n in want)
@@ -180,7 +176,7 @@ def test_dcp_import_partial_optimizer_is_an_error(tmp_path: Path) -> None:
     state = {n: t for n, t in _random_state(ptc).items() if not n.startswith("optimizer.exp_avg_sq.layers.3")}
     _dcp_save(state, tmp_path / "d")
     with pytest.raises(CheckpointError, match="optimizer state for some parameters"):
-        import_dcp(tmp_path / "d", str(tmp_path / "t"), model="tiny")
+        import_dcp(tmp_path / "d", str(tmp_path / "t"), names=DcpNames(model="tiny"))
 
 
 def test_errors(tmp_path: Path) -> None:
@@ -226,7 +222,7 @@ def test_import_keeps_the_source_step(tmp_path: Path, capsys: pytest.CaptureFixt
     assert import_dcp(tmp_path / "titan" / "step-5", str(tmp_path / "t2b")).step == 5
     _dcp_save(dict(state), tmp_path / "renamed")  # no step in the name: torchtitan's saved train_state.step
     assert import_checkpoint(tmp_path / "renamed", str(tmp_path / "t3")).step == 5
-    assert import_dcp(tmp_path / "renamed", str(tmp_path / "t3b"), keep_partitioning=False).step == 5
+    assert import_dcp(tmp_path / "renamed", str(tmp_path / "t3b"), names=DcpNames(keep_partitioning=False)).step == 5
     _dcp_save({"tok.weight": state["tok.weight"]}, tmp_path / "plain")
     assert import_checkpoint(tmp_path / "plain", str(tmp_path / "t4")).step == 0  # nothing says a step
     # the CLI: a titan step directory and an HF Trainer checkpoint directory
@@ -238,7 +234,7 @@ def test_import_keeps_the_source_step(tmp_path: Path, capsys: pytest.CaptureFixt
     assert json.loads(capsys.readouterr().out)["step"] == 500
     assert cli_main(["import", str(src / "model.safetensors"), str(tmp_path / "c3"), "--step", "7", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 7
-    from tenplex.interop import source_step  # the rule, pure
+    from tenplex.import_source import source_step  # the rule, pure
 
     assert [source_step(p) for p in ("run/step-5", "run/step-5/", "s3://b/step_12", "ck/checkpoint-500/model.safetensors",
                                      "ds/global_step30", "run/model", "run/step-5-x", "mystep-3")] == [
@@ -317,7 +313,7 @@ def test_dcp_import_with_hf_config_keeps_it_for_export(tmp_path: Path) -> None:
     cfg = {**LLAMA_CFG, "rope_theta": 500000.0, "rms_norm_eps": 1e-6, "bos_token_id": 256, "eos_token_id": 257}
     hf = load_file(str(_hf_by_hand("llama", tmp_path / "hf") / "model.safetensors"))
     _dcp_save(dict(hf), tmp_path / "h")
-    import_dcp(tmp_path / "h", str(tmp_path / "t"), hf_config=cfg)
+    import_dcp(tmp_path / "h", str(tmp_path / "t"), names=DcpNames(hf_config=cfg))
     export_hf(str(tmp_path / "t"), tmp_path / "out")
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert {k: out_cfg[k] for k in cfg} == cfg
@@ -347,7 +343,7 @@ def _job_resaves(url: str, cfg: ParallelConfig, own_ptc: bool, step: int) -> Non
     """What a job does: every rank of ``cfg`` loads its shard and saves it again with ``tenplex.save``
     (one rank after another in this process), with its own ``extra``; ``own_ptc``: the job builds
     its PTC from the model's dimensions (``model_ptc``) instead of saving with the loaded one."""
-    saved = tenplex.read_manifest(url)["ptc"]
+    saved = read_manifest(url)["ptc"]
     spec = saved.meta["model"]
     mine = model_ptc(arch=spec["arch"], num_layers=spec["num_layers"], hidden=spec["hidden"], heads=spec["heads"],
                      kv_heads=spec["kv_heads"], ffn_hidden=spec["ffn_hidden"], vocab=spec["vocab"],
@@ -370,7 +366,7 @@ def test_export_after_a_job_resaves_keeps_the_source_config(tmp_path: Path, name
     cfg = P("dp=1,tp=2,pp=2")
     _job_resaves(url, cfg, own_ptc, step=1)
     _job_resaves(url, cfg, own_ptc, step=2)
-    assert tenplex.read_manifest(url)["step"] == 2
+    assert read_manifest(url)["step"] == 2
     assert cli_main(["export", url, str(tmp_path / "out")]) == 0
     src_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -405,7 +401,7 @@ def test_a_job_stating_other_hyperparameters_is_refused_and_its_change_exported(
     src = _save_pretrained("llama", HF_CONFIGS["llama3"][1], tmp_path / "hf")
     url, cfg = str(tmp_path / "tp"), P("dp=1,tp=2,pp=1")
     tenplex.import_hf(src, url)
-    spec = tenplex.read_manifest(url)["ptc"].meta["model"]
+    spec = read_manifest(url)["ptc"].meta["model"]
     assert (spec["norm_eps"], spec["rope_theta"], spec["rope_scaling"]["rope_type"]) == (1e-5, 500000.0, "llama3")
     dims = {k: spec[k] for k in ("arch", "num_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                                  "seq_len", "tied_embeddings", "dtype", "vocab_pad")}
@@ -417,7 +413,7 @@ def test_a_job_stating_other_hyperparameters_is_refused_and_its_change_exported(
     for r in range(cfg.world_size):
         res = tenplex.load(url, cfg, r, ptc=other, allow_meta_change=True)
         tenplex.save(url, other, cfg, r, res.shard, step=1)
-    with caplog.at_level("WARNING", logger="tenplex.interop"):
+    with caplog.at_level("WARNING", logger="tenplex.hf_mapping"):
         export_hf(url, tmp_path / "out")
     assert "rope_theta: saved 500000.0, requested 10000.0" in caplog.text
     src_cfg = json.loads((src / "config.json").read_text())
@@ -456,7 +452,7 @@ def test_no_description_is_carried_into_another_model(tmp_path: Path) -> None:
     tenplex.import_hf(src, url)
     ptc = model_ptc("tiny", optimizer=False)
     _save_global(url, ptc, _random_state(ptc), ParallelConfig())
-    assert tenplex.read_manifest(url)["ptc"].meta["model"] == ptc.meta["model"]
+    assert read_manifest(url)["ptc"].meta["model"] == ptc.meta["model"]
 
 
 def test_a_checkpoint_imported_before_keeps_its_config_from_extra(tmp_path: Path) -> None:
@@ -501,7 +497,7 @@ def test_tenplex_model_computes_with_the_imported_hyperparameters(tmp_path: Path
 @pytest.mark.parametrize("form", ["transformers5", "transformers4"])
 def test_a_changed_setting_is_written_into_the_source_config_in_its_own_form(form: str) -> None:
     """Only the keys of what changed are written, RoPE in the form the source config uses."""
-    from tenplex.interop import spec_to_hf_config
+    from tenplex.hf_mapping import spec_to_hf_config
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -584,15 +580,6 @@ def test_native_gpt_export_config_reproduces_the_spec(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # storage options reach fsspec (a recording test filesystem, recfs://)
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def recfs():  # type: ignore[no-untyped-def]
-    from recording_fs import RecordingFileSystem
-
-    RecordingFileSystem.reset()
-    yield RecordingFileSystem
-    RecordingFileSystem.reset()
-
-
 def _calls(recfs) -> list[dict]:  # type: ignore[no-untyped-def]
     calls = list(recfs.calls)
     recfs.calls.clear()
@@ -638,7 +625,7 @@ def test_dcp_import_from_a_url_passes_storage_options(tmp_path: Path, recfs) -> 
     recfs().put(str(tmp_path / "dcp"), "recfs://dcp", recursive=True)
     _calls(recfs)
     assert detect_format("recfs://dcp", storage_options=SRC_OPTS) == "dcp"
-    import_dcp("recfs://dcp", str(tmp_path / "t"), model="tiny", source_storage_options=SRC_OPTS)
+    import_dcp("recfs://dcp", str(tmp_path / "t"), names=DcpNames(model="tiny"), source_storage_options=SRC_OPTS)
     calls = _calls(recfs)
     assert calls and all(c == SRC_OPTS for c in calls), calls
     got = _load_all(str(tmp_path / "t"), P("dp=1,tp=2,pp=2"))
@@ -673,3 +660,12 @@ def test_cli_import_export_pass_storage_options(tmp_path: Path, recfs, capsys) -
     calls = _calls(recfs)
     assert CK_OPTS in calls and OUT_OPTS in calls and all(c in (CK_OPTS, OUT_OPTS) for c in calls), calls
     assert fs.exists("recfs://out/config.json")
+
+
+def test_dcp_names_that_keep_the_chunks_take_no_model() -> None:
+    """Keeping a DCP checkpoint's chunks keeps its names: a model or HF config with it is refused up front."""
+    with pytest.raises(ConfigError, match="keep_partitioning keeps the DCP checkpoint's own names"):
+        DcpNames(model="tiny", keep_partitioning=True)
+    with pytest.raises(ConfigError, match="takes no model or hf_config"):
+        DcpNames(hf_config=LLAMA_CFG, keep_partitioning=True)
+    assert DcpNames(model="tiny").keep_partitioning is None

@@ -11,22 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tenplex
-from tenplex import (
-    ConfigError,
-    Hardware,
-    LayoutChoice,
-    LayoutError,
-    ParallelConfig,
-    choose_layout,
-    estimate_memory,
-    model_ptc,
-    model_spec,
-    rank_layouts,
-    valid_layouts,
-)
+from tenplex import ConfigError, LayoutError, ParallelConfig, choose_layout, estimate_memory, model_ptc
 from tenplex.cli import main
-from tenplex.layouts import LayoutSearch, batch_split, reconfig_time, step_time
+from tenplex.layouts import Hardware, LayoutChoice, LayoutSearch, batch_split, rank_layouts, reconfig_time, step_time, valid_layouts
 from tenplex.memory import GiB
+from tenplex.models import model_spec
 
 P = ParallelConfig
 FAST = Hardware(flops=400e12, intra_host_bw=1e18, inter_host_bw=1e18)  # communication costs nothing

@@ -11,18 +11,9 @@ from conftest import layouts, model_kwargs
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tenplex import (
-    ConfigError,
-    LayoutError,
-    MemoryEstimate,
-    ModelSpec,
-    ParallelConfig,
-    StageMemory,
-    estimate_memory,
-    model_ptc,
-    model_spec,
-)
-from tenplex.memory import GiB, MemoryOptions, layer_params, parse_size, recompute_flops
+from tenplex import ConfigError, LayoutError, ParallelConfig, estimate_memory, model_ptc
+from tenplex.memory import GiB, MemoryEstimate, MemoryOptions, StageMemory, layer_params, parse_size, recompute_flops
+from tenplex.models import ModelSpec, model_spec
 
 P = ParallelConfig
 

@@ -7,9 +7,9 @@ import torch
 from conftest import examples, model_kwargs, random_global
 from hypothesis import given, settings
 
-from tenplex import PRESETS, ConfigError, LayoutError, ModelSpec, ParallelConfig, Replicated, Split, model_ptc, model_spec
+from tenplex import ConfigError, LayoutError, ParallelConfig, Replicated, Split, model_ptc
 from tenplex.errors import SpecError
-from tenplex.models import optimizer_names
+from tenplex.models import PRESETS, ModelSpec, model_spec, optimizer_names
 
 
 def gpt_params(L, h, v, s, f=None):

@@ -23,7 +23,7 @@ tp4_loss_parallel as tp4, pp2_tp2_gpipe as pp2 x tp2):
 Meshes: [dp_shard], [tp], [dp_shard, tp], [dp_replicate, dp_shard]; under PP each stage's
 parameters live on the non-pp sub-mesh ([tp] or [dp_shard]).  The table is checked against what
 the workers report (``EXPECTED_PLACEMENTS``); the same placements as torchtitan 0.3.0's
-partial_dtensor backend (docs/titan/README.md), whose meshes always have the FSDP dim: its
+partial_dtensor backend (docs/titan.md), whose meshes always have the FSDP dim: its
 "tp4" is [fsdp=1, tp], our dp_shard1_tp4.  ``get_state_dict(model, optimizer)``: model
 entries ``<fqn>`` and ``optim.state.<fqn>.exp_avg/exp_avg_sq`` are DTensors (placements as the
 parameter), ``optim.state.<fqn>.step`` a plain 0-d tensor, ``optim.param_groups`` non-tensors
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -228,12 +227,6 @@ def worker(out: Path) -> None:
 # -------------------------------------------------------------------------------- test side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _logged_worker(out: Path, log: Path) -> None:
     """``worker(out)`` in a forked process, its output to ``log``."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -247,10 +240,10 @@ def _logged_worker(out: Path, log: Path) -> None:
 def world(tmp_path_factory) -> dict[str, list[dict]]:
     """Run every config in one world of WORLD gloo processes, forked from the test session's
     forkserver (torch and DTensor imported once: ``spawned.worker_context``); {config: [result of each rank]}."""
-    from spawned import here, in_env, reap, worker_context
+    from spawned import free_port, here, in_env, reap, worker_context
 
     out = tmp_path_factory.mktemp("native_llama")
-    port = _free_port()
+    port = free_port()
     ctx = worker_context()
     procs = []
     t0 = time.monotonic()

@@ -61,7 +61,7 @@ on the issue's cases and the gloo FSDP2 run. Format version 4 reads 1.011-1.062x
 1.11-1.17x, its indexes listing every chunk with hex CRCs), the worst being the ranks whose data
 over-read is 1.036-1.040x (``BOUND``); the rest is the manifest every rank reads whole (about 0.8 %)
 and the CRC words of the blocks read (0.2-1 %)."""
-TITAN = Path(__file__).resolve().parent.parent / "docs" / "titan" / "partial_dtensor"
+TITAN = Path(__file__).resolve().parent / "fixtures" / "titan" / "partial_dtensor"
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -222,7 +222,7 @@ def _placement(text: str) -> Any:
 
 
 def titan(config: str) -> tuple[Shapes, StateLayout, StateLayout]:
-    """torchtitan's own state dict (docs/titan fixture): its shapes, the DCP boxes it saved under
+    """torchtitan's own state dict (tests/fixtures/titan): its shapes, the DCP boxes it saved under
     ``config`` and its placements under ``config``."""
     entries: dict[str, dict[int, dict[str, Any]]] = {}
     for f in sorted((TITAN / config).glob("placements/titan_checkpoint.rank*.json")):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import tenplex.store.recovery_plan as recovery_plan
-from tenplex import ConfigError, ParallelConfig, Topology, model_ptc, save
+from tenplex import ConfigError, ParallelConfig, model_ptc, save
+from tenplex.topology import Topology
 from tenplex.store import HostStore, StoreServer, Tier, TieredLoad, load_tiered, recovery_tiers
 from tenplex.checkpoint import read_part_chunks
 from tenplex.store.recovery import find_usable, plan_recovery
@@ -140,7 +141,6 @@ def test_fallback_when_scheduling_is_off_fails_or_is_slow(hosts, monkeypatch) ->
 
     # a topology with too few hosts for the stores is a clear error, logged, and the load goes on
     monkeypatch.undo()
-    from tenplex import Topology
 
     res = load_tiered(tiers, NEW, 1, ptc=PTC_, topology=Topology.from_spec("hosts=1,gpus=4"))
     assert not res.rounds.followed and "peer stores" in res.rounds.reason and _same_shard(res, plain, 1)

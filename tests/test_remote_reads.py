@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -125,32 +124,6 @@ def test_concurrent_path_short_read_failed_get_and_bad_checksum(memory_ckpt) -> 
 # ---------------------------------------------------------------------------------------------
 # a real S3-protocol server
 # ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def s3(monkeypatch) -> Iterator[dict[str, Any]]:  # noqa: ANN001
-    """A moto S3 server on 127.0.0.1 with bucket ``ckpt``; yields the storage options to reach it."""
-    server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
-    pytest.importorskip("s3fs", reason="s3fs is not installed")
-    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    port = _free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        opts = {"key": "x", "secret": "y", "skip_instance_cache": True,
-                "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
-        boto3 = pytest.importorskip("boto3")
-        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").create_bucket(Bucket="ckpt")
-        yield opts
-    finally:
-        server.stop()
-
-
 class _GetCounter:
     """Counts s3fs's ranged GETs of data files' tensor bytes and the most in flight at once, and
     apart (``crc_gets``) those of their CRC tables (format version 4), which start at ``tables[path]``."""

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 import tenplex
 from tenplex import ParallelConfig, PlanError
 from tenplex.cli import main
-from tenplex.schedule import Demands, demands, lower_bound, naive_completion, schedule, simulate, validate
+from tenplex.planner import Plan
+from tenplex.schedule import Demands, Schedule, demands, lower_bound, naive_completion, schedule, simulate, validate
 from tenplex.schedule.commodities import FlowCommodities, rep_pieces
 from tenplex.schedule.listsched import link_levels
 from tenplex.schedule import naive as naive_module
@@ -108,7 +109,7 @@ def test_replica_choice_avoids_congested_nic() -> None:
         assert s.completion_s <= 1.1 * v / 10e9, method
 
 
-def small_plan() -> tenplex.Plan:
+def small_plan() -> Plan:
     ptc = tenplex.model_ptc("tiny", optimizer=True, distributed_optimizer=True)
     return tenplex.plan(ptc, ParallelConfig(2, 2, 2), ParallelConfig(1, 2, 2), alive=[0, 1, 2, 3, 5, 7],
                         gpus_per_host=2)
@@ -365,7 +366,7 @@ def test_rounds_deliver_every_element_when_chunks_cut_elements(method: str) -> N
     assert nbytes == p.received_bytes()[0]
 
 
-def _assert_rounds_deliver_every_move(s: tenplex.Schedule, p: tenplex.Plan) -> None:
+def _assert_rounds_deliver_every_move(s: Schedule, p: Plan) -> None:
     """The rounds give every new rank each element of its non-local moves exactly once."""
     got: dict[int, list[tuple[str, int, int]]] = {}
     nbytes = np.zeros(p.new.world_size)
@@ -574,7 +575,7 @@ def test_host_paths_only_for_identical_hosts_with_one_portal() -> None:
     assert host_paths(two_ways, 2.0**24) is None
 
 
-def _one_host_lost(model: str, dp: int, gph: int = 4) -> tuple[tenplex.Plan, Topology]:
+def _one_host_lost(model: str, dp: int, gph: int = 4) -> tuple[Plan, Topology]:
     """``model`` with a distributed optimizer, TP2 x PP2 x ``dp`` -> ``dp - 1``, the middle host lost."""
     ptc = tenplex.model_ptc(model, optimizer=True, distributed_optimizer=True)
     old, new = ParallelConfig(dp=dp, tp=2, pp=2), ParallelConfig(dp=dp - 1, tp=2, pp=2)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import tenplex
 from tenplex import ParallelConfig, PlanError
-from tenplex.planner import LOCAL, STORAGE
+from tenplex.planner import LOCAL, STORAGE, Plan
 from tenplex.schedule import Demands, demands, lower_bound, naive_completion, schedule, validate
 from tenplex.schedule.arrays import Columns, sort_order
 from tenplex.schedule.result import HOP_COLUMNS
@@ -78,7 +78,7 @@ def test_sort_order_is_lexsort() -> None:
             assert np.array_equal(sort_order(*keys), np.lexsort((np.arange(n), *keys[::-1])))
 
 
-def _relayout(model: str, old: str, new: str, gph: int) -> tuple[tenplex.Plan, Topology]:
+def _relayout(model: str, old: str, new: str, gph: int) -> tuple[Plan, Topology]:
     """``model`` with Adam state re-laid out from ``old`` to ``new``, every GPU alive."""
     ptc = tenplex.model_ptc(model, optimizer=True, distributed_optimizer=True)
     a, b = ParallelConfig.parse(old), ParallelConfig.parse(new)

@@ -30,7 +30,7 @@ from conftest import examples
 from hostile import Tally
 from spawned import free_port, run_spawned
 import tenplex.checkpoint.reader as reader_mod
-from tenplex.checkpoint import load, open_sealed_json, plan_reads, read_part_chunks, save, seal_json, writer_assignment
+from tenplex.checkpoint import load, open_sealed_json, plan_reads, read_manifest, read_part_chunks, save, seal_json, writer_assignment
 from tenplex.checkpoint.format import Binding, panel_block
 from tenplex.checkpoint.reader import PartReader, Scatter, list_steps, read_manifest_at, read_shard
 from tenplex.errors import (
@@ -489,7 +489,7 @@ def test_stateful_values_saved_and_loaded_as_dcp_does(tmp_path: Path) -> None:
     save_state_dict(src, url, step=2)
     dcp.save(_stateful_job(1), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     md = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata()
-    ptc = tenplex.read_manifest(url)["ptc"]
+    ptc = read_manifest(url)["ptc"]
     assert set(ptc.tensors) | set(ptc.objects) == set(md.state_dict_metadata)
     assert "model.0.weight" in ptc.tensors and "counter.buf" in ptc.tensors
 

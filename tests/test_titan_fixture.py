@@ -1,4 +1,4 @@
-"""The torchtitan placement dumps in docs/titan/ are self-consistent (no torchtitan needed).
+"""The torchtitan placement dumps in tests/fixtures/titan/ are self-consistent (no torchtitan needed).
 
 They were written by scripts/titan_job.py (torchtitan 0.3.0's own Llama 3, CPU/gloo) and are
 the fixture for tenplex's DTensor -> partition mapping (issue #17 item 4(b)).  Checked here:
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent / "docs" / "titan" / "partial_dtensor"
+ROOT = Path(__file__).resolve().parent / "fixtures" / "titan" / "partial_dtensor"
 CONFIGS = sorted(p.name for p in ROOT.iterdir() if (p / "titan_metadata_keys.json").exists()) if ROOT.exists() else []
 
 

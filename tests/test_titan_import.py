@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import tenplex
+from tenplex.checkpoint import read_manifest
 from tenplex.state_layout import Boxes, StateLayout
 
 from spawned import free_port, log_tails, rank_env, start_trainer, wait_procs
@@ -69,7 +70,7 @@ def test_titan_checkpoint_manager_checkpoint_loads_under_another_mesh(tmp_path: 
     assert sizes["tenplex_data_payload_bytes"] == sizes["dcp_tensor_bytes"], sizes
 
     # the import kept the saving mesh's chunks: one pseudo writer rank per DCP file, tensors as Boxes
-    manifest = tenplex.read_manifest(str(out / "tenplex"))
+    manifest = read_manifest(str(out / "tenplex"))
     layout = StateLayout.from_json(manifest["state_layout"])
     assert layout.world_size == 4
     assert all(isinstance(p, Boxes) for p in layout.placed.values())

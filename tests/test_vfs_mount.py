@@ -66,18 +66,6 @@ def _read(path: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def runtime(tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    d = str(tmp_path_factory.mktemp("rt"))
-    old = os.environ.get("TENPLEX_RUNTIME_DIR")
-    os.environ["TENPLEX_RUNTIME_DIR"] = d  # inherited by the mount processes
-    yield d
-    if old is None:
-        del os.environ["TENPLEX_RUNTIME_DIR"]
-    else:
-        os.environ["TENPLEX_RUNTIME_DIR"] = old
-
-
-@pytest.fixture(scope="module")
 def dataset(tmp_path_factory):  # type: ignore[no-untyped-def]
     d = tmp_path_factory.mktemp("ds")
     a, b = str(d / "a.jsonl"), str(d / "b.jsonl")

@@ -43,9 +43,9 @@ except ImportError:  # pragma: no cover - platforms without an isal wheel
 
 __all__ = ["FORMAT", "VERSION", "READ_VERSIONS", "MAX_STEP", "MANIFEST_NAME", "OBJECTS_NAME", "REUSED_PREFIX",
            "STEP_DIR_RE", "RANK_INDEX_RE", "PART_NAME_RE", "SAVE_ID_RE", "BLOCK_SIZES", "MIN_BLOCK", "MAX_BLOCK",
-           "ROW_BLOCK_MIN", "ROW_BLOCK_SHARE", "Chunk", "crc32", "step_dir_name", "step_dir", "parse_step_dir",
+           "ROW_BLOCK_MIN", "ROW_BLOCK_SHARE", "Chunk", "crc32", "step_dir", "parse_step_dir",
            "rank_stem", "data_name", "index_name", "part_files", "check_step", "check_save_id", "seal_json",
-           "open_sealed_json", "safetensors_header", "block_bytes", "panel_block", "row_bytes", "row_block",
+           "open_sealed_json", "safetensors_header", "block_bytes", "panel_block", "row_block",
            "chunk_block", "block_crcs_hex", "CRC_TABLE", "CRC_GROUP", "crc_seed", "crc_concat", "chunks_digest",
            "part_chunks", "crc_spans",
            "writer_assignment", "manifest_object", "index_object", "Manifest",
@@ -102,14 +102,14 @@ Chunk = tuple[str, int, int, int]
 # ---------------------------------------------------------------------------------------------
 # names
 # ---------------------------------------------------------------------------------------------
-def step_dir_name(step: int, save_id: str) -> str:
+def _step_dir_name(step: int, save_id: str) -> str:
     """The directory name of save attempt ``save_id`` of ``step``."""
     return f"step-{step:012d}-{save_id}"
 
 
 def step_dir(root: str, step: int, save_id: str) -> str:
     """The directory of save attempt ``save_id`` of ``step`` under ``root``."""
-    return f"{root}/{step_dir_name(step, save_id)}"
+    return f"{root}/{_step_dir_name(step, save_id)}"
 
 
 def parse_step_dir(name: str) -> tuple[int, str] | None:
@@ -268,7 +268,7 @@ def panel_block(spec: TensorSpec) -> int | None:
     return k * row
 
 
-def row_bytes(spec: TensorSpec) -> int:
+def _row_bytes(spec: TensorSpec) -> int:
     """Bytes of one row of ``spec``'s canonical order: what follows one index of its leading
     dimension (a panel's row for panel order, else the split dim's or dim 0's slab). A 0-d
     tensor's row is its one element."""
@@ -292,7 +292,7 @@ def row_block(spec: TensorSpec, nbytes: int) -> int | None:
     a block outside its rows beyond the ``k - 1`` rows of its end blocks, and a column half, quarter or
     eighth of row-major rows reads its bytes only. None (the byte rule, ``block_bytes``) for empty
     rows or rows over ``MAX_BLOCK``."""
-    row = row_bytes(spec)
+    row = _row_bytes(spec)
     if not 0 < row <= MAX_BLOCK:
         return None
     if spec.panels is not None:  # a row cut crosses each panel of a chunk: small blocks whatever its size

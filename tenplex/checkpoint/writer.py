@@ -63,8 +63,7 @@ from .format import (
 )
 from .reader import local_path, read_manifest_at, scan_attempts, url_fs
 
-__all__ = ["SaveResult", "PartChunk", "PartWriter", "save", "default_save_id", "write_once", "publish",
-           "existing_files", "refuse_reuse", "payload_bytes", "write_rank0_meta", "write_index", "prune",
+__all__ = ["SaveResult", "PartChunk", "PartWriter", "save", "default_save_id", "publish", "write_rank0_meta", "write_index", "prune",
            "carry_model"]
 
 log = logging.getLogger(__name__)
@@ -173,7 +172,7 @@ def publish(fs: fsspec.AbstractFileSystem, tmp: str, path: str) -> bool:
     return True
 
 
-def write_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+def _write_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
     """Write ``data`` as ``path`` so that readers see the whole file or nothing; never replaces
     an existing file (returns False then)."""
     tmp = tmp_name(path)
@@ -182,7 +181,7 @@ def write_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
     return publish(fs, tmp, path)
 
 
-def existing_files(fs: fsspec.AbstractFileSystem, sdir: str) -> set[str]:
+def _existing_files(fs: fsspec.AbstractFileSystem, sdir: str) -> set[str]:
     """Names of the published files of a save attempt's directory (temporary files left out)."""
     fs.invalidate_cache(sdir)
     try:
@@ -191,13 +190,13 @@ def existing_files(fs: fsspec.AbstractFileSystem, sdir: str) -> set[str]:
         return set()
 
 
-def refuse_reuse(fs: fsspec.AbstractFileSystem, sdir: str, rank: int, save_id: str, found: Sequence[str]) -> NoReturn:
+def _refuse_reuse(fs: fsspec.AbstractFileSystem, sdir: str, rank: int, save_id: str, found: Sequence[str]) -> NoReturn:
     """A save found files it was about to write: its save id was used before. Leave every file as
     it is, mark the attempt unusable (this save's other ranks may be adding their parts to the
     earlier attempt's, and an attempt that looks complete may be such a mix), and raise
     CheckpointError."""
     note = json.dumps({"rank": rank, "found": sorted(found), "time": time.time()}).encode()
-    write_once(fs, f"{sdir}/{REUSED_PREFIX}{rank_stem(rank)}", note)
+    _write_once(fs, f"{sdir}/{REUSED_PREFIX}{rank_stem(rank)}", note)
     raise CheckpointError(
         f"save attempt {sdir} already holds {', '.join(sorted(found))} of rank {rank}: save id {save_id} was used "
         "by an earlier save (a relaunch with the same run id?). Every existing file was left untouched and the "
@@ -230,7 +229,7 @@ def _unsafe_part(value: Any, path: str) -> tuple[str, Any] | None:
     return None
 
 
-def payload_bytes(objects: Mapping[str, Any], extra: Any) -> bytes:
+def _payload_bytes(objects: Mapping[str, Any], extra: Any) -> bytes:
     """The small objects and ``extra`` serialised with ``torch.save``, after checking that they
     load back with ``weights_only=True`` (what ``load`` does): a value that does not would make
     the checkpoint unreadable. CheckpointValueError names the offending value."""
@@ -259,12 +258,12 @@ def write_rank0_meta(fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: La
     checked serialisation, when the caller made it), then the manifest, which records the
     objects file's size and SHA-256. Write-once. Returns bytes written."""
     if payload is None:
-        payload = payload_bytes({o: shard[o] for o in ptc.objects if o in shard}, extra)
-    if not write_once(fs, f"{sdir}/{OBJECTS_NAME}", payload):
-        refuse_reuse(fs, sdir, 0, save_id, [OBJECTS_NAME])
+        payload = _payload_bytes({o: shard[o] for o in ptc.objects if o in shard}, extra)
+    if not _write_once(fs, f"{sdir}/{OBJECTS_NAME}", payload):
+        _refuse_reuse(fs, sdir, 0, save_id, [OBJECTS_NAME])
     mbytes = seal_json(manifest_object(ptc, cfg, step=step, save_id=save_id, payload=payload))
-    if not write_once(fs, f"{sdir}/{MANIFEST_NAME}", mbytes):
-        refuse_reuse(fs, sdir, 0, save_id, [MANIFEST_NAME])
+    if not _write_once(fs, f"{sdir}/{MANIFEST_NAME}", mbytes):
+        _refuse_reuse(fs, sdir, 0, save_id, [MANIFEST_NAME])
     return len(mbytes) + len(payload)
 
 
@@ -275,8 +274,8 @@ def write_index(fs: fsspec.AbstractFileSystem, sdir: str, rank: int, file_size: 
     (write-once): its presence marks the part complete."""
     ibytes = seal_json(index_object(rank, file_size, chunks, step=step, save_id=save_id, cfg=cfg,
                                     fingerprint=fingerprint, data_offset=data_offset, digest=digest))
-    if not write_once(fs, f"{sdir}/{index_name(rank)}", ibytes):
-        refuse_reuse(fs, sdir, rank, save_id, [index_name(rank)])
+    if not _write_once(fs, f"{sdir}/{index_name(rank)}", ibytes):
+        _refuse_reuse(fs, sdir, rank, save_id, [index_name(rank)])
     return len(ibytes)
 
 
@@ -301,7 +300,7 @@ class PartChunk:
 class PartWriter:
     """One rank's part of a save attempt, written incrementally.
 
-    ``begin()`` creates the attempt's directory and refuses (``refuse_reuse``) when this
+    ``begin()`` creates the attempt's directory and refuses (``_refuse_reuse``) when this
     rank's files exist already. The data goes to a temporary file (``tmp``): either streamed
     (``stream``) or positioned (``write_at`` on a pre-sized local file from ``open_local``);
     both checksum each whole block as it passes. ``assigned``: this rank's chunks
@@ -343,9 +342,9 @@ class PartWriter:
         self.fs.makedirs(self.sdir, exist_ok=True)
         own = {data_name(self.rank), index_name(self.rank)} | (
             {MANIFEST_NAME, OBJECTS_NAME} if self.rank == 0 else set())
-        found = own & existing_files(self.fs, self.sdir)
+        found = own & _existing_files(self.fs, self.sdir)
         if found:  # the save id was used before: never write into that attempt
-            refuse_reuse(self.fs, self.sdir, self.rank, self.save_id, sorted(found))
+            _refuse_reuse(self.fs, self.sdir, self.rank, self.save_id, sorted(found))
 
     def checksum(self, i: int, a: int, view: memoryview) -> None:
         """Record the CRC32s of bytes [a, a + len(view)) of chunk ``i`` (``a`` on a block
@@ -413,7 +412,7 @@ class PartWriter:
         ``objects``) and manifest, and last the index, which makes the part visible. Returns the
         bytes of the files written besides the data file."""
         if not publish(self.fs, self.tmp, self.path):
-            refuse_reuse(self.fs, self.sdir, self.rank, self.save_id, [data_name(self.rank)])
+            _refuse_reuse(self.fs, self.sdir, self.rank, self.save_id, [data_name(self.rank)])
         written = 0
         if self.rank == 0:
             written += write_rank0_meta(self.fs, self.sdir, self.ptc, self.cfg, objects or {}, step=self.step,
@@ -456,7 +455,7 @@ def save(
     when that step holds the same model (``carry_model``): an imported model's configuration
     survives the job's own saves. Files are written once and never replaced: if this
     rank's part of the attempt exists already, the save id was reused and ``save`` raises
-    CheckpointError without touching it (see ``refuse_reuse``).
+    CheckpointError without touching it (see ``_refuse_reuse``).
     """
     t0 = time.perf_counter()
     step = check_step(step)
@@ -481,10 +480,10 @@ def save(
                 f"{name}: rank {rank}'s shard has shape {tuple(t.shape)}, layout {cfg} needs {want}")
         flats.add(name, t.detach().to("cpu", ptc.tensors[name].dtype))
     if rank == 0:
-        payload = payload_bytes({o: shard[o] for o in ptc.objects if o in shard}, extra)
+        payload = _payload_bytes({o: shard[o] for o in ptc.objects if o in shard}, extra)
         ptc = carry_model(fs, root, ptc)  # only rank 0 writes the manifest, which holds the description
     else:  # only rank 0 writes extra, but every rank learns of a value that cannot be stored
-        payload_bytes({}, extra)
+        _payload_bytes({}, extra)
         payload = None
 
     part = PartWriter(fs, step_dir(root, step, save_id), ptc, cfg, rank, step=step, save_id=save_id)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import DataIndexError
 
-__all__ = ["TokenCorpus", "stdlib_corpus", "file_sha256", "BYTE_VOCAB"]
+__all__ = ["TokenCorpus", "stdlib_corpus", "BYTE_VOCAB"]
 
 log = logging.getLogger(__name__)
 BYTE_VOCAB = 256
@@ -55,8 +55,8 @@ class TokenCorpus:
 
     def fingerprint(self) -> str:
         """``sha256:<hex>`` of the token file's bytes: names the content, not the file, so other
-        tokens under the same name and size differ (see :func:`file_sha256` for the cache)."""
-        return f"sha256:{file_sha256(self.path)}"
+        tokens under the same name and size differ (see :func:`_file_sha256` for the cache)."""
+        return f"sha256:{_file_sha256(self.path)}"
 
 
 SIDECAR_SUFFIX = ".sha256"
@@ -81,7 +81,7 @@ def _cached_digest(sidecar: str, key: dict[str, int]) -> str | None:
     return digest
 
 
-def file_sha256(path: str) -> str:
+def _file_sha256(path: str) -> str:
     """SHA-256 (hex) of a file's bytes, cached in the sidecar ``<path>.sha256``.
 
     The sidecar is trusted only while the file's size, mtime, ctime and inode are the ones it

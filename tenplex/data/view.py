@@ -21,12 +21,12 @@ from ..errors import DataStateError
 from .index import DataIndex, SourceReader
 from .partition import DataState, rank_batch_ids, remaining_ids
 
-__all__ = ["LineFile", "RankView", "RankReader", "rank_view", "decimal_widths"]
+__all__ = ["LineFile", "RankView", "RankReader", "rank_view"]
 
 log = logging.getLogger(__name__)
 
 
-def decimal_widths(values: np.ndarray) -> np.ndarray:
+def _decimal_widths(values: np.ndarray) -> np.ndarray:
     """Number of decimal digits of each non-negative int64 value."""
     v = np.asarray(values, dtype=np.int64)
     width = np.ones(v.shape, dtype=np.int64)
@@ -48,7 +48,7 @@ class LineFile:
     def __init__(self, values: np.ndarray) -> None:
         self.values = np.asarray(values, dtype=np.int64)
         self._cum = np.zeros(len(self.values) + 1, dtype=np.int64)
-        np.cumsum(decimal_widths(self.values) + 1, out=self._cum[1:])
+        np.cumsum(_decimal_widths(self.values) + 1, out=self._cum[1:])
 
     @property
     def size(self) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 from ..errors import ConfigError
 
 __all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "RUNTIME_DIR_ENV", "StoreToken", "default_token_file", "resolve_token",
-           "store_token", "read_token_file", "write_token_file"]
+           "store_token"]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _check_private(st: os.stat_result, path: Path, what: str) -> None:
                           f"run `chmod {fix} {path}`")
 
 
-def read_token_file(path: str | os.PathLike[str]) -> str:
+def _read_token_file(path: str | os.PathLike[str]) -> str:
     """The token in ``path``: a regular file of this user, mode 0600, not a symlink."""
     p = Path(path)
     try:
@@ -107,7 +107,7 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     return check_token(text, f"token file {p}")
 
 
-def write_token_file(path: str | os.PathLike[str], token: str) -> bool:
+def _write_token_file(path: str | os.PathLike[str], token: str) -> bool:
     """Write ``token`` to ``path`` (mode 0600, parent directory 0700) unless the file exists.
 
     Returns whether this call wrote it: two stores starting at once agree on the first one
@@ -145,19 +145,19 @@ def resolve_token(token: str | None = None, *, token_file: str | os.PathLike[str
     if token:
         return StoreToken(token, "the given token")
     if token_file:
-        return StoreToken(read_token_file(token_file), f"token file {token_file}", str(token_file))
+        return StoreToken(_read_token_file(token_file), f"token file {token_file}", str(token_file))
     if os.environ.get(TOKEN_ENV):
         return StoreToken(os.environ[TOKEN_ENV], TOKEN_ENV)
     if os.environ.get(TOKEN_FILE_ENV):
         path = os.environ[TOKEN_FILE_ENV]
-        return StoreToken(read_token_file(path), f"token file {path} ({TOKEN_FILE_ENV})", path)
+        return StoreToken(_read_token_file(path), f"token file {path} ({TOKEN_FILE_ENV})", path)
     path = default_token_file()
     if create and not os.path.lexists(path):
-        if write_token_file(path, secrets.token_urlsafe(32)):
+        if _write_token_file(path, secrets.token_urlsafe(32)):
             log.info("generated a store token into %s (mode 0600)", path)
-            return StoreToken(read_token_file(path), f"generated into {path}", str(path))
+            return StoreToken(_read_token_file(path), f"generated into {path}", str(path))
     if os.path.lexists(path):
-        return StoreToken(read_token_file(path), f"token file {path}", str(path))
+        return StoreToken(_read_token_file(path), f"token file {path}", str(path))
     return None
 
 

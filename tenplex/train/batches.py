@@ -26,7 +26,7 @@ from ..data.view import RankReader
 from ..errors import ConfigError
 from ..vfs.control import mount_status, remount
 
-__all__ = ["corpus_index", "uneven_micro_batch", "IndexBatches", "MountBatches"]
+__all__ = ["corpus_index", "IndexBatches", "MountBatches"]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def corpus_index(corpus: TokenCorpus) -> tuple[str, DataIndex]:
     return path, index
 
 
-def uneven_micro_batch(global_batch: int, dp: int, micro_batch: int | None) -> int | None:
+def _uneven_micro_batch(global_batch: int, dp: int, micro_batch: int | None) -> int | None:
     """``micro_batch`` when it makes the DP split uneven, else None (equal slices: what a view
     without a micro-batch size shows, so an even job's mount is never re-sharded for it)."""
     if micro_batch is None or global_batch % (dp * micro_batch) == 0:
@@ -102,7 +102,7 @@ class MountBatches:
                               f"but the job's data has {state.num_samples}: mount the index of this corpus "
                               f"(tenplex.train.batches.corpus_index)")
         want = {"dp": dp, "progress": state.consumed, "global_batch": state.global_batch, "seed": state.seed,
-                "micro_batch": uneven_micro_batch(state.global_batch, dp, micro_batch)}
+                "micro_batch": _uneven_micro_batch(state.global_batch, dp, micro_batch)}
         if all(layout.get(k) == v for k, v in want.items()) and layout.get("shuffle", True) == state.shuffle:
             return status
         log.info("re-sharding the dataset mount %s: %s", mountpoint, want)
@@ -124,7 +124,7 @@ class MountBatches:
         self._key = (dp, dp_rank, micro_batch)
 
     def batch(self, state: DataState, dp: int, dp_rank: int, micro_batch: int | None = None) -> torch.Tensor:
-        mb = uneven_micro_batch(state.global_batch, dp, micro_batch)
+        mb = _uneven_micro_batch(state.global_batch, dp, micro_batch)
         split = replica_samples(state.global_batch, dp, mb)
         per = split[dp_rank]
         if self._key != (dp, dp_rank, mb):

@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                     "'none', or 'auto' (what the memory estimator's 80%% rule leaves of the device)")
     ap.add_argument("--write", type=int, default=1, help="1: write each snapshot to the host store; "
                     "0: copy to host memory only")
-    ap.add_argument("--plot", default=None, help="timeline PNG path (e.g. docs/bubbles_timeline.png)")
+    ap.add_argument("--plot", default=None, help="timeline PNG path (e.g. docs/bench/bubbles_timeline.png)")
     ap.add_argument("--trace", default=None, help="JSON path for every iteration's spans and bubble windows "
                     "per rank (for analysis)")
     ap.add_argument("--json", action="store_true")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..config import ParallelConfig
 from ..choose import check_fits
 
-__all__ = ["Groups", "local_device", "uses_cuda", "join_process_group", "init_distributed", "copy_to_tp",
+__all__ = ["Groups", "local_device", "join_process_group", "init_distributed", "copy_to_tp",
            "reduce_from_tp", "all_reduce"]
 
 log = logging.getLogger(__name__)
@@ -44,15 +44,15 @@ class Groups:
         return self.cfg.rank(pp=stage, dp=c.dp, tp=c.tp)
 
 
-def uses_cuda() -> bool:
+def _uses_cuda() -> bool:
     """Whether this worker trains on CUDA: CUDA is available and ``TENPLEX_DEVICE`` is not ``cpu``."""
     return torch.cuda.is_available() and os.environ.get("TENPLEX_DEVICE", "") != "cpu"
 
 
 def local_device() -> torch.device:
-    """This worker's device: CUDA device LOCAL_RANK (made current) when ``uses_cuda()``, else the
+    """This worker's device: CUDA device LOCAL_RANK (made current) when ``_uses_cuda()``, else the
     CPU (its backend: nccl on CUDA, gloo on the CPU)."""
-    if not uses_cuda():
+    if not _uses_cuda():
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if local >= torch.cuda.device_count():
@@ -79,7 +79,7 @@ def join_process_group(*, timeout_s: float = 60.0) -> torch.device:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
         return device
     # joined before (an in-process recovery re-formed the group): the device made current then
-    return torch.device("cuda", torch.cuda.current_device()) if uses_cuda() else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if _uses_cuda() else torch.device("cpu")
 
 
 def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
