@@ -9,7 +9,6 @@ flight on that stage. See docs/memory.md for the derivation of every term.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import re
@@ -19,6 +18,7 @@ from typing import Any
 
 from .config import MAX_WORLD_SIZE, ParallelConfig
 from .errors import ConfigError, LayoutError
+from .options import with_overrides
 from .models import ModelSpec, model_spec
 from .ptc import PTC
 
@@ -340,7 +340,7 @@ def estimate_memory(model: ModelSpec | str | PTC, cfg: ParallelConfig, options: 
     micro_batch=1)``. Raises LayoutError when the layout cannot split the model and ConfigError
     for malformed arguments.
     """
-    opts = dataclasses.replace(options, **settings) if options is not None else MemoryOptions(**settings)
+    opts = with_overrides(options if options is not None else MemoryOptions, settings, "estimate_memory")
     spec = resolve_model(model)
     cp, recompute = opts.cp, opts.recompute
     seq_len, micro_batch = opts.seq_len, opts.micro_batch

@@ -9,7 +9,6 @@ clock (see docs/store.md, "Reads in rounds").
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 import math
 import threading
@@ -23,6 +22,7 @@ import numpy as np
 from ..checkpoint.format import writer_assignment
 from ..checkpoint.reader import ReadItem
 from ..errors import ConfigError
+from ..options import with_overrides
 from ..planner import Plan
 from ..planner import plan as plan_moves
 from ..ptc import PTC, Layout
@@ -128,7 +128,7 @@ def plan_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: Layout, rank: i
     has it; keyword ``settings`` override single fields of it.
     """
     t0 = time.perf_counter()
-    opts = dataclasses.replace(options or RecoveryOptions(), **settings)
+    opts = with_overrides(options or RecoveryOptions(), settings, "plan_recovery")
     manifest = found.manifest
     saved = PTC.from_json(manifest["ptc"])
     old = found.layout
@@ -273,7 +273,7 @@ def schedule_recovery(found: UsableStep, tiers: Sequence[Tier], cfg: Layout, ran
     ``time_limit`` plus a grace period; failures are logged). The schedule runs in a daemon
     thread so that an overrun can be abandoned: the loader then reads without rounds.
     ``options`` and ``settings``: as for ``plan_recovery``."""
-    opts = dataclasses.replace(options or RecoveryOptions(), **settings)
+    opts = with_overrides(options or RecoveryOptions(), settings, "schedule_recovery")
     if not any(t.kind == "peer" and t.name in found.attempt.dirs for t in tiers):
         return None, "no peer store holds a part of this step"
     box: dict[str, object] = {}

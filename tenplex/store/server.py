@@ -19,7 +19,6 @@ streamed in bounded chunks.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import hmac
 import html
@@ -44,6 +43,7 @@ from urllib.parse import unquote_to_bytes
 
 from ..checkpoint.format import RANK_INDEX_RE, STEP_DIR_RE
 from ..errors import ConfigError
+from ..options import with_overrides
 from .auth import resolve_token
 from .replication import Replicator, check_peers, ring_targets
 from .space import NAME_MAX, PART_NAME, StoreSpace, step_complete, whole_ranks
@@ -128,7 +128,7 @@ class StoreServer:
 
     def __init__(self, root: str, host: str = "127.0.0.1", port: int = 0, options: StoreOptions | None = None,
                  **settings: Any) -> None:
-        opts = dataclasses.replace(options or StoreOptions(), **settings)
+        opts = with_overrides(options or StoreOptions(), settings, "StoreServer")
         self.options = opts
         self.space = StoreSpace(root)
         self.root = self.space.root
