@@ -59,7 +59,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .checkpoint import LoadResult, load, save
 from .checkpoint.writer import default_save_id
-from .checkpoint.reader import url_fs
+from .urls import url_fs
 from .config import ParallelConfig
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, TenplexError
 from .models import ModelSpec, model_ptc, model_spec, optimizer_names
@@ -377,12 +377,6 @@ def _options(storage_options: Mapping[str, Any] | None, what: str) -> dict[str, 
     return dict(storage_options)
 
 
-def _url_fs(src: str | Path, storage_options: Mapping[str, Any] | None,
-            what: str = "source_storage_options") -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and path of a local path or fsspec URL, built with ``storage_options``."""
-    return url_fs(str(src), _options(storage_options, what))
-
-
 def _names(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
     """Full paths of the entries of directory ``path``."""
     return sorted(fs.ls(path, detail=False))
@@ -415,7 +409,7 @@ def _import_step(src: str | Path, step: int | None, objects: Mapping[str, Any] |
 
 def detect_format(src: str | Path, *, storage_options: Mapping[str, Any] | None = None) -> str:
     """'dcp' for a directory with DCP's ``.metadata``, 'hf' for safetensors files (local or a URL)."""
-    fs, path = _url_fs(src, storage_options)
+    fs, path = url_fs(src, storage_options, options="source_storage_options")
     if fs.isdir(path):
         names = _names(fs, path)
         if any(n.rsplit("/", 1)[-1] == ".metadata" for n in names):
@@ -435,7 +429,7 @@ def read_hf_state(src: str | Path, *, storage_options: Mapping[str, Any] | None 
     from safetensors.torch import load as load_bytes
     from safetensors.torch import load_file
 
-    fs, path = _url_fs(src, storage_options)
+    fs, path = url_fs(src, storage_options, options="source_storage_options")
     if fs.isfile(path):
         files, parent = [path], path.rsplit("/", 1)[0]
     else:
@@ -495,7 +489,7 @@ def _dcp_metadata(src: str | Path, storage_options: Mapping[str, Any] | None) ->
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # public there (its __all__)
 
     opts = _options(storage_options, "source_storage_options")
-    fs, path = _url_fs(src, opts)
+    fs, path = url_fs(src, opts, options="source_storage_options")
     reader = (dcp.FileSystemReader(path) if isinstance(fs, LocalFileSystem) and not opts
               else FsspecReader(str(src), **opts))
     try:
@@ -870,7 +864,7 @@ def export_hf(url: str, out: str | Path, *, step: int | None = None,
     spec = ModelSpec.from_json(dict(mj))
     config = spec_to_hf_config(spec, spec.source_config or _hf_config_of(res.extra))
     hf = {k: v.contiguous() for k, v in tenplex_to_hf(state, spec).items()}
-    fs, p = _url_fs(out, out_storage_options, "out_storage_options")
+    fs, p = url_fs(out, out_storage_options, options="out_storage_options")
     path = p if p.endswith(".safetensors") else p.rstrip("/") + "/model.safetensors"
     parent = path.rsplit("/", 1)[0]
     fs.makedirs(parent, exist_ok=True)
