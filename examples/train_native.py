@@ -289,10 +289,14 @@ def main() -> None:
             rec = recover_in_process(membership, ring, rebuilt, RecoveryConfig(url=args.ckpt,
                                                                                join_timeout=args.join_timeout),
                                      join=reason == "join")
+            summed_s = time.time() - rec.rescaled_at  # the group-wide sums after rescale: counted in ring_s
             nm, res = rec.membership, rec.result
+            t_restore = time.perf_counter()
             step, data = restore(filled)
             filled = {}
-            t3, wall3 = time.perf_counter(), time.time()
+            # the state is in place when rescale returned and the optimizer got it
+            t3 = time.perf_counter()
+            wall3 = rec.rescaled_at + (t3 - t_restore)
             try:  # not timed: whether the order was computed for the layout the rebuilt model has
                 predicted = old is not None and predict_layout(old.layout, tuple(dims.items()), seen) == res.cfg
             except tenplex.LayoutError:
@@ -317,10 +321,12 @@ def main() -> None:
                     "layout_predicted": predicted,
                     "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,
                     # unwind: from learning of the failure to this recovery's start (the blocked collective
-                    # failing, leaving the step); ring: the new mesh's layout described and its first state kept
+                    # failing, leaving the step); ring: the bytes summed over the group, the new mesh's layout
+                    # described and its first state kept
                     "unwind_s": max(0.0, wall0 - nm.failed_at), "release_s": t_released - t0,
                     "recover_s": t_released - t0 + rec.recover_s, "rebuild_s": rec.rebuild_s,
-                    "rescale_s": rec.rescale_s, "ring_s": t4 - t3, "failure_to_state_s": wall3 - nm.failed_at + nm.detect_s,
+                    "rescale_s": rec.rescale_s + (t3 - t_restore), "ring_s": t4 - t3 + summed_s,
+                    "failure_to_state_s": wall3 - nm.failed_at + nm.detect_s,
                     "timings": res.timings}
         except Exception:  # noqa: BLE001 - any failure here: the launcher's restart takes over
             code = JOIN_FAILED if joining else RECOVERY_FAILED

@@ -15,6 +15,7 @@ recovery is the caller's to end with :data:`RECOVERY_FAILED` (a joiner not admit
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -147,6 +148,7 @@ class LiveRecovery:
     newest: int  # the newest step any survivor had completed (``result.step`` is the one moved)
     storage_urls: tuple[str, ...] = ()  # where survivors read pieces no survivor held
     rebuild_s: float = 0.0  # seconds of ``build`` (a torch-native job's model for the new group)
+    rescaled_at: float = 0.0  # time.time() when rescale returned, before the group-wide sums above
 
 
 @dataclass(frozen=True)
@@ -211,11 +213,12 @@ def recover_in_process(m: Membership, ring: StateRing, build: Callable[[NewMembe
                      ptc=held.ptc if held else None)
     res = rescale(config.url, target, choose=config.choose, gpus_per_host=config.gpus_per_host, tiers=config.tiers,
                   live=live)
-    t3 = time.perf_counter()
-    return _summary(nm, res, ring, recover_s=t1 - t0, rebuild_s=t2 - t1, rescale_s=t3 - t2)
+    t3, rescaled_at = time.perf_counter(), time.time()
+    return dataclasses.replace(_summary(nm, res, ring, recover_s=t1 - t0, rescale_s=t3 - t2), rebuild_s=t2 - t1,
+                               rescaled_at=rescaled_at)
 
 
-def _summary(nm: NewMembership, res: RescaleResult, ring: StateRing, *, recover_s: float, rebuild_s: float,
+def _summary(nm: NewMembership, res: RescaleResult, ring: StateRing, *, recover_s: float,
              rescale_s: float) -> LiveRecovery:
     """The recovery as the whole new group saw it (collectives over it): bytes summed, the newest
     step any survivor held, the slowest rank's timings, the storage URLs read."""
@@ -230,4 +233,4 @@ def _summary(nm: NewMembership, res: RescaleResult, ring: StateRing, *, recover_
     slowest = {k: max(v[1].get(k, 0.0) for v in views) for k in res.timings}  # the recovery waits for the slowest
     return LiveRecovery(nm, res, recover_s, rescale_s, slowest,
                         {"live": int(sums[0]), "storage": int(sums[1]), "local": int(sums[2])}, int(newest.item()),
-                        tuple(sorted({u for u in urls if u})), rebuild_s=rebuild_s)
+                        tuple(sorted({u for u in urls if u})))
