@@ -43,7 +43,6 @@ import gc
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -58,19 +57,19 @@ import native_llama as nl  # noqa: E402 - the user's model, next to this script
 
 import tenplex  # noqa: E402
 from tenplex.assignment import load_solvers  # noqa: E402
-from tenplex.checkpoint import default_save_id, save  # noqa: E402
-from tenplex.data.corpus import stdlib_corpus  # noqa: E402
-from tenplex.data.partition import DataState, global_batch_ids  # noqa: E402
-from tenplex.choose import choose_mesh, predict_layout  # noqa: E402
-from tenplex.elastic import LiveState, live_order  # noqa: E402
-from tenplex.errors import PeerFailure  # noqa: E402
+from tenplex.checkpoint import default_save_id  # noqa: E402
+from tenplex.data import DataState, global_batch_ids, stdlib_corpus  # noqa: E402
+from tenplex.data.batches import IndexBatches  # noqa: E402
 from tenplex.dtensor import release_mesh  # noqa: E402
-from tenplex.state_dict import describe_state_dict, local_shard  # noqa: E402
-from tenplex.train.batches import IndexBatches  # noqa: E402
-from tenplex.planner import plan  # noqa: E402
-from tenplex.train.live import (  # noqa: E402
-    JOIN_FAILED, RECOVERY_FAILED, DieAt, StateRing, join_membership, membership_store, start_membership, warm_up,
+from tenplex.choose import choose_mesh, predict_layout  # noqa: E402
+from tenplex.elastic import live_order  # noqa: E402
+from tenplex.errors import PeerFailure  # noqa: E402
+from tenplex.inprocess import (  # noqa: E402
+    JOIN_FAILED, RECOVERY_FAILED, DieAt, RecoveryConfig, recover_in_process, warm_up,
 )
+from tenplex.membership_runtime import join_membership, membership_store, start_membership  # noqa: E402
+from tenplex.ring import HeldAs, StateRing, exit_on_sigterm, flush_ring  # noqa: E402
+from tenplex.state_dict import describe_state_dict, local_shard  # noqa: E402
 
 log = logging.getLogger("train_native")
 
@@ -216,12 +215,10 @@ def main() -> None:
     if membership is not None:  # a joiner's too: once admitted, it admits later joiners like the others
         membership.fits = fits
     ring = StateRing(3) if args.in_process else None
-    live_ptc = live_layout = None
-    # what the SIGTERM flush writes the ring's states as: their description, this rank and the save id
-    # of the mesh they were taken on, set with them. Derived in the handler, a recovery under way (the
+    # what the ring's states are (their description, this rank and the save id of the mesh they were
+    # taken on: ring.held_as) is set with them. Derived when SIGTERM came, a recovery under way (the
     # group dropped, the rank renumbered) gave another save id and rank: the step every rank held
     # landed in two attempts, neither complete (issue 29 item 6)
-    flush_as: tuple[Any, Any, int, str] | None = None
     seen: dict[tuple[tuple[str, int], ...], Any] = {}  # the state dict's layout on every mesh this process ran
 
     def guard() -> Any:
@@ -232,11 +229,11 @@ def main() -> None:
     def remember() -> None:
         """The state after ``step`` into the ring, and (at a mesh's first step) the layout it has, with
         the survivors' order for a failure: where most of each new rank's state already is."""
-        nonlocal live_ptc, live_layout, warmed, flush_as
+        nonlocal warmed
         sd = state()
-        if live_layout is None:  # collective: while every rank of this mesh is alive
+        if ring.held_as is None:  # collective: while every rank of this mesh is alive
             live_ptc, live_layout = describe_state_dict(sd)
-            flush_as = (live_ptc, live_layout, rank, default_save_id(live_layout, live_ptc))
+            ring.held_as = HeldAs(live_layout, rank, default_save_id(live_layout, live_ptc), ptc=live_ptc)
             seen[tuple(dims.items())] = live_layout
             membership.order = live_order(live_ptc, live_layout, rule, membership.members, known=seen)
             if not warmed:  # the scipy import and the assignment once, before any failure needs them
@@ -246,27 +243,15 @@ def main() -> None:
 
     saved: set[int] = set()  # steps this launch checkpointed (complete on every rank)
 
-    def terminated(signum: int, frame: Any) -> None:
-        """SIGTERM (torchrun's agents restarting the workers, e.g. for a joining node): the two newest
-        states of the ring the checkpoint lacks go there first, then exit at once. Workers are at most
-        one step apart, so the newest step every worker completed is written by all of them (each its own
-        part, the pure writer assignment: no message); a step only some reached stays incomplete."""
-        held = ring.states() if flush_as is not None else {}
-        for s_, shard in sorted(held.items())[-2:]:
-            if s_ in saved:
-                continue
-            ptc_, layout_, rank_, sid = flush_as
-            part = shard if rank_ == 0 else {k: v for k, v in shard.items() if isinstance(v, torch.Tensor)}
-            try:
-                save(args.ckpt, ptc_, layout_, rank_, part, step=s_, save_id=sid)
-                log.warning("rank %d: SIGTERM: step %d's state is in the checkpoint %s", rank_, s_, args.ckpt)
-            except Exception:  # noqa: BLE001 - exiting anyway; the restart loads what is there
-                log.exception("rank %d: SIGTERM: could not save step %d", rank_, s_)
-        logging.shutdown()
-        os._exit(128 + signum)
+    def write(held_as: HeldAs, step: int, shard: dict[str, Any]) -> None:
+        """One of the ring's states into the checkpoint, as this rank's part (its values on rank 0)."""
+        part = shard if held_as.rank == 0 else {k: v for k, v in shard.items() if isinstance(v, torch.Tensor)}
+        tenplex.save(args.ckpt, held_as.ptc, held_as.layout, held_as.rank, part, step=step, save_id=held_as.save_id)
 
+    # SIGTERM (torchrun's agents restarting the workers, e.g. for a joining node): the two newest states
+    # of the ring the checkpoint lacks go there first (each rank its own part: no message), then exit
     if ring is not None:
-        signal.signal(signal.SIGTERM, terminated)
+        exit_on_sigterm(lambda: flush_ring(ring, write, where=f"the checkpoint {args.ckpt}", skip=saved))
 
     if ring is not None and resumed:  # fresh: the ring starts after the first step (see above)
         with guard():
@@ -275,16 +260,26 @@ def main() -> None:
     if resumed:
         saved.add(step)
 
+    filled: dict[str, Any] = {}  # the state dict the last recovery filled
+
+    def rebuilt(nm: Any) -> dict[str, Any]:
+        """The mesh, model and optimizer for the new group; the fresh model's state dict, whose values
+        the recovery replaces by the survivors' state."""
+        nonlocal rank, world, dims, mesh, model, optimizer, filled
+        rank, world = nm.new_rank, nm.world_size
+        dims, mesh, model, optimizer = build(world)
+        filled = state()
+        return filled
+
     def recover(reason: str) -> dict[str, Any]:
         """Agree on the members (the survivors; at a join, the workers and the joiners), rebuild mesh and
         model for them, move the state live; exit 75 on failure (a joiner: 76)."""
-        nonlocal rank, world, dims, mesh, model, optimizer, step, data, live_ptc, live_layout, flush_as
+        nonlocal mesh, model, optimizer, step, data, filled
         joining = membership.joining
         try:
             t0, wall0 = time.perf_counter(), time.time()
-            if not joining and not ring.states():
-                raise RuntimeError("no consistent state is held yet (a failure before the first step)")
-            newest = max(ring.states()) if not joining else None
+            old = ring.held_as
+            newest = max(ring.states()) if ring.states() else None
             # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
             # freed, their connections close, and a survivor blocked in one of them with this rank fails
             if mesh is not None:
@@ -292,39 +287,33 @@ def main() -> None:
             model = optimizer = mesh = None
             gc.collect()
             t_released = time.perf_counter()
-            nm = membership.admit(args.join_timeout) if joining else membership.recover(join=reason == "join")
-            t1 = time.perf_counter()
-            rank, world = nm.new_rank, nm.world_size
-            dims, mesh, model, optimizer = build(world)
-            sd = state()  # the fresh model's; its values are replaced by the survivors' state
-            t2 = time.perf_counter()
-            # a joiner holds nothing: it learns the layout, the collection and the holders from group rank 0
-            live = LiveState(None, {}, nm.alive, sources=(args.ckpt,)) if joining else \
-                LiveState(live_layout, ring.states(), nm.alive, sources=(args.ckpt,), ptc=live_ptc)
-            res = tenplex.rescale(args.ckpt, sd, live=live)
-            step, data = restore(sd)
-            del sd
-            t3, wall3 = time.perf_counter(), time.time()
-            old_ptc, old_layout = (live_ptc, live_layout) if not joining else (None, None)
+            rec = recover_in_process(membership, ring, rebuilt, RecoveryConfig(url=args.ckpt,
+                                                                               join_timeout=args.join_timeout),
+                                     join=reason == "join")
+            summed_s = time.time() - rec.rescaled_at  # the group-wide sums after rescale: counted in ring_s
+            nm, res = rec.membership, rec.result
+            t_restore = time.perf_counter()
+            step, data = restore(filled)
+            filled = {}
+            # the state is in place when rescale returned and the optimizer got it
+            t3 = time.perf_counter()
+            wall3 = rec.rescaled_at + (t3 - t_restore)
             try:  # not timed: whether the order was computed for the layout the rebuilt model has
-                predicted = old_layout is not None and predict_layout(old_layout, tuple(dims.items()), seen) == res.cfg
+                predicted = old is not None and predict_layout(old.layout, tuple(dims.items()), seen) == res.cfg
             except tenplex.LayoutError:
                 predicted = False
-            b = res.bytes_by_tier
-            sums = torch.tensor([b.get("live", 0), b.get("storage", 0), b.get("local", 0)], dtype=torch.float64)
-            dist.all_reduce(sums)
             ring.clear()
-            live_ptc = live_layout = flush_as = None
             remember()  # a failure here: exit 75 (the except below)
             ring.pin(step)  # a checkpoint step when pieces came from storage; else the state the survivors held
             t4 = time.perf_counter()
             ps = res.plan_stats
             # not timed: the same move in the survivors' old rank order (what the locality order saved)
-            by_rank = plan(old_ptc, old_layout, res.cfg, alive=sorted(nm.alive)).stats if old_ptc else ps
+            by_rank = tenplex.plan(old.ptc, old.layout, res.cfg, alive=sorted(nm.alive)).stats if old else ps
             return {"event": "recover", "reason": reason.splitlines()[0][:200], "world_size": world, "mesh": dims,
                     "alive": list(nm.alive), "joiners": list(nm.joiners), "live": res.live, "step": step,
                     "newest": newest,
-                    "bytes_live": int(sums[0]), "bytes_storage": int(sums[1]), "bytes_local": int(sums[2]),
+                    "bytes_live": rec.bytes["live"], "bytes_storage": rec.bytes["storage"],
+                    "bytes_local": rec.bytes["local"],
                     "plan_bytes_peer": ps.bytes_same_host + ps.bytes_cross_host if ps else None,
                     "plan_bytes_storage": ps.bytes_storage if ps else None,
                     "plan_bytes_moved": ps.bytes_moved if ps else None,
@@ -333,10 +322,12 @@ def main() -> None:
                     "layout_predicted": predicted,
                     "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,
                     # unwind: from learning of the failure to this recovery's start (the blocked collective
-                    # failing, leaving the step); ring: the bytes summed, the new mesh's layout described and
-                    # its first state kept
-                    "unwind_s": max(0.0, wall0 - nm.failed_at), "release_s": t_released - t0, "recover_s": t1 - t0, "rebuild_s": t2 - t1,
-                    "rescale_s": t3 - t2, "ring_s": t4 - t3, "failure_to_state_s": wall3 - nm.failed_at + nm.detect_s,
+                    # failing, leaving the step); ring: the bytes summed over the group, the new mesh's layout
+                    # described and its first state kept
+                    "unwind_s": max(0.0, wall0 - nm.failed_at), "release_s": t_released - t0,
+                    "recover_s": t_released - t0 + rec.recover_s, "rebuild_s": rec.rebuild_s,
+                    "rescale_s": rec.rescale_s + (t3 - t_restore), "ring_s": t4 - t3 + summed_s,
+                    "failure_to_state_s": wall3 - nm.failed_at + nm.detect_s,
                     "timings": res.timings}
         except Exception:  # noqa: BLE001 - any failure here: the launcher's restart takes over
             code = JOIN_FAILED if joining else RECOVERY_FAILED

@@ -8,7 +8,7 @@ example's rule gives (``dp_shard = n - 1``). Per case and size, what a recovery 
 ``planner.locality_order`` (holder tables, the sparse byte matrix, the matching):
 
 - ``cold``: the holder tables of the new layout not yet computed (module caches cleared);
-- ``warm``: computed before (what ``train.live.warm_up`` leaves for a single failure: the same new
+- ``warm``: computed before (what ``inprocess.warm_up`` leaves for a single failure: the same new
   world size).
 
 Also the bytes the plan moves between survivors in the old rank order and in the locality order.

@@ -45,7 +45,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tenplex.cli import human_bytes  # noqa: E402
-from tenplex.train.launch import RendezvousStore, free_port, kill_alive, read_train_log, start_hosts, wait_for  # noqa: E402
+from tenplex.train.launch import (  # noqa: E402
+    HostsConfig, RendezvousStore, free_port, kill_alive, read_train_log, start_hosts, wait_for,
+)
 
 REFUSED = 3  # the exit status of a refused run
 
@@ -104,8 +106,8 @@ def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: i
     else:
         args += ["--ckpt-every", str(ckpt_every)]
     rdzv = RendezvousStore()
-    hosts = start_hosts(2, str(work), args, nproc=2, endpoint=rdzv.endpoint, run_id=f"b{free_port()}",
-                        store_dir=store_dir)
+    hosts = start_hosts(HostsConfig(2, str(work), args, nproc=2, endpoint=rdzv.endpoint, run_id=f"b{free_port()}",
+                                    store_dir=store_dir))
     try:
         def four() -> int:
             return max([o["step"] for o in read_train_log(log)[0] if o["world_size"] == 4] or [0])

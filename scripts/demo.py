@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tenplex.cli import human_bytes  # noqa: E402
-from tenplex.train.launch import Agent, RendezvousStore, free_port, read_train_log, start_hosts, wait_for  # noqa: E402
+from tenplex.train.launch import (  # noqa: E402
+    Agent, HostsConfig, RendezvousStore, free_port, read_train_log, start_hosts, wait_for,
+)
 from tenplex.train.netns import LOOPBACK, try_create  # noqa: E402
 
 
@@ -200,7 +202,7 @@ def main() -> int:
             # the workers read their batches through the dataset VFS; rescale re-shards it in place
             from tenplex.data.corpus import stdlib_corpus
             from tenplex.models import PRESETS
-            from tenplex.train.batches import corpus_index
+            from tenplex.data.batches import corpus_index
 
             index_path, _ = corpus_index(stdlib_corpus(int(PRESETS["tiny"]["seq_len"])))
             mnt.mkdir()
@@ -223,8 +225,9 @@ def main() -> int:
             print("      in-process recovery: host stores on both nodes, a snapshot every step", flush=True)
             train += ["--in-process", "--store", "auto", "--snapshot-every", "1"]
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            hosts = start_hosts(2, str(work), train, nproc=2, endpoint=store.endpoint, run_id=run_id, env=env,
-                                store_dir=tempfile.mkdtemp(prefix="tenplex-demo-", dir=shm), network=network)
+            hosts = start_hosts(HostsConfig(2, str(work), train, nproc=2, endpoint=store.endpoint, run_id=run_id,
+                                            env=env, store_dir=tempfile.mkdtemp(prefix="tenplex-demo-", dir=shm),
+                                            network=network))
             agents = [h.agent for h in hosts]
 
         def four_worker_step() -> int:

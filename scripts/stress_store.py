@@ -116,7 +116,7 @@ def sigterm_iteration(tmp: Path, rng: random.Random) -> dict[str, int]:
             _check_ports(tmp, "first")
             out["runs_failed"] += 1
         text = "".join((tmp / f"first{r}.log").read_text() for r in range(2))
-        out["snapshot_failures"] += text.count("could not snapshot")
+        out["snapshot_failures"] += text.count("SIGTERM: could not write step")
         seen_ok["flushed_snapshots"] += text.count("is in the host store")
         before = logged()
         # every worker completed step `before - 1` at least (they differ by at most one step)

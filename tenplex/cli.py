@@ -23,7 +23,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .auto_import import import_checkpoint
 from .checkpoint import list_steps, read_manifest
-from .checkpoint.reader import url_fs
+from .urls import url_fs
 from .config import MAX_WORLD_SIZE, ParallelConfig
 from .data.index import build_index, load_index
 from .dcp_import import DcpNames
@@ -216,15 +216,6 @@ def _storage_errors(given: str) -> Iterator[None]:
             raise
         raise ConfigError(f"the filesystem refused the storage options {given} ({e}): pass only parameters its "
                           "fsspec implementation takes") from e
-
-
-def _url_fs(url: str, options: dict[str, object], flag: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """``url_fs`` of ``url`` with ``options``; options its class refuses are a ConfigError."""
-    try:
-        return url_fs(url, options)
-    except TypeError as e:
-        raise ConfigError(f"cannot open {url} with {flag} {', '.join(options)} ({e}): pass options the "
-                          "filesystem's constructor takes") from None
 
 
 _POS = _int_in(1, MAX_WORLD_SIZE)
@@ -451,7 +442,7 @@ def _checkpoint_errors(url: str) -> Iterator[None]:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     opts = _storage_options(args.storage_option, "--storage-option")
-    fs, path = _url_fs(args.url, opts, "--storage-option")
+    fs, path = url_fs(args.url, opts, options="--storage-option")
     if isinstance(fs, LocalFileSystem) and not fs.exists(path):
         raise CheckpointNotFoundError(f"{args.url} does not exist: check the path")
     with _checkpoint_errors(args.url), _storage_errors(_given(storage_option=opts)):
@@ -524,8 +515,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
                                "pass the checkpoint's config.json")
     src_opts = _storage_options(args.source_storage_option, "--source-storage-option")
     opts = _storage_options(args.storage_option, "--storage-option")
-    _url_fs(args.src, src_opts, "--source-storage-option")
-    _url_fs(args.dst, opts, "--storage-option")
+    url_fs(args.src, src_opts, options="--source-storage-option")
+    url_fs(args.dst, opts, options="--storage-option")
     kw: dict = {"layout": args.layout, "step": args.step, "storage_options": opts,
                 "source_storage_options": src_opts}
     fmt = args.format
@@ -549,8 +540,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     opts = _storage_options(args.storage_option, "--storage-option")
     out_opts = _storage_options(args.out_storage_option, "--out-storage-option")
-    _url_fs(args.src, opts, "--storage-option")
-    _url_fs(args.dst, out_opts, "--out-storage-option")
+    url_fs(args.src, opts, options="--storage-option")
+    url_fs(args.dst, out_opts, options="--out-storage-option")
     with _checkpoint_errors(args.src), _storage_errors(_given(storage_option=opts, out_storage_option=out_opts)):
         path = export_hf(args.src, args.dst, step=args.step, storage_options=opts, out_storage_options=out_opts)
     print(f"exported {args.src} to {path} (Hugging Face safetensors, config.json beside it)")

@@ -35,12 +35,12 @@ from .import_source import (
     checked_options,
     import_step,
     save_global,
-    source_fs,
     state_dtype,
 )
 from .models import ModelSpec, model_ptc, model_spec, optimizer_names
 from .ptc import PTC, TensorSpec
 from .state_layout import Boxes, StateLayout, spec_for
+from .urls import url_fs
 
 __all__ = ["read_dcp_state", "DcpChunk", "dcp_chunk_layout", "import_dcp_chunks", "DcpNames", "import_dcp"]
 
@@ -79,7 +79,7 @@ def _dcp_metadata(src: str | Path, storage_options: Mapping[str, Any] | None) ->
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # public there (its __all__)
 
     opts = checked_options(storage_options, "source_storage_options")
-    fs, path = source_fs(src, opts)
+    fs, path = url_fs(src, opts, options="source_storage_options")
     reader = (dcp.FileSystemReader(path) if isinstance(fs, LocalFileSystem) and not opts
               else FsspecReader(str(src), **opts))
     try:

@@ -18,7 +18,8 @@ from .checkpoint import LoadResult, load
 from .config import ParallelConfig
 from .errors import CheckpointError
 from .hf_mapping import spec_to_hf_config, tenplex_to_hf
-from .import_source import checked_options, source_fs
+from .import_source import checked_options
+from .urls import url_fs
 from .models import ModelSpec
 from .ptc import PTC
 
@@ -72,7 +73,7 @@ def export_hf(url: str, out: str | Path, *, step: int | None = None,
     spec = ModelSpec.from_json(dict(mj))
     config = spec_to_hf_config(spec, spec.source_config or _hf_config_of(res.extra))
     hf = {k: v.contiguous() for k, v in tenplex_to_hf(state, spec).items()}
-    fs, p = source_fs(out, out_storage_options, "out_storage_options")
+    fs, p = url_fs(out, out_storage_options, options="out_storage_options")
     path = p if p.endswith(".safetensors") else p.rstrip("/") + "/model.safetensors"
     parent = path.rsplit("/", 1)[0]
     fs.makedirs(parent, exist_ok=True)

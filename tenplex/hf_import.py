@@ -19,8 +19,9 @@ from fsspec.implementations.local import LocalFileSystem
 from .config import ParallelConfig
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .hf_mapping import hf_config_to_spec, hf_to_tenplex
-from .import_source import ImportResult, check_shapes, dir_entries, import_step, save_global, source_fs, state_dtype
+from .import_source import ImportResult, check_shapes, dir_entries, import_step, save_global, state_dtype
 from .models import model_ptc
+from .urls import url_fs
 
 __all__ = ["read_hf_state", "import_hf"]
 
@@ -33,7 +34,7 @@ def read_hf_state(src: str | Path, *, storage_options: Mapping[str, Any] | None 
     from safetensors.torch import load as load_bytes
     from safetensors.torch import load_file
 
-    fs, path = source_fs(src, storage_options)
+    fs, path = url_fs(src, storage_options, options="source_storage_options")
     if fs.isfile(path):
         files, parent = [path], path.rsplit("/", 1)[0]
     else:

@@ -21,12 +21,12 @@ import fsspec
 import torch
 
 from .checkpoint import save
-from .checkpoint.reader import url_fs
+from .urls import url_fs
 from .config import ParallelConfig
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .ptc import PTC, Layout
 
-__all__ = ["ImportResult", "source_step", "import_step", "detect_format", "checked_options", "source_fs",
+__all__ = ["ImportResult", "source_step", "import_step", "detect_format", "checked_options",
            "dir_entries", "state_dtype", "check_shapes", "save_global"]
 
 
@@ -51,11 +51,6 @@ def checked_options(storage_options: Mapping[str, Any] | None, what: str) -> dic
         raise ConfigError(f"{what} must map option names (strings) to values, got {storage_options!r}")
     return dict(storage_options)
 
-
-def source_fs(src: str | Path, storage_options: Mapping[str, Any] | None,
-              what: str = "source_storage_options") -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and path of a local path or fsspec URL, built with ``storage_options``."""
-    return url_fs(str(src), checked_options(storage_options, what))
 
 
 def dir_entries(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
@@ -90,7 +85,7 @@ def import_step(src: str | Path, step: int | None, objects: Mapping[str, Any] | 
 
 def detect_format(src: str | Path, *, storage_options: Mapping[str, Any] | None = None) -> str:
     """'dcp' for a directory with DCP's ``.metadata``, 'hf' for safetensors files (local or a URL)."""
-    fs, path = source_fs(src, storage_options)
+    fs, path = url_fs(src, storage_options, options="source_storage_options")
     if fs.isdir(path):
         names = dir_entries(fs, path)
         if any(n.rsplit("/", 1)[-1] == ".metadata" for n in names):

@@ -7,7 +7,7 @@ same; these links make the common case, a process that died while its host lives
 GPU error that takes the process down, a SIGKILL), known in milliseconds, and the heartbeats stay
 for what no connection reports (a host that lost power or its network: no FIN is ever sent).
 
-Each member listens on one port and links to a few others (:class:`tenplex.membership.Membership`
+Each member listens on one port and links to a few others (:class:`tenplex.membership_runtime.Membership`
 uses a ring: every member links to its successor, so each is watched by two). A connection opens
 with a hello naming the connector; a member that leaves on purpose sends a goodbye byte before
 closing, so only a link that ends *without* one means death. Connects and hellos are non-blocking:

@@ -32,12 +32,13 @@ import numpy as np
 import torch
 
 from .checkpoint.format import Binding, writer_assignment
-from .checkpoint.reader import PartReader, ReadItem, check_model, plan_reads, scan_attempts, url_fs
+from .checkpoint.reader import PartReader, ReadItem, check_model, plan_reads, scan_attempts
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, MigrationError, PlanError
 from .options import with_overrides
 from .planner import CROSS_HOST, KIND_NAMES, LOCAL, SAME_HOST, STORAGE, Plan, intersect
 from .planner import plan as make_plan
 from .ptc import PAD, PTC, Layout
+from .urls import url_fs
 
 if TYPE_CHECKING:
     from .schedule import Schedule, Transfer

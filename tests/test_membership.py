@@ -162,7 +162,7 @@ def _worker(rank: int, port: int, url: str, scenario: str, out: Any) -> None:
     import torch.distributed as dist
 
     from tenplex import choose
-    from tenplex.membership import Membership
+    from tenplex.membership_runtime import Membership
     from tenplex.migrate import migrate
 
     torch.set_num_threads(1)
@@ -357,7 +357,7 @@ def test_agreement_timeouts_and_exclusion_in_one_process() -> None:
 
     import torch.distributed as dist
 
-    from tenplex.membership import Membership
+    from tenplex.membership_runtime import Membership
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store = dist.TCPStore("127.0.0.1", server.port, is_master=False)
@@ -415,7 +415,7 @@ def _stopped_member(port: int, out: Any) -> None:
 
     import torch.distributed as dist
 
-    from tenplex.membership import Membership
+    from tenplex.membership_runtime import Membership
 
     res: dict[str, Any] = {"error": None}
     try:
@@ -446,7 +446,7 @@ def test_a_stopped_member_whose_links_are_open_is_not_dead_and_a_killed_one_stil
 
     import torch.distributed as dist
 
-    from tenplex.membership import Membership
+    from tenplex.membership_runtime import Membership
 
     rdzv = RendezvousStore()
     ctx = worker_context()

@@ -196,7 +196,7 @@ def mesh_rule_of_the_example() -> Any:
 
 def test_state_ring_keeps_the_pinned_step_beyond_the_ring_and_never_reuses_its_buffers() -> None:
     from tenplex.errors import ConfigError
-    from tenplex.train.live import StateRing
+    from tenplex.ring import StateRing
 
     ring = StateRing(2)
     w = torch.zeros(3)
@@ -344,7 +344,7 @@ def native_reference(steps: int) -> dict[int, tuple[float, list[int]]]:
 
     from tenplex.data.corpus import stdlib_corpus
     from tenplex.data.partition import DataState, global_batch_ids
-    from tenplex.train.batches import IndexBatches
+    from tenplex.data.batches import IndexBatches
 
     cfg = dataclasses.replace(nl.PRESETS["tiny"], vocab_size=259, seq_len=16)
     corpus = stdlib_corpus(16)

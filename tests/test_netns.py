@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tenplex.train.launch import RendezvousStore, StoreProcess, free_port, start_hosts, wait_for
+from tenplex.train.launch import HostsConfig, RendezvousStore, StoreProcess, free_port, start_hosts, wait_for
 from tenplex.train.netns import (
     LOOPBACK,
     HostNetwork,
@@ -310,8 +310,8 @@ def test_elastic_node_failure_across_namespaces(netns_ok: None, tmp_path: Path, 
     with HostNetwork.create(2) as net:
         rdzv = RendezvousStore(net=net.switch)
         assert rdzv.endpoint.startswith(net.switch.address + ":")
-        hosts = start_hosts(2, str(tmp_path), args, nproc=2, endpoint=rdzv.endpoint, run_id=f"n{free_port()}",
-                            network=net)
+        hosts = start_hosts(HostsConfig(2, str(tmp_path), args, nproc=2, endpoint=rdzv.endpoint,
+                                        run_id=f"n{free_port()}", network=net))
         try:
             assert wait_for(lambda: _four_worker_step(log) >= 5, 180), (tmp_path / "host0.log").read_text()[-3000:]
             hosts[1].kill()
@@ -343,8 +343,8 @@ def test_network_failure_with_host_stores_across_namespaces(netns_ok: None, tmp_
             "--store", "auto", "--snapshot-every", "2", "--pg-timeout", "10", "--log", str(log)]
     with HostNetwork.create(2) as net:
         rdzv = RendezvousStore(net=net.switch)
-        hosts = start_hosts(2, str(tmp_path), args, nproc=2, endpoint=rdzv.endpoint, run_id=f"h{free_port()}",
-                            network=net)
+        hosts = start_hosts(HostsConfig(2, str(tmp_path), args, nproc=2, endpoint=rdzv.endpoint,
+                                        run_id=f"h{free_port()}", network=net))
         try:
             assert all(h.store.url.startswith(f"http://{n.address}:") for h, n in zip(hosts, net.hosts))
             assert wait_for(lambda: _four_worker_step(log) >= 5, 180), (tmp_path / "host0.log").read_text()[-3000:]
@@ -370,7 +370,7 @@ def test_network_failure_with_host_stores_across_namespaces(netns_ok: None, tmp_
 MEMBER = textwrap.dedent("""
     import datetime, json, sys, time
     import torch.distributed as dist
-    from tenplex.membership import Membership
+    from tenplex.membership_runtime import Membership
     host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
     m = Membership(store, "cut", rank=rank, world_size=4, backend="gloo", interval=0.1, dead_after=60.0,

@@ -230,7 +230,7 @@ def test_host_failure_recovers_from_host_stores(tmp_path: Path, reference: dict[
     resumes from its own store (holding the dead host's replicas) and matches the reference.
     On loopback only where network namespaces cannot be made: otherwise
     test_netns.py::test_elastic_node_failure_across_namespaces runs this job across namespaces."""
-    from tenplex.train.launch import start_hosts
+    from tenplex.train.launch import HostsConfig, start_hosts
 
     _skip_where_namespaces_run_it()
 
@@ -238,7 +238,8 @@ def test_host_failure_recovers_from_host_stores(tmp_path: Path, reference: dict[
     args = [*COMMON, "--parallel", "dp=1,tp=2,pp=2", "--ckpt", str(tmp_path / "ckpt"), "--ckpt-every", "1000",
             "--store", "auto", "--snapshot-every", "2", "--log", str(log)]
     rdzv = RendezvousStore()
-    hosts = start_hosts(2, str(tmp_path), args, nproc=2, endpoint=rdzv.endpoint, run_id=f"h{free_port()}")
+    hosts = start_hosts(HostsConfig(2, str(tmp_path), args, nproc=2, endpoint=rdzv.endpoint,
+                                    run_id=f"h{free_port()}"))
     try:
         def four_worker_steps() -> int:
             if not log.exists():
@@ -273,7 +274,7 @@ def test_trainer_reads_through_the_dataset_mount_and_reshards_it(tmp_path: Path,
     the uninterrupted run's. The ranks are started by hand (``run_forked``);
     test_restart_under_new_layout_matches_uninterrupted runs torchrun."""
     from tenplex.data.corpus import stdlib_corpus
-    from tenplex.train.batches import corpus_index
+    from tenplex.data.batches import corpus_index
 
     index_path, _ = corpus_index(stdlib_corpus(64))
     mnt = tmp_path / "mnt"

@@ -269,7 +269,8 @@ def test_trainer_batches_of_an_uneven_split_through_the_mount(tmp_path, runtime)
     import torch
 
     from tenplex.data.corpus import stdlib_corpus
-    from tenplex.train.batches import IndexBatches, MountBatches, corpus_index
+    from tenplex.data.batches import IndexBatches, corpus_index
+    from tenplex.train.batches import MountBatches
 
     corpus = stdlib_corpus(64)
     index_path, _ = corpus_index(corpus)

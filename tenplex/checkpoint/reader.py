@@ -39,6 +39,7 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatch
 from ..models import model_differences
 from ..planner import intersect
 from ..ptc import PAD, PTC, Layout
+from ..urls import url_fs
 from .format import (
     MANIFEST_NAME,
     OBJECTS_NAME,
@@ -61,7 +62,7 @@ from .format import (
     writer_assignment,
 )
 
-__all__ = ["LoadStats", "LoadResult", "StepInfo", "ScannedAttempt", "url_fs", "local_path", "read_sealed",
+__all__ = ["LoadStats", "LoadResult", "StepInfo", "ScannedAttempt", "local_path", "read_sealed",
            "read_manifest_at", "read_part_chunks", "scan_attempts", "iter_candidates", "list_steps", "read_manifest",
            "ReadItem", "plan_reads",
            "shard_buffers", "ShardReader", "ShardSink", "Scatter", "PartReader", "CONCURRENT_ENV", "coalesce", "read_shard", "read_objects", "check_model",
@@ -121,12 +122,6 @@ class StepInfo:
 # ---------------------------------------------------------------------------------------------
 # files
 # ---------------------------------------------------------------------------------------------
-def url_fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem of ``url`` and its root path (no trailing slash)."""
-    fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
-    return fs, root.rstrip("/")
-
-
 def local_path(path: str) -> str:
     """A local filesystem's path without its ``file://`` protocol, for ``os`` calls."""
     return LocalFileSystem._strip_protocol(path)

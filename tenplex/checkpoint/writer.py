@@ -61,7 +61,8 @@ from .format import (
     step_dir,
     writer_assignment,
 )
-from .reader import local_path, read_manifest_at, scan_attempts, url_fs
+from ..urls import url_fs
+from .reader import local_path, read_manifest_at, scan_attempts
 
 __all__ = ["SaveResult", "PartChunk", "PartWriter", "save", "default_save_id", "publish", "write_rank0_meta", "write_index", "prune",
            "carry_model"]

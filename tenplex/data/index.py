@@ -34,6 +34,7 @@ import fsspec
 import numpy as np
 
 from ..errors import DataIndexError, IndexNotFoundError, SourceChangedError, SourceReadError
+from ..urls import url_fs
 from .partition import MAX_SAMPLES
 
 __all__ = [
@@ -128,7 +129,7 @@ class DataIndex:
         np.savez(buf, file_id=self.file_id.astype(np.uint32), offset=self.offset.astype(np.int64),
                  length=self.length.astype(np.uint32), meta=np.array(json.dumps(self.meta())))
         data = buf.getvalue()
-        fs, path = url_fs(url, "index")
+        fs, path = url_fs(url, what="index", error=DataIndexError)
         try:
             if _is_local(fs):
                 tmp = f"{path}.tmp{os.getpid()}"
@@ -150,7 +151,7 @@ class DataIndex:
         """Raise :class:`SourceChangedError` if any source's size differs from when indexed."""
         problems = []
         for f in self.files:
-            fs, path = url_fs(f.url, "source file")
+            fs, path = url_fs(f.url, what="source file", error=DataIndexError)
             try:
                 size = int(fs.size(path))
             except (FileNotFoundError, OSError):
@@ -171,17 +172,6 @@ class DataIndex:
                 self.length[ids].astype(np.int64))
 
 
-def url_fs(url: str, what: str = "file") -> tuple[Any, str]:
-    """``fsspec.core.url_to_fs(url)``, with a :class:`DataIndexError` naming ``what`` for an unusable URL."""
-    if not isinstance(url, str) or not url:
-        raise DataIndexError(f"the {what} URL must be a non-empty string, got {url!r}")
-    try:
-        return fsspec.core.url_to_fs(url)
-    except (ValueError, ImportError, TypeError) as e:
-        raise DataIndexError(f"cannot use {what} {url!r} ({e}): pass a local path or a URL of an installed fsspec "
-                             "protocol (file://, memory://, s3://, ...)") from None
-
-
 def _is_local(fs: Any) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return protocol in ("file", "local")
@@ -189,7 +179,7 @@ def _is_local(fs: Any) -> bool:
 
 def load_index(url: str, *, verify: bool = True) -> DataIndex:
     """Open an index written by :func:`build_index`; with ``verify`` check the sources' sizes."""
-    fs, path = url_fs(url, "index")
+    fs, path = url_fs(url, what="index", error=DataIndexError)
     try:
         with fs.open(path, "rb") as f:
             data = f.read()
@@ -243,7 +233,7 @@ def _sample_size(option: str, value: object, item: int, where: str = "") -> int:
 
 
 def _full_url(url: str) -> str:
-    fs, path = url_fs(url, "source file")
+    fs, path = url_fs(url, what="source file", error=DataIndexError)
     return os.path.abspath(path) if _is_local(fs) else url
 
 
@@ -292,7 +282,7 @@ def build_index(files: Sequence[str], *, kind: str, record_bytes: int | None = N
     fids, offs, lens = [], [], []
     for i, url in enumerate(files):
         full = _full_url(url)
-        fs, path = url_fs(full, "source file")
+        fs, path = url_fs(full, what="source file", error=DataIndexError)
         try:
             size = int(fs.size(path))
         except FileNotFoundError:
@@ -347,7 +337,7 @@ class SourceReader:
         self._remote: dict[int, tuple[Any, str]] = {}
         self._local = []
         for f in self.files:
-            fs, path = url_fs(f.url, "source file")
+            fs, path = url_fs(f.url, what="source file", error=DataIndexError)
             self._local.append(path if _is_local(fs) else None)
             if not _is_local(fs):
                 self._remote[len(self._local) - 1] = (fs, path)

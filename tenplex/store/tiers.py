@@ -24,11 +24,12 @@ from ..checkpoint.format import (
     data_name,
     parse_step_dir,
 )
-from ..checkpoint.reader import read_manifest_at, url_fs
+from ..checkpoint.reader import read_manifest_at
 from ..config import ParallelConfig
 from ..errors import CheckpointError
 from ..ptc import Layout
 from ..state_layout import StateLayout
+from ..urls import url_fs
 
 __all__ = ["Tier", "Attempt", "UsableStep", "TierScan", "scan_tiers", "find_usable", "usable_steps"]
 

@@ -1,4 +1,5 @@
-"""Where a trainer rank's batches come from: the dataset VFS mount, or the same bytes without FUSE.
+"""Where a trainer rank's batches come from: the dataset VFS mount, or the same bytes without FUSE
+(``tenplex.data.batches.IndexBatches``).
 
 Both read the corpus through a tenplex dataset index (token samples of ``seq_len + 1``
 tokens), so a sample id means the same bytes everywhere. ``MountBatches`` reads the rank's
@@ -19,61 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..data.batches import tokens_of, uneven_micro_batch
 from ..data.corpus import TokenCorpus
-from ..data.index import DataIndex, build_index, load_index
 from ..data.partition import DataState, rank_batch_ids, replica_samples
-from ..data.view import RankReader
 from ..errors import ConfigError
 from ..vfs.control import mount_status, remount
 
-__all__ = ["corpus_index", "IndexBatches", "MountBatches"]
+__all__ = ["MountBatches"]
 
 log = logging.getLogger(__name__)
-
-
-def corpus_index(corpus: TokenCorpus) -> tuple[str, DataIndex]:
-    """The dataset index of a token corpus (built once, next to the token file)."""
-    path = f"{corpus.path}.s{corpus.seq_len + 1}.idx.npz"
-    if os.path.exists(path):
-        try:
-            return path, load_index(path)
-        except Exception as e:  # noqa: BLE001 - a stale or damaged index is rebuilt
-            log.info("rebuilding %s: %s", path, e)
-    index = build_index([corpus.path], kind="tokens", seq_len=corpus.seq_len + 1, dtype=corpus.dtype)
-    tmp = f"{path}.tmp{os.getpid()}"
-    index.save(tmp)
-    os.replace(tmp, path)
-    return path, index
-
-
-def _uneven_micro_batch(global_batch: int, dp: int, micro_batch: int | None) -> int | None:
-    """``micro_batch`` when it makes the DP split uneven, else None (equal slices: what a view
-    without a micro-batch size shows, so an even job's mount is never re-sharded for it)."""
-    if micro_batch is None or global_batch % (dp * micro_batch) == 0:
-        return None
-    return micro_batch
-
-
-def _tokens(raw: bytes, n: int, dtype: str) -> torch.Tensor:
-    arr = np.frombuffer(raw, dtype=dtype).astype(np.int64)
-    return torch.from_numpy(arr.reshape(n, -1))
-
-
-class IndexBatches:
-    """Batches through the index reader (no FUSE): exactly the bytes a mount would show."""
-
-    kind = "reader"
-
-    def __init__(self, corpus: TokenCorpus) -> None:
-        self.corpus = corpus
-        self.path, self.index = corpus_index(corpus)
-        if self.index.num_samples != corpus.num_samples:
-            raise ConfigError(f"index {self.path} has {self.index.num_samples} samples, corpus {corpus.num_samples}: "
-                              "rebuild the index of this corpus (corpus_index)")
-
-    def batch(self, state: DataState, dp: int, dp_rank: int, micro_batch: int | None = None) -> torch.Tensor:
-        samples = RankReader(self.index, state, dp, dp_rank, micro_batch=micro_batch).next_batch()
-        return _tokens(b"".join(samples), len(samples), self.corpus.dtype)
 
 
 class MountBatches:
@@ -100,9 +55,9 @@ class MountBatches:
         if int(layout.get("num_samples", -1)) != state.num_samples:
             raise ConfigError(f"the dataset mount {mountpoint} shows an index of {layout.get('num_samples')} samples "
                               f"but the job's data has {state.num_samples}: mount the index of this corpus "
-                              f"(tenplex.train.batches.corpus_index)")
+                              f"(tenplex.data.batches.corpus_index)")
         want = {"dp": dp, "progress": state.consumed, "global_batch": state.global_batch, "seed": state.seed,
-                "micro_batch": _uneven_micro_batch(state.global_batch, dp, micro_batch)}
+                "micro_batch": uneven_micro_batch(state.global_batch, dp, micro_batch)}
         if all(layout.get(k) == v for k, v in want.items()) and layout.get("shuffle", True) == state.shuffle:
             return status
         log.info("re-sharding the dataset mount %s: %s", mountpoint, want)
@@ -124,7 +79,7 @@ class MountBatches:
         self._key = (dp, dp_rank, micro_batch)
 
     def batch(self, state: DataState, dp: int, dp_rank: int, micro_batch: int | None = None) -> torch.Tensor:
-        mb = _uneven_micro_batch(state.global_batch, dp, micro_batch)
+        mb = uneven_micro_batch(state.global_batch, dp, micro_batch)
         split = replica_samples(state.global_batch, dp, mb)
         per = split[dp_rank]
         if self._key != (dp, dp_rank, mb):
@@ -143,4 +98,4 @@ class MountBatches:
         raw = self._file.read(per * self.sample_bytes)
         if len(raw) != per * self.sample_bytes:
             raise OSError(f"short read from {self._file.name}: {len(raw)} of {per * self.sample_bytes} bytes")
-        return _tokens(raw, per, self.corpus.dtype)
+        return tokens_of(raw, per, self.corpus.dtype)

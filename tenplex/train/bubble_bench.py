@@ -17,6 +17,7 @@ snapshots checks that the losses are unchanged. Draws one iteration's timeline p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +37,14 @@ from ..config import ParallelConfig
 from ..data.corpus import stdlib_corpus
 from ..choose import device_memory
 from ..elastic import rescale
+from ..errors import ConfigError
 from ..memory import estimate_memory, parse_size, resolve_model
 from ..models import ModelSpec
 from .launch import free_port
 from .parallel import init_distributed
 from .trainer import TrainConfig, Trainer, trainer_ptc
 
-__all__ = ["run_bench", "main"]
+__all__ = ["BenchConfig", "run_bench", "main"]
 
 MODES = ("none", "blocking", "bubbles")
 
@@ -141,17 +144,49 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(mode: str, tmp: str, *, model: str, pp: int, rounds: int, warmup: int, global_batch: int,
-            micro_batch: int, bucket_bytes: int, write: bool, memory_budget: str, trace: bool,
-            device: str) -> list[dict]:
+@dataclass(frozen=True)
+class BenchConfig:
+    """What :func:`run_bench` measures: ``model`` over a ``pp``-stage pipeline (dp=1, tp=1),
+    ``rounds`` interleaved rounds after ``warmup`` ones, ``global_batch`` samples in micro-batches of
+    ``micro_batch``, snapshots in buckets of ``bucket_bytes`` (``write``: to the host store, else to
+    host memory only) within ``memory_budget`` per stage; ``plot``: a timeline PNG path, ``trace``:
+    a JSON path for every iteration's spans and bubble windows."""
+
+    model: str = "llama-small"
+    pp: int = 2
+    rounds: int = 20
+    warmup: int = 2
+    global_batch: int = 4
+    micro_batch: int = 1
+    bucket_bytes: int = 1 << 20
+    write: bool = True
+    memory_budget: str = "auto"
+    plot: str | None = None
+    trace: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, least in (("pp", 2), ("rounds", 1), ("warmup", 0), ("global_batch", 1), ("micro_batch", 1),
+                            ("bucket_bytes", 1)):
+            value = getattr(self, name)
+            if type(value) is not int or value < least:
+                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}"
+                                  + (" (a pipeline of one stage has no bubbles)" if name == "pp" else ""))
+        if self.global_batch % self.micro_batch:
+            raise ConfigError(f"global_batch {self.global_batch} is not a multiple of micro_batch {self.micro_batch}: "
+                              f"{self.global_batch} % {self.micro_batch} = {self.global_batch % self.micro_batch}")
+
+
+def _launch(mode: str, tmp: str, c: BenchConfig, device: str) -> list[dict]:
+    """Run the ``pp`` workers of one pass in ``mode``; each rank's record."""
+    pp, write = c.pp, c.write
     out = Path(tmp) / mode
     store_dir = tempfile.mkdtemp(prefix="tenplex-bubble-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}",
            f"--master-port={free_port()}", "-m", "tenplex.train.bubble_bench", "--", "--worker",
-           "--mode", mode, "--model", model, "--layout", f"dp=1,tp=1,pp={pp}", "--rounds", str(rounds),
-           "--warmup", str(warmup), "--global-batch", str(global_batch), "--micro-batch", str(micro_batch),
-           "--bucket-bytes", str(bucket_bytes), "--store-dir", store_dir, "--out", str(out),
-           "--write", str(int(write)), "--memory-budget", memory_budget] + (["--trace", "1"] if trace else [])
+           "--mode", mode, "--model", c.model, "--layout", f"dp=1,tp=1,pp={pp}", "--rounds", str(c.rounds),
+           "--warmup", str(c.warmup), "--global-batch", str(c.global_batch), "--micro-batch", str(c.micro_batch),
+           "--bucket-bytes", str(c.bucket_bytes), "--store-dir", store_dir, "--out", str(out),
+           "--write", str(int(write)), "--memory-budget", c.memory_budget] + (["--trace", "1"] if c.trace else [])
     try:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **({"TENPLEX_DEVICE": "cpu"} if device == "cpu" else {})}
         subprocess.run(cmd, check=True, capture_output=True, timeout=1800, env=env)
@@ -185,20 +220,18 @@ def _bench_device(pp: int, write: bool) -> tuple[str, bool]:
     return ("cuda" if gpus else "cpu"), write
 
 
-def run_bench(*, model: str = "llama-small", pp: int = 2, rounds: int = 20, warmup: int = 2, global_batch: int = 4,
-              micro_batch: int = 1, bucket_bytes: int = 1 << 20, plot: str | None = None, write: bool = True,
-              memory_budget: str = "auto", trace: str | None = None) -> dict[str, Any]:
+def run_bench(config: BenchConfig) -> dict[str, Any]:
     """Run the interleaved modes and a reference without snapshots; summarise (see the module docstring)."""
-    device, write = _bench_device(pp, write)
-    kw = dict(model=model, pp=pp, rounds=rounds, warmup=warmup, global_batch=global_batch, micro_batch=micro_batch,
-              bucket_bytes=bucket_bytes, write=write, memory_budget=memory_budget, trace=trace is not None,
-              device=device)
+    device, write = _bench_device(config.pp, config.write)
+    config = dataclasses.replace(config, write=write)
+    model, pp, rounds, warmup, plot, trace = (config.model, config.pp, config.rounds, config.warmup, config.plot,
+                                              config.trace)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="tenplex-bubbles-") as tmp:
         print("bubbles bench: interleaved modes ...", file=sys.stderr, flush=True)
-        ranks = _launch("interleave", tmp, **kw)
+        ranks = _launch("interleave", tmp, config, device)
         print("bubbles bench: reference without snapshots ...", file=sys.stderr, flush=True)
-        ref = _launch("none", tmp, **kw)
+        ref = _launch("none", tmp, config, device)
     load_after = os.getloadavg()
     skip = ranks[0]["warmup_steps"]
     n = len(ranks[0]["steps"])
@@ -212,7 +245,7 @@ def run_bench(*, model: str = "llama-small", pp: int = 2, rounds: int = 20, warm
         xs = [s for s in r["steps"][skip:] if s["mode"] == mode]
         return sum(s[key] for s in xs) / max(sum(s[den] for s in xs), 1e-9)
 
-    m = global_batch // micro_batch
+    m = config.global_batch // config.micro_batch
     summary = {
         "model": model, "layout": f"dp=1,tp=1,pp={pp}", "device": device, "num_microbatches": m, "rounds": rounds,
         "warmup_rounds": warmup, "write_to_store": write, "bucket_bytes": ranks[0]["bucket_bytes"],
@@ -299,9 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)
-    s = run_bench(model=args.model, pp=args.pp, rounds=args.rounds, warmup=args.warmup,
-                  global_batch=args.global_batch, micro_batch=args.micro_batch, bucket_bytes=args.bucket_bytes,
-                  plot=args.plot, write=bool(args.write), memory_budget=args.memory_budget, trace=args.trace)
+    try:
+        config = BenchConfig(model=args.model, pp=args.pp, rounds=args.rounds, warmup=args.warmup,
+                             global_batch=args.global_batch, micro_batch=args.micro_batch,
+                             bucket_bytes=args.bucket_bytes, plot=args.plot, write=bool(args.write),
+                             memory_budget=args.memory_budget, trace=args.trace)
+    except ConfigError as e:
+        ap.error(str(e))  # exits 2
+    s = run_bench(config)
     if args.json:
         print(json.dumps(s))
         return 0

@@ -22,14 +22,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
 from .netns import LOOPBACK, HostNet, HostNetwork
 
-__all__ = ["free_port", "RendezvousStore", "Agent", "StoreProcess", "SimulatedHost", "start_hosts", "read_train_log",
+__all__ = ["free_port", "RendezvousStore", "Agent", "StoreProcess", "SimulatedHost", "HostsConfig", "start_hosts", "read_train_log",
            "wait_for", "kill_alive"]
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ class SimulatedHost:
         elif how == "network":
             if self.network is None:
                 raise ConfigError(f"{self.name} runs on loopback: a network failure needs hosts in network "
-                                  "namespaces (start_hosts(..., network=HostNetwork.create(n)))")
+                                  "namespaces (start_hosts(HostsConfig(..., network=HostNetwork.create(n))))")
             self.network.set_link(self.agent.net, up=False)
         else:
             raise ConfigError(f"unknown failure {how!r}: use 'kill' or 'network'")
@@ -238,29 +239,55 @@ class SimulatedHost:
         self.store.stop()
 
 
-def start_hosts(n: int, work: str, train_args: Sequence[str], *, nproc: int, endpoint: str, run_id: str,
-                replicas: int = 1, env: dict[str, str] | None = None, store_dir: str | None = None,
-                keep_last: int = 2, network: HostNetwork | None = None) -> list[SimulatedHost]:
-    """``n`` simulated hosts sharing one rendezvous: stores first (they know each other; started
-    concurrently), then agents.
+@dataclass(frozen=True)
+class HostsConfig:
+    """The simulated hosts of one job (:func:`start_hosts`): ``n`` hosts of ``nproc`` workers each
+    running ``python -m tenplex.train`` with ``train_args``, sharing the rendezvous at ``endpoint``
+    under ``run_id``; logs and pid files under ``work``. Store roots go under ``store_dir`` (e.g. a
+    tmpfs such as /dev/shm), default ``work``; each store keeps ``keep_last`` steps and ``replicas``
+    copies of each snapshot. With ``network`` host ``i`` runs in ``network.hosts[i]`` (its store
+    beyond loopback, so with a generated token unless ``env`` has one); ``endpoint`` must then be
+    reachable from the namespaces (a ``RendezvousStore(net=network.switch)``)."""
 
-    Store roots go under ``store_dir`` (e.g. a tmpfs such as /dev/shm), default ``work``. With
-    ``network`` host ``i`` runs in ``network.hosts[i]`` (its store beyond loopback, so with a
-    generated token unless ``env`` has one); ``endpoint`` must then be reachable from the
-    namespaces (a ``RendezvousStore(net=network.switch)``)."""
-    nets = network.hosts[:n] if network is not None else [LOOPBACK] * n
-    if len(nets) < n:
-        raise ConfigError(f"{n} hosts need a network of at least {n} host namespaces, it has {len(nets)} "
-                          f"({n} > {len(nets)})")
-    env = dict(env or {})
+    n: int
+    work: str
+    train_args: tuple[str, ...]
+    nproc: int
+    endpoint: str
+    run_id: str
+    replicas: int = 1
+    env: Mapping[str, str] = field(default_factory=dict)
+    store_dir: str | None = None
+    keep_last: int = 2
+    network: HostNetwork | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "train_args", tuple(self.train_args))
+        object.__setattr__(self, "env", dict(self.env))
+        for name in ("n", "nproc", "replicas", "keep_last"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.network is not None and len(self.network.hosts) < self.n:
+            raise ConfigError(f"{self.n} hosts need a network of at least {self.n} host namespaces, it has "
+                              f"{len(self.network.hosts)} ({self.n} > {len(self.network.hosts)})")
+
+
+def start_hosts(config: HostsConfig) -> list[SimulatedHost]:
+    """The hosts ``config`` describes, sharing one rendezvous: stores first (they know each other;
+    started concurrently), then agents."""
+    c = config
+    n, work = c.n, c.work
+    nets = c.network.hosts[:n] if c.network is not None else [LOOPBACK] * n
+    env = dict(c.env)
     token = env.pop("TENPLEX_STORE_TOKEN", None) or secrets.token_urlsafe(32)  # one for the job's stores and workers
     ports = [free_port() for _ in range(n)]
     urls = [f"http://{net.address}:{p}" for net, p in zip(nets, ports)]
 
     def start_store(i: int) -> StoreProcess:
-        root = os.path.join(store_dir or work, f"host{i}", "store")
+        root = os.path.join(c.store_dir or work, f"host{i}", "store")
         os.makedirs(root, mode=0o700, exist_ok=True)
-        return StoreProcess(root, ports[i], urls, replicas=replicas, keep_last=keep_last,
+        return StoreProcess(root, ports[i], urls, replicas=c.replicas, keep_last=c.keep_last,
                             log_path=os.path.join(work, f"store{i}.log"), net=nets[i], token=token, env=env)
 
     # the stores start at once (each takes a second or two to import and listen), then the agents one
@@ -275,8 +302,8 @@ def start_hosts(n: int, work: str, train_args: Sequence[str], *, nproc: int, end
         raise failed[0]
     hosts = []
     for i, store in enumerate(f.result() for f in started):
-        agent = Agent(f"host{i}", endpoint, train_args, nproc=nproc, min_nodes=1, max_nodes=n,
-                      pid_dir=os.path.join(work, "pids"), log_path=os.path.join(work, f"host{i}.log"), run_id=run_id,
-                      env={**env, **store.env(urls)}, net=nets[i])
-        hosts.append(SimulatedHost(f"host{i}", store, agent, network))
+        agent = Agent(f"host{i}", c.endpoint, c.train_args, nproc=c.nproc, min_nodes=1, max_nodes=n,
+                      pid_dir=os.path.join(work, "pids"), log_path=os.path.join(work, f"host{i}.log"),
+                      run_id=c.run_id, env={**env, **store.env(urls)}, net=nets[i])
+        hosts.append(SimulatedHost(f"host{i}", store, agent, c.network))
     return hosts

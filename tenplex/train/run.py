@@ -12,7 +12,7 @@ code 1, naming the step and the cause).
 
 With ``--in-process`` a peer failure does not stop the survivors: they agree on a new group,
 ``rescale(live=...)`` moves their state to the layout chosen for their number and training goes
-on (``tenplex.train.live``, docs/inprocess.md); a failure during that recovery exits with code
+on (``tenplex.inprocess``, docs/inprocess.md); a failure during that recovery exits with code
 75 so that torchrun's agent restarts the job.
 """
 
@@ -26,16 +26,15 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import torch
 import torch.distributed as dist
 
@@ -44,17 +43,20 @@ from ..config import ParallelConfig
 from ..data.corpus import TokenCorpus, stdlib_corpus
 from ..data.partition import DataState
 from ..choose import Chooser, default_chooser, layout_options_for
-from ..elastic import RescaleResult, agree_on_step, env_world, rescale
+from ..elastic import RescaleResult, agree_on_step, env_world, live_order, rescale
 from ..errors import CheckpointMismatchError, CheckpointWriteError, ConfigError, PeerFailure, TenplexError
-from ..membership import Membership
+from ..inprocess import DIE_POINTS, JOIN_FAILED, RECOVERY_FAILED, DieAt, LiveRecovery, RecoveryConfig, layout_fits, \
+    recover_in_process, warm_up
+from ..membership_runtime import JOB_ENV, MEMBERSHIP_STORE_ENV, Membership, job_key, join_membership, \
+    membership_store, start_membership
 from ..memory import RECOMPUTE
 from ..models import ModelSpec
 from ..ptc import PTC
 from ..store import HostStore, recovery_tiers
+from ..urls import url_fs
 from .memory_probe import measure_step_memory
-from .live import DIE_POINTS, JOB_ENV, JOIN_FAILED, MEMBERSHIP_STORE_ENV, RECOVERY_FAILED, DieAt, LiveRecovery, \
-    StateRing, join_membership, job_key, layout_fits, membership_store, recover_live, ring_in_bubbles, settle_ring, \
-    start_membership, warm_up
+from ..ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
+from .live import ring_in_bubbles, settle_ring
 from .parallel import init_distributed, join_process_group, local_device
 from .trainer import DATA_OBJECT, Spare, TrainConfig, Trainer, failure_message, trainer_ptc
 
@@ -210,8 +212,8 @@ def check_writable(url: str, option: str) -> None:
     directory should be, a read-only mount or a missing permission stop the job at start-up
     rather than at its first save."""
     try:
-        fs, root = fsspec.core.url_to_fs(url)
-        root = root.rstrip("/") or "/"
+        fs, root = url_fs(url, what=option)
+        root = root or "/"
         fs.makedirs(root, exist_ok=True)
         probe = f"{root.rstrip('/')}/.tenplex-probe-{uuid.uuid4().hex[:12]}"
         with fs.open(probe, "wb") as f:
@@ -407,241 +409,298 @@ def _train(tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: in
            joiner: Membership | None = None) -> int:
     """The training loop of a rank whose start-up every rank agreed on; with ``joiner``, of a
     process joining a running job (its layout, state, groups and trainer come with its admission)."""
-    ptc, store = start.ptc, start.store
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    groups: Any = None
-    trainer: Any = None
-    if joiner is None:
-        assert state is not None
-        groups = init_distributed(state.cfg, timeout_s=tc.pg_timeout)
-        trainer = Trainer(tc, ptc, groups, state, start.corpus) if groups.placed else Spare(tc, groups, state)
-        _start_record(tc, state, groups, rank, world, restart, t_start, trainer.step)
-    first_step = trainer.step if trainer is not None else -2  # --measure-memory: the second step of this process
-    # Save ids must differ between launches. Under a process group the default does (a nonce shared
-    # through its store); a process alone has only its environment, the same at every launch, so a
-    # relaunch that saves a step again (after --resume-step, or passing over a damaged step) would
-    # reuse the id: it gets a random one. A joiner saves in the group that admits it.
-    save_id = None if dist.is_initialized() or joiner is not None else uuid.uuid4().hex[:8]
-    writer = _Writer()
-    snapper = _Writer()  # host-store snapshots: in the foreground, but a recovery need not wait for one
-    fault: str | None = None  # this rank's first failed save or snapshot: every rank stops at the next step
-    where = f"rank {rank}: " if world > 1 else ""
-    # testing: by first-group rank (a joiner: by its member id)
-    die = DieAt.hook(DieAt.parse(tc.die_at), rank if joiner is None else joiner.id) if restart == 0 else None
-    membership: Membership | None = joiner
-    ring: StateRing | None = StateRing(tc.live_keep) if joiner is not None else None
-    if joiner is None and tc.in_process and dist.is_initialized():
-        membership = start_membership(membership_store(), dead_after=tc.dead_after)
-        ring = StateRing(tc.live_keep)
-        _record(ring, trainer)
-        _ring_side_task(ring, trainer, groups)
-    if trainer is not None:
-        trainer.die = die
-    choose = _chooser(tc, ptc)
-    if membership is not None and joiner is None:
-        assert state is not None
-        membership.fits = layout_fits(ptc, state.cfg, choose)
-        warm_up(ptc, state.cfg, choose, membership.members)
-    recovered: Any = None  # the in-process recovery whose first step is still to come
-    # why the next pass regroups before training: "join" (a boundary the members agreed to admit
-    # joiners at), "joining" (this process is a joiner), else the failure's message
-    regroup: str | None = "joining" if joiner is not None else None
+    return _Loop(tc, start, state, rank, world, t_start, joiner).run()
 
-    def pending_fault() -> str | None:  # a background write that failed by now counts in this step
-        return fault or writer.poll()
 
-    writing: list[int] = []  # the step the background writer writes
+class _Loop:
+    """One rank's run in named steps: set-up (groups, trainer, membership, ring), an in-process
+    regroup (:meth:`recover`), a training step, its snapshot and its checkpoint, the end."""
 
-    def written() -> bool:  # this rank's writes of the oldest step the ring holds for them are done
-        return ring is None or ring.oldest_held is None or not (writer.running() and writing == [ring.oldest_held])
+    def __init__(self, tc: TrainConfig, start: _Start, state: RescaleResult | None, rank: int, world: int,
+                 t_start: float, joiner: Membership | None) -> None:
+        self.tc, self.start, self.ptc, self.store = tc, start, start.ptc, start.store
+        self.state, self.rank, self.world = state, rank, world
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.groups: Any = None
+        self.trainer: Any = None
+        if joiner is None:
+            assert state is not None
+            self.groups = init_distributed(state.cfg, timeout_s=tc.pg_timeout)
+            self.trainer = Trainer(tc, self.ptc, self.groups, state, start.corpus) if self.groups.placed else \
+                Spare(tc, self.groups, state)
+            _start_record(tc, state, self.groups, rank, world, self.restart, t_start, self.trainer.step)
+        # --measure-memory: the second step of this process
+        self.first_step = self.trainer.step if self.trainer is not None else -2
+        # Save ids must differ between launches. Under a process group the default does (a nonce shared
+        # through its store); a process alone has only its environment, the same at every launch, so a
+        # relaunch that saves a step again (after --resume-step, or passing over a damaged step) would
+        # reuse the id: it gets a random one. A joiner saves in the group that admits it.
+        self.save_id = None if dist.is_initialized() or joiner is not None else uuid.uuid4().hex[:8]
+        self.writer = _Writer()
+        self.snapper = _Writer()  # host-store snapshots: in the foreground, but a recovery need not wait for one
+        self.fault: str | None = None  # this rank's first failed save or snapshot: every rank stops at the next step
+        self.where = f"rank {rank}: " if world > 1 else ""
+        # testing: by first-group rank (a joiner: by its member id)
+        self.die = DieAt.hook(DieAt.parse(tc.die_at), rank if joiner is None else joiner.id) \
+            if self.restart == 0 else None
+        self.membership: Membership | None = joiner
+        self.ring: StateRing | None = StateRing(tc.live_keep) if joiner is not None else None
+        # the trainer whose states the ring holds (set with ring.held_as); weak: a reference kept past a
+        # failure would keep its broken groups' connections open and the peers blocked on them
+        self.ring_trainer: Callable[[], Any] = lambda: None
+        if self.trainer is not None:
+            self.trainer.die = self.die
+        self.choose = _chooser(tc, self.ptc)
+        if joiner is None and tc.in_process and dist.is_initialized():
+            self.membership = start_membership(membership_store(), dead_after=tc.dead_after)
+            self.ring = StateRing(tc.live_keep)
+            self._describe_ring()
+            _record(self.ring, self.trainer)
+            _ring_side_task(self.ring, self.trainer, self.groups)
+            assert state is not None
+            self.membership.fits = layout_fits(self.ptc, state.cfg, self.choose)
+            warm_up(self.ptc, state.cfg, self.choose, self.membership.members)
+        self.recovered: dict[str, Any] | None = None  # the in-process recovery whose first step is still to come
+        # why the next pass regroups before training: "join" (a boundary the members agreed to admit
+        # joiners at), "joining" (this process is a joiner), else the failure's message
+        self.regroup: str | None = "joining" if joiner is not None else None
+        self.writing: list[int] = []  # the step the background writer writes
+        self.snapped: set[int] = set()  # steps whose snapshot of this rank's state is in the host store
+        self.snapping: list[int] = []  # the step whose snapshot the main thread is writing
+        if self.membership is not None and self.store is not None:
+            exit_on_sigterm(self.flush)
 
-    snapped: set[int] = set()  # steps whose snapshot of this rank's state is in the host store
-    snapping: list[int] = []  # the step whose snapshot the main thread is writing
-    # (layout, save id, rank, trainer) of the states the ring holds, set with them: the SIGTERM flush
-    # writes them into the attempt the other ranks write. Derived in the handler, the id changed once
-    # a recovery had dropped the process group (its launch nonce): a rank that noticed a peer's exit
-    # before its own SIGTERM wrote the step every rank held into another attempt, which the store's
-    # GC then ranked against the others' (issue 29 item 6); a handler running inside a recovery must
-    # not mix the old ring with the new layout, rank or trainer either
-    ring_as: list[tuple[ParallelConfig, str, int, Any]] = []
+    # -- in-process state ----------------------------------------------------------------------
+    def _describe_ring(self) -> None:
+        """What the ring's states are, set with them (its layout, this rank, the snapshots' save id):
+        the SIGTERM flush writes them into the attempt the other ranks write. Derived in the handler,
+        the id changed once a recovery had dropped the process group (its launch nonce): a rank that
+        noticed a peer's exit before its own SIGTERM wrote the step every rank held into another
+        attempt, which the store's GC then ranked against the others' (issue 29 item 6); a handler
+        running inside a recovery must not mix the old ring with the new layout, rank or trainer."""
+        assert self.state is not None and self.ring is not None
+        sid = self.save_id or default_save_id(self.state.cfg, self.ptc)
+        self.ring.held_as = HeldAs(self.state.cfg, self.rank, sid)
+        self.ring_trainer = weakref.ref(self.trainer)
 
-    def ring_layout() -> None:
-        assert state is not None
-        ring_as[:] = [(state.cfg, save_id or default_save_id(state.cfg, ptc), rank, trainer)] if store else []
-
-    if state is not None:
-        ring_layout()
-
-    def terminated(signum: int, frame: Any) -> None:
+    def flush(self) -> None:
         """SIGTERM (torchrun's agent restarting the workers, e.g. for a joining node): put the
-        consistent states held in memory that the host store lacks there, then exit at once."""
-        if snapping and snapper.wait() is None:  # the periodic snapshot under way: os._exit would cut it off
-            snapped.update(snapping)  # (its temporary file left behind, this rank's part of that step missing)
-        held_states = ring.states() if ring is not None and ring_as and store is not None else {}
-        if held_states and isinstance(trainer, Trainer) and trainer is ring_as[0][3] and not trainer.updating \
-                and trainer.step not in held_states:
-            held_states[trainer.step] = trainer.consistent_state()  # completed, not yet copied into the ring
-        # the two newest (ranks are at most one step apart, so every rank writes the step they all
-        # hold), oldest first: the host store keeps the attempts that arrived last
-        for step, held in sorted(held_states.items())[-2:]:
-            assert store is not None
-            if step in snapped or step in snapping:  # (a failed one: written again, its attempt would be refused)
-                continue
-            cfg, sid, as_rank, _ = ring_as[0]
+        consistent states held in memory that the host store lacks there (``flush_ring``)."""
+        if self.snapping and self.snapper.wait() is None:  # the periodic snapshot under way: os._exit would cut
+            self.snapped.update(self.snapping)  # it off (its temporary file left, this rank's part missing)
+        ring, trainer, store = self.ring, self.trainer, self.store
+        assert ring is not None and store is not None
+        extra = {}
+        if ring.states() and isinstance(trainer, Trainer) and trainer is self.ring_trainer() and not trainer.updating:
+            extra[trainer.step] = trainer.consistent_state()  # completed, not yet copied into the ring
+
+        def write(held_as: HeldAs, step: int, state: Mapping[str, Any]) -> None:
+            store.snapshot(self.ptc, held_as.layout, held_as.rank, state, step=step, replicate=bool(store.url),
+                           save_id=held_as.save_id)
+
+        # (a failed snapshot is written again: its attempt would be refused)
+        flush_ring(ring, write, where=f"the host store {store.root}", skip=self.snapped | set(self.snapping),
+                   extra=extra)
+
+    def guard(self) -> Any:
+        return self.membership.guard() if self.membership is not None else contextlib.nullcontext()
+
+    def pending_fault(self) -> str | None:
+        """A background write that failed by now counts in this step."""
+        return self.fault or self.writer.poll()
+
+    def written(self) -> bool:
+        """Whether this rank's writes of the oldest step the ring holds for them are done."""
+        ring = self.ring
+        return ring is None or ring.oldest_held is None or \
+            not (self.writer.running() and self.writing == [ring.oldest_held])
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> int:
+        failed = 0
+        while True:
+            if self.regroup is not None:
+                self.recover()
             try:
-                store.snapshot(ptc, cfg, as_rank, held, step=step, replicate=bool(store.url), save_id=sid)
-                log.warning("rank %d: SIGTERM: step %d's state is in the host store %s", as_rank, step, store.root)
-            except Exception:  # noqa: BLE001 - exiting anyway; the restart loads what is there
-                log.exception("rank %d: SIGTERM: could not snapshot step %d", as_rank, step)
-        logging.shutdown()
-        os._exit(128 + signum)
+                if self.train_steps():
+                    continue  # regroup first (joiners to admit)
+                self.fault = self.fault or self.writer.wait()
+                with self.guard():
+                    failed = _failed_ranks(self.fault, self.groups.device)  # the last saves, agreed by every rank
+            except PeerFailure as e:
+                self.regroup = str(e)
+                if self.ring is not None and self.trainer is not None:
+                    settle_ring(self.ring, self.trainer)
+            else:
+                break
+        if self.membership is not None:
+            self.membership.close()
+        if failed:
+            raise CheckpointWriteError(f"{failure_message(self.fault, failed, self.rank)}; training stopped after "
+                                       f"step {self.trainer.step}{' on every rank' if dist.is_initialized() else ''}")
+        return 0
 
-    if membership is not None and store is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, terminated)  # (handlers can only be set from the main thread)
-
-    def guard() -> Any:
-        return membership.guard() if membership is not None else contextlib.nullcontext()
-
-    while True:
-        if regroup is not None:
-            # Out of the except block: the exception's frames (the step's autograd graph, its p2p work)
-            # are gone. Dropping the trainer too frees the last references to the broken groups, so
-            # gloo closes their connections and peers still blocked on this rank fail at once (kept,
-            # they held a peer blocked until a process exited; no gc.collect() needed, measured).
-            assert membership is not None and ring is not None
-            if regroup == "join":
-                log.info("rank %d: admitting joiners %s after step %d", rank, list(membership.pending()),
-                         trainer.step)
-            elif regroup != "joining":
-                log.warning("rank %d: %s: recovering in-process", rank, regroup)
-            at = trainer.step + 1 if trainer is not None else 0
-            trainer = groups = None
-            # gloo closes a group's connections only when its last reference goes: a young
-            # reference cycle through the step's objects must not keep one (1 ms)
-            gc.collect(1)
-            try:
-                rec = recover_live(membership, ring, ptc, state.cfg if state is not None else None, choose,
-                                   sources=_sources(store, tc.ckpt), url=tc.ckpt, tiers=start.tiers,
-                                   gpus_per_host=tc.gpus_per_host,
-                                   before_migrate=(lambda: die("migrate", at)) if die else None,
-                                   join=regroup == "join", join_timeout=tc.join_timeout)
-                groups = init_distributed(rec.result.cfg, timeout_s=tc.pg_timeout)
-                trainer = Trainer(tc, ptc, groups, rec.result, start.corpus) if groups.placed else \
-                    Spare(tc, groups, rec.result)
-            except Exception as e2:  # noqa: BLE001 - any failure here: the launcher's restart takes over
-                code = JOIN_FAILED if membership.joining else RECOVERY_FAILED
-                who = f"joiner {membership.id}" if membership.joining or rank < 0 else f"rank {rank}"
-                log.error("%s: in-process %s failed", who, "admission" if membership.joining else "recovery",
-                          exc_info=e2)
-                print(f"{PROG}: error: {who}: in-process {'admission' if membership.joining else 'recovery'} "
-                      f"failed ({_one_line(_describe(e2))}); exiting with code {code}"
-                      f"{'' if membership.joining else ' so that the launcher restarts the job'}",
-                      file=sys.stderr, flush=True)
-                logging.shutdown()
-                os._exit(code)  # no clean-up that could wait on a dead peer
-            before = state.cfg if state is not None else rec.result.previous
-            state = rec.result
-            membership.fits = layout_fits(ptc, state.cfg, choose)
-            trainer.die = die
-            rank, world = groups.rank, dist.get_world_size()
-            where = f"rank {rank}: "
-            ring.clear()
-            ring_layout()
-            _record(ring, trainer)
-            _ring_side_task(ring, trainer, groups)
-            recovered = _recovery_record(rec, before, trainer.step, "failure" if regroup not in ("join", "joining")
-                                         else "join")
-            if rank == 0:
-                log.warning("%s", state.summary())
-                _emit(tc.log, {"event": "recover", **recovered})
-            regroup = None
-        assert state is not None
+    def recover(self) -> None:
+        """Regroup in-process (after a peer failure, or to admit joiners, or as a joiner) and rebuild
+        the groups and the trainer for the new layout; any failure exits with RECOVERY_FAILED
+        (a joiner: JOIN_FAILED) so that the launcher's restart path takes over."""
+        membership, ring, tc, regroup = self.membership, self.ring, self.tc, self.regroup
+        assert membership is not None and ring is not None and regroup is not None
+        # Out of the except block: the exception's frames (the step's autograd graph, its p2p work)
+        # are gone. Dropping the trainer too frees the last references to the broken groups, so
+        # gloo closes their connections and peers still blocked on this rank fail at once (kept,
+        # they held a peer blocked until a process exited; no gc.collect() needed, measured).
+        if regroup == "join":
+            log.info("rank %d: admitting joiners %s after step %d", self.rank, list(membership.pending()),
+                     self.trainer.step)
+        elif regroup != "joining":
+            log.warning("rank %d: %s: recovering in-process", self.rank, regroup)
+        at = self.trainer.step + 1 if self.trainer is not None else 0
+        self.trainer = self.groups = None
+        # gloo closes a group's connections only when its last reference goes: a young
+        # reference cycle through the step's objects must not keep one (1 ms)
+        gc.collect(1)
+        die = self.die
+        config = RecoveryConfig(url=tc.ckpt, sources=tuple(_sources(self.store, tc.ckpt)), choose=self.choose,
+                                tiers=self.start.tiers, gpus_per_host=tc.gpus_per_host, join_timeout=tc.join_timeout,
+                                before_migrate=(lambda: die("migrate", at)) if die else None)
         try:
-            while trainer.step < tc.steps:
-                t0 = time.perf_counter()
-                if membership is not None:
-                    membership.check()  # a death the heartbeats found between collectives
-                with guard():
-                    if tc.measure_memory and trainer.step == first_step + 1 and groups.placed:
-                        loss, samples = measure_step_memory(trainer, tc.measure_memory, fault=pending_fault,
-                                                            written=written)
-                    else:
-                        loss, samples = trainer.train_step(fault=pending_fault, written=written)
-                if ring is not None and trainer.all_written:
-                    ring.confirm()  # every rank's write of that step is done: a dead rank's pieces are there
-                if ring is not None and getattr(trainer, "snapshot_task", None) is None:  # else: the next step's bubbles
-                    _record(ring, trainer)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss} at step {trainer.step}")
-                if rank == 0:
-                    _emit(tc.log, {"step": trainer.step, "loss": loss, "world_size": world, "dp": state.cfg.dp,
-                                   "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
-                                   "split": list(trainer.split), "idle": world - state.cfg.world_size,
-                                   "time_s": time.perf_counter() - t0, "restart": restart, "wall": time.time(),
-                                   **_ring_copy(trainer),
-                                   **({"after_recovery": recovered} if recovered is not None else {})})
-                recovered = None
-                done = trainer.step >= tc.steps
-                step = trainer.step
-                if fault is None and groups.placed and store is not None and tc.snapshot_every and \
-                        step % tc.snapshot_every == 0:
-                    snapping[:] = [step]
+            if not membership.joining:
+                assert self.state is not None
+                membership.order = live_order(self.ptc, self.state.cfg, self.choose, membership.members)
+            rec = recover_in_process(membership, ring, lambda nm: self.ptc, config, join=regroup == "join")
+            self.groups = init_distributed(rec.result.cfg, timeout_s=tc.pg_timeout)
+            self.trainer = Trainer(tc, self.ptc, self.groups, rec.result, self.start.corpus) if self.groups.placed \
+                else Spare(tc, self.groups, rec.result)
+        except Exception as e2:  # noqa: BLE001 - any failure here: the launcher's restart takes over
+            self._recovery_failed(e2)
+        before = self.state.cfg if self.state is not None else rec.result.previous
+        self.state = rec.result
+        membership.fits = layout_fits(self.ptc, self.state.cfg, self.choose)
+        self.trainer.die = die
+        self.rank, self.world = self.groups.rank, dist.get_world_size()
+        self.where = f"rank {self.rank}: "
+        ring.clear()
+        self._describe_ring()
+        _record(ring, self.trainer)
+        _ring_side_task(ring, self.trainer, self.groups)
+        self.recovered = _recovery_record(rec, before, self.trainer.step,
+                                          "failure" if regroup not in ("join", "joining") else "join")
+        if self.rank == 0:
+            log.warning("%s", self.state.summary())
+            _emit(tc.log, {"event": "recover", **self.recovered})
+        self.regroup = None
 
-                    def describe_snap(e: BaseException, step: int = step) -> str:
-                        return f"{where}could not write the snapshot of step {step} to the host store " \
-                               f"{store.root}: {_describe(e)}"
+    def _recovery_failed(self, e: BaseException) -> None:
+        """Say why the recovery (a joiner: its admission) failed and exit with its code at once."""
+        assert self.membership is not None
+        joining = self.membership.joining
+        code = JOIN_FAILED if joining else RECOVERY_FAILED
+        who = f"joiner {self.membership.id}" if joining or self.rank < 0 else f"rank {self.rank}"
+        what = "admission" if joining else "recovery"
+        log.error("%s: in-process %s failed", who, what, exc_info=e)
+        print(f"{PROG}: error: {who}: in-process {what} failed ({_one_line(_describe(e))}); exiting with code "
+              f"{code}{'' if joining else ' so that the launcher restarts the job'}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(code)  # no clean-up that could wait on a dead peer
 
-                    snapper.wait()  # one abandoned by a recovery (below) is finished first
-                    snap = trainer.shard()
-                    if ring is not None:
-                        ring.hold(step, snap)  # written in the foreground: done when the wait below returns
-                    snapper.start(describe_snap, store.snapshot, ptc, state.cfg, groups.rank, snap,
-                                  step=step, replicate=bool(store.url), save_id=ring_as[0][1])
-                    # in-process runs wait interruptibly: a death found meanwhile recovers now, not after it
-                    fault = snapper.wait(membership.check if membership is not None else None)
-                    if fault is None:
-                        snapped.add(step)  # (an error is reported on every rank at the next step)
-                    snapping.clear()
-                if fault is None and groups.placed and tc.ckpt and ((tc.ckpt_every and step % tc.ckpt_every == 0)
-                                                                    or done):
-                    # persistent checkpoints run in the background: training waits only for the copy
-                    shard = trainer.shard()
-                    fault = writer.wait(membership.check if membership is not None else None)  # one at a time
-                    if fault is None:
-                        def describe(e: BaseException, step: int = step) -> str:
-                            return f"{where}could not write checkpoint step {step} to {tc.ckpt}: {_describe(e)}"
+    def train_steps(self) -> bool:
+        """Train until ``tc.steps``, snapshotting and checkpointing on the way; True when the
+        members agreed to admit joiners after the step just done (regroup first)."""
+        tc, membership = self.tc, self.membership
+        while self.trainer.step < tc.steps:
+            step, done = self.step()
+            self.snapshot(step)
+            self.checkpoint(step, done)
+            if tc.fail_at_step is not None and self.trainer.step == tc.fail_at_step and self.restart == 0:
+                self.writer.wait()  # deterministic for tests: the pending checkpoint lands first
+                log.error("rank %d: simulated failure after step %d", self.rank, self.trainer.step)
+                os._exit(17)
+            # scale up: every member reads the agreed boundary here (one store read), so all admit
+            # the waiting joiners after the same step; none is proposed with no step left to run
+            if membership is not None and not done and membership.join_due(step, propose=step + 1 < tc.steps):
+                self.regroup = "join"
+                return True
+        return False
 
-                        if ring is not None:
-                            ring.hold(step, shard)  # confirmed once every rank's write is done (train_step)
-                        writing[:] = [step]
-                        writer.start(describe, _save, die, tc.ckpt, ptc, state.cfg, groups.rank, shard, step=step,
-                                     keep_last=tc.keep_last, save_id=save_id)
-                if tc.fail_at_step is not None and trainer.step == tc.fail_at_step and restart == 0:
-                    writer.wait()  # deterministic for tests: the pending checkpoint lands first
-                    log.error("rank %d: simulated failure after step %d", rank, trainer.step)
-                    os._exit(17)
-                # scale up: every member reads the agreed boundary here (one store read), so all admit
-                # the waiting joiners after the same step; none is proposed with no step left to run
-                if membership is not None and not done and membership.join_due(step, propose=step + 1 < tc.steps):
-                    regroup = "join"
-                    break
-            if regroup is not None:
-                continue
-            fault = fault or writer.wait()
-            with guard():
-                failed = _failed_ranks(fault, groups.device)  # the last saves, agreed by every rank before it exits
-        except PeerFailure as e:
-            regroup = str(e)
-            if ring is not None and trainer is not None:
-                settle_ring(ring, trainer)
-        else:
-            break
-    if membership is not None:
-        membership.close()
-    if failed:
-        raise CheckpointWriteError(f"{failure_message(fault, failed, rank)}; training stopped after step "
-                                   f"{trainer.step}{' on every rank' if dist.is_initialized() else ''}")
-    return 0
+    def step(self) -> tuple[int, bool]:
+        """One training step (its state into the ring, its record logged); the step reached and
+        whether it is the last."""
+        tc, trainer, ring, state = self.tc, self.trainer, self.ring, self.state
+        assert state is not None
+        t0 = time.perf_counter()
+        if self.membership is not None:
+            self.membership.check()  # a death the heartbeats found between collectives
+        with self.guard():
+            if tc.measure_memory and trainer.step == self.first_step + 1 and self.groups.placed:
+                loss, samples = measure_step_memory(trainer, tc.measure_memory, fault=self.pending_fault,
+                                                    written=self.written)
+            else:
+                loss, samples = trainer.train_step(fault=self.pending_fault, written=self.written)
+        if ring is not None and trainer.all_written:
+            ring.confirm()  # every rank's write of that step is done: a dead rank's pieces are there
+        if ring is not None and getattr(trainer, "snapshot_task", None) is None:  # else: the next step's bubbles
+            _record(ring, trainer)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {trainer.step}")
+        if self.rank == 0:
+            _emit(tc.log, {"step": trainer.step, "loss": loss, "world_size": self.world, "dp": state.cfg.dp,
+                           "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
+                           "split": list(trainer.split), "idle": self.world - state.cfg.world_size,
+                           "time_s": time.perf_counter() - t0, "restart": self.restart, "wall": time.time(),
+                           **_ring_copy(trainer),
+                           **({"after_recovery": self.recovered} if self.recovered is not None else {})})
+        self.recovered = None
+        return trainer.step, trainer.step >= tc.steps
+
+    def snapshot(self, step: int) -> None:
+        """Every ``--snapshot-every`` steps: this rank's state to the host store, in the foreground
+        (an in-process run's wait is interruptible: a death found meanwhile recovers now)."""
+        tc, store, ring, state = self.tc, self.store, self.ring, self.state
+        if self.fault is not None or not self.groups.placed or store is None or not tc.snapshot_every or \
+                step % tc.snapshot_every:
+            return
+        assert state is not None
+        self.snapping[:] = [step]
+        where = self.where
+
+        def describe_snap(e: BaseException, step: int = step) -> str:
+            return f"{where}could not write the snapshot of step {step} to the host store {store.root}: {_describe(e)}"
+
+        self.snapper.wait()  # one abandoned by a recovery is finished first
+        snap = self.trainer.shard()
+        if ring is not None:
+            ring.hold(step, snap)  # written in the foreground: done when the wait below returns
+        sid = ring.held_as.save_id if ring is not None and ring.held_as is not None else \
+            self.save_id or default_save_id(state.cfg, self.ptc)
+        self.snapper.start(describe_snap, store.snapshot, self.ptc, state.cfg, self.groups.rank, snap,
+                           step=step, replicate=bool(store.url), save_id=sid)
+        self.fault = self.snapper.wait(self.membership.check if self.membership is not None else None)
+        if self.fault is None:
+            self.snapped.add(step)  # (an error is reported on every rank at the next step)
+        self.snapping.clear()
+
+    def checkpoint(self, step: int, done: bool) -> None:
+        """Every ``--ckpt-every`` steps and at the end: this rank's part of the checkpoint, written in
+        the background (training waits only for the copy; one write at a time)."""
+        tc, ring, state, where = self.tc, self.ring, self.state, self.where
+        if self.fault is not None or not self.groups.placed or not tc.ckpt or \
+                not ((tc.ckpt_every and step % tc.ckpt_every == 0) or done):
+            return
+        assert state is not None
+        shard = self.trainer.shard()
+        self.fault = self.writer.wait(self.membership.check if self.membership is not None else None)
+        if self.fault is not None:
+            return
+
+        def describe(e: BaseException, step: int = step) -> str:
+            return f"{where}could not write checkpoint step {step} to {tc.ckpt}: {_describe(e)}"
+
+        if ring is not None:
+            ring.hold(step, shard)  # confirmed once every rank's write is done (train_step)
+        self.writing[:] = [step]
+        self.writer.start(describe, _save, self.die, tc.ckpt, self.ptc, state.cfg, self.groups.rank, shard, step=step,
+                          keep_last=tc.keep_last, save_id=self.save_id)
 
 
 def _start_record(tc: TrainConfig, state: RescaleResult, groups: Any, rank: int, world: int, restart: int,

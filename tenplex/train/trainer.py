@@ -32,7 +32,8 @@ from ..errors import CheckpointWriteError, ConfigError, LayoutError
 from ..memory import RECOMPUTE
 from ..models import ModelSpec, model_ptc, optimizer_names
 from ..ptc import PTC
-from .batches import IndexBatches, MountBatches
+from ..data.batches import IndexBatches
+from .batches import MountBatches
 from .model import StageModel, init_global_tensor
 from .parallel import Groups, all_reduce
 from .schedule import Op, one_f_one_b
