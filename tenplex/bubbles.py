@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from .checkpoint.format import check_step, chunk_block, step_dir, writer_assignment
-from .checkpoint.reader import url_fs
+from .checkpoint.catalog import url_fs
 from .checkpoint.writer import PartWriter, default_save_id
 from .errors import CheckpointValueError, ConfigError, SideTaskMemoryError
 from .memory import MemoryEstimate, parse_size

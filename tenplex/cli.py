@@ -22,7 +22,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .checkpoint import list_steps, read_manifest
-from .checkpoint.reader import url_fs
+from .checkpoint.catalog import url_fs
 from .config import MAX_WORLD_SIZE, ParallelConfig
 from .data.index import build_index, load_index
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError

@@ -59,7 +59,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .checkpoint import LoadResult, load, save
 from .checkpoint.writer import default_save_id
-from .checkpoint.reader import url_fs
+from .checkpoint.catalog import url_fs
 from .config import ParallelConfig
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, TenplexError
 from .models import ModelSpec, model_ptc, model_spec, optimizer_names

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint.reader import LoadResult, LoadStats, Scatter, load
+from .checkpoint.load import LoadResult, LoadStats, ReadOptions, load
+from .checkpoint.part_reader import Scatter
 from .checkpoint.writer import SaveResult, save
 from .errors import (
     CheckpointCorruptError,
@@ -605,7 +606,8 @@ def _load_state_dict(state_dict: MutableMapping[str, Any], url: str, step: int |
 
     result: LoadResult | None = None
     try:  # a rank whose check or read fails (its keys, its bytes) fails every rank, none waits below
-        result = load(url, layout, rank, step=step, storage_options=storage_options, sink=sink, check=check)
+        result = load(url, layout, rank, step=step, storage_options=storage_options,
+                      options=ReadOptions(sink=sink, check=check))
     except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each
         failure = e
     steps = _gather_or_raise(None if result is None else result.step, failure, world, None, where)
@@ -614,7 +616,8 @@ def _load_state_dict(state_dict: MutableMapping[str, Any], url: str, step: int |
         oldest = min(steps)
         log.warning("ranks loaded steps %s of %s; reloading step %d everywhere", sorted(set(steps)), url, oldest)
         if result.step != oldest:
-            result = load(url, layout, rank, step=oldest, storage_options=storage_options, sink=sink, check=check)
+            result = load(url, layout, rank, step=oldest, storage_options=storage_options,
+                      options=ReadOptions(sink=sink, check=check))
     for k, (container, key, _) in leaves.items():
         if k not in tensors and k in result.shard:
             container[key] = result.shard[k]

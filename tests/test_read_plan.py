@@ -18,7 +18,8 @@ from test_state_dict import blocks_once, descriptions
 
 from tenplex.checkpoint import Binding, PartReader, ReadItem, list_steps, plan_reads
 from tenplex.checkpoint.format import data_name, writer_assignment
-from tenplex.checkpoint.reader import read_manifest_at, shard_buffers, url_fs
+from tenplex.checkpoint.catalog import read_manifest_at, url_fs
+from tenplex.checkpoint.read_plan import shard_buffers
 from tenplex.mesh import MeshLayout, Replicate, Shard, StridedShard
 from tenplex.ptc import PTC
 from tenplex.state_dict import state_layout_of

@@ -12,7 +12,7 @@ chunk. Layout of a save attempt (see docs/format.md)::
     URL/step-000000000042-<id>/rank-00003.json         their index: offsets and CRC32s; written
                                                        last, so its presence marks the part complete
 
-No I/O here: the writer (``writer.py``) and the readers (``reader.py``) do that.
+No I/O here: the writer (``writer.py``) and the readers (``catalog.py``, ``part_reader.py``, ``load.py``) do that.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ from .format import (
     step_dir,
     writer_assignment,
 )
-from .reader import local_path, read_manifest_at, scan_attempts, url_fs
+from .catalog import local_path, read_manifest_at, scan_attempts, url_fs
 
 __all__ = ["SaveResult", "PartChunk", "PartWriter", "save", "default_save_id", "write_once", "publish",
            "existing_files", "refuse_reuse", "payload_bytes", "write_rank0_meta", "write_index", "prune",

@@ -31,7 +31,10 @@ from typing import Any
 import torch
 
 from ..checkpoint.format import Binding
-from ..checkpoint.reader import LoadResult, PartReader, ReadItem, load_with_reader, read_manifest_at
+from ..checkpoint.catalog import read_manifest_at
+from ..checkpoint.load import LoadResult, ReadOptions, load_with_reader
+from ..checkpoint.part_reader import PartReader
+from ..checkpoint.read_plan import ReadItem
 from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..planner import Plan
@@ -340,7 +343,7 @@ def load_tiered(tiers: Sequence[Tier], cfg: ParallelConfig, rank: int, *, ptc: P
         objects_from = [(by_name[n].fs()[0], attempt.dirs[n]) for n in meta if n in by_name]
         try:
             result = load_with_reader(verified, f"{chosen.meta_tier.url} step {chosen.step}", cfg, rank, reader,
-                                      objects_from, ptc=ptc, allow_meta_change=allow_meta_change, t0=t0)
+                                      objects_from, options=ReadOptions(ptc, allow_meta_change), t0=t0)
         except CheckpointCorruptError as e:
             log.warning("step %d (save %s) has no intact copy across the tiers, trying an older one: %s", chosen.step,
                         chosen.save_id, e)

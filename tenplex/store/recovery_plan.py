@@ -2,7 +2,7 @@
 
 Computed alike on every rank from the repartition plan and the stores' contents
 (``plan_recovery``), before any read starts; ``order_reads`` then sorts a shard's read plan
-(``tenplex.checkpoint.reader.plan_reads``) into the schedule's rounds. Pure apart from the
+(``tenplex.checkpoint.read_plan.plan_reads``) into the schedule's rounds. Pure apart from the
 clock (see docs/store.md, "Reads in rounds").
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checkpoint.format import writer_assignment
-from ..checkpoint.reader import ReadItem
+from ..checkpoint.read_plan import ReadItem
 from ..config import ParallelConfig
 from ..errors import ConfigError
 from ..planner import Plan

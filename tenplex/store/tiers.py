@@ -24,7 +24,7 @@ from ..checkpoint.format import (
     data_name,
     parse_step_dir,
 )
-from ..checkpoint.reader import read_manifest_at, url_fs
+from ..checkpoint.catalog import read_manifest_at, url_fs
 from ..errors import CheckpointError
 
 __all__ = ["Tier", "Attempt", "UsableStep", "TierScan", "scan_tiers", "find_usable", "usable_steps"]
