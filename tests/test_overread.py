@@ -338,8 +338,8 @@ def test_a_data_file_of_another_attempt_fails_a_read_inside_its_chunks(tmp_path:
     """Version 5's prefix words are stored XOR the part's seed (step, save id, rank): a read that starts
     inside a chunk, checked against words of the same (foreign) file, still fails when the data file
     and its table come from another attempt of the same layout."""
-    shapes, _ = llama(1, 96, 256, 1003, adam=False)
-    saved, new = fsdp(shapes, 4), fsdp(shapes, 3)
+    shapes = {k: v for k, v in llama(1, 96, 256, 1003, adam=False)[0].items() if len(v[0]) == 2}
+    saved, new = fsdp(shapes, 4), fsdp(shapes, 3)  # matrices only: a vector's chunk is one block, read whole
     ptc = PTC([spec_for(n, s, d, saved.placed[n].placements) for n, (s, d) in shapes.items()], num_layers=0)
     for step in (1, 2):
         g = {n: _global(s, d, 10 * step + i) for i, (n, (s, d)) in enumerate(shapes.items())}
