@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from tenplex.checkpoint import load, save  # noqa: E402
-from tenplex.checkpoint.reader import CONCURRENT_ENV  # noqa: E402
+from tenplex.checkpoint.part_reader import CONCURRENT_ENV  # noqa: E402
 from tenplex.config import ParallelConfig  # noqa: E402
 from tenplex.models import model_ptc  # noqa: E402
 from tenplex.train.launch import free_port  # noqa: E402

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .checkpoint.reader import load, read_manifest
+from .checkpoint.catalog import read_manifest
+from .checkpoint.load import load
 from .checkpoint.writer import save
 from .errors import CheckpointError, CheckpointValueError
 from .mesh import local_box

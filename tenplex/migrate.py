@@ -32,7 +32,10 @@ import numpy as np
 import torch
 
 from .checkpoint.format import Binding, writer_assignment
-from .checkpoint.reader import PartReader, ReadItem, check_model, plan_reads, scan_attempts
+from .checkpoint.catalog import scan_attempts
+from .checkpoint.load import check_model
+from .checkpoint.part_reader import PartReader
+from .checkpoint.read_plan import ReadItem, plan_reads
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, MigrationError, PlanError
 from .options import with_overrides
 from .planner import CROSS_HOST, KIND_NAMES, LOCAL, SAME_HOST, STORAGE, Plan, intersect

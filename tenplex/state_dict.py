@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 
 from .agree import agree_step
-from .checkpoint.reader import LoadResult, LoadStats, Scatter, ShardSink, list_steps, load
+from .checkpoint.catalog import list_steps
+from .checkpoint.load import LoadResult, LoadStats, ReadOptions, ShardSink, load
+from .checkpoint.part_reader import Scatter
 from .checkpoint.writer import SaveResult, save
 from .errors import (
     CheckpointCorruptError,
@@ -593,7 +595,8 @@ class UrlSource:
 
     def load(self, layout: StateLayout, rank: int, *, step: int | None, sink: ShardSink,
              check: Callable[[PTC], None]) -> LoadResult:
-        return load(self.url, layout, rank, step=step, storage_options=self.storage_options, sink=sink, check=check)
+        return load(self.url, layout, rank, step=step, storage_options=self.storage_options,
+                    options=ReadOptions(sink=sink, check=check))
 
     def steps(self) -> list[int]:
         return sorted({i.step for i in list_steps(self.url, storage_options=self.storage_options) if i.complete})

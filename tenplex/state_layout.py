@@ -552,7 +552,7 @@ class StateLayout:
     def panel_views(self, spec: TensorSpec, rank: int, local: Any) -> list[tuple[int, int, Any]]:
         """Per panel piece of ``rank``'s natural local tensor ``local`` of a panel-ordered ``spec``: its
         offset and length in the flat buffer and its view of ``local`` as ``(panels, rows, inner)``,
-        whose row-major index order is the flat buffer's (the parts of a ``checkpoint.reader.Scatter``)."""
+        whose row-major index order is the flat buffer's (the parts of a ``checkpoint.part_reader.Scatter``)."""
         return [(pos, n, part.movedim(1, 0).view(flat_shape[0], flat_shape[1], -1))
                 for pos, n, part, flat_shape in self._panel_parts(spec, rank, local)]
 

@@ -34,7 +34,7 @@ from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
 
-from .checkpoint.reader import list_steps
+from .checkpoint.catalog import list_steps
 from .errors import ConfigError
 from .import_source import source_step
 from .state_dict import StateDictLoad, load_state_dict, save_state_dict

@@ -550,7 +550,7 @@ def test_load_reads_the_manifests_of_the_step_it_loads_only(url, monkeypatch):
     attempt fails, not every kept step's: with 5 complete steps kept under an incomplete newer one, a load
     reads the manifests of those two steps, not of all 6 (each costs 25-100 ms: 1.3 s of a 100-tensor
     load with 50 kept; #29 item 3)."""
-    import tenplex.checkpoint.reader as reader_mod
+    import tenplex.checkpoint.catalog as reader_mod
 
     ptc = tiny_ptc()
     g = {s: random_bits(ptc, s, step_value=s) for s in range(1, 6)}

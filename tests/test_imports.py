@@ -286,7 +286,7 @@ def test_import_tenplex_loads_only_the_checkpoint_path() -> None:
             "print(' '.join(sorted(m for m in sys.modules if m.startswith(('tenplex', 'networkx')))))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          cwd=ROOT, timeout=120).stdout.split()
-    assert "tenplex.state_dict" in out and "tenplex.checkpoint.reader" in out
+    assert "tenplex.state_dict" in out and "tenplex.checkpoint.load" in out
     heavy = [m for m in out if m.split(".")[0] == "networkx" or m.split(".")[1:2] and m.split(".")[1] in
              ("elastic", "store", "schedule", "auto_import", "dcp_import", "hf_import", "hf_export",
               "hf_mapping", "import_source", "topology", "layouts", "memory", "reshard",

@@ -18,7 +18,8 @@ from test_state_dict import blocks_once, descriptions
 
 from tenplex.checkpoint import Binding, PartReader, ReadItem, list_steps, plan_reads
 from tenplex.checkpoint.format import data_name, writer_assignment
-from tenplex.checkpoint.reader import read_manifest_at, shard_buffers
+from tenplex.checkpoint.catalog import read_manifest_at
+from tenplex.checkpoint.read_plan import shard_buffers
 from tenplex.urls import url_fs
 from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard
 from tenplex.ptc import PTC

@@ -1,6 +1,6 @@
 """The ``ShardReader`` contract, run by every implementation against a real backend.
 
-``tenplex.checkpoint.reader.ShardReader`` is what executes a read plan; three classes implement it
+``tenplex.checkpoint.part_reader.ShardReader`` is what executes a read plan; three classes implement it
 and share no tests: ``PartReader`` (local files through ``preadv``, any fsspec filesystem through
 ranged reads, remote ones coalesced and in flight), ``TieredReader`` (a rank's part from the first
 tier that has it; here a real ``tenplex store serve`` process read over HTTP) and ``RoundsReader``
@@ -38,7 +38,8 @@ from test_checkpoint import assert_shard_equal, random_bits, save_all
 
 from tenplex.checkpoint import Binding, PartReader, ShardReader, list_steps, plan_reads
 from tenplex.checkpoint.format import writer_assignment
-from tenplex.checkpoint.reader import read_manifest_at, shard_buffers
+from tenplex.checkpoint.catalog import read_manifest_at
+from tenplex.checkpoint.read_plan import shard_buffers
 from tenplex.config import ParallelConfig
 from tenplex.errors import CheckpointError
 from tenplex.models import model_ptc

@@ -29,10 +29,12 @@ import tenplex
 from conftest import examples
 from hostile import Tally
 from spawned import free_port, run_spawned
-import tenplex.checkpoint.reader as reader_mod
+import tenplex.checkpoint.part_reader as reader_mod
 from tenplex.checkpoint import load, open_sealed_json, plan_reads, read_manifest, read_part_chunks, save, seal_json, writer_assignment
 from tenplex.checkpoint.format import Binding, panel_block
-from tenplex.checkpoint.reader import PartReader, Scatter, list_steps, read_manifest_at, read_shard
+from tenplex.checkpoint.catalog import list_steps, read_manifest_at
+from tenplex.checkpoint.load import ReadOptions, read_shard
+from tenplex.checkpoint.part_reader import PartReader, Scatter
 from tenplex.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -267,7 +269,7 @@ def _reshard_round_trip(shapes: dict, saved: StateLayout, new: StateLayout, seed
             if panels:  # in place, into the caller's tensors (pre-filled with other values)
                 locals_ = {n: torch.zeros_like(local_of(globals_[n], new.placed[n], rank)) for n in mine}
                 sink = _InPlace(locals_, new, rank)
-                got = load(url, new, rank, sink=sink, check=sink.bind)
+                got = load(url, new, rank, options=ReadOptions(sink=sink, check=sink.bind))
                 assert got.stats.bytes_needed == exact
                 for name in mine:
                     assert got.shard[name] is locals_[name]
@@ -929,7 +931,7 @@ def test_panel_loads_in_place_read_exactly_their_bytes(tmp_path: Path, monkeypat
                 want = {n: local_of(globals_[n], new.placed[n], rank) for n in shapes}
                 locals_ = {n: torch.zeros_like(t) for n, t in want.items()}
                 sink = _InPlace(locals_, new, rank)
-                got = load(url, new, rank, sink=sink, check=sink.bind)
+                got = load(url, new, rank, options=ReadOptions(sink=sink, check=sink.bind))
                 needed = sum(t.numel() * t.element_size() for t in want.values())
                 assert got.stats.bytes_needed == needed == got.stats.bytes_read, (saved_name, new_name, rank)
                 assert all(same(locals_[n], want[n]) and got.shard[n] is locals_[n] for n in shapes)

@@ -35,24 +35,20 @@ from .format import (
     verify_manifest,
     writer_assignment,
 )
-from .reader import (
+from .catalog import StepInfo, list_steps, read_manifest, read_part_chunks
+from .load import (
     LoadResult,
     LoadStats,
-    PartReader,
-    ReadItem,
-    ShardReader,
+    ReadOptions,
     ShardSink,
-    StepInfo,
     check_model,
-    list_steps,
     load,
     load_with_reader,
-    plan_reads,
-    read_manifest,
     read_objects,
-    read_part_chunks,
     read_shard,
 )
+from .part_reader import PartReader, ShardReader
+from .read_plan import ReadItem, plan_reads
 from .writer import PartWriter, SaveResult, carry_model, default_save_id, save, write_index, write_rank0_meta
 
 __all__ = ["SaveResult", "LoadStats", "LoadResult", "StepInfo", "save", "load", "list_steps", "read_manifest",
@@ -60,6 +56,7 @@ __all__ = ["SaveResult", "LoadStats", "LoadResult", "StepInfo", "save", "load", 
            "check_step", "check_model", "safetensors_header", "Manifest", "Binding", "verify_manifest",
            "verify_index", "write_index", "write_rank0_meta", "load_with_reader", "read_objects",
            "read_part_chunks", "read_shard",
-           "ReadItem", "plan_reads", "ShardReader", "ShardSink", "PartReader", "PartWriter", "carry_model",
+           "ReadItem", "ReadOptions", "plan_reads", "ShardReader", "ShardSink", "PartReader", "PartWriter",
+           "carry_model",
            "CheckpointError",
            "CheckpointCorruptError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointValueError"]

@@ -12,7 +12,7 @@ chunk. Layout of a save attempt (see docs/format.md)::
     URL/step-000000000042-<id>/rank-00003.json         their index: offsets and CRC32s; written
                                                        last, so its presence marks the part complete
 
-No I/O here: the writer (``writer.py``) and the readers (``reader.py``) do that.
+No I/O here: the writer (``writer.py``) and the readers (``catalog.py``, ``part_reader.py``, ``load.py``) do that.
 """
 
 from __future__ import annotations
@@ -47,29 +47,33 @@ __all__ = ["FORMAT", "VERSION", "READ_VERSIONS", "MAX_STEP", "MANIFEST_NAME", "O
            "rank_stem", "data_name", "index_name", "part_files", "check_step", "check_save_id", "seal_json",
            "open_sealed_json", "safetensors_header", "block_bytes", "panel_block", "row_block",
            "chunk_block", "block_crcs_hex", "CRC_TABLE", "CRC_GROUP", "crc_seed", "crc_concat", "chunks_digest",
-           "part_chunks", "crc_spans",
+           "part_chunks", "crc_spans", "PANEL_BLOCK_MIN", "prefix_words",
            "writer_assignment", "manifest_object", "index_object", "Manifest",
            "verify_manifest", "Binding", "verify_index"]
 
 FORMAT = "tenplex-checkpoint"
 """The format tag every manifest, rank index and safetensors header carries."""
-VERSION = 4
+VERSION = 5
 """The version this tenplex writes. Version 3 changed only the checksum block rule (``chunk_block``):
 blocks of whole canonical rows (or of 1/2, 1/4, 1/8 of a row), at least ``ROW_BLOCK_MIN`` bytes,
 instead of at least 4 KiB. Version 4 (same block rule) moved the block CRCs out of the rank index:
 they are binary words at the end of the data file (``CRC_TABLE``), seeded with the part's binding
 (``crc_seed``), and a load reads only the words of the blocks it reads; the index lists no chunks
 (their offsets, blocks and words follow from ``writer_assignment``: ``part_chunks``), only their
-count and digest (``chunks_digest``)."""
-READ_VERSIONS = frozenset({2, 3, 4})
+count and digest (``chunks_digest``). Version 5: the table holds *prefix* words, one per block boundary
+(``prefix_words``): any run of whole blocks is checked with the two words at its ends, whatever its
+length, so blocks of panel-ordered tensors can be one panel row (``PANEL_BLOCK_MIN``) and a row cut
+reads no byte it does not need."""
+READ_VERSIONS = frozenset({2, 3, 4, 5})
 """The versions this tenplex reads (version 2: the block rule ``chunk_block(..., version=2)``; 2 and 3:
 the chunks and their CRCs in the index)."""
 CRC_TABLE = "__tenplex_crc32__"
-"""Version 4: the data file's last safetensors entry (``U8``, 4-byte big-endian words): the block CRC32s
-of its chunks, chunk after chunk in file order, then the CRC32s of their groups of ``CRC_GROUP`` blocks
-(the last group of a chunk may be shorter), chunk after chunk."""
+"""Versions 4 and 5: the data file's last safetensors entry (``U8``, 4-byte big-endian words). Version 4:
+the block CRC32s of its chunks, chunk after chunk in file order, then the CRC32s of their groups of
+``CRC_GROUP`` blocks (the last group of a chunk may be shorter), chunk after chunk. Version 5: one prefix
+word per block, chunk after chunk (``prefix_words``)."""
 CRC_GROUP = 8
-"""Version 4: blocks per group word. A load checks whole groups inside a piece by their group word and
+"""Version 4 (read only): blocks per group word. A load checks whole groups inside a piece by their group word and
 only the blocks at its ends by theirs: about 1/8 of the CRC words for long pieces."""
 MAX_STEP = 10**12
 """Steps are in [0, MAX_STEP): directory names hold 12 digits."""
@@ -91,6 +95,11 @@ ROW_BLOCK_MIN = 256
 """Version 3: the smallest row block (``row_block``) of a chunk; its CRC (8 hex digits in the index)
 costs 3 % of the block's bytes at most, and a piece that ends inside a block reads at most one
 block beyond it."""
+PANEL_BLOCK_MIN = 32
+"""Version 5: the smallest row block of a panel-ordered tensor (at hidden sizes >= 64 in float32, one
+panel row): a row cut (FSDP2 over any number of ranks) then starts and ends on block boundaries in each
+of the 8 panels it crosses. Its words cost nothing to read but the two at each piece's ends; stored,
+one 4-byte word per block (at most 1/8 of such narrow tensors' bytes, 1/64 from 256-byte rows on)."""
 ROW_BLOCK_SHARE = 256
 """Version 3: a chunk is cut into about this many row blocks at most (larger chunks: larger blocks,
 still whole rows, up to ``MAX_BLOCK``), so its index entry stays small."""
@@ -280,7 +289,7 @@ def _row_bytes(spec: TensorSpec) -> int:
     return (math.prod(spec.shape) // lead if lead else 0) * spec.itemsize
 
 
-def row_block(spec: TensorSpec, nbytes: int) -> int | None:
+def row_block(spec: TensorSpec, nbytes: int, version: int = VERSION) -> int | None:
     """Version 3: the checksum block of a chunk of ``nbytes`` of ``spec``: ``k`` whole canonical rows
     (``k`` the smallest power of two giving at least ``max(ROW_BLOCK_MIN, nbytes / ROW_BLOCK_SHARE)``
     bytes, halved while over ``MAX_BLOCK``; panel order: at least ``ROW_BLOCK_MIN`` whatever the
@@ -296,7 +305,7 @@ def row_block(spec: TensorSpec, nbytes: int) -> int | None:
     if not 0 < row <= MAX_BLOCK:
         return None
     if spec.panels is not None:  # a row cut crosses each panel of a chunk: small blocks whatever its size
-        target = ROW_BLOCK_MIN  # (and TP column cuts fall on panels: no cuts inside a row)
+        target = PANEL_BLOCK_MIN if version >= 5 else ROW_BLOCK_MIN  # (TP column cuts fall on panels)
     else:
         target = max(ROW_BLOCK_MIN, min(nbytes // ROW_BLOCK_SHARE, MAX_BLOCK))
         least = max(ROW_BLOCK_MIN, min(nbytes // (8 * ROW_BLOCK_SHARE), MAX_BLOCK))
@@ -318,7 +327,7 @@ def chunk_block(spec: TensorSpec, nbytes: int, version: int = VERSION) -> int:
     3 ``row_block``, version 2 ``panel_block`` (panel-ordered tensors), else ``block_bytes``. Writers
     use it, indexes must record it."""
     if version >= 3:
-        return row_block(spec, nbytes) or block_bytes(nbytes)
+        return row_block(spec, nbytes, version) or block_bytes(nbytes)
     return panel_block(spec) or block_bytes(nbytes)
 
 
@@ -328,7 +337,7 @@ def block_crcs_hex(crcs: list[int]) -> str:
 
 
 def crc_seed(step: int, save_id: str, rank: int) -> int:
-    """Version 4: the start value of every block CRC32 of rank ``rank``'s part of attempt ``save_id``
+    """Versions 4 and 5: the start value of every block CRC32 of rank ``rank``'s part of attempt ``save_id``
     of ``step``, so a data file (with its CRC table) of another attempt or rank fails its checks."""
     return crc32(f"{FORMAT}/{step}/{save_id}/{rank}".encode())
 
@@ -355,18 +364,28 @@ def crc_spans(nbytes: int, block: int, lo: int, hi: int) -> tuple[tuple[int, int
     return (k0, g0 * CRC_GROUP), (g0, g1), (min(g1 * CRC_GROUP, k1), k1)
 
 
+def prefix_words(block: int, lo: int, hi: int) -> tuple[int | None, int]:
+    """Version 5: the CRC table words (relative to a chunk's first) that check bytes [lo, hi) of the
+    chunk (``lo`` on a block boundary, ``hi`` on one or the chunk's end): the word of the boundary at
+    ``lo`` (None at the chunk's start: the part's seed) and that at ``hi``. Word ``j`` is
+    ``crc32(chunk[:(j + 1) * block], seed) ^ seed`` (the prefix up to the end of block ``j``), so the
+    bytes check when ``crc32(bytes, start) == end ^ seed`` with ``start`` the first word ``^ seed``."""
+    k0, k1 = lo // block, -(-hi // block)
+    return (k0 - 1 if k0 else None), k1 - 1
+
+
 def chunks_digest(assigned: list[Chunk]) -> str:
-    """Version 4: the SHA-256 (hex) of a rank's chunk list, recorded in its index so a reader whose
+    """Versions 4 and 5: the SHA-256 (hex) of a rank's chunk list, recorded in its index so a reader whose
     ``writer_assignment`` differs from the writer's refuses the part instead of misreading it."""
     return hashlib.sha256("\n".join(f"{t}@{s}+{n}" for t, _, s, n in assigned).encode()).hexdigest()
 
 
 def part_chunks(assigned: list[Chunk], specs: Mapping[str, TensorSpec], data_offset: int,
                 version: int = VERSION) -> tuple[list[dict[str, Any]], int, int]:
-    """Version 4: a part's chunk entries derived from its assignment (the writer stores them in
-    order from ``data_offset``): ``tensor, start, length, offset, block``, ``crc_at`` and ``group_at``,
-    the table's word of its first block and of its first group; with the table's byte offset and its
-    word count."""
+    """Versions 4 and 5: a part's chunk entries derived from its assignment (the writer stores them in
+    order from ``data_offset``): ``tensor, start, length, offset, block``, ``crc_at`` and (version 4)
+    ``group_at``, the table's word of its first block and of its first group; with the table's byte
+    offset and its word count."""
     out, off, words = [], data_offset, 0
     rule: dict[tuple[str, int], int] = {}
     for t, _, st, ln in assigned:
@@ -378,6 +397,8 @@ def part_chunks(assigned: list[Chunk], specs: Mapping[str, TensorSpec], data_off
         out.append({"tensor": t, "start": st, "length": ln, "offset": off, "block": blk, "crc_at": words})
         off += nbytes
         words += -(-nbytes // blk)
+    if version >= 5:  # prefix words only: no group words
+        return out, off, words
     for c in out:
         c["group_at"] = words
         words += -(-c["length"] * specs[c["tensor"]].itemsize // (c["block"] * CRC_GROUP))
@@ -625,7 +646,7 @@ def verify_index(idx: Mapping[str, Any], path: str, rank: int, b: Binding) -> di
     size = idx.get("file_size")
     if not _is_int(size) or size < 0:
         bad(f"file_size {size!r} is not a byte count")
-    if b.version >= 4:
+    if b.version >= 4:  # versions 4 and 5
         return _verify_index_v4(idx, rank, b, size, bad)
     chunks = idx.get("chunks")
     expected = {(name, start): ln for name, _, start, ln in b.writers.get(rank, ())}
@@ -662,7 +683,7 @@ def verify_index(idx: Mapping[str, Any], path: str, rank: int, b: Binding) -> di
 
 def _verify_index_v4(idx: Mapping[str, Any], rank: int, b: Binding, size: int,
                      bad: Callable[[str], NoReturn]) -> dict[tuple[str, int], dict[str, Any]]:
-    """``verify_index`` of version 4: the chunk count and digest are those of the saved layout's
+    """``verify_index`` of versions 4 and 5: the chunk count and digest are those of the saved layout's
     assignment, and the chunks (``part_chunks``) and their CRC table fill the data file exactly."""
     assigned = b.writers.get(rank, [])
     count, digest, base = idx.get("chunks"), idx.get("chunks_sha256"), idx.get("data_offset")
@@ -679,6 +700,6 @@ def _verify_index_v4(idx: Mapping[str, Any], rank: int, b: Binding, size: int,
     seed = crc_seed(b.step, b.save_id, rank)
     out = {}
     for c in chunks:
-        c["seed"], c["crc_table"] = seed, crc_offset
+        c["seed"], c["crc_table"], c["prefix"] = seed, crc_offset, b.version >= 5
         out[(c["tensor"], c["start"])] = c
     return out

@@ -62,7 +62,7 @@ from .format import (
     writer_assignment,
 )
 from ..urls import url_fs
-from .reader import local_path, read_manifest_at, scan_attempts
+from .catalog import local_path, read_manifest_at, scan_attempts
 
 __all__ = ["SaveResult", "PartChunk", "PartWriter", "save", "default_save_id", "publish", "write_rank0_meta", "write_index", "prune",
            "carry_model"]
@@ -317,10 +317,12 @@ class PartWriter:
             assigned = writer_assignment(ptc, cfg)[rank]
         self.assigned = list(assigned)
         self.version = format_mod.VERSION  # read here: tests write older versions by setting it
-        table = self.version >= 4  # version 4: the block CRCs in the data file, last (``part_chunks``)
-        blocks = [chunk_block(ptc.tensors[name], ln * ptc.tensors[name].itemsize) for name, _, _, ln in assigned]
+        table = self.version >= 4  # versions 4 and 5: the block CRCs in the data file, last (``part_chunks``)
+        blocks = [chunk_block(ptc.tensors[name], ln * ptc.tensors[name].itemsize, self.version)
+                  for name, _, _, ln in assigned]
         sizes = [ln * ptc.tensors[name].itemsize for name, _, _, ln in assigned]
-        words = sum(-(-n // blk) + -(-n // (blk * CRC_GROUP)) for n, blk in zip(sizes, blocks))
+        groups = CRC_GROUP if self.version == 4 else 0  # version 4 also stores a word per group of blocks
+        words = sum(-(-n // blk) + (-(-n // (blk * groups)) if groups else 0) for n, blk in zip(sizes, blocks))
         self.header, offsets = safetensors_header(
             [*((f"{name}@{start}", ptc.tensors[name].dtype, ln) for name, _, start, ln in assigned),
              *([(CRC_TABLE, torch.uint8, 4 * words)] if table else [])],
@@ -337,6 +339,12 @@ class PartWriter:
         self.group_crcs: list[dict[int, int]] = [{} for _ in self.chunks]
         """Version 4: the CRC32 of every group (``CRC_GROUP`` blocks) that one ``checksum`` call saw
         whole, taken over its bytes (one C call); the others are combined from their blocks'."""
+        self.chained: list[tuple[int, int]] = [(0, self.seed) for _ in self.chunks]
+        """Version 5: per chunk, the byte position its prefix CRC is known up to, and that CRC: a
+        ``checksum`` call that starts there (calls in order, the usual case) continues the chain."""
+        self.restarts: list[set[int]] = [set() for _ in self.chunks]
+        """Version 5: the blocks where a ``checksum`` call out of order restarted the chain from the
+        seed; ``crc_table`` corrects the words from each (``crc_concat``'s shift)."""
 
     def begin(self) -> None:
         """Create the attempt's directory; refuse when this rank's files are there already."""
@@ -352,6 +360,15 @@ class PartWriter:
         boundary; the range ends on one or at the chunk's end)."""
         block, crcs = self.chunks[i].block, self.crcs[i]
         seed = self.seed
+        if self.version >= 5:  # prefix words: the chain from the chunk's start (or a restart) on
+            at, crc = self.chained[i]
+            if at != a:
+                self.restarts[i].add(a // block)
+                crc = seed
+            for pos in range(a, a + len(view), block):
+                crc = crcs[pos // block] = crc32(view[pos - a : pos - a + block], crc)
+            self.chained[i] = (a + len(view), crc)
+            return
         for pos in range(a, a + len(view), block):
             crcs[pos // block] = crc32(view[pos - a : pos - a + block], seed)
         if self.version >= 4:
@@ -388,10 +405,18 @@ class PartWriter:
         self.checksum(i, a, view)
 
     def crc_table(self) -> bytes:
-        """The data file's last entry (``CRC_TABLE``): every block CRC32, big-endian, in file order, then
-        every group's (``CRC_GROUP`` blocks), combined from its blocks' (``crc_concat``)."""
-        words = [w for crcs in self.crcs for w in crcs]
+        """The data file's last entry (``CRC_TABLE``), big-endian words in file order. Version 5: every
+        block's prefix word (``prefix_words``); version 4: every block CRC32, then every group's
+        (``CRC_GROUP`` blocks), combined from its blocks' (``crc_concat``)."""
         seed = self.seed
+        if self.version >= 5:
+            words = []
+            for c, crcs, restarts in zip(self.chunks, self.crcs, self.restarts):
+                if restarts:
+                    crcs = _rechain(crcs, restarts, c.block, c.nbytes, seed)
+                words.extend(w ^ seed for w in crcs)
+            return struct.pack(f">{len(words)}I", *words)
+        words = [w for crcs in self.crcs for w in crcs]
         for c, crcs, whole in zip(self.chunks, self.crcs, self.group_crcs):
             for g in range(0, len(crcs), CRC_GROUP):
                 if g // CRC_GROUP in whole:
@@ -427,6 +452,21 @@ class PartWriter:
         return written + write_index(self.fs, self.sdir, self.rank, self.size, len(self.chunks), step=self.step,
                                      save_id=self.save_id, cfg=self.cfg, fingerprint=self.ptc.fingerprint(),
                                      data_offset=len(self.header), digest=chunks_digest(self.assigned))
+
+
+def _rechain(crcs: list[int], restarts: set[int], block: int, nbytes: int, seed: int) -> list[int]:
+    """Version 5: the prefix CRCs of a chunk whose chain restarted from ``seed`` at blocks ``restarts``
+    (checksum calls out of order): from each restart on, the known prefix's difference to the seed is
+    carried through the bytes since the restart and XORed in (``crc_concat``'s rule)."""
+    out, carry = list(crcs), 0
+    for k in range(len(crcs)):
+        if k in restarts:
+            carry = (out[k - 1] ^ seed) if k else 0
+        if carry:
+            n = min(block, nbytes - k * block)
+            carry = crc_concat(carry ^ seed, seed, n, seed) ^ seed  # the difference shifted through n bytes
+            out[k] ^= carry
+    return out
 
 
 def save(

@@ -32,7 +32,7 @@ from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigErro
 from ..options import with_overrides
 from ..planner import plan
 from ..ptc import PTC
-from ..checkpoint.reader import LoadResult, ShardSink
+from ..checkpoint import LoadResult, ShardSink
 from ..state_dict import StepSource, UrlSource, describe_state_dict, load_state_dict_from
 from ..state_layout import StateLayout
 from ..store.recovery import Tier, TierScan, load_tiered, scan_tiers

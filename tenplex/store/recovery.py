@@ -31,7 +31,10 @@ from typing import Any
 import torch
 
 from ..checkpoint.format import Binding
-from ..checkpoint.reader import LoadResult, PartReader, ReadItem, ShardSink, load_with_reader, read_manifest_at
+from ..checkpoint.catalog import read_manifest_at
+from ..checkpoint.load import LoadResult, ReadOptions, ShardSink, load_with_reader
+from ..checkpoint.part_reader import PartReader
+from ..checkpoint.read_plan import ReadItem
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 from ..options import with_overrides
 from ..planner import Plan
@@ -397,8 +400,8 @@ def load_tiered(tiers: Sequence[Tier], cfg: Layout, rank: int, options: TieredLo
         objects_from = [(by_name[n].fs()[0], attempt.dirs[n]) for n in meta if n in by_name]
         try:
             result = load_with_reader(verified, f"{chosen.meta_tier.url} step {chosen.step}", cfg, rank, reader,
-                                      objects_from, ptc=o.ptc, allow_meta_change=o.allow_meta_change, t0=t0,
-                                      sink=o.sink, check=o.check)
+                                      objects_from, t0=t0,
+                                      options=ReadOptions(o.ptc, o.allow_meta_change, sink=o.sink, check=o.check))
         except CheckpointCorruptError as e:
             log.warning("step %d (save %s) has no intact copy across the tiers, trying an older one: %s", chosen.step,
                         chosen.save_id, e)

@@ -2,7 +2,7 @@
 
 Computed alike on every rank from the repartition plan and the stores' contents
 (``plan_recovery``), before any read starts; ``order_reads`` then sorts a shard's read plan
-(``tenplex.checkpoint.reader.plan_reads``) into the schedule's rounds. Pure apart from the
+(``tenplex.checkpoint.read_plan.plan_reads``) into the schedule's rounds. Pure apart from the
 clock (see docs/store.md, "Reads in rounds").
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.format import writer_assignment
-from ..checkpoint.reader import ReadItem
+from ..checkpoint.read_plan import ReadItem
 from ..errors import ConfigError
 from ..options import with_overrides
 from ..planner import Plan

@@ -24,7 +24,7 @@ from ..checkpoint.format import (
     data_name,
     parse_step_dir,
 )
-from ..checkpoint.reader import read_manifest_at
+from ..checkpoint.catalog import read_manifest_at
 from ..config import ParallelConfig
 from ..errors import CheckpointError
 from ..ptc import Layout

@@ -31,7 +31,7 @@ from ..checkpoint.format import (
     open_sealed_json,
     parse_step_dir,
 )
-from ..checkpoint.reader import read_part_chunks
+from ..checkpoint.catalog import read_part_chunks
 from ..errors import CheckpointError
 from ..ptc import dtype_from_str
 from .fuse import FuseOps, check_fuse, check_mountpoint, fuse_class, mfusepy
