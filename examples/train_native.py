@@ -56,20 +56,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import native_llama as nl  # noqa: E402 - the user's model, next to this script
 
 import tenplex  # noqa: E402
-from tenplex.assignment import load_solvers  # noqa: E402
 from tenplex.checkpoint import default_save_id  # noqa: E402
 from tenplex.data import DataState, global_batch_ids, stdlib_corpus  # noqa: E402
 from tenplex.data.batches import IndexBatches  # noqa: E402
-from tenplex.dtensor import release_mesh  # noqa: E402
-from tenplex.choose import choose_mesh, predict_layout  # noqa: E402
 from tenplex.elastic import live_order  # noqa: E402
-from tenplex.errors import PeerFailure  # noqa: E402
-from tenplex.inprocess import (  # noqa: E402
+from tenplex.elastic.inprocess import (  # noqa: E402
     JOIN_FAILED, RECOVERY_FAILED, DieAt, RecoveryConfig, recover_in_process, warm_up,
 )
-from tenplex.membership_runtime import join_membership, membership_store, start_membership  # noqa: E402
-from tenplex.ring import HeldAs, StateRing, exit_on_sigterm, flush_ring  # noqa: E402
-from tenplex.state_dict import describe_state_dict, local_shard  # noqa: E402
+from tenplex.elastic.membership_runtime import join_membership, membership_store, start_membership  # noqa: E402
+from tenplex.elastic.ring import HeldAs, StateRing, exit_on_sigterm, flush_ring  # noqa: E402
+from tenplex.errors import PeerFailure  # noqa: E402
+from tenplex.native.dtensor import release_mesh  # noqa: E402
+from tenplex.native.state_dict import describe_state_dict, local_shard  # noqa: E402
+from tenplex.planning.assignment import load_solvers  # noqa: E402
+from tenplex.planning.choose import choose_mesh, predict_layout  # noqa: E402
 
 log = logging.getLogger("train_native")
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tenplex.bubbles import BubbleRuntime, SnapshotTask
-from tenplex.memory import parse_size
+from tenplex.elastic.bubbles import BubbleRuntime, SnapshotTask
+from tenplex.planning.memory import parse_size
 from tenplex.train.schedule import one_f_one_b
 
 

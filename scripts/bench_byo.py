@@ -257,7 +257,7 @@ def local_tensors(sd: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from tenplex.state_dict import flatten_state_dict
+    from tenplex.native.state_dict import flatten_state_dict
 
     out = {}
     for k, (_, _, v) in flatten_state_dict(sd).items():
@@ -434,7 +434,7 @@ def load_phase(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemReader
     t1, c1 = time.perf_counter(), time.process_time()
     import tenplex
-    from tenplex.state_dict import flatten_state_dict
+    from tenplex.native.state_dict import flatten_state_dict
     t2, c2 = time.perf_counter(), time.process_time()
     imports = {"dcp": _max(t1 - t0), "tenplex": _max(t2 - t1), "dcp_cpu": _max(c1 - c0), "tenplex_cpu": _max(c2 - c1)}
 

@@ -31,12 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from tenplex import mesh as mesh_module
-from tenplex import state_layout
-from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard
-from tenplex.planner import locality_order, plan
-from tenplex.ptc import PTC
-from tenplex.state_layout import Placed, StateLayout, spec_for
+from tenplex.layout import mesh as mesh_module
+from tenplex.layout import state_layout
+from tenplex.layout.mesh import NamedMesh, Replicate, Shard, StridedShard
+from tenplex.layout.ptc import PTC
+from tenplex.layout.state_layout import Placed, StateLayout, spec_for
+from tenplex.planning.planner import locality_order, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 """Live migration vs reading the new shard from a checkpoint (the restart path's read).
 
 A job of 4 ranks (dp=2, tp=2) loses rank 1; the 3 survivors move to pp=3. Live: each survivor
-calls ``tenplex.migrate`` with the shard it holds (gloo, CPU, one process per rank): local
+calls ``tenplex.elastic.migrate`` with the shard it holds (gloo, CPU, one process per rank): local
 pieces copied, pieces of live ranks sent point to point, pieces only the dead rank held read
 from the checkpoint. Checkpoint: each survivor calls ``tenplex.load`` of its new shard from the
 same local checkpoint (in the page cache: both paths read it from memory). Two states per
@@ -55,7 +55,7 @@ def _global(ptc: tenplex.PTC, seed: int) -> dict[str, Any]:
 def _worker(rank: int, port: int, model: str, dist_opt: bool, url: str, repeats: int, out: Any) -> None:
     import torch.distributed as dist
 
-    from tenplex.migrate import exchange_plan, migrate
+    from tenplex.elastic.migrate import exchange_plan, migrate
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(ALIVE))

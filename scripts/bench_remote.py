@@ -33,8 +33,8 @@ import torch  # noqa: E402
 
 from tenplex.checkpoint import load, save  # noqa: E402
 from tenplex.checkpoint.part_reader import CONCURRENT_ENV  # noqa: E402
-from tenplex.config import ParallelConfig  # noqa: E402
-from tenplex.models import model_ptc  # noqa: E402
+from tenplex.layout.config import ParallelConfig  # noqa: E402
+from tenplex.layout.models import model_ptc  # noqa: E402
 from tenplex.train.launch import free_port  # noqa: E402
 
 MODES = ("sequential", "concurrent")

@@ -40,8 +40,8 @@ import torch
 import tenplex
 from tenplex import PTC, ParallelConfig, model_ptc
 from tenplex import checkpoint as ckpt
-from tenplex import config as config_mod
-from tenplex.models import model_spec
+from tenplex.layout import config as config_mod
+from tenplex.layout.models import model_spec
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20

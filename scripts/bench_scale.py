@@ -30,10 +30,10 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from tenplex import ParallelConfig, model_ptc  # noqa: E402
-from tenplex import assignment  # noqa: E402
-from tenplex.models import PRESETS  # noqa: E402
-from tenplex.overlap import holder_classes, intersect  # noqa: E402
-from tenplex.planner import locality_order, plan  # noqa: E402
+from tenplex.layout.models import PRESETS  # noqa: E402
+from tenplex.layout.overlap import holder_classes, intersect  # noqa: E402
+from tenplex.planning import assignment  # noqa: E402
+from tenplex.planning.planner import locality_order, plan  # noqa: E402
 
 LLAMA3_405B = dict(arch="llama", num_layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
                    vocab=128256, seq_len=8192)
@@ -111,7 +111,7 @@ def one_plan(gpus: int, zero: bool, order: str, ranks: str, chooser: bool = Fals
     out: dict[str, Any] = {}
     t = time.perf_counter()
     if chooser:
-        from tenplex.layouts import choose_layout  # lazy: only this measurement needs the chooser
+        from tenplex.planning.layouts import choose_layout  # lazy: only this measurement needs the chooser
 
         c = choose_layout("llama3-405b", gpus - 8, gpu_mem="80GiB", global_batch=2048, seq_len=8192, micro_batch=1,
                           distributed_optimizer=zero, allow_idle=True, uneven_batch=True)
@@ -133,7 +133,7 @@ def one_plan(gpus: int, zero: bool, order: str, ranks: str, chooser: bool = Fals
 
 def one_chooser(gpus: int, zero: bool) -> dict[str, Any]:
     """choose_layout for 405B on ``gpus`` GPUs (spares and uneven batches allowed), no current layout."""
-    from tenplex.layouts import choose_layout
+    from tenplex.planning.layouts import choose_layout
 
     t = time.perf_counter()
     c = choose_layout("llama3-405b", gpus, gpu_mem="80GiB", global_batch=2048, seq_len=8192, micro_batch=1,
@@ -145,7 +145,7 @@ def one_chooser(gpus: int, zero: bool) -> dict[str, Any]:
 def one_world_sizes() -> dict[str, Any]:
     """Every world size of the goals gets a layout: tiny 1-16 (gb 8), llama-100m 1-64 (gb 64), 405B
     at every multiple of 8 from 8,192 to 16,384 and at 16,376; the published 405B layout fits."""
-    from tenplex.layouts import choose_layout
+    from tenplex.planning.layouts import choose_layout
 
     t = time.perf_counter()
     opts: dict[str, Any] = dict(gpu_mem="80GiB", allow_idle=True, uneven_batch=True)
@@ -178,7 +178,7 @@ def one_world_sizes() -> dict[str, Any]:
 
 def one_simulate(layout: str, spare_hosts: int) -> dict[str, Any]:
     """tenplex simulate: the 54-day, 419-failure trace on 405B at 16,384 GPUs."""
-    from tenplex.simulate import SimulationSettings, draw_trace, simulate_trace
+    from tenplex.planning.simulate import SimulationSettings, draw_trace, simulate_trace
 
     settings = SimulationSettings("llama3-405b", 16384, global_batch=2048, seq_len=8192, hours=54 * 24.0,
                                   spare_hosts=spare_hosts, layout=ParallelConfig.parse(layout) if layout else None)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import tenplex
 from tenplex import ParallelConfig
-from tenplex.schedule import demands, lower_bound, naive_completion, schedule
-from tenplex.topology import Topology
+from tenplex.planning.schedule import demands, lower_bound, naive_completion, schedule
+from tenplex.planning.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -44,11 +44,11 @@ LLAMA3_405B = dict(arch="llama", num_layers=126, hidden=16384, heads=128, kv_hea
 
 def run_case(case: str, time_limit: float) -> dict[str, Any]:
     """One run of ``case`` in this process."""
-    from tenplex.config import ParallelConfig
-    from tenplex.models import model_ptc
-    from tenplex.planner import plan
-    from tenplex.schedule import demands, lower_bound, schedule, validate
-    from tenplex.topology import Topology
+    from tenplex.layout.config import ParallelConfig
+    from tenplex.layout.models import model_ptc
+    from tenplex.planning.planner import plan
+    from tenplex.planning.schedule import demands, lower_bound, schedule, validate
+    from tenplex.planning.topology import Topology
 
     if case.startswith("gpt3-"):
         gpus = int(case.split("-")[1])

@@ -58,7 +58,7 @@ from fsspec.spec import AbstractFileSystem
 
 import tenplex
 from tenplex import PTC, ParallelConfig, Split, model_ptc
-from tenplex.ptc import PAD, TensorSpec
+from tenplex.layout.ptc import PAD, TensorSpec
 from tenplex.train.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -608,7 +608,7 @@ def bench_plans(reps: int, sample_ranks: int) -> list[dict[str, Any]]:
         ptc = model_ptc(preset, distributed_optimizer=bool(dist and dist[0]))
         best = math.inf
         for _ in range(reps):
-            for fn in (getattr(tenplex.config, "_holder_table", None), getattr(tenplex.config, "_stage_map", None)):
+            for fn in (getattr(tenplex.layout.config, "_holder_table", None), getattr(tenplex.layout.config, "_stage_map", None)):
                 if fn is not None:
                     fn.cache_clear()
             t0 = time.perf_counter()

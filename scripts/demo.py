@@ -201,7 +201,7 @@ def main() -> int:
         if os.path.exists("/dev/fuse") and shutil.which("fusermount3"):
             # the workers read their batches through the dataset VFS; rescale re-shards it in place
             from tenplex.data.corpus import stdlib_corpus
-            from tenplex.models import PRESETS
+            from tenplex.layout.models import PRESETS
             from tenplex.data.batches import corpus_index
 
             index_path, _ = corpus_index(stdlib_corpus(int(PRESETS["tiny"]["seq_len"])))

@@ -85,7 +85,7 @@ def run_case(model: str, layout: str, gb: int, mb: int, dist_opt: bool, seq_len:
 
 
 def _seq_len(model: str) -> int:
-    from tenplex.models import PRESETS
+    from tenplex.layout.models import PRESETS
 
     return int(PRESETS[model]["seq_len"])
 

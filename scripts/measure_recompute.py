@@ -17,10 +17,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tenplex  # noqa: E402
-from tenplex.config import ParallelConfig  # noqa: E402
 from tenplex.data.corpus import stdlib_corpus  # noqa: E402
-from tenplex.memory import RECOMPUTE, estimate_memory  # noqa: E402
-from tenplex.models import model_spec  # noqa: E402
+from tenplex.layout.config import ParallelConfig  # noqa: E402
+from tenplex.layout.models import model_spec  # noqa: E402
+from tenplex.planning.memory import RECOMPUTE, estimate_memory  # noqa: E402
 from tenplex.train import TrainConfig, Trainer, trainer_ptc  # noqa: E402
 from tenplex.train.parallel import Groups  # noqa: E402
 

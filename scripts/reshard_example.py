@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tenplex  # noqa: E402
 from tenplex.cli import human_bytes  # noqa: E402
-from tenplex.reshard import reshard  # noqa: E402
+from tenplex.planning.reshard import reshard  # noqa: E402
 
 
 def main() -> int:

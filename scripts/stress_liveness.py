@@ -5,7 +5,7 @@ Each run starts ``--busy`` processes spinning (``python -c 'while 1: pass'``, ea
 itself after 10 minutes) beside one of:
 
 * ``world``: 4 gloo members (forked from a forkserver that imported torch) with a
-  ``tenplex.membership_runtime.Membership`` at the library's defaults (heartbeat every 0.1 s, as the
+  ``tenplex.elastic.membership_runtime.Membership`` at the library's defaults (heartbeat every 0.1 s, as the
   trainer's), each doing what makes the trainer's heartbeat thread wait for the GIL: the first
   ``import scipy.optimize`` (the trainer's ``warm_up``), then steps of an all_reduce, a 2 MB
   ``torch.save`` and a pickle. After ``--calm-s`` seconds member 3 is SIGKILLed: the three others
@@ -60,7 +60,7 @@ def _member(rank: int, port: int, out: Any) -> None:
     import torch.distributed as dist
 
     from tenplex.errors import MembershipError, PeerFailure
-    from tenplex.membership_runtime import Membership
+    from tenplex.elastic.membership_runtime import Membership
 
     torch.set_num_threads(1)
     res: dict[str, Any] = {"error": None}
@@ -197,7 +197,7 @@ def main() -> int:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tenplex.membership_runtime"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "tenplex.elastic.membership_runtime"])
     work = Path(tempfile.mkdtemp(prefix="tenplex-stress-liveness-"))
     t0 = time.monotonic()
     runs: list[dict[str, Any]] = []

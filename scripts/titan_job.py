@@ -305,7 +305,7 @@ def worker(args) -> None:
 
     manager = CheckpointManager
     if args.checkpointer == "tenplex":  # torchtitan's CheckpointManager writing tenplex checkpoints
-        from tenplex.titan_checkpoint import TenplexCheckpointManager as manager
+        from tenplex.native.titan_checkpoint import TenplexCheckpointManager as manager
 
     def setup(tp, dp_shard, dp_replicate, pp, exclude=None):
         """torchtitan's config, mesh, model config, loss and a model builder for this mesh."""
@@ -879,7 +879,7 @@ def main(argv=None):
                     help="after saving: `tenplex import` the titan checkpoint into OUT/tenplex and check a "
                          "load of it under MESH on the same ranks, e.g. dp_shard=4 (as --check-load)")
     ap.add_argument("--checkpointer", default="titan", choices=["titan", "tenplex"],
-                    help="tenplex: the job's CheckpointManager is tenplex.titan_checkpoint.TenplexCheckpointManager")
+                    help="tenplex: the job's CheckpointManager is tenplex.native.titan_checkpoint.TenplexCheckpointManager")
     ap.add_argument("--resume-check", default=None, metavar="MESH[;MESH]",
                     help="after training: save with the job's CheckpointManager, then resume under each MESH "
                          "(e.g. 'tp=4;dp_shard=4') on the same ranks and compare (writes OUT/resume.json)")

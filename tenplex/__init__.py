@@ -9,7 +9,7 @@ layout (:func:`choose_layout`, :func:`estimate_memory`), importing and exporting
 formats (:func:`import_hf`, :func:`import_dcp`, :func:`import_checkpoint`, :func:`export_hf`) and the
 errors (:class:`TenplexError` and its main subclasses; every error class is in :mod:`tenplex.errors`).
 
-Everything else is imported from its module (``from tenplex.planner import Move``,
+Everything else is imported from its module (``from tenplex.planning.planner import Move``,
 ``from tenplex.checkpoint import read_manifest``).
 """
 
@@ -17,7 +17,6 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import list_steps, load, save
-from .config import ParallelConfig
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -29,31 +28,35 @@ from .errors import (
     SpecError,
     TenplexError,
 )
-from .planner import plan
-from .ptc import PTC, Replicated, Split, TensorSpec
-from .state_dict import load_state_dict, save_state_dict
+from .layout.config import ParallelConfig
+from .layout.ptc import PTC, Replicated, Split, TensorSpec
+from .native.state_dict import load_state_dict, save_state_dict
+from .planning.planner import plan
 
 #: Names imported on first use (PEP 562), by the module that defines them: ``import tenplex`` for a
 #: checkpoint load or save does not pay for rescaling, the store, layouts, interop, model presets and
 #: networkx (0.3-1 s of a restarted job's start on a loaded host; #29 item 3).
 _LAZY = {
     "rescale": "elastic",
-    "export_hf": "hf_export", "import_checkpoint": "auto_import", "import_dcp": "dcp_import", "import_hf": "hf_import",
-    "choose_layout": "layouts",
-    "estimate_memory": "memory",
-    "model_ptc": "models",
+    "export_hf": "checkpoint.hf_export",
+    "import_checkpoint": "checkpoint.auto_import",
+    "import_dcp": "checkpoint.dcp_import",
+    "import_hf": "checkpoint.hf_import",
+    "choose_layout": "planning.layouts",
+    "estimate_memory": "planning.memory",
+    "model_ptc": "layout.models",
     "Tier": "store.recovery",
 }
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from .elastic import rescale
-    from .auto_import import import_checkpoint
-    from .dcp_import import import_dcp
-    from .hf_export import export_hf
-    from .hf_import import import_hf
-    from .layouts import choose_layout
-    from .memory import estimate_memory
-    from .models import model_ptc
+    from .checkpoint.auto_import import import_checkpoint
+    from .checkpoint.dcp_import import import_dcp
+    from .checkpoint.hf_export import export_hf
+    from .checkpoint.hf_import import import_hf
+    from .planning.layouts import choose_layout
+    from .planning.memory import estimate_memory
+    from .layout.models import model_ptc
     from .store.recovery import Tier
 
 

@@ -21,23 +21,23 @@ from contextlib import contextmanager
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .auto_import import import_checkpoint
 from .checkpoint import list_steps, read_manifest
-from .urls import url_fs
-from .config import MAX_WORLD_SIZE, ParallelConfig
+from .checkpoint.auto_import import import_checkpoint
+from .checkpoint.dcp_import import DcpNames
+from .checkpoint.hf_export import export_hf
+from .checkpoint.import_source import detect_format
 from .data.index import build_index, load_index
-from .dcp_import import DcpNames
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError
-from .hf_export import export_hf
-from .import_source import detect_format
-from .layouts import Hardware, LayoutSearch, rank_layouts
-from .memory import RECOMPUTE, estimate_memory, parse_size
-from .models import model_ptc
-from .planner import locality_order, plan
-from .schedule import demands, lower_bound, naive_bounds, schedule
-from .simulate import CostModel, SimulationSettings, draw_trace, plot_simulation, read_trace, simulate_trace
+from .layout.config import MAX_WORLD_SIZE, ParallelConfig
+from .layout.models import model_ptc
+from .planning.layouts import Hardware, LayoutSearch, rank_layouts
+from .planning.memory import RECOMPUTE, estimate_memory, parse_size
+from .planning.planner import locality_order, plan
+from .planning.schedule import demands, lower_bound, naive_bounds, schedule
+from .planning.simulate import CostModel, SimulationSettings, draw_trace, plot_simulation, read_trace, simulate_trace
+from .planning.topology import Topology
 from .store import StoreOptions, serve
-from .topology import Topology
+from .urls import url_fs
 from .vfs.control import remount
 from .vfs.fuse import check_fuse, check_mountpoint, mount, spawn_mount
 from .vfs.store_view import mount_store

@@ -36,7 +36,7 @@ __all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_ta
 # imported once by the forkserver: what the workers of tests import (torch.distributed.tensor alone
 # takes 3.5 s: dynamo, sympy); a module that cannot be imported is skipped by multiprocessing
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "tenplex",
-           "tenplex.train.run", "tenplex.membership_runtime", "tenplex.migrate", "hypothesis", "pytest")
+           "tenplex.train.run", "tenplex.elastic.membership_runtime", "tenplex.elastic.migrate", "hypothesis", "pytest")
 
 
 @contextmanager

@@ -2,7 +2,7 @@
 
 Ranks that saw different damage load different steps. Before, ``load_state_dict`` reloaded exactly
 the oldest step any rank loaded; a rank for which that step was damaged too raised alone while the
-others returned with it. Now the ranks apply ``tenplex.agree.agree_step``: a rank reloads the newest
+others returned with it. Now the ranks apply ``tenplex.native.agree.agree_step``: a rank reloads the newest
 step not newer than the bound that verifies for it, and the ranks repeat until they agree.
 """
 
@@ -30,7 +30,7 @@ def _worker(phase: str, rank: int, port: int, url: str, out: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from tenplex.state_dict import load_state_dict, save_state_dict
+    from tenplex.native.state_dict import load_state_dict, save_state_dict
 
     res: dict[str, Any] = {"error": None}
     try:

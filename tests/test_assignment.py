@@ -20,12 +20,12 @@ from scipy.optimize import linear_sum_assignment
 from test_state_dict import descriptions, placed_on
 
 from tenplex import ParallelConfig, PlanError, model_ptc, plan
-from tenplex import assignment
-from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard
-from tenplex.planner import locality_order
-from tenplex.ptc import PTC, Replicated, Split, TensorSpec
-from tenplex.state_dict import state_layout_of
-from tenplex.state_layout import Placed, StateLayout
+from tenplex.layout.mesh import NamedMesh, Replicate, Shard, StridedShard
+from tenplex.layout.ptc import PTC, Replicated, Split, TensorSpec
+from tenplex.layout.state_layout import Placed, StateLayout
+from tenplex.native.state_dict import state_layout_of
+from tenplex.planning import assignment
+from tenplex.planning.planner import locality_order
 
 
 def held_matrix(ptc, old, new, survivors) -> np.ndarray:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tenplex
-from tenplex.bubbles import BubbleRuntime, SnapshotTask
+from tenplex.elastic.bubbles import BubbleRuntime, SnapshotTask
 from tenplex.train.launch import free_port
 from tenplex.train.schedule import Op
 

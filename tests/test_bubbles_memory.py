@@ -11,8 +11,8 @@ import torch
 
 import tenplex
 from tenplex.checkpoint.format import ROW_BLOCK_MIN
-from tenplex.bubbles import BubbleRuntime, SideTaskMemoryError, SnapshotTask, StoreWriteTask, side_task_memory_budget
-from tenplex.memory import estimate_memory
+from tenplex.elastic.bubbles import BubbleRuntime, SideTaskMemoryError, SnapshotTask, StoreWriteTask, side_task_memory_budget
+from tenplex.planning.memory import estimate_memory
 from tenplex.train.schedule import Op
 from tenplex.train.trainer import trainer_ptc
 
@@ -56,7 +56,7 @@ def test_task_growing_past_its_grant_gets_no_bubble_time(caplog: pytest.LogCaptu
     op = Op("F", 0, True)
     rt(op, _Work(0.01))  # profiling
     task.memory_bytes = 2000
-    with caplog.at_level(logging.WARNING, logger="tenplex.bubbles"):
+    with caplog.at_level(logging.WARNING, logger="tenplex.elastic.bubbles"):
         rt(op, _Work(0.01))
     assert task.steps == 0 and "more than its 100 B grant" in caplog.text
     task.memory_bytes = 100

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tenplex import ConfigError, ParallelConfig, TenplexError
-from tenplex.config import Coords
+from tenplex.layout.config import Coords
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def test_pp_larger_than_layers():
 
 
 def test_absurd_sizes_are_refused_with_the_arithmetic():
-    from tenplex.config import MAX_WORLD_SIZE
+    from tenplex.layout.config import MAX_WORLD_SIZE
 
     with pytest.raises(ConfigError, match=r"dp\*tp\*pp = 999999999999\*1\*1 = 999999999999 ranks, more than"):
         ParallelConfig.parse("dp=999999999999")

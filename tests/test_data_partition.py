@@ -184,8 +184,8 @@ def test_uneven_split_sees_every_sample_of_a_step_once(micro_batches: int, mb: i
     """replica_samples with a micro-batch size: contiguous slices in replica order that rebuild the
     global batch (every sample exactly once, the same order as an even split), counts differing by at
     most one micro-batch, equal to the plain split whenever dp x micro-batch divides the batch, and
-    the micro-batch counts ``tenplex.layouts.batch_split`` plans with."""
-    from tenplex.layouts import batch_split
+    the micro-batch counts ``tenplex.planning.layouts.batch_split`` plans with."""
+    from tenplex.planning.layouts import batch_split
 
     g = micro_batches * mb
     state = DataState(num_samples=97, global_batch=g, seed=3, shuffle=shuffle, consumed=consumed)

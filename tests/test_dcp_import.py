@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 import tenplex
 from tenplex.checkpoint import read_manifest
+from tenplex.checkpoint.dcp_import import dcp_chunk_layout, import_dcp
 from tenplex.cli import main as cli_main
 from tenplex.errors import CheckpointError, LayoutError, SpecError
-from tenplex.dcp_import import dcp_chunk_layout, import_dcp
-from tenplex.mesh import NamedMesh, Shard, box_segments
-from tenplex.ptc import PTC, Replicated, Split
-from tenplex.state_layout import Boxes, Placed, StateLayout, spec_for
+from tenplex.layout.mesh import NamedMesh, Shard, box_segments
+from tenplex.layout.ptc import PTC, Replicated, Split
+from tenplex.layout.state_layout import Boxes, Placed, StateLayout, spec_for
 
 from spawned import free_port, gloo_env, here, in_env, reap, worker_context
 
@@ -155,7 +155,7 @@ def _save_worker(rank: int, world: int, port: int, path: str) -> None:
                         "rows": distribute_tensor(g["rows"], mesh, [TShard(0)]), "plain": g["plain"]},
               "scalar": g["scalar"], "extra": {"step": 3, "name": "run"}}
         dcp.save(sd, checkpoint_id=path)
-        from tenplex.dcp_storage import TenplexStorageWriter
+        from tenplex.checkpoint.dcp_storage import TenplexStorageWriter
 
         dcp.save(sd, storage_writer=TenplexStorageWriter(path + "_tenplex", step=1))
     finally:
@@ -190,7 +190,7 @@ def test_sharded_dcp_import_keeps_chunks_and_loads_anywhere(tmp_path: Path) -> N
     # DCP's own save and load through the tenplex format, from 2 ranks, read back in one process
     import torch.distributed.checkpoint as dcp
 
-    from tenplex.dcp_storage import TenplexStorageReader
+    from tenplex.checkpoint.dcp_storage import TenplexStorageReader
 
     direct = str(tmp_path / "dcp_tenplex")
     layout = StateLayout.from_json(read_manifest(direct)["state_layout"])
@@ -225,12 +225,12 @@ def test_kept_partitioning_import_from_a_url_passes_storage_options(tmp_path: Pa
 
 
 # ---------------------------------------------------------------------------------------------
-# DCP's own save / load through the tenplex format (tenplex.dcp_storage)
+# DCP's own save / load through the tenplex format (tenplex.checkpoint.dcp_storage)
 # ---------------------------------------------------------------------------------------------
 def test_dcp_save_and_load_through_tenplex_storage(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from tenplex.dcp_storage import TenplexStorageReader, TenplexStorageWriter
+    from tenplex.checkpoint.dcp_storage import TenplexStorageReader, TenplexStorageWriter
 
     g = torch.Generator().manual_seed(3)
     sd = {"model": {"w": torch.randn(6, 4, generator=g), "b": torch.randn(4, generator=g).to(torch.bfloat16)},

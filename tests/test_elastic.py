@@ -14,8 +14,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 import tenplex
 from tenplex import ParallelConfig, load, model_ptc, rescale, save
-from tenplex import choose
-from tenplex.planner import plan
+from tenplex.planning import choose
+from tenplex.planning.planner import plan
 
 elastic = importlib.import_module("tenplex.elastic.rescale")  # the module rescale() runs in: patched below
 
@@ -157,7 +157,7 @@ def test_options_objects_validate_with_the_arithmetic_and_refuse_unknown_keyword
     their fields, and a keyword none of them has is a ConfigError listing the fields."""
     from tenplex.elastic import RescaleOptions
     from tenplex.errors import ConfigError
-    from tenplex.migrate import MigrationInputs, migrate
+    from tenplex.elastic.migrate import MigrationInputs, migrate
     from tenplex.store.recovery import TieredLoadOptions, load_tiered
 
     with pytest.raises(ConfigError, match=r"rank 4 is outside the world: 0 <= rank < world_size = 4"):
@@ -171,7 +171,7 @@ def test_options_objects_validate_with_the_arithmetic_and_refuse_unknown_keyword
     res = rescale(None, _ptc(), RescaleOptions(world_size=2, parallel=ParallelConfig(tp=2)), rank=1)
     assert (res.rank, res.world_size, res.cfg, res.fresh) == (1, 2, ParallelConfig(tp=2), True)
     ex = elastic.plan(_ptc(), ParallelConfig(tp=2), ParallelConfig(dp=2), alive=[0, 1])
-    from tenplex.migrate import exchange_plan
+    from tenplex.elastic.migrate import exchange_plan
 
     with pytest.raises(ConfigError, match="exchange= was computed with its rounds"):
         MigrationInputs(exchange=exchange_plan(ex), rounds=[])

@@ -249,7 +249,7 @@ def test_validation_raises_tenplex_errors_not_bare_value_error() -> None:
 
 
 def test_spec_errors_are_value_errors() -> None:
-    from tenplex.ptc import Split
+    from tenplex.layout.ptc import Split
 
     with pytest.raises(tenplex.SpecError, match="Split.dim must be >= 0, got -1"):
         Split(dim=-1)
@@ -282,11 +282,11 @@ def test_import_tenplex_loads_only_the_checkpoint_path() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, tenplex; import tenplex.state_dict; "
+    code = ("import sys, tenplex; import tenplex.native.state_dict; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith(('tenplex', 'networkx')))))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          cwd=ROOT, timeout=120).stdout.split()
-    assert "tenplex.state_dict" in out and "tenplex.checkpoint.load" in out
+    assert "tenplex.native.state_dict" in out and "tenplex.checkpoint.load" in out
     heavy = [m for m in out if m.split(".")[0] == "networkx" or m.split(".")[1:2] and m.split(".")[1] in
              ("elastic", "store", "schedule", "auto_import", "dcp_import", "hf_import", "hf_export",
               "hf_mapping", "import_source", "topology", "layouts", "memory", "reshard",

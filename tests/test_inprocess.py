@@ -33,8 +33,8 @@ import pytest
 import torch.distributed as dist
 
 from tenplex.elastic import live_step
-from tenplex.inprocess import RECOVERY_FAILED, DieAt
-from tenplex.ring import StateRing
+from tenplex.elastic.inprocess import RECOVERY_FAILED, DieAt
+from tenplex.elastic.ring import StateRing
 
 from spawned import Forked, free_port, gloo_env, log_tails, start_trainer, wait_procs
 

@@ -1,5 +1,5 @@
 """The in-process runtime's library surface (issue 30, the trainer side): one ring and SIGTERM flush
-(``tenplex.ring``), one recovery (``tenplex.inprocess``), a pure membership protocol beside its
+(``tenplex.elastic.ring``), one recovery (``tenplex.elastic.inprocess``), a pure membership protocol beside its
 runtime, one ``url_fs``, configuration objects that say what is wrong, and an example that uses
 public names only."""
 
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import tenplex
-from tenplex.config import ParallelConfig
 from tenplex.data import load_index
+from tenplex.elastic.inprocess import RecoveryConfig
+from tenplex.elastic.ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
 from tenplex.errors import ConfigError, DataIndexError
-from tenplex.inprocess import RecoveryConfig
-from tenplex.ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
-from tenplex.state_layout import StateLayout
+from tenplex.layout.config import ParallelConfig
+from tenplex.layout.state_layout import StateLayout
 from tenplex.train.bubble_bench import BenchConfig
 from tenplex.train.launch import HostsConfig
 from tenplex.urls import url_fs
@@ -64,8 +64,8 @@ def test_sigterm_flushes_the_ring_then_exits(tmp_path: Path) -> None:
     are on disk, bit-exact, and the process exits with 128 + 15."""
     code = textwrap.dedent(f"""
         import sys, time, torch
-        from tenplex.config import ParallelConfig
-        from tenplex.ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
+        from tenplex.layout.config import ParallelConfig
+        from tenplex.elastic.ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
         ring = StateRing(3)
         for step in range(1, 5):
             g = torch.Generator().manual_seed(step)
@@ -138,16 +138,16 @@ def test_one_url_fs_gives_one_clear_error(tmp_path: Path) -> None:
 
 
 def test_the_membership_protocol_is_pure() -> None:
-    """``tenplex.membership`` decides (no store, no threads, no links): importing it loads none of
+    """``tenplex.elastic.membership`` decides (no store, no threads, no links): importing it loads none of
     the runtime (before: one module held both)."""
-    code = ("import sys, tenplex.membership as m; "
+    code = ("import sys, tenplex.elastic.membership as m; "
             "print(' '.join(sorted(x for x in sys.modules if x.startswith('tenplex.')))); "
             "print(hasattr(m, 'Membership'))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT,
                          timeout=120).stdout.splitlines()
-    assert "tenplex.liveness" not in out[0].split() and "tenplex.membership_runtime" not in out[0].split(), out
+    assert "tenplex.elastic.liveness" not in out[0].split() and "tenplex.elastic.membership_runtime" not in out[0].split(), out
     assert out[1] == "False"
-    from tenplex.membership_runtime import Membership  # noqa: F401 - the runtime is where it is named
+    from tenplex.elastic.membership_runtime import Membership  # noqa: F401 - the runtime is where it is named
 
 
 def test_the_example_uses_public_names_and_nothing_of_the_trainer() -> None:
@@ -163,4 +163,4 @@ def test_the_example_uses_public_names_and_nothing_of_the_trainer() -> None:
                 assert not node.module.startswith("tenplex.train"), node.module
                 assert not alias.name.startswith("_"), (node.module, alias.name)
                 assert alias.name in getattr(mod, "__all__", ()), (node.module, alias.name)
-    assert ("tenplex.inprocess", "recover_in_process") in found and ("tenplex.ring", "flush_ring") in found
+    assert ("tenplex.elastic.inprocess", "recover_in_process") in found and ("tenplex.elastic.ring", "flush_ring") in found

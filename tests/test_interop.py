@@ -19,14 +19,14 @@ from safetensors.torch import load_file, save_file
 import tenplex
 from tenplex import ParallelConfig, model_ptc
 from tenplex.checkpoint import read_manifest
+from tenplex.checkpoint.auto_import import import_checkpoint
+from tenplex.checkpoint.dcp_import import DcpNames, import_dcp
+from tenplex.checkpoint.hf_export import export_hf, load_global
+from tenplex.checkpoint.hf_import import import_hf
+from tenplex.checkpoint.hf_mapping import hf_config_to_spec, hf_to_tenplex, tenplex_to_hf
+from tenplex.checkpoint.import_source import detect_format
 from tenplex.cli import main as cli_main
 from tenplex.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from tenplex.auto_import import import_checkpoint
-from tenplex.dcp_import import DcpNames, import_dcp
-from tenplex.hf_export import export_hf, load_global
-from tenplex.hf_import import import_hf
-from tenplex.hf_mapping import hf_config_to_spec, hf_to_tenplex, tenplex_to_hf
-from tenplex.import_source import detect_format
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -234,7 +234,7 @@ def test_import_keeps_the_source_step(tmp_path: Path, capsys: pytest.CaptureFixt
     assert json.loads(capsys.readouterr().out)["step"] == 500
     assert cli_main(["import", str(src / "model.safetensors"), str(tmp_path / "c3"), "--step", "7", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 7
-    from tenplex.import_source import source_step  # the rule, pure
+    from tenplex.checkpoint.import_source import source_step  # the rule, pure
 
     assert [source_step(p) for p in ("run/step-5", "run/step-5/", "s3://b/step_12", "ck/checkpoint-500/model.safetensors",
                                      "ds/global_step30", "run/model", "run/step-5-x", "mystep-3")] == [
@@ -413,7 +413,7 @@ def test_a_job_stating_other_hyperparameters_is_refused_and_its_change_exported(
     for r in range(cfg.world_size):
         res = tenplex.load(url, cfg, r, ptc=other, allow_meta_change=True)
         tenplex.save(url, other, cfg, r, res.shard, step=1)
-    with caplog.at_level("WARNING", logger="tenplex.hf_mapping"):
+    with caplog.at_level("WARNING", logger="tenplex.checkpoint.hf_mapping"):
         export_hf(url, tmp_path / "out")
     assert "rope_theta: saved 500000.0, requested 10000.0" in caplog.text
     src_cfg = json.loads((src / "config.json").read_text())
@@ -426,7 +426,7 @@ def test_a_job_stating_other_hyperparameters_is_refused_and_its_change_exported(
 def test_fine_tuning_into_a_new_directory_with_adam_state_keeps_the_source_config(tmp_path: Path) -> None:
     """The common fine-tuning shape: parameters from the import, Adam state added, saved into the
     run's own directory under dp=1,tp=2,pp=2 with a PTC built from the loaded model description."""
-    from tenplex.models import ModelSpec
+    from tenplex.layout.models import ModelSpec
 
     src = _save_pretrained("llama", HF_CONFIGS["llama3"][1], tmp_path / "hf")
     tenplex.import_hf(src, str(tmp_path / "imported"))
@@ -474,7 +474,7 @@ def test_a_checkpoint_imported_before_keeps_its_config_from_extra(tmp_path: Path
 def test_tenplex_model_computes_with_the_imported_hyperparameters(tmp_path: Path, name: str) -> None:
     """tenplex's own Llama (the reference trainer's) on an imported model gives transformers' logits:
     it computes with the description's norm epsilon and RoPE base, not tenplex's defaults."""
-    from tenplex.models import ModelSpec
+    from tenplex.layout.models import ModelSpec
     from tenplex.train.model import StageModel
 
     kw = dict(_TINY, rope_theta=500000.0, bos_token_id=498) if name == "llama_rope5e5" else dict(_TINY)
@@ -497,7 +497,7 @@ def test_tenplex_model_computes_with_the_imported_hyperparameters(tmp_path: Path
 @pytest.mark.parametrize("form", ["transformers5", "transformers4"])
 def test_a_changed_setting_is_written_into_the_source_config_in_its_own_form(form: str) -> None:
     """Only the keys of what changed are written, RoPE in the form the source config uses."""
-    from tenplex.hf_mapping import spec_to_hf_config
+    from tenplex.checkpoint.hf_mapping import spec_to_hf_config
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -531,7 +531,7 @@ def _save_global(url: str, ptc: tenplex.PTC, state: dict[str, torch.Tensor], cfg
 def test_native_llama_export_computes_what_tenplex_computes(tmp_path: Path) -> None:
     """A checkpoint tenplex's trainer initialised (not from Hugging Face): transformers' model of
     the exported files gives the logits of tenplex's own Llama (tenplex.train.model, tp=pp=1)."""
-    from tenplex.models import NORM_EPS, ROPE_THETA, ModelSpec
+    from tenplex.layout.models import NORM_EPS, ROPE_THETA, ModelSpec
     from tenplex.train.model import StageModel, init_global_tensor
 
     ptc = model_ptc("tiny", optimizer=False)
@@ -561,7 +561,7 @@ def test_native_llama_export_computes_what_tenplex_computes(tmp_path: Path) -> N
 def test_native_gpt_export_config_reproduces_the_spec(tmp_path: Path) -> None:
     """No tenplex GPT forward exists to compare with: the config must describe every ModelSpec field
     and transformers must load the files with no missing or unexpected tensors."""
-    from tenplex.models import NORM_EPS, ModelSpec
+    from tenplex.layout.models import NORM_EPS, ModelSpec
 
     ptc = model_ptc(arch="gpt", num_layers=2, hidden=64, heads=8, ffn_hidden=192, vocab=259, seq_len=32,
                     dtype=torch.float32, vocab_pad=8, optimizer=False)

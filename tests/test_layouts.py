@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 import tenplex
 from tenplex import ConfigError, LayoutError, ParallelConfig, choose_layout, estimate_memory, model_ptc
 from tenplex.cli import main
-from tenplex.layouts import Hardware, LayoutChoice, LayoutSearch, batch_split, rank_layouts, reconfig_time, step_time, valid_layouts
-from tenplex.memory import GiB
-from tenplex.models import model_spec
+from tenplex.layout.models import model_spec
+from tenplex.planning.layouts import Hardware, LayoutChoice, LayoutSearch, batch_split, rank_layouts, reconfig_time, step_time, valid_layouts
+from tenplex.planning.memory import GiB
 
 P = ParallelConfig
 FAST = Hardware(flops=400e12, intra_host_bw=1e18, inter_host_bw=1e18)  # communication costs nothing

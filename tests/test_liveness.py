@@ -1,4 +1,4 @@
-"""Links whose breaking tells a peer's death (``tenplex.liveness``): real sockets, real processes.
+"""Links whose breaking tells a peer's death (``tenplex.elastic.liveness``): real sockets, real processes.
 
 A child process (forked from the test session's forkserver) links to this one (and this one to it)
 and is then SIGKILLed: ``poll`` names it
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tenplex.liveness import PeerLinks, link_host
+from tenplex.elastic.liveness import PeerLinks, link_host
 
 from spawned import here, in_env, worker_context
 

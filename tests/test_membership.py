@@ -1,4 +1,4 @@
-"""In-process failure detection and new membership (``tenplex.membership``, issue #18 items 1-2).
+"""In-process failure detection and new membership (``tenplex.elastic.membership``, issue #18 items 1-2).
 
 The agreement rule, rank assignment and the heartbeat verdicts are pure and checked over every
 small case. Then spawned gloo worlds of 4 workers around a standalone TCPStore process (the
@@ -26,9 +26,9 @@ from spawned import gloo_env, here, in_env, reap, worker_context
 
 import tenplex
 from tenplex import ParallelConfig
-from tenplex.errors import ConfigError, MembershipError, PeerFailure
-from tenplex.membership import (Decision, HeartbeatMonitor, decode_decision, encode_decision, is_peer_error,
+from tenplex.elastic.membership import (Decision, HeartbeatMonitor, decode_decision, encode_decision, is_peer_error,
                                 join_step, old_ranks, parse_joined, propose)
+from tenplex.errors import ConfigError, MembershipError, PeerFailure
 from tenplex.train.launch import RendezvousStore
 
 P = ParallelConfig
@@ -161,9 +161,9 @@ def _worker(rank: int, port: int, url: str, scenario: str, out: Any) -> None:
 
     import torch.distributed as dist
 
-    from tenplex import choose
-    from tenplex.membership_runtime import Membership
-    from tenplex.migrate import migrate
+    from tenplex.planning import choose
+    from tenplex.elastic.membership_runtime import Membership
+    from tenplex.elastic.migrate import migrate
 
     torch.set_num_threads(1)
     res: dict[str, Any] = {"error": None}
@@ -357,7 +357,7 @@ def test_agreement_timeouts_and_exclusion_in_one_process() -> None:
 
     import torch.distributed as dist
 
-    from tenplex.membership_runtime import Membership
+    from tenplex.elastic.membership_runtime import Membership
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store = dist.TCPStore("127.0.0.1", server.port, is_master=False)
@@ -415,7 +415,7 @@ def _stopped_member(port: int, out: Any) -> None:
 
     import torch.distributed as dist
 
-    from tenplex.membership_runtime import Membership
+    from tenplex.elastic.membership_runtime import Membership
 
     res: dict[str, Any] = {"error": None}
     try:
@@ -446,7 +446,7 @@ def test_a_stopped_member_whose_links_are_open_is_not_dead_and_a_killed_one_stil
 
     import torch.distributed as dist
 
-    from tenplex.membership_runtime import Membership
+    from tenplex.elastic.membership_runtime import Membership
 
     rdzv = RendezvousStore()
     ctx = worker_context()

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tenplex import ConfigError, LayoutError, ParallelConfig, estimate_memory, model_ptc
-from tenplex.memory import GiB, MemoryEstimate, MemoryOptions, StageMemory, layer_params, parse_size, recompute_flops
-from tenplex.models import ModelSpec, model_spec
+from tenplex.layout.models import ModelSpec, model_spec
+from tenplex.planning.memory import GiB, MemoryEstimate, MemoryOptions, StageMemory, layer_params, parse_size, recompute_flops
 
 P = ParallelConfig
 

@@ -1,4 +1,4 @@
-"""tenplex.mesh against torch's DTensor: named meshes, placements, local boxes, segments (#17).
+"""tenplex.layout.mesh against torch's DTensor: named meshes, placements, local boxes, segments (#17).
 
 Two references: torch's own split functions (``Shard._split_tensor``, ``_StridedShard._split_tensor``
 applied left to right as ``distribute_tensor`` does, in-process, for hypothesis cases), and real
@@ -23,9 +23,9 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 from conftest import examples
 from spawned import free_port, run_spawned
-from tenplex.config import ParallelConfig
 from tenplex.errors import ConfigError, LayoutError, SpecError
-from tenplex.mesh import (
+from tenplex.layout.config import ParallelConfig
+from tenplex.layout.mesh import (
     NamedMesh,
     Replicate,
     Shard,
@@ -39,7 +39,7 @@ from tenplex.mesh import (
     local_shape,
     segments,
 )
-from tenplex.ptc import Split, TensorSpec
+from tenplex.layout.ptc import Split, TensorSpec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def test_holder_table_is_every_ranks_segments_sorted_by_rank() -> None:
 
 
 def test_adapter_converts_torch_placements() -> None:
-    from tenplex.dtensor import placement_of, tensor_placement
+    from tenplex.native.dtensor import placement_of, tensor_placement
 
     assert placement_of(tpt.Shard(-1), 3) == Shard(2)
     assert placement_of(tpt._StridedShard(0, split_factor=4), 2) == StridedShard(0, 4)
@@ -388,7 +388,7 @@ def _module_checks(rank: int, mesh_dims: tuple[tuple[str, int], ...], dp_names: 
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from tenplex.dtensor import from_dtensor_spec, mesh_of, tensor_placement
+    from tenplex.native.dtensor import from_dtensor_spec, mesh_of, tensor_placement
 
     names = tuple(n for n, _ in mesh_dims)
     device_mesh = init_device_mesh("cpu", tuple(s for _, s in mesh_dims), mesh_dim_names=names)
@@ -453,7 +453,7 @@ def _dtensor_worker(rank: int, world: int, port: int, n_cases: int, seed: int, o
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from tenplex.dtensor import from_dtensor_spec, mesh_of, mesh_ranks
+    from tenplex.native.dtensor import from_dtensor_spec, mesh_of, mesh_ranks
 
     res: dict[str, Any] = {"pass": 0, "fail": 0, "local_split": 0, "refused": [], "first": None, "module_pass": 0,
                            "module_fail": 0, "module_rtl_pass": 0, "module_rtl_fail": 0, "module_torch_divergent": 0,

@@ -1,4 +1,4 @@
-"""Live state migration (``tenplex.migrate``).
+"""Live state migration (``tenplex.elastic.migrate``).
 
 The exchange plan is pure: hypothesis draws models, layout pairs, survivor sets and rounds and
 checks that every element a new rank needs arrives exactly once from a rank that holds it,
@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 
 import tenplex
 from tenplex import ParallelConfig
-from tenplex.migrate import ExchangePlan, exchange_plan, storage_items
-from tenplex.planner import CROSS_HOST, KIND_NAMES, LOCAL, SAME_HOST, STORAGE, Plan
-from tenplex.schedule import Transfer
+from tenplex.elastic.migrate import ExchangePlan, exchange_plan, storage_items
+from tenplex.layout.ptc import PAD
+from tenplex.planning.planner import CROSS_HOST, KIND_NAMES, LOCAL, SAME_HOST, STORAGE, Plan
+from tenplex.planning.schedule import Transfer
 from tenplex.train.trainer import trainer_ptc
-from tenplex.ptc import PAD
 
 P = ParallelConfig
 
@@ -149,8 +149,8 @@ def test_exchange_plan_properties(case: tuple, seed: int) -> None:
 
 
 def test_exchange_plan_follows_a_schedule() -> None:
-    from tenplex.schedule import schedule
-    from tenplex.topology import Topology
+    from tenplex.planning.schedule import schedule
+    from tenplex.planning.topology import Topology
 
     ptc = trainer_ptc("tiny", distributed_optimizer=True)
     p = tenplex.plan(ptc, P(dp=2, tp=2), P(pp=3), alive=[3, 0, 2], gpus_per_host=4)
@@ -220,9 +220,9 @@ def _plan_of(sc: tuple) -> Plan:
 def _migrate_worker(rank: int, port: int, url: str, out: Any) -> None:
     import torch.distributed as dist
 
-    from tenplex.migrate import migrate
-    from tenplex.schedule import schedule
-    from tenplex.topology import Topology
+    from tenplex.elastic.migrate import migrate
+    from tenplex.planning.schedule import schedule
+    from tenplex.planning.topology import Topology
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
@@ -319,7 +319,7 @@ def test_one_process_group_local_storage_and_refusals(tmp_path: Path) -> None:
     import torch.distributed as dist
 
     from tenplex.errors import PlanError
-    from tenplex.migrate import migrate
+    from tenplex.elastic.migrate import migrate
 
     ptc = trainer_ptc("tiny", distributed_optimizer=True)
     glob = random_global(ptc, seed=3)
@@ -363,7 +363,7 @@ def _dying_worker(rank: int, port: int, out: Any) -> None:
 
     import torch.distributed as dist
 
-    from tenplex.migrate import migrate
+    from tenplex.elastic.migrate import migrate
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

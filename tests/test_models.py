@@ -9,7 +9,7 @@ from hypothesis import given, settings
 
 from tenplex import ConfigError, LayoutError, ParallelConfig, Replicated, Split, model_ptc
 from tenplex.errors import SpecError
-from tenplex.models import PRESETS, ModelSpec, model_spec, optimizer_names
+from tenplex.layout.models import PRESETS, ModelSpec, model_spec, optimizer_names
 
 
 def gpt_params(L, h, v, s, f=None):
@@ -235,7 +235,7 @@ SOURCE = {"model_type": "llama", "rope_parameters": {**LLAMA3_SCALING, "rope_the
 
 
 def test_spec_json_leaves_unstated_hyperparameters_out_and_round_trips_stated_ones() -> None:
-    from tenplex.models import NORM_EPS, ROPE_THETA, model_differences
+    from tenplex.layout.models import NORM_EPS, ROPE_THETA, model_differences
 
     plain = model_spec("tiny")
     assert set(plain.to_json()) == {"arch", "num_layers", "hidden", "heads", "vocab", "kv_heads", "ffn_hidden",

@@ -35,14 +35,14 @@ import pytest
 import torch
 
 from tenplex.checkpoint import save
-from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard
-from tenplex.choose import predict_layout
 from tenplex.elastic import live_order
 from tenplex.errors import LayoutError
-from tenplex.planner import KIND_NAMES, STORAGE, locality_order, plan
-from tenplex.ptc import PTC
-from tenplex.state_dict import state_layout_of
-from tenplex.state_layout import Placed, StateLayout
+from tenplex.layout.mesh import NamedMesh, Replicate, Shard, StridedShard
+from tenplex.layout.ptc import PTC
+from tenplex.layout.state_layout import Placed, StateLayout
+from tenplex.native.state_dict import state_layout_of
+from tenplex.planning.choose import predict_layout
+from tenplex.planning.planner import KIND_NAMES, STORAGE, locality_order, plan
 
 from spawned import free_port, gloo_env, log_tails, run_spawned, wait_procs
 from test_state_dict import descriptions, global_tensor, local_of, same
@@ -196,7 +196,7 @@ def mesh_rule_of_the_example() -> Any:
 
 def test_state_ring_keeps_the_pinned_step_beyond_the_ring_and_never_reuses_its_buffers() -> None:
     from tenplex.errors import ConfigError
-    from tenplex.ring import StateRing
+    from tenplex.elastic.ring import StateRing
 
     ring = StateRing(2)
     w = torch.zeros(3)
@@ -217,7 +217,7 @@ def test_state_ring_keeps_the_pinned_step_beyond_the_ring_and_never_reuses_its_b
 
 def test_rescale_of_a_state_dict_refuses_layout_options_and_a_live_state_without_its_layout() -> None:
     import tenplex
-    from tenplex.config import ParallelConfig
+    from tenplex.layout.config import ParallelConfig
     from tenplex.elastic import LiveState
     from tenplex.errors import ConfigError
 
@@ -232,7 +232,7 @@ def test_rescale_of_a_state_dict_refuses_layout_options_and_a_live_state_without
 def _migrate_worker(rank: int, port: int, url: str, q: Any) -> None:
     import torch.distributed as dist
 
-    from tenplex.migrate import migrate
+    from tenplex.elastic.migrate import migrate
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
         ptc, old, new = collection(), old_layout(), new_layout()
@@ -255,7 +255,7 @@ def _locality_worker(rank: int, port: int, alive: list[int], q: Any) -> None:
     shards to FSDP2 over 3 (nothing from storage: every element has a replica)."""
     import torch.distributed as dist
 
-    from tenplex.migrate import migrate
+    from tenplex.elastic.migrate import migrate
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
         old = hsdp_layout()

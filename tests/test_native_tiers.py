@@ -45,7 +45,7 @@ def _worker(phase: str, rank: int, port: int, roots: list[str], urls: list[str],
     import torch.distributed as dist
 
     from tenplex.elastic import rescale
-    from tenplex.state_dict import save_state_dict
+    from tenplex.native.state_dict import save_state_dict
     from tenplex.store import HostStore, recovery_tiers
 
     res: dict[str, Any] = {"error": None}

@@ -370,7 +370,7 @@ def test_network_failure_with_host_stores_across_namespaces(netns_ok: None, tmp_
 MEMBER = textwrap.dedent("""
     import datetime, json, sys, time
     import torch.distributed as dist
-    from tenplex.membership_runtime import Membership
+    from tenplex.elastic.membership_runtime import Membership
     host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
     m = Membership(store, "cut", rank=rank, world_size=4, backend="gloo", interval=0.1, dead_after=60.0,

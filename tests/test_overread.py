@@ -39,9 +39,9 @@ import tenplex.checkpoint.writer as writer_mod
 from tenplex.checkpoint import PartWriter, load, open_sealed_json, save
 from tenplex.checkpoint.format import prefix_words
 from tenplex.errors import CheckpointCorruptError
-from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard, local_box
-from tenplex.ptc import PTC
-from tenplex.state_layout import Boxes, Placed, StateLayout, spec_for
+from tenplex.layout.mesh import NamedMesh, Replicate, Shard, StridedShard, local_box
+from tenplex.layout.ptc import PTC
+from tenplex.layout.state_layout import Boxes, Placed, StateLayout, spec_for
 
 BOUND = 1.02
 """All bytes read (data, CRC words, manifest, rank indexes, objects) over tensor bytes needed, per rank,
@@ -384,7 +384,7 @@ def _fsdp_worker(rank: int, ports: tuple[int, int], url: str, out: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from tenplex.state_dict import load_state_dict, save_state_dict
+    from tenplex.native.state_dict import load_state_dict, save_state_dict
 
     torch.set_num_threads(1)
     for phase, world, port in (("save", 4, ports[0]), ("load", 3, ports[1])):

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tenplex import PTC, LayoutError, ParallelConfig, PlanError, Replicated, Split, TensorSpec, model_ptc, plan
-from tenplex.planner import KIND_NAMES, intersect
-from tenplex.reshard import reshard
+from tenplex.planning.planner import KIND_NAMES, intersect
+from tenplex.planning.reshard import reshard
 
 
 # -- independent reference: which global canonical element sits where ---------------------------
@@ -482,7 +482,7 @@ def test_gpt3_175b_scale_down():
 def test_locality_order_keeps_state_in_place() -> None:
     """A DP shrink under PP: the default mapping (new rank i on survivor i) moves most of the
     state; the locality order puts every new rank where its stage's data already is."""
-    from tenplex.planner import locality_order
+    from tenplex.planning.planner import locality_order
 
     ptc = model_ptc("tiny")
     old, new = ParallelConfig(dp=4, tp=1, pp=2), ParallelConfig(dp=2, tp=1, pp=2)

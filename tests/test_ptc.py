@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from tenplex import PTC, LayoutError, ParallelConfig, Replicated, Split, TensorSpec, model_ptc
 from tenplex.errors import SpecError
-from tenplex.ptc import PAD, Layout, Panels, SegmentTable, dtype_from_str, dtype_to_str
-from tenplex.state_layout import StateLayout
+from tenplex.layout.ptc import PAD, Layout, Panels, SegmentTable, dtype_from_str, dtype_to_str
+from tenplex.layout.state_layout import StateLayout
 
 
 @st.composite

@@ -17,14 +17,14 @@ import torch
 from test_state_dict import blocks_once, descriptions
 
 from tenplex.checkpoint import Binding, PartReader, ReadItem, list_steps, plan_reads
-from tenplex.checkpoint.format import data_name, writer_assignment
 from tenplex.checkpoint.catalog import read_manifest_at
+from tenplex.checkpoint.format import data_name, writer_assignment
 from tenplex.checkpoint.read_plan import shard_buffers
+from tenplex.layout.mesh import NamedMesh, Replicate, Shard, StridedShard
+from tenplex.layout.ptc import PTC
+from tenplex.layout.state_layout import Placed, StateLayout
+from tenplex.native.state_dict import state_layout_of
 from tenplex.urls import url_fs
-from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard
-from tenplex.ptc import PTC
-from tenplex.state_dict import state_layout_of
-from tenplex.state_layout import Placed, StateLayout
 
 
 def _no_io(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202

@@ -11,9 +11,9 @@ import torch
 
 import tenplex.store.recovery_plan as recovery_plan
 from tenplex import ConfigError, ParallelConfig, model_ptc, save
-from tenplex.topology import Topology
-from tenplex.store import HostStore, StoreServer, Tier, TieredLoad, load_tiered, recovery_tiers
 from tenplex.checkpoint import read_part_chunks
+from tenplex.planning.topology import Topology
+from tenplex.store import HostStore, StoreServer, Tier, TieredLoad, load_tiered, recovery_tiers
 from tenplex.store.recovery import find_usable, plan_recovery
 from tenplex.store.recovery_plan import RecoveryOptions
 

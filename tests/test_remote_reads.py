@@ -21,13 +21,13 @@ import torch
 from test_checkpoint import assert_shard_equal, random_bits, save_all
 
 from tenplex.checkpoint import Binding, PartReader, list_steps, load, plan_reads
-from tenplex.checkpoint.format import CRC_TABLE, writer_assignment
 from tenplex.checkpoint.catalog import read_manifest_at
+from tenplex.checkpoint.format import CRC_TABLE, writer_assignment
 from tenplex.checkpoint.part_reader import CONCURRENT_ENV, coalesce
 from tenplex.checkpoint.read_plan import shard_buffers
-from tenplex.config import ParallelConfig
 from tenplex.errors import CheckpointCorruptError
-from tenplex.models import model_ptc
+from tenplex.layout.config import ParallelConfig
+from tenplex.layout.models import model_ptc
 
 OLD, NEW = ParallelConfig(dp=2, tp=2), ParallelConfig(tp=4)
 

@@ -19,16 +19,16 @@ from hypothesis import strategies as st
 import tenplex
 from tenplex import ParallelConfig, PlanError
 from tenplex.cli import main
-from tenplex.planner import Plan
-from tenplex.schedule import Demands, Schedule, demands, lower_bound, naive_completion, schedule, simulate, validate
-from tenplex.schedule.commodities import FlowCommodities, rep_pieces
-from tenplex.schedule.listsched import link_levels
-from tenplex.schedule import naive as naive_module
-from tenplex.schedule import scheduler as scheduler_module
-from tenplex.schedule.hostpaths import host_paths
-from tenplex.schedule.naive import flow_paths, maxmin_bounds, maxmin_completion
-from tenplex.schedule.simulator import simulate_seq
-from tenplex.topology import Topology
+from tenplex.planning.planner import Plan
+from tenplex.planning.schedule import Demands, Schedule, demands, lower_bound, naive_completion, schedule, simulate, validate
+from tenplex.planning.schedule import naive as naive_module
+from tenplex.planning.schedule import scheduler as scheduler_module
+from tenplex.planning.schedule.commodities import FlowCommodities, rep_pieces
+from tenplex.planning.schedule.hostpaths import host_paths
+from tenplex.planning.schedule.listsched import link_levels
+from tenplex.planning.schedule.naive import flow_paths, maxmin_bounds, maxmin_completion
+from tenplex.planning.schedule.simulator import simulate_seq
+from tenplex.planning.topology import Topology
 
 MB = 10**6
 
@@ -157,7 +157,7 @@ def test_super_sources_are_live_holders() -> None:
         for piece in k.pieces:
             rows = d.rows_of(int(piece))
             for r in rows:
-                if c["kind"][r] == tenplex.planner.STORAGE:
+                if c["kind"][r] == tenplex.planning.planner.STORAGE:
                     assert k.sources == ("storage",)
                 else:
                     assert f"gpu{int(c['src_rank'][r])}" in k.sources  # the plan's choice is a candidate
@@ -300,7 +300,7 @@ def test_demands_by_group_equal_demands_by_row(data: st.DataObject) -> None:
     p, gph, gpus = data.draw(failure_plans(max_layers=4, max_world=12))
     t = Topology.from_spec(f"hosts={-(-gpus // gph)},gpus={gph}")
     d = demands(p, t)
-    remote = np.flatnonzero(p.columns["kind"] != tenplex.planner.LOCAL)
+    remote = np.flatnonzero(p.columns["kind"] != tenplex.planning.planner.LOCAL)
     assert d.bytes_moved == p.stats.bytes_moved
     assert sorted(d.rows.tolist()) == remote.tolist()  # every non-local move in exactly one piece
     if not len(remote):
@@ -319,7 +319,7 @@ def test_demands_by_group_equal_demands_by_row(data: st.DataObject) -> None:
 def test_schedule_modules_share_no_underscore_names() -> None:
     """The package's modules import only public names from each other (what one module shares with
     another is part of the package's inside API); ``__init__`` only re-exports, listed in ``__all__``."""
-    pkg = Path(tenplex.__file__).parent / "schedule"
+    pkg = Path(tenplex.__file__).parent / "planning" / "schedule"
     modules = sorted(pkg.glob("*.py"))
     assert len(modules) > 2
     for f in modules:
@@ -332,9 +332,9 @@ def test_schedule_modules_share_no_underscore_names() -> None:
                 assert node.value.id not in {m.stem for m in modules}, f"{f.name}:{node.lineno} uses {node.attr}"
     init = ast.parse((pkg / "__init__.py").read_text())
     defs = [n for n in init.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-    assert not defs, "tenplex/schedule/__init__.py only re-exports"
+    assert not defs, "tenplex/planning/schedule/__init__.py only re-exports"
     exported = {a.asname or a.name for n in init.body if isinstance(n, ast.ImportFrom) for a in n.names}
-    assert set(importlib.import_module("tenplex.schedule").__all__) == exported
+    assert set(importlib.import_module("tenplex.planning.schedule").__all__) == exported
 
 
 @pytest.mark.parametrize("method", ["greedy", "lp", "milp"])

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 import tenplex
 from tenplex import ParallelConfig, PlanError
-from tenplex.planner import LOCAL, STORAGE, Plan
-from tenplex.schedule import Demands, demands, lower_bound, naive_completion, schedule, validate
-from tenplex.schedule.arrays import Columns, sort_order
-from tenplex.schedule.result import HOP_COLUMNS
-from tenplex.topology import Topology
+from tenplex.planning.planner import LOCAL, STORAGE, Plan
+from tenplex.planning.schedule import Demands, demands, lower_bound, naive_completion, schedule, validate
+from tenplex.planning.schedule.arrays import Columns, sort_order
+from tenplex.planning.schedule.result import HOP_COLUMNS
+from tenplex.planning.topology import Topology
 
 _NO_LAT = ",".join(f"{k}_lat=0us" for k in ("nvlink", "pcie", "mem", "nic", "storage"))
 
@@ -92,7 +92,7 @@ def test_naive_only_fits_what_is_left_of_its_limit(monkeypatch: pytest.MonkeyPat
     the steps whose predicted cost fits what is left (store-and-forward figure, demands and lower
     bound, the naive filling): under a limit shorter than the rendering it skips them, says so,
     and still returns a valid schedule whose bounds hold the exact naive completion. ~1 s."""
-    from tenplex.schedule import scheduler as scheduler_module
+    from tenplex.planning.schedule import scheduler as scheduler_module
 
     p, t = _relayout("llama-100m", "dp=4,tp=2,pp=4", "dp=8,tp=2,pp=2", 4)
     monkeypatch.setattr(scheduler_module, "_NET_CELLS", 0)
@@ -156,8 +156,8 @@ def test_lazy_naive_schedule_equals_the_eager_one(data: st.DataObject) -> None:
     same hop and slice columns, rounds and completion; each flow carries the non-local rows of its
     (source, destination) pair in plan order, with their columns (small random plans, failures and
     clusters beyond the greedy tables). About 2 s."""
-    from tenplex.schedule import naive as naive_module
-    from tenplex.schedule import scheduler as scheduler_module
+    from tenplex.planning.schedule import naive as naive_module
+    from tenplex.planning.schedule import scheduler as scheduler_module
 
     p, gph, gpus = data.draw(failure_plans(max_layers=2, max_world=8))
     t = Topology.from_spec(f"hosts={-(-gpus // gph)},gpus={gph}")

@@ -37,15 +37,15 @@ from spawned import free_port
 from test_checkpoint import assert_shard_equal, random_bits, save_all
 
 from tenplex.checkpoint import Binding, PartReader, ShardReader, list_steps, plan_reads
-from tenplex.checkpoint.format import writer_assignment
 from tenplex.checkpoint.catalog import read_manifest_at
+from tenplex.checkpoint.format import writer_assignment
 from tenplex.checkpoint.read_plan import shard_buffers
-from tenplex.config import ParallelConfig
 from tenplex.errors import CheckpointError
-from tenplex.models import model_ptc
+from tenplex.layout.config import ParallelConfig
+from tenplex.layout.models import model_ptc
 from tenplex.store import HostStore, Tier, peer_storage_options
-from tenplex.store.tiers import find_usable
 from tenplex.store.recovery import RoundsReader, TieredReader
+from tenplex.store.tiers import find_usable
 from tenplex.train.launch import StoreProcess
 
 pytestmark = pytest.mark.timeout(120)

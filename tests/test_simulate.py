@@ -1,4 +1,4 @@
-"""Failure-trace replay (tenplex.simulate): traces, the event records and the goodput accounting."""
+"""Failure-trace replay (tenplex.planning.simulate): traces, the event records and the goodput accounting."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from tenplex import ConfigError
 from tenplex.cli import main
-from tenplex.simulate import (FAILURE_CLASSES, CostModel, FailureClass, FailureEvent, SimulationSettings, draw_trace,
+from tenplex.planning.simulate import (FAILURE_CLASSES, CostModel, FailureClass, FailureEvent, SimulationSettings, draw_trace,
                               read_trace, simulate_trace)
 
 HOUR = 3600.0

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 import tenplex
 from tenplex import ParallelConfig
-from tenplex.choose import default_chooser, layout_options_for
-from tenplex.layouts import batch_split
+from tenplex.planning.choose import default_chooser, layout_options_for
+from tenplex.planning.layouts import batch_split
 from tenplex.train.trainer import trainer_ptc
 
 from conftest import examples

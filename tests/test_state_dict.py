@@ -1,4 +1,4 @@
-"""Torch-native state dicts (#17): ``tenplex.state_layout`` and ``tenplex.state_dict``.
+"""Torch-native state dicts (#17): ``tenplex.layout.state_layout`` and ``tenplex.native.state_dict``.
 
 Pure (one process, hypothesis): random tensors placed on random named meshes (Shard on any dim,
 Replicate, FSDP2-over-TP ``StridedShard``; uneven and empty shards; 0-d to 3-d) saved under one
@@ -31,8 +31,8 @@ from hostile import Tally
 from spawned import free_port, run_spawned
 import tenplex.checkpoint.part_reader as reader_mod
 from tenplex.checkpoint import load, open_sealed_json, plan_reads, read_manifest, read_part_chunks, save, seal_json, writer_assignment
-from tenplex.checkpoint.format import Binding, panel_block
 from tenplex.checkpoint.catalog import list_steps, read_manifest_at
+from tenplex.checkpoint.format import Binding, panel_block
 from tenplex.checkpoint.load import ReadOptions, read_shard
 from tenplex.checkpoint.part_reader import PartReader, Scatter
 from tenplex.errors import (
@@ -42,10 +42,10 @@ from tenplex.errors import (
     CheckpointValueError,
     CheckpointWriteError,
 )
-from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard, local_box
-from tenplex.ptc import PTC, Panels, dtype_to_str
-from tenplex.state_dict import _InPlace, load_state_dict, save_state_dict, state_layout_of
-from tenplex.state_layout import PANELS, Placed, StateLayout, placement_text, spec_for
+from tenplex.layout.mesh import NamedMesh, Replicate, Shard, StridedShard, local_box
+from tenplex.layout.ptc import PTC, Panels, dtype_to_str
+from tenplex.layout.state_layout import PANELS, Placed, StateLayout, placement_text, spec_for
+from tenplex.native.state_dict import _InPlace, load_state_dict, save_state_dict, state_layout_of
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.uint8, torch.bool, torch.float64)
 
@@ -80,7 +80,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def descriptions(layout: StateLayout, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[dict]:
-    """Every rank's ``{key: description}`` as ``tenplex.state_dict`` gathers them from DTensors."""
+    """Every rank's ``{key: description}`` as ``tenplex.native.state_dict`` gathers them from DTensors."""
     out: list[dict] = [{} for _ in range(layout.world_size)]
     for name, placed in layout.tensors:
         shape, dtype = shapes[name]
@@ -361,7 +361,7 @@ def _sd(seed: int, fill: float | None = None) -> dict[str, Any]:
 
 
 def _tensors(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
-    from tenplex.state_dict import flatten_state_dict
+    from tenplex.native.state_dict import flatten_state_dict
 
     return {k: v for k, (_, _, v) in flatten_state_dict(sd).items() if isinstance(v, torch.Tensor)}
 
@@ -507,7 +507,7 @@ def test_stateful_values_saved_and_loaded_as_dcp_does(tmp_path: Path) -> None:
     assert len(counter.loaded) == 1 and counter.loaded[0]["buf"] is counter.buf
     assert counter.loaded[0]["nested"] == {"k": 2}
     # DCP reads the same Stateful state dict from the tenplex checkpoint too
-    from tenplex.dcp_storage import TenplexStorageReader
+    from tenplex.checkpoint.dcp_storage import TenplexStorageReader
 
     again = _stateful_job(7, fill=0.0)
     dcp.load(again, storage_reader=TenplexStorageReader(url), no_dist=True)
@@ -515,7 +515,7 @@ def test_stateful_values_saved_and_loaded_as_dcp_does(tmp_path: Path) -> None:
     # tenplex's test is the protocol's own isinstance (without importing DCP)
     from torch.distributed.checkpoint.stateful import Stateful
 
-    from tenplex.state_dict import is_stateful
+    from tenplex.native.state_dict import is_stateful
 
     assert all(is_stateful(v) == isinstance(v, Stateful) for v in (*src.values(), {}, torch.zeros(1), object()))
 
@@ -531,7 +531,7 @@ def test_bad_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(CheckpointValueError, match="flatten to the key 'a.b'"):
         save_state_dict({"a": {"b": torch.zeros(1)}, "a.b": 1}, url, step=1)
 
-    import tenplex.state_dict as tsd
+    import tenplex.native.state_dict as tsd
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise OSError("disk full")

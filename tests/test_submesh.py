@@ -33,11 +33,11 @@ from hypothesis import strategies as st
 
 from conftest import examples
 from spawned import free_port, run_spawned
-from tenplex.assignment import locality_order
 from tenplex.errors import CheckpointValueError, LayoutError
-from tenplex.mesh import NamedMesh, Replicate, Shard, StridedShard, local_box
-from tenplex.state_dict import describe_state_dict, load_state_dict, save_state_dict, state_layout_of
-from tenplex.state_layout import Placed, StateLayout, merge_replicas
+from tenplex.layout.mesh import NamedMesh, Replicate, Shard, StridedShard, local_box
+from tenplex.layout.state_layout import Placed, StateLayout, merge_replicas
+from tenplex.native.state_dict import describe_state_dict, load_state_dict, save_state_dict, state_layout_of
+from tenplex.planning.assignment import locality_order
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
@@ -185,7 +185,7 @@ def _virtual_descriptions(build: Any, world: int = 8) -> list[dict[str, tuple[An
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from tenplex.state_dict import _describe
+    from tenplex.native.state_dict import _describe
 
     out = []
     for rank in range(world):
@@ -316,7 +316,7 @@ def _full(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every tensor of the state dict whole, by flat key (a collective for DTensors, in key order)."""
     from torch.distributed.tensor import DTensor
 
-    from tenplex.state_dict import flatten_state_dict
+    from tenplex.native.state_dict import flatten_state_dict
 
     leaves = flatten_state_dict(sd)
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
@@ -345,7 +345,7 @@ def _save(kind: str, name: str, layout: tuple, root: Path, seed: int) -> dict[st
 
 
 def _flat_tensors(sd: dict[str, Any]) -> dict[str, Any]:
-    from tenplex.state_dict import flatten_state_dict
+    from tenplex.native.state_dict import flatten_state_dict
 
     return {k: v for k, (_, _, v) in flatten_state_dict(sd).items() if isinstance(v, torch.Tensor)}
 

@@ -27,7 +27,7 @@ import pytest
 
 import tenplex
 from tenplex.checkpoint import read_manifest
-from tenplex.state_layout import Boxes, StateLayout
+from tenplex.layout.state_layout import Boxes, StateLayout
 
 from spawned import free_port, log_tails, rank_env, start_trainer, wait_procs
 
@@ -83,7 +83,7 @@ def test_titan_job_resumes_under_other_meshes_through_tenplex_checkpoint_manager
     ``scripts/titan_job.py --checkpointer tenplex --resume-check 'tp=4;dp_shard=4'`` runs torchtitan
     0.3.0's Llama 3 under TP2 x FSDP2 on 4 gloo ranks (its ``parallelize_llama``, its
     ``OptimizersContainer``, LR scheduler, data loader and ``Trainer.train_step``) with
-    ``tenplex.titan_checkpoint.TenplexCheckpointManager`` as its checkpointer, saves step 2 through
+    ``tenplex.native.titan_checkpoint.TenplexCheckpointManager`` as its checkpointer, saves step 2 through
     it, then on the same ranks builds the job again under TP=4 and under FSDP2=4 with
     ``exclude_from_loading=["dataloader"]`` and resumes through a new manager's ``load()``. Checked
     here: the step directory is a tenplex checkpoint (no DCP metadata), every model and optimizer
@@ -117,7 +117,7 @@ def test_async_modes_are_refused_before_any_group_is_made() -> None:
     """TenplexCheckpointManager saves synchronously: async modes are a ConfigError, raised before
     torchtitan's __init__ would create its gloo group."""
     from tenplex.errors import ConfigError
-    from tenplex.titan_checkpoint import TenplexCheckpointManager
+    from tenplex.native.titan_checkpoint import TenplexCheckpointManager
 
     for mode in ("async", "async_with_pinned_mem"):
         with pytest.raises(ConfigError, match="set async_mode='disabled'"):
@@ -135,7 +135,7 @@ def test_titan_manager_steps_tenplex_and_dcp_directories_in_one_process(tmp_path
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from tenplex.titan_checkpoint import TenplexCheckpointManager
+    from tenplex.native.titan_checkpoint import TenplexCheckpointManager
 
     def job(seed: int) -> tuple[torch.nn.Module, TenplexCheckpointManager]:
         torch.manual_seed(seed)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tenplex import ConfigError
-from tenplex.topology import Topology, parse_bandwidth, parse_duration, probe_bandwidth
+from tenplex.planning.topology import Topology, parse_bandwidth, parse_duration, probe_bandwidth
 
 
 def test_parse_units() -> None:

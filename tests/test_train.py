@@ -500,7 +500,7 @@ def checkpoint_of(ckpt: Path, ptc, steps: int = 2) -> None:  # noqa: ANN001
     training steps on the stdlib corpus, written in-process by the trainer's own classes."""
     import tenplex
     from tenplex.data.corpus import stdlib_corpus
-    from tenplex.models import ModelSpec
+    from tenplex.layout.models import ModelSpec
     from tenplex.train import TrainConfig, Trainer
     from tenplex.train.parallel import Groups
 

@@ -4,7 +4,7 @@ The package's modules: ``format`` (names, data layout, checksums, metadata schem
 ``writer`` (a rank's part of a save attempt, ``save``) and ``reader`` (listing, read plans and
 the readers that execute them, ``load``). See docs/format.md for the layout on disk.
 
-Every chunk is one interval of a tensor's canonical flat order (see ``tenplex.ptc``), stored
+Every chunk is one interval of a tensor's canonical flat order (see ``tenplex.layout.ptc``), stored
 as a 1-D safetensors tensor, so any piece a future layout needs is one contiguous byte
 range. Replicated intervals are written once, by the least-loaded of their holders. CRC32s
 cover fixed blocks of each chunk, so a load verifies exactly the blocks it reads. The

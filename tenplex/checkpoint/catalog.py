@@ -18,7 +18,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..ptc import Layout
+from ..layout.ptc import Layout
 from ..urls import url_fs
 from .format import (
     MANIFEST_NAME,

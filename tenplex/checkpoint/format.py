@@ -30,11 +30,11 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointValueError
-from ..planner import holder_classes
-from ..ptc import PTC, Layout, SegmentTable, Split, TensorSpec
-from ..state_layout import StateLayout
+from ..layout.config import ParallelConfig
+from ..layout.ptc import PTC, Layout, SegmentTable, Split, TensorSpec
+from ..layout.state_layout import StateLayout
+from ..planning.planner import holder_classes
 
 try:  # ISA-L's CRC32 (same polynomial and values as zlib's) runs about 8x faster; both release the GIL
     from isal.isal_zlib import crc32

@@ -3,7 +3,7 @@
 ``load`` tries the catalogue's candidates newest first (``catalog.iter_candidates``), passing over
 attempts that fail a check; ``load_with_reader`` checks a verified manifest against the caller's
 model and layout, reads the objects and runs ``read_shard`` (the plan of ``read_plan.plan_reads``
-through a ``ShardReader``) into new tensors or a ``ShardSink``'s (``tenplex.state_dict`` loads in
+through a ``ShardReader``) into new tensors or a ``ShardSink``'s (``tenplex.native.state_dict`` loads in
 place).
 """
 
@@ -24,8 +24,8 @@ import fsspec
 import torch
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointValueError
-from ..models import model_differences
-from ..ptc import PTC, Layout
+from ..layout.models import model_differences
+from ..layout.ptc import PTC, Layout
 from .catalog import iter_candidates, url_fs
 from .format import (
     OBJECTS_NAME,
@@ -79,7 +79,7 @@ class LoadResult:
 
 
 class ShardSink(Protocol):
-    """Where a load puts a rank's tensors instead of new ones (``tenplex.state_dict`` loads in place).
+    """Where a load puts a rank's tensors instead of new ones (``tenplex.native.state_dict`` loads in place).
 
     ``buffer(name)``: the flat buffer, in the saved canonical order, that the reads fill (a view of
     the caller's tensor when its memory has that order, a ``Scatter`` of it when its memory holds
@@ -243,7 +243,7 @@ def check_model(saved: PTC, expected: PTC, where: str, *, allow_meta_change: boo
     """CheckpointMismatchError unless ``saved`` has ``expected``'s tensors and, unless
     ``allow_meta_change``, its model settings (``meta["model"]``, where both record them; what
     ``expected`` leaves unstated, norm epsilon, RoPE or source config, is the checkpoint's:
-    ``tenplex.models.model_differences``)."""
+    ``tenplex.layout.models.model_differences``)."""
     if expected.fingerprint() != saved.fingerprint():
         diff = "; ".join(expected.diff(saved)) or "specs differ"
         raise CheckpointMismatchError(f"checkpoint {where} holds another model than the one requested: {diff}")
@@ -346,7 +346,7 @@ def load(
     heads or norm eps) unless ``allow_meta_change``. Ranks that need different bytes can
     see different damage and resume from different steps: under a process group make them
     agree (``tenplex.elastic.agree_on_step``; docs/format.md, "Choosing a step").
-    ``options``: ``ReadOptions`` (its ``sink`` and ``check``: ``tenplex.state_dict``'s in-place loads);
+    ``options``: ``ReadOptions`` (its ``sink`` and ``check``: ``tenplex.native.state_dict``'s in-place loads);
     ``ptc`` and ``allow_meta_change`` go either here or there, not both.
     """
     if options is None:

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ParallelConfig
 from ..errors import CheckpointCorruptError
-from ..planner import intersect
-from ..ptc import PAD, PTC, Layout
+from ..layout.config import ParallelConfig
+from ..layout.ptc import PAD, PTC, Layout
+from ..planning.planner import intersect
 from .format import (
     VERSION,
     Chunk,

@@ -4,7 +4,7 @@
 safetensors header), checksums the bytes it is given block by block and publishes the part:
 the data file under its final name, rank 0's objects and manifest, then the rank index, whose
 presence marks the part complete. ``save`` streams a whole shard through it; the bubble
-``StoreWriteTask`` (``tenplex.bubbles``) writes the same part bucket by bucket in pipeline
+``StoreWriteTask`` (``tenplex.elastic.bubbles``) writes the same part bucket by bucket in pipeline
 bubbles. Every file is written once, under a temporary name first, and never replaced: a
 writer that finds its own part already there refuses (the save id was reused) and marks the
 attempt unusable.
@@ -31,9 +31,11 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointError, CheckpointValueError, SpecError
-from ..models import HPARAMS, ModelSpec
-from ..ptc import PTC, Layout
+from ..layout.models import HPARAMS, ModelSpec
+from ..layout.ptc import PTC, Layout
+from ..urls import url_fs
 from . import format as format_mod
+from .catalog import local_path, read_manifest_at, scan_attempts
 from .format import (
     CRC_GROUP,
     CRC_TABLE,
@@ -61,8 +63,6 @@ from .format import (
     step_dir,
     writer_assignment,
 )
-from ..urls import url_fs
-from .catalog import local_path, read_manifest_at, scan_attempts
 
 __all__ = ["SaveResult", "PartChunk", "PartWriter", "save", "default_save_id", "publish", "write_rank0_meta", "write_index", "prune",
            "carry_model"]

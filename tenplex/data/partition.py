@@ -115,7 +115,7 @@ def replica_samples(global_batch: int, dp: int, micro_batch: int | None = None) 
 
     Without ``micro_batch``: equal slices (``dp`` must divide the batch). With it: whole
     micro-batches as evenly as they go, the first replicas taking one more when ``dp`` does not
-    divide their number (``tenplex.layouts.batch_split``); the same equal slices whenever
+    divide their number (``tenplex.planning.layouts.batch_split``); the same equal slices whenever
     ``dp * micro_batch`` divides the batch, so an even layout reads what it always read.
     """
     dp = checked_int("dp", dp, 1, MAX_POSITION)

@@ -3,7 +3,7 @@
 ``rescale.py``: ``rescale`` and the restart path (scan the tiers, load, ``agree_on_step``);
 ``live.py``: the live move between survivors (``LiveState``, ``live_step``, ``live_order``);
 ``result.py``: ``RescaleResult``. The choosers (``default_chooser``, ``choose_mesh``, ...) are
-``tenplex.choose``'s.
+``tenplex.planning.choose``'s.
 """
 
 from .live import LiveState, live_order, live_step

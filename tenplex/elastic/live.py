@@ -3,7 +3,7 @@
 One path for ``ParallelConfig`` jobs and torch-native state dicts (``StateLayout``): complete the
 group's view (``live_for_group``: joiners learn the old layout from group rank 0), plan with the
 survivors as ``alive``, agree on the step every survivor holds (``live_step``), then
-``tenplex.migrate.migrate`` moves the pieces; those no survivor holds are read from a source
+``tenplex.elastic.migrate.migrate`` moves the pieces; those no survivor holds are read from a source
 checkpoint. ``live_order`` orders the survivors so that new ranks run where their state is.
 """
 
@@ -20,15 +20,15 @@ from typing import Any
 import torch.distributed as dist
 
 from ..checkpoint import list_steps
-from ..choose import Chooser, MeshChooser, check_fits, choose_mesh, predict_layout
-from ..config import ParallelConfig
 from ..errors import CheckpointMismatchError, ConfigError, LayoutError
-from ..membership import old_ranks
-from ..migrate import migrate
-from ..planner import STORAGE, Plan, locality_order, plan
-from ..ptc import PTC
-from ..state_dict import fill_state_dict
-from ..state_layout import StateLayout
+from ..layout.config import ParallelConfig
+from ..layout.ptc import PTC
+from ..layout.state_layout import StateLayout
+from ..native.state_dict import fill_state_dict
+from ..planning.choose import Chooser, MeshChooser, check_fits, choose_mesh, predict_layout
+from ..planning.planner import STORAGE, Plan, locality_order, plan
+from .membership import old_ranks
+from .migrate import migrate
 from .result import RescaleResult
 
 __all__ = ["LiveState", "live_step", "live_order", "live_for_group", "same_model", "agree_live", "move_live",
@@ -54,7 +54,7 @@ class LiveState:
 
     A torch-native job (``rescale(url, state_dict, live=...)``) passes ``cfg``: the ``StateLayout``
     its state dicts had before the failure and ``ptc``: their collection (both from
-    ``tenplex.state_dict.describe_state_dict``, called while every rank was alive), and ``states``:
+    ``tenplex.native.state_dict.describe_state_dict``, called while every rank was alive), and ``states``:
     per step, this rank's local tensors and values by flat key (``local_shard``, copied). Its
     joiners pass ``LiveState(cfg=None, states={}, alive=...)`` as well and learn the layout, the
     collection and the survivors' old ranks from group rank 0.

@@ -24,19 +24,19 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..agree import agree_step
 from ..checkpoint import check_model
-from ..choose import Chooser, check_fits, default_chooser, layout_options_for, pinned
-from ..config import ParallelConfig
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
-from ..options import with_overrides
-from ..planner import plan
-from ..ptc import PTC
 from ..checkpoint import LoadResult, ShardSink
-from ..state_dict import StepSource, UrlSource, describe_state_dict, load_state_dict_from
-from ..state_layout import StateLayout
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ..layout.config import ParallelConfig
+from ..layout.ptc import PTC
+from ..layout.state_layout import StateLayout
+from ..native.agree import agree_step
+from ..native.state_dict import StepSource, UrlSource, describe_state_dict, load_state_dict_from
+from ..options import with_overrides
+from ..planning.choose import Chooser, check_fits, default_chooser, layout_options_for, pinned
+from ..planning.planner import plan
+from ..planning.topology import Topology
 from ..store.recovery import Tier, TierScan, load_tiered, scan_tiers
-from ..topology import Topology
 from .live import LiveState, rescale_live, rescale_state_dict_live
 from .result import RescaleResult
 
@@ -131,7 +131,7 @@ class RescaleOptions:
 
     ``rank`` / ``world_size``: this worker (default: torchrun's environment, :func:`env_world`).
     ``parallel`` pins the layout; otherwise ``choose(ptc, world_size, previous_layout)`` picks it, by
-    default ``tenplex.layouts.choose_layout``
+    default ``tenplex.planning.layouts.choose_layout``
     (:func:`default_chooser`) with ``layout_options`` completed by :func:`layout_options_for`:
     ``global_batch`` and ``micro_batch`` must be given (ConfigError naming them otherwise);
     ``seq_len``, ``precision`` and ``distributed_optimizer`` default to the PTC's,
@@ -199,13 +199,13 @@ def rescale(url: str | None, ptc: PTC | MutableMapping[str, Any], options: Resca
     survivors' default group) the state is moved live into it by the same ``plan`` and ``migrate``,
     pieces no survivor holds read from ``live.sources`` (``url``'s checkpoints); without (or when no
     step is held by every survivor and stored where needed) it is loaded in place from ``tiers``
-    (host stores first, as below: ``tenplex.state_dict.load_state_dict_from`` over the tiers) or
+    (host stores first, as below: ``tenplex.native.state_dict.load_state_dict_from`` over the tiers) or
     ``url`` (``load_state_dict``); no checkpoint: a fresh start. ``RescaleResult.cfg`` is then the state
     dict's ``StateLayout``, ``live`` says which path ran.
 
     ``live`` (in-process, after ``Membership.recover``; every process of the survivors' default
     group together): the layout is chosen for the group's size, ``plan`` with ``alive`` = the
-    survivors gives every piece its source, and ``tenplex.migrate.migrate`` moves the state held
+    survivors gives every piece its source, and ``tenplex.elastic.migrate.migrate`` moves the state held
     in memory between the survivors; pieces no survivor holds are read from ``live.sources`` at
     the same step. The step is the newest one every survivor holds in memory and, for those
     pieces, a source holds complete (``live_step``); when there is none, the state is loaded as
@@ -316,7 +316,7 @@ def agree_on_step(result: RescaleResult, url: str | None, ptc: PTC, options: Res
     ``rescale`` passes over damage it sees, and ranks read different bytes, so ranks can resume
     from different steps. This collective (call it on every rank right after
     ``init_process_group``, with the arguments given to ``rescale``) applies the one rule
-    ``tenplex.agree.agree_step`` (``load_state_dict``'s too): the oldest step any rank resumed from;
+    ``tenplex.native.agree.agree_step`` (``load_state_dict``'s too): the oldest step any rank resumed from;
     a rank that resumed from a newer one reloads, under the same layout, the newest step not newer
     than that which verifies for it, and the ranks repeat until they agree. Returns ``result`` when
     all ranks agree already, else the reloaded state.

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint import LoadStats
-from ..config import ParallelConfig
-from ..planner import PlanStats
-from ..state_layout import StateLayout
+from ..layout.config import ParallelConfig
+from ..layout.state_layout import StateLayout
+from ..planning.planner import PlanStats
 
 __all__ = ["RescaleResult"]
 

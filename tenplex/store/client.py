@@ -14,8 +14,8 @@ from typing import Any
 
 from ..checkpoint.format import part_files
 from ..checkpoint.writer import SaveResult, save
-from ..config import ParallelConfig
-from ..ptc import PTC
+from ..layout.config import ParallelConfig
+from ..layout.ptc import PTC
 from .auth import TOKEN_ENV, store_token
 from .tiers import Tier
 

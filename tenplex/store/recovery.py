@@ -8,7 +8,7 @@ data block) that fails a check in one tier is read from the next tier that has i
 tier holds an intact copy, the next older usable attempt is tried, and the result reports
 the attempts passed over (``LoadResult.skipped``).
 
-Reads between hosts follow a transfer schedule (``tenplex.schedule``) computed alike on every
+Reads between hosts follow a transfer schedule (``tenplex.planning.schedule``) computed alike on every
 rank from the repartition plan and the stores' contents, before any read: this rank's peer
 reads run round by round in the schedule's order (see docs/store.md, "Reads in rounds").
 
@@ -30,16 +30,16 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.format import Binding
 from ..checkpoint.catalog import read_manifest_at
+from ..checkpoint.format import Binding
 from ..checkpoint.load import LoadResult, ReadOptions, ShardSink, load_with_reader
 from ..checkpoint.part_reader import PartReader
 from ..checkpoint.read_plan import ReadItem
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ..layout.ptc import PTC, Layout
 from ..options import with_overrides
-from ..planner import Plan
-from ..ptc import PTC, Layout
-from ..topology import Topology
+from ..planning.planner import Plan
+from ..planning.topology import Topology
 from .recovery_plan import RECOVERY_LINKS, RecoveryPlan, order_reads, plan_recovery, schedule_recovery
 from .tiers import Attempt, Tier, TierScan, UsableStep, find_usable, scan_tiers, usable_steps
 

@@ -22,12 +22,12 @@ import numpy as np
 from ..checkpoint.format import writer_assignment
 from ..checkpoint.read_plan import ReadItem
 from ..errors import ConfigError
+from ..layout.ptc import PTC, Layout
 from ..options import with_overrides
-from ..planner import Plan
-from ..planner import plan as plan_moves
-from ..ptc import PTC, Layout
-from ..schedule import METHODS, Demands, Schedule, schedule
-from ..topology import Topology
+from ..planning.planner import Plan
+from ..planning.planner import plan as plan_moves
+from ..planning.schedule import METHODS, Demands, Schedule, schedule
+from ..planning.topology import Topology
 from .tiers import Tier, UsableStep
 
 __all__ = ["RECOVERY_LINKS", "RecoveryOptions", "RecoveryPlan", "plan_recovery", "schedule_recovery", "ReadOrder", "order_reads"]
@@ -82,7 +82,7 @@ class RecoveryOptions:
     ``gpus_per_host``: new rank i runs on host ``i // gpus_per_host`` of the default topology.
     ``topology``: default ``Topology.from_spec("hosts=H,gpus=G," + RECOVERY_LINKS)`` with G =
     ``gpus_per_host`` and H the number of stores or of hosts the new world needs, whichever is
-    larger. ``method`` and ``time_limit``: as for ``tenplex.schedule.schedule`` (the default
+    larger. ``method`` and ``time_limit``: as for ``tenplex.planning.schedule.schedule`` (the default
     ``greedy`` is deterministic: every rank computes the same schedule). ``moves``: the
     repartition plan when the caller has it (used when it is the plan of the saved layout to
     the new one on the topology's hosts; otherwise computed).

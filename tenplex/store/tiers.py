@@ -15,6 +15,7 @@ from typing import Any
 
 import fsspec
 
+from ..checkpoint.catalog import read_manifest_at
 from ..checkpoint.format import (
     MANIFEST_NAME,
     OBJECTS_NAME,
@@ -24,11 +25,10 @@ from ..checkpoint.format import (
     data_name,
     parse_step_dir,
 )
-from ..checkpoint.catalog import read_manifest_at
-from ..config import ParallelConfig
 from ..errors import CheckpointError
-from ..ptc import Layout
-from ..state_layout import StateLayout
+from ..layout.config import ParallelConfig
+from ..layout.ptc import Layout
+from ..layout.state_layout import StateLayout
 from ..urls import url_fs
 
 __all__ = ["Tier", "Attempt", "UsableStep", "TierScan", "scan_tiers", "find_usable", "usable_steps"]

@@ -4,7 +4,7 @@ Runs the reference trainer with PP >= 2 under torchrun and interleaves three mod
 step in one launch (round r runs the three in an order rotated by r, so load changes on a
 shared machine hit every mode alike): no snapshot, a blocking snapshot (the same task and the
 same bytes as the bubble snapshot, all of it done before the optimizer step while training
-waits) and a bubble snapshot (``tenplex.bubbles``: bucket by bucket during the 1F1B waits, the
+waits) and a bubble snapshot (``tenplex.elastic.bubbles``: bucket by bucket during the 1F1B waits, the
 rest before the optimizer step). With ``--write 1`` both snapshot modes write the rank's part
 into the host store (``StoreWriteTask``: the same file ``tenplex.save`` writes); with
 ``--write 0`` they copy the state to host memory (``SnapshotTask``). Warm-up rounds are
@@ -32,14 +32,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..bubbles import BubbleRuntime, SnapshotTask, StoreWriteTask, side_task_memory_budget
-from ..config import ParallelConfig
 from ..data.corpus import stdlib_corpus
-from ..choose import device_memory
 from ..elastic import rescale
+from ..elastic.bubbles import BubbleRuntime, SnapshotTask, StoreWriteTask, side_task_memory_budget
 from ..errors import ConfigError
-from ..memory import estimate_memory, parse_size, resolve_model
-from ..models import ModelSpec
+from ..layout.config import ParallelConfig
+from ..layout.models import ModelSpec
+from ..planning.choose import device_memory
+from ..planning.memory import estimate_memory, parse_size, resolve_model
 from .launch import free_port
 from .parallel import init_distributed
 from .trainer import TrainConfig, Trainer, trainer_ptc

@@ -1,9 +1,9 @@
 """The reference trainer's side of in-process recovery (issue #18; docs/inprocess.md).
 
 With ``--in-process`` every worker watches its peers through a
-:class:`~tenplex.membership_runtime.Membership` on the job's long-lived store and keeps its last
-consistent states in a :class:`~tenplex.ring.StateRing`; a peer failure makes the survivors call
-:func:`tenplex.inprocess.recover_in_process`, which agrees on the members and moves the state
+:class:`~tenplex.elastic.membership_runtime.Membership` on the job's long-lived store and keeps its last
+consistent states in a :class:`~tenplex.elastic.ring.StateRing`; a peer failure makes the survivors call
+:func:`tenplex.elastic.inprocess.recover_in_process`, which agrees on the members and moves the state
 live, and the run driver rebuilds its groups and trainer. What is the trainer's own is here: the
 ring's per-step copy as a side task of the trainer's pipeline bubbles (:func:`ring_in_bubbles`)
 and, after a failure, the ring settled on the trainer's working state (:func:`settle_ring`).
@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..bubbles import BubbleRuntime, SnapshotTask
-from ..ring import StateRing
+from ..elastic.bubbles import BubbleRuntime, SnapshotTask
+from ..elastic.ring import StateRing
 
 __all__ = ["ring_in_bubbles", "settle_ring"]
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def ring_in_bubbles(ring: StateRing, trainer: Any, device: Any = None) -> SnapshotTask:
     """Make ``trainer``'s per-step state copy into ``ring`` a side task of its pipeline bubbles
-    (``tenplex.bubbles``): the state after step k is copied while step k+1's stages wait for
+    (``tenplex.elastic.bubbles``): the state after step k is copied while step k+1's stages wait for
     their neighbours' activations and gradients, and what is left before k+1's optimizer step
     changes it (the only blocking part; all of it with one stage). ``ring.keep`` buffer sets
     are used in turn, so the ring holds ``keep - 1`` finished states while a snapshot is under

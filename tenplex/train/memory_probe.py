@@ -1,5 +1,5 @@
 """Peak memory of one training step of a rank (``--measure-memory DIR``): the measurement the
-memory model (``tenplex.memory``) is checked against. Writes ``DIR/rank-N.json``."""
+memory model (``tenplex.planning.memory``) is checked against. Writes ``DIR/rank-N.json``."""
 
 from __future__ import annotations
 

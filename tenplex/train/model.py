@@ -1,6 +1,6 @@
 """A Llama-style decoder stage with Megatron tensor parallelism, written over PTC shards.
 
-Parameters are the rank's local shards under the PTC names of ``tenplex.models`` (so a
+Parameters are the rank's local shards under the PTC names of ``tenplex.layout.models`` (so a
 checkpoint is just the dict of them): column-parallel QKV ([q; k; v] blocks, GQA) and
 [gate; up], row-parallel output projections, a vocabulary-parallel embedding, LM head and
 cross-entropy. Vocabulary padding columns are masked out of the softmax, so the loss does
@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ParallelConfig
 from ..errors import ConfigError
-from ..memory import RECOMPUTE
-from ..models import ModelSpec
-from ..ptc import PTC
+from ..layout.config import ParallelConfig
+from ..layout.models import ModelSpec
+from ..layout.ptc import PTC
+from ..planning.memory import RECOMPUTE
 from .parallel import all_reduce, copy_to_tp, reduce_from_tp
 
 __all__ = ["StageModel", "init_global_tensor", "vocab_parallel_cross_entropy"]
@@ -95,7 +95,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class StageModel:
     """The layers of one pipeline stage on one TP rank, as a functional forward over ``params``.
 
-    ``recompute`` (``tenplex.memory.RECOMPUTE``): ``full`` keeps only each layer's input and
+    ``recompute`` (``tenplex.planning.memory.RECOMPUTE``): ``full`` keeps only each layer's input and
     recomputes the layer in the backward pass; ``selective`` recomputes the norms and the SwiGLU
     activation (``torch.utils.checkpoint``, non-reentrant). Results are bit-identical.
     """

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import ParallelConfig
-from ..choose import check_fits
+from ..layout.config import ParallelConfig
+from ..planning.choose import check_fits
 
 __all__ = ["Groups", "local_device", "join_process_group", "init_distributed", "copy_to_tp",
            "reduce_from_tp", "all_reduce"]

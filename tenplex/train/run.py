@@ -12,7 +12,7 @@ code 1, naming the step and the cause).
 
 With ``--in-process`` a peer failure does not stop the survivors: they agree on a new group,
 ``rescale(live=...)`` moves their state to the layout chosen for their number and training goes
-on (``tenplex.inprocess``, docs/inprocess.md); a failure during that recovery exits with code
+on (``tenplex.elastic.inprocess``, docs/inprocess.md); a failure during that recovery exits with code
 75 so that torchrun's agent restarts the job.
 """
 
@@ -39,24 +39,24 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import default_save_id, save
-from ..config import ParallelConfig
 from ..data.corpus import TokenCorpus, stdlib_corpus
 from ..data.partition import DataState
-from ..choose import Chooser, default_chooser, layout_options_for
 from ..elastic import RescaleResult, agree_on_step, env_world, live_order, rescale
-from ..errors import CheckpointMismatchError, CheckpointWriteError, ConfigError, PeerFailure, TenplexError
-from ..inprocess import DIE_POINTS, JOIN_FAILED, RECOVERY_FAILED, DieAt, LiveRecovery, RecoveryConfig, layout_fits, \
+from ..elastic.inprocess import DIE_POINTS, JOIN_FAILED, RECOVERY_FAILED, DieAt, LiveRecovery, RecoveryConfig, layout_fits, \
     recover_in_process, warm_up
-from ..membership_runtime import JOB_ENV, MEMBERSHIP_STORE_ENV, Membership, job_key, join_membership, \
+from ..elastic.membership_runtime import JOB_ENV, MEMBERSHIP_STORE_ENV, Membership, job_key, join_membership, \
     membership_store, start_membership
-from ..memory import RECOMPUTE
-from ..models import ModelSpec
-from ..ptc import PTC
+from ..elastic.ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
+from ..errors import CheckpointMismatchError, CheckpointWriteError, ConfigError, PeerFailure, TenplexError
+from ..layout.config import ParallelConfig
+from ..layout.models import ModelSpec
+from ..layout.ptc import PTC
+from ..planning.choose import Chooser, default_chooser, layout_options_for
+from ..planning.memory import RECOMPUTE
 from ..store import HostStore, recovery_tiers
 from ..urls import url_fs
-from .memory_probe import measure_step_memory
-from ..ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
 from .live import ring_in_bubbles, settle_ring
+from .memory_probe import measure_step_memory
 from .parallel import init_distributed, join_process_group, local_device
 from .trainer import DATA_OBJECT, Spare, TrainConfig, Trainer, failure_message, trainer_ptc
 

@@ -24,15 +24,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..bubbles import Span
+from ..data.batches import IndexBatches
 from ..data.corpus import TokenCorpus
 from ..data.partition import DataState, global_batch_ids, replica_samples
 from ..elastic import RescaleResult
+from ..elastic.bubbles import Span
 from ..errors import CheckpointWriteError, ConfigError, LayoutError
-from ..memory import RECOMPUTE
-from ..models import ModelSpec, model_ptc, optimizer_names
-from ..ptc import PTC
-from ..data.batches import IndexBatches
+from ..layout.models import ModelSpec, model_ptc, optimizer_names
+from ..layout.ptc import PTC
+from ..planning.memory import RECOMPUTE
 from .batches import MountBatches
 from .model import StageModel, init_global_tensor
 from .parallel import Groups, all_reduce
@@ -178,7 +178,7 @@ class Trainer:
         else:
             self.batches = IndexBatches(corpus)
         self.bubble_hook: Any = None  # called as hook(op, work) while a stage waits for a peer
-        self.snapshot_task: Any = None  # tenplex.bubbles.SnapshotTask: begin at step start, finish before the update
+        self.snapshot_task: Any = None  # tenplex.elastic.bubbles.SnapshotTask: begin at step start, finish before the update
         self.updating = False  # inside the optimizer step: the state is neither the old step's nor the new one's
         self.spans: list[Any] | None = None  # compute spans per op, when timelines are recorded
         self.die: Callable[[str, int], None] | None = None  # testing (--die-at): (point, step) at "forward", "backward", "optimizer"

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.catalog import read_part_chunks
 from ..checkpoint.format import (
     MANIFEST_NAME,
     RANK_INDEX_RE,
@@ -31,9 +32,8 @@ from ..checkpoint.format import (
     open_sealed_json,
     parse_step_dir,
 )
-from ..checkpoint.catalog import read_part_chunks
 from ..errors import CheckpointError
-from ..ptc import dtype_from_str
+from ..layout.ptc import dtype_from_str
 from .fuse import FuseOps, check_fuse, check_mountpoint, fuse_class, mfusepy
 from .tree import DIR, FILE, Node, VfsError
 

@@ -1,0 +1,703 @@
+"""In-process failure detection, scale up and new membership through the job's c10d store (issue #18,
+items 1-2, 4): the runtime (store keys, heartbeat thread, links, process groups) of the pure rules in
+:mod:`tenplex.elastic.membership`.
+
+Each worker creates a :class:`Membership` after ``init_process_group``, given a ``TCPStore`` that
+outlives the workers (the job's rendezvous store) and a job prefix. Then:
+
+* a heartbeat thread (its own store connection, so a blocking wait of the main thread never
+  delays it) bumps this member's counter every ``interval`` seconds and reads the others'. A
+  death, or a failure flagged by another member, sets :meth:`Membership.failed` and calls
+  ``on_failure``;
+* the same thread watches TCP links to this member's ring neighbours (:mod:`tenplex.elastic.liveness`):
+  a process that dies while its host lives (killed, crashed) has its connections closed by its
+  kernel, so its neighbours know within milliseconds, append its id to ``{prefix}/gone`` and flag
+  the failure; the others read the list at their next heartbeat and in the agreement. A host that
+  vanishes silently (power, network) is found the same way within ``link_timeout`` seconds: the
+  links' TCP keepalive ends them when the peer's kernel stops answering. A member leaving on
+  purpose (:meth:`close`) says goodbye on its links first;
+* a link that is open says the process exists, however starved it is: a heartbeat thread can go
+  without the GIL for seconds (measured: 0.62 s while the main thread imported torch and scipy
+  beside 6 busy processes on 2 CPUs; a big pickle, a long C call, a loaded machine), and a
+  verdict from that silence is a live member left out of the group (issue 29 item 7). So each
+  member also bumps the counters of the neighbours its links to are open (it vouches for them):
+  the others see those counters move. A counter that stands still for ``dead_after`` seconds
+  (default 10) of this observer's own on-time observations (:class:`HeartbeatMonitor`) means
+  dead: only members that no open link vouches for and that beat no more, e.g. one whose links
+  could not be made. A hung but living process (deadlock, SIGSTOP) holds its links and is no
+  death: a collective blocked on it fails after the group's ``timeout``;
+* :meth:`Membership.guard` turns a ``RuntimeError`` raised by a collective (gloo: "Connection
+  reset/closed by peer", nccl, ``DistError``) into :class:`~tenplex.errors.PeerFailure` and flags
+  the failure in the store, so every member learns at once;
+* :meth:`Membership.recover` destroys the broken group (nccl: aborts its communicators first),
+  agrees with the other survivors on the next round and its members through the store alone, and
+  re-forms the default group on the fresh prefix ``{prefix}/round{n}/pg``. It returns a
+  :class:`NewMembership`; its ``alive`` is what :func:`tenplex.elastic.migrate.migrate` takes.
+
+Members are named by their rank in the first group (``id``, stable over rounds); group rank i of
+round n is ``members[i]``. The agreement rule is pure (:func:`propose`): in round n every member
+of round n-1's candidates either joined (``{prefix}/round{n}/joined``, appended) or is dead by this
+member's heartbeats; then the joined, live ones, ordered by ``order`` (default: by old rank), are
+proposed with ``compare_set`` on ``{prefix}/round{n}/decision``: the first proposal stored wins and
+every member reads that one. A member not in the decision raises :class:`~tenplex.errors.MembershipError`;
+one of the decision that dies before the group forms sends the rest to round n+1; a round that
+does not decide within ``agree_timeout`` raises MembershipError. Nothing waits without a bound.
+
+Scale up: a fresh process creates ``Membership(store, prefix, backend=..., joiner=True)``: it
+takes the next id, beats and registers under ``{prefix}/joiners``. The members' heartbeat threads
+see the registration (the join counter travels in the heartbeats' ``multi_get``); at every step
+boundary each member calls :meth:`Membership.join_due`, which agrees through the store on the
+boundary after which all of them admit the joiners (:func:`join_step`); there
+``recover(join=True)`` runs the rounds above with the live joiners after the survivors
+(:func:`propose`, ``fits``: as many as a layout allows), and the joiner's :meth:`Membership.admit`
+waits for the decision that names it and regroups with them.
+
+Which store: in tests and simulated nodes the :class:`~tenplex.train.launch.RendezvousStore`
+process (``TCPStore(host, port, is_master=False)`` in every worker). Under torchrun the store must
+outlive the failed node: the c10d rendezvous store run standalone (``--rdzv-conf is_host=false``,
+the server in a process of its own, as ``RendezvousStore`` does), connected to directly from the
+worker with the ``--rdzv-endpoint`` address. The store torchrun hands workers (``MASTER_ADDR``:
+``MASTER_PORT``) is hosted by the rank-0 agent unless the rendezvous store is shared and standalone,
+so it dies with node 0. Not yet exercised under torchrun (see docs/architecture.md).
+
+gloo: ``abort()`` / ``shutdown()`` / ``_abort_process_group`` do not interrupt a collective
+already blocked (measured, torch 2.13: the op waits for its timeout). What unblocks it is a peer
+closing its connections: a survivor that catches the error destroys its group, and the peers
+blocked on it fail at once ("Connection closed by peer"). A member blocked on a hung but living
+peer waits for the group's ``timeout``; pass a short one to ``init_process_group`` (abandoning
+an ``async_op`` collective does not help: ``destroy_process_group`` then waits for it to time out).
+
+Use::
+
+    m = Membership(store, f"job/{run_id}")
+    while training:
+        try:
+            with m.guard():
+                step()             # its collectives
+            m.check()              # a death seen by the heartbeats between collectives
+        except PeerFailure:
+            nm = m.recover()       # the survivors' group is the default group again
+            new = chooser(ptc, nm.world_size, old)
+            shard = migrate(ptc, old, new, shard, alive=nm.alive, storage=url).shard
+            old = new
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, MembershipError, PeerFailure
+from .liveness import PeerLinks, link_host
+from .membership import (Decision, HeartbeatMonitor, NewMembership, decode_decision, encode_decision, is_peer_error,
+                         join_step, old_ranks, parse_joined, propose)
+
+__all__ = ["Membership", "MEMBERSHIP_STORE_ENV", "JOB_ENV", "membership_store", "job_key",
+           "start_membership", "join_membership"]
+
+log = logging.getLogger(__name__)
+
+MEMBERSHIP_STORE_ENV = "TENPLEX_MEMBERSHIP_STORE"
+JOB_ENV = "TENPLEX_JOB_ID"
+JOBS_KEY = "tenplex/inproc/jobs"  # job key -> the membership prefix of the job's current launch
+
+# ---------------------------------------------------------------------------------------------
+# the store and thread adapter
+# ---------------------------------------------------------------------------------------------
+def _store_host(store: Any) -> str | None:
+    """The host of a ``TCPStore`` (through ``PrefixStore`` wrappers); None for other stores."""
+    while store is not None and not hasattr(store, "host"):
+        store = getattr(store, "underlying_store", None)
+    return getattr(store, "host", None)
+
+
+@dataclass(slots=True)
+class _State:
+    """What the heartbeat thread and the main thread share (under ``lock``)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    watched: tuple[int, ...] = ()
+    members: tuple[int, ...] = ()  # the current group's ids: a death among them is a failure
+    pending: tuple[int, ...] = ()  # joiners registered and alive, not members yet
+    joins_seen: int = 0  # the join-request counter when the joiners list was last read
+    round: int = 0
+    failed_at: float | None = None  # time.time()
+    failed_mono: float | None = None
+    reason: str = ""
+    detect_s: float = 0.0
+
+
+class Membership:
+    """This worker's view of the job's members; see the module docstring.
+
+    ``store``: a ``TCPStore`` (or a ``PrefixStore`` over one) that outlives workers; ``prefix``:
+    the job's key prefix (one per job, or per restart of a job); ``rank`` / ``world_size``: this
+    process in the current default group (default: from it); ``backend``: of the groups
+    re-formed (default: the current group's). ``interval`` / ``dead_after``: heartbeat period and
+    silence that means death for a member no open link vouches for; ``link_timeout``: seconds
+    after which a link whose peer's kernel answers nothing ends (a vanished host: its death is
+    known that long after it vanished, plus one heartbeat for the members not linked to it);
+    ``agree_timeout``: bound of one round's agreement and of the group
+    start; ``max_rounds``: rounds one recovery may use; ``on_failure(reason)``: called from the
+    heartbeat thread on the first failure it sees; ``order``: how a decision orders its members
+    (ids in, ids out; default by previous rank); ``pg_timeout``: the new groups' collective timeout;
+    ``fits(n)``: whether a group of n members can run (a layout fits): joiners are admitted only
+    as far as it allows (default: any number).
+
+    ``joiner=True``: a fresh process asking to join the running job (scale up): it has no group and
+    no state; it takes the next free id, starts its heartbeat and registers under
+    ``{prefix}/joiners``; :meth:`admit` then waits for the round that takes it in. The members
+    notice registrations through the heartbeat thread and, at a step boundary every member agrees
+    on (:meth:`join_due`), form that round (:meth:`recover` with ``join=True``).
+    """
+
+    def __init__(self, store: Any, prefix: str, *, rank: int | None = None, world_size: int | None = None,
+                 backend: str | None = None, interval: float = 0.2, dead_after: float = 10.0,
+                 link_timeout: float = 3.0, agree_timeout: float = 20.0, max_rounds: int = 4,
+                 start_timeout: float = 30.0, on_failure: Callable[[str], None] | None = None,
+                 order: Callable[[Sequence[int]], Sequence[int]] | None = None,
+                 pg_timeout: datetime.timedelta = datetime.timedelta(seconds=30), joiner: bool = False,
+                 fits: Callable[[int], bool] | None = None) -> None:
+        import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+        if interval <= 0 or dead_after <= interval:
+            raise ConfigError(f"need 0 < interval < dead_after, got interval={interval}, dead_after={dead_after}")
+        if joiner:
+            if backend is None:
+                raise ConfigError("a joiner has no process group yet: pass backend= (gloo or nccl)")
+            self.rank, self.world_size, self.backend = -1, 0, backend
+        else:
+            initialized = dist.is_available() and dist.is_initialized()
+            if rank is None or world_size is None or backend is None:
+                if not initialized:
+                    raise ConfigError("Membership needs rank, world_size and backend, or an initialised default "
+                                      "group (call dist.init_process_group first)")
+            self.rank = int(dist.get_rank() if rank is None else rank)
+            self.world_size = int(dist.get_world_size() if world_size is None else world_size)
+            self.backend = str(dist.get_backend() if backend is None else backend)
+        self.store, self.prefix = store, prefix.rstrip("/")
+        self.interval, self.dead_after = interval, dead_after
+        self.agree_timeout, self.max_rounds = agree_timeout, max_rounds
+        self.on_failure, self.order, self.pg_timeout, self.fits = on_failure, order, pg_timeout, fits
+        if joiner:  # ids after the first group's ranks, one per joiner ever (the first member set the counter)
+            self.id, self.round, self.members = int(store.add(self._key("next_id"), 1)) - 1, -1, ()
+        else:
+            self.id, self.round, self.members = self.rank, 0, tuple(range(self.world_size))
+        self.monitor = HeartbeatMonitor(dead_after)
+        self._state = _State(watched=tuple(m for m in self.members if m != self.id), members=self.members,
+                             round=self.round)
+        self._stop = threading.Event()
+        self._hb_store = store.clone()  # its own connection: the main thread's blocking waits hold theirs
+        self._links = PeerLinks(self.id, link_host(_store_host(store)), timeout=link_timeout)
+        self._hb_store.set(self._key("link", self.id), self._links.address)  # before the heartbeat others wait for
+        self._hb_store.add(self._hb_key(self.id), 1)
+        self._hb_store.add(self._key("join_requests"), 0)  # exists before any heartbeat reads it
+        self._failures_seen = int(self._hb_store.add(self._failures_key(self.round), 0))
+        if not joiner:
+            if self.rank == 0:  # before any joiner can find this prefix (start_membership publishes it after)
+                store.add(self._key("next_id"), self.world_size)
+                store.set(self._key("round"), "0")
+            keys = [self._hb_key(m) for m in self.members]
+            try:
+                self._hb_store.wait(keys, datetime.timedelta(seconds=start_timeout))
+            except RuntimeError as e:
+                raise MembershipError(f"not every member of {self.prefix} started its heartbeat within "
+                                      f"{start_timeout} s (keys {keys}): {e}") from e
+            self._relink(self.members)
+        self._thread = threading.Thread(target=self._beat, name=f"tenplex-heartbeat-{self.id}", daemon=True)
+        self._thread.start()
+        if joiner:  # heartbeat first: the members watch it from the moment they read the registration
+            store.append(self._key("joiners"), f"{self.id},")
+            store.add(self._key("join_requests"), 1)
+            log.info("joiner %d registered under %s", self.id, self.prefix)
+
+    # -- keys ----------------------------------------------------------------------------------
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *(str(p) for p in parts)])
+
+    def _hb_key(self, member: int) -> str:
+        return self._key("hb", member)
+
+    def _failures_key(self, round: int) -> str:
+        return self._key(f"round{round}", "failures")  # per round: late flags of a past round are no news
+
+    def _relink(self, members: Sequence[int]) -> None:
+        """Link to this member's successor in ``members`` (a ring: each member watched by two)."""
+        if self.id not in members or len(members) < 2:
+            self._links.want({})
+            return
+        nxt = members[(list(members).index(self.id) + 1) % len(members)]
+        key = self._key("link", nxt)
+        try:  # (get would wait for a key never set: check first)
+            addr = self.store.get(key).decode() if self.store.check([key]) else None
+        except RuntimeError as e:
+            log.info("member %d: no link address of member %d (%s)", self.id, nxt, e)
+            addr = None
+        self._links.want({nxt: addr} if addr else {})  # without one, its heartbeats watch it alone
+
+    def _gone(self, store: Any) -> list[int]:
+        """Ids the members found dead by a broken link (every round: ids are never reused)."""
+        key = self._key("gone")
+        return parse_joined(store.get(key)) if store.check([key]) else []
+
+    def _links_broke(self, peers: frozenset[int]) -> None:
+        """Heartbeat thread: ``peers``' links ended without a goodbye, so their processes are gone."""
+        now = time.monotonic()
+        with self._state.lock:
+            rnd = self._state.round
+            news = sorted(p for p in peers if p in self._state.watched and self.monitor.mark_dead(p, now))
+            members = set(self._state.members)
+            if news:
+                self._state.pending = tuple(j for j in self._state.pending if j not in news)
+        if not news:
+            return
+        for p in news:
+            try:
+                self._hb_store.append(self._key("gone"), f"{p},")
+            except RuntimeError as e:
+                log.error("member %d could not record member %d's death in the store: %s", self.id, p, e)
+        if members & set(news):
+            self._fail(f"members {[p for p in news if p in members]} exited or their hosts vanished (their links "
+                       f"to member {self.id} ended without a goodbye)", publish=True, round=rnd)
+            if self.backend == "nccl":
+                self._abort()
+
+    def _registered(self, store: Any) -> list[int]:
+        """Ids of every joiner that ever registered, in order of arrival."""
+        key = self._key("joiners")
+        return parse_joined(store.get(key)) if store.check([key]) else []
+
+    @property
+    def joining(self) -> bool:
+        """Whether this process is a joiner not admitted yet."""
+        return self.id not in self.members
+
+    def pending(self) -> tuple[int, ...]:
+        """Joiners registered, alive and not members yet, as the heartbeat thread last saw them."""
+        with self._state.lock:
+            return self._state.pending
+
+    def join_due(self, step: int, *, propose: bool = True) -> bool:
+        """At the boundary after ``step`` (every member, every step): whether the members admit the
+        waiting joiners now (then call ``recover(join=True)``). One store read per call; when this
+        member knows of joiners (``propose``: and wants them in) and no boundary is agreed yet, it
+        proposes the next one with ``compare_set`` (:func:`join_step`): every member ends up
+        admitting them at the same boundary."""
+        key = self._key(f"round{self.round}", "join_at")
+        stored = int(self.store.get(key).decode()) if self.store.check([key]) else None
+        pending = self.pending()
+        admissible = bool(pending) and (self.fits is None or any(self.fits(len(self.members) + k)
+                                                                 for k in range(1, len(pending) + 1)))
+        at, proposal = join_step(step, stored, propose and admissible)
+        if proposal is not None:
+            at, _ = join_step(step, int(self.store.compare_set(key, "", str(proposal)).decode()), False)
+            log.info("member %d (round %d): joiners %s to be admitted after step %d", self.id, self.round,
+                     list(self.pending()), at)
+        return at == step
+
+    # -- failure state -------------------------------------------------------------------------
+    @property
+    def failed(self) -> bool:
+        """Whether this member knows of a failure since its group formed."""
+        return self._state.failed_at is not None
+
+    def linked(self) -> frozenset[int]:
+        """Members this member holds an open link to (their processes exist; it vouches for them)."""
+        return self._links.linked()
+
+    def dead(self) -> frozenset[int]:
+        """Member ids the heartbeats found dead (ever)."""
+        with self._state.lock:
+            return frozenset(self.monitor.dead)
+
+    def _fail(self, reason: str, *, publish: bool, round: int | None = None) -> None:
+        """Record the first failure of the current round (``round``: the one it was seen in; a
+        failure seen in a round that has been replaced meanwhile is no news and is dropped)."""
+        first = False
+        with self._state.lock:
+            if round is not None and round != self._state.round:
+                return
+            round = self._state.round
+            if self._state.failed_at is None:
+                self._state.failed_at, self._state.failed_mono = time.time(), time.monotonic()
+                self._state.reason = reason
+                first = True
+        if first:
+            log.warning("member %d (round %d): failure: %s", self.id, self.round, reason)
+            if publish:
+                try:
+                    self._hb_store.add(self._failures_key(round), 1)
+                except RuntimeError as e:  # the store itself gone: nothing left to tell
+                    log.error("member %d could not flag the failure in the store: %s", self.id, e)
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(reason)
+                except Exception:  # a callback's bug must not kill the heartbeat
+                    log.exception("on_failure callback raised")
+
+    def check(self) -> None:
+        """Raise PeerFailure if a failure is known (call between steps)."""
+        if self._state.failed_at is not None:
+            raise PeerFailure(f"member {self.id} (round {self.round}): {self._state.reason}")
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Run collectives: a peer error they raise becomes PeerFailure, flagged to all members, and
+        the broken group is destroyed right away (gloo: its closed connections fail the collectives
+        of peers blocked on this member, which an abort would not)."""
+        self.check()
+        try:
+            yield
+        except PeerFailure:
+            raise
+        except RuntimeError as e:
+            if not (is_peer_error(e) or self.failed):
+                raise
+            self._fail(f"collective failed: {str(e).splitlines()[0][:300]}", publish=True)
+            self.destroy_group()  # at once: closing its connections fails the peers blocked on this member
+            raise PeerFailure(f"member {self.id} (round {self.round}): a collective failed: {e}") from e
+
+    # -- heartbeat thread ----------------------------------------------------------------------
+    def _beat(self) -> None:
+        store = self._hb_store
+        st = self._state
+        next_beat = time.monotonic() + self.interval
+        while True:
+            while not self._stop.is_set() and (left := next_beat - time.monotonic()) > 0:
+                broken = self._links.poll(left)  # returns at once when a link breaks
+                if broken:
+                    self._links_broke(broken)
+            if self._stop.is_set():
+                return
+            next_beat = max(next_beat + self.interval, time.monotonic())
+            try:
+                store.add(self._hb_key(self.id), 1)
+                with st.lock:
+                    watched, rnd, baseline, joins_seen = st.watched, st.round, self._failures_seen, st.joins_seen
+                for peer in self._links.linked() & set(watched):  # open links: those processes exist
+                    store.add(self._hb_key(peer), 1)
+                vals = store.multi_get([*(self._hb_key(m) for m in watched), self._key("join_requests")])
+                failures = int(store.add(self._failures_key(rnd), 0))
+                link_deaths = self._gone(store) if failures != baseline else []  # deaths others' links saw
+                joins = int(vals[-1])
+                registered = self._registered(store) if joins != joins_seen else None
+            except RuntimeError as e:
+                if self._stop.is_set():
+                    return
+                self._fail(f"the membership store is unreachable: {e}", publish=False)
+                continue
+            now = time.monotonic()
+            with st.lock:
+                if st.round != rnd:  # a recovery formed a new group while the store answered
+                    continue
+                seen = {m: int(v) for m, v in zip(watched, vals)}
+                last = {m: self.monitor.last_alive(m) for m in watched}
+                silent = self.monitor.observe(now, seen)
+                exited = {g for g in link_deaths if g in watched and self.monitor.mark_dead(g, now)}
+                found = silent | exited
+                newly = found & set(st.members)  # a death in the group is a failure ...
+                gone = found - newly  # ... one of a joiner not admitted yet is not: it is just left out
+                if gone:
+                    st.pending = tuple(j for j in st.pending if j not in gone)
+                    st.watched = tuple(w for w in st.watched if w not in gone)
+                    log.warning("member %d: joiners %s stopped their heartbeats before being admitted", self.id,
+                                sorted(gone))
+                if registered is not None:
+                    st.joins_seen = joins
+                    fresh = tuple(j for j in registered if j != self.id and j not in st.members
+                                  and j not in self.monitor.dead and j not in st.pending)
+                    if fresh:
+                        log.info("member %d: joiners %s registered", self.id, list(fresh))
+                    st.pending += fresh
+                    st.watched += tuple(j for j in fresh if j not in st.watched)
+                if newly and st.failed_at is None:
+                    st.detect_s = max(now - (last[m] or now) for m in newly)
+            if newly:
+                why = [f"members {sorted(newly & silent)} stopped their heartbeats"] if newly & silent else []
+                why += [f"members {sorted(newly & exited)} exited or their hosts vanished (a link to them ended)"] \
+                    if newly & exited else []
+                self._fail("; ".join(why), publish=True, round=rnd)
+                if self.backend == "nccl":
+                    self._abort()
+            elif failures != baseline and not self.failed:
+                self._fail("another member flagged a failure", publish=False, round=rnd)
+                if self.backend == "nccl":
+                    self._abort()
+
+    def _abort(self) -> None:
+        """nccl: abort the communicators so that a blocked collective returns (not gloo: no effect)."""
+        import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+        try:
+            # private torch API, the documented way to abort nccl communicators in torch 2.x
+            dist.distributed_c10d._abort_process_group()
+        except (RuntimeError, ValueError, AssertionError) as e:
+            log.warning("aborting the process group failed: %s", e)
+
+    def close(self) -> None:
+        """Stop the heartbeat and say goodbye on the links (then, its counter still, the others
+        find this member dead after ``dead_after``; its goodbyes are no death)."""
+        self._stop.set()
+        self._thread.join(timeout=5 * self.interval + 1)
+        self._links.close()  # goodbyes: the others do not take this member's exit for a death
+
+    # -- recovery ------------------------------------------------------------------------------
+    def destroy_group(self) -> None:
+        """Drop the broken default group without exiting (nccl: abort its communicators first).
+
+        Destroying a gloo group closes its connections: peers blocked on this member fail at once.
+        """
+        import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+        if not dist.is_initialized():
+            return
+        if self.backend == "nccl":
+            self._abort()
+            return
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError, AssertionError) as e:
+            log.warning("destroying the process group failed: %s", e)
+
+    def agree(self, round: int, candidates: Sequence[int], previous: Sequence[int] | None = None) -> Decision:
+        """Join round ``round`` and return its decision (the store's first proposal).
+
+        ``previous``: the ids holding state (default ``candidates``); registered joiners not among
+        them are proposed after the survivors (:func:`propose`)."""
+        store = self.store
+        previous = tuple(candidates if previous is None else previous)
+        base = self._key(f"round{round}")
+        store.append(f"{base}/joined", f"{self.id},")
+        deadline = time.monotonic() + self.agree_timeout
+        dkey = f"{base}/decision"
+        while True:
+            if store.check([dkey]):
+                d = decode_decision(store.get(dkey))
+                break
+            joined = parse_joined(store.get(f"{base}/joined"))
+            joiners = [j for j in self._registered(store) if j not in previous]
+            dead = self.dead() | set(self._gone(store))  # a broken link's news before the heartbeat thread reads it
+            members = propose(candidates, joined, dead, self.order, joiners=joiners, fits=self.fits)
+            if members is not None:
+                won = store.compare_set(dkey, "", encode_decision(Decision(round, members, previous)))
+                d = decode_decision(won)
+                break
+            if time.monotonic() > deadline:
+                waiting = [c for c in candidates if c not in set(joined) and c not in dead]
+                raise MembershipError(f"member {self.id}: round {round} did not decide within {self.agree_timeout} s; "
+                                      f"members {waiting} neither joined nor stopped their heartbeats")
+            time.sleep(0.01)
+        if d.round != round:
+            raise MembershipError(f"round {round}'s decision names round {d.round}; the store is shared by another job "
+                                  f"(use a prefix of its own)")
+        log.info("member %d: round %d decided: %s", self.id, round, list(d.members))
+        return d
+
+    def wait_decision(self, round: int, timeout: float) -> Decision:
+        """The decision of round ``round`` once a member stored it (a joiner takes no part in the
+        agreement: it holds no state and does not know the layout); MembershipError after ``timeout``."""
+        dkey = self._key(f"round{round}", "decision")
+        deadline = time.monotonic() + timeout
+        while not self.store.check([dkey]):
+            if time.monotonic() > deadline:
+                raise MembershipError(f"joiner {self.id}: no decision of round {round} within {timeout:.0f} s")
+            time.sleep(0.02)
+        d = decode_decision(self.store.get(dkey))
+        if d.round != round:
+            raise MembershipError(f"round {round}'s decision names round {d.round}; the store is shared by another job "
+                                  f"(use a prefix of its own)")
+        return d
+
+    def regroup(self, d: Decision) -> None:
+        """Form the default group of decision ``d``; MembershipError (retry a round) when one of
+        its members dies first."""
+        import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+        base = self._key(f"round{d.round}")
+        new_rank = d.members.index(self.id)
+        store = self.store
+        with self._state.lock:  # joiners and (for a joiner) the members: a death before the group forms is seen
+            self._state.watched += tuple(m for m in d.members if m != self.id and m not in self._state.watched)
+        store.set(f"{base}/ready/{self.id}", "1")
+        deadline = time.monotonic() + self.agree_timeout
+        keys = [f"{base}/ready/{m}" for m in d.members]
+        while not store.check(keys):  # every member ready, or one of them dead: never a blind wait
+            gone = self.dead() & set(d.members)
+            if gone:
+                raise MembershipError(f"members {sorted(gone)} of round {d.round} died before its group formed")
+            if time.monotonic() > deadline:
+                raise MembershipError(f"round {d.round}: not every member was ready within {self.agree_timeout} s")
+            time.sleep(0.01)
+        try:  # every member is in: the group's rendezvous waits no longer than they take to connect
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"{base}/pg", store), rank=new_rank,
+                                    world_size=len(d.members), timeout=self.pg_timeout)
+            dev = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+            one = torch.ones(1, device=dev)
+            dist.all_reduce(one)  # every member formed the group
+            if int(one.item()) != len(d.members):
+                raise MembershipError(f"round {d.round}: the check all_reduce gave {one.item()}, not {len(d.members)}")
+        except RuntimeError as e:
+            self.destroy_group()
+            raise MembershipError(f"round {d.round}: the group of {list(d.members)} did not form: {e}") from e
+
+    def recover(self, *, join: bool = False) -> NewMembership:
+        """After a failure (or, ``join=True``, at the boundary :meth:`join_due` agreed): destroy
+        the group, agree on the next round (the live members, then the live joiners), form its group.
+
+        Raises MembershipError when this member is left out of the decision, when ``max_rounds``
+        rounds do not form a group, or when a round does not decide in time.
+        """
+        t0 = time.monotonic()
+        if self._state.failed_at is None and not join:
+            self._fail("recover() called", publish=True)
+        st = self._state
+        failed_at = st.failed_at if st.failed_at is not None else time.time()
+        self.destroy_group()
+        return self._form(self.members, self.round + 1, t0, failed_at)
+
+    def admit(self, timeout: float) -> NewMembership:
+        """A joiner: wait up to ``timeout`` seconds for a round whose decision takes it in (the
+        members' next join boundary, or a recovery from a failure), then form its group."""
+        t0 = time.monotonic()
+        failed_at = time.time()
+        deadline = t0 + timeout
+        rkey = self._key("round")
+        try:
+            self.store.wait([rkey], datetime.timedelta(seconds=max(0.1, timeout)))
+        except RuntimeError as e:
+            raise MembershipError(f"joiner {self.id}: {self.prefix} has no current round: {e}") from e
+        n = int(self.store.get(rkey).decode()) + 1  # a stale value only means reading decisions already taken
+        while True:
+            d = self.wait_decision(n, deadline - time.monotonic())
+            if self.id in d.members:
+                break
+            log.info("joiner %d: round %d formed without it (%s); waiting for round %d", self.id, n, list(d.members),
+                     n + 1)
+            n += 1
+        return self._form(d.previous or d.members, n, t0, failed_at, decided=d)
+
+    def _form(self, previous: tuple[int, ...], first_round: int, t0: float, failed_at: float,
+              decided: Decision | None = None) -> NewMembership:
+        """Rounds from ``first_round`` until one forms its group (``decided``: the first round's
+        decision, already read). ``previous``: the ids holding state, by their rank."""
+        st = self._state
+        candidates = previous
+        t_decided = t0
+        for n in range(first_round, first_round + self.max_rounds):
+            if decided is not None:
+                d, decided = decided, None
+            else:
+                try:
+                    d = self.agree(n, candidates, previous) if self.id in previous else \
+                        self.wait_decision(n, self.agree_timeout)
+                except MembershipError:
+                    raise
+                except RuntimeError as e:  # the store itself failed (DistStoreError ...)
+                    raise MembershipError(f"member {self.id}: round {n}: the membership store failed: {e}") from e
+            t_decided = time.monotonic()
+            if self.id not in d.members:
+                self.close()
+                raise MembershipError(f"member {self.id} was left out of round {n} ({list(d.members)}): the others "
+                                      f"found it dead; restart it as a new member")
+            try:
+                self.regroup(d)
+            except MembershipError as e:
+                log.warning("member %d: %s; trying round %d", self.id, e, n + 1)
+                candidates = d.survivors
+                continue
+            t_end = time.monotonic()
+            alive = old_ranks(previous, d.survivors)
+            self.round, self.members = n, d.members
+            with st.lock:
+                detect_s = st.detect_s
+                if st.failed_mono is not None and st.detect_s == 0.0:
+                    gone = set(previous) - set(d.members)
+                    seen = [self.monitor.last_alive(m) for m in gone]
+                    seen_at = [s for s in seen if s is not None]
+                    detect_s = max(0.0, st.failed_mono - min(seen_at)) if seen_at else 0.0
+                st.members = d.members
+                st.pending = tuple(j for j in st.pending if j not in d.members)
+                st.watched = tuple(m for m in d.members if m != self.id) + st.pending
+                st.failed_at = st.failed_mono = None
+                st.reason, st.detect_s, st.round = "", 0.0, n
+                self._failures_seen = int(self.store.add(self._failures_key(n), 0))
+            self._relink(d.members)
+            if d.members.index(self.id) == 0:  # where a joiner starts looking for the round that admits it
+                self.store.set(self._key("round"), str(n))
+            res = NewMembership(n, d.members, alive, d.members.index(self.id), len(d.members), failed_at, detect_s,
+                                t_decided - t0, t_end - t_decided,
+                                n - first_round + 1, self.dead(), d.joiners)
+            log.info("member %d: round %d formed: new rank %d of %d (old ranks %s, joiners %s); detect %.3fs "
+                     "agree %.3fs regroup %.3fs", self.id, n, res.new_rank, res.world_size, list(alive),
+                     list(d.joiners), res.detect_s, res.agree_s, res.regroup_s)
+            return res
+        raise MembershipError(f"member {self.id}: {self.max_rounds} rounds from {first_round} formed no group")
+
+
+# ---------------------------------------------------------------------------------------------
+# the job's store and prefix
+# ---------------------------------------------------------------------------------------------
+def membership_store(timeout_s: float = 30.0) -> Any:
+    """A client of the job's long-lived store named by ``TENPLEX_MEMBERSHIP_STORE`` (``host:port``)."""
+    import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+    spec = os.environ.get(MEMBERSHIP_STORE_ENV, "")
+    host, _, port = spec.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--in-process needs {MEMBERSHIP_STORE_ENV}=host:port, a c10d store that outlives every "
+                          f"worker (the standalone rendezvous store: torchrun's --rdzv-endpoint with "
+                          f"is_host=false); got {spec!r}")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def job_key() -> str:
+    """What names this job in the membership store, for joiners to find it: ``TENPLEX_JOB_ID``,
+    else torchrun's run id, else the bootstrap address ``MASTER_ADDR:MASTER_PORT`` (the same
+    in every worker and joiner of one job started with env://)."""
+    for name in (JOB_ENV, "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(name):
+            return os.environ[name]
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not addr or not port:
+        raise ConfigError(f"cannot name the job for joiners: set {JOB_ENV} (or MASTER_ADDR and MASTER_PORT)")
+    return f"{addr}:{port}"
+
+
+def start_membership(store: Any, *, interval: float = 0.1, dead_after: float = 10.0) -> Membership:
+    """Every rank of the default group: a Membership under a prefix fresh for this group (a nonce
+    from rank 0), so a restarted job never reads a previous launch's keys. Rank 0 then publishes
+    the prefix under the job's key (:func:`job_key`) for joiners."""
+    import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
+
+    box = [f"tenplex/inproc/{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    m = Membership(store, str(box[0]), interval=interval, dead_after=dead_after, agree_timeout=20.0,
+                   pg_timeout=datetime.timedelta(seconds=30))
+    if dist.get_rank() == 0:
+        store.set(f"{JOBS_KEY}/{job_key()}", str(box[0]))
+    return m
+
+
+def join_membership(store: Any, backend: str, *, timeout_s: float, interval: float = 0.1,
+                    dead_after: float = 10.0) -> Membership:
+    """A joiner: wait up to ``timeout_s`` for the job (:func:`job_key`) to publish its membership
+    prefix, then register in it (``Membership(joiner=True)``); MembershipError when none appears."""
+    key = f"{JOBS_KEY}/{job_key()}"
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise MembershipError(f"no running job {job_key()!r} published its membership within {timeout_s:.0f} s "
+                              f"(key {key}): {e}") from e
+    prefix = store.get(key).decode()
+    return Membership(store, prefix, backend=backend, interval=interval, dead_after=dead_after, agree_timeout=20.0,
+                      pg_timeout=datetime.timedelta(seconds=30), joiner=True)
