@@ -559,10 +559,15 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--gpus-per-host", type=_POS, default=8)
     p.add_argument("--locality", action="store_true",
                    help="place new ranks on the survivors that already hold most of their state")
+    _add_state_options(p)
+    p.set_defaults(func=_cmd_plan)
+
+
+def _add_state_options(p: argparse.ArgumentParser) -> None:
+    """The options ``plan`` and ``schedule`` share: which state the model carries, and JSON output."""
     p.add_argument("--no-optimizer", action="store_true", help="parameters only, no Adam state")
     p.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded across DP")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=_cmd_plan)
 
 
 def _add_estimate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -634,9 +639,7 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
                    help="seconds the scheduler may take (default 10)")
     p.add_argument("--chunk-bytes", type=_size, default=None, help="chunk size, e.g. 16MiB (default: automatic)")
     p.add_argument("--gpus-per-host", type=_POS, default=None, help="default: the topology's")
-    p.add_argument("--no-optimizer", action="store_true", help="parameters only, no Adam state")
-    p.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded across DP")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_state_options(p)
     p.set_defaults(func=_cmd_schedule)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_same, canonical_flat, examples, layouts, model_kwargs, random_global
+from test_ptc import custom_ptc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -215,22 +216,6 @@ def custom_scenarios(draw):
     perm = draw(st.permutations(range(old.world_size)))
     alive = list(perm[: draw(st.integers(0, old.world_size))])
     return old, new, alive, draw(st.sampled_from([1, 2, 4, 8]))
-
-
-def custom_ptc() -> PTC:
-    return PTC(
-        [
-            TensorSpec("a", (6, 4, 3), torch.float32, Split(1), placement=0),
-            TensorSpec("b", (10,), torch.float64, Split(0, pad_multiple=3), placement="last", dp_sharded=True),
-            TensorSpec("c", (5, 7), torch.bfloat16, Replicated(), placement="all", dp_sharded=True),
-            TensorSpec("d", (4, 12), torch.float16, Split(1, blocks=(4, 8)), placement=1),
-            TensorSpec("e", (3,), torch.int64, placement="both"),
-            TensorSpec("f", (2, 3, 4), torch.int32, Split(2), placement="first", dp_sharded=True),
-            TensorSpec("g", (7, 4), torch.uint8, Split(0, pad_multiple=2), placement=2),
-        ],
-        num_layers=3,
-        objects=("step",),
-    )
 
 
 @settings(max_examples=examples(40))

@@ -99,25 +99,27 @@ def init_distributed(cfg: ParallelConfig, *, timeout_s: float = 60.0) -> Groups:
     if not dist.is_initialized():
         return Groups(cfg, 0, None, None, device)
     rank = dist.get_rank()
-    tp_group = dp_group = None
-    # every rank must create every group, in the same order
-    for pp in range(cfg.pp):
-        for dp in range(cfg.dp):
-            ranks = [cfg.rank(pp=pp, dp=dp, tp=t) for t in range(cfg.tp)]
-            g = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s)) if cfg.tp > 1 else None
-            if rank in ranks:
-                tp_group = g
-    for pp in range(cfg.pp):
-        for tp in range(cfg.tp):
-            ranks = [cfg.rank(pp=pp, dp=d, tp=tp) for d in range(cfg.dp)]
-            g = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s)) if cfg.dp > 1 else None
-            if rank in ranks:
-                dp_group = g
+    # every rank must create every group, in the same order: TP groups first, then DP groups
+    tp_group = _own_group(rank, [[cfg.rank(pp=pp, dp=dp, tp=t) for t in range(cfg.tp)]
+                                 for pp in range(cfg.pp) for dp in range(cfg.dp)], timeout_s)
+    dp_group = _own_group(rank, [[cfg.rank(pp=pp, dp=d, tp=tp) for d in range(cfg.dp)]
+                                 for pp in range(cfg.pp) for tp in range(cfg.tp)], timeout_s)
     if rank >= cfg.world_size:
         log.info("rank %d of %d: a spare under %s on %s", rank, world, cfg, device)
         return Groups(cfg, rank, None, None, device, placed=False)
     log.info("rank %d of %d: %s coords %s on %s", rank, world, cfg, cfg.coords(rank), device)
     return Groups(cfg, rank, tp_group, dp_group, device)
+
+
+def _own_group(rank: int, groups: list[list[int]], timeout_s: float) -> Any:
+    """Create every group of ``groups`` (collectively, in order) and return ``rank``'s; None for
+    groups of one (no process group needed) or when ``rank`` is in none."""
+    own = None
+    for ranks in groups:
+        g = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s)) if len(ranks) > 1 else None
+        if rank in ranks:
+            own = g
+    return own
 
 
 def all_reduce(t: torch.Tensor, group: Any, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
