@@ -14,6 +14,7 @@ Skipped (with the reason) only where etcd is not installed: ``make setup`` insta
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import datetime
 import os
 import queue
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from spawned import gloo_env, here, in_env, reap, worker_context
+from spawned import gloo_env, here, in_env, log_tails, reap, worker_context
 
 from tenplex.errors import ConfigError, EtcdStoreError, PeerFailure
 from tenplex.train.etcd import EtcdCluster, etcd_binary
@@ -222,3 +223,56 @@ def test_rank0_and_its_hosts_etcd_leader_killed_together_survivors_regroup(clust
     print("\n" + "; ".join(f"rank {r}: caught {v['caught_at'] - t_kill:.3f}s, regrouped and all_reduced "
                            f"{v['recovered_at'] - t_kill:.3f}s after the kill (agree {nms[r].agree_s:.3f}s, regroup "
                            f"{nms[r].regroup_s:.3f}s)" for r, v in sorted(results.items())))
+
+
+# ---------------------------------------------------------------------------------------------
+# the example job: rank 0 and its host's etcd leader die mid-step, the job goes on in process
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_native_job_recovers_in_process_when_rank0_and_its_hosts_etcd_leader_die(tmp_path: Any,
+                                                                                  cluster: EtcdCluster) -> None:
+    """``examples/train_native.py --in-process`` on 4 workers (FSDP2 x TP2) with its membership in etcd;
+    worker 0 dies before its optimizer step of step 5 and the etcd leader on its host is SIGKILLed the
+    moment it exits. The 3 survivors agree through the 2 remaining etcd members, move step 4's state live
+    to dp_shard=3 (the pieces only worker 0 held from the checkpoint) and finish with the losses and
+    samples of an uninterrupted run."""
+    import torch.distributed as dist
+    from test_native_inprocess import (BATCH, DEAD_AFTER, EVERY, STEPS, _workers, check_native_run,
+                                       native_reference, only_dead_bytes)
+
+    from tenplex.checkpoint import read_manifest
+    from tenplex.layout.state_layout import StateLayout
+
+    cluster.move_leader(0)
+    rdzv = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # env:// bootstrap only
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    procs = _workers(tmp_path, 4, ["--ckpt", str(ckpt), "--steps", str(STEPS), "--ckpt-every", str(EVERY),
+                                   "--global-batch", str(BATCH), "--log", str(log), "--in-process",
+                                   "--dead-after", DEAD_AFTER, "--die-at", "0:5:optimizer"],
+                     [cluster.spec_for(h) for h in HOST_OF_RANK])
+    try:
+        reference = native_reference(STEPS)
+        deadline = time.monotonic() + 200
+        while procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert procs[0].poll() is not None, "worker 0 never reached its --die-at point"
+        assert cluster.leader() == 0
+        cluster.kill(0)  # host 0 is gone: its worker and its etcd member, the leader
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs[1:]]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0, 0], (codes, log_tails(tmp_path))
+    recs = check_native_run(tmp_path, log, reference)
+    assert len(recs) == 1, recs
+    rec = recs[0]
+    assert rec["live"] and rec["world_size"] == 3 and rec["mesh"] == {"dp_shard": 3}, rec
+    old = read_manifest(str(ckpt), 4)
+    new = read_manifest(str(ckpt), STEPS)
+    expected = only_dead_bytes(old["ptc"], StateLayout.from_json(old["state_layout"]),
+                               StateLayout.from_json(new["state_layout"]), 0)
+    assert rec["bytes_storage"] == rec["plan_bytes_storage"] == expected > 0, (rec, expected)
+    print(f"\nrecovery: {json.dumps({k: v for k, v in rec.items() if k.endswith('_s')})}")

@@ -55,7 +55,7 @@ class EtcdMember:
     """One ``etcd`` process: ``name`` in a cluster of ``initial_cluster`` (``name=peer-url,...``)."""
 
     def __init__(self, name: str, data_dir: Path, client_port: int, peer_port: int, initial_cluster: str,
-                 token: str, *, net: HostNet = LOOPBACK, binary: str = "etcd") -> None:
+                 token: str, *, net: HostNet = LOOPBACK, binary: str = "etcd", v2: bool = False) -> None:
         self.name, self.data_dir, self.net = name, data_dir, net
         self.client_url = f"http://{net.address}:{client_port}"
         self.peer_url = f"http://{net.address}:{peer_port}"
@@ -64,7 +64,8 @@ class EtcdMember:
                "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
                "--initial-cluster", initial_cluster, "--initial-cluster-state", "new",
                "--initial-cluster-token", token, "--heartbeat-interval", str(HEARTBEAT_MS),
-               "--election-timeout", str(ELECTION_MS), "--logger", "zap", "--log-level", "warn"]
+               "--election-timeout", str(ELECTION_MS), "--logger", "zap", "--log-level", "warn",
+               *(["--enable-v2=true"] if v2 else [])]
         self.log_path = data_dir.parent / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in kill
         self.proc = subprocess.Popen(net.command(cmd), stdout=self._log, stderr=subprocess.STDOUT,
@@ -100,10 +101,11 @@ class EtcdCluster:
     """``n`` etcd members forming one cluster, member ``i`` on ``nets[i]`` (default loopback); a
     context manager that kills them and removes ``work`` (default a fresh directory under /dev/shm,
     where etcd's fsyncs cost nothing) on exit. Raises ConfigError when etcd is not installed and
-    RuntimeError when the cluster is not healthy within ``start_timeout`` seconds."""
+    RuntimeError when the cluster is not healthy within ``start_timeout`` seconds. ``v2``: also serve
+    etcd's v2 API, which torchrun's ``--rdzv-backend=etcd-v2`` (through ``python-etcd``) needs."""
 
     def __init__(self, n: int = 3, *, nets: Sequence[HostNet] | None = None, work: str | Path | None = None,
-                 start_timeout: float = 30.0) -> None:
+                 start_timeout: float = 30.0, v2: bool = False) -> None:
         binary = etcd_binary()
         if binary is None:
             raise ConfigError("etcd is not installed: install Debian's etcd-server (make setup does, as root) "
@@ -124,7 +126,8 @@ class EtcdCluster:
             for i, (net, (cp, pp)) in enumerate(zip(nets, ports)):
                 d = self.work / f"e{i}"
                 d.mkdir(parents=True, exist_ok=True)
-                self.members.append(EtcdMember(f"e{i}", d / "data", cp, pp, initial, token, net=net, binary=binary))
+                self.members.append(EtcdMember(f"e{i}", d / "data", cp, pp, initial, token, net=net, binary=binary,
+                                               v2=v2))
             self.wait_healthy(start_timeout)
         except BaseException:
             self.stop()
