@@ -276,3 +276,64 @@ def test_native_job_recovers_in_process_when_rank0_and_its_hosts_etcd_leader_die
                                StateLayout.from_json(new["state_layout"]), 0)
     assert rec["bytes_storage"] == rec["plan_bytes_storage"] == expected > 0, (rec, expected)
     print(f"\nrecovery: {json.dumps({k: v for k, v in rec.items() if k.endswith('_s')})}")
+
+
+def _rank0_agent(agents: list[Any]) -> int:
+    """The index of the agent whose worker has RANK 0 (torchrun's rendezvous picks it)."""
+    for i, a in enumerate(agents):
+        for pid in a.worker_pids():
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"RANK=0" in env:
+                return i
+    raise AssertionError("no worker with RANK=0 found")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_torchrun_etcd_rendezvous_job_survives_the_loss_of_the_host_with_rank0_and_the_etcd_leader(
+        tmp_path: Any) -> None:
+    """The whole job on the 3-member etcd cluster, nothing on one host alone: two torchrun agents (2
+    workers of ``train_native.py --in-process`` each) rendezvous with ``--rdzv-backend=etcd-v2``, each
+    through its own host's etcd member, and keep their membership in etcd (``etcd://``, own member
+    first); the third host runs only the third member. The host of rank 0 (agent, workers and its
+    etcd member, made the leader) is SIGKILLed after 3 steps: the other agent keeps its workers (one
+    start record) and they finish in process on dp_shard=2 with an uninterrupted run's losses."""
+    pytest.importorskip("etcd", reason="torchrun's etcd-v2 rendezvous needs python-etcd (the test extras)")
+    from test_native_inprocess import BATCH, DEAD_AFTER, EVERY, ROOT, SCRIPT, STEPS, check_native_run, native_reference
+
+    from tenplex.train.launch import Agent, wait_for
+
+    log = tmp_path / "log.jsonl"
+    args = ["--steps", str(STEPS), "--ckpt-every", str(EVERY), "--global-batch", str(BATCH), "--ckpt",
+            str(tmp_path / "ckpt"), "--log", str(log), "--in-process", "--dead-after", DEAD_AFTER]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+
+    def records() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    with EtcdCluster(3, v2=True) as c:
+        agents = [Agent(f"node{i}", c.members[i].client_url.removeprefix("http://"), args, nproc=2, min_nodes=1,
+                        max_nodes=2, pid_dir=str(tmp_path / "pids"), log_path=str(tmp_path / f"node{i}.log"),
+                        run_id=f"e{os.getpid()}", env={**env, "TENPLEX_MEMBERSHIP_STORE": c.spec_for(i)},
+                        program=[SCRIPT], rdzv_backend="etcd-v2") for i in range(2)]
+        try:
+            reference = native_reference(STEPS)
+            assert wait_for(lambda: sum(1 for r in records() if "loss" in r and r["world_size"] == 4) >= 3, 300), \
+                (tmp_path / "node0.log").read_text()[-3000:]
+            dead = _rank0_agent(agents)
+            c.move_leader(dead)
+            agents[dead].kill()  # host `dead` fails: its agent, its workers (rank 0 among them), its etcd leader
+            c.kill(dead)
+            assert wait_for(lambda: any(r.get("step") == STEPS - 1 for r in records()), 240), \
+                (tmp_path / f"node{1 - dead}.log").read_text()[-4000:]
+        finally:
+            for a in agents:
+                a.stop()
+    assert sum(1 for r in records() if r.get("start")) == 1  # the surviving agent never restarted its workers
+    rec = check_native_run(tmp_path, log, reference)
+    assert len(rec) == 1 and rec[0]["live"] and rec[0]["world_size"] == 2 and rec[0]["mesh"] == {"dp_shard": 2}, rec
+    assert rec[0]["bytes_live"] == rec[0]["plan_bytes_peer"] and rec[0]["bytes_storage"] == rec[0]["plan_bytes_storage"]
+    print(f"\nrecovery: {json.dumps({k: v for k, v in rec[0].items() if k.endswith('_s')})}")

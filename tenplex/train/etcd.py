@@ -119,7 +119,11 @@ class EtcdCluster:
         self._own_work = work is None
         self.work = Path(tempfile.mkdtemp(prefix="tenplex-etcd-", dir=base) if work is None else work)
         token = f"tenplex-{secrets.token_hex(6)}"  # members of another cluster never join this one
-        ports = [(free_port(), free_port()) for _ in range(n)]
+        free: list[int] = []
+        while len(free) < 2 * n:  # free_port may hand out a port twice: two members on one port, one dies
+            if (p := free_port()) not in free:
+                free.append(p)
+        ports = list(zip(free[0::2], free[1::2]))
         initial = ",".join(f"e{i}=http://{net.address}:{pp}" for i, (net, (_, pp)) in enumerate(zip(nets, ports)))
         self.members: list[EtcdMember] = []
         try:
@@ -154,7 +158,9 @@ class EtcdCluster:
         while True:
             dead = [self.members[i].name for i in idx if not self.members[i].alive()]
             if dead:
-                raise RuntimeError(f"etcd members {dead} exited; logs under {self.work}")
+                tails = {self.members[i].name: self.members[i].log_path.read_text()[-600:] for i in idx
+                         if not self.members[i].alive()}
+                raise RuntimeError(f"etcd members {dead} exited: {tails}")
             if all(self.members[i].healthy() for i in idx):
                 return
             if time.monotonic() > deadline:
