@@ -124,6 +124,66 @@ def test_store_contract_and_one_member_killed(cluster: EtcdCluster) -> None:
     print(f"\nfirst operation after the leader's death: {first_s:.3f} s ({s.failovers} fail-overs)")
 
 
+class _AnswerLosingProxy:
+    """An endpoint that passes every request on to ``upstream`` and answers reads, but hangs up on a
+    committed write without its answer: what a client sees when its member dies right after committing."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import threading
+        import urllib.request
+
+        self.forwarded = 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                req = urllib.request.Request(upstream + self.path, body, {"Content-Type": "application/json"})
+                answer = urllib.request.urlopen(req, timeout=5).read()  # noqa: S310 - the test's own etcd
+                if b"request_put" not in body:  # reads are answered
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    self.wfile.write(answer)
+                    return
+                proxy.forwarded += 1
+                self.close_connection = True  # a committed write: no answer
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.timeout(60)
+def test_an_add_whose_answer_was_lost_applies_once(cluster: EtcdCluster) -> None:
+    """The client's first endpoint commits ``add`` / ``append`` and loses the answer; the client
+    retries on the next member and must not apply them a second time (before the op record the
+    counter read 2 and the list "7,7,")."""
+    from tenplex.elastic.etcd_store import EtcdStore
+
+    proxy = _AnswerLosingProxy(cluster.endpoints[0])
+    try:
+        s = EtcdStore([proxy.url, *cluster.endpoints[1:]], namespace="once/", timeout=TIMEOUT, request_timeout=2.0)
+        for op in ("add", "append"):
+            s._current = 0
+            assert (s.add("n", 1) == 1) if op == "add" else (s.append("l", "7,") is None)
+            assert s.failovers >= 1 and proxy.forwarded >= 1
+        reader = _store(cluster, first=2, namespace="once/")
+        assert reader.get("n") == b"1" and reader.get("l") == b"7,"
+        assert s.add("n", 2) == 3  # and later operations go on as usual
+        s.close()
+    finally:
+        proxy.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Membership over etcd: rank 0 and the etcd leader on its host die together
 # ---------------------------------------------------------------------------------------------

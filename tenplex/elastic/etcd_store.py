@@ -17,11 +17,11 @@ the operation's deadline (the store's ``timeout``). Reads are linearizable (etcd
 value read from any member is the latest the majority agreed on.
 
 Atomicity: ``add`` and ``append`` are read-modify-write loops closed by a transaction comparing the
-key's ``mod_revision`` (no lost update between concurrent writers). One caveat of any client
-fail-over: a transaction whose answer was lost (the endpoint died after committing it) is retried,
-so an ``add`` or ``append`` can apply twice in that instant. tenplex's uses of them tolerate that
-(heartbeat counters only move; joined lists are sets; an id counter skips an id). ``compare_set``
-retried reads its own value back and returns it, as the first try would have.
+key's ``mod_revision`` (no lost update between concurrent writers). A transaction whose answer was
+lost (the endpoint died, or answered slower than ``request_timeout``, after committing it) is
+retried on another member; it then applies once, not twice: the same transaction records the
+operation's sequence number and result under a key of this client, and the retry finds it.
+``compare_set`` retried reads its own value back and returns it, as the first try would have.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 ETCD_SCHEME = "etcd://"
 _POLL_S = 0.01  # wait / get on a missing key: how often to look again
+_OPS = "\x00tenplex-etcdstore-ops/"  # each client's op record: outside every namespace's key range
 
 
 def parse_etcd_spec(spec: str) -> tuple[str, ...]:
@@ -89,7 +91,7 @@ class EtcdStore(dist.Store):
     :meth:`clone` gives another connection for another thread."""
 
     def __init__(self, endpoints: Sequence[str], *, namespace: str = "tenplex/",
-                 timeout: datetime.timedelta = datetime.timedelta(seconds=30), request_timeout: float = 2.0) -> None:
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=30), request_timeout: float = 0.5) -> None:
         super().__init__()
         if not endpoints:
             raise ConfigError("an EtcdStore needs at least one endpoint (http://host:port)")
@@ -103,6 +105,8 @@ class EtcdStore(dist.Store):
         self._current = 0
         self._conns: dict[int, http.client.HTTPConnection] = {}
         self._lock = threading.RLock()
+        self._op_key = _b64(f"{_OPS}{uuid.uuid4().hex}")  # this client's last add / append (outside namespace)
+        self._seq = 0
         self.failovers = 0  # how often a request moved to another endpoint (for tests and logs)
 
     @classmethod
@@ -172,18 +176,29 @@ class EtcdStore(dist.Store):
         return out
 
     def _update(self, key: str, change: Any) -> bytes:
-        """Set ``key`` to ``change(old value or None)`` atomically (compare the revision read); the new value."""
+        """Set ``key`` to ``change(old value or None)`` atomically (compare the revision read); the new value.
+
+        The same transaction records ``{seq}:{new}`` under this client's op key: a retry whose first
+        try committed (its answer lost with the endpoint) finds its own record and returns that value
+        instead of applying the change twice."""
         deadline = self._deadline()
+        self._seq += 1
+        mark = f"{self._seq}:".encode()
         got = self._range([key], deadline=deadline)[0]
         while True:
             old, rev = got if got is not None else (None, 0)
             new = change(old)
             resp = self._post("/v3/kv/txn", {
                 "compare": [{"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(rev)}],
-                "success": [{"request_put": {"key": self._k(key), "value": _b64(new)}}],
-                "failure": [{"request_range": {"key": self._k(key)}}]}, deadline)
+                "success": [{"request_put": {"key": self._k(key), "value": _b64(new)}},
+                            {"request_put": {"key": self._op_key, "value": _b64(mark + new)}}],
+                "failure": [{"request_range": {"key": self._k(key)}}, {"request_range": {"key": self._op_key}}]},
+                deadline)
             if resp.get("succeeded"):
                 return new
+            ours = resp["responses"][1].get("response_range", {}).get("kvs", [])
+            if ours and _unb64(ours[0].get("value")).startswith(mark):  # an earlier try of this op committed
+                return _unb64(ours[0].get("value"))[len(mark):]
             kvs = resp["responses"][0].get("response_range", {}).get("kvs", [])
             got = (_unb64(kvs[0].get("value")), int(kvs[0].get("mod_revision", 0))) if kvs else None
 
@@ -259,6 +274,12 @@ class EtcdStore(dist.Store):
         return EtcdStore(order, namespace=self.namespace, timeout=self.timeout, request_timeout=self.request_timeout)
 
     def close(self) -> None:
+        """Drop this client's op record and its connections."""
+        if self._seq:
+            try:
+                self._post("/v3/kv/deleterange", {"key": self._op_key}, time.monotonic() + self.request_timeout)
+            except EtcdStoreError as e:
+                log.debug("etcd store: op record not removed: %s", e)
         with self._lock:
             for c in self._conns.values():
                 c.close()
