@@ -171,9 +171,9 @@ def test_an_add_whose_answer_was_lost_applies_once(cluster: EtcdCluster) -> None
 
     proxy = _AnswerLosingProxy(cluster.endpoints[0])
     try:
-        s = EtcdStore([proxy.url, *cluster.endpoints[1:]], namespace="once/", timeout=TIMEOUT, request_timeout=2.0)
-        for op in ("add", "append"):
-            s._current = 0
+        for op in ("add", "append"):  # a fresh client each time: its first endpoint the proxy
+            s = EtcdStore([proxy.url, *cluster.endpoints[1:]], namespace="once/", timeout=TIMEOUT,
+                          request_timeout=2.0)
             assert (s.add("n", 1) == 1) if op == "add" else (s.append("l", "7,") is None)
             assert s.failovers >= 1 and proxy.forwarded >= 1
         reader = _store(cluster, first=2, namespace="once/")
@@ -227,12 +227,24 @@ def _worker(rank: int, spec: str, out: Any) -> None:
             dist.all_reduce(y)
         res["sum"] = float(y.item())
         res["recovered_at"] = time.time()
-        res["failovers"] = store.failovers + m._hb_store.failovers
         m.close()
         dist.destroy_process_group()
     except BaseException as e:  # reported to the parent, which fails the test with it
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}"
     out.put(("done", rank, res))
+
+
+def _reports(q: Any, n: int, budget: float, what: str) -> list[tuple[str, int, Any]]:
+    """``n`` reports ``(kind, rank, value)`` of ``n`` different ranks from ``q`` within ``budget`` seconds."""
+    got: dict[int, tuple[str, int, Any]] = {}
+    deadline = time.monotonic() + budget
+    while len(got) < n:
+        try:
+            kind, rank, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            pytest.fail(f"only ranks {sorted(got)} {what} within {budget} s (load average {os.getloadavg()})")
+        got[rank] = (kind, rank, val)
+    return list(got.values())
 
 
 @pytest.mark.timeout(150)
@@ -241,19 +253,13 @@ def test_rank0_and_its_hosts_etcd_leader_killed_together_survivors_regroup(clust
     ctx = worker_context()
     q = ctx.Queue()
     pids: dict[int, int] = {}
-    results: dict[int, dict[str, Any]] = {}
     with gloo_env():
         procs = [ctx.Process(target=in_env, args=(*here(), _worker, r, cluster.spec_for(HOST_OF_RANK[r]), q))
                  for r in range(4)]
     try:
         for p in procs:
             p.start()
-        deadline = time.monotonic() + 60
-        while len(pids) < 4:
-            try:
-                kind, rank, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"only ranks {sorted(pids)} started within 60 s (load average {os.getloadavg()})")
+        for kind, rank, val in _reports(q, 4, 60, "started"):
             if kind == "done":
                 pytest.fail(f"rank {rank} ended before the failure: {val}")
             pids[rank] = val
@@ -262,13 +268,7 @@ def test_rank0_and_its_hosts_etcd_leader_killed_together_survivors_regroup(clust
         t_kill = time.time()
         os.kill(pids[0], signal.SIGKILL)  # host 0 fails: its worker and its etcd member at once
         cluster.kill(0)
-        deadline = time.monotonic() + 40
-        while len(results) < 3:
-            try:
-                kind, rank, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"only ranks {sorted(results)} recovered within 40 s of the kill (load {os.getloadavg()})")
-            results[rank] = val
+        results = {rank: val for _, rank, val in _reports(q, 3, 40, "recovered after the kill")}
     finally:
         reap(procs, timeout=5)
     errors = [f"rank {r}: {v['error']}" for r, v in results.items() if v.get("error")]
