@@ -184,6 +184,54 @@ def test_an_add_whose_answer_was_lost_applies_once(cluster: EtcdCluster) -> None
         proxy.close()
 
 
+CUT_OFF_CLIENT = """
+import datetime, json, sys, time
+from tenplex.elastic.etcd_store import EtcdStore
+s = EtcdStore(sys.argv[1].split(","), namespace="cut/", timeout=datetime.timedelta(seconds=20), request_timeout=0.5)
+t0 = time.monotonic()
+first = s.add("n", 1)
+took = time.monotonic() - t0
+s.append("l", "1,")
+print(json.dumps({"first": first, "took": took, "n": int(s.get("n")), "l": s.get("l").decode(),
+                  "cs": s.compare_set("c", "", "x").decode(), "failovers": s.failovers}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_leaders_host_cut_off_the_network_a_client_on_another_host_carries_on() -> None:
+    """Three hosts in network namespaces on a bridge (``netns.py``), one etcd member each; the leader's
+    host loses its link (its etcd keeps running, cut off: the silent failure, no connection reset).
+    A client on host 1 whose first endpoint is that member times out on it after ``request_timeout``,
+    moves on, and its operations commit on the two others (the cut-off leader cannot commit alone)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tenplex.errors import NetnsUnavailableError
+    from tenplex.train.netns import HostNetwork, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        network = HostNetwork.create(3)
+    except NetnsUnavailableError as e:
+        pytest.skip(f"network namespaces unavailable: {e}")
+    with network, EtcdCluster(3, nets=network.hosts) as c:
+        c.move_leader(0)
+        network.set_link(network.hosts[0], up=False)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        res = subprocess.run(network.hosts[1].command([sys.executable, "-c", CUT_OFF_CLIENT, ",".join(c.endpoints)]),
+                             capture_output=True, text=True, timeout=90, env=env)
+        assert res.returncode == 0, res.stderr[-2000:]
+        out = json.loads(res.stdout.splitlines()[-1])
+        assert out["first"] == 1 and out["n"] == 1 and out["l"] == "1," and out["cs"] == "x", out
+        assert out["failovers"] >= 1 and out["took"] < 10, out
+        lead = c.members[1].status()["leader"]
+        assert lead in {c.members[i].status()["header"]["member_id"] for i in (1, 2)}
+    print(f"\nfirst operation with the leader's host cut off: {out['took']:.3f} s ({out['failovers']} fail-overs)")
+
+
 # ---------------------------------------------------------------------------------------------
 # Membership over etcd: rank 0 and the etcd leader on its host die together
 # ---------------------------------------------------------------------------------------------

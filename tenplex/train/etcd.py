@@ -19,9 +19,9 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,10 +45,30 @@ def etcd_binary() -> str | None:
     return os.environ.get("TENPLEX_ETCD") or shutil.which("etcd")
 
 
-def _post(url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - an http:// URL we built
-        return json.loads(r.read())
+# one HTTP request from inside a host's namespace (the root namespace has no route to it)
+_FETCH = ("import json, sys, urllib.request as u\n"
+          "d = None if sys.argv[2] == '-' else sys.argv[2].encode()\n"
+          "r = u.Request(sys.argv[1], d, {'Content-Type': 'application/json'})\n"
+          "sys.stdout.write(u.urlopen(r, timeout=float(sys.argv[3])).read().decode())\n")
+
+
+def _call(net: HostNet, url: str, payload: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+    """GET (``payload`` None) or POST ``url`` as a process of host ``net`` would; its JSON answer.
+    OSError when it does not answer within ``timeout``."""
+    if not net.netns:
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - an http:// URL we built
+            return json.loads(r.read())
+    arg = "-" if payload is None else json.dumps(payload)
+    try:
+        res = subprocess.run(net.command([sys.executable, "-c", _FETCH, url, arg, str(timeout)]), capture_output=True,
+                             text=True, timeout=timeout + 10)
+    except subprocess.TimeoutExpired as e:
+        raise OSError(f"{url}: no answer within {timeout} s") from e
+    if res.returncode != 0:
+        raise OSError(f"{url}: {res.stderr.strip()[-300:]}")
+    return json.loads(res.stdout)
 
 
 class EtcdMember:
@@ -77,14 +97,17 @@ class EtcdMember:
     def healthy(self, timeout: float = 1.0) -> bool:
         """Whether this member answers and sees a leader (etcd's ``/health``)."""
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout) as r:  # noqa: S310
-                return json.loads(r.read()).get("health") == "true"
+            return self.call("/health", None, timeout).get("health") == "true"
         except (OSError, ValueError):
             return False
 
+    def call(self, path: str, payload: dict[str, Any] | None, timeout: float = 5.0) -> dict[str, Any]:
+        """GET (``payload`` None) or POST ``path`` of this member's client URL, from its own host."""
+        return _call(self.net, self.client_url + path, payload, timeout)
+
     def status(self, timeout: float = 1.0) -> dict[str, Any]:
         """etcd's maintenance status of this member (``header.member_id``, ``leader``: ids as strings)."""
-        return _post(f"{self.client_url}/v3/maintenance/status", {}, timeout)
+        return self.call("/v3/maintenance/status", {}, timeout)
 
     def kill(self) -> None:
         """A host failure: SIGKILL, no goodbye to the cluster."""
@@ -188,8 +211,8 @@ class EtcdCluster:
         while (cur := self.leader()) != to:
             target = self.members[to].status()["header"]["member_id"]
             try:
-                _post(f"{self.members[cur].client_url}/v3/maintenance/transfer-leadership", {"targetID": target}, 5.0)
-            except (urllib.error.URLError, OSError) as e:
+                self.members[cur].call("/v3/maintenance/transfer-leadership", {"targetID": target})
+            except (OSError, ValueError) as e:
                 log.info("moving the etcd leader to e%d: %s", to, e)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the etcd leadership did not move to e{to} within {timeout} s")
