@@ -85,6 +85,9 @@ class EtcdMember:
                "--initial-cluster", initial_cluster, "--initial-cluster-state", "new",
                "--initial-cluster-token", token, "--heartbeat-interval", str(HEARTBEAT_MS),
                "--election-timeout", str(ELECTION_MS), "--logger", "zap", "--log-level", "warn",
+               # every heartbeat is a write: without compaction the history grows by ~100 revisions a
+               # second until etcd's space quota stops all writes; keep the last 5 minutes
+               "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
                *(["--enable-v2=true"] if v2 else [])]
         self.log_path = data_dir.parent / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in kill
