@@ -223,6 +223,10 @@ class EtcdStore(dist.Store):
         return self._wait_for([key], None, "get")[0]
 
     def add(self, key: str, value: int) -> int:
+        if int(value) == 0:  # a read (Membership polls counters with add(k, 0)): no write unless the key is new
+            got = self._range([key])[0]
+            if got is not None:
+                return int(got[0] or b"0")
         return int(self._update(key, lambda old: str(int(old or b"0") + int(value)).encode()))
 
     def append(self, key: str, value: Any) -> None:
