@@ -27,6 +27,7 @@ __all__ = [
     "MigrationError",
     "PeerFailure",
     "MembershipError",
+    "EtcdStoreError",
 ]
 
 
@@ -127,3 +128,10 @@ class MembershipError(TenplexError, RuntimeError):
     """The survivors could not form a new group: this member was left out of the decision, a round
     did not decide within its timeout, or the rounds allowed ran out. The caller falls back to a
     restart (torchrun's, or its own)."""
+
+
+class EtcdStoreError(TenplexError, RuntimeError):
+    """The etcd membership store failed an operation: no endpoint of the cluster answered within
+    the store's timeout (a majority of its members is down), a key did not appear in time
+    (``get`` / ``wait``), or etcd refused the request. A ``RuntimeError`` as c10d's store errors
+    are, so :class:`~tenplex.elastic.membership_runtime.Membership` treats it as theirs."""

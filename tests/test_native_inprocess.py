@@ -365,14 +365,18 @@ def native_reference(steps: int) -> dict[int, tuple[float, list[int]]]:
     return out
 
 
-def _workers(tmp: Path, n: int, args: list[str], store_port: int, port: int | None = None) -> list[subprocess.Popen]:
+def _workers(tmp: Path, n: int, args: list[str], store_port: int | list[str],
+             port: int | None = None) -> list[subprocess.Popen]:
+    """``n`` workers of the example on env:// at ``port``; their membership store the TCPStore at
+    ``store_port``, or worker r's ``store_port[r]`` (a ``TENPLEX_MEMBERSHIP_STORE`` spec: etcd://...)."""
     port = port or free_port()
+    specs = store_port if isinstance(store_port, list) else [f"127.0.0.1:{store_port}"] * n
     procs = []
     with gloo_env():
         for r in range(n):
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
-                   "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store_port}",
+                   "TENPLEX_MEMBERSHIP_STORE": specs[r],
                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env,
                                           stdout=(tmp / f"worker{r}.log").open("w"), stderr=subprocess.STDOUT))

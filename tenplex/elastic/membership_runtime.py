@@ -648,15 +648,21 @@ class Membership:
 # the job's store and prefix
 # ---------------------------------------------------------------------------------------------
 def membership_store(timeout_s: float = 30.0) -> Any:
-    """A client of the job's long-lived store named by ``TENPLEX_MEMBERSHIP_STORE`` (``host:port``)."""
+    """A client of the job's long-lived store named by ``TENPLEX_MEMBERSHIP_STORE``: ``host:port`` (a
+    ``TCPStore``), or ``etcd://host:port,host:port,...`` (an :class:`~tenplex.elastic.etcd_store.EtcdStore`
+    over a replicated etcd cluster, this host's member first: no single point of failure)."""
     import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
 
+    from .etcd_store import ETCD_SCHEME, EtcdStore  # lazy: a torch.distributed.Store subclass
+
     spec = os.environ.get(MEMBERSHIP_STORE_ENV, "")
+    if spec.startswith(ETCD_SCHEME):
+        return EtcdStore.from_spec(spec, timeout=datetime.timedelta(seconds=timeout_s))
     host, _, port = spec.rpartition(":")
     if not host or not port.isdigit():
-        raise ConfigError(f"--in-process needs {MEMBERSHIP_STORE_ENV}=host:port, a c10d store that outlives every "
-                          f"worker (the standalone rendezvous store: torchrun's --rdzv-endpoint with "
-                          f"is_host=false); got {spec!r}")
+        raise ConfigError(f"--in-process needs {MEMBERSHIP_STORE_ENV}=host:port (or etcd://host:port,...), a c10d "
+                          f"store that outlives every worker (the standalone rendezvous store: torchrun's "
+                          f"--rdzv-endpoint with is_host=false; or an etcd cluster); got {spec!r}")
     return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 

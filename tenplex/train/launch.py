@@ -76,17 +76,25 @@ class RendezvousStore:
 
 class Agent:
     """``torchrun`` for one simulated node: ``nproc`` workers running ``program`` (default
-    ``-m tenplex.train``; a script path runs a user's own training script)."""
+    ``-m tenplex.train``; a script path runs a user's own training script).
+
+    ``rdzv_backend``: ``c10d`` (``endpoint`` the standalone ``RendezvousStore``) or ``etcd-v2``
+    (``endpoint`` this host's member of an etcd cluster started with ``v2=True``, torchrun's etcd
+    rendezvous through ``python-etcd``; pass the cluster's ``etcd://`` spec as
+    ``TENPLEX_MEMBERSHIP_STORE`` in ``env`` for the workers' membership)."""
 
     def __init__(self, name: str, endpoint: str, train_args: Sequence[str], *, nproc: int, min_nodes: int,
                  max_nodes: int, pid_dir: str, log_path: str, max_restarts: int = 3, run_id: str = "tenplex",
                  env: dict[str, str] | None = None, net: HostNet = LOOPBACK,
-                 program: Sequence[str] = ("-m", "tenplex.train")) -> None:
+                 program: Sequence[str] = ("-m", "tenplex.train"), rdzv_backend: str = "c10d") -> None:
+        if rdzv_backend not in ("c10d", "etcd-v2"):
+            raise ConfigError(f"rdzv_backend must be c10d or etcd-v2, got {rdzv_backend!r}")
         self.name, self.pid_dir, self.net = name, Path(pid_dir) / name, net
         self.pid_dir.mkdir(parents=True, exist_ok=True)
+        conf = "last_call_timeout=3,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={min_nodes}:{max_nodes}",
-               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-               f"--rdzv-id={run_id}", "--rdzv-conf=is_host=false,last_call_timeout=3,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3",
+               f"--nproc-per-node={nproc}", f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint={endpoint}",
+               f"--rdzv-id={run_id}", f"--rdzv-conf={'is_host=false,' if rdzv_backend == 'c10d' else ''}{conf}",
                f"--max-restarts={max_restarts}", "--monitor-interval=0.5",
                # in a namespace the hostname resolves to no address of this host: name the node by
                # its address (workers' MASTER_ADDR comes from the rank-0 node's)

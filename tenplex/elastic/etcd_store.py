@@ -1,0 +1,290 @@
+"""A c10d ``Store`` over a replicated etcd cluster (issue 31 item 3): the membership and rendezvous
+store with no single point of failure.
+
+The job's ``TCPStore`` is one process: the host running it takes the job down. etcd keeps every key
+on a majority of its members (Raft), so with three members, one per host, any one host can die.
+:class:`EtcdStore` speaks etcd's v3 JSON API (the gRPC gateway every ``etcd`` 3.4+ serves on its
+client URL; no client library) and implements the c10d operations tenplex uses: ``set``, ``get``,
+``add``, ``append``, ``compare_set``, ``check``, ``wait``, ``multi_get``, ``multi_set``,
+``delete_key``, ``num_keys``, ``clone``. It subclasses ``torch.distributed.Store``, so
+``PrefixStore`` and ``init_process_group(store=...)`` (gloo's rendezvous) take it as they take a
+``TCPStore``.
+
+Fail-over: the client talks to one endpoint (the first given: put the co-located member first) and
+moves to the next on a refused connection, a request that takes longer than ``request_timeout``
+(a member cut off or a cluster electing a leader) or a 5xx answer, cycling through all of them until
+the operation's deadline (the store's ``timeout``). Reads are linearizable (etcd's default): a
+value read from any member is the latest the majority agreed on.
+
+Atomicity: ``add`` and ``append`` are read-modify-write loops closed by a transaction comparing the
+key's ``mod_revision`` (no lost update between concurrent writers). A transaction whose answer was
+lost (the endpoint died, or answered slower than ``request_timeout``, after committing it) is
+retried on another member; it then applies once, not twice: the same transaction records the
+operation's sequence number and result under a key of this client, and the retry finds it.
+``compare_set`` retried reads its own value back and returns it, as the first try would have.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import http.client
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch.distributed as dist
+
+from ..errors import ConfigError, EtcdStoreError
+
+__all__ = ["EtcdStore", "ETCD_SCHEME", "parse_etcd_spec"]
+
+log = logging.getLogger(__name__)
+
+ETCD_SCHEME = "etcd://"
+_POLL_S = 0.01  # wait / get on a missing key: how often to look again
+_OPS = "\x00tenplex-etcdstore-ops/"  # each client's op record: outside every namespace's key range
+
+
+def parse_etcd_spec(spec: str) -> tuple[str, ...]:
+    """``etcd://host:port,host:port,...`` -> the client URLs ``http://host:port`` (at least one)."""
+    if not spec.startswith(ETCD_SCHEME):
+        raise ConfigError(f"an etcd store is named {ETCD_SCHEME}host:port[,host:port...], got {spec!r}")
+    urls = []
+    for part in spec[len(ETCD_SCHEME):].split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"etcd endpoint {part!r} of {spec!r} is not host:port")
+        urls.append(f"http://{host}:{port}")
+    return tuple(urls)
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else bytes(data)).decode()
+
+
+def _unb64(data: str | None) -> bytes:
+    return base64.b64decode(data) if data else b""
+
+
+def _bytes(value: Any) -> bytes:
+    """A c10d value (str, bytes, or a list of ints from a C++ caller) as bytes."""
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+class _Retry(Exception):
+    """This endpoint failed in a way the next one may not (connection, timeout, 5xx)."""
+
+
+class EtcdStore(dist.Store):
+    """A c10d store over the etcd cluster at ``endpoints`` (client URLs ``http://host:port``; the
+    co-located member first), keys under ``namespace``. ``timeout``: the deadline of one operation,
+    fail-overs and waits for missing keys included; ``request_timeout``: how long one HTTP request
+    may take before the client moves to the next endpoint. Thread-safe (one lock per instance);
+    :meth:`clone` gives another connection for another thread."""
+
+    def __init__(self, endpoints: Sequence[str], *, namespace: str = "tenplex/",
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=30), request_timeout: float = 0.5) -> None:
+        super().__init__()
+        if not endpoints:
+            raise ConfigError("an EtcdStore needs at least one endpoint (http://host:port)")
+        if request_timeout <= 0:
+            raise ConfigError(f"request_timeout must be > 0 s, got {request_timeout}")
+        self.endpoints = tuple(endpoints)
+        self.namespace = namespace
+        self.request_timeout = request_timeout
+        self.set_timeout(timeout)
+        self.host = urlsplit(self.endpoints[0]).hostname  # where peers' links look for this host's interface
+        self._current = 0
+        self._conns: dict[int, http.client.HTTPConnection] = {}
+        self._lock = threading.RLock()
+        self._op_key = _b64(f"{_OPS}{uuid.uuid4().hex}")  # this client's last add / append (outside namespace)
+        self._seq = 0
+        self.failovers = 0  # how often a request moved to another endpoint (for tests and logs)
+
+    @classmethod
+    def from_spec(cls, spec: str, **kwargs: Any) -> EtcdStore:
+        """The store named ``etcd://host:port,...`` (:func:`parse_etcd_spec`)."""
+        return cls(parse_etcd_spec(spec), **kwargs)
+
+    # -- transport -----------------------------------------------------------------------------
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout.total_seconds()
+
+    def _post_once(self, i: int, path: str, body: bytes) -> dict[str, Any]:
+        conn = self._conns.get(i)
+        if conn is None:
+            u = urlsplit(self.endpoints[i])
+            conn = self._conns[i] = http.client.HTTPConnection(u.hostname, u.port, timeout=self.request_timeout)
+        try:
+            conn.request("POST", path, body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, closed mid-answer
+            conn.close()
+            del self._conns[i]
+            raise _Retry(f"{self.endpoints[i]}: {type(e).__name__}: {e}") from e
+        if resp.status >= 500:  # no leader, request timed out, member stopping: another member may answer
+            raise _Retry(f"{self.endpoints[i]}: HTTP {resp.status}: {data[:200]!r}")
+        if resp.status != 200:
+            raise EtcdStoreError(f"etcd {self.endpoints[i]}{path} refused the request: HTTP {resp.status}: "
+                                 f"{data[:300]!r}")
+        return json.loads(data)
+
+    def _post(self, path: str, payload: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
+        """POST ``payload`` to the current endpoint, failing over to the others until ``deadline``."""
+        body = json.dumps(payload).encode()
+        deadline = self._deadline() if deadline is None else deadline
+        errors: list[str] = []
+        with self._lock:
+            while True:
+                for _ in range(len(self.endpoints)):
+                    i = self._current
+                    try:
+                        return self._post_once(i, path, body)
+                    except _Retry as e:
+                        errors = [*errors[-len(self.endpoints) + 1:], str(e)]
+                        self._current = (i + 1) % len(self.endpoints)
+                        self.failovers += 1
+                        log.info("etcd store: %s; trying %s", e, self.endpoints[self._current])
+                    if time.monotonic() > deadline:
+                        raise EtcdStoreError(f"no etcd endpoint of {list(self.endpoints)} answered {path} within "
+                                             f"{self.timeout.total_seconds():.1f} s (a majority down?): {errors}")
+                time.sleep(0.05)  # every endpoint failed once: a leader election takes a few hundred ms
+
+    def _k(self, key: str) -> str:
+        return _b64(self.namespace + key)
+
+    def _range(self, keys: Sequence[str], *, keys_only: bool = False,
+               deadline: float | None = None) -> list[tuple[bytes, int] | None]:
+        """(value, mod_revision) of each key, None where missing: one read-only transaction."""
+        ops = [{"request_range": {"key": self._k(k), **({"keys_only": True} if keys_only else {})}} for k in keys]
+        resp = self._post("/v3/kv/txn", {"success": ops}, deadline)
+        out: list[tuple[bytes, int] | None] = []
+        for r in resp.get("responses", []):
+            kvs = r.get("response_range", {}).get("kvs", [])
+            out.append((_unb64(kvs[0].get("value")), int(kvs[0].get("mod_revision", 0))) if kvs else None)
+        if len(out) != len(keys):
+            raise EtcdStoreError(f"etcd answered {len(out)} ranges for {len(keys)} keys: {resp}")
+        return out
+
+    def _update(self, key: str, change: Any) -> bytes:
+        """Set ``key`` to ``change(old value or None)`` atomically (compare the revision read); the new value.
+
+        The same transaction records ``{seq}:{new}`` under this client's op key: a retry whose first
+        try committed (its answer lost with the endpoint) finds its own record and returns that value
+        instead of applying the change twice."""
+        deadline = self._deadline()
+        self._seq += 1
+        mark = f"{self._seq}:".encode()
+        got = self._range([key], deadline=deadline)[0]
+        while True:
+            old, rev = got if got is not None else (None, 0)
+            new = change(old)
+            resp = self._post("/v3/kv/txn", {
+                "compare": [{"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(rev)}],
+                "success": [{"request_put": {"key": self._k(key), "value": _b64(new)}},
+                            {"request_put": {"key": self._op_key, "value": _b64(mark + new)}}],
+                "failure": [{"request_range": {"key": self._k(key)}}, {"request_range": {"key": self._op_key}}]},
+                deadline)
+            if resp.get("succeeded"):
+                return new
+            ours = resp["responses"][1].get("response_range", {}).get("kvs", [])
+            if ours and _unb64(ours[0].get("value")).startswith(mark):  # an earlier try of this op committed
+                return _unb64(ours[0].get("value"))[len(mark):]
+            kvs = resp["responses"][0].get("response_range", {}).get("kvs", [])
+            got = (_unb64(kvs[0].get("value")), int(kvs[0].get("mod_revision", 0))) if kvs else None
+
+    def _wait_for(self, keys: Sequence[str], timeout: datetime.timedelta | None, what: str) -> list[bytes]:
+        """The values of ``keys`` once all exist; EtcdStoreError after ``timeout`` (default the store's)."""
+        limit = (timeout or self.timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        while True:
+            got = self._range(keys, deadline=max(deadline, time.monotonic() + self.request_timeout))
+            if all(g is not None for g in got):
+                return [g[0] for g in got if g is not None]
+            if time.monotonic() > deadline:
+                missing = [k for k, g in zip(keys, got) if g is None]
+                raise EtcdStoreError(f"{what}: keys {missing} did not appear within {limit:.1f} s")
+            time.sleep(_POLL_S)
+
+    # -- the c10d Store operations -------------------------------------------------------------
+    def set(self, key: str, value: Any) -> None:
+        self._post("/v3/kv/put", {"key": self._k(key), "value": _b64(_bytes(value))})
+
+    def get(self, key: str) -> bytes:
+        return self._wait_for([key], None, "get")[0]
+
+    def add(self, key: str, value: int) -> int:
+        if int(value) == 0:  # a read (Membership polls counters with add(k, 0)): no write unless the key is new
+            got = self._range([key])[0]
+            if got is not None:
+                return int(got[0] or b"0")
+        return int(self._update(key, lambda old: str(int(old or b"0") + int(value)).encode()))
+
+    def append(self, key: str, value: Any) -> None:
+        self._update(key, lambda old: (old or b"") + _bytes(value))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        """c10d's rule: a missing key is set when ``expected`` is empty; a key holding ``expected`` is
+        set; either way ``desired`` is returned. Otherwise the current value (``expected`` for a
+        missing key)."""
+        exp, want = _bytes(expected), _bytes(desired)
+        cmp = ({"target": "CREATE", "create_revision": "0"} if not exp else {"target": "VALUE", "value": _b64(exp)})
+        resp = self._post("/v3/kv/txn", {
+            "compare": [{"key": self._k(key), "result": "EQUAL", **cmp}],
+            "success": [{"request_put": {"key": self._k(key), "value": _b64(want)}}],
+            "failure": [{"request_range": {"key": self._k(key)}}]})
+        if resp.get("succeeded"):
+            return want
+        kvs = resp["responses"][0].get("response_range", {}).get("kvs", [])
+        return _unb64(kvs[0].get("value")) if kvs else exp
+
+    def check(self, keys: list[str]) -> bool:
+        return all(g is not None for g in self._range(keys, keys_only=True))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._wait_for(keys, timeout, "wait")
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._wait_for(keys, None, "multi_get")
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        ops = [{"request_put": {"key": self._k(k), "value": _b64(_bytes(v))}} for k, v in zip(keys, values)]
+        self._post("/v3/kv/txn", {"success": ops})
+
+    def delete_key(self, key: str) -> bool:
+        return int(self._post("/v3/kv/deleterange", {"key": self._k(key)}).get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        start = self.namespace.encode()
+        end = start[:-1] + bytes([start[-1] + 1]) if start else b"\0"
+        resp = self._post("/v3/kv/range", {"key": _b64(start), "range_end": _b64(end), "count_only": True})
+        return int(resp.get("count", 0))
+
+    def has_extended_api(self) -> bool:
+        return True  # append, multi_get, multi_set
+
+    def clone(self) -> EtcdStore:
+        """Another client of the same cluster and namespace (its own connections), current endpoint first."""
+        order = self.endpoints[self._current:] + self.endpoints[:self._current]
+        return EtcdStore(order, namespace=self.namespace, timeout=self.timeout, request_timeout=self.request_timeout)
+
+    def close(self) -> None:
+        """Drop this client's op record and its connections."""
+        if self._seq:
+            try:
+                self._post("/v3/kv/deleterange", {"key": self._op_key}, time.monotonic() + self.request_timeout)
+            except EtcdStoreError as e:
+                log.debug("etcd store: op record not removed: %s", e)
+        with self._lock:
+            for c in self._conns.values():
+                c.close()
+            self._conns.clear()
