@@ -33,7 +33,9 @@ from ..layout.config import ParallelConfig
 from ..layout.ptc import PTC
 from ..layout.state_layout import StateLayout
 from ..planning.choose import Chooser, MeshChooser, check_fits
-from . import LiveState, RescaleResult, live_order, rescale
+from .live import LiveState, live_order
+from .rescale import rescale
+from .result import RescaleResult
 from .latency import RecoveryTimes, full_replica_bytes
 from .membership import NewMembership
 from .membership_runtime import Membership

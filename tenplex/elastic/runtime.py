@@ -59,13 +59,16 @@ from ..native.state_dict import describe_state_dict, local_shard, save_state_dic
 from ..planning.assignment import load_solvers
 from ..planning.choose import MESH_DIMS, MeshChooser, choose_mesh, predict_layout
 from ..planning.planner import plan
-from . import live_order, rescale
+from .live import live_order
+from .rescale import rescale
 from .inprocess import JOIN_FAILED, RECOVERY_FAILED, RecoveryConfig, recover_in_process, warm_up
 from .latency import RESTART, RecoveryTimes
 from .membership_runtime import Membership, join_membership, membership_store, start_membership
 from .ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
 
 __all__ = ["ElasticRuntime", "RuntimeConfig", "Step"]
+
+_GROUP_BEFORE_IMPORT = dist.is_initialized()  # see the imports above
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +177,10 @@ class ElasticRuntime:
         self._filled: dict[str, Any] = {}
         self._done_at = 0.0  # perf_counter when the last recovery's state was in place
         t_start = time.perf_counter()
+        if _GROUP_BEFORE_IMPORT:
+            log.warning("the default process group existed before tenplex.elastic.runtime (and DCP) were imported: "
+                        "torch.distributed.nn.functional may keep it alive past a failure, and peers blocked on "
+                        "it wait; let the runtime create it, or import torch.distributed.checkpoint first")
         if cfg.join:
             self.rank, self.world_size = -1, 0
         else:

@@ -46,6 +46,7 @@ from ..elastic.inprocess import DIE_POINTS, JOIN_FAILED, RECOVERY_FAILED, DieAt,
     recover_in_process, warm_up
 from ..elastic.membership_runtime import JOB_ENV, MEMBERSHIP_STORE_ENV, Membership, job_key, join_membership, \
     membership_store, start_membership
+from ..elastic.latency import RecoveryTimes
 from ..elastic.ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
 from ..errors import CheckpointMismatchError, CheckpointWriteError, ConfigError, PeerFailure, TenplexError
 from ..layout.config import ParallelConfig
@@ -643,6 +644,12 @@ class _Loop:
             _record(ring, trainer)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {trainer.step}")
+        if self.recovered is not None and self.recovered.get("latency"):  # the recovery's table, its first step done
+            times = RecoveryTimes(**{k: v for k, v in self.recovered["latency"].items() if k != "total_s"})
+            times = times.with_first_step(time.perf_counter() - t0)
+            self.recovered["latency"] = times.to_json()
+            if self.rank == 0:
+                log.warning("%s", times.table())
         if self.rank == 0:
             _emit(tc.log, {"step": trainer.step, "loss": loss, "world_size": self.world, "dp": state.cfg.dp,
                            "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
@@ -788,7 +795,9 @@ def _recovery_record(rec: LiveRecovery, before: ParallelConfig | None, step: int
             "bytes_local": rec.bytes["local"], "storage_urls": list(rec.storage_urls),
             "plan_bytes_moved": stats.bytes_moved if stats else 0,
             "plan_bytes_peer": (stats.bytes_same_host + stats.bytes_cross_host) if stats else 0,
-            "plan_bytes_storage": stats.bytes_storage if stats else 0}
+            "plan_bytes_storage": stats.bytes_storage if stats else 0, "bytes_full_replica": rec.full_replica,
+            # the latency table (issue 31 item 4); its first step is added by that step's record
+            "latency": rec.times.to_json() if rec.times is not None else None}
 
 
 def _host_store(spec: str | None) -> Any:
