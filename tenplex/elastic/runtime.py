@@ -306,7 +306,8 @@ class ElasticRuntime:
             restart_s = time.perf_counter() - t0 - res.timings["load"]
             self.times = RecoveryTimes(RESTART, restart_s=max(0.0, restart_s), load_s=res.timings["load"],
                                        bytes_storage=res.load_stats.bytes_read)
-            self._latency_due = {"event": "restart", "step": self.step}
+            self._latency_due = self.start  # its table is logged after the first step (the start record: without it)
+            self.start["latency"] = self.times.to_json()
         self.start["startup_s"] = time.perf_counter() - t0
         self._done_at = time.perf_counter()
 
@@ -365,7 +366,8 @@ class ElasticRuntime:
         record["latency"] = self.times.to_json()
         if self.rank == 0:
             log.warning("%s", self.times.table())
-            self._emit(record)
+            if record.get("event") == "recover":  # the start record went out at the start
+                self._emit(record)
 
     def _emit(self, record: dict[str, Any]) -> None:
         if self.on_event is not None:
@@ -418,7 +420,8 @@ class ElasticRuntime:
         assert m is not None and ring is not None
         joining = m.joining
         self.failure = None
-        if self._latency_due is not None and self.rank == 0:  # the previous recovery's first step never ran
+        if self._latency_due is not None and self._latency_due.get("event") == "recover" and self.rank == 0:
+            # the previous recovery's first step never ran: its record without it
             self._emit(self._latency_due)
         self._latency_due = None
         try:
