@@ -1,11 +1,11 @@
 """A torch-native training job that uses tenplex: the example of docs/your_model.md.
 
 The model is plain torch (``native_llama.py``: a Llama parallelized with torch's own TP and
-FSDP2 APIs). tenplex adds three calls: ``choose_mesh`` at start-up (the mesh for however many
-workers torchrun started), ``rescale`` (fill the freshly built model and optimizer in place from
-the newest checkpoint, whatever mesh wrote it; a fresh start without one), ``save_state_dict``
-every K steps; batches come from tenplex's dataset index reader, so a rescale continues the same
-sample order.
+FSDP2 APIs). tenplex adds one object, ``tenplex.ElasticRuntime``: given ``build(mesh)`` and the
+job's mesh rule it builds the mesh for however many workers torchrun started, fills the freshly
+built model and optimizer in place from the newest checkpoint (whatever mesh wrote it; a fresh
+start without one) and saves every K steps; batches come from tenplex's dataset index reader, so a
+rescale continues the same sample order.
 
     torchrun --nproc-per-node=4 examples/train_native.py --ckpt /tmp/ckpt --steps 12 --log /tmp/log.jsonl
 

@@ -125,13 +125,15 @@ class Step:
             self._guard.enter_context(self.rt.guard())  # PeerFailure: a death the heartbeats found just now
         except PeerFailure as e:  # the block runs on a broken group: its result is not committed
             self.rt.failure, self._failed = str(e), True
+            assert self.rt.membership is not None
+            self.rt.membership.destroy_group()  # as the guard does: its collectives fail at once, and the peers' too
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         rt = self.rt
         assert self._guard is not None
         if self._failed:  # the step is redone after the recovery; a collective's error on the broken group is expected
-            return kind is None or issubclass(kind, (PeerFailure, RuntimeError))
+            return kind is None or issubclass(kind, Exception)  # a bug of the job's comes back in the redone step
         try:
             if self._guard.__exit__(kind, exc, tb):
                 return True
