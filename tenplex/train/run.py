@@ -570,9 +570,12 @@ class _Loop:
                 assert self.state is not None
                 membership.order = live_order(self.ptc, self.state.cfg, self.choose, membership.members)
             rec = recover_in_process(membership, ring, lambda nm: self.ptc, config, join=regroup == "join")
+            t_built = time.perf_counter()
             self.groups = init_distributed(rec.result.cfg, timeout_s=tc.pg_timeout)
             self.trainer = Trainer(tc, self.ptc, self.groups, rec.result, self.start.corpus) if self.groups.placed \
                 else Spare(tc, self.groups, rec.result)
+            if rec.times is not None:  # the trainer's groups and modules for the new layout: its rebuild
+                rec = dataclasses.replace(rec, times=rec.times.with_extra(rebuild_s=time.perf_counter() - t_built))
         except Exception as e2:  # noqa: BLE001 - any failure here: the launcher's restart takes over
             self._recovery_failed(e2)
         before = self.state.cfg if self.state is not None else rec.result.previous
