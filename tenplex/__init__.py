@@ -4,7 +4,8 @@ The public surface (``__all__``): layouts (:class:`ParallelConfig`), paralleliza
 collections (:class:`PTC`, :class:`TensorSpec` and its partition specs :class:`Replicated`,
 :class:`Split`), model builders (:func:`model_ptc`), checkpoints (:func:`save`, :func:`load`,
 :func:`list_steps`; a torch-native job's own state dict: :func:`save_state_dict`, :func:`load_state_dict`),
-rescaling a job (:func:`rescale`, reading from :class:`Tier` s), the planner (:func:`plan`), choosing a
+rescaling a job (:func:`rescale`, reading from :class:`Tier` s), in-process elasticity for your own
+loop (:class:`ElasticRuntime`), the planner (:func:`plan`), choosing a
 layout (:func:`choose_layout`, :func:`estimate_memory`), importing and exporting checkpoints of other
 formats (:func:`import_hf`, :func:`import_dcp`, :func:`import_checkpoint`, :func:`export_hf`) and the
 errors (:class:`TenplexError` and its main subclasses; every error class is in :mod:`tenplex.errors`).
@@ -38,6 +39,7 @@ from .planning.planner import plan
 #: networkx (0.3-1 s of a restarted job's start on a loaded host; #29 item 3).
 _LAZY = {
     "rescale": "elastic",
+    "ElasticRuntime": "elastic",
     "export_hf": "checkpoint.hf_export",
     "import_checkpoint": "checkpoint.auto_import",
     "import_dcp": "checkpoint.dcp_import",
@@ -49,7 +51,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
-    from .elastic import rescale
+    from .elastic import ElasticRuntime, rescale
     from .checkpoint.auto_import import import_checkpoint
     from .checkpoint.dcp_import import import_dcp
     from .checkpoint.hf_export import export_hf
@@ -92,6 +94,7 @@ __all__ = [
     "load_state_dict",
     # rescaling a running job
     "rescale",
+    "ElasticRuntime",
     "Tier",
     # planning and choosing layouts
     "plan",

@@ -33,7 +33,10 @@ from ..layout.config import ParallelConfig
 from ..layout.ptc import PTC
 from ..layout.state_layout import StateLayout
 from ..planning.choose import Chooser, MeshChooser, check_fits
-from . import LiveState, RescaleResult, live_order, rescale
+from .live import LiveState, live_order
+from .rescale import rescale
+from .result import RescaleResult
+from .latency import RecoveryTimes, full_replica_bytes
 from .membership import NewMembership
 from .membership_runtime import Membership
 from .ring import StateRing
@@ -149,7 +152,9 @@ class LiveRecovery:
     newest: int  # the newest step any survivor had completed (``result.step`` is the one moved)
     storage_urls: tuple[str, ...] = ()  # where survivors read pieces no survivor held
     rebuild_s: float = 0.0  # seconds of ``build`` (a torch-native job's model for the new group)
+    full_replica: int = 0  # bytes a full-replica copy (torchft's heal) would move for this failure
     rescaled_at: float = 0.0  # time.time() when rescale returned, before the group-wide sums above
+    times: RecoveryTimes | None = None  # the latency table (its first step: the caller's to add)
 
 
 @dataclass(frozen=True)
@@ -190,7 +195,7 @@ def recover_in_process(m: Membership, ring: StateRing, build: Callable[[NewMembe
     ``ring.held_as`` says). A joiner (``m.joining``: an empty ring) waits up to
     ``config.join_timeout`` s to be admitted and receives its state. Every member and joiner of
     the new group calls it; it raises on any failure (the caller exits with RECOVERY_FAILED)."""
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     held = ring.held_as
     if m.joining:
         nm = m.admit(config.join_timeout)
@@ -215,12 +220,17 @@ def recover_in_process(m: Membership, ring: StateRing, build: Callable[[NewMembe
     res = rescale(config.url, target, choose=config.choose, gpus_per_host=config.gpus_per_host, tiers=config.tiers,
                   live=live)
     t3, rescaled_at = time.perf_counter(), time.time()
-    return dataclasses.replace(_summary(nm, res, ring, recover_s=t1 - t0, rescale_s=t3 - t2), rebuild_s=t2 - t1,
-                               rescaled_at=rescaled_at)
+    ptc = held.ptc if held is not None and held.ptc is not None else target if isinstance(target, PTC) else None
+    rec = _summary(nm, res, ring, recover_s=t1 - t0, rescale_s=t3 - t2,
+                   full_replica=full_replica_bytes(ptc) if ptc is not None else 0)
+    times = RecoveryTimes.in_process(detect_s=nm.detect_s, unwind_s=wall0 - nm.failed_at, agree_s=nm.agree_s,
+                                     regroup_s=nm.regroup_s, rebuild_s=t2 - t1, timings=rec.slowest,
+                                     bytes_moved=rec.bytes, full_replica=rec.full_replica)
+    return dataclasses.replace(rec, rebuild_s=t2 - t1, rescaled_at=rescaled_at, times=times)
 
 
 def _summary(nm: NewMembership, res: RescaleResult, ring: StateRing, *, recover_s: float,
-             rescale_s: float) -> LiveRecovery:
+             rescale_s: float, full_replica: int) -> LiveRecovery:
     """The recovery as the whole new group saw it (collectives over it): bytes summed, the newest
     step any survivor held, the slowest rank's timings, the storage URLs read."""
     b = res.bytes_by_tier
@@ -229,9 +239,9 @@ def _summary(nm: NewMembership, res: RescaleResult, ring: StateRing, *, recover_
     newest = torch.tensor([max(ring.states(), default=-1)], dtype=torch.int64)
     dist.all_reduce(newest, op=dist.ReduceOp.MAX)
     views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (res.storage_url, res.timings))
+    dist.all_gather_object(views, (res.storage_url, res.timings, full_replica))
     urls = [v[0] for v in views]
     slowest = {k: max(v[1].get(k, 0.0) for v in views) for k in res.timings}  # the recovery waits for the slowest
     return LiveRecovery(nm, res, recover_s, rescale_s, slowest,
                         {"live": int(sums[0]), "storage": int(sums[1]), "local": int(sums[2])}, int(newest.item()),
-                        tuple(sorted({u for u in urls if u})))
+                        tuple(sorted({u for u in urls if u})), full_replica=max(v[2] for v in views))

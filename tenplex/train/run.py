@@ -46,6 +46,7 @@ from ..elastic.inprocess import DIE_POINTS, JOIN_FAILED, RECOVERY_FAILED, DieAt,
     recover_in_process, warm_up
 from ..elastic.membership_runtime import JOB_ENV, MEMBERSHIP_STORE_ENV, Membership, job_key, join_membership, \
     membership_store, start_membership
+from ..elastic.latency import RecoveryTimes
 from ..elastic.ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
 from ..errors import CheckpointMismatchError, CheckpointWriteError, ConfigError, PeerFailure, TenplexError
 from ..layout.config import ParallelConfig
@@ -569,9 +570,12 @@ class _Loop:
                 assert self.state is not None
                 membership.order = live_order(self.ptc, self.state.cfg, self.choose, membership.members)
             rec = recover_in_process(membership, ring, lambda nm: self.ptc, config, join=regroup == "join")
+            t_built = time.perf_counter()
             self.groups = init_distributed(rec.result.cfg, timeout_s=tc.pg_timeout)
             self.trainer = Trainer(tc, self.ptc, self.groups, rec.result, self.start.corpus) if self.groups.placed \
                 else Spare(tc, self.groups, rec.result)
+            if rec.times is not None:  # the trainer's groups and modules for the new layout: its rebuild
+                rec = dataclasses.replace(rec, times=rec.times.with_extra(rebuild_s=time.perf_counter() - t_built))
         except Exception as e2:  # noqa: BLE001 - any failure here: the launcher's restart takes over
             self._recovery_failed(e2)
         before = self.state.cfg if self.state is not None else rec.result.previous
@@ -643,6 +647,12 @@ class _Loop:
             _record(ring, trainer)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {trainer.step}")
+        if self.recovered is not None and self.recovered.get("latency"):  # the recovery's table, its first step done
+            times = RecoveryTimes(**{k: v for k, v in self.recovered["latency"].items() if k != "total_s"})
+            times = times.with_first_step(time.perf_counter() - t0)
+            self.recovered["latency"] = times.to_json()
+            if self.rank == 0:
+                log.warning("%s", times.table())
         if self.rank == 0:
             _emit(tc.log, {"step": trainer.step, "loss": loss, "world_size": self.world, "dp": state.cfg.dp,
                            "tp": state.cfg.tp, "pp": state.cfg.pp, "samples": samples.tolist(),
@@ -788,7 +798,9 @@ def _recovery_record(rec: LiveRecovery, before: ParallelConfig | None, step: int
             "bytes_local": rec.bytes["local"], "storage_urls": list(rec.storage_urls),
             "plan_bytes_moved": stats.bytes_moved if stats else 0,
             "plan_bytes_peer": (stats.bytes_same_host + stats.bytes_cross_host) if stats else 0,
-            "plan_bytes_storage": stats.bytes_storage if stats else 0}
+            "plan_bytes_storage": stats.bytes_storage if stats else 0, "bytes_full_replica": rec.full_replica,
+            # the latency table (issue 31 item 4); its first step is added by that step's record
+            "latency": rec.times.to_json() if rec.times is not None else None}
 
 
 def _host_store(spec: str | None) -> Any:

@@ -1,0 +1,70 @@
+"""The smallest elastic torch-native job: the user's own loop with ``tenplex.ElasticRuntime``.
+
+The loop of docs/your_model.md, runnable: a plain-torch Llama (``native_llama.py``) under FSDP2 over
+every worker. Under torchrun (or any env:// launcher) with ``TENPLEX_MEMBERSHIP_STORE=host:port`` (a
+c10d store that outlives the workers), a worker's death makes the others rebuild the model for
+their number and continue in process from the newest state they hold. ``--kill-at RANK:STEP``
+(testing) SIGKILLs that rank in the forward pass of that step.
+
+    TENPLEX_MEMBERSHIP_STORE=127.0.0.1:29400 torchrun --nproc-per-node=4 examples/elastic_loop.py --ckpt /tmp/c
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import native_llama as nl  # noqa: E402 - the user's model, next to this script
+
+import tenplex  # noqa: E402
+from tenplex.data import DataState, global_batch_ids, stdlib_corpus  # noqa: E402
+from tenplex.data.batches import IndexBatches  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=12)
+    p.add_argument("--log", default="", help="JSON lines: rank 0's steps and the runtime's events")
+    p.add_argument("--kill-at", default="", help="testing: RANK:STEP, SIGKILL in that step's forward pass")
+    args = p.parse_args()
+    kill = tuple(map(int, args.kill_at.split(":"))) if args.kill_at else None
+    first_rank = int(os.environ.get("RANK", "0"))
+    cfg = dataclasses.replace(nl.PRESETS["tiny"], vocab_size=259, seq_len=16)
+    corpus = stdlib_corpus(16)
+    batches = IndexBatches(corpus)
+
+    def log(record: dict[str, Any]) -> None:
+        if args.log:
+            with open(args.log, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    # --- the job with tenplex: build for a mesh, a mesh rule, the runtime, one `with step:` per step
+    def build(mesh: Any) -> tuple[Any, Any]:
+        model = nl.parallelize(nl.reference_model(cfg, seed=0), mesh)
+        return model, nl.make_optimizer(model)
+
+    rt = tenplex.ElasticRuntime(build, lambda world: {"dp_shard": world}, ckpt=args.ckpt, ckpt_every=2,
+                                data=DataState(corpus.num_samples, args.global_batch, seed=1),
+                                dead_after=2.0, on_event=log)
+    for step in rt.steps(args.steps):
+        with step:
+            raw = batches.batch(rt.data, rt.dp_size, rt.dp_rank)
+            if kill == (first_rank, rt.step):
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss = nl.train_step(rt.model, rt.optimizer, raw[:, :-1], raw[:, 1:])
+            if rt.rank == 0:
+                log({"step": rt.step, "loss": loss, "world_size": rt.world_size,
+                     "samples": global_batch_ids(rt.data).tolist()})
+
+
+if __name__ == "__main__":
+    main()

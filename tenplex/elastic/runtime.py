@@ -1,0 +1,510 @@
+"""``ElasticRuntime``: in-process elasticity for the user's own training loop (issue #31 item 1).
+
+The user gives ``build(mesh) -> (model, optimizer)`` and a mesh rule (world size -> mesh dims, as
+``tenplex.planning.choose.choose_mesh`` takes); the runtime owns the rest: the mesh, the resume
+from the newest checkpoint, the membership and its liveness, the state ring and its pins, the
+SIGTERM flush, joiners, the agreement, ``rescale(..., live=...)`` through
+:func:`~tenplex.elastic.inprocess.recover_in_process` (the path the reference trainer recovers
+through too) and the restart fallback (exit code ``RECOVERY_FAILED``). The loop stays the user's:
+
+    rt = ElasticRuntime(build, rule, ckpt=url, data=DataState(n, batch, seed=1), ckpt_every=100)
+    for step in rt.steps(total):
+        with step:                                   # one call per step
+            x = batches.batch(rt.data, rt.dp_size, rt.dp_rank)
+            loss = train_step(rt.model, rt.optimizer, x)
+
+Contract: read ``rt.model``, ``rt.optimizer``, ``rt.mesh``, ``rt.data``, ``rt.step``, ``rt.dp_rank``
+and ``rt.dp_size`` inside the ``with`` block of every step and keep no reference across steps:
+after a recovery they are the rebuilt ones (a new mesh, a new model and optimizer holding the
+survivors' state, possibly an earlier step and data position). A peer failure inside the block
+(or in the runtime's work after it: the ring copy, the checkpoint) ends that step; the next
+iteration of ``steps`` recovers in process before it yields, out of the failed step's frames, and
+the step is redone on the new mesh. Leaving the block without an exception commits the step:
+``step`` + 1, ``data`` advanced, this rank's state into the ring, the periodic checkpoint, the
+joiners' boundary. Every recovery's latency table (:class:`~tenplex.elastic.latency.RecoveryTimes`)
+is logged after its first step and given to ``on_event`` with the recovery's record.
+
+A process started with ``join=True`` (no ``RANK``/``WORLD_SIZE``; the job's
+``TENPLEX_MEMBERSHIP_STORE`` and ``TENPLEX_JOB_ID`` or ``MASTER_ADDR``/``MASTER_PORT``) is admitted
+at the job's next step boundary and receives its state live. Not done yet: ranks beyond the
+rule's mesh as spares (the rule must use every rank, as ``choose_mesh`` requires).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+# at import, before any process group exists: torch.distributed.nn.functional (DCP imports it) binds
+# group.WORLD as its functions' default argument when imported; imported after init_process_group, it
+# kept the first default group alive past its destruction, and the peers blocked on its connections
+# waited until this process exited (measured: 40 s of a recovery, then the agreement timed out)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+
+from ..checkpoint import default_save_id, list_steps, save
+from ..data.partition import DataState
+from ..errors import ConfigError, LayoutError, PeerFailure
+from ..native.dtensor import release_mesh
+from ..native.state_dict import describe_state_dict, local_shard, save_state_dict
+from ..planning.assignment import load_solvers
+from ..planning.choose import MESH_DIMS, MeshChooser, choose_mesh, predict_layout
+from ..planning.planner import plan
+from .live import live_order
+from .rescale import rescale
+from .inprocess import JOIN_FAILED, RECOVERY_FAILED, RecoveryConfig, recover_in_process, warm_up
+from .latency import RESTART, RecoveryTimes
+from .membership_runtime import Membership, join_membership, membership_store, start_membership
+from .ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
+
+__all__ = ["ElasticRuntime", "RuntimeConfig", "Step"]
+
+_GROUP_BEFORE_IMPORT = dist.is_initialized()  # see the imports above
+
+log = logging.getLogger(__name__)
+
+Build = Callable[[Any], tuple[Any, Any]]  # build(mesh) -> (model, optimizer)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How an :class:`ElasticRuntime` runs. ``ckpt``: the checkpoint URL (resume, periodic saves,
+    pieces no survivor holds); ``ckpt_every``: steps between checkpoints (0: only the last step);
+    ``in_process``: recover in process (needs ``TENPLEX_MEMBERSHIP_STORE``), else only save and
+    resume (torchrun's restart is the recovery); ``join``: this process joins a running job;
+    ``dead_after``: heartbeat silence (s) that means death; ``join_timeout``: seconds a joiner waits
+    to be admitted; ``keep``: states the ring keeps; ``device``: "cuda" or "cpu" (default: cuda when
+    available); ``before_save``: testing, called with the step before each checkpoint."""
+
+    ckpt: str
+    ckpt_every: int = 0
+    in_process: bool = True
+    join: bool = False
+    dead_after: float = 10.0
+    join_timeout: float = 60.0
+    keep: int = 3
+    device: str | None = None
+    before_save: Callable[[int], None] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ckpt, str) or not self.ckpt:
+            raise ConfigError(f"ckpt must be a checkpoint URL, got {self.ckpt!r}")
+        if type(self.ckpt_every) is not int or self.ckpt_every < 0:
+            raise ConfigError(f"ckpt_every must be an integer >= 0, got {self.ckpt_every!r}")
+        if self.join and not self.in_process:
+            raise ConfigError("join=True needs in_process=True (the running job's membership admits the joiner)")
+        if not self.dead_after > 0 or not self.join_timeout > 0:
+            raise ConfigError(f"dead_after ({self.dead_after}) and join_timeout ({self.join_timeout}) must be > 0 s")
+        if type(self.keep) is not int or self.keep < 2:
+            raise ConfigError(f"keep must be an integer >= 2 (a state kept while the next is copied), got {self.keep!r}")
+
+
+class Step:
+    """The context of one training step (``with step:``): collectives in it that fail because a
+    peer died end the step (suppressed: ``ElasticRuntime.steps`` recovers before the next
+    iteration); a clean exit commits it."""
+
+    def __init__(self, rt: ElasticRuntime, total: int) -> None:
+        self.rt, self.total, self.number = rt, total, rt.step
+        self._guard: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> Step:
+        self._t0 = time.perf_counter()
+        self._guard = contextlib.ExitStack()
+        self._failed = False
+        try:
+            self._guard.enter_context(self.rt.guard())  # PeerFailure: a death the heartbeats found just now
+        except PeerFailure as e:  # the block runs on a broken group: its result is not committed
+            self.rt.failure, self._failed = str(e), True
+            assert self.rt.membership is not None
+            self.rt.membership.destroy_group()  # as the guard does: its collectives fail at once, and the peers' too
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        rt = self.rt
+        assert self._guard is not None
+        if self._failed:  # the step is redone after the recovery; a collective's error on the broken group is expected
+            return kind is None or issubclass(kind, Exception)  # a bug of the job's comes back in the redone step
+        try:
+            if self._guard.__exit__(kind, exc, tb):
+                return True
+        except PeerFailure as e:  # a collective of the step failed: recover before the next one
+            rt.failure = str(e)
+            return True
+        if kind is not None:
+            return False  # the job's own error: not the runtime's to hide
+        try:
+            rt._commit(self.total, time.perf_counter() - self._t0)
+        except PeerFailure as e:
+            rt.failure = str(e)
+        return True
+
+
+class ElasticRuntime:
+    """A torch-native job's elastic runtime: builds the mesh and the model for the workers there
+    are, resumes, and recovers in process from failures and joins inside the user's loop (see the
+    module docstring for the loop and the attributes it reads each step)."""
+
+    def __init__(self, build: Build, mesh_rule: MeshChooser | None = None, *, ckpt: str, data: DataState | None = None,
+                 config: RuntimeConfig | None = None, on_event: Callable[[dict[str, Any]], None] | None = None,
+                 **options: Any) -> None:
+        self.config = config or RuntimeConfig(ckpt=ckpt, **options)
+        self.build_fn, self.rule, self.on_event = build, mesh_rule, on_event
+        cfg = self.config
+        self.device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.backend = "nccl" if self.device == "cuda" else "gloo"
+        self.step, self.data = 0, data
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.mesh: Any = None
+        self.dims: dict[str, int] = {}
+        self.failure: str | None = None  # why the next iteration regroups: a failure's message, "join", "joining"
+        self.recovered: dict[str, Any] | None = None  # the in-process recovery whose first step is still to come
+        self._latency_due: dict[str, Any] | None = None  # the record whose latency table the next step completes
+        self.times: RecoveryTimes | None = None  # the last recovery's latency table
+        self.membership: Membership | None = None
+        self.ring: StateRing | None = None
+        self.saved: set[int] = set()  # steps this launch checkpointed (complete on every rank)
+        self._seen: dict[tuple[tuple[str, int], ...], Any] = {}  # the state dict's layout on every mesh run
+        self._warmed = False
+        self._filled: dict[str, Any] = {}
+        self._done_at = 0.0  # perf_counter when the last recovery's state was in place
+        t_start = time.perf_counter()
+        if _GROUP_BEFORE_IMPORT:
+            log.warning("the default process group existed before tenplex.elastic.runtime (and DCP) were imported: "
+                        "torch.distributed.nn.functional may keep it alive past a failure, and peers blocked on "
+                        "it wait; let the runtime create it, or import torch.distributed.checkpoint first")
+        if cfg.join:
+            self.rank, self.world_size = -1, 0
+        else:
+            if not dist.is_initialized():
+                dist.init_process_group(self.backend)
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if cfg.in_process:  # the survivors' locality order's scipy modules: imported now, not by a recovery
+            load_solvers()
+        if cfg.join:
+            self._warm_joiner()
+            self.membership = self._joined()
+            self.failure = "joining"
+        # the objects made so far never die: out of the collector's way, so that the gc.collect() of a
+        # recovery (FSDP2's modules are reference cycles) only walks what was made since
+        gc.freeze()
+        self.start: dict[str, Any] = {"start": True, "world_size": self.world_size, "step": 0, "fresh": True}
+        if not cfg.join:
+            self._build(self.world_size)
+            self._resume(t_start)
+            if cfg.in_process:
+                self.membership = start_membership(membership_store(), dead_after=cfg.dead_after)
+        if self.membership is not None:  # a joiner's too: once admitted, it admits later joiners like the others
+            self.membership.fits = self.fits
+            self.ring = StateRing(cfg.keep)
+            # SIGTERM (torchrun's agents restarting the workers): the newest states of the ring the
+            # checkpoint lacks go there first (each rank its own part: no message), then exit
+            exit_on_sigterm(lambda: flush_ring(self.ring, self._write, where=f"the checkpoint {cfg.ckpt}",
+                                               skip=self.saved))
+            if self.start.get("fresh") is False:  # fresh: the ring starts after the first step
+                with self.guard():
+                    self._remember()
+                self.ring.pin(self.step)
+        if self.rank == 0:
+            self._emit(self.start)
+
+    # -- what the loop reads -------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self._dp()[0]
+
+    @property
+    def dp_size(self) -> int:
+        return self._dp()[1]
+
+    def _dp(self) -> tuple[int, int]:
+        """This rank's data-parallel index and the DP degree (dp_replicate * dp_shard, replicate major)."""
+        rank, size = 0, 1
+        for name in ("dp_replicate", "dp_shard"):
+            if name in (self.mesh.mesh_dim_names or ()):
+                sub = self.mesh[name]
+                rank, size = rank * sub.size() + sub.get_local_rank(), size * sub.size()
+        return rank, size
+
+    def steps(self, total: int) -> Iterator[Step]:
+        """One :class:`Step` per training step until ``step`` reaches ``total``, recovering in process
+        (out of the failed step's frames) before the step after a failure or at a join boundary;
+        closes the runtime at the end."""
+        while True:
+            if self.failure is not None:
+                self._recover(self.failure)
+            if self.step >= total:
+                break
+            if self.membership is not None:
+                try:
+                    self.membership.check()  # a death the heartbeats found between collectives
+                except PeerFailure as e:
+                    self.failure = str(e)
+                    continue
+            yield Step(self, total)
+        self.close()
+
+    def guard(self) -> Any:
+        """The membership's guard around collectives (a peer error becomes PeerFailure)."""
+        return self.membership.guard() if self.membership is not None else contextlib.nullcontext()
+
+    def fits(self, n: int) -> bool:
+        """Whether a group of n can run: the rule gives a mesh, and its data-parallel degree divides
+        the global batch (``Membership(fits=)``: joiners that would make the group unusable wait)."""
+        try:
+            dims = choose_mesh(n, choose=self.rule)
+        except (ConfigError, LayoutError):
+            return False
+        dp = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1)
+        return self.data is None or self.data.global_batch % dp == 0
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The job's state: model, optimizer (``get_state_dict``), step, data position."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "step": self.step}
+        if self.data is not None:
+            sd["data"] = self.data.to_json()
+        return sd
+
+    def _restore(self, sd: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.step = sd["step"]
+        if self.data is not None or "data" in sd:
+            self.data = DataState.from_json(sd["data"])
+
+    def _build(self, world: int, dims: dict[str, int] | None = None) -> None:
+        """The mesh for ``world`` ranks (the rule's dims, in torch's mesh dim order), then the user's model."""
+        self.dims = dims or choose_mesh(world, choose=self.rule)
+        names = tuple(d for d in MESH_DIMS if d in self.dims) + tuple(d for d in self.dims if d not in MESH_DIMS)
+        self.mesh = init_device_mesh(self.device, tuple(self.dims[d] for d in names), mesh_dim_names=names)
+        self.model, self.optimizer = self.build_fn(self.mesh)
+
+    def _resume(self, t0: float) -> None:
+        """Fill the freshly built model and optimizer in place from the newest checkpoint, whatever
+        mesh wrote it (``get_state_dict`` creates the optimizer state the load fills: on a fresh
+        start it is not called, the first step's AdamW step count would advance)."""
+        self.start.update(world_size=self.world_size, mesh=self.dims)
+        if any(s.complete for s in list_steps(self.config.ckpt)):
+            sd = self.state_dict()
+            res = rescale(self.config.ckpt, sd)
+            self._restore(sd)
+            assert res.load_stats is not None
+            self.start.update(step=self.step, fresh=False, bytes_read=res.load_stats.bytes_read,
+                              bytes_needed=res.load_stats.bytes_needed, load_s=res.timings["load"])
+            self.saved.add(self.step)
+            restart_s = time.perf_counter() - t0 - res.timings["load"]
+            self.times = RecoveryTimes(RESTART, restart_s=max(0.0, restart_s), load_s=res.timings["load"],
+                                       bytes_storage=res.load_stats.bytes_read)
+            self._latency_due = self.start  # its table is logged after the first step (the start record: without it)
+            self.start["latency"] = self.times.to_json()
+        self.start["startup_s"] = time.perf_counter() - t0
+        self._done_at = time.perf_counter()
+
+    def _remember(self) -> None:
+        """The state after ``step`` into the ring, and (at a mesh's first step) the layout it has,
+        with the survivors' order for a failure: where most of each new rank's state already is."""
+        assert self.ring is not None and self.membership is not None
+        sd = self.state_dict()
+        ring = self.ring
+        if ring.held_as is None:  # collective: while every rank of this mesh is alive
+            ptc, layout = describe_state_dict(sd)
+            ring.held_as = HeldAs(layout, self.rank, default_save_id(layout, ptc), ptc=ptc)
+            self._seen[tuple(self.dims.items())] = layout
+            self.membership.order = live_order(ptc, layout, self.rule, self.membership.members, known=self._seen)
+            if not self._warmed:  # the scipy import and the assignment once, before any failure needs them
+                warm_up(ptc, layout, self.rule, self.membership.members)
+                self._warmed = True
+        ring.record(self.step, local_shard(sd))
+
+    def _write(self, held_as: HeldAs, step: int, shard: Mapping[str, Any]) -> None:
+        """One of the ring's states into the checkpoint, as this rank's part (its values on rank 0)."""
+        part = dict(shard) if held_as.rank == 0 else {k: v for k, v in shard.items() if isinstance(v, torch.Tensor)}
+        save(self.config.ckpt, held_as.ptc, held_as.layout, held_as.rank, part, step=step, save_id=held_as.save_id)
+
+    # -- a step's end --------------------------------------------------------------------------
+    def _commit(self, total: int, step_s: float) -> None:
+        """After a step's block: count it, keep its state, checkpoint, and read the joiners' boundary."""
+        cfg = self.config
+        first, self._latency_due, self.recovered = self._latency_due, None, None
+        self.step += 1
+        if self.data is not None:
+            self.data = self.data.advance()
+        if self.ring is not None:
+            with self.guard():
+                self._remember()
+        if (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or self.step == total:
+            with self.guard():
+                if cfg.before_save is not None:
+                    cfg.before_save(self.step)
+                save_state_dict(self.state_dict(), cfg.ckpt, step=self.step)
+            self.saved.add(self.step)
+            if self.ring is not None:
+                self.ring.pin(self.step)  # complete on every rank: pieces only a dead rank holds can come from it
+        if first is not None and self.times is not None:
+            self._first_step(first, step_s)
+        # scale up: every worker reads the agreed boundary here (one store read), so all admit the
+        # waiting joiners after the same step; none is proposed with no step left to run
+        if self.membership is not None and self.step < total and \
+                self.membership.join_due(self.step, propose=self.step + 1 < total):
+            self.failure = "join"
+
+    def _first_step(self, record: dict[str, Any], step_s: float) -> None:
+        """The latency table of the recovery this step was the first after: logged and emitted."""
+        assert self.times is not None
+        self.times = self.times.with_first_step(step_s)
+        record["latency"] = self.times.to_json()
+        if self.rank == 0:
+            log.warning("%s", self.times.table())
+            if record.get("event") == "recover":  # the start record went out at the start
+                self._emit(record)
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        if self.on_event is not None:
+            self.on_event(record)
+
+    # -- joiners -------------------------------------------------------------------------------------
+    def _warm_joiner(self) -> None:
+        """A joiner's first mesh, model and state dict pay one-time costs (lazy imports, first
+        FSDP2/TP set-up) the workers would wait for in the join: paid now, alone, on a private
+        1-process group, before registering."""
+        dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            names = choose_mesh(4, choose=self.rule)
+        except (ConfigError, LayoutError):
+            names = {"dp_shard": 4}
+        self._build(1, {d: 1 for d in names})
+        self.state_dict()
+        release_mesh(self.mesh)
+        self.model = self.optimizer = self.mesh = None
+        dist.destroy_process_group()
+
+    def _joined(self) -> Membership:
+        """Register with the running job (found through the membership store) as a joiner."""
+        log.warning("joiner: waiting for job %s in the store %s", os.environ.get("TENPLEX_JOB_ID") or
+                    "at MASTER_ADDR:MASTER_PORT", os.environ.get("TENPLEX_MEMBERSHIP_STORE"))
+        try:
+            m = join_membership(membership_store(), self.backend, timeout_s=self.config.join_timeout,
+                                dead_after=self.config.dead_after)
+        except Exception as e:  # noqa: BLE001 - no job to join: say so and exit
+            log.error("joiner: %s", e)
+            logging.shutdown()
+            os._exit(JOIN_FAILED)
+        log.warning("joiner %d: registered with %s; waiting to be admitted at the job's next step boundary",
+                    m.id, m.prefix)
+        return m
+
+    # -- recovery ------------------------------------------------------------------------------
+    def _rebuilt(self, nm: Any) -> dict[str, Any]:
+        """The mesh, model and optimizer for the new group; the fresh model's state dict, whose
+        values the recovery replaces by the survivors' state."""
+        self.rank, self.world_size = nm.new_rank, nm.world_size
+        self._build(self.world_size)
+        self._filled = self.state_dict()
+        return self._filled
+
+    def _recover(self, reason: str) -> None:
+        """Agree on the members (the survivors; at a join, the workers and the joiners), rebuild mesh
+        and model for them, move the state live; exit RECOVERY_FAILED on failure (a joiner: JOIN_FAILED)."""
+        m, ring = self.membership, self.ring
+        assert m is not None and ring is not None
+        joining = m.joining
+        self.failure = None
+        if self._latency_due is not None and self._latency_due.get("event") == "recover" and self.rank == 0:
+            # the previous recovery's first step never ran: its record without it
+            self._emit(self._latency_due)
+        self._latency_due = None
+        try:
+            record = self._recover_in_process(m, ring, reason)
+        except Exception:  # noqa: BLE001 - any failure here: the launcher's restart takes over
+            code = JOIN_FAILED if joining else RECOVERY_FAILED
+            log.exception("%s: in-process %s failed; exiting with %d", f"joiner {m.id}" if joining else
+                          f"rank {self.rank}", "admission" if joining else "recovery", code)
+            logging.shutdown()
+            os._exit(code)  # no clean-up that could wait on a dead peer
+        self.recovered = self._latency_due = record
+        if self.rank == 0:
+            log.warning("recovered in-process: %s", {k: v for k, v in record.items() if k != "timings"})
+
+    def _recover_in_process(self, m: Membership, ring: StateRing, reason: str) -> dict[str, Any]:
+        t0, wall0 = time.perf_counter(), time.time()
+        old = ring.held_as
+        newest = max(ring.states()) if ring.states() else None
+        # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
+        # freed, their connections close, and a survivor blocked in one of them with this rank fails
+        if self.mesh is not None:
+            release_mesh(self.mesh)
+        self.model = self.optimizer = self.mesh = None
+        gc.collect()
+        t_released = time.perf_counter()
+        rec = recover_in_process(m, ring, self._rebuilt, RecoveryConfig(url=self.config.ckpt,
+                                                                         join_timeout=self.config.join_timeout),
+                                 join=reason == "join")
+        summed_s = time.time() - rec.rescaled_at  # the group-wide sums after rescale: counted in ring_s
+        nm, res = rec.membership, rec.result
+        t_restore = time.perf_counter()
+        self._restore(self._filled)
+        self._filled = {}
+        t3 = time.perf_counter()  # the state is in place when rescale returned and the optimizer got it
+        wall3 = rec.rescaled_at + (t3 - t_restore)
+        try:  # not timed: whether the order was computed for the layout the rebuilt model has
+            predicted = old is not None and predict_layout(old.layout, tuple(self.dims.items()), self._seen) == res.cfg
+        except LayoutError:
+            predicted = False
+        ring.clear()
+        self._remember()
+        ring.pin(self.step)  # a checkpoint step when pieces came from storage; else the state the survivors held
+        t4 = time.perf_counter()
+        self._done_at = t4
+        assert rec.times is not None
+        self.times = rec.times.with_extra(regroup_s=t_released - t0, transfer_s=t3 - t_restore)
+        ps = res.plan_stats
+        # not timed: the same move in the survivors' old rank order (what the locality order saved)
+        by_rank = plan(old.ptc, old.layout, res.cfg, alive=sorted(nm.alive)).stats if old else ps
+        return {"event": "recover", "reason": reason.splitlines()[0][:200], "world_size": self.world_size,
+                "mesh": self.dims, "alive": list(nm.alive), "joiners": list(nm.joiners), "live": res.live,
+                "step": self.step, "newest": newest,
+                "bytes_live": rec.bytes["live"], "bytes_storage": rec.bytes["storage"],
+                "bytes_local": rec.bytes["local"], "bytes_full_replica": rec.full_replica,
+                "plan_bytes_peer": ps.bytes_same_host + ps.bytes_cross_host if ps else None,
+                "plan_bytes_storage": ps.bytes_storage if ps else None,
+                "plan_bytes_moved": ps.bytes_moved if ps else None,
+                "rank_order_plan_bytes_peer": by_rank.bytes_same_host + by_rank.bytes_cross_host if by_rank else None,
+                "layout_predicted": predicted,
+                "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,
+                # unwind: from learning of the failure to this recovery's start (the blocked collective
+                # failing, leaving the step); ring: the bytes summed over the group, the new mesh's layout
+                # described and its first state kept
+                "unwind_s": max(0.0, wall0 - nm.failed_at), "release_s": t_released - t0,
+                "recover_s": t_released - t0 + rec.recover_s, "rebuild_s": rec.rebuild_s,
+                "rescale_s": rec.rescale_s + (t3 - t_restore), "ring_s": t4 - t3 + summed_s,
+                "failure_to_state_s": wall3 - nm.failed_at + nm.detect_s,
+                "timings": res.timings}
+
+    # -- the end -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the membership and free the mesh's groups while the interpreter runs: kept alive past
+        the end of main by the modules (FSDP2's reference cycles), a gloo group's worker thread could
+        still be dropping its last collective's tensors when the interpreter finalizes, which aborts
+        the process after all its work."""
+        if self.membership is not None:
+            self.membership.close()
+            self.membership = None
+        if self.mesh is not None:
+            release_mesh(self.mesh)
+        self.model = self.optimizer = self.mesh = None
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
