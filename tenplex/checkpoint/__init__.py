@@ -49,12 +49,12 @@ from .load import (
 )
 from .part_reader import PartReader, ShardReader
 from .read_plan import ReadItem, plan_reads
-from .writer import PartWriter, SaveResult, carry_model, default_save_id, save, write_index, write_rank0_meta
+from .writer import PartWriter, SaveOptions, SaveResult, carry_model, default_save_id, save
 
-__all__ = ["SaveResult", "LoadStats", "LoadResult", "StepInfo", "save", "load", "list_steps", "read_manifest",
+__all__ = ["SaveResult", "SaveOptions", "LoadStats", "LoadResult", "StepInfo", "save", "load", "list_steps", "read_manifest",
            "writer_assignment", "default_save_id", "seal_json", "open_sealed_json", "MAX_STEP", "FORMAT", "VERSION",
            "check_step", "check_model", "safetensors_header", "Manifest", "Binding", "verify_manifest",
-           "verify_index", "write_index", "write_rank0_meta", "load_with_reader", "read_objects",
+           "verify_index", "load_with_reader", "read_objects",
            "read_part_chunks", "read_shard",
            "ReadItem", "ReadOptions", "plan_reads", "ShardReader", "ShardSink", "PartReader", "PartWriter",
            "carry_model",

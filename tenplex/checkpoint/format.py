@@ -458,15 +458,15 @@ def manifest_object(ptc: PTC, cfg: Layout, *, step: int, save_id: str, payload: 
 
 
 def index_object(rank: int, file_size: int, chunks: list[dict[str, Any]] | int, *, step: int, save_id: str,
-                 cfg: Layout, fingerprint: str, data_offset: int | None = None,
-                 digest: str | None = None) -> dict[str, Any]:
+                 cfg: Layout, fingerprint: str, data: tuple[int, str] | None = None) -> dict[str, Any]:
     """A rank part's index (before sealing), bound to its step, save id, rank, layout and model.
-    Version 4 (``chunks`` a count): the data section's offset and the chunk list's digest
-    (``chunks_digest``) instead of the chunks."""
+    Version 4 and later (``chunks`` a count): ``data`` is the data section's offset and the chunk
+    list's digest (``chunks_digest``), stored instead of the chunks."""
     obj = {"format": FORMAT, "version": VERSION, "step": step, "save_id": save_id, "rank": rank,
            "layout": str(cfg), "world_size": cfg.world_size, "fingerprint": fingerprint,
            "file": data_name(rank), "file_size": file_size, "chunks": chunks}
     if isinstance(chunks, int):
+        data_offset, digest = data if data is not None else (None, None)
         obj |= {"data_offset": data_offset, "chunks_sha256": digest}
     return obj
 

@@ -33,6 +33,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ..errors import CheckpointError, CheckpointValueError, SpecError
 from ..layout.models import HPARAMS, ModelSpec
 from ..layout.ptc import PTC, Layout
+from ..options import with_overrides
 from ..urls import url_fs
 from . import format as format_mod
 from .catalog import local_path, read_manifest_at, scan_attempts
@@ -64,7 +65,7 @@ from .format import (
     writer_assignment,
 )
 
-__all__ = ["SaveResult", "PartChunk", "PartWriter", "save", "default_save_id", "publish", "write_rank0_meta", "write_index", "prune",
+__all__ = ["SaveResult", "PartChunk", "PartWriter", "save", "default_save_id", "publish", "prune", "SaveOptions",
            "carry_model"]
 
 log = logging.getLogger(__name__)
@@ -252,9 +253,9 @@ def _payload_bytes(objects: Mapping[str, Any], extra: Any) -> bytes:
     return raw
 
 
-def write_rank0_meta(fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: Layout,
-                     shard: Mapping[str, Any], *, step: int, save_id: str, extra: Any = None,
-                     payload: bytes | None = None) -> int:
+def _write_rank0_meta(fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: Layout,
+                      shard: Mapping[str, Any], *, step: int, save_id: str, extra: Any = None,
+                      payload: bytes | None = None) -> int:
     """Rank 0's part of a save attempt: the small objects and ``extra`` (``payload``: their
     checked serialisation, when the caller made it), then the manifest, which records the
     objects file's size and SHA-256. Write-once. Returns bytes written."""
@@ -268,13 +269,13 @@ def write_rank0_meta(fs: fsspec.AbstractFileSystem, sdir: str, ptc: PTC, cfg: La
     return len(mbytes) + len(payload)
 
 
-def write_index(fs: fsspec.AbstractFileSystem, sdir: str, rank: int, file_size: int,
-                chunks: list[dict[str, Any]] | int, *, step: int, save_id: str, cfg: Layout, fingerprint: str,
-                data_offset: int | None = None, digest: str | None = None) -> int:
+def _write_index(fs: fsspec.AbstractFileSystem, sdir: str, rank: int, file_size: int,
+                 chunks: list[dict[str, Any]] | int, *, step: int, save_id: str, cfg: Layout, fingerprint: str,
+                 data: tuple[int, str] | None = None) -> int:
     """A rank part's index, bound to its step, save id, rank, layout and model; written last
     (write-once): its presence marks the part complete."""
     ibytes = seal_json(index_object(rank, file_size, chunks, step=step, save_id=save_id, cfg=cfg,
-                                    fingerprint=fingerprint, data_offset=data_offset, digest=digest))
+                                    fingerprint=fingerprint, data=data))
     if not _write_once(fs, f"{sdir}/{index_name(rank)}", ibytes):
         _refuse_reuse(fs, sdir, rank, save_id, [index_name(rank)])
     return len(ibytes)
@@ -441,17 +442,17 @@ class PartWriter:
             _refuse_reuse(self.fs, self.sdir, self.rank, self.save_id, [data_name(self.rank)])
         written = 0
         if self.rank == 0:
-            written += write_rank0_meta(self.fs, self.sdir, self.ptc, self.cfg, objects or {}, step=self.step,
-                                        save_id=self.save_id, payload=payload)
+            written += _write_rank0_meta(self.fs, self.sdir, self.ptc, self.cfg, objects or {}, step=self.step,
+                                         save_id=self.save_id, payload=payload)
         if self.version < 4:  # versions 2 and 3: the chunks and their CRCs (hex) in the index
-            return written + write_index(
+            return written + _write_index(
                 self.fs, self.sdir, self.rank, self.size,
                 [{"tensor": c.tensor, "start": c.start, "length": c.length, "offset": c.offset, "block": c.block,
                   "crc32": block_crcs_hex(crcs)} for c, crcs in zip(self.chunks, self.crcs)],
                 step=self.step, save_id=self.save_id, cfg=self.cfg, fingerprint=self.ptc.fingerprint())
-        return written + write_index(self.fs, self.sdir, self.rank, self.size, len(self.chunks), step=self.step,
-                                     save_id=self.save_id, cfg=self.cfg, fingerprint=self.ptc.fingerprint(),
-                                     data_offset=len(self.header), digest=chunks_digest(self.assigned))
+        return written + _write_index(self.fs, self.sdir, self.rank, self.size, len(self.chunks), step=self.step,
+                                      save_id=self.save_id, cfg=self.cfg, fingerprint=self.ptc.fingerprint(),
+                                      data=(len(self.header), chunks_digest(self.assigned)))
 
 
 def _rechain(crcs: list[int], restarts: set[int], block: int, nbytes: int, seed: int) -> list[int]:
@@ -469,6 +470,21 @@ def _rechain(crcs: list[int], restarts: set[int], block: int, nbytes: int, seed:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class SaveOptions:
+    """How ``save`` keeps steps and names the attempt: ``keep_last`` (remove steps older than the K
+    newest complete ones; None keeps all), ``save_id`` (8 hex digits naming the attempt, the same on
+    every rank; None: ``default_save_id``), ``storage_options`` (for the URL's fsspec filesystem)."""
+
+    keep_last: int | None = None
+    save_id: str | None = None
+    storage_options: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_last is not None and self.keep_last < 1:
+            raise CheckpointValueError(f"keep_last must be >= 1, got {self.keep_last}")
+
+
 def save(
     url: str,
     ptc: PTC,
@@ -478,9 +494,8 @@ def save(
     *,
     step: int,
     extra: Any = None,
-    keep_last: int | None = None,
-    save_id: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
+    options: SaveOptions | None = None,
+    **overrides: Any,
 ) -> SaveResult:
     """Save rank ``rank``'s shard of ``ptc`` under layout ``cfg`` as part of checkpoint ``step``.
 
@@ -496,12 +511,13 @@ def save(
     when that step holds the same model (``carry_model``): an imported model's configuration
     survives the job's own saves. Files are written once and never replaced: if this
     rank's part of the attempt exists already, the save id was reused and ``save`` raises
-    CheckpointError without touching it (see ``_refuse_reuse``).
+    CheckpointError without touching it (see ``_refuse_reuse``). ``options`` (:class:`SaveOptions`:
+    ``keep_last``, ``save_id``, ``storage_options``), or its fields as keywords.
     """
     t0 = time.perf_counter()
     step = check_step(step)
-    if keep_last is not None and keep_last < 1:
-        raise CheckpointValueError(f"keep_last must be >= 1, got {keep_last}")
+    o = with_overrides(options or SaveOptions(), overrides, "save")
+    keep_last, save_id, storage_options = o.keep_last, o.save_id, o.storage_options
     ptc.check(cfg)
     cfg.coords(rank)
     fs, root = url_fs(url, storage_options)
