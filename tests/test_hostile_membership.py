@@ -1,0 +1,263 @@
+"""Hostile processes against a running job's membership: none can join, trigger a recovery, or make a
+member look dead (issue 31, item 5).
+
+Three members (``Membership`` in spawned processes, the job secret in their environment) share a
+real c10d store on 127.0.0.1 and link to each other. This test process plays the outsider: it reaches
+the store and the members' link ports but has no secret. It writes join requests, heartbeats,
+failure flags, deaths and decisions into the job's keys, opens links that it drops abruptly, and
+replays valid records it captured. After each attempt every member's view (failed, dead, pending
+joiners, round, members, links, whether a join is due) must be what it was; each attempt is
+recorded in the ``membership`` tally (``refused``: ignored; ``silent``: a view changed). Then a real
+SIGKILL is still known by the others within 2 s and the recovery forms the legitimate group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hostile import Tally
+from spawned import gloo_env, here, in_env, reap, worker_context
+
+from tenplex.train.launch import RendezvousStore
+
+WORLD = 3
+DEAD_AFTER = 2.0  # heartbeat silence that means death here
+SETTLE = 0.5  # seconds after an attempt before the views are compared (10 heartbeats)
+KILL_BOUND = 2.0  # a SIGKILLed member is known by the others within this (links: milliseconds)
+PREFIX = "hostile/job"
+
+
+def _member(rank: int, port: int, token: str, out: Any, ctl: Any) -> None:
+    """Member ``rank``: its Membership (the secret from the environment), then answers ``ctl`` commands."""
+    os.environ["TENPLEX_STORE_TOKEN"] = token
+    import torch.distributed as dist
+
+    from tenplex.elastic.membership_runtime import Membership
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        m = Membership(store, PREFIX, rank=rank, world_size=WORLD, backend="gloo", interval=0.05,
+                       dead_after=DEAD_AFTER, agree_timeout=15.0, pg_timeout=datetime.timedelta(seconds=15))
+    except BaseException as e:  # reported to the test
+        out.put((rank, "error", f"{type(e).__name__}: {e}"))
+        return
+    out.put((rank, "ready", os.getpid()))
+    while True:
+        cmd = ctl.get()
+        try:
+            if cmd == "view":
+                out.put((rank, "view", {"failed": m.failed, "dead": sorted(m.dead()), "pending": list(m.pending()),
+                                        "round": m.round, "members": list(m.members), "linked": sorted(m.linked()),
+                                        "join_due": m.join_due(5, propose=False)}))
+            elif cmd == "recover":
+                nm = m.recover()
+                out.put((rank, "recovered", {"round": nm.round, "members": list(nm.members), "alive": list(nm.alive)}))
+            elif cmd == "exit":
+                m.close()
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                out.put((rank, "bye", None))
+                return
+        except BaseException as e:  # reported to the test
+            out.put((rank, "error", f"{type(e).__name__}: {e}"))
+
+
+class Job:
+    """The members' processes and how to ask them for their views."""
+
+    def __init__(self, port: int, token: str) -> None:
+        ctx = worker_context()
+        self.out = ctx.Queue()
+        self.ctl = [ctx.Queue() for _ in range(WORLD)]
+        with gloo_env():
+            self.procs = [ctx.Process(target=in_env, args=(*here(), _member, r, port, token, self.out, self.ctl[r]))
+                          for r in range(WORLD)]
+        for p in self.procs:
+            p.start()
+        self.pids = dict(self._collect("ready", range(WORLD), 60))
+
+    def _collect(self, kind: str, ranks: Any, timeout: float) -> dict[int, Any]:
+        want, got = set(ranks), {}
+        deadline = time.monotonic() + timeout
+        while want - set(got):
+            try:
+                rank, k, v = self.out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"members {sorted(want - set(got))} did not answer {kind!r} in {timeout} s") \
+                    from None
+            assert k != "error", f"member {rank}: {v}"
+            if k == kind:
+                got[rank] = v
+        return got
+
+    def ask(self, cmd: str, ranks: Any = range(WORLD), timeout: float = 30) -> dict[int, Any]:
+        for r in ranks:
+            self.ctl[r].put(cmd)
+        return self._collect({"view": "view", "recover": "recovered", "exit": "bye"}[cmd], ranks, timeout)
+
+    def views(self, ranks: Any = range(WORLD)) -> dict[int, Any]:
+        return self.ask("view", ranks)
+
+    def close(self) -> None:
+        alive = [r for r, p in enumerate(self.procs) if p.is_alive()]
+        try:
+            self.ask("exit", alive, timeout=10)
+        except AssertionError:
+            pass
+        reap(self.procs)
+
+
+def _calm(rank: int) -> dict[str, Any]:
+    return {"failed": False, "dead": [], "pending": [], "round": 0, "members": list(range(WORLD)),
+            "linked": [r for r in range(WORLD) if r != rank], "join_due": False}
+
+
+@pytest.fixture
+def job(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[tuple[Job, Any]]:
+    """A running job of ``WORLD`` members with a secret, whose views are calm; the outsider's store client."""
+    import torch.distributed as dist
+
+    runtime = tmp_path / "runtime"  # the outsider (this process) has no secret: no token anywhere
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("TENPLEX_RUNTIME_DIR", str(runtime))
+    monkeypatch.delenv("TENPLEX_STORE_TOKEN", raising=False)
+    monkeypatch.delenv("TENPLEX_STORE_TOKEN_FILE", raising=False)
+    token = os.urandom(24).hex()
+    rdzv = RendezvousStore()
+    j = None
+    try:
+        j = Job(rdzv.port, token)
+        deadline = time.monotonic() + 20
+        while (v := j.views()) != {r: _calm(r) for r in range(WORLD)} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert v == {r: _calm(r) for r in range(WORLD)}, v
+        store = dist.TCPStore("127.0.0.1", rdzv.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+        yield j, (store, rdzv.port, token)
+    finally:
+        if j is not None:
+            j.close()
+        rdzv.stop()
+
+
+def _judge(t: Tally, j: Job, what: str, expect: dict[int, Any] | None = None, settle: float = SETTLE) -> None:
+    """Record ``what``: refused when every member's view is still ``expect`` (default: calm)."""
+    time.sleep(settle)
+    expect = expect or {r: _calm(r) for r in range(WORLD)}
+    got = j.views(expect)
+    if got == expect:
+        t.record("refused", what)
+    else:
+        t.record("silent", f"{what}: {got}")
+
+
+def _store_op(port: int, op: str, *args: Any) -> None:
+    """One store operation on a fresh connection (the server drops a connection whose request fails,
+    e.g. ``add`` on a value that is no number)."""
+    import torch.distributed as dist
+
+    s = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    try:
+        getattr(s, op)(*args)
+    except (RuntimeError, ValueError):
+        pass
+
+
+def _fake_mac() -> str:
+    return os.urandom(32).hex()
+
+
+# ---------------------------------------------------------------------------------------------
+# an outsider writes the job's keys
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_outsider_store_writes_neither_join_nor_fail_nor_kill(job: tuple[Job, Any]) -> None:
+    """Join requests, heartbeats, failure flags, deaths and a join boundary, in the old plain format,
+    as junk and as records with a made-up HMAC: every member's view stays calm, also ``DEAD_AFTER``
+    later (no heartbeat verdict)."""
+    j, (_, port, _) = job
+    t = Tally.of("membership")
+    k = f"{PREFIX}/".__add__
+    attempts: list[tuple[str, list[tuple[str, ...]]]] = [
+        ("join request (plain id, join counter)", [("add", k("next_id"), "1"), ("set", k("hb/7"), "1"),
+                                                   ("append", k("joiners"), "7,"), ("add", k("join_requests"), "1")]),
+        ("join request (forged HMAC)", [("set", k("hb/8"), f"m1:{_fake_mac()}:1;"),
+                                        ("append", k("joiners"), f",m1:{_fake_mac()}:8,")]),
+        ("heartbeat junk", [("set", k("hb/1"), "garbage")]),
+        ("heartbeat plain counter", [("set", k("hb/2"), "5")]),
+        ("heartbeat forged HMAC, high sequence", [("set", k("hb/0"), f"m1:{_fake_mac()}:999999999;1.2")]),
+        ("failure flag (counter)", [("add", k("round0/failures"), "1")]),
+        ("failure flag (plain entry)", [("append", k("round0/failures"), "0,")]),
+        ("failure flag (forged HMAC)", [("append", k("round0/failures"), f",m1:{_fake_mac()}:1,")]),
+        ("death by broken link (gone list)", [("append", k("gone"), "2,"),
+                                              ("append", k("gone"), f",m1:{_fake_mac()}:1,")]),
+        ("join boundary", [("set", k("round0/join_at"), "5"), ("set", k("round0/join_at"), f"m1:{_fake_mac()}:5")]),
+        ("next round's decision", [("set", k("round1/decision"), '{"round": 1, "members": [0], "previous": [0, 1, 2]}')]),
+    ]
+    for what, ops in attempts:
+        for op, key, value in ops:
+            _store_op(port, op, key, int(value) if op == "add" else value)
+        _judge(t, j, f"store: {what}")
+    _judge(t, j, f"store: no heartbeat verdict {DEAD_AFTER} s after the writes", settle=DEAD_AFTER + SETTLE)
+    t.assert_none_silent()
+
+
+# ---------------------------------------------------------------------------------------------
+# an outsider connects to a member's link port
+# ---------------------------------------------------------------------------------------------
+def _link_addresses(store: Any) -> dict[int, tuple[str, int]]:
+    """The members' link ports, read from the store as any process can (the records are signed, not secret)."""
+    out = {}
+    for r in range(WORLD):
+        host, port = store.get(f"{PREFIX}/link/{r}").decode().rsplit(":", 2)[-2:]  # (a signed record: m1:MAC:host:port)
+        out[r] = (host, int(port))
+    return out
+
+
+def _abort(s: socket.socket) -> None:
+    """Close with a reset, as the kernel does for a killed process with unread data."""
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+@pytest.mark.timeout(120)
+def test_outsider_links_dropped_abruptly_are_no_deaths(job: tuple[Job, Any]) -> None:
+    """To each member's link port: a connection reset at once, one that says the pre-handshake hello of
+    another member then resets, one that starts the handshake as another member (its hello and nonce),
+    reads the member's answer and resets without a proof, and one that sends a wrong proof. None is a
+    death, none removes a member's real links."""
+    j, (store, _, _) = job
+    t = Tally.of("membership")
+    addrs = _link_addresses(store)
+    for target, (host, port) in addrs.items():
+        claimed = (target + 1) % WORLD  # a member that does link to ``target``
+        tries = {
+            "reset at once": [],
+            "old hello as a member, reset": [struct.pack("!4sq", b"TPLX", claimed)],
+            "hello as a member, no proof, reset": [struct.pack("!4sq16s", b"TPL2", claimed, os.urandom(16))],
+            "hello as a member, wrong proof, reset": [struct.pack("!4sq16s", b"TPL2", claimed, os.urandom(16)),
+                                                      os.urandom(32)],
+        }
+        for what, msgs in tries.items():
+            s = socket.create_connection((host, port), timeout=5)
+            for msg in msgs:
+                s.sendall(msg)
+                if len(msg) == 28:  # the member answers a hello with its id, nonce and HMAC
+                    s.settimeout(2)
+                    try:
+                        s.recv(64)
+                    except OSError:
+                        pass
+            time.sleep(0.05)
+            _abort(s)
+            _judge(t, j, f"link to member {target}: {what}", settle=0.2)
+    _judge(t, j, f"links: no heartbeat verdict {DEAD_AFTER} s later", settle=DEAD_AFTER + SETTLE)
+    t.assert_none_silent()
