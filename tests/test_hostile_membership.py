@@ -261,3 +261,74 @@ def test_outsider_links_dropped_abruptly_are_no_deaths(job: tuple[Job, Any]) -> 
             _judge(t, j, f"link to member {target}: {what}", settle=0.2)
     _judge(t, j, f"links: no heartbeat verdict {DEAD_AFTER} s later", settle=DEAD_AFTER + SETTLE)
     t.assert_none_silent()
+
+
+# ---------------------------------------------------------------------------------------------
+# an outsider replays valid records; a real death is still known at once
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(150)
+def test_replayed_records_change_nothing_and_a_real_kill_is_still_known(job: tuple[Job, Any]) -> None:
+    """Records the outsider captured from the job's store (an older heartbeat of member 1, member 0's
+    heartbeat under member 2's key and as a joiner entry, round 0's failure flags into round 1) and
+    records a previous launch of the same job signed with the same secret (a joiner, a failure flag, a
+    death, a join boundary, a decision for the next round excluding member 1) change no view. Then
+    member 2 is SIGKILLed: 0 and 1 know within ``KILL_BOUND`` s, and their recovery forms the group
+    (0, 1), not the planted decision."""
+    from tenplex.elastic.job_secret import JobSecret, encode_beat
+    from tenplex.elastic.membership import Decision, encode_decision
+
+    j, (store, port, token) = job
+    t = Tally.of("membership")
+    k = f"{PREFIX}/".__add__
+    old_hb1, hb0 = store.get(k("hb/1")), store.get(k("hb/0"))
+    time.sleep(0.3)  # member 1 beat since: its captured record is an old one
+    previous = JobSecret.resolve(token).scoped("hostile/previous-launch")  # what that launch signed
+    prev = {name: previous.sign(f"hostile/previous-launch/{name}", payload) for name, payload in
+            [("hb/1", encode_beat(10**9, [0, 2])), ("round0/join_at", "5"),
+             ("round1/decision", encode_decision(Decision(1, (0,), (0, 1, 2))))]}
+    entry = {name: previous.entry(f"hostile/previous-launch/{name}", payload) for name, payload in
+             [("joiners", "9"), ("round0/failures", "0"), ("gone", "1")]}
+    assert previous.open("hostile/previous-launch/round0/join_at", prev["round0/join_at"]) == "5"  # genuine records
+    replays: list[tuple[str, list[tuple[str, str, Any]]]] = [
+        ("member 1's older heartbeat", [("set", k("hb/1"), old_hb1)]),
+        ("member 0's heartbeat under member 2's key", [("set", k("hb/2"), hb0)]),
+        ("member 0's heartbeat as a joiner entry", [("append", k("joiners"), b"," + hb0 + b",")]),
+        ("a previous launch's heartbeat (high sequence)", [("set", k("hb/1"), prev["hb/1"])]),
+        ("a previous launch's joiner", [("append", k("joiners"), entry["joiners"])]),
+        ("a previous launch's failure flag", [("append", k("round0/failures"), entry["round0/failures"])]),
+        ("a previous launch's death of member 1", [("append", k("gone"), entry["gone"])]),
+        ("a previous launch's join boundary", [("set", k("round0/join_at"), prev["round0/join_at"])]),
+        ("a previous launch's decision for round 1", [("set", k("round1/decision"), prev["round1/decision"])]),
+    ]
+    for what, ops in replays:
+        for op, key, value in ops:
+            _store_op(port, op, key, value)
+        _judge(t, j, f"replay: {what}")
+    _judge(t, j, f"replay: no heartbeat verdict {DEAD_AFTER} s later", settle=DEAD_AFTER + SETTLE)
+
+    t_kill = time.monotonic()
+    os.kill(j.pids[2], signal.SIGKILL)
+    while True:
+        v = j.views((0, 1))
+        if all(x["failed"] and x["dead"] == [2] for x in v.values()):
+            break
+        assert time.monotonic() - t_kill < KILL_BOUND, f"SIGKILL not known within {KILL_BOUND} s: {v}"
+        time.sleep(0.02)
+    print(f"\nSIGKILL of member 2 known by members 0 and 1 after {time.monotonic() - t_kill:.3f} s")
+    rec = j.ask("recover", (0, 1), timeout=60)
+    assert rec == {r: {"round": 1, "members": [0, 1], "alive": [0, 1]} for r in (0, 1)}, rec
+
+    after = {r: {"failed": False, "dead": [2], "pending": [], "round": 1, "members": [0, 1], "linked": [1 - r],
+                 "join_due": False} for r in (0, 1)}
+    _judge(t, j, "after the recovery", after)
+    flags0, joined0 = store.get(k("round0/failures")), store.get(k("round0/joined")) if store.check(
+        [k("round0/joined")]) else b""
+    for what, ops in [("round 0's failure flags into round 1", [("append", k("round1/failures"), flags0)]),
+                      ("round 1's joined entries as joiners", [("append", k("joiners"), store.get(k("round1/joined")))]),
+                      ("round 1's decision for round 2", [("set", k("round2/decision"), store.get(k("round1/decision")))]),
+                      ("round 1's ready records for round 2", [("set", k("round2/ready/0"), store.get(k("round1/ready/0")))]),
+                      ("round 0's joined list", [("append", k("round1/joined"), joined0 or b",")])]:
+        for op, key, value in ops:
+            _store_op(port, op, key, value)
+        _judge(t, j, f"replay after the recovery: {what}", after)
+    t.assert_none_silent()
