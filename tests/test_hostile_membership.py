@@ -332,3 +332,31 @@ def test_replayed_records_change_nothing_and_a_real_kill_is_still_known(job: tup
             _store_op(port, op, key, value)
         _judge(t, j, f"replay after the recovery: {what}", after)
     t.assert_none_silent()
+
+
+def test_records_verify_only_under_their_key_scope_and_secret(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """A record verifies under the key, scope (job launch) and secret it was signed for only; list
+    entries survive junk appended around them and count once; no secret: a public key, or ConfigError
+    in strict mode."""
+    from tenplex.elastic.job_secret import JobSecret, decode_beat, encode_beat
+    from tenplex.errors import ConfigError
+
+    a, b, c = (JobSecret.resolve(s).scoped(p) for s, p in (("s1", "p/x"), ("s2", "p/x"), ("s1", "p/y")))
+    r = a.sign("p/x/hb/1", encode_beat(3, [2, 0]))
+    assert a.open("p/x/hb/1", r) == "3;0.2" and decode_beat("3;0.2") == (3, frozenset({0, 2}))
+    assert a.open("p/x/hb/2", r) is None and b.open("p/x/hb/1", r) is None and c.open("p/x/hb/1", r) is None
+    assert a.open("k", b"\xff") is None and a.open("k", "m1:zz:1") is None and decode_beat("x") is None
+    lst = "junk" + a.entry("k", "1") + "m1:xx" + a.entry("k", "2") + a.entry("k", "1")
+    assert a.entries("k", lst) == (["1", "2"], 2)
+    assert a.fingerprint() != b.fingerprint() and "s1" not in repr(a)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("TENPLEX_RUNTIME_DIR", str(runtime))
+    monkeypatch.delenv("TENPLEX_STORE_TOKEN", raising=False)
+    monkeypatch.delenv("TENPLEX_STORE_TOKEN_FILE", raising=False)
+    assert not JobSecret.resolve().authenticated
+    monkeypatch.setenv("TENPLEX_MEMBERSHIP_STRICT", "1")
+    with pytest.raises(ConfigError, match="TENPLEX_MEMBERSHIP_STRICT=1 and no job secret"):
+        JobSecret.resolve()
+    monkeypatch.setenv("TENPLEX_STORE_TOKEN", "t0k3n")
+    assert JobSecret.resolve().authenticated and JobSecret.resolve().key == JobSecret.resolve("t0k3n").key

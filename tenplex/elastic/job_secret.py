@@ -86,6 +86,11 @@ class JobSecret:
                         "are NOT authenticated; any process that reaches the membership store or a member's link "
                         "port can join the job or fake a failure. Set %s=1 to refuse this.", TOKEN_ENV,
                         TOKEN_FILE_ENV, STRICT_ENV)
+        return cls.unauthenticated()
+
+    @classmethod
+    def unauthenticated(cls) -> JobSecret:
+        """The public key of the unauthenticated mode (records and handshakes check integrity only)."""
         return cls(hashlib.sha256(_OPEN_KEY).digest(), "none (unauthenticated)", authenticated=False)
 
     def scoped(self, scope: str) -> JobSecret:

@@ -134,7 +134,7 @@ class PeerLinks:
             raise ConfigError(f"the link timeout must be at least 1 s (keepalive probes are 1 s apart), got {timeout}")
         self.member = member
         self.timeout = float(timeout)
-        self.secret = secret if secret is not None else JobSecret.resolve("", strict=False)
+        self.secret = secret if secret is not None else JobSecret.unauthenticated()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, 0))
