@@ -31,7 +31,7 @@ from tenplex.train.launch import RendezvousStore
 
 WORLD = 3
 DEAD_AFTER = 2.0  # heartbeat silence that means death here
-SETTLE = 0.5  # seconds after an attempt before the views are compared (10 heartbeats)
+SETTLE = 0.3  # seconds after an attempt before the views are compared (6 heartbeats)
 KILL_BOUND = 2.0  # a SIGKILLed member is known by the others within this (links: milliseconds)
 PREFIX = "hostile/job"
 
@@ -72,31 +72,32 @@ def _member(rank: int, port: int, token: str, out: Any, ctl: Any) -> None:
 
 
 class Job:
-    """The members' processes and how to ask them for their views."""
+    """The members' processes and how to ask them for their views (a queue each way per member: a
+    member killed while it holds a shared queue's lock would block the others' answers)."""
 
     def __init__(self, port: int, token: str) -> None:
         ctx = worker_context()
-        self.out = ctx.Queue()
+        self.out = [ctx.Queue() for _ in range(WORLD)]
         self.ctl = [ctx.Queue() for _ in range(WORLD)]
         with gloo_env():
-            self.procs = [ctx.Process(target=in_env, args=(*here(), _member, r, port, token, self.out, self.ctl[r]))
+            self.procs = [ctx.Process(target=in_env, args=(*here(), _member, r, port, token, self.out[r], self.ctl[r]))
                           for r in range(WORLD)]
         for p in self.procs:
             p.start()
         self.pids = dict(self._collect("ready", range(WORLD), 60))
 
     def _collect(self, kind: str, ranks: Any, timeout: float) -> dict[int, Any]:
-        want, got = set(ranks), {}
+        got = {}
         deadline = time.monotonic() + timeout
-        while want - set(got):
-            try:
-                rank, k, v = self.out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"members {sorted(want - set(got))} did not answer {kind!r} in {timeout} s") \
-                    from None
-            assert k != "error", f"member {rank}: {v}"
-            if k == kind:
-                got[rank] = v
+        for r in ranks:
+            while r not in got:
+                try:
+                    rank, k, v = self.out[r].get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise AssertionError(f"member {r} did not answer {kind!r} in {timeout} s") from None
+                assert k != "error", f"member {rank}: {v}"
+                if k == kind:
+                    got[rank] = v
         return got
 
     def ask(self, cmd: str, ranks: Any = range(WORLD), timeout: float = 30) -> dict[int, Any]:
