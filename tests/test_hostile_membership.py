@@ -361,3 +361,28 @@ def test_records_verify_only_under_their_key_scope_and_secret(monkeypatch: pytes
         JobSecret.resolve()
     monkeypatch.setenv("TENPLEX_STORE_TOKEN", "t0k3n")
     assert JobSecret.resolve().authenticated and JobSecret.resolve().key == JobSecret.resolve("t0k3n").key
+
+
+@pytest.mark.timeout(120)
+def test_a_counter_set_back_gives_a_joiner_no_members_id(job: tuple[Job, Any]) -> None:
+    """The outsider sets the joiner id counter back to 0 (and plants junk claims): a joiner with the
+    secret still takes a fresh id (3: ids 0-2 are the members' claims), and the members see it pending."""
+    import torch.distributed as dist
+
+    from tenplex.elastic.job_secret import JobSecret
+    from tenplex.elastic.membership_runtime import Membership
+
+    j, (store, port, token) = job
+    store.set(f"{PREFIX}/next_id", "0")
+    store.set(f"{PREFIX}/id/3", "junk")
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    joiner = Membership(client, PREFIX, backend="gloo", interval=0.05, dead_after=DEAD_AFTER, joiner=True,
+                        secret=JobSecret.resolve(token))
+    try:
+        assert joiner.id == 3
+        deadline = time.monotonic() + 10
+        while (v := j.views()) != {r: {**_calm(r), "pending": [3]} for r in range(WORLD)}:
+            assert time.monotonic() < deadline, v
+            time.sleep(0.1)
+    finally:
+        joiner.close()

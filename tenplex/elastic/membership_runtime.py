@@ -197,10 +197,14 @@ class Membership:
         self.interval, self.dead_after = interval, dead_after
         self.agree_timeout, self.max_rounds = agree_timeout, max_rounds
         self.on_failure, self.order, self.pg_timeout, self.fits = on_failure, order, pg_timeout, fits
+        self.id, nonce = -1, uuid.uuid4().hex
         if joiner:  # ids after the first group's ranks, one per joiner ever (the first member set the counter)
-            self.id, self.round, self.members = int(store.add(self._key("next_id"), 1)) - 1, -1, ()
+            self.id, self.round, self.members = self._take_id(store, nonce), -1, ()
         else:
             self.id, self.round, self.members = self.rank, 0, tuple(range(self.world_size))
+            if self._claim(store, self._key("id", self.id), nonce) != nonce:
+                log.warning("member %d: its id was claimed before in %s (a restarted member, or the prefix reused)",
+                            self.id, self.prefix)
         self.monitor = HeartbeatMonitor(dead_after)
         self._state = _State(watched=tuple(m for m in self.members if m != self.id), members=self.members,
                              round=self.round)
@@ -289,6 +293,16 @@ class Membership:
                 return got
             expected = raw
         raise MembershipError(f"member {self.id}: {key} keeps holding records that are not the job's")
+
+    def _take_id(self, store: Any, nonce: str) -> int:
+        """A joiner's id: the next value of ``{prefix}/next_id`` whose signed claim ``{prefix}/id/{id}``
+        it wins (a counter that was set back, by mistake or by an outsider, cannot give it the id of
+        a member or of another joiner)."""
+        for _ in range(64):
+            i = int(store.add(self._key("next_id"), 1)) - 1
+            if i >= 0 and self._claim(store, self._key("id", i), nonce) == nonce:
+                return i
+        raise MembershipError(f"a joiner of {self.prefix} found no free member id in 64 tries")
 
     def _flags(self, store: Any, round: int) -> int:
         """How many members flagged a failure in ``round`` (creates its list)."""
