@@ -8,8 +8,8 @@ outlives the workers (the job's rendezvous store) and a job prefix. Then:
 * a heartbeat thread (its own store connection, so a blocking wait of the main thread never
   delays it) writes this member's heartbeat (a sequence number) every ``interval`` seconds and
   reads the others'. Every record in the store is signed with the job secret
-  (:mod:`tenplex.elastic.job_secret`); one that does not verify is ignored. A death, or a failure flagged by another member, sets :meth:`Membership.failed` and calls
-  ``on_failure``;
+  (:mod:`tenplex.elastic.job_secret`); one that does not verify is ignored. A death, or a failure
+  flagged by another member, sets :meth:`Membership.failed` and calls ``on_failure``;
 * the same thread watches TCP links to this member's ring neighbours (:mod:`tenplex.elastic.liveness`):
   a process that dies while its host lives (killed, crashed) has its connections closed by its
   kernel, so its neighbours know within milliseconds, append its id to ``{prefix}/gone`` and flag
@@ -22,8 +22,8 @@ outlives the workers (the job's rendezvous store) and a job prefix. Then:
   beside 6 busy processes on 2 CPUs; a big pickle, a long C call, a loaded machine), and a
   verdict from that silence is a live member left out of the group (issue 29 item 7). So each
   member's heartbeat also names the neighbours its (authenticated) links to are open (it vouches
-  for them): the others count that beat as theirs. A member whose count stands still for ``dead_after`` seconds
-  (default 10) of this observer's own on-time observations (:class:`HeartbeatMonitor`) means
+  for them): the others count that beat as theirs. A member whose count stands still for
+  ``dead_after`` seconds (default 10) of this observer's own on-time observations (:class:`HeartbeatMonitor`) means
   dead: only members that no open link vouches for and that beat no more, e.g. one whose links
   could not be made. A hung but living process (deadlock, SIGSTOP) holds its links and is no
   death: a collective blocked on it fails after the group's ``timeout``;
