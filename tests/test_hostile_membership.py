@@ -388,3 +388,47 @@ def test_a_counter_set_back_gives_a_joiner_no_members_id(job: tuple[Job, Any]) -
             time.sleep(0.1)
     finally:
         joiner.close()
+
+
+def _starter(rank: int, port: int, token: str, out: Any) -> None:
+    """Rank ``rank`` of 2 with ``token`` as its secret: ``start_membership``; reports its refusal or its id."""
+    os.environ["TENPLEX_STORE_TOKEN"] = token
+    os.environ["TENPLEX_JOB_ID"] = f"secrets-{port}"
+    import torch.distributed as dist
+
+    from tenplex.elastic.membership_runtime import start_membership
+    from tenplex.errors import ConfigError
+
+    res: dict[str, Any] = {"error": None}
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=20))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        try:
+            m = start_membership(store, interval=0.05, dead_after=1.0)
+            res["id"] = m.id
+            dist.barrier()
+            m.close()
+        except ConfigError as e:
+            res["refused"] = str(e)
+        dist.destroy_process_group()
+    except BaseException as e:  # reported to the test
+        res["error"] = f"{type(e).__name__}: {e}"
+    out.put((rank, res))
+
+
+@pytest.mark.timeout(60)
+def test_workers_with_different_secrets_refuse_to_start_together() -> None:
+    """A worker given another token than rank 0's: every rank refuses at ``start_membership`` with the
+    ranks that differ (none waits for heartbeats it could not verify); with the same token they start."""
+    from spawned import free_port, run_spawned
+
+    for tokens, refused in ((("tok-a", "tok-b"), True), (("tok-a", "tok-a"), False)):
+        port = free_port()
+        res = run_spawned(_starter, [(r, port, tokens[r]) for r in range(2)], expect=2, timeout=45)
+        assert all(v["error"] is None for v in res.values()), res
+        if refused:
+            why = "ranks [1] hold another job secret than rank 0"
+            assert all(why in v.get("refused", "") for v in res.values()), res
+        else:
+            assert sorted(v.get("id") for v in res.values()) == [0, 1], res

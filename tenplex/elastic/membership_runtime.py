@@ -785,17 +785,20 @@ def start_membership(store: Any, *, interval: float = 0.1, dead_after: float = 1
     """Every rank of the default group: a Membership under a prefix fresh for this group (a nonce
     from rank 0), so a restarted job never reads a previous launch's keys. Rank 0 then publishes
     the prefix under the job's key (:func:`job_key`) for joiners, signed. ConfigError on every rank
-    whose job secret (default: :meth:`JobSecret.resolve`) differs from rank 0's: its records would
-    not verify, and the others would take it for dead."""
+    when a rank's job secret (default: :meth:`JobSecret.resolve`) differs from rank 0's: its records
+    would not verify, and the others would take it for dead."""
     import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
 
     secret = secret if secret is not None else JobSecret.resolve()
-    box = [(f"tenplex/inproc/{uuid.uuid4().hex[:12]}", secret.fingerprint()) if dist.get_rank() == 0 else None]
+    prints: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, secret.fingerprint())
+    other = [r for r, f in enumerate(prints) if f != prints[0]]
+    if other:  # every rank refuses: none waits for members whose records it could not verify
+        raise ConfigError(f"ranks {other} hold another job secret than rank 0 (rank {dist.get_rank()}'s: "
+                          f"{secret.source}); give every worker the same TENPLEX_STORE_TOKEN (or token file)")
+    box = [f"tenplex/inproc/{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    prefix, theirs = box[0]
-    if theirs != secret.fingerprint():
-        raise ConfigError(f"rank {dist.get_rank()}: its job secret ({secret.source}) is not rank 0's; give every "
-                          "worker the same TENPLEX_STORE_TOKEN (or token file)")
+    prefix = box[0]
     m = Membership(store, str(prefix), interval=interval, dead_after=dead_after, agree_timeout=20.0,
                    pg_timeout=datetime.timedelta(seconds=30), secret=secret)
     if dist.get_rank() == 0:
