@@ -33,6 +33,7 @@ WORLD = 3
 DEAD_AFTER = 2.0  # heartbeat silence that means death here
 SETTLE = 0.3  # seconds after an attempt before the views are compared (6 heartbeats)
 KILL_BOUND = 2.0  # a SIGKILLed member is known by the others within this (links: milliseconds)
+STORE_TIMEOUT = 5.0  # the members' store client timeout: a read of a deleted key fails after this
 PREFIX = "hostile/job"
 
 
@@ -44,7 +45,7 @@ def _member(rank: int, port: int, token: str, out: Any, ctl: Any) -> None:
     from tenplex.elastic.membership_runtime import Membership
 
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT))
         m = Membership(store, PREFIX, rank=rank, world_size=WORLD, backend="gloo", interval=0.05,
                        dead_after=DEAD_AFTER, agree_timeout=15.0, pg_timeout=datetime.timedelta(seconds=15))
     except BaseException as e:  # reported to the test
@@ -182,8 +183,8 @@ def _fake_mac() -> str:
 @pytest.mark.timeout(120)
 def test_outsider_store_writes_neither_join_nor_fail_nor_kill(job: tuple[Job, Any]) -> None:
     """Join requests, heartbeats, failure flags, deaths and a join boundary, in the old plain format,
-    as junk and as records with a made-up HMAC: every member's view stays calm, also ``DEAD_AFTER``
-    later (no heartbeat verdict)."""
+    as junk and as records with a made-up HMAC, and keys deleted: every member's view stays calm, also
+    ``DEAD_AFTER`` (no heartbeat verdict) and ``STORE_TIMEOUT`` (no read stuck on a deleted key) later."""
     j, (_, port, _) = job
     t = Tally.of("membership")
     k = f"{PREFIX}/".__add__
@@ -202,14 +203,18 @@ def test_outsider_store_writes_neither_join_nor_fail_nor_kill(job: tuple[Job, An
                                               ("append", k("gone"), f",m1:{_fake_mac()}:1,")]),
         ("join boundary", [("set", k("round0/join_at"), "5"),
                            ("set", k("round0/join_at"), f"m1:{_fake_mac()}:5")]),
+        ("heartbeat deleted", [("delete_key", k("hb/1"), "")]),
+        ("failure flags deleted", [("delete_key", k("round0/failures"), "")]),
+        ("joiners list deleted", [("delete_key", k("joiners"), "")]),
         ("next round's decision", [("set", k("round1/decision"),
                                     '{"round": 1, "members": [0], "previous": [0, 1, 2]}')]),
     ]
     for what, ops in attempts:
         for op, key, value in ops:
-            _store_op(port, op, key, int(value) if op == "add" else value)
+            _store_op(port, op, key, *([int(value)] if op == "add" else [] if op == "delete_key" else [value]))
         _judge(t, j, f"store: {what}")
-    _judge(t, j, f"store: no heartbeat verdict {DEAD_AFTER} s after the writes", settle=DEAD_AFTER + SETTLE)
+    _judge(t, j, f"store: no verdict {STORE_TIMEOUT} s after the writes (deleted keys: no store failure)",
+           settle=max(DEAD_AFTER, STORE_TIMEOUT) + SETTLE)
     t.assert_none_silent()
 
 

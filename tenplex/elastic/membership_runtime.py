@@ -210,6 +210,8 @@ class Membership:
                              round=self.round)
         self._stop = threading.Event()
         self._hb_store = store.clone()  # its own connection: the main thread's blocking waits hold theirs
+        # a get of a key deleted under it fails after this, not after the store's timeout (_read)
+        self._hb_store.set_timeout(datetime.timedelta(seconds=max(0.5, min(5.0, dead_after / 4))))
         self._links = PeerLinks(self.id, link_host(_store_host(store)), timeout=link_timeout, secret=self.secret)
         self._put(self._hb_store, self._key("link", self.id), self._links.address)  # before the first heartbeat
         self._put_beat(self._hb_store, ())
@@ -303,6 +305,30 @@ class Membership:
             if i >= 0 and self._claim(store, self._key("id", i), nonce) == nonce:
                 return i
         raise MembershipError(f"a joiner of {self.prefix} found no free member id in 64 tries")
+
+    def _read(self, store: Any, keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys`` (one ``multi_get``), ``b""`` for keys that are missing: a key deleted
+        (by a process that is not part of the job) is no news, not a store failure; RuntimeError only
+        when the store itself does not answer."""
+        try:
+            if store.check(keys):
+                return list(store.multi_get(keys))
+        except RuntimeError:
+            store.check([self._hb_key(self.id)])  # raises when the store is gone; else a key went missing
+        out, missing = [], []
+        for k in keys:
+            try:
+                out.append(store.get(k) if store.check([k]) else None)
+            except RuntimeError:
+                store.check([self._hb_key(self.id)])
+                out.append(None)
+            if out[-1] is None:
+                out[-1] = b""
+                missing.append(k)
+        if missing and "deleted" not in self._warned:
+            self._warned.add("deleted")
+            log.warning("member %d: keys of the job were deleted (%s): read as empty, no news", self.id, missing)
+        return out
 
     def _flags(self, store: Any, round: int) -> int:
         """How many members flagged a failure in ``round`` (creates its list)."""
@@ -483,9 +509,9 @@ class Membership:
                     watched, rnd, baseline = st.watched, st.round, self._failures_seen
                 self._put_beat(store, self._links.linked() & set(watched))  # open links: those processes exist
                 jkey, fkey = self._key("joiners"), self._failures_key(rnd)
-                vals = store.multi_get([*(self._hb_key(m) for m in watched), jkey, fkey])
+                vals = self._read(store, [*(self._hb_key(m) for m in watched), jkey, fkey])
                 failures = len(self._ids(store, fkey, vals[-1]))
-                link_deaths = self._gone(store) if failures != baseline else []  # deaths others' links saw
+                link_deaths = self._gone(store) if failures > baseline else []  # deaths others' links saw
                 registered = self._ids(store, jkey, vals[-2]) if vals[-2] != st.joiners_raw else None
             except RuntimeError as e:
                 if self._stop.is_set():
@@ -525,7 +551,7 @@ class Membership:
                 self._fail("; ".join(why), publish=True, round=rnd)
                 if self.backend == "nccl":
                     self._abort()
-            elif failures != baseline and not self.failed:
+            elif failures > baseline and not self.failed:
                 self._fail("another member flagged a failure", publish=False, round=rnd)
                 if self.backend == "nccl":
                     self._abort()
