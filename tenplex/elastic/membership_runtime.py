@@ -211,7 +211,7 @@ class Membership:
         self._stop = threading.Event()
         self._hb_store = store.clone()  # its own connection: the main thread's blocking waits hold theirs
         # a get of a key deleted under it fails after this, not after the store's timeout (_read)
-        self._hb_store.set_timeout(datetime.timedelta(seconds=max(0.5, min(5.0, dead_after / 4))))
+        self._hb_store.set_timeout(datetime.timedelta(seconds=max(2.0, min(5.0, dead_after / 4))))
         self._links = PeerLinks(self.id, link_host(_store_host(store)), timeout=link_timeout, secret=self.secret)
         self._put(self._hb_store, self._key("link", self.id), self._links.address)  # before the first heartbeat
         self._put_beat(self._hb_store, ())
