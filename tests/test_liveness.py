@@ -130,12 +130,53 @@ def test_link_host() -> None:
 
 def test_a_goodbye_reaches_a_link_still_waiting_in_the_listeners_backlog() -> None:
     """Member 1 links to member 7, which closes before it ever polls: 1's connection still waits in
-    7's listener backlog. ``close`` accepts it and says goodbye on it, so 1 sees a goodbye, not a
-    death (closing the listener alone resets it: 1 named 7 dead)."""
+    7's listener backlog (connected, its handshake unanswered: not a link yet). ``close`` accepts it
+    and says goodbye on it, so 1 sees no death (closing the listener alone resets it; before the
+    handshake, issue 31, 1 named 7 dead)."""
     a, b = PeerLinks(1), PeerLinks(7)
     a.want({7: b.address})
-    _poll_until(a, lambda _: a.linked() == {7}, 5)
-    assert a.linked() == {7}
+    _poll_until(a, lambda _: False, 0.3)  # connected, hello sent
+    assert a.linked() == frozenset()
     b.close()
     dead = _poll_until(a, lambda _: not a.linked(), 5)
     assert dead == set() and not a.linked()
+
+
+def test_a_stranger_that_never_authenticates_is_dropped_and_no_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection that sends nothing, or a member's hello but never the proof, is closed by the
+    member after ``HANDSHAKE_S`` and never counts as a link; two members with different secrets do not
+    link (each drops the other), two with the same secret do."""
+    import tenplex.elastic.liveness as liveness
+    from tenplex.elastic.job_secret import JobSecret
+
+    monkeypatch.setattr(liveness, "HANDSHAKE_S", 0.3)
+    me = PeerLinks(1)
+    try:
+        host, port = me.address.rsplit(":", 1)
+        silent = socket.create_connection((host, int(port)), timeout=5)
+        halfway = socket.create_connection((host, int(port)), timeout=5)
+        halfway.sendall(b"TPL2" + (7).to_bytes(8, "big") + os.urandom(16))
+        _poll_until(me, lambda _: False, 0.8)
+        assert me.linked() == frozenset()
+        assert silent.recv(64) == b""  # closed by the member
+        answer = b""
+        while chunk := halfway.recv(64):
+            answer += chunk
+        assert len(answer) == 60  # the member's answer to the hello, then it closed
+        silent.close()
+        halfway.close()
+    finally:
+        me.close()
+    for secrets_, linked in (((b"one", b"two"), frozenset()), ((b"one", b"one"), frozenset({7}))):
+        a = PeerLinks(1, secret=JobSecret.resolve(secrets_[0]))
+        b = PeerLinks(7, secret=JobSecret.resolve(secrets_[1]))
+        try:
+            a.want({7: b.address})
+            end = time.monotonic() + 1.0
+            dead: set[int] = set()
+            while time.monotonic() < end:
+                dead |= a.poll(0.02) | b.poll(0.02)
+            assert a.linked() == linked and dead == set(), (secrets_, a.linked(), dead)
+        finally:
+            a.close()
+            b.close()

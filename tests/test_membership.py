@@ -357,21 +357,26 @@ def test_agreement_timeouts_and_exclusion_in_one_process() -> None:
 
     import torch.distributed as dist
 
+    from tenplex.elastic.job_secret import JobSecret, encode_beat
     from tenplex.elastic.membership_runtime import Membership
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store = dist.TCPStore("127.0.0.1", server.port, is_master=False)
-    store.add("t/hb/1", 1)
+    secret = JobSecret.resolve("agreement test")
+    signer = secret.scoped("t")  # member 1's records, signed as a member's are
+    store.set("t/hb/1", signer.sign("t/hb/1", encode_beat(1, ())))
     stop = threading.Event()
 
     def beat() -> None:  # member 1: alive, but it never joins a round
+        seq = 1
         while not stop.wait(0.05):
-            store.add("t/hb/1", 1)
+            seq += 1
+            store.set("t/hb/1", signer.sign("t/hb/1", encode_beat(seq, ())))
 
     beater = threading.Thread(target=beat, daemon=True)
     beater.start()
     m = Membership(store, "t", rank=0, world_size=2, backend="gloo", interval=0.05, dead_after=0.3,
-                   agree_timeout=1.0, pg_timeout=datetime.timedelta(seconds=5))
+                   agree_timeout=1.0, pg_timeout=datetime.timedelta(seconds=5), secret=secret)
     try:
         t0 = time.monotonic()
         with pytest.raises(MembershipError, match=r"round 1 did not decide within 1.0 s; members \[1\] neither joined"):
@@ -392,7 +397,7 @@ def test_agreement_timeouts_and_exclusion_in_one_process() -> None:
         assert nm.detect_s > 0.3 and dist.get_world_size() == 1 and not m.failed
         dist.destroy_process_group()
         # round 3 was decided without member 0 (the others found it dead): it is left out
-        store.set("t/round3/decision", encode_decision(Decision(3, (5,))))
+        store.set("t/round3/decision", signer.sign("t/round3/decision", encode_decision(Decision(3, (5,)))))
         with pytest.raises(MembershipError, match="left out of round 3"):
             m.recover()
     finally:

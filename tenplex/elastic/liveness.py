@@ -9,8 +9,15 @@ for what no connection reports (a host that lost power or its network: no FIN is
 
 Each member listens on one port and links to a few others (:class:`tenplex.elastic.membership_runtime.Membership`
 uses a ring: every member links to its successor, so each is watched by two). A connection opens
-with a hello naming the connector; a member that leaves on purpose sends a goodbye byte before
-closing, so only a link that ends *without* one means death. Connects and hellos are non-blocking:
+with a challenge-response in both directions, keyed by the job secret
+(:class:`tenplex.elastic.job_secret.JobSecret`): the connector sends its id and a fresh nonce, the
+acceptor answers with its id, its own nonce and an HMAC over both ids and both nonces, the connector
+checks it (the acceptor is the member it wanted) and answers with its HMAC (the connector is a member).
+Only a link that passed it counts: it vouches for its peer (:meth:`PeerLinks.linked`) and its end can
+mean death. A connection that fails the handshake or does not finish it within
+``HANDSHAKE_S`` seconds is dropped, logged, and is no death, so a process without the secret can
+neither pose as a member nor make one look dead. A member that leaves on purpose sends a goodbye byte
+before closing, so only an authenticated link that ends *without* one means death. Connects and hellos are non-blocking:
 one select loop (the heartbeat thread's) serves them all, so an unreachable peer never stalls the
 heartbeats. A peer that cannot be reached is not declared dead here (a firewall looks the same);
 its heartbeats decide.
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import hmac
 import logging
 import math
 import os
@@ -38,22 +46,30 @@ import select
 import socket
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from .job_secret import JobSecret
 
-__all__ = ["PeerLinks", "link_host", "keep_alive", "LINK_HOST_ENV"]
+__all__ = ["PeerLinks", "link_host", "keep_alive", "LINK_HOST_ENV", "HANDSHAKE_S"]
 
 log = logging.getLogger(__name__)
 
 LINK_HOST_ENV = "TENPLEX_LINK_HOST"
 """The address a member listens on for its links (default: the interface that reaches the store)."""
 
-_HELLO = struct.Struct("!4sq")  # magic, the connecting member's id
-_MAGIC = b"TPLX"
+_HELLO = struct.Struct("!4sq16s")  # magic, the connecting member's id, its nonce
+_REPLY = struct.Struct("!4sq16s32s")  # magic, the accepting member's id, its nonce, its HMAC
+_PROOF = 32  # the connector's HMAC
+_IDS = struct.Struct("!qq")  # (connector, acceptor): what both HMACs cover, with both nonces
+_MAGIC = b"TPL2"
 _BYE = b"B"
+HANDSHAKE_S = 10.0
+"""Seconds an accepted connection may take to authenticate before it is dropped."""
+_MAX_PENDING = 64  # accepted connections still in their handshake; the oldest is dropped beyond
 
 
 def link_host(store_host: str | None) -> str:
@@ -76,11 +92,16 @@ def link_host(store_host: str | None) -> str:
 @dataclass(slots=True)
 class _Link:
     sock: socket.socket
-    peer: int | None  # None until an accepted link's hello arrived
+    peer: int | None  # outgoing: the member wanted; accepted: None until authenticated
     outgoing: bool
     connected: bool = True
     inbox: bytearray = field(default_factory=bytearray)
     said_bye: bool = False
+    authed: bool = False  # the handshake passed: only then does the link vouch, and its end mean death
+    nonce: bytes = b""  # this end's nonce
+    claim: int | None = None  # accepted: the id the connector claims, until its proof arrives
+    peer_nonce: bytes = b""
+    opened: float = field(default_factory=time.monotonic)
 
 
 def keep_alive(sock: socket.socket, timeout: float) -> None:
@@ -104,13 +125,16 @@ def _forget_after_fork(ref: weakref.ReferenceType[PeerLinks]) -> None:
 class PeerLinks:
     """This member's links (see the module docstring). ``want`` may be called from any thread;
     ``poll`` from one thread only (it owns the sockets). ``timeout``: seconds without an answer
-    from a peer's kernel after which its link ends (a vanished host; at least 1)."""
+    from a peer's kernel after which its link ends (a vanished host; at least 1). ``secret``: the
+    job's (scoped) key the handshakes use; default: the unauthenticated mode's public key."""
 
-    def __init__(self, member: int, host: str = "127.0.0.1", timeout: float = 3.0) -> None:
+    def __init__(self, member: int, host: str = "127.0.0.1", timeout: float = 3.0,
+                 secret: JobSecret | None = None) -> None:
         if not timeout >= 1:
             raise ConfigError(f"the link timeout must be at least 1 s (keepalive probes are 1 s apart), got {timeout}")
         self.member = member
         self.timeout = float(timeout)
+        self.secret = secret if secret is not None else JobSecret.unauthenticated()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, 0))
@@ -133,8 +157,8 @@ class PeerLinks:
             self._changed = True
 
     def linked(self) -> frozenset[int]:
-        """Peers with an established link (either direction)."""
-        return frozenset(ln.peer for ln in self._links if ln.peer is not None and ln.connected)
+        """Peers with an established, authenticated link (either direction)."""
+        return frozenset(ln.peer for ln in self._links if ln.peer is not None and ln.authed)
 
     def poll(self, timeout: float) -> frozenset[int]:
         """Wait up to ``timeout`` seconds for link events; the peers whose link ended without a goodbye."""
@@ -158,8 +182,9 @@ class PeerLinks:
                 self._drop(ln)
                 continue
             ln.connected = True
+            ln.nonce = os.urandom(16)
             try:
-                s.send(_HELLO.pack(_MAGIC, self.member))  # 12 bytes into an empty send buffer: never partial
+                s.send(_HELLO.pack(_MAGIC, self.member, ln.nonce))  # 28 bytes into an empty buffer: never partial
             except OSError:
                 self._drop(ln)
         for s in r:
@@ -178,9 +203,10 @@ class PeerLinks:
             if data:
                 self._received(ln, data)
                 continue
-            if ln.peer is not None and not ln.said_bye:
+            if ln.authed and not ln.said_bye:
                 dead.add(ln.peer)
             self._drop(ln)
+        self._expire()
         return frozenset(dead)
 
     def close(self) -> None:
@@ -248,19 +274,69 @@ class PeerLinks:
             self._links.append(_Link(s, None, outgoing=False))
 
     def _received(self, ln: _Link, data: bytes) -> None:
-        if ln.peer is None:
+        if not ln.authed:
             ln.inbox += data
-            if len(ln.inbox) < _HELLO.size:
+            if not self._handshake(ln):
                 return
-            magic, peer = _HELLO.unpack(bytes(ln.inbox[: _HELLO.size]))
-            if magic != _MAGIC:
-                log.warning("member %d: a connection that is no member's link; closed", self.member)
-                self._drop(ln)
-                return
-            ln.peer, data = int(peer), bytes(ln.inbox[_HELLO.size :])
+            data = bytes(ln.inbox)
             ln.inbox.clear()
         if _BYE in data:
             ln.said_bye = True
+
+    def _handshake(self, ln: _Link) -> bool:
+        """Advance ``ln``'s handshake with the bytes in its inbox (consumed); whether it passed now.
+        A link that fails it is dropped: no member is named, so its end is no death."""
+        mac = self.secret.link_mac
+        try:
+            if ln.outgoing:
+                if len(ln.inbox) < _REPLY.size:
+                    return False
+                magic, peer, nonce, theirs = _REPLY.unpack(bytes(ln.inbox[: _REPLY.size]))
+                ids = _IDS.pack(self.member, peer)
+                if magic != _MAGIC or peer != ln.peer or not hmac.compare_digest(
+                        theirs, mac(b"accept", ids, ln.nonce, nonce)):
+                    return self._refuse(ln, f"the process at member {ln.peer}'s link address")
+                ln.sock.send(mac(b"connect", ids, nonce, ln.nonce))  # 32 bytes: never partial
+                del ln.inbox[: _REPLY.size]
+            else:
+                if ln.claim is None:
+                    if len(ln.inbox) < _HELLO.size:
+                        return False
+                    magic, peer, nonce = _HELLO.unpack(bytes(ln.inbox[: _HELLO.size]))
+                    if magic != _MAGIC:
+                        return self._refuse(ln, "a connection that is no member's link")
+                    ln.claim, ln.peer_nonce, ln.nonce = int(peer), nonce, os.urandom(16)
+                    ids = _IDS.pack(ln.claim, self.member)
+                    ln.sock.send(_REPLY.pack(_MAGIC, self.member, ln.nonce, mac(b"accept", ids, nonce, ln.nonce)))
+                    del ln.inbox[: _HELLO.size]
+                if len(ln.inbox) < _PROOF:
+                    return False
+                proof = bytes(ln.inbox[:_PROOF])
+                if not hmac.compare_digest(proof, mac(b"connect", _IDS.pack(ln.claim, self.member), ln.nonce,
+                                                      ln.peer_nonce)):
+                    return self._refuse(ln, f"a connection claiming to be member {ln.claim}")
+                del ln.inbox[:_PROOF]
+                ln.peer = ln.claim
+        except OSError:  # the other end went away mid-handshake: it was never a link
+            self._drop(ln)
+            return False
+        ln.authed = True
+        return True
+
+    def _refuse(self, ln: _Link, who: str) -> bool:
+        log.warning("member %d: %s failed the link handshake (no job secret, or another one); dropped, not a "
+                    "death", self.member, who)
+        self._drop(ln)
+        return False
+
+    def _expire(self) -> None:
+        """Drop accepted connections that did not authenticate within ``HANDSHAKE_S`` (and the oldest
+        beyond ``_MAX_PENDING``): a stranger cannot hold this member's sockets."""
+        pending = [ln for ln in self._links if not ln.outgoing and not ln.authed]
+        now = time.monotonic()
+        for i, ln in enumerate(pending):
+            if now - ln.opened > HANDSHAKE_S or i < len(pending) - _MAX_PENDING:
+                self._drop(ln)
 
     def _bye(self, ln: _Link, *, last: bool = False) -> None:
         """Goodbye on ``ln``, then close it; ``last`` (this member closes): shut the sending side

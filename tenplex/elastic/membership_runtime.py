@@ -6,9 +6,10 @@ Each worker creates a :class:`Membership` after ``init_process_group``, given a 
 outlives the workers (the job's rendezvous store) and a job prefix. Then:
 
 * a heartbeat thread (its own store connection, so a blocking wait of the main thread never
-  delays it) bumps this member's counter every ``interval`` seconds and reads the others'. A
-  death, or a failure flagged by another member, sets :meth:`Membership.failed` and calls
-  ``on_failure``;
+  delays it) writes this member's heartbeat (a sequence number) every ``interval`` seconds and
+  reads the others'. Every record in the store is signed with the job secret
+  (:mod:`tenplex.elastic.job_secret`); one that does not verify is ignored. A death, or a failure
+  flagged by another member, sets :meth:`Membership.failed` and calls ``on_failure``;
 * the same thread watches TCP links to this member's ring neighbours (:mod:`tenplex.elastic.liveness`):
   a process that dies while its host lives (killed, crashed) has its connections closed by its
   kernel, so its neighbours know within milliseconds, append its id to ``{prefix}/gone`` and flag
@@ -20,9 +21,9 @@ outlives the workers (the job's rendezvous store) and a job prefix. Then:
   without the GIL for seconds (measured: 0.62 s while the main thread imported torch and scipy
   beside 6 busy processes on 2 CPUs; a big pickle, a long C call, a loaded machine), and a
   verdict from that silence is a live member left out of the group (issue 29 item 7). So each
-  member also bumps the counters of the neighbours its links to are open (it vouches for them):
-  the others see those counters move. A counter that stands still for ``dead_after`` seconds
-  (default 10) of this observer's own on-time observations (:class:`HeartbeatMonitor`) means
+  member's heartbeat also names the neighbours its (authenticated) links to are open (it vouches
+  for them): the others count that beat as theirs. A member whose count stands still for
+  ``dead_after`` seconds (default 10) of this observer's own on-time observations (:class:`HeartbeatMonitor`) means
   dead: only members that no open link vouches for and that beat no more, e.g. one whose links
   could not be made. A hung but living process (deadlock, SIGSTOP) holds its links and is no
   death: a collective blocked on it fails after the group's ``timeout``;
@@ -98,9 +99,10 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, MembershipError, PeerFailure
+from .job_secret import JobSecret, decode_beat, encode_beat
 from .liveness import PeerLinks, link_host
 from .membership import (Decision, HeartbeatMonitor, NewMembership, decode_decision, encode_decision, is_peer_error,
-                         join_step, old_ranks, parse_joined, propose)
+                         join_step, old_ranks, propose)
 
 __all__ = ["Membership", "MEMBERSHIP_STORE_ENV", "JOB_ENV", "membership_store", "job_key",
            "start_membership", "join_membership"]
@@ -129,7 +131,7 @@ class _State:
     watched: tuple[int, ...] = ()
     members: tuple[int, ...] = ()  # the current group's ids: a death among them is a failure
     pending: tuple[int, ...] = ()  # joiners registered and alive, not members yet
-    joins_seen: int = 0  # the join-request counter when the joiners list was last read
+    joiners_raw: bytes = b""  # the joiners list when it was last read
     round: int = 0
     failed_at: float | None = None  # time.time()
     failed_mono: float | None = None
@@ -152,7 +154,9 @@ class Membership:
     heartbeat thread on the first failure it sees; ``order``: how a decision orders its members
     (ids in, ids out; default by previous rank); ``pg_timeout``: the new groups' collective timeout;
     ``fits(n)``: whether a group of n members can run (a layout fits): joiners are admitted only
-    as far as it allows (default: any number).
+    as far as it allows (default: any number). ``secret``: the job's (:meth:`JobSecret.resolve`,
+    default: resolved from the environment), scoped to ``prefix``: it signs every record this
+    member stores and keys its links' handshakes; records that do not verify are ignored (logged).
 
     ``joiner=True``: a fresh process asking to join the running job (scale up): it has no group and
     no state; it takes the next free id, starts its heartbeat and registers under
@@ -167,7 +171,7 @@ class Membership:
                  start_timeout: float = 30.0, on_failure: Callable[[str], None] | None = None,
                  order: Callable[[Sequence[int]], Sequence[int]] | None = None,
                  pg_timeout: datetime.timedelta = datetime.timedelta(seconds=30), joiner: bool = False,
-                 fits: Callable[[int], bool] | None = None) -> None:
+                 fits: Callable[[int], bool] | None = None, secret: JobSecret | None = None) -> None:
         import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
 
         if interval <= 0 or dead_after <= interval:
@@ -186,27 +190,37 @@ class Membership:
             self.world_size = int(dist.get_world_size() if world_size is None else world_size)
             self.backend = str(dist.get_backend() if backend is None else backend)
         self.store, self.prefix = store, prefix.rstrip("/")
+        self.secret = (secret if secret is not None else JobSecret.resolve()).scoped(self.prefix)
+        self._seq = 0  # this member's heartbeat sequence number
+        self._beats: dict[int, tuple[int, frozenset[int]]] = {}  # newest verified heartbeat per member
+        self._warned: set[str] = set()  # keys whose bad records were logged
         self.interval, self.dead_after = interval, dead_after
         self.agree_timeout, self.max_rounds = agree_timeout, max_rounds
         self.on_failure, self.order, self.pg_timeout, self.fits = on_failure, order, pg_timeout, fits
+        self.id, nonce = -1, uuid.uuid4().hex
         if joiner:  # ids after the first group's ranks, one per joiner ever (the first member set the counter)
-            self.id, self.round, self.members = int(store.add(self._key("next_id"), 1)) - 1, -1, ()
+            self.id, self.round, self.members = self._take_id(store, nonce), -1, ()
         else:
             self.id, self.round, self.members = self.rank, 0, tuple(range(self.world_size))
+            if self._claim(store, self._key("id", self.id), nonce) != nonce:
+                log.warning("member %d: its id was claimed before in %s (a restarted member, or the prefix reused)",
+                            self.id, self.prefix)
         self.monitor = HeartbeatMonitor(dead_after)
         self._state = _State(watched=tuple(m for m in self.members if m != self.id), members=self.members,
                              round=self.round)
         self._stop = threading.Event()
         self._hb_store = store.clone()  # its own connection: the main thread's blocking waits hold theirs
-        self._links = PeerLinks(self.id, link_host(_store_host(store)), timeout=link_timeout)
-        self._hb_store.set(self._key("link", self.id), self._links.address)  # before the heartbeat others wait for
-        self._hb_store.add(self._hb_key(self.id), 1)
-        self._hb_store.add(self._key("join_requests"), 0)  # exists before any heartbeat reads it
-        self._failures_seen = int(self._hb_store.add(self._failures_key(self.round), 0))
+        # a get of a key deleted under it fails after this, not after the store's timeout (_read)
+        self._hb_store.set_timeout(datetime.timedelta(seconds=max(2.0, min(5.0, dead_after / 4))))
+        self._links = PeerLinks(self.id, link_host(_store_host(store)), timeout=link_timeout, secret=self.secret)
+        self._put(self._hb_store, self._key("link", self.id), self._links.address)  # before the first heartbeat
+        self._put_beat(self._hb_store, ())
+        self._hb_store.append(self._key("joiners"), "")  # exist before any heartbeat reads them
+        self._failures_seen = self._flags(self._hb_store, self.round)
         if not joiner:
             if self.rank == 0:  # before any joiner can find this prefix (start_membership publishes it after)
                 store.add(self._key("next_id"), self.world_size)
-                store.set(self._key("round"), "0")
+                self._put(store, self._key("round"), "0")
             keys = [self._hb_key(m) for m in self.members]
             try:
                 self._hb_store.wait(keys, datetime.timedelta(seconds=start_timeout))
@@ -217,8 +231,7 @@ class Membership:
         self._thread = threading.Thread(target=self._beat, name=f"tenplex-heartbeat-{self.id}", daemon=True)
         self._thread.start()
         if joiner:  # heartbeat first: the members watch it from the moment they read the registration
-            store.append(self._key("joiners"), f"{self.id},")
-            store.add(self._key("join_requests"), 1)
+            self._add_entry(store, self._key("joiners"), self.id)
             log.info("joiner %d registered under %s", self.id, self.prefix)
 
     # -- keys ----------------------------------------------------------------------------------
@@ -231,6 +244,118 @@ class Membership:
     def _failures_key(self, round: int) -> str:
         return self._key(f"round{round}", "failures")  # per round: late flags of a past round are no news
 
+    # -- signed records (job_secret.JobSecret) -------------------------------------------------
+    def _put(self, store: Any, key: str, payload: str) -> None:
+        store.set(key, self.secret.sign(key, payload))
+
+    def _add_entry(self, store: Any, key: str, payload: object) -> None:
+        store.append(key, self.secret.entry(key, str(payload)))
+
+    def _bad(self, key: str, what: str) -> None:
+        """Log a record that did not verify (once per key: an outsider cannot flood the log)."""
+        if key not in self._warned and len(self._warned) < 1024:
+            self._warned.add(key)
+            log.warning("member %d: ignored %s under %s: not signed with the job secret (another job, a stale "
+                        "launch, or a process that is not part of the job)", self.id, what, key)
+
+    def _open(self, key: str, raw: bytes | str | None) -> str | None:
+        """The payload of a signed record read from ``key``; None (logged) when it does not verify."""
+        payload = self.secret.open(key, raw)
+        if payload is None and raw:
+            self._bad(key, "a record")
+        return payload
+
+    def _get(self, store: Any, key: str) -> str | None:
+        """The verified payload under ``key``; None when there is none or it does not verify."""
+        return self._open(key, store.get(key)) if store.check([key]) else None
+
+    def _ids(self, store: Any, key: str, raw: bytes | None = None) -> list[int]:
+        """The ids in the signed list at ``key`` (each once, in order of arrival); bad entries logged."""
+        if raw is None:
+            if not store.check([key]):
+                return []
+            raw = store.get(key)
+        good, bad = self.secret.entries(key, raw)
+        if bad:
+            self._bad(key, f"{bad} list entries")
+        out = []
+        for g in good:
+            if g.lstrip("-").isdigit() and int(g) not in out:
+                out.append(int(g))
+        return out
+
+    def _claim(self, store: Any, key: str, payload: str) -> str:
+        """``compare_set`` a signed record: the first valid one stored under ``key`` wins and its payload
+        is returned. A value there that does not verify (an outsider's) is replaced, not obeyed."""
+        expected: bytes | str = ""
+        for _ in range(16):
+            raw = store.compare_set(key, expected, self.secret.sign(key, payload))
+            got = self._open(key, raw)
+            if got is not None:
+                return got
+            expected = raw
+        raise MembershipError(f"member {self.id}: {key} keeps holding records that are not the job's")
+
+    def _take_id(self, store: Any, nonce: str) -> int:
+        """A joiner's id: the next value of ``{prefix}/next_id`` whose signed claim ``{prefix}/id/{id}``
+        it wins (a counter that was set back, by mistake or by an outsider, cannot give it the id of
+        a member or of another joiner)."""
+        for _ in range(64):
+            i = int(store.add(self._key("next_id"), 1)) - 1
+            if i >= 0 and self._claim(store, self._key("id", i), nonce) == nonce:
+                return i
+        raise MembershipError(f"a joiner of {self.prefix} found no free member id in 64 tries")
+
+    def _read(self, store: Any, keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys`` (one ``multi_get``), ``b""`` for keys that are missing: a key deleted
+        (by a process that is not part of the job) is no news, not a store failure; RuntimeError only
+        when the store itself does not answer."""
+        try:
+            if store.check(keys):
+                return list(store.multi_get(keys))
+        except RuntimeError:
+            store.check([self._hb_key(self.id)])  # raises when the store is gone; else a key went missing
+        out, missing = [], []
+        for k in keys:
+            try:
+                out.append(store.get(k) if store.check([k]) else None)
+            except RuntimeError:
+                store.check([self._hb_key(self.id)])
+                out.append(None)
+            if out[-1] is None:
+                out[-1] = b""
+                missing.append(k)
+        if missing and "deleted" not in self._warned:
+            self._warned.add("deleted")
+            log.warning("member %d: keys of the job were deleted (%s): read as empty, no news", self.id, missing)
+        return out
+
+    def _flags(self, store: Any, round: int) -> int:
+        """How many members flagged a failure in ``round`` (creates its list)."""
+        key = self._failures_key(round)
+        store.append(key, "")
+        return len(self._ids(store, key))
+
+    def _put_beat(self, store: Any, vouch: Sequence[int]) -> None:
+        """This member's next heartbeat: its sequence number and the peers its open links vouch for."""
+        self._seq += 1
+        self._beats[self.id] = (self._seq, frozenset(vouch))
+        self._put(store, self._hb_key(self.id), encode_beat(self._seq, vouch))
+
+    def _counters(self, raws: Sequence[bytes], watched: Sequence[int]) -> dict[int, int]:
+        """What :class:`HeartbeatMonitor` observes, from the heartbeat records of ``watched``: per member,
+        its newest verified sequence number plus those of the members vouching for it. A record that
+        does not verify, or one not newer than the last seen (a replay), changes nothing."""
+        for m, raw in zip(watched, raws):
+            key = self._hb_key(m)
+            payload = self._open(key, raw)
+            beat = decode_beat(payload) if payload is not None else None
+            if beat is not None and beat[0] > self._beats.get(m, (0, frozenset()))[0]:
+                self._beats[m] = beat
+        beats = self._beats
+        return {m: beats.get(m, (0, frozenset()))[0] + sum(s for v, (s, who) in beats.items() if m in who and v != m)
+                for m in watched}
+
     def _relink(self, members: Sequence[int]) -> None:
         """Link to this member's successor in ``members`` (a ring: each member watched by two)."""
         if self.id not in members or len(members) < 2:
@@ -239,7 +364,7 @@ class Membership:
         nxt = members[(list(members).index(self.id) + 1) % len(members)]
         key = self._key("link", nxt)
         try:  # (get would wait for a key never set: check first)
-            addr = self.store.get(key).decode() if self.store.check([key]) else None
+            addr = self._get(self.store, key)
         except RuntimeError as e:
             log.info("member %d: no link address of member %d (%s)", self.id, nxt, e)
             addr = None
@@ -247,8 +372,7 @@ class Membership:
 
     def _gone(self, store: Any) -> list[int]:
         """Ids the members found dead by a broken link (every round: ids are never reused)."""
-        key = self._key("gone")
-        return parse_joined(store.get(key)) if store.check([key]) else []
+        return self._ids(store, self._key("gone"))
 
     def _links_broke(self, peers: frozenset[int]) -> None:
         """Heartbeat thread: ``peers``' links ended without a goodbye, so their processes are gone."""
@@ -263,7 +387,7 @@ class Membership:
             return
         for p in news:
             try:
-                self._hb_store.append(self._key("gone"), f"{p},")
+                self._add_entry(self._hb_store, self._key("gone"), p)
             except RuntimeError as e:
                 log.error("member %d could not record member %d's death in the store: %s", self.id, p, e)
         if members & set(news):
@@ -274,8 +398,7 @@ class Membership:
 
     def _registered(self, store: Any) -> list[int]:
         """Ids of every joiner that ever registered, in order of arrival."""
-        key = self._key("joiners")
-        return parse_joined(store.get(key)) if store.check([key]) else []
+        return self._ids(store, self._key("joiners"))
 
     @property
     def joining(self) -> bool:
@@ -294,13 +417,14 @@ class Membership:
         proposes the next one with ``compare_set`` (:func:`join_step`): every member ends up
         admitting them at the same boundary."""
         key = self._key(f"round{self.round}", "join_at")
-        stored = int(self.store.get(key).decode()) if self.store.check([key]) else None
+        raw = self._get(self.store, key)
+        stored = int(raw) if raw is not None and raw.isdigit() else None
         pending = self.pending()
         admissible = bool(pending) and (self.fits is None or any(self.fits(len(self.members) + k)
                                                                  for k in range(1, len(pending) + 1)))
         at, proposal = join_step(step, stored, propose and admissible)
         if proposal is not None:
-            at, _ = join_step(step, int(self.store.compare_set(key, "", str(proposal)).decode()), False)
+            at, _ = join_step(step, int(self._claim(self.store, key, str(proposal))), False)
             log.info("member %d (round %d): joiners %s to be admitted after step %d", self.id, self.round,
                      list(self.pending()), at)
         return at == step
@@ -336,7 +460,7 @@ class Membership:
             log.warning("member %d (round %d): failure: %s", self.id, self.round, reason)
             if publish:
                 try:
-                    self._hb_store.add(self._failures_key(round), 1)
+                    self._add_entry(self._hb_store, self._failures_key(round), self.id)
                 except RuntimeError as e:  # the store itself gone: nothing left to tell
                     log.error("member %d could not flag the failure in the store: %s", self.id, e)
             if self.on_failure is not None:
@@ -381,16 +505,14 @@ class Membership:
                 return
             next_beat = max(next_beat + self.interval, time.monotonic())
             try:
-                store.add(self._hb_key(self.id), 1)
                 with st.lock:
-                    watched, rnd, baseline, joins_seen = st.watched, st.round, self._failures_seen, st.joins_seen
-                for peer in self._links.linked() & set(watched):  # open links: those processes exist
-                    store.add(self._hb_key(peer), 1)
-                vals = store.multi_get([*(self._hb_key(m) for m in watched), self._key("join_requests")])
-                failures = int(store.add(self._failures_key(rnd), 0))
-                link_deaths = self._gone(store) if failures != baseline else []  # deaths others' links saw
-                joins = int(vals[-1])
-                registered = self._registered(store) if joins != joins_seen else None
+                    watched, rnd, baseline = st.watched, st.round, self._failures_seen
+                self._put_beat(store, self._links.linked() & set(watched))  # open links: those processes exist
+                jkey, fkey = self._key("joiners"), self._failures_key(rnd)
+                vals = self._read(store, [*(self._hb_key(m) for m in watched), jkey, fkey])
+                failures = len(self._ids(store, fkey, vals[-1]))
+                link_deaths = self._gone(store) if failures > baseline else []  # deaths others' links saw
+                registered = self._ids(store, jkey, vals[-2]) if vals[-2] != st.joiners_raw else None
             except RuntimeError as e:
                 if self._stop.is_set():
                     return
@@ -400,7 +522,7 @@ class Membership:
             with st.lock:
                 if st.round != rnd:  # a recovery formed a new group while the store answered
                     continue
-                seen = {m: int(v) for m, v in zip(watched, vals)}
+                seen = self._counters(vals[:len(watched)], watched)
                 last = {m: self.monitor.last_alive(m) for m in watched}
                 silent = self.monitor.observe(now, seen)
                 exited = {g for g in link_deaths if g in watched and self.monitor.mark_dead(g, now)}
@@ -413,7 +535,7 @@ class Membership:
                     log.warning("member %d: joiners %s stopped their heartbeats before being admitted", self.id,
                                 sorted(gone))
                 if registered is not None:
-                    st.joins_seen = joins
+                    st.joiners_raw = vals[-2]
                     fresh = tuple(j for j in registered if j != self.id and j not in st.members
                                   and j not in self.monitor.dead and j not in st.pending)
                     if fresh:
@@ -429,7 +551,7 @@ class Membership:
                 self._fail("; ".join(why), publish=True, round=rnd)
                 if self.backend == "nccl":
                     self._abort()
-            elif failures != baseline and not self.failed:
+            elif failures > baseline and not self.failed:
                 self._fail("another member flagged a failure", publish=False, round=rnd)
                 if self.backend == "nccl":
                     self._abort()
@@ -477,20 +599,20 @@ class Membership:
         store = self.store
         previous = tuple(candidates if previous is None else previous)
         base = self._key(f"round{round}")
-        store.append(f"{base}/joined", f"{self.id},")
+        self._add_entry(store, f"{base}/joined", self.id)
         deadline = time.monotonic() + self.agree_timeout
         dkey = f"{base}/decision"
         while True:
-            if store.check([dkey]):
-                d = decode_decision(store.get(dkey))
+            stored = self._get(store, dkey)
+            if stored is not None:
+                d = decode_decision(stored)
                 break
-            joined = parse_joined(store.get(f"{base}/joined"))
+            joined = self._ids(store, f"{base}/joined")
             joiners = [j for j in self._registered(store) if j not in previous]
             dead = self.dead() | set(self._gone(store))  # a broken link's news before the heartbeat thread reads it
             members = propose(candidates, joined, dead, self.order, joiners=joiners, fits=self.fits)
             if members is not None:
-                won = store.compare_set(dkey, "", encode_decision(Decision(round, members, previous)))
-                d = decode_decision(won)
+                d = decode_decision(self._claim(store, dkey, encode_decision(Decision(round, members, previous))))
                 break
             if time.monotonic() > deadline:
                 waiting = [c for c in candidates if c not in set(joined) and c not in dead]
@@ -508,11 +630,11 @@ class Membership:
         agreement: it holds no state and does not know the layout); MembershipError after ``timeout``."""
         dkey = self._key(f"round{round}", "decision")
         deadline = time.monotonic() + timeout
-        while not self.store.check([dkey]):
+        while (stored := self._get(self.store, dkey)) is None:  # a record that does not verify is no decision
             if time.monotonic() > deadline:
                 raise MembershipError(f"joiner {self.id}: no decision of round {round} within {timeout:.0f} s")
             time.sleep(0.02)
-        d = decode_decision(self.store.get(dkey))
+        d = decode_decision(stored)
         if d.round != round:
             raise MembershipError(f"round {round}'s decision names round {d.round}; the store is shared by another job "
                                   f"(use a prefix of its own)")
@@ -528,10 +650,11 @@ class Membership:
         store = self.store
         with self._state.lock:  # joiners and (for a joiner) the members: a death before the group forms is seen
             self._state.watched += tuple(m for m in d.members if m != self.id and m not in self._state.watched)
-        store.set(f"{base}/ready/{self.id}", "1")
+        self._put(store, f"{base}/ready/{self.id}", "1")
         deadline = time.monotonic() + self.agree_timeout
         keys = [f"{base}/ready/{m}" for m in d.members]
-        while not store.check(keys):  # every member ready, or one of them dead: never a blind wait
+        while not (store.check(keys) and all(self._open(k, v) == "1" for k, v in zip(keys, store.multi_get(keys)))):
+            # every member ready (signed: an outsider's key is not), or one of them dead: never a blind wait
             gone = self.dead() & set(d.members)
             if gone:
                 raise MembershipError(f"members {sorted(gone)} of round {d.round} died before its group formed")
@@ -576,7 +699,11 @@ class Membership:
             self.store.wait([rkey], datetime.timedelta(seconds=max(0.1, timeout)))
         except RuntimeError as e:
             raise MembershipError(f"joiner {self.id}: {self.prefix} has no current round: {e}") from e
-        n = int(self.store.get(rkey).decode()) + 1  # a stale value only means reading decisions already taken
+        while (cur := self._open(rkey, self.store.get(rkey))) is None or not cur.isdigit():
+            if time.monotonic() > deadline:
+                raise MembershipError(f"joiner {self.id}: {rkey} holds no round signed with the job secret")
+            time.sleep(0.05)
+        n = int(cur) + 1  # a stale value only means reading decisions already taken
         while True:
             d = self.wait_decision(n, deadline - time.monotonic())
             if self.id in d.members:
@@ -630,10 +757,10 @@ class Membership:
                 st.watched = tuple(m for m in d.members if m != self.id) + st.pending
                 st.failed_at = st.failed_mono = None
                 st.reason, st.detect_s, st.round = "", 0.0, n
-                self._failures_seen = int(self.store.add(self._failures_key(n), 0))
+                self._failures_seen = self._flags(self.store, n)
             self._relink(d.members)
             if d.members.index(self.id) == 0:  # where a joiner starts looking for the round that admits it
-                self.store.set(self._key("round"), str(n))
+                self._put(self.store, self._key("round"), str(n))
             res = NewMembership(n, d.members, alive, d.members.index(self.id), len(d.members), failed_at, detect_s,
                                 t_decided - t0, t_end - t_decided,
                                 n - first_round + 1, self.dead(), d.joiners)
@@ -679,31 +806,50 @@ def job_key() -> str:
     return f"{addr}:{port}"
 
 
-def start_membership(store: Any, *, interval: float = 0.1, dead_after: float = 10.0) -> Membership:
+def start_membership(store: Any, *, interval: float = 0.1, dead_after: float = 10.0,
+                     secret: JobSecret | None = None) -> Membership:
     """Every rank of the default group: a Membership under a prefix fresh for this group (a nonce
     from rank 0), so a restarted job never reads a previous launch's keys. Rank 0 then publishes
-    the prefix under the job's key (:func:`job_key`) for joiners."""
+    the prefix under the job's key (:func:`job_key`) for joiners, signed. ConfigError on every rank
+    when a rank's job secret (default: :meth:`JobSecret.resolve`) differs from rank 0's: its records
+    would not verify, and the others would take it for dead."""
     import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
 
+    secret = secret if secret is not None else JobSecret.resolve()
+    prints: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, secret.fingerprint())
+    other = [r for r, f in enumerate(prints) if f != prints[0]]
+    if other:  # every rank refuses: none waits for members whose records it could not verify
+        raise ConfigError(f"ranks {other} hold another job secret than rank 0 (rank {dist.get_rank()}'s: "
+                          f"{secret.source}); give every worker the same TENPLEX_STORE_TOKEN (or token file)")
     box = [f"tenplex/inproc/{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    m = Membership(store, str(box[0]), interval=interval, dead_after=dead_after, agree_timeout=20.0,
-                   pg_timeout=datetime.timedelta(seconds=30))
+    prefix = box[0]
+    m = Membership(store, str(prefix), interval=interval, dead_after=dead_after, agree_timeout=20.0,
+                   pg_timeout=datetime.timedelta(seconds=30), secret=secret)
     if dist.get_rank() == 0:
-        store.set(f"{JOBS_KEY}/{job_key()}", str(box[0]))
+        key = f"{JOBS_KEY}/{job_key()}"
+        store.set(key, secret.scoped(JOBS_KEY).sign(key, str(prefix)))
     return m
 
 
 def join_membership(store: Any, backend: str, *, timeout_s: float, interval: float = 0.1,
-                    dead_after: float = 10.0) -> Membership:
+                    dead_after: float = 10.0, secret: JobSecret | None = None) -> Membership:
     """A joiner: wait up to ``timeout_s`` for the job (:func:`job_key`) to publish its membership
-    prefix, then register in it (``Membership(joiner=True)``); MembershipError when none appears."""
+    prefix (signed with the job secret), then register in it (``Membership(joiner=True)``);
+    MembershipError when none appears."""
+    secret = secret if secret is not None else JobSecret.resolve()
     key = f"{JOBS_KEY}/{job_key()}"
+    deadline = time.monotonic() + timeout_s
     try:
         store.wait([key], datetime.timedelta(seconds=timeout_s))
+        while (prefix := secret.scoped(JOBS_KEY).open(key, store.get(key))) is None:
+            if time.monotonic() > deadline:
+                raise MembershipError(f"job {job_key()!r}: {key} holds no prefix signed with this joiner's job secret "
+                                      f"({secret.source}); give it the job's TENPLEX_STORE_TOKEN")
+            time.sleep(0.1)
     except RuntimeError as e:
         raise MembershipError(f"no running job {job_key()!r} published its membership within {timeout_s:.0f} s "
                               f"(key {key}): {e}") from e
-    prefix = store.get(key).decode()
     return Membership(store, prefix, backend=backend, interval=interval, dead_after=dead_after, agree_timeout=20.0,
-                      pg_timeout=datetime.timedelta(seconds=30), joiner=True)
+                      pg_timeout=datetime.timedelta(seconds=30), joiner=True, secret=secret)
