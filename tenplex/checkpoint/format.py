@@ -47,7 +47,7 @@ __all__ = ["FORMAT", "VERSION", "READ_VERSIONS", "MAX_STEP", "MANIFEST_NAME", "O
            "rank_stem", "data_name", "index_name", "part_files", "check_step", "check_save_id", "seal_json",
            "open_sealed_json", "safetensors_header", "block_bytes", "panel_block", "row_block",
            "chunk_block", "block_crcs_hex", "CRC_TABLE", "CRC_GROUP", "crc_seed", "crc_concat", "chunks_digest",
-           "part_chunks", "crc_spans", "PANEL_BLOCK_MIN", "prefix_words",
+           "part_chunks", "crc_spans", "PANEL_BLOCK_MIN", "PANEL_BLOCK_SHARE", "prefix_words",
            "writer_assignment", "manifest_object", "index_object", "Manifest",
            "verify_manifest", "Binding", "verify_index"]
 
@@ -100,6 +100,11 @@ PANEL_BLOCK_MIN = 32
 panel row): a row cut (FSDP2 over any number of ranks) then starts and ends on block boundaries in each
 of the 8 panels it crosses. Its words cost nothing to read but the two at each piece's ends; stored,
 one 4-byte word per block (at most 1/8 of such narrow tensors' bytes, 1/64 from 256-byte rows on)."""
+PANEL_BLOCK_SHARE = 4096
+"""Version 5: a panel-ordered chunk's blocks hold at least 1/``PANEL_BLOCK_SHARE`` of it (whole panel
+rows, at most ``MAX_BLOCK``), so a save computes at most a few thousand prefix words a chunk (one
+CRC call each: on a 1.5 GB state, one-row blocks cost seconds) while a row cut's end blocks stay
+within about 1/2048 of the chunk per panel."""
 ROW_BLOCK_SHARE = 256
 """Version 3: a chunk is cut into about this many row blocks at most (larger chunks: larger blocks,
 still whole rows, up to ``MAX_BLOCK``), so its index entry stays small."""
@@ -305,7 +310,8 @@ def row_block(spec: TensorSpec, nbytes: int, version: int = VERSION) -> int | No
     if not 0 < row <= MAX_BLOCK:
         return None
     if spec.panels is not None:  # a row cut crosses each panel of a chunk: small blocks whatever its size
-        target = PANEL_BLOCK_MIN if version >= 5 else ROW_BLOCK_MIN  # (TP column cuts fall on panels)
+        target = (max(PANEL_BLOCK_MIN, min(nbytes // PANEL_BLOCK_SHARE, MAX_BLOCK)) if version >= 5
+                  else ROW_BLOCK_MIN)  # (TP column cuts fall on panels)
     else:
         target = max(ROW_BLOCK_MIN, min(nbytes // ROW_BLOCK_SHARE, MAX_BLOCK))
         least = max(ROW_BLOCK_MIN, min(nbytes // (8 * ROW_BLOCK_SHARE), MAX_BLOCK))
