@@ -505,6 +505,24 @@ def test_shard_casts_to_spec_dtype():
     assert shards[1]["w"].tolist() == [-3.0, 4.0]
 
 
+def test_unequal_panels_spec_json_canonical_order_and_validation() -> None:
+    """Panels with edges: encoded with ``edges`` (equal ones exactly as before), stored panel after
+    panel, each row-major; edges must rise from 0 to dim 1."""
+    spec = TensorSpec("w", (3, 7, 2), tp=Panels(1, 3, (0, 4, 5, 7)))
+    assert spec.panels == (0, 4, 5, 7) and not spec.natural
+    assert spec.to_json()["tp"] == {"kind": "panels", "dim": 1, "count": 3, "edges": [0, 4, 5, 7]}
+    assert TensorSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    t = torch.arange(42.0).reshape(3, 7, 2)
+    flat = spec.to_canonical(t)
+    assert torch.equal(flat, torch.cat([t[:, 0:4].reshape(-1), t[:, 4:5].reshape(-1), t[:, 5:7].reshape(-1)]))
+    assert torch.equal(spec.from_canonical(flat), t)
+    for count, edges in ((2, (0, 4, 5, 7)), (3, (1, 4, 5, 7)), (3, (0, 5, 4, 7))):
+        with pytest.raises(SpecError, match="edges"):
+            Panels(1, count, edges)
+    with pytest.raises(SpecError, match="edges"):
+        TensorSpec("w", (3, 8), tp=Panels(1, 3, (0, 4, 5, 7)))
+
+
 def test_panels_spec_json_round_trip_and_refused_by_parallel_config() -> None:
     spec = TensorSpec("w", (6, 8, 2), tp=Panels(1, 4))
     assert spec.panels == 4 and not spec.natural and spec.split_dim is None

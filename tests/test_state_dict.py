@@ -44,7 +44,7 @@ from tenplex.errors import (
 )
 from tenplex.layout.mesh import NamedMesh, Replicate, Shard, StridedShard, local_box
 from tenplex.layout.ptc import PTC, Panels, dtype_to_str
-from tenplex.layout.state_layout import PANELS, Placed, StateLayout, placement_text, spec_for
+from tenplex.layout.state_layout import PANELS, Placed, StateLayout, panel_cuts, placement_text, spec_for
 from tenplex.native.state_dict import _InPlace, load_state_dict, save_state_dict, state_layout_of
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.uint8, torch.bool, torch.float64)
@@ -862,8 +862,11 @@ def test_spec_for_panels_rule_and_in_place_round_trip(tmp_path: Path) -> None:
     assert spec_for("w", (63, 64), "float32", (Shard(1),)).split_dim == 1
     assert spec_for("w", (64, 60), "float32", (Replicate(),)).panels is None
     assert spec_for("w", (4096,), "float32", (Shard(0),)).panels is None
+    odd = spec_for("w2", (224, 669), "float32", (Shard(1),)).tp  # unequal panels on the TP 2, 4, 8 cuts
+    assert odd == panel_cuts(669) and odd.edges == (0, 84, 168, 252, 335, 336, 420, 504, 588, 669)
+    assert spec_for("w", (64, 64), "float32", (Shard(0),)).to_json()["tp"] == {"kind": "panels", "dim": 1, "count": 8}
     sd = {"w": global_tensor((96, 64), torch.float32, 1), "e": global_tensor((128, 72), torch.bfloat16, 2),
-          "b": global_tensor((64,), torch.float32, 3)}
+          "b": global_tensor((64,), torch.float32, 3), "o": global_tensor((64, 669), torch.float32, 4)}
     save_state_dict(sd, str(tmp_path), step=1)
     into = {k: torch.zeros_like(v) for k, v in sd.items()}
     ptrs = {k: v.data_ptr() for k, v in into.items()}
@@ -903,6 +906,41 @@ def test_scatter_puts_any_flat_range_in_panel_order(rows: int, width: int, count
             scatter.put(pos, flat[pos : pos + n])
             pos += len(flat[pos : pos + n])
         scatter.put(pos, flat[pos:])
+        assert same(out, local), views
+
+
+@given(st.integers(1, 40), st.integers(64, 400).filter(lambda c: c % PANELS), st.sampled_from([2, 3, 4, 8]),
+       st.data())
+@settings(max_examples=examples(40))
+def test_unequal_panels_local_flat_matches_the_table(rows: int, cols: int, tp: int, data: st.DataObject) -> None:
+    """Unequal panels (``panel_cuts`` of a column count not a multiple of ``PANELS``): each rank's local
+    flat buffer (``to_local_flat``) is the global canonical order at its segments, ``from_local_flat``
+    and ``Scatter`` over both view kinds undo it, and a TP 2 / 4 / 8 column shard is whole panels (one
+    segment per panel)."""
+    shape = (rows, cols)
+    mesh = NamedMesh.parse(f"tp={tp}")
+    layout = StateLayout.of(tp, {"w": Placed(mesh, (Shard(1),), tuple(range(tp)))})
+    spec = dataclasses.replace(spec_for("w", shape, "float32", (Shard(1),)), tp=panel_cuts(cols))
+    g = global_tensor(shape, torch.float32, rows)
+    canon = spec.to_canonical(g)
+    assert torch.equal(spec.from_canonical(canon), g)
+    shard = data.draw(st.integers(0, tp - 1))
+    local = local_of(g, layout.placed["w"], shard)
+    flat = layout.to_local_flat(spec, shard, local)
+    segs = layout.segments(spec, shard)
+    assert sum(n for _, _, n in segs) == flat.numel()
+    assert all(torch.equal(flat[lo:lo + n], canon[st_:st_ + n]) for lo, st_, n in segs)
+    if tp != 3 and local.numel():  # whole panels, all rows: one run of the stored order
+        cols_held = local_box(shape, mesh, (Shard(1),), (shard,))[1]
+        assert all(r.start in spec.tp.edges and r.stop in spec.tp.edges for r in cols_held) and len(segs) == 1
+    assert same(layout.from_local_flat(spec, shard, flat), local)
+    for views in ("torch", "numpy bytes"):
+        out = torch.full_like(local, float("nan"))
+        parts = (layout.panel_views(spec, shard, out) if views == "torch" else
+                 layout.panel_byte_views(spec, shard, out.shape, out.view(-1).view(torch.uint8).numpy()))
+        scatter = Scatter(parts, torch.float32)
+        for pos in range(0, flat.numel(), 37):
+            scatter.put(pos, flat[pos:pos + 37])
         assert same(out, local), views
 
 

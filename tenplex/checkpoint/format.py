@@ -32,7 +32,7 @@ import torch
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointValueError
 from ..layout.config import ParallelConfig
-from ..layout.ptc import PTC, Layout, SegmentTable, Split, TensorSpec
+from ..layout.ptc import PTC, Layout, Panels, SegmentTable, Split, TensorSpec
 from ..layout.state_layout import StateLayout
 from ..planning.planner import holder_classes
 
@@ -270,7 +270,7 @@ def panel_block(spec: TensorSpec) -> int | None:
     64 KiB."""
     if spec.panels is None:
         return None
-    row = spec.shape[1] // spec.panels * math.prod(spec.shape[2:]) * spec.itemsize
+    row = _panel_row(spec)
     if not 0 < row <= MAX_BLOCK:
         return None
     eighth = -(-spec.shape[0] // 8)
@@ -282,6 +282,14 @@ def panel_block(spec: TensorSpec) -> int | None:
     return k * row
 
 
+def _panel_row(spec: TensorSpec) -> int:
+    """Bytes of a panel-ordered ``spec``'s row of a panel; unequal panels: of the gcd of their widths
+    (blocks need not align with their rows: a piece reads at most a block more at each end)."""
+    assert isinstance(spec.tp, Panels)
+    edges = spec.tp.bounds(spec.shape[1])
+    return math.gcd(*(b - a for a, b in zip(edges, edges[1:]))) * math.prod(spec.shape[2:]) * spec.itemsize
+
+
 def _row_bytes(spec: TensorSpec) -> int:
     """Bytes of one row of ``spec``'s canonical order: what follows one index of its leading
     dimension (a panel's row for panel order, else the split dim's or dim 0's slab). A 0-d
@@ -289,7 +297,7 @@ def _row_bytes(spec: TensorSpec) -> int:
     if not spec.shape:
         return spec.itemsize
     if spec.panels is not None:
-        return spec.shape[1] // spec.panels * math.prod(spec.shape[2:]) * spec.itemsize
+        return _panel_row(spec)
     lead = spec.shape[spec.split_dim or 0]
     return (math.prod(spec.shape) // lead if lead else 0) * spec.itemsize
 

@@ -24,6 +24,7 @@ Pure: no I/O and no torch.distributed (``tenplex.native.dtensor`` converts real 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import re
@@ -399,16 +400,24 @@ def _segment_arrays(
 
 PanelPiece = tuple[int, int, tuple[tuple[range, ...], ...]]
 """``(local column, columns, refined box)``: a run of a box's local columns that one panel range
-holds, and the box over the panel view ``(R, P, W, *rest)`` it is."""
+holds, and the box over the panel view ``(R, P, W, *rest)`` it is (unequal panels: one panel, and
+the columns within it)."""
+
+PanelArg = Union[int, tuple[int, ...]]
+"""How many equal panels (an int), or the column edges ``(0, e1, ..., C)`` of unequal ones."""
 
 
-def panel_pieces(shape: Sequence[int], box: Sequence[Sequence[range]], count: int) -> list[PanelPiece]:
+def panel_pieces(shape: Sequence[int], box: Sequence[Sequence[range]], count: PanelArg) -> list[PanelPiece]:
     """A box of a tensor of ``shape`` (R, C, ...) cut into the pieces the panel order sees: dim 1 cut
     into ``count`` panels of ``W = C // count`` columns, each column range of the box becomes at most
     three boxes over the panel view ``(R, count, W, *rest)`` (a partial first panel, whole panels, a
     partial last panel). Each piece: the local column where it starts, its number of columns, its
     refined box. A box's local flat buffer in panel order is its pieces' flat buffers (each the
-    piece flattened in order ``(1, 0, 2, ...)``), concatenated in piece order."""
+    piece flattened in order ``(1, 0, 2, ...)``), concatenated in piece order. ``count`` the edges
+    of unequal panels: one piece per panel a column range touches, its box ``(rows, (p,), columns
+    within p, *rest)``."""
+    if isinstance(count, tuple):
+        return _unequal_panel_pieces(box, count)
     shape = tuple(shape)
     width = shape[1] // count
     rows, rest = tuple(box[0]), tuple(tuple(r) for r in box[2:])
@@ -437,20 +446,49 @@ def panel_pieces(shape: Sequence[int], box: Sequence[Sequence[range]], count: in
     return out
 
 
+def _unequal_panel_pieces(box: Sequence[Sequence[range]], edges: tuple[int, ...]) -> list[PanelPiece]:
+    rows, rest = tuple(box[0]), tuple(tuple(r) for r in box[2:])
+    out: list[PanelPiece] = []
+    pos = 0
+    for r in box[1]:
+        p = bisect.bisect_right(edges, r.start) - 1
+        lo = r.start
+        while lo < r.stop:
+            hi = min(r.stop, edges[p + 1])
+            out.append((pos + lo - r.start, hi - lo, (rows, (range(p, p + 1),), (range(lo - edges[p], hi - edges[p]),),
+                                                      *rest)))
+            lo, p = hi, p + 1
+        pos += len(r)
+    return out
+
+
+def _piece_segments(shape: tuple[int, ...], pbox: tuple[tuple[range, ...], ...], panels: PanelArg
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_segment_arrays`` of one panel piece: over the view ``(P, R, W, *rest)`` (equal panels), or
+    over its one panel ``(R, w, *rest)``, offset by the panels before it (unequal)."""
+    if not isinstance(panels, tuple):
+        view = (shape[0], panels, shape[1] // panels) + shape[2:]
+        return _segment_arrays(view, pbox, (1, 0) + tuple(range(2, len(view))))
+    p = pbox[1][0].start
+    lo, hi = panels[p], panels[p + 1]
+    inner = math.prod(shape[2:])
+    local, start, length = _segment_arrays((shape[0], hi - lo) + shape[2:], (pbox[0],) + pbox[2:],
+                                           tuple(range(len(shape))))
+    return local, start + shape[0] * lo * inner, length
+
+
 def _panel_segment_arrays(
-    shape: tuple[int, ...], box: tuple[tuple[range, ...], ...], count: int
+    shape: tuple[int, ...], box: tuple[tuple[range, ...], ...], count: PanelArg
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``_segment_arrays`` of a box in panel order (``panel_pieces``), maximal runs."""
     if len(shape) < 2 or any(sum(len(r) for r in b) == 0 for b in box):
         return _EMPTY, _EMPTY, _EMPTY
-    view = (shape[0], count, shape[1] // count) + shape[2:]
-    order = (1, 0) + tuple(range(2, len(view)))
     rows = sum(len(r) for r in box[0])
     inner = math.prod(sum(len(r) for r in ranges) for ranges in box[2:])
     locs, starts, lengths = [], [], []
     pos = 0
     for _, ncols, pbox in panel_pieces(shape, box, count):
-        local, start, length = _segment_arrays(view, pbox, order)
+        local, start, length = _piece_segments(shape, pbox, count)
         locs.append(local + pos)
         starts.append(start)
         lengths.append(length)
@@ -469,16 +507,23 @@ def _panel_segment_arrays(
 
 
 def _ordered_segment_arrays(
-    shape: tuple[int, ...], box: tuple[tuple[range, ...], ...], order: tuple[int, ...], panels: int | None
+    shape: tuple[int, ...], box: tuple[tuple[range, ...], ...], order: tuple[int, ...], panels: PanelArg | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if panels:
         return _panel_segment_arrays(shape, box, panels)
     return _segment_arrays(shape, box, order)
 
 
-def _check_panels(shape: tuple[int, ...], panels: int | None) -> int | None:
+def _check_panels(shape: tuple[int, ...], panels: PanelArg | None) -> PanelArg | None:
     if panels is None:
         return None
+    if isinstance(panels, (tuple, list)):
+        edges = tuple(int(e) for e in panels)
+        if (len(shape) < 2 or len(edges) < 2 or edges[0] != 0 or edges[-1] != shape[1]
+                or any(b <= a for a, b in zip(edges, edges[1:]))):
+            raise SpecError(f"panel edges {list(edges)} must rise strictly from 0 to dim 1 of a tensor of >= 2 dims, "
+                            f"got shape {shape}")
+        return edges
     if isinstance(panels, bool) or not isinstance(panels, (int, np.integer)) or panels < 1:
         raise SpecError(f"a panel count is an integer >= 1, got {panels!r}")
     if len(shape) < 2 or shape[1] % panels:
@@ -487,7 +532,7 @@ def _check_panels(shape: tuple[int, ...], panels: int | None) -> int | None:
 
 
 def box_segments(
-    shape: Sequence[int], box: Sequence[Sequence[range]], order: Sequence[int], *, panels: int | None = None
+    shape: Sequence[int], box: Sequence[Sequence[range]], order: Sequence[int], *, panels: PanelArg | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(local, start, length)`` arrays of a box (per dim, the global index ranges it holds) of a
     tensor of ``shape``: the box flattened in ``order`` (a permutation of the dims) as maximal runs of
@@ -533,7 +578,7 @@ def holder_table(
     order: Sequence[int] | None = None,
     *,
     right_to_left: bool = False,
-    panels: int | None = None,
+    panels: PanelArg | None = None,
 ) -> SegmentTable:
     """Every rank's segments of the tensor (``segments`` for each rank of ``mesh``), sorted by rank;
     ``panels``: in the panel order of that many panels (``panel_pieces``) instead of ``order``."""
@@ -549,7 +594,7 @@ def _holder_table(
     placements: tuple[MeshPlacement, ...],
     order: tuple[int, ...],
     right_to_left: bool,
-    panels: int | None = None,
+    panels: PanelArg | None = None,
 ) -> SegmentTable:
     # Coordinates on replicating mesh dims do not change a piece: compute each distinct piece once.
     sharding = [i for i, p in enumerate(placements) if not isinstance(p, Replicate)]

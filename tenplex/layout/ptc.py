@@ -117,17 +117,33 @@ class Panels:
     equal panels of ``W = C // count`` columns, stored panel after panel, each panel row-major: the
     order of ``t.reshape(R, count, W, ...).permute(1, 0, 2, ...).flatten()``. A row range is
     ``count`` intervals, a column range that panels align with one interval per run of whole
-    panels, both together (rows of a column shard) one interval per panel. ``ParallelConfig``
-    layouts do not take it (SpecError)."""
+    panels, both together (rows of a column shard) one interval per panel. ``edges``: panels of
+    unequal widths instead, the columns ``(0, e1, ..., C)`` where they start and end (for column
+    counts that ``count`` does not divide: the union of the TP cuts, so TP shards are whole panels).
+    ``ParallelConfig`` layouts do not take it (SpecError)."""
 
     dim: int = 1
     count: int = 1
+    edges: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dim != 1:
             raise SpecError(f"Panels cuts dim 1 (the columns) only, got dim={self.dim}")
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise SpecError(f"Panels.count must be an integer >= 1, got {self.count!r}")
+        if self.edges is not None:
+            edges = tuple(self.edges)
+            if (len(edges) != self.count + 1 or any(type(e) is not int for e in edges) or edges[0] != 0
+                    or any(b <= a for a, b in zip(edges, edges[1:]))):
+                raise SpecError(f"Panels.edges must be {self.count} + 1 = {self.count + 1} integers rising strictly "
+                                f"from 0, got {self.edges!r}")
+            object.__setattr__(self, "edges", edges)
+
+    def bounds(self, ncols: int) -> tuple[int, ...]:
+        """The column edges ``(0, ..., ncols)`` of the panels of a tensor of ``ncols`` columns."""
+        if self.edges is not None:
+            return self.edges
+        return tuple(i * (ncols // self.count) for i in range(self.count + 1))
 
 
 TPSpec = Union[Replicated, Split, Panels]
@@ -167,8 +183,13 @@ class TensorSpec:
                 f"{self.name}: placement must be a layer index >= 0 or one of {_PLACEMENT_WORDS}, "
                 f"got {self.placement!r}"
             )
-        if isinstance(self.tp, Panels) and (len(self.shape) < 2 or self.shape[1] % self.tp.count):
+        if isinstance(self.tp, Panels) and self.tp.edges is None and (len(self.shape) < 2
+                                                                      or self.shape[1] % self.tp.count):
             raise SpecError(f"{self.name}: {self.tp.count} panels need >= 2 dims and a dim 1 they divide, "
+                            f"got shape {self.shape}")
+        if isinstance(self.tp, Panels) and self.tp.edges is not None and (len(self.shape) < 2
+                                                                          or self.tp.edges[-1] != self.shape[1]):
+            raise SpecError(f"{self.name}: panel edges {list(self.tp.edges)} need >= 2 dims and must end at dim 1, "
                             f"got shape {self.shape}")
         if isinstance(self.tp, Split):
             if self.tp.dim >= len(self.shape):
@@ -197,9 +218,12 @@ class TensorSpec:
         return self.tp.dim if isinstance(self.tp, Split) else None
 
     @property
-    def panels(self) -> int | None:
-        """The panel count of a panel-ordered tensor (``Panels``), else None."""
-        return self.tp.count if isinstance(self.tp, Panels) else None
+    def panels(self) -> int | tuple[int, ...] | None:
+        """The panel count of a panel-ordered tensor (``Panels``), its column edges for unequal panels,
+        else None (what ``mesh.panel_pieces`` takes)."""
+        if not isinstance(self.tp, Panels):
+            return None
+        return self.tp.count if self.tp.edges is None else self.tp.edges
 
     @property
     def natural(self) -> bool:
@@ -216,7 +240,15 @@ class TensorSpec:
         assert isinstance(self.tp, Panels)
         return (self.shape[0], self.tp.count, self.shape[1] // self.tp.count) + self.shape[2:]
 
+    def _panel_blocks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The columns of each panel of the global ``tensor`` (unequal panels)."""
+        assert isinstance(self.tp, Panels)
+        edges = self.tp.bounds(self.shape[1])
+        return [tensor.narrow(1, a, b - a) for a, b in zip(edges, edges[1:])]
+
     def canonical_shape(self) -> tuple[int, ...]:
+        if isinstance(self.tp, Panels) and self.tp.edges is not None:
+            return (self.numel,)
         if isinstance(self.tp, Panels):
             v = self._panel_view()
             return (v[1], v[0]) + v[2:]
@@ -227,6 +259,8 @@ class TensorSpec:
 
     def to_canonical(self, tensor: torch.Tensor) -> torch.Tensor:
         """The global tensor as a contiguous 1-D tensor in canonical order."""
+        if isinstance(self.tp, Panels) and self.tp.edges is not None:
+            return torch.cat([p.contiguous().reshape(-1) for p in self._panel_blocks(tensor.reshape(self.shape))])
         if isinstance(self.tp, Panels):
             return tensor.reshape(self._panel_view()).movedim(1, 0).contiguous().reshape(-1)
         d = self.split_dim
@@ -235,6 +269,13 @@ class TensorSpec:
 
     def from_canonical(self, flat: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """Inverse of ``to_canonical`` for a (local) tensor with ``rows`` along the split dim."""
+        if isinstance(self.tp, Panels) and self.tp.edges is not None:
+            out = flat.new_empty(self.shape)
+            pos = 0
+            for part in self._panel_blocks(out):
+                part.copy_(flat[pos:pos + part.numel()].view(part.shape))
+                pos += part.numel()
+            return out
         if isinstance(self.tp, Panels):
             v = self._panel_view()
             return flat.reshape((v[1], v[0]) + v[2:]).movedim(0, 1).contiguous().reshape(self.shape)
@@ -368,6 +409,8 @@ class TensorSpec:
         tp: dict[str, Any] = {"kind": "replicated"}
         if isinstance(self.tp, Panels):
             tp = {"kind": "panels", "dim": self.tp.dim, "count": self.tp.count}
+            if self.tp.edges is not None:
+                tp["edges"] = list(self.tp.edges)
         if isinstance(self.tp, Split):
             tp = {"kind": "split", "dim": self.tp.dim}
             if self.tp.blocks is not None:
@@ -407,9 +450,11 @@ class TensorSpec:
             raise SpecError(f"{where}: placement {placement!r} or dp_sharded {dp_sharded!r} has the wrong type")
         tp: TPSpec = Replicated()
         if tpj["kind"] == "panels":
-            if type(tpj.get("dim")) is not int or type(tpj.get("count")) is not int:
-                raise SpecError(f"{where}: panels {tpj!r} needs an integer dim and count")
-            tp = Panels(dim=tpj["dim"], count=tpj["count"])
+            edges = tpj.get("edges")
+            if type(tpj.get("dim")) is not int or type(tpj.get("count")) is not int or not (
+                    edges is None or ints(edges)):
+                raise SpecError(f"{where}: panels {tpj!r} needs an integer dim and count, integer edges")
+            tp = Panels(dim=tpj["dim"], count=tpj["count"], edges=None if edges is None else tuple(edges))
         if tpj["kind"] == "split":
             blocks, pad = tpj.get("blocks"), tpj.get("pad_multiple")
             if type(tpj.get("dim")) is not int or not (blocks is None or ints(blocks)) or not (

@@ -38,16 +38,36 @@ from .mesh import (
     canonical_order,
     holder_table,
     local_box,
+    PanelArg,
     panel_pieces,
 )
 from .ptc import PTC, Panels, Replicated, SegmentTable, Split, TensorSpec, dtype_from_str
 
 __all__ = ["Placed", "Boxes", "Placement", "StateLayout", "spec_for", "boxes_split_dim", "placement_text",
-           "parse_placement", "merge_replicas", "PANELS", "PANEL_MIN_ROWS", "PANEL_MIN_COLS", "NEW_DIM_PLACEMENTS"]
+           "parse_placement", "merge_replicas", "PANELS", "PANEL_DEGREES", "panel_cuts", "PANEL_MIN_ROWS",
+           "PANEL_MIN_COLS", "NEW_DIM_PLACEMENTS"]
 
 PANELS = 8
 """Panel count ``spec_for`` gives 2-D and higher tensors (the lcm of the TP sizes 1, 2, 4, 8: a TP
-column shard of any of them is whole panels)."""
+column shard of any of them is whole panels). Column counts it does not divide get unequal panels
+(``panel_cuts``)."""
+PANEL_DEGREES = (2, 4, 8)
+"""The TP degrees whose ``torch.chunk`` column cuts unequal panels put their edges on."""
+
+
+def panel_cuts(ncols: int) -> Panels:
+    """Panels of ``ncols`` columns: ``PANELS`` equal ones when it divides ``ncols``, else unequal ones
+    whose edges are the union of the ``torch.chunk`` cuts of ``PANEL_DEGREES`` (multiples of
+    ``ceil(ncols / d)``; 669: widths 84, 84, 84, 83, 1, 84, 84, 84, 81), so every TP column shard of
+    those degrees is whole panels."""
+    if ncols % PANELS == 0:
+        return Panels(1, PANELS)
+    cuts = {0, ncols}
+    for d in PANEL_DEGREES:
+        size = -(-ncols // d)
+        cuts.update(range(size, ncols, size))
+    edges = tuple(sorted(cuts))
+    return Panels(1, len(edges) - 1, edges)
 PANEL_MIN_ROWS = 64
 PANEL_MIN_COLS = 64
 """Smaller tensors keep the dim-permutation order: a few reads of them cost little either way."""
@@ -362,24 +382,24 @@ def spec_for(name: str, shape: Sequence[int], dtype: Any, placements: Sequence[M
     unless every chunk is a slice of one dim ``d > 0`` (then ``d`` first).
 
     Panels: a tensor of >= 2 dims with at least ``PANEL_MIN_ROWS`` rows and ``PANEL_MIN_COLS``
-    columns (dim 1), the columns a multiple of ``PANELS``, that no placement shards on a dim > 1,
-    is stored in the panel order of ``PANELS`` panels (``Panels``): then both a row range (FSDP2,
+    columns (dim 1), that no placement shards on a dim > 1, is stored in the panel order of
+    ``panel_cuts`` (``PANELS`` equal panels, or unequal ones on the TP cuts): then both a row range (FSDP2,
     any uneven ``torch.chunk``) and a column range of whole panels (TP 1, 2, 4, 8 on dim 1), and
     rows of such a column range (FSDP2 over TP), are a few intervals each, whichever of them saved
     and whichever loads. (A split on dim 1 that panels do not align with costs one interval per row
     in its boundary panels only.)"""
     shape = tuple(shape)
     dt = dtype_from_str(dtype) if isinstance(dtype, str) else dtype
-    paneled = len(shape) >= 2 and shape[0] >= PANEL_MIN_ROWS and shape[1] >= PANEL_MIN_COLS and shape[1] % PANELS == 0
+    paneled = len(shape) >= 2 and shape[0] >= PANEL_MIN_ROWS and shape[1] >= PANEL_MIN_COLS
     if isinstance(placements, Boxes):
         d = boxes_split_dim(shape, placements)
         if paneled and d != 1 and not any(a or n != s for _, o, z in placements.chunks
                                           for a, n, s in zip(o[2:], z[2:], shape[2:])):
-            return TensorSpec(name, shape, dt, tp=Panels(1, PANELS))
+            return TensorSpec(name, shape, dt, tp=panel_cuts(shape[1]))
         tp = Split(d) if d else Replicated()
         return TensorSpec(name, shape, dt, tp=tp)
     if paneled and not any(isinstance(p, (Shard, StridedShard)) and p.dim > 1 for p in placements):
-        return TensorSpec(name, shape, dt, tp=Panels(1, PANELS))
+        return TensorSpec(name, shape, dt, tp=panel_cuts(shape[1]))
     order = canonical_order(shape, tuple(placements))
     tp = Split(order[0]) if order and order[0] != 0 else Replicated()
     return TensorSpec(name, shape, dt, tp=tp)
@@ -712,12 +732,13 @@ class StateLayout:
             raise SpecError(f"malformed state-dict layout ({type(e).__name__}: {e})") from None
 
 
-def _pieces(shape: tuple[int, ...], box: tuple[tuple[range, ...], ...], count: int) -> list[Any]:
+def _pieces(shape: tuple[int, ...], box: tuple[tuple[range, ...], ...], count: PanelArg) -> list[Any]:
     return [] if any(sum(len(r) for r in b) == 0 for b in box) else panel_pieces(shape, box, count)
 
 
 @lru_cache(maxsize=4096)
-def _table(shape: tuple[int, ...], order: tuple[int, ...], placed: Placed, panels: int | None = None) -> SegmentTable:
+def _table(shape: tuple[int, ...], order: tuple[int, ...], placed: Placed,
+           panels: PanelArg | None = None) -> SegmentTable:
     local = holder_table(shape, placed.mesh, placed.placements, order, right_to_left=True, panels=panels)
     ranks = np.asarray(placed.ranks, dtype=np.int64)[local.rank]
     by_rank = np.argsort(ranks, kind="stable")
@@ -726,7 +747,8 @@ def _table(shape: tuple[int, ...], order: tuple[int, ...], placed: Placed, panel
 
 
 @lru_cache(maxsize=4096)
-def _box_table(shape: tuple[int, ...], order: tuple[int, ...], boxes: Boxes, panels: int | None = None) -> SegmentTable:
+def _box_table(shape: tuple[int, ...], order: tuple[int, ...], boxes: Boxes,
+               panels: PanelArg | None = None) -> SegmentTable:
     """Every holder's segments of its box, in canonical order (``order``), sorted by rank."""
     cols: list[tuple[np.ndarray, ...]] = []
     for r, o, z in sorted(boxes.chunks):
