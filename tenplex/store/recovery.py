@@ -40,7 +40,7 @@ from ..layout.ptc import PTC, Layout
 from ..options import with_overrides
 from ..planning.planner import Plan
 from ..planning.topology import Topology
-from .recovery_plan import RECOVERY_LINKS, RecoveryPlan, order_reads, plan_recovery, schedule_recovery
+from .recovery_plan import RECOVERY_LINKS, RecoveryOptions, RecoveryPlan, order_reads, plan_recovery, schedule_recovery
 from .tiers import Attempt, Tier, TierScan, UsableStep, find_usable, scan_tiers, usable_steps
 
 __all__ = ["Tier", "TieredLoad", "TieredLoadOptions", "UsableStep", "TierScan", "scan_tiers", "find_usable", "usable_steps",
@@ -322,14 +322,20 @@ class TieredLoadOptions:
     check: Callable[[PTC], None] | None = None
 
     def __post_init__(self) -> None:
-        if self.gpus_per_host < 1:
-            raise ConfigError(f"gpus_per_host must be >= 1, got {self.gpus_per_host}")
         if self.max_workers < 1:
             raise ConfigError(f"max_workers must be >= 1, got {self.max_workers}")
-        if not self.time_limit > 0:
-            raise ConfigError(f"time_limit must be > 0 seconds, got {self.time_limit}")
         if self.step is not None and self.found is not None and self.found.step != self.step:
             raise ConfigError(f"found= is attempt {self.found.save_id} of step {self.found.step}, but step={self.step}")
+        self.recovery_options()  # the schedule's and the reads' fields are checked by their own objects
+        self.read_options()
+
+    def recovery_options(self) -> RecoveryOptions:
+        """The recovery schedule's part of these options (``schedule_recovery``)."""
+        return RecoveryOptions(self.gpus_per_host, self.topology, self.method, self.time_limit, self.moves)
+
+    def read_options(self) -> ReadOptions:
+        """The model check and the sink: what every read of the chosen attempt gets (``load_with_reader``)."""
+        return ReadOptions(self.ptc, self.allow_meta_change, sink=self.sink, check=self.check)
 
 
 def load_tiered(tiers: Sequence[Tier], cfg: Layout, rank: int, options: TieredLoadOptions | None = None,
@@ -389,9 +395,7 @@ def load_tiered(tiers: Sequence[Tier], cfg: Layout, rank: int, options: TieredLo
         if len(holders) == 1 and holders[0].kind == "storage":  # one copy, no fallback: the plain reader
             reader = PartReader(holders[0].fs()[0], attempt.dirs[holders[0].name])
         elif o.rounds:  # the schedule first, then the reads
-            rplan, why = schedule_recovery(chosen, tiers, cfg, rank, gpus_per_host=o.gpus_per_host,
-                                           topology=o.topology, method=o.method, time_limit=o.time_limit,
-                                           moves=o.moves)
+            rplan, why = schedule_recovery(chosen, tiers, cfg, rank, o.recovery_options())
             reader = RoundsReader(tiers, attempt, rplan, why, max_workers=o.max_workers, barrier=o.barrier)
         else:
             reader = TieredReader(tiers, attempt)
@@ -400,8 +404,7 @@ def load_tiered(tiers: Sequence[Tier], cfg: Layout, rank: int, options: TieredLo
         objects_from = [(by_name[n].fs()[0], attempt.dirs[n]) for n in meta if n in by_name]
         try:
             result = load_with_reader(verified, f"{chosen.meta_tier.url} step {chosen.step}", cfg, rank, reader,
-                                      objects_from, t0=t0,
-                                      options=ReadOptions(o.ptc, o.allow_meta_change, sink=o.sink, check=o.check))
+                                      objects_from, t0=t0, options=o.read_options())
         except CheckpointCorruptError as e:
             log.warning("step %d (save %s) has no intact copy across the tiers, trying an older one: %s", chosen.step,
                         chosen.save_id, e)
