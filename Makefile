@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,demo]'
+	$(PY) -m pip install -q -e '.[test,demo,bench]'
 	# torchtitan's own Llama 3 and CheckpointManager for the torch-native tests (docs/titan.md):
 	# without --no-deps it would pull wandb and datasets and downgrade fsspec
 	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3
