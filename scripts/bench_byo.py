@@ -62,7 +62,6 @@ import datetime as _dt
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -74,6 +73,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO))
+
+from tenplex.train.launch import free_port  # noqa: E402
+
 MiB = 2**20
 TIMED_STEP = 1000  # tenplex's checkpoint step of the timed saves (--kept saves older steps below it)
 
@@ -558,11 +560,6 @@ def load_phase(rank: int, job: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_world(world: int, phase: str, job: dict[str, Any], timeout: float) -> dict[str, Any]:
     import torch.multiprocessing as mp

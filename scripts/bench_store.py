@@ -29,6 +29,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tenplex.train.launch import free_port  # noqa: E402
+
 TOKEN = "bench-token-0123456789"
 STEP = "step-000000000001-0123abcd"
 
@@ -39,11 +42,6 @@ def _proc_status(pid: int, key: str) -> int:
             return int(line.split()[1])
     raise KeyError(key)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(root: str, port: int, *extra: str) -> subprocess.Popen:
@@ -126,7 +124,7 @@ def stalled_peer(work: Path, limit: float) -> dict[str, float | str]:
     old, new = ParallelConfig(dp=2), ParallelConfig(tp=2)
     shards = ptc.shard(full, old)
     roots = [work / "a", work / "b"]
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     persistent = str(work / "persistent")
     for r in range(2):
         save(str(roots[r]), ptc, old, r, shards[r], step=5, save_id="0000abcd")
@@ -184,7 +182,7 @@ def main() -> None:
             with open(root / STEP / "big.bin", "wb") as f:
                 for _ in range(args.mib):
                     f.write(os.urandom(1 << 20))
-        port = _free_port()
+        port = free_port()
         p = _start(str(root), port)
         out: dict = {}
         try:
