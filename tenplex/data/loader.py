@@ -168,10 +168,14 @@ class ElasticIterable(IterableDataset):
     step (``StatefulDataLoader`` keeps the one of its last batch the loop received).
     """
 
-    def __init__(self, dataset: Any, sampler: ElasticBatchSampler) -> None:
+    def __init__(self, dataset: Any, sampler: ElasticBatchSampler, *, split_workers: bool = True) -> None:
         super().__init__()
-        self.dataset, self.sampler = dataset, sampler
-        self._cursor: dict[str, int] | None = None  # in an iteration: next, stride, end, taken
+        self.dataset, self.sampler, self.split_workers = dataset, sampler, split_workers
+        self._cursor: dict[str, int] | None = None  # in an iteration: next, stride, end, taken, batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Accepted for a Hugging Face ``IterableDataset``'s interface (torchtitan calls it on a resume):
+        the epoch is part of the position, which ``load_state_dict`` sets."""
 
     @property
     def batch_size(self) -> int:
@@ -180,16 +184,18 @@ class ElasticIterable(IterableDataset):
         return replica_slice(s.data.global_batch, *s.layout)[1]
 
     def __iter__(self) -> Iterator[Any]:
-        info = get_worker_info()
+        info = get_worker_info() if self.split_workers else None
         w, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         s = self.sampler
         g = s.data.global_batch
         cur = self._cursor
-        if cur is not None and cur["stride"] != workers:
-            raise DataStateError(f"a worker's state of a loader with {cur['stride']} workers loaded into one with "
-                                 f"{workers}: load the loop's position (ElasticLoader.state_dict) instead")
+        if cur is not None and (cur["stride"], cur["batch"]) != (workers, g):
+            raise DataStateError(f"a worker's state of a loader with {cur['stride']} workers and global batch "
+                                 f"{cur['batch']} loaded into one with {workers} and {g}: its steps would not line "
+                                 "up; load the loop's position (ElasticLoader.state_dict) instead")
         if cur is None:
-            cur = {"next": s.data.consumed + w * g, "stride": workers, "end": _end(s.data, s.num_epochs), "taken": 0}
+            cur = {"next": s.data.consumed + w * g, "stride": workers, "end": _end(s.data, s.num_epochs), "taken": 0,
+                   "batch": g}
         self._cursor = cur
         while cur["next"] < cur["end"]:
             ids = rank_step_ids(s.data, cur["next"], cur["end"], s.layout).tolist()
@@ -220,7 +226,8 @@ class ElasticIterable(IterableDataset):
         if cursor is None:
             self._cursor = None
             return
-        cursor = {k: checked_int(f"cursor {k}", cursor[k], 0, 1 << 62) for k in ("next", "stride", "end", "taken")}
+        cursor = {k: checked_int(f"cursor {k}", cursor[k], 0, 1 << 62)
+                  for k in ("next", "stride", "end", "taken", "batch")}
         if cursor["taken"] and list(sd.get("dp", ())) != list(self.sampler.layout):
             raise DataStateError(f"the state is {cursor['taken']} samples into a step of DP layout {sd.get('dp')}: "
                                  f"it resumes only under that layout, not {list(self.sampler.layout)}")
