@@ -238,7 +238,9 @@ class ElasticLoader:
     """A ``DataLoader`` over an :class:`ElasticBatchSampler` (map-style ``dataset``) or an
     :class:`ElasticIterable` whose position is the batches the loop received.
 
-    ``loader_kwargs`` go to ``DataLoader`` (``num_workers``, ``collate_fn``, ``pin_memory``, ...).
+    ``loader_kwargs`` go to ``DataLoader`` (``num_workers``, ``collate_fn``, ``pin_memory``,
+    ``persistent_workers``: over a map-style dataset one DataLoader serves every iteration, reshard and
+    load, so persistent workers start once).
     ``state_dict()`` is the position after the last batch ``__iter__`` returned: batches the workers
     prefetched are not in it. An iteration left early (``break``) resumes there on the next one.
     """
@@ -253,12 +255,17 @@ class ElasticLoader:
         self.dataset, self.kwargs = dataset, loader_kwargs
         self.data = self.sampler.data  # the loop's position
         self._live: Iterator[Any] | None = None  # batch_for's iteration
+        # map-style: one DataLoader for good (its workers get indices only, the sampler stays here), so
+        # persistent_workers=True keeps the workers across epochs, loads and reshards
+        self._map_loader = None if isinstance(dataset, ElasticIterable) else \
+            DataLoader(dataset, batch_sampler=self.sampler, **loader_kwargs)
 
     def _loader(self) -> DataLoader:
-        if isinstance(self.dataset, ElasticIterable):
-            self.dataset.load_state_dict(self.state_dict())  # from the loop's position, no worker cursor
-            return DataLoader(self.dataset, batch_size=self.dataset.batch_size, **self.kwargs)
-        return DataLoader(self.dataset, batch_sampler=self.sampler, **self.kwargs)
+        if self._map_loader is not None:
+            return self._map_loader
+        assert isinstance(self.dataset, ElasticIterable)
+        self.dataset.load_state_dict(self.state_dict())  # from the loop's position, no worker cursor
+        return DataLoader(self.dataset, batch_size=self.dataset.batch_size, **self.kwargs)
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.data = self.data
