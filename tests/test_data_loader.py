@@ -193,10 +193,11 @@ def test_epochs_continue_where_the_last_iteration_ended() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("iterable", [False, True])
-def test_a_stateful_dataloaders_state_restores_under_another_dp_size(iterable: bool) -> None:
-    """torchdata's StatefulDataLoader with 2 workers: its own state_dict (saved by rank 0 of DP 4 after 3
-    batches, with batches prefetched past them) loads into every rank of DP 3 (uneven: 3 does not divide
-    8) and the run continues with the next global batch."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_dataloaders_state_restores_under_another_dp_size(iterable: bool, workers: int) -> None:
+    """torchdata's StatefulDataLoader with 0 or 2 workers: its own state_dict (saved by rank 0 of DP 4
+    after 3 batches, with 2 workers batches prefetched past them) loads into every rank of DP 3 (uneven:
+    3 does not divide 8) and the run continues with the next global batch."""
     n, g = 64, 8
 
     def loaders(dp: int) -> list[StatefulDataLoader]:
@@ -205,9 +206,9 @@ def test_a_stateful_dataloaders_state_restores_under_another_dp_size(iterable: b
             sampler = ElasticBatchSampler(loader_state(n, g, seed=5), dp, r)
             if iterable:
                 ds = ElasticIterable(Ids(n), sampler)
-                out.append(StatefulDataLoader(ds, batch_size=ds.batch_size, num_workers=2))
+                out.append(StatefulDataLoader(ds, batch_size=ds.batch_size, num_workers=workers))
             else:
-                out.append(StatefulDataLoader(Ids(n), batch_sampler=sampler, num_workers=2))
+                out.append(StatefulDataLoader(Ids(n), batch_sampler=sampler, num_workers=workers))
         return out
 
     def phase(group: list[StatefulDataLoader], steps: int) -> tuple[list[list[int]], dict[str, Any]]:
