@@ -12,15 +12,18 @@ from .index import (
     build_index,
     load_index,
 )
+from .loader import ElasticBatchSampler, ElasticIterable, ElasticLoader, loader_state, rank_step_ids
 from .partition import (
     DataState,
     DataStateError,
     global_batch_ids,
+    feistel_ids,
     ids_at,
     rank_batch_ids,
     rank_positions,
     remaining_ids,
     replica_samples,
+    replica_slice,
     sample_order,
     stream_end,
 )
@@ -31,5 +34,6 @@ __all__ = [
     "replica_samples", "stream_end", "rank_positions", "ids_at", "remaining_ids",
     "DataIndex", "SourceFile", "SourceReader", "build_index", "load_index",
     "DataIndexError", "IndexNotFoundError", "SourceChangedError", "SourceReadError",
-    "LineFile", "RankView", "RankReader", "rank_view",
+    "LineFile", "RankView", "RankReader", "rank_view", "feistel_ids", "replica_slice",
+    "ElasticBatchSampler", "ElasticIterable", "ElasticLoader", "loader_state", "rank_step_ids",
 ]

@@ -1,8 +1,12 @@
 """Pure partitioning of a dataset's global sample order across steps and DP ranks.
 
-The global order is a sequence of epochs; epoch ``e`` is a permutation of all sample ids
-drawn by numpy's PCG64 generator seeded with ``(seed, e)`` (or index order with
-``shuffle=False``). Progress is the number of samples consumed globally; the global batch of
+The global order is a sequence of epochs; epoch ``e`` is a permutation of all sample ids:
+with ``order="pcg64"`` (the default, what every checkpoint before the field existed means) the one
+numpy's PCG64 generator seeded with ``(seed, e)`` draws, materialised whole (O(n) memory and time);
+with ``order="feistel"`` a keyed bijection on ``[0, n)`` (:func:`feistel_ids`: a Feistel network on
+the next even power of two, cycle-walking back into range) computed at any position in O(1) per
+sample, so a loader restores its place at 10^9 samples without a pass over the list; index order
+with ``shuffle=False``. Progress is the number of samples consumed globally; the global batch of
 step ``k`` is positions ``[k*G, (k+1)*G)`` of the order, and DP rank ``i`` of ``dp`` takes the
 contiguous ``i``-th slice of it (:func:`replica_samples`: equal slices, or with a micro-batch size
 whole micro-batches as evenly as they go, counts differing by at most one micro-batch, so that
@@ -25,6 +29,7 @@ from ..errors import DataStateError
 __all__ = [
     "DataState", "DataStateError", "sample_order", "global_batch_ids", "rank_batch_ids", "replica_samples", "stream_end",
     "rank_positions", "ids_at", "remaining_ids", "checked_int", "MAX_POSITION", "MAX_SAMPLES", "MAX_SEED",
+    "ORDERS", "feistel_ids", "replica_slice",
 ]
 
 #: Positions (samples consumed globally) stay below 2**62, so ``position + batch`` never overflows
@@ -34,6 +39,9 @@ MAX_POSITION = 1 << 62
 MAX_SAMPLES = 1 << 40
 #: Seeds are 64-bit (numpy's PCG64 takes non-negative integers).
 MAX_SEED = (1 << 64) - 1
+#: The shuffled orders a DataState can name: "pcg64" (numpy's permutation, materialised per epoch) and
+#: "feistel" (a keyed bijection computed per position, :func:`feistel_ids`).
+ORDERS = ("pcg64", "feistel")
 
 
 def checked_int(name: str, value: object, lo: int, hi: int, fix: str = "") -> int:
@@ -59,6 +67,7 @@ class DataState:
     shuffle: bool = True
     consumed: int = 0
     source: str = ""
+    order: str = "pcg64"
 
     def __post_init__(self) -> None:
         if checked_int("num_samples", self.num_samples, -MAX_SAMPLES, MAX_SAMPLES) < 1:
@@ -71,12 +80,19 @@ class DataState:
         object.__setattr__(self, "shuffle", bool(self.shuffle))
         if not isinstance(self.source, str):
             raise DataStateError(f"source must be a string, got {self.source!r}")
+        if self.order not in ORDERS:
+            raise DataStateError(f"order must be one of {ORDERS}, got {self.order!r}")
 
     def advance(self, steps: int = 1) -> DataState:
         return DataState(**{**asdict(self), "consumed": self.consumed + steps * self.global_batch})
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as JSON; ``order`` only when it is not the default, so a state written before the
+        field existed and one written now of the same order are the same JSON."""
+        out = asdict(self)
+        if out["order"] == ORDERS[0]:
+            del out["order"]
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> DataState:
@@ -84,13 +100,70 @@ class DataState:
 
 
 @lru_cache(maxsize=8)
-def sample_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+def sample_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True, order: str = "pcg64") -> np.ndarray:
     """Sample ids of one epoch, in the order they are consumed."""
     if not shuffle:
         return np.arange(num_samples, dtype=np.int64)
-    order = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(num_samples)
-    order.setflags(write=False)
-    return order
+    if order == "feistel":
+        out = feistel_ids(np.arange(num_samples, dtype=np.int64), num_samples, seed, epoch)
+    else:
+        out = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(num_samples)
+    out.setflags(write=False)
+    return out
+
+
+_M64 = (1 << 64) - 1
+_ROUNDS = 6
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser on a Python int (the round keys)."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+    return x ^ (x >> 31)
+
+
+def _round_keys(seed: int, epoch: int) -> np.ndarray:
+    base = _mix64((seed & _M64) ^ _mix64(epoch + 0x9E3779B97F4A7C15 & _M64))
+    return np.array([_mix64(base + i * 0x9E3779B97F4A7C15 & _M64) for i in range(_ROUNDS)], dtype=np.uint64)
+
+
+def _feistel(x: np.ndarray, half: int, keys: np.ndarray) -> np.ndarray:
+    """One pass of the balanced Feistel network on ``2*half``-bit values (uint64 arrays wrap on overflow)."""
+    mask, h = np.uint64((1 << half) - 1), np.uint64(half)
+    left, right = x >> h, x & mask
+    for k in keys:
+        f = right + k
+        f ^= f >> np.uint64(30)
+        f *= np.uint64(0xBF58476D1CE4E5B9)
+        f ^= f >> np.uint64(27)
+        f *= np.uint64(0x94D049BB133111EB)
+        f ^= f >> np.uint64(31)
+        left, right = right, left ^ (f & mask)
+    return (left << h) | right
+
+
+def feistel_ids(positions: np.ndarray, num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """Sample ids at the given in-epoch offsets (each in ``[0, num_samples)``) of epoch ``epoch``'s
+    "feistel" order: a bijection on ``[0, num_samples)`` keyed by ``(seed, epoch)``. Pure, O(1) per offset.
+
+    A 6-round Feistel network permutes ``[0, 4**half)`` (``4**half >= num_samples``, less than 4x it);
+    an image outside the range is mapped again until it falls inside (cycle-walking: the cycle through
+    an in-range value returns to the range, so this is a permutation of ``[0, num_samples)``).
+    """
+    pos = np.asarray(positions, dtype=np.int64)
+    if num_samples <= 1 or pos.size == 0:
+        return np.zeros_like(pos) if num_samples <= 1 else pos.copy()
+    half = max(1, ((num_samples - 1).bit_length() + 1) // 2)
+    keys = _round_keys(seed, epoch)
+    out = _feistel(pos.astype(np.uint64), half, keys)
+    n = np.uint64(num_samples)
+    out_of_range = np.flatnonzero(out >= n)
+    while out_of_range.size:
+        again = _feistel(out[out_of_range], half, keys)
+        out[out_of_range] = again
+        out_of_range = out_of_range[again >= n]
+    return out.astype(np.int64)
 
 
 def _positions(state: DataState, start: int, count: int) -> np.ndarray:
@@ -100,7 +173,11 @@ def _positions(state: DataState, start: int, count: int) -> np.ndarray:
         pos = start + filled
         epoch, offset = divmod(pos, n)
         take = min(count - filled, n - offset)
-        out[filled : filled + take] = sample_order(n, state.seed, epoch, state.shuffle)[offset : offset + take]
+        if state.order == "feistel":
+            ids = ids_at(np.arange(pos, pos + take, dtype=np.int64), n, state.seed, state.shuffle, state.order)
+        else:
+            ids = sample_order(n, state.seed, epoch, state.shuffle)[offset : offset + take]
+        out[filled : filled + take] = ids
         filled += take
     return out
 
@@ -120,6 +197,11 @@ def replica_samples(global_batch: int, dp: int, micro_batch: int | None = None) 
     """
     dp = checked_int("dp", dp, 1, MAX_POSITION)
     return tuple(_slice_of(global_batch, dp, r, micro_batch)[1] for r in range(dp))
+
+
+def replica_slice(global_batch: int, dp: int, dp_rank: int, micro_batch: int | None = None) -> tuple[int, int]:
+    """(first position within a global batch, count) of DP rank ``dp_rank``'s slice (``replica_samples``), O(1)."""
+    return _slice_of(global_batch, dp, dp_rank, micro_batch)
 
 
 def _slice_of(global_batch: int, dp: int, dp_rank: int, micro_batch: int | None) -> tuple[int, int]:
@@ -202,21 +284,25 @@ def rank_positions(consumed: int, end: int, global_batch: int, dp: int, dp_rank:
     return out
 
 
-def ids_at(positions: np.ndarray, num_samples: int, seed: int, shuffle: bool = True) -> np.ndarray:
-    """Sample ids at the given global positions of the order (any epochs)."""
+def ids_at(positions: np.ndarray, num_samples: int, seed: int, shuffle: bool = True, order: str = "pcg64") -> np.ndarray:
+    """Sample ids at the given global positions of the order (any epochs); with ``order="feistel"``
+    without materialising an epoch's permutation."""
     pos = np.asarray(positions, dtype=np.int64)
     epochs, offsets = np.divmod(pos, num_samples)
     if not shuffle or pos.size == 0:
         return offsets
-    out = np.empty_like(pos)
+    def epoch_ids(e: int, offs: np.ndarray) -> np.ndarray:
+        if order == "feistel":
+            return feistel_ids(offs, num_samples, seed, e)
+        return sample_order(num_samples, seed, e, True)[offs]
     lo, hi = int(epochs.min()), int(epochs.max())
     if lo == hi:
-        out[:] = sample_order(num_samples, seed, lo, True)[offsets]
-        return out
+        return epoch_ids(lo, offsets)
+    out = np.empty_like(pos)
     for e in range(lo, hi + 1):
         mask = epochs == e
         if mask.any():
-            out[mask] = sample_order(num_samples, seed, e, True)[offsets[mask]]
+            out[mask] = epoch_ids(e, offsets[mask])
     return out
 
 
@@ -230,4 +316,4 @@ def remaining_ids(state: DataState, dp: int, dp_rank: int, *, num_epochs: int | 
     if end is None:
         end = stream_end(state.num_samples, state.global_batch, state.consumed, num_epochs)
     pos = rank_positions(state.consumed, end, state.global_batch, dp, dp_rank, micro_batch)
-    return ids_at(pos, state.num_samples, state.seed, state.shuffle)
+    return ids_at(pos, state.num_samples, state.seed, state.shuffle, state.order)
