@@ -112,9 +112,10 @@ def preflight(work: Path) -> dict[str, Any]:
         raise RuntimeError(f"{work} has {disk / GiB:.1f} GiB free, the check needs >= {MIN_FREE_DISK / GiB:.0f} GiB "
                            "(set TMPDIR)")
     props = torch.cuda.get_device_properties(0)
+    nccl = torch.cuda.nccl.version()  # a tuple in recent torch, an int in old ones
     return {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_total": total,
             "memory_free": free, "count": torch.cuda.device_count(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+            "cuda": torch.version.cuda, "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(PARTS))
     if unknown:
         ap.error(f"unknown parts {unknown}; the parts are {list(PARTS)}")
+    t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="tenplex-gpu-check-"))
     try:
         device = {"name": "cpu (dry run)"} if a.dry_run else preflight(work)
@@ -597,14 +599,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(a.out) if a.out else default_out(a.dry_run)
     try:
-        return check(names, a.dry_run, work, out, device)
+        return check(names, a.dry_run, work, out, device, t0)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def check(names: list[str], dry: bool, work: Path, out: Path, device: dict[str, Any]) -> int:
-    """Every part in turn, the JSON rewritten after each; 0 when every part passed."""
-    t0 = time.perf_counter()
+def check(names: list[str], dry: bool, work: Path, out: Path, device: dict[str, Any], t0: float) -> int:
+    """Every part in turn, the JSON rewritten after each; 0 when every part passed. ``t0``: when
+    the run began (the checks before the parts count towards its time)."""
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "dry_run": dry, "commit": git_commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": platform.platform(),

@@ -5,7 +5,6 @@ with one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,12 +20,10 @@ SCRIPT = REPO / "scripts" / "gpu_check.py"
 
 
 def _script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gpu_check", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    sys.path.insert(0, str(REPO / "scripts"))  # the script puts it there too when imported
+    import gpu_check  # lazy: a script, importable only with scripts/ on the path
+
+    return gpu_check
 
 
 def test_finds_the_tests_that_need_cuda() -> None:
