@@ -444,7 +444,8 @@ class PartFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Part:
-    """A part of the check: its function and its time budgets (seconds, on the GPU and dry)."""
+    """A part of the check: its function and its time budgets (seconds, on the GPU and dry; the dry
+    ones only stop a hang: on a loaded 2-CPU machine a dry part takes 2-15 s, at load 16 up to 30 s)."""
 
     run: Callable[[Ctx], dict[str, Any]]
     gpu_s: int
@@ -456,11 +457,11 @@ class Part:
 
 
 PARTS: dict[str, Part] = {
-    "tests": Part(part_tests, 110, 60, "the tests that skip without CUDA (nccl: the trainer under torchrun)"),
-    "load": Part(part_load, 75, 60, "in-place load_state_dict into CUDA DTensors vs pinned host-to-device"),
-    "bubbles": Part(part_bubbles, 45, 45, "snapshot overhead in pipeline bubbles (bench_bubbles_cuda)"),
-    "memory": Part(part_memory, 130, 60, "estimate_memory per recompute mode vs max_memory_allocated"),
-    "live": Part(part_live, 60, 45, "the in-process live move tp=2 -> tp=1 on one device (nccl world of 1)"),
+    "tests": Part(part_tests, 110, 90, "the tests that skip without CUDA (nccl: the trainer under torchrun)"),
+    "load": Part(part_load, 75, 90, "in-place load_state_dict into CUDA DTensors vs pinned host-to-device"),
+    "bubbles": Part(part_bubbles, 45, 60, "snapshot overhead in pipeline bubbles (bench_bubbles_cuda)"),
+    "memory": Part(part_memory, 130, 90, "estimate_memory per recompute mode vs max_memory_allocated"),
+    "live": Part(part_live, 60, 60, "the in-process live move tp=2 -> tp=1 on one device (nccl world of 1)"),
 }
 
 
@@ -479,10 +480,9 @@ def run_part_here(name: str, dry: bool, work: Path, result: Path) -> int:
     return 0 if out["error"] is None else 1
 
 
-def run_part(name: str, dry: bool, work: Path) -> dict[str, Any]:
+def run_part(name: str, dry: bool, work: Path, budget: float) -> dict[str, Any]:
     """One part in a child process (its own session: a timeout kills it and everything it started),
     its output shown with a prefix; the part's record."""
-    budget = PARTS[name].budget(dry)
     part_dir = work / name
     part_dir.mkdir()
     result = part_dir / "result.json"
@@ -506,8 +506,11 @@ def run_part(name: str, dry: bool, work: Path) -> dict[str, Any]:
         proc.wait(timeout=budget)
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)  # the part's session: its trainers and savers too
-        proc.wait()
+    try:  # the part's session, whatever its end: trainers or savers it left behind would share the GPU
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
     reader.join(timeout=5)
     rec: dict[str, Any] = {"status": "ok", "seconds": time.perf_counter() - t0, "budget_s": budget,
                            "what": PARTS[name].what, "figures": None, "error": None}
@@ -526,9 +529,10 @@ def run_part(name: str, dry: bool, work: Path) -> dict[str, Any]:
 
 
 def part_env(dry: bool) -> dict[str, str]:
-    """The parts' environment: the repository importable; CPU and gloo in the dry run, else the GPU."""
+    """The parts' environment: the repository importable, gloo on loopback; CPU in the dry run, else the GPU."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1"}
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo (the savers, the dry run) on loopback: no hostname lookup
     if dry:
         env["TENPLEX_DEVICE"] = "cpu"
     else:
@@ -579,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="the same parts on CPU with gloo and small sizes")
     ap.add_argument("--out", default=None, help="the JSON (default docs/gpu/<date>.json; dry: a temporary file)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"a subset of {','.join(PARTS)}")
+    ap.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
+                    help="another time budget for a part (repeatable)")
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child: run this one part
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -589,6 +595,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(PARTS))
     if unknown:
         ap.error(f"unknown parts {unknown}; the parts are {list(PARTS)}")
+    budgets: dict[str, float] = {n: PARTS[n].budget(a.dry_run) for n in names}
+    for item in a.budget:
+        name, _, secs = item.partition("=")
+        if name not in budgets or not re.fullmatch(r"\d+(\.\d*)?", secs):
+            ap.error(f"--budget {item}: PART=SECONDS for one of the parts run, {list(budgets)}")
+        budgets[name] = float(secs)
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="tenplex-gpu-check-"))
     try:
@@ -599,26 +611,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(a.out) if a.out else default_out(a.dry_run)
     try:
-        return check(names, a.dry_run, work, out, device, t0)
+        return check(budgets, a.dry_run, work, out, device, t0)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def check(names: list[str], dry: bool, work: Path, out: Path, device: dict[str, Any], t0: float) -> int:
-    """Every part in turn, the JSON rewritten after each; 0 when every part passed. ``t0``: when
-    the run began (the checks before the parts count towards its time)."""
+def check(budgets: dict[str, float], dry: bool, work: Path, out: Path, device: dict[str, Any], t0: float) -> int:
+    """Every part of ``budgets`` (name -> seconds) in turn, the JSON rewritten after each; 0 when
+    every part passed. ``t0``: when the run began (the checks before the parts count towards its time)."""
+    names = list(budgets)
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "dry_run": dry, "commit": git_commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": platform.platform(),
         "cpus": os.cpu_count(), "load_average_before": os.getloadavg(), "device": device,
-        "budget_s": {n: PARTS[n].budget(dry) for n in names}, "parts": {}}
+        "budget_s": budgets, "parts": {}}
     out.parent.mkdir(parents=True, exist_ok=True)
     mode = "dry run on CPU" if dry else f"on {device['name']}"
     print(f"gpu_check {mode}: {len(names)} parts, budgets {report['budget_s']} (sum "
           f"{sum(report['budget_s'].values())}s), JSON -> {out}", flush=True)
     for i, name in enumerate(names, 1):
-        print(f"[{i}/{len(names)}] {name}: {PARTS[name].what} (budget {PARTS[name].budget(dry)}s)", flush=True)
-        rec = run_part(name, dry, work)
+        print(f"[{i}/{len(names)}] {name}: {PARTS[name].what} (budget {budgets[name]}s)", flush=True)
+        rec = run_part(name, dry, work, budgets[name])
         report["parts"][name] = rec
         print(f"[{i}/{len(names)}] {name}: {rec['status']} in {rec['seconds']:.1f}s"
               + (f": {rec['error']}" if rec["error"] else ""), flush=True)
