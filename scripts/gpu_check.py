@@ -570,6 +570,21 @@ def default_out(dry: bool) -> Path:
     return out if not out.exists() else out.with_name(f"{time.strftime('%Y-%m-%d-%H%M', time.gmtime())}.json")
 
 
+def load_average() -> tuple[float, float, float] | None:
+    """The 1, 5 and 15-minute load averages (None where the kernel does not say: some sandboxes)."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None
+
+
+def crc32_impl() -> str:
+    """Which CRC32 the checkpoints use: ISA-L's (``isal``) or zlib's, about 8x slower (loads verify every byte)."""
+    from tenplex.checkpoint.format import crc32
+
+    return f"{crc32.__module__}.{crc32.__name__}"
+
+
 def git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -604,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="tenplex-gpu-check-"))
     try:
-        device = {"name": "cpu (dry run)"} if a.dry_run else preflight(work)
+        device = {"name": "cpu (dry run)", "torch": torch.__version__} if a.dry_run else preflight(work)
     except RuntimeError as e:
         shutil.rmtree(work, ignore_errors=True)
         print(f"gpu_check: cannot run: {e}", file=sys.stderr)
@@ -623,12 +638,16 @@ def check(budgets: dict[str, float], dry: bool, work: Path, out: Path, device: d
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "dry_run": dry, "commit": git_commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": platform.platform(),
-        "cpus": os.cpu_count(), "load_average_before": os.getloadavg(), "device": device,
+        "cpus": os.cpu_count(), "load_average_before": load_average(), "device": device,
+        "crc32": crc32_impl(),
         "budget_s": budgets, "parts": {}}
     out.parent.mkdir(parents=True, exist_ok=True)
     mode = "dry run on CPU" if dry else f"on {device['name']}"
     print(f"gpu_check {mode}: {len(names)} parts, budgets {report['budget_s']} (sum "
           f"{sum(report['budget_s'].values())}s), JSON -> {out}", flush=True)
+    if not report["crc32"].startswith("isal"):
+        print(f"gpu_check: checkpoints verify with {report['crc32']}, not ISA-L's (isal is not installed): "
+              "the load figures are slower than a tenplex install's", flush=True)
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {name}: {PARTS[name].what} (budget {budgets[name]}s)", flush=True)
         rec = run_part(name, dry, work, budgets[name])
@@ -642,7 +661,7 @@ def check(budgets: dict[str, float], dry: bool, work: Path, out: Path, device: d
                        "load_ratio_to_pinned_h2d": load.get("ratio_to_pinned_h2d"),
                        "load_ratio_ge_0.8": None if "ratio_to_pinned_h2d" not in load else
                        load["ratio_to_pinned_h2d"] >= LOAD_GOAL}
-    report["load_average_after"] = os.getloadavg()
+    report["load_average_after"] = load_average()
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"\ngpu_check {mode}: {report['seconds']:.0f}s in all (goal <= {TOTAL_GOAL_S:.0f}s), JSON {out}")
     for name, rec in report["parts"].items():
