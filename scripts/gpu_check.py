@@ -155,6 +155,7 @@ def junit_outcomes(xml_path: Path) -> list[dict[str, Any]]:
 
 
 def part_tests(ctx: Ctx) -> dict[str, Any]:
+    """pytest on the tests that skip without CUDA; on the GPU every one must pass (a skip fails)."""
     ids = cuda_tests(ROOT / "tests")
     if not ids:
         raise RuntimeError("no test in tests/ skips without CUDA: the pattern cuda_tests() looks for changed")
@@ -286,6 +287,8 @@ def timed_loads(state: dict[str, Any], url: str, dev: torch.device, repeats: int
 
 
 def part_load(ctx: Ctx) -> dict[str, Any]:
+    """Host-to-device bandwidth, then in-place loads of a state saved on a mesh of 2 into DTensors
+    on a mesh of one on the device (bit for bit), and into CPU tensors for comparison."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -329,6 +332,7 @@ def part_load(ctx: Ctx) -> dict[str, Any]:
 # part: bubble snapshots
 # ---------------------------------------------------------------------------------------------
 def part_bubbles(ctx: Ctx) -> dict[str, Any]:
+    """``bench_bubbles_cuda.run``: 1 GiB of state, 10 ms forwards, 20 rounds (dry: tiny, on CPU)."""
     import bench_bubbles_cuda
 
     from tenplex.planning.memory import parse_size
@@ -342,6 +346,8 @@ def part_bubbles(ctx: Ctx) -> dict[str, Any]:
 # part: the memory estimator with each recompute mode
 # ---------------------------------------------------------------------------------------------
 def part_memory(ctx: Ctx) -> dict[str, Any]:
+    """The trainer's measured peak per recompute mode beside ``estimate_memory``'s, and the
+    activation bytes autograd saves per mode."""
     import measure_memory
     import measure_recompute
 
@@ -386,6 +392,8 @@ def trainer_state(ptc: Any, seed: int) -> dict[str, Any]:
 
 
 def part_live(ctx: Ctx) -> dict[str, Any]:
+    """The survivor of tp=2 moves its device state to tp=1 in a group of one (``rescale(live=)``),
+    the dead rank's half read from the checkpoint; bit for bit and on the device."""
     import torch.distributed as dist
 
     import tenplex
@@ -564,6 +572,7 @@ def headline(name: str, rec: dict[str, Any]) -> str:
 
 
 def default_out(dry: bool) -> Path:
+    """docs/gpu/<date>.json (with the time when that exists); a temporary file for the dry run."""
     if dry:
         return Path(tempfile.gettempdir()) / "tenplex-gpu-check-dry.json"
     out = ROOT / "docs" / "gpu" / f"{time.strftime('%Y-%m-%d', time.gmtime())}.json"
