@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	@scripts/setup_system.sh
@@ -46,6 +46,10 @@ bench: $(STAMP)
 	$(PY) scripts/bench_bubbles_cuda.py --json docs/bench/bench_bubbles_cuda.json   # needs a GPU; says so and skips without
 	$(PY) scripts/measure_memory.py
 	$(PY) scripts/measure_memory.py --gpu   # needs a GPU; says so and skips without
+
+# one GPU, under 8 minutes: the CUDA tests, in-place CUDA loads, bubbles, memory, live move (docs/gpu/README.md)
+gpu-check: $(STAMP)
+	PYTHONPATH=. $(PY) scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

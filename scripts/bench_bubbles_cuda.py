@@ -16,6 +16,9 @@ bytes copied in the bubbles, per-op compute times (does the side stream slow com
 checks that a bubble snapshot equals the state before the optimizer step bit for bit.
 
     python scripts/bench_bubbles_cuda.py [--state 1GiB] [--fwd-ms 10] [--rounds 30] [--json PATH]
+
+``run(..., device="cpu", dim=128)`` runs the same loop on CPU with small matrices (no side stream,
+no pinned buffers): ``scripts/gpu_check.py --dry-run`` keeps this path exercised in CI.
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ class _Arrival:
             pass
 
 
+def _sync(dev: torch.device) -> None:
+    """Wait for the device's queued work (timings and sends need it finished); nothing on CPU."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def _compute(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
     for _ in range(n):
         x = torch.tanh(x @ w)
@@ -56,21 +65,26 @@ def _compute(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
 
 def _calibrate(x: torch.Tensor, w: torch.Tensor, target_s: float) -> int:
     _compute(x, w, 10)
-    torch.cuda.synchronize()
+    _sync(x.device)
     t0 = time.perf_counter()
     _compute(x, w, 50)
-    torch.cuda.synchronize()
+    _sync(x.device)
     return max(1, round(target_s / ((time.perf_counter() - t0) / 50)))
 
 
-def run(state_bytes: int, fwd_s: float, rounds: int, m: int, bucket_bytes: int) -> dict:
-    dev = torch.device("cuda", 0)
+def run(state_bytes: int, fwd_s: float, rounds: int, m: int, bucket_bytes: int, *,
+        device: str = "cuda", dim: int = 4096) -> dict:
+    """The figures of ``rounds`` measured rounds (after 2 warm-up rounds) on ``device`` (``dim``:
+    the side of the square bf16 matrices the emulated forward and backward multiply)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     n_tensors = 16
     numel = state_bytes // 4 // n_tensors
     gen = torch.Generator(device=dev).manual_seed(0)
     state = {f"t{i}": torch.randn(numel, device=dev, generator=gen) for i in range(n_tensors)}
-    x = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16, generator=gen)
-    w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16, generator=gen) / 64
+    x = torch.randn(dim, dim, device=dev, dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(dim, dim, device=dev, dtype=torch.bfloat16, generator=gen) / dim ** 0.5
     n_fwd = _calibrate(x, w, fwd_s)
     ops = one_f_one_b(2, m, 0)
     task = SnapshotTask(bucket_bytes=bucket_bytes)
@@ -83,7 +97,7 @@ def run(state_bytes: int, fwd_s: float, rounds: int, m: int, bucket_bytes: int) 
     copied = {k: [0, 0] for k in modes}  # bytes copied in bubbles / before the optimizer step, per mode
 
     def iteration(mode: str, it: int, verify: bool = False) -> None:
-        torch.cuda.synchronize()
+        _sync(dev)
         b0, k0 = task.bubble_bytes, task.blocking_bytes
         t0 = time.perf_counter()
         runtime.begin_iteration(it)
@@ -107,7 +121,7 @@ def run(state_bytes: int, fwd_s: float, rounds: int, m: int, bucket_bytes: int) 
                     work.wait()
             c0 = time.perf_counter()
             _compute(x, w, n_fwd if op.kind == "F" else 2 * n_fwd)
-            torch.cuda.synchronize()  # the send of the result: the next stage needs it finished
+            _sync(dev)  # the send of the result: the next stage needs it finished
             c1 = time.perf_counter()
             compute[mode][op.kind].append(c1 - c0)
             if op.kind == "F":
@@ -121,7 +135,7 @@ def run(state_bytes: int, fwd_s: float, rounds: int, m: int, bucket_bytes: int) 
                     raise AssertionError(f"bubble snapshot differs from the state in {bad}")
         for t in state.values():  # the optimizer step: the state changes only here
             t.mul_(0.999).add_(1e-3)
-        torch.cuda.synchronize()
+        _sync(dev)
         if not verify:
             times[mode].append(time.perf_counter() - t0)
             copied[mode][0] += task.bubble_bytes - b0
@@ -145,7 +159,7 @@ def run(state_bytes: int, fwd_s: float, rounds: int, m: int, bucket_bytes: int) 
     paired = {k: statistics.median([b / a - 1 for a, b in zip(times["none"], times[k])]) for k in ("blocking", "bubbles")}
     bub_per_iter = bubble_bytes / rounds
     return {
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "state_bytes": state_bytes,
         "bucket_bytes": bucket_bytes,
@@ -163,7 +177,7 @@ def run(state_bytes: int, fwd_s: float, rounds: int, m: int, bucket_bytes: int) 
         "compute_ms": {k: {op: statistics.median(v) * 1e3 for op, v in d.items()} for k, d in compute.items()},
         "bubble_wait_ms_median": statistics.median(waits) * 1e3 if waits else 0.0,
         "snapshot_equal": True,
-        "stream_priority_range": list(torch.cuda.Stream.priority_range()),
+        "stream_priority_range": list(torch.cuda.Stream.priority_range()) if dev.type == "cuda" else None,
     }
 
 

@@ -51,12 +51,15 @@ GPU_CASES = [
 
 
 def run_case(model: str, layout: str, gb: int, mb: int, dist_opt: bool, seq_len: int | None = None, *,
-             work: Path) -> list[dict]:
+             work: Path, recompute: str = "none") -> list[dict]:
+    """The trainer's measured peak of each stage beside ``estimate_memory``'s (``recompute``: the
+    trainer's ``--recompute`` and the estimator's mode)."""
     cfg = ParallelConfig.parse(layout)
     seq_len = seq_len or _seq_len(model)
-    out = work / f"{model}-{layout.replace(',', '_').replace('=', '')}-{int(dist_opt)}-{mb}-{seq_len}"
+    out = work / f"{model}-{layout.replace(',', '_').replace('=', '')}-{int(dist_opt)}-{mb}-{seq_len}-{recompute}"
     args = ["-m", "tenplex.train", "--model", model, "--steps", "2", "--global-batch", str(gb), "--micro-batch",
-            str(mb), "--parallel", layout, "--measure-memory", str(out), "--seq-len", str(seq_len)]
+            str(mb), "--parallel", layout, "--measure-memory", str(out), "--seq-len", str(seq_len),
+            "--recompute", recompute]
     if dist_opt:
         args.append("--distributed-optimizer")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -69,13 +72,13 @@ def run_case(model: str, layout: str, gb: int, mb: int, dist_opt: bool, seq_len:
     subprocess.run(cmd, check=True, capture_output=True, timeout=600, env=env)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
     est = estimate_memory(model, cfg, seq_len=seq_len, micro_batch=mb, distributed_optimizer=dist_opt,
-                          num_microbatches=ranks[0]["num_microbatches"], precision="fp32")
+                          num_microbatches=ranks[0]["num_microbatches"], precision="fp32", recompute=recompute)
     rows = []
     for stage in est.stages:
         measured = max(r["peak_bytes"] for r in ranks if r["pp"] == stage.stage)
         state = max(r["state_bytes"] for r in ranks if r["pp"] == stage.stage)
         rows.append({"model": model, "layout": layout, "micro_batch": mb, "seq_len": seq_len,
-                     "distributed_optimizer": dist_opt,
+                     "distributed_optimizer": dist_opt, "recompute": recompute,
                      "stage": stage.stage, "estimated_bytes": stage.total_bytes,
                      "estimated_state_bytes": stage.param_bytes + stage.grad_bytes + stage.optimizer_bytes,
                      "estimated_activation_bytes": stage.activation_bytes, "measured_bytes": measured,
