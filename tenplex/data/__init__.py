@@ -12,6 +12,9 @@ from .index import (
     build_index,
     load_index,
 )
+from .hf import HFSamples, StreamSlice, hf_dataset
+from .megatron import MegatronIndexed, megatron_gpt_dataset, megatron_index, megatron_packing, write_megatron
+from .packing import DocumentSource, PackedDataset, Packing, pack_documents
 from .partition import (
     DataState,
     DataStateError,
@@ -24,6 +27,7 @@ from .partition import (
     sample_order,
     stream_end,
 )
+from .text import TextDocuments, encoder
 from .view import LineFile, RankReader, RankView, rank_view
 
 __all__ = [
@@ -32,4 +36,7 @@ __all__ = [
     "DataIndex", "SourceFile", "SourceReader", "build_index", "load_index",
     "DataIndexError", "IndexNotFoundError", "SourceChangedError", "SourceReadError",
     "LineFile", "RankView", "RankReader", "rank_view",
+    "DocumentSource", "Packing", "PackedDataset", "pack_documents", "MegatronIndexed", "write_megatron",
+    "megatron_packing", "megatron_gpt_dataset", "megatron_index", "TextDocuments", "encoder", "hf_dataset",
+    "HFSamples", "StreamSlice",
 ]
