@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -158,7 +159,7 @@ def test_megatron_reads_only_its_bytes(tmp_path) -> None:  # type: ignore[no-unt
     src = ds.source
     assert isinstance(src.sequence_lengths, np.ndarray) and not src.sequence_lengths.flags.owndata  # a map, no copy
     assert ds[5].dtype == torch.int64 and len(ds[5]) == 65
-    assert isinstance(src._tokens(), np.memmap)  # noqa: SLF001 (the .bin is mapped, not read)
+    assert isinstance(src.flat_tokens()[0].base.obj, mmap.mmap)  # the .bin is mapped, not read
 
 
 # ------------------------------------------------------------------------------------------------

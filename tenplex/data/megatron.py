@@ -20,6 +20,7 @@ applies when a last partial epoch holds under 80% of an epoch's samples).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 from collections.abc import Iterable
@@ -98,6 +99,9 @@ class MegatronIndexed:
         self.sequence_lengths = np.frombuffer(mm, np.int32, n_seq, _HEADER_BYTES)
         self.sequence_pointers = np.frombuffer(mm, np.int64, n_seq, _HEADER_BYTES + 4 * n_seq)
         self.document_indices = np.frombuffer(mm, np.int64, n_doc, _HEADER_BYTES + 12 * n_seq)
+        if (self.sequence_pointers % self.dtype.itemsize).any():
+            raise DataIndexError(f"{self.idx_path}: a sequence pointer is not a multiple of the {self.dtype} size")
+        self._starts = self.sequence_pointers // self.dtype.itemsize  # token offset of each sequence
         self._bin: np.ndarray | None = None
         self._bin_pid = -1
 
@@ -105,14 +109,21 @@ class MegatronIndexed:
         return int(self.sequence_lengths.size)
 
     def _tokens(self) -> np.ndarray:
-        """The ``.bin`` as a flat token memmap, opened per process (a forked loader worker maps its own)."""
+        """The ``.bin`` as a flat token array over a read-only memory map, mapped once per process (a forked
+        loader worker maps its own); a plain ndarray, so slicing it costs no memmap bookkeeping."""
         if self._bin is None or self._bin_pid != os.getpid():
-            self._bin = np.memmap(self.bin_path, mode="r", dtype=self.dtype)
+            size = os.path.getsize(self.bin_path)
+            need = int(self._starts[-1] + self.sequence_lengths[-1]) if len(self) else 0
+            if size // self.dtype.itemsize < need:
+                raise DataIndexError(f"{self.bin_path} holds {size // self.dtype.itemsize} tokens, its index needs "
+                                     f"{need}")
+            if size:
+                with open(self.bin_path, "rb") as f:
+                    self._bin = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=self.dtype,
+                                              count=size // self.dtype.itemsize)
+            else:
+                self._bin = np.zeros(0, self.dtype)
             self._bin_pid = os.getpid()
-            need = (int(self.sequence_pointers[-1]) // self.dtype.itemsize + int(self.sequence_lengths[-1])
-                    if len(self) else 0)
-            if self._bin.size < need:
-                raise DataIndexError(f"{self.bin_path} holds {self._bin.size} tokens, its index needs {need}")
         return self._bin
 
     def __getstate__(self) -> dict[str, Any]:
@@ -124,9 +135,13 @@ class MegatronIndexed:
     def doc_lengths(self) -> np.ndarray:
         return self.sequence_lengths
 
+    def flat_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ``.bin``'s tokens (memory-mapped) and each sequence's token offset in it."""
+        return self._tokens(), self._starts
+
     def doc_tokens(self, doc: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Tokens ``[start, stop)`` of sequence ``doc`` (a view of the memory map, no copy)."""
-        base = int(self.sequence_pointers[doc]) // self.dtype.itemsize
+        base = int(self._starts[doc])
         end = int(self.sequence_lengths[doc]) if stop is None else stop
         return self._tokens()[base + start : base + end]
 

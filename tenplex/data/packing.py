@@ -16,6 +16,7 @@ asks for sample ``i`` gets the same tokens.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -98,7 +99,7 @@ class Packing:
     def pieces(self, i: int) -> list[tuple[int, int, int | None]]:
         """(document id, start, stop or None for the document's end) of sample ``i``, in order."""
         k = int(self.shuffle[i]) if self.shuffle is not None else int(i)
-        (b, bo), (e, eo) = self.sample_index[k].tolist(), self.sample_index[k + 1].tolist()
+        b, bo, e, eo = self.sample_index[k : k + 2].ravel().tolist()
         order = self.doc_order
         if b == e:
             return [(int(order[b]), bo, eo + self.extra)]
@@ -108,16 +109,28 @@ class Packing:
         return out
 
     def sample(self, source: DocumentSource, i: int) -> np.ndarray:
-        """The tokens of sample ``i`` (``seq_len + extra`` of them) read from ``source``."""
-        parts = [source.doc_tokens(d, a, z) for d, a, z in self.pieces(i)]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        """The tokens of sample ``i`` (``seq_len + extra`` of them, int64) read from ``source``."""
+        out = np.empty(self.seq_len + self.extra, dtype=np.int64)
+        pos = 0
+        for d, a, z in self.pieces(i):
+            t = source.doc_tokens(d, a, z)
+            out[pos : pos + len(t)] = t
+            pos += len(t)
+        if pos != len(out):
+            raise DataIndexError(f"sample {i} read {pos} tokens, expected {len(out)}: the documents differ from "
+                                 "the lengths the packing was built from")
+        return out
 
 
-def packed_pieces(packing: Packing, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every sample's pieces at once: (sample_start (n + 1), doc, start, stop) with pieces of sample ``i`` at
-    ``[sample_start[i], sample_start[i + 1])``; zero-length pieces are dropped. Vectorised, for indexes."""
-    n = len(packing)
-    k = packing.shuffle.astype(np.int64) if packing.shuffle is not None else np.arange(n, dtype=np.int64)
+def packed_pieces(packing: Packing, lengths: np.ndarray, ids: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The pieces of samples ``ids`` (default: all) at once: (sample_start (len + 1), doc, start, stop) with the
+    pieces of the ``k``-th sample at ``[sample_start[k], sample_start[k + 1])``; zero-length pieces dropped.
+    Vectorised, for indexes and batches."""
+    if ids is None:
+        ids = np.arange(len(packing), dtype=np.int64)
+    n = len(ids)
+    k = packing.shuffle[ids].astype(np.int64) if packing.shuffle is not None else np.asarray(ids, np.int64)
     si = packing.sample_index
     b, bo, e, eo = si[k, 0], si[k, 1], si[k + 1, 0], si[k + 1, 1]
     count = e - b + 1
@@ -127,9 +140,8 @@ def packed_pieces(packing: Packing, lengths: np.ndarray) -> tuple[np.ndarray, np
     owner = np.repeat(np.arange(n, dtype=np.int64), count)
     j = b[owner] + (np.arange(total, dtype=np.int64) - first[owner])  # position in the document order
     doc = packing.doc_order[j].astype(np.int64)
-    sizes = np.asarray(lengths, dtype=np.int64)
     start = np.where(j == b[owner], bo[owner], 0)
-    stop = np.where(j == e[owner], eo[owner] + packing.extra, sizes[doc])
+    stop = np.where(j == e[owner], eo[owner] + packing.extra, np.asarray(lengths)[doc])
     keep = stop > start
     kept = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(owner[keep], minlength=n), out=kept[1:])
@@ -137,16 +149,57 @@ def packed_pieces(packing: Packing, lengths: np.ndarray) -> tuple[np.ndarray, np
 
 
 class PackedDataset(torch.utils.data.Dataset):
-    """Map-style dataset: item ``i`` is packed sample ``i`` as a 1-D int64 tensor of ``seq_len + extra`` tokens."""
+    """Map-style dataset: item ``i`` is packed sample ``i`` as a 1-D int64 tensor of ``seq_len + extra`` tokens.
+
+    A source with ``flat_tokens()`` (one token array and each document's offset in it, as a Megatron
+    ``.bin``) is read by slicing that array directly: a sample costs about what slicing a memory map
+    costs a plain dataset.
+    """
 
     def __init__(self, source: DocumentSource, packing: Packing) -> None:
         self.source = source
         self.packing = packing
+        self._n = len(packing)
+        self._flat = getattr(source, "flat_tokens", None)
+        self._lengths = source.doc_lengths() if self._flat is not None else None
+        self._tokens: tuple[np.ndarray, np.ndarray] | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"source": self.source, "packing": self.packing}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(state["source"], state["packing"])  # type: ignore[misc, arg-type]
 
     def __len__(self) -> int:
-        return len(self.packing)
+        return self._n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if not 0 <= i < len(self.packing):
-            raise IndexError(f"sample {i} of {len(self.packing)}")
-        return torch.from_numpy(self.packing.sample(self.source, int(i)).astype(np.int64))
+        if not 0 <= i < self._n:
+            raise IndexError(f"sample {i} of {self._n}")
+        if self._flat is None:
+            return torch.from_numpy(self.packing.sample(self.source, int(i)))
+        p = self.packing
+        k = int(p.shuffle[i]) if p.shuffle is not None else int(i)
+        b, bo, e, eo = p.sample_index[k : k + 2].ravel().tolist()
+        if self._tokens is None:  # mapped once; a forked loader worker inherits the read-only map
+            self._tokens = self._flat()
+        tokens, starts = self._tokens
+        order = p.doc_order
+        if b == e:  # one document: one slice
+            s = int(starts[order[b]])
+            out = tokens[s + bo : s + eo + p.extra].astype(np.int64)
+        else:
+            out = np.empty(p.seq_len + p.extra, dtype=np.int64)
+            pos = 0
+            for j in range(b, e + 1):
+                s = int(starts[order[j]])
+                a = s + (bo if j == b else 0)
+                z = s + eo + p.extra if j == e else s + int(self._lengths[order[j]])
+                out[pos : pos + z - a] = tokens[a:z]
+                pos += z - a
+            if pos != len(out):
+                out = out[:pos]
+        if len(out) != p.seq_len + p.extra:
+            raise DataIndexError(f"sample {i} read {len(out)} tokens, expected {p.seq_len + p.extra}: the documents "
+                                 "differ from the lengths the packing was built from")
+        return torch.from_numpy(out)

@@ -1,0 +1,235 @@
+"""Samples per second through tenplex's sources and rank order vs the plain torch DataLoader a user writes (#32).
+
+    python scripts/bench_data.py              # 3 runs per format, prints a table
+    python scripts/bench_data.py --json       # also writes docs/bench/bench_data.json; last line: one JSON object
+
+Three formats over the same files, both sides in ``DataLoader(batch_size, num_workers)``:
+
+- ``jsonl_tokenized``: JSONL whose text is tokenised on the fly by a transformers tokenizer loaded from a
+  local directory. Plain: a Dataset holding the file's lines, ``json.loads`` + the tokenizer per item.
+  tenplex: :class:`tenplex.data.TextDocuments` (byte-range index, batched tokenisation).
+- ``megatron_bin``: a Megatron ``.bin``/``.idx``, samples of ``seq_len + 1`` tokens. Plain: numpy memmap of
+  the ``.bin`` cut into consecutive windows. tenplex: :func:`tenplex.data.megatron_gpt_dataset` (GPTDataset's
+  shuffled documents and sample index).
+- ``parquet``: a Parquet file of token rows. Plain: ``datasets`` + ``with_format("torch")``. tenplex:
+  :class:`tenplex.data.HFSamples` over the same ``datasets.Dataset``.
+
+The plain side shuffles with ``shuffle=True``; the tenplex side reads in tenplex's rank order
+(``remaining_ids`` of rank 0 at DP 1: the sampler a job uses until the resharding sampler replaces it;
+see :func:`tenplex_order`). A pass times ``--samples`` samples after the first batch (worker
+start-up excluded on both sides); a run is ``--pairs`` adjacent (plain, tenplex) passes in alternating
+order and its figures are the medians over its pairs. ``ratio`` is tenplex's samples/s over plain's. ``restore_ms_per_rank``: :func:`restore_ms_per_rank`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from tenplex.data import (  # noqa: E402
+    DataState,
+    HFSamples,
+    TextDocuments,
+    hf_dataset,
+    megatron_gpt_dataset,
+    remaining_ids,
+    write_megatron,
+)
+
+OUT = ROOT / "docs" / "bench" / "bench_data.json"
+WORDS = ("tenplex elastic data loader sample shard rank layout epoch token parallel tensor pipeline model "
+         "checkpoint resume state order batch worker stream packed document megatron arrow parquet").split()
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
+
+
+def tenplex_order(num_samples: int, batch: int, seed: int = 0) -> list[int]:
+    """The sample ids rank 0 of DP 1 reads (the lead switches this to the resharding sampler)."""
+    return remaining_ids(DataState(num_samples, batch, seed=seed), 1, 0, num_epochs=1).tolist()
+
+
+def restore_ms_per_rank() -> dict[str, Any] | None:
+    """Restoring the data position under a new layout, ms per rank at 10^9 samples: filled in with the
+    resharding sampler (issue #32's second goal); None until then."""
+    return None
+
+
+def pad_collate(batch: list[Any]) -> torch.Tensor:
+    if isinstance(batch[0], dict):
+        batch = [b["input_ids"] for b in batch]
+    return torch.nn.utils.rnn.pad_sequence(batch, batch_first=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# the files and the two sides of each format
+# ------------------------------------------------------------------------------------------------
+def make_tokenizer(d: str, texts: list[str]) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts[:2000], trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(d)
+    return AutoTokenizer.from_pretrained(d)
+
+
+class PlainJsonl(torch.utils.data.Dataset):
+    """What a user writes: the lines in memory, json + tokenizer per item."""
+
+    def __init__(self, path: str, tokenizer: Any) -> None:
+        with open(path) as f:
+            self.lines = f.readlines()
+        self.tokenizer = tokenizer
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        text = json.loads(self.lines[i])["text"]
+        return torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class PlainBin(torch.utils.data.Dataset):
+    """What a user writes for a token .bin: a memmap cut into windows of seq_len + 1."""
+
+    def __init__(self, path: str, seq_len: int) -> None:
+        self.path, self.seq_len = path, seq_len
+        self.n = (os.path.getsize(path) // 2 - 1) // seq_len
+        self.tokens: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.tokens is None:
+            self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+        s = self.seq_len
+        return torch.from_numpy(self.tokens[i * s : (i + 1) * s + 1].astype(np.int64))
+
+
+def build_formats(d: str, scale: float, seq_len: int) -> dict[str, tuple[Any, Any, Callable | None]]:
+    """name -> (plain dataset, tenplex dataset, collate)."""
+    rng = random.Random(0)
+    n_docs = int(20000 * scale)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 200))) for _ in range(n_docs)]
+    jl = os.path.join(d, "docs.jsonl")
+    with open(jl, "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    tok = make_tokenizer(os.path.join(d, "tok"), texts)
+    out: dict[str, tuple[Any, Any, Callable | None]] = {
+        "jsonl_tokenized": (PlainJsonl(jl, tok), TextDocuments([jl], tok), pad_collate)}
+
+    nrng = np.random.default_rng(0)
+    lengths = nrng.integers(50, 3000, size=int(8000 * scale))
+    docs = [nrng.integers(0, 50000, size=int(k), dtype=np.int64).astype(np.uint16) for k in lengths]
+    write_megatron(os.path.join(d, "meg"), docs)
+    out["megatron_bin"] = (PlainBin(os.path.join(d, "meg.bin"), seq_len),
+                           megatron_gpt_dataset(os.path.join(d, "meg"), seq_len), None)
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = int(8000 * scale)
+    ids = nrng.integers(0, 50000, size=(rows, 513), dtype=np.int64)
+    pq.write_table(pa.table({"input_ids": list(ids)}), os.path.join(d, "tokens.parquet"))
+    ds = hf_dataset(os.path.join(d, "tokens.parquet"), cache_dir=os.path.join(d, "hf"))
+    out["parquet"] = (ds.with_format("torch"), HFSamples(ds, column="input_ids"), pad_collate)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+def samples_per_second(loader: Iterable[Any], batch: int, samples: int) -> float:
+    it = iter(loader)
+    next(it)  # workers started, first batch in
+    t0 = time.perf_counter()
+    got = 0
+    for _ in it:
+        got += batch
+        if got >= samples:
+            break
+    return got / (time.perf_counter() - t0)
+
+
+def run_format(plain: Any, tplx: Any, collate: Callable | None, args: argparse.Namespace) -> dict[str, Any]:
+    """``args.runs`` runs; a run is ``args.pairs`` adjacent (plain, tenplex) passes in alternating order, its
+    figures the medians over its pairs (adjacent passes see the same machine load, so the ratio is stable
+    on a shared machine where absolute rates are not)."""
+    n = min(len(plain), len(tplx), args.samples + args.batch)
+    kw = dict(batch_size=args.batch, num_workers=args.workers, collate_fn=collate,
+              prefetch_factor=4 if args.workers else None)
+    ratios, t_sps, p_sps = [], [], []
+    for r in range(args.runs):
+        pr, pt, pp = [], [], []
+        for k in range(args.pairs):
+            order = tenplex_order(len(tplx), args.batch, seed=r * args.pairs + k)[:n]
+            sides = [("plain", lambda: torch.utils.data.DataLoader(plain, shuffle=True, **kw)),
+                     ("tenplex", lambda: torch.utils.data.DataLoader(tplx, sampler=order, **kw))]
+            if (r + k) % 2:
+                sides.reverse()
+            got = {name: samples_per_second(make(), args.batch, n - args.batch) for name, make in sides}
+            pt.append(got["tenplex"])
+            pp.append(got["plain"])
+            pr.append(got["tenplex"] / got["plain"])
+        ratios.append(statistics.median(pr))
+        t_sps.append(statistics.median(pt))
+        p_sps.append(statistics.median(pp))
+    return {"ratio": spread(ratios), "tenplex_sps": spread(t_sps), "plain_sps": spread(p_sps), "samples": n,
+            "pairs_per_run": args.pairs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help=f"write {OUT.relative_to(ROOT)}; last line one JSON object")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=5, help="adjacent (plain, tenplex) passes per run")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=1500, help="samples timed per pass")
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--scale", type=float, default=1.0, help="size of the generated files")
+    ap.add_argument("--only", nargs="*", help="formats to run")
+    args = ap.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with tempfile.TemporaryDirectory(prefix="bench_data") as d:
+        formats = build_formats(d, args.scale, args.seq_len)
+        res: dict[str, Any] = {}
+        for name, (plain, tplx, collate) in formats.items():
+            if args.only and name not in args.only:
+                continue
+            load = os.getloadavg()[0]
+            res[name] = {**run_format(plain, tplx, collate, args), "load_avg_1min": round(load, 2)}
+            r = res[name]
+            print(f"{name:>16}: ratio {r['ratio']['median']:.3f} [{r['ratio']['min']:.3f}, {r['ratio']['max']:.3f}]"
+                  f"  tenplex {r['tenplex_sps']['median']:.0f}/s  plain {r['plain_sps']['median']:.0f}/s"
+                  f"  (load {load:.2f})", flush=True)
+    out = {"formats": res, "restore_ms_per_rank": restore_ms_per_rank(),
+           "config": {k: v for k, v in vars(args).items() if k != "json"}, "cpus": os.cpu_count(),
+           "goal": "ratio >= 0.95"}
+    if args.json:
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(out, indent=1) + "\n")
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
