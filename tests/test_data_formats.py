@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_vfs_mount import mounted
 
+from tenplex.cli import main
 from tenplex.data import (
     DataState,
     HFSamples,
@@ -218,7 +219,8 @@ def test_mount_serves_megatron_samples(tmp_path, runtime) -> None:  # type: igno
     docs = make_docs(np.random.default_rng(4), 80)
     write_megatron(str(tmp_path / "x"), docs)
     ds = megatron_gpt_dataset(str(tmp_path / "x"), 16, seed=2)
-    megatron_index(ds).save(str(tmp_path / "idx.npz"))
+    assert main(["data", "index", str(tmp_path / "idx.npz"), str(tmp_path / "x"), "--megatron", "--seq-len", "16",
+                 "--megatron-seed", "2"]) == 0
     mnt = str(tmp_path / "mnt")
     with mounted(str(tmp_path / "idx.npz"), mnt, "--dp", "3", "--global-batch", "6", "--seed", "7",
                  log=str(tmp_path / "mount.log")):
