@@ -13,8 +13,8 @@ reads the 34-byte header only, a sample reads its own tokens.
 ``num_epochs`` copies of all documents shuffled by ``numpy.random.RandomState(seed)``, the sample
 index cuts ``seq_len + 1`` tokens per sample (``pack_documents``) and the shuffle index is a
 permutation drawn next from the same random state; sample ``i`` equals Megatron's
-``GPTDataset[i]["tokens"]`` plus its label token (without ``separate_final_epoch``, which Megatron
-applies when a last partial epoch holds under 80% of an epoch's samples).
+``GPTDataset[i]["tokens"]`` plus its label token (``separate_final_epoch`` included: Megatron shuffles
+a last epoch apart when fewer than 80% of its samples are asked for).
 """
 
 from __future__ import annotations
@@ -148,24 +148,39 @@ class MegatronIndexed:
 
 def megatron_packing(lengths: np.ndarray, seq_len: int, *, seed: int = 1234, num_samples: int | None = None,
                      shuffle_samples: bool = True, extra: int = 1) -> Packing:
-    """GPTDataset's document, sample and shuffle indices over documents of ``lengths`` (see the module doc)."""
+    """GPTDataset's document, sample and shuffle indices over documents of ``lengths`` (see the module doc),
+    ``separate_final_epoch`` included: when ``num_samples`` needs a last epoch of which fewer than 80% of
+    an epoch's samples are used, that epoch's documents and samples are shuffled apart from the rest."""
     lengths = np.asarray(lengths)
     tokens_per_epoch = int(lengths.sum(dtype=np.int64))
     if tokens_per_epoch < 2:
         raise DataIndexError(f"the dataset holds {tokens_per_epoch} tokens; packing needs at least 2")
-    num_epochs = 1
+    num_epochs, separate = 1, False
     if num_samples is not None:
-        want = num_samples * seq_len + extra
-        num_epochs = max(1, -(-want // tokens_per_epoch))
+        num_epochs = max(1, -(-(num_samples * seq_len + extra) // tokens_per_epoch))
+    if num_epochs > 1:
+        sans_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_len
+        per_epoch = (tokens_per_epoch - extra) // seq_len
+        separate = num_samples - sans_final < int(0.80 * per_epoch)  # type: ignore[operator]
     state = np.random.RandomState(seed)
-    doc_index = np.tile(np.arange(len(lengths), dtype=np.int32), num_epochs)
-    state.shuffle(doc_index)
+
+    def documents(epochs: int) -> np.ndarray:
+        order = np.tile(np.arange(len(lengths), dtype=np.int32), epochs)
+        state.shuffle(order)
+        return order
+
+    doc_index = np.concatenate([documents(num_epochs - 1), documents(1)]) if separate else documents(num_epochs)
     sample_index = pack_documents(lengths, doc_index, seq_len, extra)
     shuffle = None
     if shuffle_samples:
         n = sample_index.shape[0] - 1
-        shuffle = np.arange(n, dtype=np.uint32 if n < np.iinfo(np.uint32).max - 1 else np.int64)
-        state.shuffle(shuffle)
+        dtype = np.uint32 if n < np.iinfo(np.uint32).max - 1 else np.int64
+        cut = sans_final if separate else n
+        first, last = np.arange(cut, dtype=dtype), np.arange(cut, n, dtype=dtype)
+        state.shuffle(first)
+        if separate:
+            state.shuffle(last)
+        shuffle = np.concatenate([first, last])
     return Packing(doc_index.astype(np.int64), sample_index, seq_len, extra, shuffle)
 
 
