@@ -21,6 +21,7 @@ from test_vfs_mount import mounted
 
 from tenplex.cli import main
 from tenplex.data import (
+    DataIndex,
     DataState,
     HFSamples,
     MegatronIndexed,
@@ -38,7 +39,7 @@ from tenplex.data import (
     remaining_ids,
     write_megatron,
 )
-from tenplex.data.view import RankView
+from tenplex.data.view import RankReader, RankView
 from tenplex.errors import DataIndexError
 
 
@@ -230,6 +231,32 @@ def test_megatron_index_view_bytes(tmp_path) -> None:  # type: ignore[no-untyped
     blob = view.read(0, view.size)
     assert blob == b"".join(ds[int(i)].numpy().astype(np.uint16).tobytes() for i in ids)
     assert view.size == len(ds) * 10 * 2
+
+
+def test_pieces_index_reader_and_corruption(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    docs = make_docs(np.random.default_rng(6), 40)
+    write_megatron(str(tmp_path / "x"), docs)
+    ds = megatron_gpt_dataset(str(tmp_path / "x"), 5, seed=1)
+    index = megatron_index(ds)
+    state = DataState(len(ds), 6, seed=3)
+    reader = RankReader(index, state, 3, 1)
+    for _ in range(3):
+        ids = reader.batch_ids()
+        got = reader.next_batch()
+        assert [np.frombuffer(b, np.uint16).astype(np.int64).tolist() for b in got] == [ds[int(i)].tolist()
+                                                                                        for i in ids]
+    bad = index.sample_start.copy()
+    bad[3] = bad[4] + 1  # not rising
+    with pytest.raises(DataIndexError, match="sample_start"):
+        DataIndex(index.files, index.file_id, index.offset, index.length, "pieces", {}, bad)
+    with pytest.raises(DataIndexError, match="sample_start"):
+        DataIndex(index.files, index.file_id, index.offset, index.length, "pieces", {})
+    path = str(tmp_path / "idx.npz")
+    with open(path, "wb") as f:  # a pieces index whose sample_start is cut short
+        np.savez(f, file_id=index.file_id, offset=index.offset, length=index.length,
+                 sample_start=index.sample_start[:-2], meta=np.array(json.dumps(index.meta())))
+    with pytest.raises(DataIndexError, match="not a tenplex dataset index"):
+        load_index(path)
 
 
 @pytest.mark.timeout(90)
