@@ -18,7 +18,10 @@ The plain side shuffles with ``shuffle=True``; the tenplex side reads in tenplex
 (``remaining_ids`` of rank 0 at DP 1: the sampler a job uses until the resharding sampler replaces it;
 see :func:`tenplex_order`). A pass times ``--samples`` samples after the first batch (worker
 start-up excluded on both sides); a run is ``--pairs`` adjacent (plain, tenplex) passes in alternating
-order and its figures are the medians over its pairs. ``ratio`` is tenplex's samples/s over plain's. ``restore_ms_per_rank``: :func:`restore_ms_per_rank`.
+order and its figures are the medians over its pairs. ``ratio`` is tenplex's samples/s over plain's.
+``fetch_us_*``: microseconds a sample to fetch and collate a batch in-process (what a worker does), the
+minimum of ``--fetch-rounds`` alternating rounds per run, and ``fetch_ratio`` plain's over tenplex's: on a loaded
+machine, where loader rates swing with the scheduler, this is the stable comparison. ``restore_ms_per_rank``: :func:`restore_ms_per_rank`.
 """
 
 from __future__ import annotations
@@ -170,6 +173,22 @@ def samples_per_second(loader: Iterable[Any], batch: int, samples: int) -> float
     return got / (time.perf_counter() - t0)
 
 
+def fetch_us(plain: Any, tplx: Any, collate: Callable | None, batch: int, rounds: int, seed: int) -> dict[str, float]:
+    """Microseconds a sample to fetch and collate a batch in this process (what a loader worker does), both
+    sides alternating ``rounds`` times over the same random ids; the minimum per side (robust to load)."""
+    collate = collate or torch.utils.data.default_collate
+    rng = np.random.default_rng(seed)
+    n = min(len(plain), len(tplx))
+    best = {"plain": float("inf"), "tenplex": float("inf")}
+    for _ in range(rounds):
+        ids = rng.integers(0, n, size=batch).tolist()
+        for name, ds in (("plain", plain), ("tenplex", tplx)):
+            t0 = time.perf_counter()
+            collate(ds.__getitems__(ids) if hasattr(ds, "__getitems__") else [ds[i] for i in ids])
+            best[name] = min(best[name], (time.perf_counter() - t0) / batch * 1e6)
+    return best
+
+
 def run_format(plain: Any, tplx: Any, collate: Callable | None, args: argparse.Namespace) -> dict[str, Any]:
     """``args.runs`` runs; a run is ``args.pairs`` adjacent (plain, tenplex) passes in alternating order, its
     figures the medians over its pairs (adjacent passes see the same machine load, so the ratio is stable
@@ -177,8 +196,11 @@ def run_format(plain: Any, tplx: Any, collate: Callable | None, args: argparse.N
     n = min(len(plain), len(tplx), args.samples + args.batch)
     kw = dict(batch_size=args.batch, num_workers=args.workers, collate_fn=collate,
               prefetch_factor=4 if args.workers else None)
-    ratios, t_sps, p_sps = [], [], []
+    ratios, t_sps, p_sps, t_us, p_us = [], [], [], [], []
     for r in range(args.runs):
+        us = fetch_us(plain, tplx, collate, args.batch, args.fetch_rounds, r)
+        t_us.append(us["tenplex"])
+        p_us.append(us["plain"])
         pr, pt, pp = [], [], []
         for k in range(args.pairs):
             order = tenplex_order(len(tplx), args.batch, seed=r * args.pairs + k)[:n]
@@ -194,7 +216,8 @@ def run_format(plain: Any, tplx: Any, collate: Callable | None, args: argparse.N
         t_sps.append(statistics.median(pt))
         p_sps.append(statistics.median(pp))
     return {"ratio": spread(ratios), "tenplex_sps": spread(t_sps), "plain_sps": spread(p_sps), "samples": n,
-            "pairs_per_run": args.pairs}
+            "pairs_per_run": args.pairs, "fetch_us_tenplex": spread(t_us), "fetch_us_plain": spread(p_us),
+            "fetch_ratio": spread([b / a for a, b in zip(t_us, p_us)])}
 
 
 def main() -> None:
@@ -203,6 +226,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--pairs", type=int, default=5, help="adjacent (plain, tenplex) passes per run")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--fetch-rounds", type=int, default=100, help="alternating in-process fetches per run")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--samples", type=int, default=1500, help="samples timed per pass")
     ap.add_argument("--seq-len", type=int, default=1024)
@@ -221,6 +245,8 @@ def main() -> None:
             r = res[name]
             print(f"{name:>16}: ratio {r['ratio']['median']:.3f} [{r['ratio']['min']:.3f}, {r['ratio']['max']:.3f}]"
                   f"  tenplex {r['tenplex_sps']['median']:.0f}/s  plain {r['plain_sps']['median']:.0f}/s"
+                  f"  fetch ratio {r['fetch_ratio']['median']:.3f} ({r['fetch_us_tenplex']['median']:.2f} vs "
+                  f"{r['fetch_us_plain']['median']:.2f} us)"
                   f"  (load {load:.2f})", flush=True)
     out = {"formats": res, "restore_ms_per_rank": restore_ms_per_rank(),
            "config": {k: v for k, v in vars(args).items() if k != "json"}, "cpus": os.cpu_count(),

@@ -161,8 +161,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self.packing = packing
         self._n = len(packing)
         self._flat = getattr(source, "flat_tokens", None)
-        self._lengths = source.doc_lengths() if self._flat is not None else None
-        self._tokens: tuple[np.ndarray, np.ndarray] | None = None
+        self._tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def __getstate__(self) -> dict[str, object]:
         return {"source": self.source, "packing": self.packing}
@@ -174,32 +173,37 @@ class PackedDataset(torch.utils.data.Dataset):
         return self._n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if not 0 <= i < self._n:
-            raise IndexError(f"sample {i} of {self._n}")
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, ids: Sequence[int]) -> list[torch.Tensor]:
+        """The samples ``ids`` (what a ``DataLoader`` asks for a batch): their rows of the packing index are
+        looked up at once, then each sample is one slice per document piece."""
+        idx = np.asarray(ids, dtype=np.int64)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self._n):
+            raise IndexError(f"samples {idx.min()}..{idx.max()} of {self._n}")
         if self._flat is None:
-            return torch.from_numpy(self.packing.sample(self.source, int(i)))
+            return [torch.from_numpy(self.packing.sample(self.source, i)) for i in idx.tolist()]
         p = self.packing
-        k = int(p.shuffle[i]) if p.shuffle is not None else int(i)
-        b, bo, e, eo = p.sample_index[k : k + 2].ravel().tolist()
+        k = p.shuffle[idx].astype(np.int64) if p.shuffle is not None else idx
         if self._tokens is None:  # mapped once; a forked loader worker inherits the read-only map
-            self._tokens = self._flat()
-        tokens, starts = self._tokens
-        order = p.doc_order
-        if b == e:  # one document: one slice
-            s = int(starts[order[b]])
-            out = tokens[s + bo : s + eo + p.extra].astype(np.int64)
-        else:
-            out = np.empty(p.seq_len + p.extra, dtype=np.int64)
-            pos = 0
-            for j in range(b, e + 1):
-                s = int(starts[order[j]])
-                a = s + (bo if j == b else 0)
-                z = s + eo + p.extra if j == e else s + int(self._lengths[order[j]])
-                out[pos : pos + z - a] = tokens[a:z]
-                pos += z - a
-            if pos != len(out):
-                out = out[:pos]
-        if len(out) != p.seq_len + p.extra:
-            raise DataIndexError(f"sample {i} read {len(out)} tokens, expected {p.seq_len + p.extra}: the documents "
-                                 "differ from the lengths the packing was built from")
-        return torch.from_numpy(out)
+            tokens, starts = self._flat()
+            self._tokens = (tokens, starts[p.doc_order], np.asarray(self.source.doc_lengths())[p.doc_order])
+        tokens, ostart, olen = self._tokens  # per position of the document order: token offset, length
+        si = p.sample_index
+        width = p.seq_len + p.extra
+        out = []
+        for b, bo, e, eo, s in zip(si[k, 0].tolist(), si[k, 1].tolist(), si[k + 1, 0].tolist(),
+                                   si[k + 1, 1].tolist(), ostart[si[k, 0]].tolist()):
+            if b == e:  # one document: one slice
+                t = tokens[s + bo : s + eo + p.extra].astype(np.int64)
+            else:
+                st, ln = ostart[b : e + 1].tolist(), olen[b : e + 1].tolist()
+                parts = [tokens[s + bo : s + ln[0]]]
+                parts.extend(tokens[a : a + n] for a, n in zip(st[1:-1], ln[1:-1]))
+                parts.append(tokens[st[-1] : st[-1] + eo + p.extra])
+                t = np.concatenate(parts, dtype=np.int64)
+            if len(t) != width:
+                raise DataIndexError(f"a sample read {len(t)} tokens, expected {width}: the documents differ from "
+                                     "the lengths the packing was built from")
+            out.append(torch.from_numpy(t))
+        return out
