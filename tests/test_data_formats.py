@@ -30,6 +30,7 @@ from tenplex.data import (
     SourceReader,
     StreamSlice,
     TextDocuments,
+    TokenFile,
     hf_dataset,
     load_index,
     megatron_gpt_dataset,
@@ -213,6 +214,18 @@ def test_packing_is_layout_independent(tmp_path_factory, dps: list[int], workers
         got = _layout_samples(ds, dp, workers, 12 * 5, seed)
         assert sorted(got) == list(range(len(ds)))
         assert all(torch.equal(got[i], ref[i]) for i in got)
+
+
+def test_token_file_windows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tokens = np.random.default_rng(2).integers(0, 2**32 - 1, size=1000, dtype=np.uint64).astype(np.uint32)
+    path = str(tmp_path / "t.u32")
+    tokens.tofile(path)
+    src = TokenFile(path, "uint32")
+    ds = PackedDataset(src, Packing.build(src.doc_lengths(), 10))
+    assert len(ds) == (1000 - 1) // 10
+    order = np.random.default_rng(0).permutation(len(ds)).tolist()
+    got = torch.cat(list(torch.utils.data.DataLoader(ds, sampler=order, batch_size=8, num_workers=2)))
+    assert torch.equal(got, torch.from_numpy(np.stack([tokens[k * 10:k * 10 + 11].astype(np.int64) for k in order])))
 
 
 # ------------------------------------------------------------------------------------------------

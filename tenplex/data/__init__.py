@@ -14,7 +14,7 @@ from .index import (
 )
 from .hf import HFSamples, StreamSlice, hf_dataset
 from .megatron import MegatronIndexed, megatron_gpt_dataset, megatron_index, megatron_packing, write_megatron
-from .packing import DocumentSource, PackedDataset, Packing, pack_documents
+from .packing import DocumentSource, PackedDataset, Packing, TokenFile, pack_documents
 from .partition import (
     DataState,
     DataStateError,
@@ -36,7 +36,7 @@ __all__ = [
     "DataIndex", "SourceFile", "SourceReader", "build_index", "load_index",
     "DataIndexError", "IndexNotFoundError", "SourceChangedError", "SourceReadError",
     "LineFile", "RankView", "RankReader", "rank_view",
-    "DocumentSource", "Packing", "PackedDataset", "pack_documents", "MegatronIndexed", "write_megatron",
+    "DocumentSource", "Packing", "PackedDataset", "TokenFile", "pack_documents", "MegatronIndexed", "write_megatron",
     "megatron_packing", "megatron_gpt_dataset", "megatron_index", "TextDocuments", "encoder", "hf_dataset",
     "HFSamples", "StreamSlice",
 ]

@@ -16,6 +16,7 @@ asks for sample ``i`` gets the same tokens.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -25,7 +26,7 @@ import torch
 
 from ..errors import DataIndexError
 
-__all__ = ["DocumentSource", "Packing", "PackedDataset", "pack_documents", "packed_pieces"]
+__all__ = ["DocumentSource", "Packing", "PackedDataset", "TokenFile", "pack_documents", "packed_pieces"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,39 @@ class DocumentSource(Protocol):
     def doc_lengths(self) -> np.ndarray: ...
 
     def doc_tokens(self, doc: int, start: int = 0, stop: int | None = None) -> np.ndarray: ...
+
+
+class TokenFile:
+    """A flat pre-tokenized file (``uint16``/``uint32``/... tokens back to back) as one document, memory-mapped:
+    ``PackedDataset(TokenFile(path), Packing.build(TokenFile(path).doc_lengths(), seq_len))`` is its windows of
+    ``seq_len + 1`` tokens, consecutive windows sharing one token (Megatron's cut of one long document)."""
+
+    def __init__(self, path: str, dtype: str = "uint16") -> None:
+        self.path, self.dtype = path, np.dtype(dtype)
+        try:
+            size = os.path.getsize(path)
+        except OSError as e:
+            raise DataIndexError(f"cannot read the token file {path}: {e.strerror or e}") from None
+        self._n = size // self.dtype.itemsize
+        self._map: np.ndarray | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"path": self.path, "dtype": str(self.dtype)}
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.__init__(state["path"], state["dtype"])  # type: ignore[misc]
+
+    def doc_lengths(self) -> np.ndarray:
+        return np.array([self._n], dtype=np.int64)
+
+    def flat_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self._n,)).view(np.ndarray) \
+                if self._n else np.zeros(0, self.dtype)
+        return self._map, np.zeros(1, dtype=np.int64)
+
+    def doc_tokens(self, doc: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self.flat_tokens()[0][start:stop]
 
 
 def pack_documents(lengths: np.ndarray, doc_order: np.ndarray, seq_len: int, extra: int = 1) -> np.ndarray:
