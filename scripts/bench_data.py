@@ -20,8 +20,9 @@ see :func:`tenplex_order`). A pass times ``--samples`` samples after the first b
 start-up excluded on both sides); a run is ``--pairs`` adjacent (plain, tenplex) passes in alternating
 order and its figures are the medians over its pairs. ``ratio`` is tenplex's samples/s over plain's.
 ``fetch_us_*``: microseconds a sample to fetch and collate a batch in-process (what a worker does), the
-minimum of ``--fetch-rounds`` alternating rounds per run, and ``fetch_ratio`` plain's over tenplex's: on a loaded
-machine, where loader rates swing with the scheduler, this is the stable comparison. ``restore_ms_per_rank``: :func:`restore_ms_per_rank`.
+minimum of ``--fetch-rounds`` alternating rounds per run, and ``fetch_ratio`` plain's over tenplex's:
+on a loaded machine, where loader rates swing with the scheduler, this is the stable comparison.
+``restore_ms_per_rank``: :func:`restore_ms_per_rank`.
 """
 
 from __future__ import annotations

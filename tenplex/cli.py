@@ -28,7 +28,14 @@ from .checkpoint.hf_export import export_hf
 from .checkpoint.import_source import detect_format
 from .data.index import build_index, load_index
 from .data.megatron import megatron_gpt_dataset, megatron_index
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DataIndexError, PlanError, TenplexError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DataIndexError,
+    PlanError,
+    TenplexError,
+)
 from .layout.config import MAX_WORLD_SIZE, ParallelConfig
 from .layout.models import model_ptc
 from .planning.layouts import Hardware, LayoutSearch, rank_layouts

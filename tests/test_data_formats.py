@@ -159,7 +159,8 @@ def test_sample_index_matches_megatron_loop(lengths: list[int], seq_len: int, ex
 
 @settings(max_examples=examples(15))
 @given(seed=st.integers(0, 2**31 - 1), seq_len=st.integers(2, 16), num_samples=st.none() | st.integers(1, 400))
-def test_megatron_gpt_samples_bit_exact(tmp_path_factory, seed: int, seq_len: int, num_samples: int | None) -> None:  # type: ignore[no-untyped-def]
+def test_megatron_gpt_samples_bit_exact(tmp_path_factory: pytest.TempPathFactory, seed: int, seq_len: int,
+                                        num_samples: int | None) -> None:
     d = tmp_path_factory.mktemp("meg")
     docs = make_docs(np.random.default_rng(seed), 25)
     write_megatron(str(d / "x"), docs)
@@ -204,7 +205,8 @@ def _layout_samples(ds: torch.utils.data.Dataset, dp: int, workers: int, g: int,
 @settings(max_examples=examples(6))
 @given(dps=st.lists(st.integers(1, 6), min_size=2, max_size=3), workers=st.sampled_from([0, 2]),
        seed=st.integers(0, 1000))
-def test_packing_is_layout_independent(tmp_path_factory, dps: list[int], workers: int, seed: int) -> None:  # type: ignore[no-untyped-def]
+def test_packing_is_layout_independent(tmp_path_factory: pytest.TempPathFactory, dps: list[int], workers: int,
+                                       seed: int) -> None:
     d = tmp_path_factory.mktemp("pack")
     docs = make_docs(np.random.default_rng(seed), 30)
     write_megatron(str(d / "x"), docs)

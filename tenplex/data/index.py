@@ -16,8 +16,9 @@ Sources are fsspec URLs (local paths, ``memory://``, ``s3://`` ...). Three ways 
   (``[sample_start[i], sample_start[i + 1])``).
 
 On disk an index is one uncompressed ``.npz``: ``file_id`` (uint32), ``offset`` (int64),
-``length`` (uint32) (``sample_start`` too for ``pieces``) and a JSON ``meta`` string with the source URLs, their sizes and a
-checksum of those sizes, so a changed source is detected when the index is opened.
+``length`` (uint32) (and ``sample_start`` for ``pieces``) and a JSON ``meta`` string with the source
+URLs, their sizes and a checksum of those sizes, so a changed source is detected when the index is
+opened.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class DataIndex:
         bad = np.flatnonzero((off < 0) | (ln < 1) | (off > sizes[fid] - ln))
         if bad.size:
             i = int(bad[0])
-            raise DataIndexError(f"{'piece' if self.sample_start is not None else 'sample'} {i} is bytes [{int(off[i])}, +{int(ln[i])}) of {self.files[fid[i]].url}, "
+            what = "piece" if self.sample_start is not None else "sample"
+            raise DataIndexError(f"{what} {i} is bytes [{int(off[i])}, +{int(ln[i])}) of {self.files[fid[i]].url}, "
                                  f"outside its {int(sizes[fid[i]])} bytes")
 
     @property
