@@ -343,6 +343,11 @@ def test_hf_parquet_on_s3_and_streaming(tmp_path, s3) -> None:  # type: ignore[n
     url = "s3://ckpt/formats/a.parquet"
     ds = hf_dataset(url, storage_options=s3, cache_dir=str(tmp_path / "c"))
     _check_token_rows(HFSamples(ds, column="input_ids"), rows)
+    ds.save_to_disk("s3://ckpt/formats/saved", storage_options=s3)  # Arrow files on S3
+    _check_token_rows(HFSamples(hf_dataset("s3://ckpt/formats/saved", storage_options=s3), column="input_ids"), rows)
+    arrow = sorted(f"s3://{p}" for p in fs.glob("ckpt/formats/saved/*.arrow"))
+    remote_arrow = hf_dataset(arrow, storage_options=s3, cache_dir=str(tmp_path / "c3"))
+    _check_token_rows(HFSamples(remote_arrow, column="input_ids"), rows)
     stream = hf_dataset(url, storage_options=s3, streaming=True)
     state = DataState(len(rows), 10, shuffle=False, consumed=20)
     for r in range(3):  # uneven: 10 samples a step over 3 ranks by micro-batches of 1

@@ -38,7 +38,8 @@ def _is_saved_dataset(url: str, storage_options: dict[str, Any] | None) -> bool:
 def hf_dataset(paths: str | Sequence[str], *, storage_options: dict[str, Any] | None = None, streaming: bool = False,
                split: str = "train", cache_dir: str | None = None) -> Any:
     """A ``datasets.Dataset`` (``IterableDataset`` with ``streaming``) over Parquet or Arrow files, or a
-    ``save_to_disk`` directory, at local paths or fsspec URLs."""
+    ``save_to_disk`` directory, at local paths or fsspec URLs. Local ``.arrow`` files are memory-mapped
+    where they are; other files go through the packaged builder (which converts into ``cache_dir``)."""
     import datasets  # lazy: datasets is an optional dependency and slow to import
 
     files = [paths] if isinstance(paths, str) else list(paths)
@@ -52,7 +53,10 @@ def hf_dataset(paths: str | Sequence[str], *, storage_options: dict[str, Any] | 
     if len(kinds) != 1 or None in kinds:
         raise DataIndexError(f"cannot tell the format of {files[:3]}: give .parquet or .arrow files (one format), "
                              "or one save_to_disk directory")
-    return datasets.load_dataset(kinds.pop(), data_files=files, split=split, streaming=streaming,
+    kind = kinds.pop()
+    if kind == "arrow" and not streaming and all("://" not in f for f in files):  # mapped in place, no cache copy
+        return datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in files])
+    return datasets.load_dataset(kind, data_files=files, split=split, streaming=streaming,
                                  storage_options=storage_options, cache_dir=cache_dir)
 
 
