@@ -40,8 +40,8 @@ bench: $(STAMP)
 	$(PY) scripts/bench_schedule.py
 	$(PY) scripts/bench_schedule_scale.py --json   # the scheduler at 1,024-16,384 GPUs
 	$(PY) scripts/bench_scale.py --json   # chooser, assignment, plans, world sizes, tenplex simulate (#20)
-	PYTHONPATH=. $(PY) scripts/bench_data_restore.py --json   # a loader's data position restored under a new DP size at 10^9 samples (#32: <= 10 ms/rank)
 	$(PY) scripts/bench_vfs.py --out docs/bench/bench_vfs
+	PYTHONPATH=. $(PY) scripts/bench_data.py --json   # users' formats through tenplex vs a plain DataLoader, goal ratio >= 0.95 (docs/bench/bench_data.json)
 	$(PY) -m tenplex bench bubbles --plot docs/bench/bubbles_timeline.png
 	$(PY) scripts/bench_bubbles_cuda.py --json docs/bench/bench_bubbles_cuda.json   # needs a GPU; says so and skips without
 	$(PY) scripts/measure_memory.py

@@ -27,7 +27,15 @@ from .checkpoint.dcp_import import DcpNames
 from .checkpoint.hf_export import export_hf
 from .checkpoint.import_source import detect_format
 from .data.index import build_index, load_index
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, PlanError, TenplexError
+from .data.megatron import megatron_gpt_dataset, megatron_index
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DataIndexError,
+    PlanError,
+    TenplexError,
+)
 from .layout.config import MAX_WORLD_SIZE, ParallelConfig
 from .layout.models import model_ptc
 from .planning.layouts import Hardware, LayoutSearch, rank_layouts
@@ -798,7 +806,11 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     kind.add_argument("--jsonl", action="store_true", help="one sample per non-empty line (newline included)")
     kind.add_argument("--tokens", action="store_true",
                       help="token files cut into non-overlapping sequences of --seq-len tokens")
-    q.add_argument("--seq-len", type=int, default=None, help="tokens per sample (with --tokens)")
+    kind.add_argument("--megatron", action="store_true",
+                      help="one Megatron PREFIX (.bin/.idx): GPTDataset's samples of --seq-len + 1 tokens")
+    q.add_argument("--seq-len", type=int, default=None, help="tokens per sample (with --tokens or --megatron)")
+    q.add_argument("--megatron-seed", type=int, default=1234,
+                   help="GPTDataset's random seed for its document and sample shuffles (default 1234, Megatron's)")
     q.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16", help="token dtype (with --tokens)")
     q.add_argument("--json", action="store_true", help="print one JSON object")
     q.set_defaults(func=_cmd_data_index)
@@ -845,9 +857,15 @@ def _add_remount_parser(sub: argparse._SubParsersAction) -> None:  # type: ignor
 
 
 def _cmd_data_index(args: argparse.Namespace) -> int:
-    kind = "records" if args.record_bytes is not None else "jsonl" if args.jsonl else "tokens"
-    index = build_index(args.files, kind=kind, record_bytes=args.record_bytes, seq_len=args.seq_len,
-                        dtype=args.dtype)
+    kind = ("records" if args.record_bytes is not None else "jsonl" if args.jsonl
+            else "pieces" if args.megatron else "tokens")
+    if args.megatron:
+        if len(args.files) != 1 or args.seq_len is None or args.seq_len < 1:
+            raise DataIndexError("--megatron takes one PREFIX (of PREFIX.bin and PREFIX.idx) and --seq-len >= 1")
+        index = megatron_index(megatron_gpt_dataset(args.files[0], args.seq_len, seed=args.megatron_seed))
+    else:
+        index = build_index(args.files, kind=kind, record_bytes=args.record_bytes, seq_len=args.seq_len,
+                            dtype=args.dtype)
     index.save(args.out)
     if args.json:
         print(json.dumps({"out": args.out, "kind": kind, "num_samples": index.num_samples,

@@ -13,6 +13,9 @@ from .index import (
     load_index,
 )
 from .loader import ElasticBatchSampler, ElasticIterable, ElasticLoader, loader_state, rank_step_ids
+from .hf import HFSamples, StreamSlice, hf_dataset
+from .megatron import MegatronIndexed, megatron_gpt_dataset, megatron_index, megatron_packing, write_megatron
+from .packing import DocumentSource, PackedDataset, Packing, TokenFile, pack_documents
 from .partition import (
     DataState,
     DataStateError,
@@ -27,6 +30,7 @@ from .partition import (
     sample_order,
     stream_end,
 )
+from .text import TextDocuments, encoder
 from .view import LineFile, RankReader, RankView, rank_view
 
 __all__ = [
@@ -36,4 +40,7 @@ __all__ = [
     "DataIndexError", "IndexNotFoundError", "SourceChangedError", "SourceReadError",
     "LineFile", "RankView", "RankReader", "rank_view", "feistel_ids", "replica_slice",
     "ElasticBatchSampler", "ElasticIterable", "ElasticLoader", "loader_state", "rank_step_ids",
+    "DocumentSource", "Packing", "PackedDataset", "TokenFile", "pack_documents", "MegatronIndexed", "write_megatron",
+    "megatron_packing", "megatron_gpt_dataset", "megatron_index", "TextDocuments", "encoder", "hf_dataset",
+    "HFSamples", "StreamSlice",
 ]

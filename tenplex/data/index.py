@@ -10,10 +10,15 @@ Sources are fsspec URLs (local paths, ``memory://``, ``s3://`` ...). Three ways 
   tokens. Consecutive samples do **not** overlap (stride = ``seq_len``); a sample never
   crosses a file boundary and trailing tokens are ignored. For inputs plus shifted targets
   index with ``seq_len + 1`` (as :class:`~tenplex.data.corpus.TokenCorpus` does).
+- ``pieces``: a sample is several byte ranges read back to back (a packed sample spanning
+  documents, e.g. :func:`~tenplex.data.megatron.megatron_index`): the three columns are then
+  pieces and ``sample_start`` (int64, ``num_samples + 1``) says which pieces form sample ``i``
+  (``[sample_start[i], sample_start[i + 1])``).
 
 On disk an index is one uncompressed ``.npz``: ``file_id`` (uint32), ``offset`` (int64),
-``length`` (uint32) and a JSON ``meta`` string with the source URLs, their sizes and a
-checksum of those sizes, so a changed source is detected when the index is opened.
+``length`` (uint32) (and ``sample_start`` for ``pieces``) and a JSON ``meta`` string with the source
+URLs, their sizes and a checksum of those sizes, so a changed source is detected when the index is
+opened.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
-KINDS = ("records", "jsonl", "tokens")
+KINDS = ("records", "jsonl", "tokens", "pieces")
 TOKEN_DTYPES = ("uint16", "uint32")
 _CHUNK = 8 << 20
 
@@ -65,7 +70,8 @@ def sizes_checksum(files: Sequence[SourceFile]) -> str:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class DataIndex:
-    """Samples as byte ranges: ``file_id[i]``, ``offset[i]``, ``length[i]`` of sample ``i``."""
+    """Samples as byte ranges: ``file_id[i]``, ``offset[i]``, ``length[i]`` of sample ``i`` (of piece ``i`` when
+    ``sample_start`` is given: sample ``i`` is pieces ``[sample_start[i], sample_start[i + 1])``)."""
 
     files: tuple[SourceFile, ...]
     file_id: np.ndarray
@@ -73,6 +79,7 @@ class DataIndex:
     length: np.ndarray
     kind: str
     params: dict[str, Any] = field(default_factory=dict)
+    sample_start: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in ("file_id", "offset", "length"):
@@ -83,8 +90,17 @@ class DataIndex:
         n = len(self.file_id)
         if len(self.offset) != n or len(self.length) != n:
             raise DataIndexError(f"index arrays differ in length ({n}, {len(self.offset)}, {len(self.length)})")
-        if n > MAX_SAMPLES:
-            raise DataIndexError(f"an index holds at most {MAX_SAMPLES} samples, this one {n}")
+        if (self.sample_start is None) != (self.kind != "pieces"):
+            raise DataIndexError(f"an index of kind {self.kind!r} {'needs' if self.kind == 'pieces' else 'takes no'} "
+                                 "sample_start column")
+        if self.sample_start is not None:
+            st = self.sample_start
+            if st.ndim != 1 or st.dtype.kind not in "iu" or len(st) < 1 or st[0] != 0 or st[-1] != n \
+                    or (np.diff(st.astype(np.int64)) < 0).any():
+                raise DataIndexError(f"sample_start must rise from 0 to the {n} pieces, got {len(st)} entries "
+                                     f"from {st[:1].tolist()} to {st[-1:].tolist()}")
+        if self.num_samples > MAX_SAMPLES:
+            raise DataIndexError(f"an index holds at most {MAX_SAMPLES} samples, this one {self.num_samples}")
         if self.kind not in KINDS:
             raise DataIndexError(f"unknown index kind {self.kind!r}: expected one of {', '.join(KINDS)}")
 
@@ -92,6 +108,8 @@ class DataIndex:
         """Raise :class:`DataIndexError` unless every sample is a non-empty range inside its recorded source."""
         if not self.num_samples:
             raise DataIndexError("the index has no samples")
+        if self.sample_start is not None and (np.diff(self.sample_start) < 1).any():
+            raise DataIndexError(f"sample {int(np.flatnonzero(np.diff(self.sample_start) < 1)[0])} has no pieces")
         nf = len(self.files)
         fid = self.file_id.astype(np.int64)
         bad = np.flatnonzero((fid < 0) | (fid >= nf))
@@ -102,12 +120,13 @@ class DataIndex:
         bad = np.flatnonzero((off < 0) | (ln < 1) | (off > sizes[fid] - ln))
         if bad.size:
             i = int(bad[0])
-            raise DataIndexError(f"sample {i} is bytes [{int(off[i])}, +{int(ln[i])}) of {self.files[fid[i]].url}, "
+            what = "piece" if self.sample_start is not None else "sample"
+            raise DataIndexError(f"{what} {i} is bytes [{int(off[i])}, +{int(ln[i])}) of {self.files[fid[i]].url}, "
                                  f"outside its {int(sizes[fid[i]])} bytes")
 
     @property
     def num_samples(self) -> int:
-        return int(len(self.file_id))
+        return int(len(self.file_id) if self.sample_start is None else len(self.sample_start) - 1)
 
     @property
     def checksum(self) -> str:
@@ -126,8 +145,9 @@ class DataIndex:
     def save(self, url: str) -> None:
         """Write the index to ``url`` (write-then-rename for local paths)."""
         buf = io.BytesIO()
+        extra = {} if self.sample_start is None else {"sample_start": self.sample_start.astype(np.int64)}
         np.savez(buf, file_id=self.file_id.astype(np.uint32), offset=self.offset.astype(np.int64),
-                 length=self.length.astype(np.uint32), meta=np.array(json.dumps(self.meta())))
+                 length=self.length.astype(np.uint32), meta=np.array(json.dumps(self.meta())), **extra)
         data = buf.getvalue()
         fs, path = url_fs(url, what="index", error=DataIndexError)
         try:
@@ -166,10 +186,24 @@ class DataIndex:
             )
 
     def sample_ranges(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(file_id, offset, length) columns of the given samples, as int64."""
+        """(file_id, offset, length) columns of the given samples' byte ranges, as int64: one per sample, or
+        for ``pieces`` each sample's pieces in order (:meth:`piece_counts` says how many)."""
         ids = np.asarray(ids, dtype=np.int64)
+        if self.sample_start is not None:
+            st = self.sample_start.astype(np.int64)
+            counts = st[ids + 1] - st[ids]
+            first = np.zeros(len(ids) + 1, np.int64)
+            np.cumsum(counts, out=first[1:])
+            ids = np.repeat(st[ids] - first[:-1], counts) + np.arange(int(first[-1]), dtype=np.int64)
         return (self.file_id[ids].astype(np.int64), self.offset[ids].astype(np.int64),
                 self.length[ids].astype(np.int64))
+
+    def piece_counts(self, ids: np.ndarray) -> np.ndarray:
+        """Byte ranges per sample of ``ids`` (all ones unless ``pieces``)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.sample_start is None:
+            return np.ones(len(ids), np.int64)
+        return self.sample_start[ids + 1].astype(np.int64) - self.sample_start[ids]
 
 
 def _is_local(fs: Any) -> bool:
@@ -199,7 +233,8 @@ def load_index(url: str, *, verify: bool = True) -> DataIndex:
                 raise DataIndexError("its meta is not an object with a list of files")
             files = tuple(SourceFile(str(u), int(s)) for u, s in meta["files"])
             index = DataIndex(files, z["file_id"], z["offset"], z["length"], str(meta["kind"]),
-                              dict(meta.get("params") or {}))
+                              dict(meta.get("params") or {}),
+                              z["sample_start"] if "sample_start" in z.files else None)
     except DataIndexError as e:
         raise DataIndexError(f"{url} is not a tenplex dataset index ({e}); rebuild it with "
                              "`tenplex data index`") from None

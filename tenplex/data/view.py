@@ -68,15 +68,21 @@ class LineFile:
 class RankView:
     """The bytes of the samples ``ids`` concatenated in order, read from an index's sources."""
 
-    __slots__ = ("index", "reader", "ids", "cum", "_fid", "_off", "_len", "_ids_file", "_offsets_file")
+    __slots__ = ("index", "reader", "ids", "cum", "_pcum", "_fid", "_off", "_len", "_ids_file", "_offsets_file")
 
     def __init__(self, index: DataIndex, reader: SourceReader, ids: np.ndarray) -> None:
         self.index = index
         self.reader = reader
         self.ids = np.asarray(ids, dtype=np.int64)
-        self._fid, self._off, self._len = index.sample_ranges(self.ids)
-        self.cum = np.zeros(len(self.ids) + 1, dtype=np.int64)
-        np.cumsum(self._len, out=self.cum[1:])
+        self._fid, self._off, self._len = index.sample_ranges(self.ids)  # pieces for a ``pieces`` index
+        self._pcum = np.zeros(len(self._len) + 1, dtype=np.int64)
+        np.cumsum(self._len, out=self._pcum[1:])
+        if index.sample_start is None:
+            self.cum = self._pcum
+        else:  # sample boundaries among the pieces' boundaries
+            first = np.zeros(len(self.ids) + 1, dtype=np.int64)
+            np.cumsum(index.piece_counts(self.ids), out=first[1:])
+            self.cum = self._pcum[first]
         self._ids_file: LineFile | None = None
         self._offsets_file: LineFile | None = None
 
@@ -107,7 +113,7 @@ class RankView:
         return f.tolist(), s.tolist(), e.tolist()
 
     def _group_arrays(self, offset: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        cum = self.cum
+        cum = self._pcum
         i = int(np.searchsorted(cum, offset, side="right")) - 1
         j = int(np.searchsorted(cum, end, side="left"))
         f = self._fid[i:j]
@@ -219,7 +225,12 @@ class RankReader:
         """The bytes of each sample of this rank's part of the next global batch; advances the state."""
         ids = self.batch_ids()
         fid, off, ln = self.index.sample_ranges(ids)
-        out = [self.reader.read(int(f), int(o), int(n)) for f, o, n in zip(fid, off, ln)]
+        parts = [self.reader.read(int(f), int(o), int(n)) for f, o, n in zip(fid, off, ln)]
+        if self.index.sample_start is None:
+            out = parts
+        else:
+            ends = np.cumsum(self.index.piece_counts(ids)).tolist()
+            out = [b"".join(parts[a:z]) for a, z in zip([0, *ends[:-1]], ends)]
         self.state = self.state.advance()
         return out
 
