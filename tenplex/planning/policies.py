@@ -504,17 +504,17 @@ def compare_policies(trace: Sequence[FailureEvent], job: PolicyJob, policies: Se
 
 
 def policies_from_replay(res: SimulationResult, *, restart_s: float, detect_s: float, interval_h: float,
-                         groups: int, heal_s: float, swap_s: float) -> list[Policy]:
+                         groups: int, heal_s: float, swap_s: float, write_s: float = 0.0) -> list[Policy]:
     """The five policies with the costs a planner-driven replay (``simulate_trace``) measured:
     tenplex's two paths at their mean recovery over the replay's events, checkpoint restart with
-    the replay's load, replica groups of ``groups`` with a peer copy of ``heal_s``, a standby
-    swap of ``swap_s``."""
+    the replay's load (saves every ``interval_h`` blocking ``write_s``), replica groups of
+    ``groups`` with a peer copy of ``heal_s``, a standby swap of ``swap_s``."""
     inproc = float(np.mean([e.recovery_s for e in res.events])) if res.events else detect_s + res.step_s / 2
     restart = res.restart_recovery_s if res.events else inproc + restart_s
     rates = res.host_rates
     return [StallPolicy("tenplex in-process", inproc, host_rates=rates),
             StallPolicy("tenplex restart path", restart, host_rates=rates),
-            CheckpointRestartPolicy(interval_h=interval_h, detect_s=detect_s, restart_s=restart_s,
+            CheckpointRestartPolicy(interval_h=interval_h, write_s=write_s, detect_s=detect_s, restart_s=restart_s,
                                     load_s=res.ckpt_load_s),
             ReplicaGroupPolicy(groups=groups, restart_s=restart_s, heal_s=heal_s),
             StandbyPolicy(swap_s=swap_s)]
