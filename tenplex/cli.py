@@ -33,7 +33,7 @@ from .layout.models import model_ptc
 from .planning.layouts import Hardware, LayoutSearch, rank_layouts
 from .planning.memory import RECOMPUTE, estimate_memory, parse_size
 from .planning.planner import locality_order, plan
-from .planning.policies import PolicyJob, PolicyResult, compare_policies, policies_from_replay
+from .planning.policies import PolicyJob, PolicyResult, compare_policies, draw_failures, policies_from_replay
 from .planning.schedule import demands, lower_bound, naive_bounds, schedule
 from .planning.simulate import (CostModel, FailureEvent, SimulationResult, SimulationSettings, draw_trace, plot_simulation,
                                read_trace, simulate_trace)
@@ -335,7 +335,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    trace = read_trace(args.trace) if args.trace else draw_trace(days=args.days, failures=args.failures, seed=args.seed)
+    if args.trace:
+        trace = read_trace(args.trace)
+    elif args.mttf:
+        trace = draw_failures(args.gpus, 24.0 * args.days, seed=args.seed)
+    else:
+        trace = draw_trace(days=args.days, failures=args.failures, seed=args.seed)
     costs = CostModel(restart_s=args.restart_s, ckpt_interval_h=args.ckpt_interval_h, storage_bw=args.storage_bw)
     say = None if args.json else (lambda line: print(line, flush=True))
     if say:
@@ -683,6 +688,9 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
     p.add_argument("--days", type=_float_in(0, 3650), default=54.0, help="length of a drawn trace (default 54)")
     p.add_argument("--failures", type=_int_in(0, 10**6), default=419, help="interruptions of a drawn trace (419)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mttf", action="store_true",
+                   help="draw the trace at the rate of the MTTF curve fitted to Meta's points for --gpus "
+                        "(tenplex.planning.policies.meta_mttf) instead of --failures")
     p.add_argument("--topology", default="nvlink=300GB/s,pcie=32GB/s,nic=50GB/s",
                    help="link bandwidths (hosts and gpus come from the job)")
     p.add_argument("--restart-s", type=_float_in(0, 86400, lo_open=False), default=120.0,

@@ -149,10 +149,10 @@ def test_settings_are_validated() -> None:
 
 
 def test_cli_policies_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--model", "tiny", "--gpus", "16", "--gpus-per-host", "4", "--spare-hosts", "1",
-                 "--global-batch", "16", "--seq-len", "64", "--days", "1", "--failures", "4", "--json",
-                 "--policies"]) == 0
+    assert main(["simulate", "--model", "tiny", "--gpus", "16", "--gpus-per-host", "4", "--spare-hosts", "2",
+                 "--global-batch", "16", "--seq-len", "64", "--days", "10", "--mttf", "--json", "--policies"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert len(out["events"]) >= 15  # 10 days at the curve's 11.2 h MTTF for 16 GPUs: about 21 failures
     pol = out["policies"]
     assert set(pol) == {"tenplex in-process", "tenplex restart path", "checkpoint restart", "replica groups", "standby"}
     assert pol["tenplex in-process"]["goodput"] >= pol["tenplex restart path"]["goodput"]
