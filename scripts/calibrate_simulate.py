@@ -101,7 +101,8 @@ def llama3_case() -> dict[str, Any]:
                                      restart_s=RESTART_AT_SCALE_S, load_s=0.0)
     job = PolicyJob(LLAMA3_GPUS, LLAMA3_DAYS * 24, 20.0, spare_hosts=64, classes=LLAMA3_CLASSES)
     pred, vals = mean_over_seeds(lambda s: replay_policy(llama3_trace(s), job, policy).goodput)
-    return case("Llama 3 405B effective training time (16,384 H100, 54 days)", pred, 0.90, unit="fraction (published: > 0.90)",
+    return case("Llama 3 405B effective training time (16,384 H100, 54 days)", pred, 0.90,
+                unit="fraction (published: > 0.90)",
                 seeds=vals,
                 published_params={"gpus": LLAMA3_GPUS, "days": LLAMA3_DAYS, "interruptions": LLAMA3_INTERRUPTIONS,
                                   "unexpected": LLAMA3_UNEXPECTED, "component mix": "table 5 counts",
@@ -161,7 +162,8 @@ def standby_cases() -> list[dict[str, Any]]:
                                   ("FlashRecovery recovery per node loss (4,800 devices)", 4800, 150.0)):
         job = PolicyJob(gpus, 200.0, 10.0, spare_hosts=1000)
         policy = StandbyPolicy(name.split()[0], swap_s=published)
-        pred, vals = mean_over_seeds(lambda s: replay_policy(draw_failures(gpus, 200.0, seed=s), job, policy).mean_stall_s)
+        pred, vals = mean_over_seeds(
+            lambda s: replay_policy(draw_failures(gpus, 200.0, seed=s), job, policy).mean_stall_s)
         out.append(case(name, pred, published, unit="seconds", seeds=vals, published_params={"gpus": gpus},
                         fitted={"swap_s": published, "note": "the publication gives the total only: the swap is "
                                 "taken from it, so this row checks the replay's accounting, not a model"}))

@@ -33,10 +33,11 @@ from .layout.models import model_ptc
 from .planning.layouts import Hardware, LayoutSearch, rank_layouts
 from .planning.memory import RECOMPUTE, estimate_memory, parse_size
 from .planning.planner import locality_order, plan
-from .planning.policies import PolicyJob, PolicyResult, compare_policies, draw_failures, policies_from_replay
+from .planning.policies import (PolicyJob, PolicyResult, compare_policies, draw_failures,
+                                policies_from_replay)
 from .planning.schedule import demands, lower_bound, naive_bounds, schedule
-from .planning.simulate import (CostModel, FailureEvent, SimulationResult, SimulationSettings, draw_trace, plot_simulation,
-                               read_trace, simulate_trace)
+from .planning.simulate import (CostModel, FailureEvent, SimulationResult, SimulationSettings, draw_trace,
+                               plot_simulation, read_trace, simulate_trace)
 from .planning.topology import Topology
 from .store import StoreOptions, serve
 from .urls import url_fs

@@ -165,8 +165,9 @@ def test_calibration_table(tmp_path: Path) -> None:
     """scripts/calibrate_simulate.py --json: every published case within 10 % or explained."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "c.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "calibrate_simulate.py"), "--json", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=110, check=True)
+    script = ROOT / "scripts" / "calibrate_simulate.py"
+    proc = subprocess.run([sys.executable, str(script), "--json", "--out", str(out)], capture_output=True,
+                          text=True, env=env, timeout=110, check=True)
     table = json.loads(proc.stdout.strip().splitlines()[-1])
     assert json.loads(out.read_text()) == table
     names = " | ".join(c["case"] for c in table["cases"])

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 import numpy as np
-import scipy.optimize
 
 from ..errors import ConfigError
 from .simulate import FAILURE_CLASSES, HOUR, FailureClass, FailureEvent, SimulationResult, draw_trace
@@ -89,6 +88,8 @@ def fit_mttf(points: Sequence[tuple[int, float]]) -> MttfCurve:
     is least (two parameters; with three points one degree of freedom is left to check it)."""
     if len(points) < 2 or any(g < 1 or m <= 0 for g, m in points):
         raise ConfigError(f"fit_mttf needs >= 2 points (gpus >= 1, MTTF > 0 h), got {list(points)}")
+    import scipy.optimize  # lazy: only the fit needs it (the CLI imports this module)
+
     gpus = np.array([g for g, _ in points], dtype=np.float64)
     mttf = np.array([m for _, m in points], dtype=np.float64)
     (g0, m0), (g1, m1) = (gpus[0], mttf[0]), (gpus[-1], mttf[-1])
@@ -157,7 +158,8 @@ class PolicyJob:
 class StallPolicy:
     """A stall per event: tenplex in process (``recovery_s``: detection, chooser, assignment, plan,
     transfer, half a step redone), its restart path (the same plus relaunch and reload), or
-    FT-HSDP's stall while a replica drops out: each event stalls the job ``recovery_s``; a host returning to a shrunk job costs the same. ``relayout_efficiency``:
+    FT-HSDP's stall while a replica drops out: each event stalls the job ``recovery_s``; a host
+    returning to a shrunk job costs the same. ``relayout_efficiency``:
     throughput per GPU of a shrunk layout relative to the full one (1.0: in proportion to the
     hosts); ``host_rates``: (hosts, throughput relative to the full job) where a replay measured
     it (the chooser's layout for those hosts), which then takes precedence."""
@@ -327,7 +329,8 @@ class _Clock:
     def lose_since_save(self) -> None:
         """A restart from the last save: the running time since it is redone."""
         if math.isfinite(self.save_every_s):
-            self.useful_s -= (self.since_start_s % self.save_every_s) * self.rate * (1.0 - self.save_s / self.save_every_s)
+            kept = 1.0 - self.save_s / self.save_every_s
+            self.useful_s -= (self.since_start_s % self.save_every_s) * self.rate * kept
         self.since_start_s = 0.0
 
 
