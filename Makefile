@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_schedule.py
 	$(PY) scripts/bench_schedule_scale.py --json   # the scheduler at 1,024-16,384 GPUs
 	$(PY) scripts/bench_scale.py --json   # chooser, assignment, plans, world sizes, tenplex simulate (#20)
+	PYTHONPATH=. $(PY) scripts/calibrate_simulate.py --json --beyond   # the failure simulator against published runs, 405B beyond them (#33; docs/bench/calibrate_simulate.json)
 	$(PY) scripts/bench_vfs.py --out docs/bench/bench_vfs
 	PYTHONPATH=. $(PY) scripts/bench_data.py --json   # users' formats through tenplex vs a plain DataLoader, goal ratio >= 0.95 (docs/bench/bench_data.json)
 	$(PY) -m tenplex bench bubbles --plot docs/bench/bubbles_timeline.png

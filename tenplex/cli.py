@@ -41,8 +41,11 @@ from .layout.models import model_ptc
 from .planning.layouts import Hardware, LayoutSearch, rank_layouts
 from .planning.memory import RECOMPUTE, estimate_memory, parse_size
 from .planning.planner import locality_order, plan
+from .planning.policies import (PolicyJob, PolicyResult, compare_policies, draw_failures,
+                                policies_from_replay)
 from .planning.schedule import demands, lower_bound, naive_bounds, schedule
-from .planning.simulate import CostModel, SimulationSettings, draw_trace, plot_simulation, read_trace, simulate_trace
+from .planning.simulate import (CostModel, FailureEvent, SimulationResult, SimulationSettings, draw_trace,
+                               plot_simulation, read_trace, simulate_trace)
 from .planning.topology import Topology
 from .store import StoreOptions, serve
 from .urls import url_fs
@@ -341,7 +344,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    trace = read_trace(args.trace) if args.trace else draw_trace(days=args.days, failures=args.failures, seed=args.seed)
+    if args.trace:
+        trace = read_trace(args.trace)
+    elif args.mttf:
+        trace = draw_failures(args.gpus, 24.0 * args.days, seed=args.seed)
+    else:
+        trace = draw_trace(days=args.days, failures=args.failures, seed=args.seed)
     costs = CostModel(restart_s=args.restart_s, ckpt_interval_h=args.ckpt_interval_h, storage_bw=args.storage_bw)
     say = None if args.json else (lambda line: print(line, flush=True))
     if say:
@@ -355,12 +363,32 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     res = simulate_trace(trace, settings, progress=say)
     if args.plot:
         plot_simulation(res, args.plot)
+    compared = _compare_policies(args, trace, settings, res) if args.policies else None
     if args.json:
-        print(json.dumps(res.to_json()))
+        out = res.to_json()
+        if compared is not None:
+            out["policies"] = {name: r.to_json() for name, r in compared.items()}
+        print(json.dumps(out))
         return 0
     print(f"goodput: tenplex in-process {res.goodput_tenplex:.4f}, tenplex restart {res.goodput_tenplex_restart:.4f}, "
           f"checkpoint restart {res.goodput_checkpoint_restart:.4f} (simulated in {res.simulate_s:.1f} s)")
+    for r in (compared or {}).values():
+        committed = "" if r.committed is None else f", {r.committed:.3f} of steps committed"
+        print(f"  policy {r.name:<22} goodput {r.goodput:.4f}, stalled {r.stalled_h:.2f} h{committed}")
     return 0
+
+
+def _compare_policies(args: argparse.Namespace, trace: list[FailureEvent], settings: SimulationSettings,
+                      res: SimulationResult) -> dict[str, PolicyResult]:
+    """``--policies``: the five policies on the replay's trace, with the costs the replay measured
+    (tenplex.planning.policies.policies_from_replay)."""
+    c = settings.costs
+    policies = policies_from_replay(res, restart_s=c.restart_s, detect_s=c.detect_s, interval_h=c.ckpt_interval_h,
+                                    groups=ParallelConfig.parse(res.layout).dp,
+                                    heal_s=res.ckpt_load_s * c.storage_bw / c.host_store_bw, swap_s=args.standby_swap_s)
+    job = PolicyJob(settings.gpus, res.hours, max(res.step_s, 1e-3), gpus_per_host=settings.gpus_per_host,
+                    spare_hosts=settings.spare_hosts, classes=settings.classes)
+    return compare_policies(trace, job, policies, seed=settings.seed)
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
@@ -669,6 +697,9 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
     p.add_argument("--days", type=_float_in(0, 3650), default=54.0, help="length of a drawn trace (default 54)")
     p.add_argument("--failures", type=_int_in(0, 10**6), default=419, help="interruptions of a drawn trace (419)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mttf", action="store_true",
+                   help="draw the trace at the rate of the MTTF curve fitted to Meta's points for --gpus "
+                        "(tenplex.planning.policies.meta_mttf) instead of --failures")
     p.add_argument("--topology", default="nvlink=300GB/s,pcie=32GB/s,nic=50GB/s",
                    help="link bandwidths (hosts and gpus come from the job)")
     p.add_argument("--restart-s", type=_float_in(0, 86400, lo_open=False), default=120.0,
@@ -678,6 +709,12 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
     p.add_argument("--storage-bw", type=_size, default=_size("5GB"), help="per-GPU storage read bytes/s (5GB)")
     p.add_argument("--schedule-limit", type=_float_in(0, 600), default=10.0, help="scheduler time limit (10 s)")
     p.add_argument("--plot", default=None, help="write a PNG of world size and goodput over time")
+    p.add_argument("--policies", action="store_true",
+                   help="also replay the trace under the five policies side by side (tenplex in-process and restart "
+                        "path, checkpoint restart, torchft-style replica groups, standby spares) with the costs the "
+                        "replay measured")
+    p.add_argument("--standby-swap-s", type=_float_in(0, 86400, lo_open=False), default=20.0,
+                   help="seconds a standby host takes over a failed one's role (--policies; default 20, TrainMover's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_simulate)
 
