@@ -72,6 +72,9 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=2)
     p.add_argument("--stock", action="store_true", help="stock torchtitan: Trainer.train, DCP checkpoints, restarts")
     p.add_argument("--join", action="store_true", help="join the running job (no RANK/WORLD_SIZE)")
+    p.add_argument("--join-when", default="", help="testing: with --join, wait for this file to exist first")
+    p.add_argument("--hold-after", type=int, default=0,
+                   help="testing: after committing this step, every worker waits for OUT/joined (a joiner registered)")
     p.add_argument("--events", default="", help="JSON lines file")
     p.add_argument("--kill-at", default="", help="testing: RANK:STEP, SIGKILL in that step's forward pass")
     args = p.parse_args()
@@ -116,12 +119,16 @@ def main() -> None:
             return super().forward_backward_step(**kwargs)
 
         def committed(self, step: int) -> None:
+            while step == args.hold_after and not (out / "joined").exists():
+                time.sleep(0.05)
             rank = self.runtime.rank if self.runtime is not None else torch.distributed.get_rank()
             if rank == 0:
                 world = self.parallel_dims.world_size
                 log({"step": step, "loss": self.losses[step], "world_size": world, "t": time.time(),
                      "launch_rank": launch_rank, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
 
+    while args.join_when and not Path(args.join_when).exists():
+        time.sleep(0.05)
     Job(config, model_config=model_config(config), dataset=rows).train()
 
 

@@ -13,7 +13,7 @@ class::
     config = ElasticTrainer.Config(**titan_fields, elastic=ElasticOptions(ckpt="/ckpt", global_batch=8))
     ElasticTrainer(config, model_config=model_config, dataset=dataset).train()
 
-``elastic.in_process=False`` runs the same job as stock torchtitan does (its ``Trainer.train``: one
+``elastic.in_process=False`` runs the same job as stock torchtitan does (its ``Trainer.train`` loop: one
 mesh from ``config.parallelism``, its ``CheckpointManager`` saving DCP checkpoints at
 ``config.checkpoint.interval`` and loading the newest after torchrun restarts the workers): the
 baseline ``scripts/titan_elastic.py`` measures beside the in-process recovery.
@@ -46,7 +46,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor.debug as dtensor_debug
 import torchtitan.tools.utils as titan_utils
+
+
+class _CpuModule(types.ModuleType):
+    """``torch.cpu`` as torchtitan's device module, except ``current_device()``: an index (0), as
+    ``torch.distributed.barrier(device_ids=[...])`` in its ``set_pg_timeouts`` takes (gloo ignores it;
+    ``torch.cpu.current_device()`` is the string "cpu": "incompatible function arguments")."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
 
 
 def _cpu_setup() -> None:
@@ -54,7 +68,7 @@ def _cpu_setup() -> None:
     accelerator is found), and the MoE EP Triton kernels it imports at module top (GPU only, never
     called by a dense model) replaced when Triton is absent."""
     if not torch.cuda.is_available():
-        titan_utils.device_type, titan_utils.device_module = "cpu", torch.cpu
+        titan_utils.device_type, titan_utils.device_module = "cpu", _CpuModule("torch.cpu")
     name = "torchtitan.distributed.minimal_async_ep.kernels"
     if name not in sys.modules and importlib.util.find_spec("triton") is None:
         mod = types.ModuleType(name)
@@ -291,6 +305,9 @@ class ElasticTrainer(Trainer):
                      "parallel_dims", "train_context", "_iterator"):
             self.__dict__.pop(name, None)
         self._data_at = None
+        # DTensor's sharding caches compare meshes by value: a later mesh equal to a dead one (the
+        # 4-worker mesh again after a join) would get cached results naming the dead one's groups
+        dtensor_debug._clear_sharding_prop_cache()
 
     # -- the loop -----------------------------------------------------------------------------------
     def train_step(self, data_iterator: Iterator[Any]) -> None:
@@ -312,6 +329,18 @@ class ElasticTrainer(Trainer):
         self._data_at = step + 1
         return self._iterator
 
+    def _train_stock(self) -> None:
+        """torchtitan's ``Trainer.train`` loop: load the newest checkpoint, then train and save at the
+        interval. Not ``Trainer.train`` itself: after the first step it calls ``set_pg_timeouts``,
+        whose ``torch.distributed.set_timeout`` torch 2.13 lacks (AttributeError)."""
+        self.checkpointer.load(step=self.config.checkpoint.load_step)
+        data_iterator = self.batch_generator(self.dataloader)
+        while self.should_continue_training():
+            self.step += 1
+            self.gc_handler.run(self.step)
+            self.train_step(data_iterator)
+            self.checkpointer.save(self.step, last_step=(self.step == self.config.training.steps))
+
     def train(self) -> None:
         """Train ``config.training.steps`` steps: in process elastic under the runtime, or (``in_process``
         False) torchtitan's own ``Trainer.train`` on ``config.parallelism``'s mesh."""
@@ -323,7 +352,7 @@ class ElasticTrainer(Trainer):
             self._setup({"dp_shard": par.data_parallel_shard_degree, "tp": par.tensor_parallel_degree,
                          "dp_replicate": par.data_parallel_replicate_degree})
             self.config = self.train_config
-            return Trainer.train(self)
+            return self._train_stock()
         rule = el.mesh_rule or titan_mesh_rule(self.config.parallelism.tensor_parallel_degree, el.global_batch)
         rt = ElasticRuntime(self.build, rule, ckpt=el.ckpt, ckpt_every=el.ckpt_every, join=el.join,
                             dead_after=el.dead_after, on_event=el.on_event, extra_state=self.extra_state,
