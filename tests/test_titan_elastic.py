@@ -65,6 +65,7 @@ def _steps(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines() if '"loss"' in line]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_torchtitan_trainer_shrinks_in_process_and_grows_back(tmp_path: Path) -> None:
     import torch.distributed as dist
