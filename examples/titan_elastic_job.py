@@ -62,6 +62,11 @@ def model_config(config: Any) -> Any:
     return mcfg
 
 
+def hsdp_rule(world: int) -> dict[str, int]:
+    """HSDP 2 x (world / 2) on an even world, FSDP2 over an odd one."""
+    return {"dp_replicate": 2, "dp_shard": world // 2} if world % 2 == 0 else {"dp_shard": world}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="dump folder: tenplex checkpoint in OUT/ckpt, torchtitan's in OUT/titan")
@@ -70,6 +75,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp-shard", type=int, default=2, help="--stock: the mesh is dp_shard x tp")
     p.add_argument("--ckpt-every", type=int, default=2)
+    p.add_argument("--hsdp", action="store_true",
+                   help="HSDP 2 x 2 on 4 workers (each piece held twice), FSDP2 over 3 (global batch: a multiple of 12)")
     p.add_argument("--stock", action="store_true", help="stock torchtitan: Trainer.train, DCP checkpoints, restarts")
     p.add_argument("--join", action="store_true", help="join the running job (no RANK/WORLD_SIZE)")
     p.add_argument("--join-when", default="", help="testing: with --join, wait for this file to exist first")
@@ -96,6 +103,7 @@ def main() -> None:
                                 mixed_precision_param="float32", dtype="float32", disable_cuda_graphs=True,
                                 max_norm=1.0),
         parallelism=ParallelismConfig(data_parallel_shard_degree=args.dp_shard, tensor_parallel_degree=args.tp,
+                                      data_parallel_replicate_degree=2 if args.hsdp else 1,
                                       spmd_backend="partial_dtensor"),
         optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(
             pattern=".*", optimizer_name="AdamW",
@@ -106,7 +114,8 @@ def main() -> None:
         checkpoint=CheckpointManager.Config(enable=True, folder="titan", interval=args.ckpt_every,
                                             last_save_model_only=False, keep_latest_k=0),
         elastic=ElasticOptions(ckpt=str(out / "ckpt"), global_batch=args.global_batch, ckpt_every=args.ckpt_every,
-                               in_process=not args.stock, join=args.join, dead_after=2.0, on_event=log),
+                               in_process=not args.stock, join=args.join, dead_after=2.0, on_event=log,
+                               mesh_rule=hsdp_rule if args.hsdp else None),
     )
     g = torch.Generator().manual_seed(1)
     rows = Dataset.from_dict({"tokens": torch.randint(0, VOCAB, (96, SEQ + 1), generator=g).tolist()})

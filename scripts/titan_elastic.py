@@ -12,7 +12,9 @@ checkpoints every 2 steps on both paths:
   end of the first step after the restart;
 * ``losses_equal``: every committed step's loss within 1e-5 relative of an uninterrupted
   run's (the same 4 workers), every step once (both paths); ``bytes_storage``: bytes the in-process recovery
-  read from the checkpoint (FSDP2 x TP holds each piece once: the dead worker's share).
+  read from the checkpoint (FSDP2 x TP holds each piece once: the dead worker's share);
+* the same kill with HSDP 2 x 2 (``--hsdp``: each piece held by two workers, global batch 12):
+  ``recovery_s_hsdp`` and ``bytes_storage_hsdp``, 0 when the survivors hold everything.
 
 Each figure is {"median", "min", "max", "runs"}; the last line of ``--json`` is one JSON object, also
 saved to docs/bench/titan_elastic.json, with the load average and each recovery's latency table.
@@ -35,7 +37,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "examples" / "titan_elastic_job.py")
 STEPS, KILL_STEP, REL_TOL = 8, 3, 1e-5
-ARGS = ["--steps", str(STEPS), "--global-batch", "6", "--ckpt-every", "2"]
+ARGS = ["--steps", str(STEPS), "--ckpt-every", "2"]
+FSDP_TP = ["--global-batch", "6"]
+HSDP = ["--hsdp", "--tp", "1", "--global-batch", "12"]
 
 
 def _port() -> int:
@@ -71,7 +75,9 @@ def run_spawned(out: Path, world: int, extra: list[str], timeout: float) -> list
 
     store = dist.TCPStore("127.0.0.1", _port(), is_master=True, wait_for_workers=False)
     port = _port()
-    procs = [subprocess.Popen([sys.executable, JOB, "--out", str(out), *ARGS, "--events", str(out / "log.jsonl"), *extra],
+    mesh = [] if "--hsdp" in extra else FSDP_TP
+    procs = [subprocess.Popen([sys.executable, JOB, "--out", str(out), *ARGS, *mesh, "--events", str(out / "log.jsonl"),
+                               *extra],
                               env=_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                                        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                        TENPLEX_MEMBERSHIP_STORE=f"127.0.0.1:{store.port}"),
@@ -83,7 +89,7 @@ def run_spawned(out: Path, world: int, extra: list[str], timeout: float) -> list
 def run_torchrun(out: Path, timeout: float) -> list[int | None]:
     """torchtitan's own recovery: torchrun restarts every worker, which load the newest DCP checkpoint."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "1",
-           JOB, "--out", str(out), *ARGS, "--stock", "--kill-at", f"3:{KILL_STEP}",
+           JOB, "--out", str(out), *ARGS, *FSDP_TP, "--stock", "--kill-at", f"3:{KILL_STEP}",
            "--events", str(out / "log.jsonl")]
     # --standalone (c10d rendezvous) and no shared store: the restarted workers' groups bootstrap from the
     # new round's keys, not the dead round's addresses (else gloo's connectFullMesh is refused for 20 s)
@@ -122,7 +128,12 @@ def main() -> None:
     ref.mkdir()
     run_spawned(ref, 4, [], args.timeout)  # torchtitan's initialisation depends on the mesh: the same 4 workers
     reference = {r["step"]: r["loss"] for r in _records(ref) if "loss" in r}
+    hsdp_ref = work / "reference_hsdp"
+    hsdp_ref.mkdir()
+    run_spawned(hsdp_ref, 4, HSDP, args.timeout)
+    hsdp_reference = {r["step"]: r["loss"] for r in _records(hsdp_ref) if "loss" in r}
     recovery, restart, storage, equal, tables = [], [], [], [], []
+    recovery_hsdp, storage_hsdp = [], []
     for i in range(args.repeats):
         ip, st = work / f"inprocess{i}", work / f"restart{i}"
         ip.mkdir()
@@ -132,21 +143,32 @@ def main() -> None:
         rec = next(r for r in recs if r.get("event") == "recover")
         recovery.append(first_step_after(recs, killed, world_size=3))
         storage.append(rec["bytes_storage"])
-        tables.append(rec["latency"])
+        tables.append({"run": f"fsdp_tp {i}", **rec["latency"]})
         equal.append(codes == [0, 0, 0, -9] and losses_equal(recs, reference))
         codes = run_torchrun(st, args.timeout)
         recs, killed = _records(st), json.loads((st / "killed.json").read_text())["t"]
         restart.append(first_step_after(recs, killed, restart=1))
         equal.append(codes == [0] and losses_equal(recs, reference))
+        hs = work / f"hsdp{i}"
+        hs.mkdir()
+        codes = run_spawned(hs, 4, [*HSDP, "--kill-at", f"3:{KILL_STEP}"], args.timeout)
+        recs, killed = _records(hs), json.loads((hs / "killed.json").read_text())["t"]
+        rec = next(r for r in recs if r.get("event") == "recover")
+        recovery_hsdp.append(first_step_after(recs, killed, world_size=3))
+        storage_hsdp.append(rec["bytes_storage"])
+        tables.append({"run": f"hsdp {i}", **rec["latency"]})
+        equal.append(codes == [0, 0, 0, -9] and losses_equal(recs, hsdp_reference))
+        print(f"repeat {i}: hsdp recovery {recovery_hsdp[-1]:.3f} s, bytes from storage {storage_hsdp[-1]}", flush=True)
         print(f"repeat {i}: recovery {recovery[-1]:.3f} s, restart {restart[-1]:.3f} s, "
               f"bytes from storage {storage[-1]}, losses equal {equal[-2:]}", flush=True)
     result = {"recovery_s": stats(recovery), "restart_s": stats(restart), "losses_equal": all(equal),
-              "bytes_storage": stats(storage), "speedup": statistics.median(restart) / statistics.median(recovery),
+              "bytes_storage": stats(storage), "recovery_s_hsdp": stats(recovery_hsdp),
+              "bytes_storage_hsdp": stats(storage_hsdp), "speedup": statistics.median(restart) / statistics.median(recovery),
               "goal": {"recovery_s_max": 1.5, "speedup_min": 5.0},
               "goal_met": statistics.median(recovery) <= 1.5 and statistics.median(restart) >= 5 * statistics.median(recovery),
               "latency_tables": tables, "loadavg": list(os.getloadavg()), "repeats": args.repeats,
               "job": {"model": "torchtitan Llama 3, dim 64, 2 layers, vocab 256, seq 16", "workers": 4,
-                      "mesh": "dp_shard 2 x tp 2 -> dp_shard 3", "kill": f"worker 3, forward pass of step {KILL_STEP}",
+                      "mesh": "dp_shard 2 x tp 2 -> dp_shard 3 (hsdp: dp_replicate 2 x dp_shard 2 -> dp_shard 3)", "kill": f"worker 3, forward pass of step {KILL_STEP}",
                       "checkpoint_every": 2, "steps": STEPS}, "work": str(work)}
     if args.save:
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)
