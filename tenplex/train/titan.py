@@ -125,7 +125,7 @@ class ElasticOptions:
     checkpoints every ``ckpt_every`` steps, pieces no survivor holds); ``global_batch``: rows per step
     over all data-parallel ranks (fixed: the local batch is ``global_batch / dp``); ``mesh_rule``:
     world size -> mesh dims (default :func:`titan_mesh_rule` with ``config.parallelism``'s TP degree);
-    ``in_process``: False runs stock torchtitan (``Trainer.train`` on ``config.parallelism``'s mesh,
+    ``in_process``: False runs stock torchtitan (``Trainer.train``'s loop on ``config.parallelism``'s mesh,
     its CheckpointManager, torchrun's restarts); ``join``: this process joins a running job;
     ``dead_after``: heartbeat silence (s) that means death; ``on_event``: the runtime's records."""
 
@@ -343,7 +343,7 @@ class ElasticTrainer(Trainer):
 
     def train(self) -> None:
         """Train ``config.training.steps`` steps: in process elastic under the runtime, or (``in_process``
-        False) torchtitan's own ``Trainer.train`` on ``config.parallelism``'s mesh."""
+        False) torchtitan's own ``Trainer.train`` loop on ``config.parallelism``'s mesh."""
         el = self.elastic
         if not el.in_process:
             par = self.config.parallelism
