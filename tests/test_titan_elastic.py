@@ -7,8 +7,8 @@
    ``OptimizersContainer``, LR scheduler, ``ParallelAwareDataloader``, ``train_step``) on 4 gloo
    workers as FSDP2 2 x TP 2; worker 3 is SIGKILLed in the forward pass of step 3, the 3 survivors
    continue in process as FSDP2 over 3, a 5th process started with ``--join`` is admitted at a
-   its step boundary and the job grows back to 2 x 2. Every step is committed once, in order, and its loss
-   equals the uninterrupted 4-worker run's within 1e-5 relative; the join moves nothing from storage.
+   step boundary and the job grows back to 2 x 2. Every step is committed once, in order, and its
+   loss equals the uninterrupted 4-worker run's within 1e-5 relative; the join moves nothing from storage.
 """
 
 from __future__ import annotations
