@@ -83,7 +83,13 @@ class RuntimeConfig:
     resume (torchrun's restart is the recovery); ``join``: this process joins a running job;
     ``dead_after``: heartbeat silence (s) that means death; ``join_timeout``: seconds a joiner waits
     to be admitted; ``keep``: states the ring keeps; ``device``: "cuda" or "cpu" (default: cuda when
-    available); ``before_save``: testing, called with the step before each checkpoint."""
+    available); ``before_save``: testing, called with the step before each checkpoint; ``extra_state``:
+    returns the job's other ``Stateful`` objects by name (an LR scheduler, a data position, a trainer's
+    counters: the ones the last ``build`` made), saved, kept in the ring and recovered beside model
+    and optimizer (their ``state_dict()`` values must be equal on every rank); ``release``: called
+    before a recovery frees the broken mesh, model and optimizer, to drop the job's own references to
+    them and to what holds their process groups (a trainer's attributes): groups still referenced
+    close their connections later, which the peers would take for a death."""
 
     ckpt: str
     ckpt_every: int = 0
@@ -94,6 +100,8 @@ class RuntimeConfig:
     keep: int = 3
     device: str | None = None
     before_save: Callable[[int], None] | None = None
+    extra_state: Callable[[], Mapping[str, Any]] | None = None
+    release: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, str) or not self.ckpt:
@@ -272,18 +280,29 @@ class ElasticRuntime:
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The job's state: model, optimizer (``get_state_dict``), step, data position."""
+        """The job's state: model, optimizer (``get_state_dict``), step, data position, and the
+        ``extra_state`` objects (``Stateful``: a load fills them through ``load_state_dict``)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "step": self.step}
         if self.data is not None:
             sd["data"] = self.data.to_json()
+        for name, obj in self._extra().items():
+            if name in sd:
+                raise ConfigError(f"extra_state names {name!r}, which the runtime's state dict uses: rename it")
+            sd[name] = obj
         return sd
+
+    def _extra(self) -> Mapping[str, Any]:
+        return self.config.extra_state() if self.config.extra_state is not None else {}
 
     def _restore(self, sd: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         self.step = sd["step"]
         if self.data is not None or "data" in sd:
             self.data = DataState.from_json(sd["data"])
+        for name, obj in self._extra().items():  # values of another state dict than the objects': load them
+            if sd.get(name) is not None and sd[name] is not obj:
+                obj.load_state_dict(sd[name])
 
     def _build(self, world: int, dims: dict[str, int] | None = None) -> None:
         """The mesh for ``world`` ranks (the rule's dims, in torch's mesh dim order), then the user's model."""
@@ -427,6 +446,8 @@ class ElasticRuntime:
             self._emit(self._latency_due)
         self._latency_due = None
         try:
+            if self.config.release is not None:
+                self.config.release()
             record = self._recover_in_process(m, ring, reason)
         except Exception:  # noqa: BLE001 - any failure here: the launcher's restart takes over
             code = JOIN_FAILED if joining else RECOVERY_FAILED
