@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import debug as dtensor_debug
 from torch.distributed.tensor import placement_types as pt
 
 from ..errors import SpecError
@@ -85,7 +86,13 @@ def release_mesh(device_mesh: DeviceMesh) -> int:
     gloo closes their connections once the modules holding them are freed too (``gc.collect()``: FSDP2's
     hooks make reference cycles). DTensor's sharding cache keeps meshes alive after their groups were
     destroyed; a survivor blocked in one of their collectives with this rank would wait for the group
-    timeout. Returns how many groups were dropped (0 when this torch keeps none there)."""
+    timeout. Its sharding propagation caches are cleared too: they compare meshes by value, so a later
+    mesh equal to a dead one (the 4-worker mesh again after a join) got cached results naming the dead
+    one's groups ("Could not resolve the process group registered under the name ..."). Returns how
+    many groups were dropped (0 when this torch keeps none there)."""
+    clear = getattr(dtensor_debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()
     root = getattr(device_mesh, "_root_mesh", None) or device_mesh
     registry = getattr(root, "_pg_registry", None)
     if not isinstance(registry, dict):

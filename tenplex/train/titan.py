@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.tensor.debug as dtensor_debug
 import torchtitan.tools.utils as titan_utils
 
 
@@ -304,10 +303,7 @@ class ElasticTrainer(Trainer):
         for name in ("model_parts", "optimizers", "lr_schedulers", "dataloader", "rows", "checkpointer",
                      "parallel_dims", "train_context", "_iterator"):
             self.__dict__.pop(name, None)
-        self._data_at = None
-        # DTensor's sharding caches compare meshes by value: a later mesh equal to a dead one (the
-        # 4-worker mesh again after a join) would get cached results naming the dead one's groups
-        dtensor_debug._clear_sharding_prop_cache()
+        self._data_at = None  # the mesh's groups and DTensor's sharding caches: the runtime's release_mesh
 
     # -- the loop -----------------------------------------------------------------------------------
     def train_step(self, data_iterator: Iterator[Any]) -> None:
