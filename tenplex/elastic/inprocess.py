@@ -16,6 +16,7 @@ recovery is the caller's to end with :data:`RECOVERY_FAILED` (a joiner not admit
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -93,6 +94,10 @@ class DieAt:
                 threading.Event().wait()
             if (step, point) in mine:
                 log.error("rank %d: --die-at: SIGKILL at %s of step %d", rank, point, step)
+                if os.environ.get("TENPLEX_DIE_RECORD"):  # the kill's wall time, for benchmarks (kill -> next step)
+                    with open(os.environ["TENPLEX_DIE_RECORD"], "a") as f:
+                        f.write(json.dumps({"event": "die", "rank": rank, "step": step, "point": point,
+                                            "wall": time.time()}) + "\n")
                 logging.shutdown()
                 os.kill(os.getpid(), signal.SIGKILL)
 
