@@ -109,7 +109,11 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, m
         "failure_to_first_step_s": rec["failure_to_state_s"] + rec["ring_s"] + first["time_s"],
         # the kill's own wall time (the dying worker's) to the end of the first step after the recovery
         **({"kill_to_next_step_s": first["wall"] - kills[0]["wall"]} if kills else {}),
-        "latency": rec.get("latency"), "bytes_full_replica": rec.get("bytes_full_replica"),
+        "latency": rec.get("latency"), "rank0_parts": rec.get("parts"),
+        # a step's time after the recovery's first, on the same mesh (what the first step costs beyond one)
+        "step_s_after": statistics.median([r["time_s"] for r in records if "time_s" in r and r is not first
+                                           and r.get("world_size") == first.get("world_size")
+                                           and r["step"] > first["step"]] or [float("nan")]), "bytes_full_replica": rec.get("bytes_full_replica"),
         "bytes_live": rec["bytes_live"], "bytes_storage": rec["bytes_storage"], "bytes_local": rec["bytes_local"],
         "plan_bytes_peer": rec["plan_bytes_peer"], "plan_bytes_storage": rec["plan_bytes_storage"],
         "live_equals_plan": rec["bytes_live"] == rec["plan_bytes_peer"],

@@ -515,7 +515,7 @@ def _native_summary(n: dict) -> str:
         if k.startswith("tenplex_"):
             lines.append(f"  {k}: {fmt(v['recovery_s'])}; bytes live {v['bytes_live']['median']:,.0f} vs full replica "
                          f"{v['bytes_full_replica']['median']:,.0f}; load {v['load']['median']:.1f}")
-        elif k.startswith("torchft_"):
+        elif k.startswith("torchft_") and isinstance(v, dict):
             lines.append(f"  {k}: {fmt(v['recovery_s'])}; heal {fmt(v['heal_s'])} copying "
                          f"{v['bytes_full_copy']['median']:,.0f} B; load {v['load']['median']:.1f}")
     lines.append(f"  goal (below torchft's best {n['torchft_best_s']:.2f} s): {n['goal']}")
