@@ -173,6 +173,8 @@ def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: i
             "plan_bytes_moved": rec["plan_bytes_moved"], "bytes_storage": rec["bytes_storage"],
             "bytes_persistent": rec["bytes_storage"] if persistent else 0, "storage_urls": rec.get("storage_urls", []),
             "bytes_local": rec["bytes_local"], "load_at_failure": load_at_failure,
+            # the recovery's latency table (issue #31 item 4) and what a torchft-style full-replica copy would move
+            "latency": rec.get("latency") or {}, "bytes_full_replica": rec.get("bytes_full_replica", 0),
             "losses": {s: final[s]["loss"] for s in sorted(final)},
             "samples": [x for s in sorted(final) for x in final[s]["samples"]],
         }
@@ -241,6 +243,9 @@ def side_by_side(cases: list[tuple[str, dict]], repeats: int, shm: str) -> dict:
             "restart_ready_s": _spread([r["ready_s"] for r in rs]),
             "speedup": statistics.median(r["recovery_s"] for r in rs) / statistics.median(r["recovery_s"] for r in ip),
             "bytes_live": _spread([r["bytes_live"] for r in ip]),
+            "bytes_full_replica": _spread([r["bytes_full_replica"] for r in ip]),
+            "latency": {k: _spread([r["latency"][k] for r in ip]) for k in (ip[0]["latency"] or {})
+                        if all(isinstance(r["latency"].get(k), (int, float)) for r in ip)},
             "plan_bytes_peer": _spread([r["plan_bytes_peer"] for r in ip]),
             "bytes_storage": _spread([r["bytes_storage"] for r in ip]),
             "bytes_persistent": _spread([r["bytes_persistent"] for r in ip]),

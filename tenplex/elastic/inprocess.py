@@ -55,7 +55,9 @@ DIE_POINTS = ("forward", "backward", "optimizer", "save", "slow-save", "migrate"
 @dataclass(frozen=True)
 class DieAt:
     """Testing: SIGKILL this process at ``point`` of step ``step`` when its first-group rank is ``rank``
-    (``slow-save``: its background write of step ``step`` hangs instead, the rank trains on)."""
+    (``slow-save``: its background write of step ``step`` hangs instead, the rank trains on). With
+    ``TENPLEX_DIE_RECORD`` set, the kill's wall time is appended there first (a JSON line), for
+    benchmarks that time the kill to the next step."""
 
     rank: int
     step: int

@@ -21,7 +21,10 @@ survivors' state, possibly an earlier step and data position). A peer failure in
 iteration of ``steps`` recovers in process before it yields, out of the failed step's frames, and
 the step is redone on the new mesh. Leaving the block without an exception commits the step:
 ``step`` + 1, ``data`` advanced, this rank's state into the ring, the periodic checkpoint, the
-joiners' boundary. Every recovery's latency table (:class:`~tenplex.elastic.latency.RecoveryTimes`)
+joiners' boundary. A recovery builds the new model empty (``build`` on the meta device, then
+``to_empty``; the optimizer's state created empty as the old one's) and the moved state lands in
+its own tensors: nothing is initialised or copied twice (``RuntimeConfig.empty_rebuild``). Every
+recovery's latency table (:class:`~tenplex.elastic.latency.RecoveryTimes`)
 is logged after its first step and given to ``on_event`` with the recovery's record.
 
 A process started with ``join=True`` (no ``RANK``/``WORLD_SIZE``; the job's
