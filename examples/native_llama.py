@@ -70,6 +70,10 @@ PRESETS: dict[str, LlamaConfig] = {
     # so that TP 4 shards whole KV heads.
     "tiny": LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=176, vocab_size=250,
                         seq_len=16),
+    # 12.1M parameters (vocab 259: the byte corpus of examples/train_native.py): the job issue #31's
+    # recovery goal and scripts/bench_recovery.py measure against torchft (144.9 MB of fp32 weights
+    # and AdamW state)
+    "12m": LlamaConfig(dim=384, n_layers=7, n_heads=8, n_kv_heads=4, ffn_dim=1088, vocab_size=259, seq_len=16),
     # 110.5M parameters: 24.6M each in the embedding and the output, 5.1M per block.
     "100m": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=1536,
                         vocab_size=32000, seq_len=256),

@@ -89,6 +89,7 @@ def main() -> None:
                         "and receive the state live")
     p.add_argument("--join-timeout", type=float, default=120.0,
                    help=f"--join: seconds to wait for the job and for admission (then exit code {JOIN_FAILED})")
+    p.add_argument("--model", default="tiny", choices=("tiny", "12m"), help="a preset of native_llama.py")
     p.add_argument("--hsdp", action="store_true", help="HSDP (2 replicas) instead of TP on 4 or more workers")
     p.add_argument("--die-at", default="", help="testing: RANK:STEP:POINT, POINT forward, optimizer or save")
     args = p.parse_args()
@@ -101,7 +102,7 @@ def main() -> None:
             str(os.getpid()))
     # testing: --die-at names ranks of the first group (a joiner: none)
     die = DieAt.hook(DieAt.parse(args.die_at), int(os.environ.get("RANK", "0"))) if not args.join else None
-    cfg = dataclasses.replace(nl.PRESETS["tiny"], vocab_size=259, seq_len=args.seq_len)
+    cfg = dataclasses.replace(nl.PRESETS[args.model], vocab_size=259, seq_len=args.seq_len)
     corpus = stdlib_corpus(args.seq_len)
     batches = IndexBatches(corpus)
     rt: Any = None
@@ -131,7 +132,7 @@ def main() -> None:
             loss = nl.train_step(rt.model, rt.optimizer, raw[:, :-1], raw[:, 1:])
             if rt.rank == 0:
                 emit(args.log, {"step": rt.step, "loss": loss, "world_size": rt.world_size, "mesh": rt.dims,
-                                "samples": global_batch_ids(rt.data).tolist(), "time_s": time.perf_counter() - t0,
+                                "samples": global_batch_ids(rt.data).tolist(), "time_s": time.perf_counter() - t0, "wall": time.time(),
                                 **({"after_recovery": rt.recovered} if rt.recovered is not None else {})})
 
 

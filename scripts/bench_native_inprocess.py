@@ -10,6 +10,8 @@ process) ``--repeats`` times per case and SIGKILLs one worker mid-run:
   survivors move step 5 entirely live (every element has a replica);
 - ``hsdp3``: the same with worker 3 killed: in their old rank order new ranks 1 and 2 would run
   away from most of their rows, the locality order (``elastic.live_order``) swaps them;
+- ``hsdp0``: the same with worker 0 killed (the rank that hosts torchrun's env:// store; the
+  membership store lives elsewhere, in this process);
 - ``join``: scale up with no failure: a process started with ``--join`` waits for a job of 2 workers
   (``dp_shard=2``); they admit it after their first step, rebuild for ``dp_shard=3`` and send it its
   shards live (nothing from the checkpoint). "failure" below is then the moment the workers start the
@@ -48,11 +50,12 @@ from tenplex.train.launch import free_port
 ROOT = Path(__file__).resolve().parent.parent
 CASES: dict[str, tuple[list[str], str | None]] = {
     "fsdp_tp": ([], "3:5:optimizer"), "hsdp": (["--hsdp"], "2:5:forward"), "hsdp3": (["--hsdp"], "3:5:forward"),
+    "hsdp0": (["--hsdp"], "0:5:forward"),
     "join": ([], None)}
 COMMON = ["--steps", "8", "--ckpt-every", "2", "--global-batch", "12"]
 
 
-def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT) -> dict[str, Any]:
+def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, model: str = "tiny") -> dict[str, Any]:
     extra, die = CASES[case]
     with tempfile.TemporaryDirectory(prefix="bench-native-") as d:
         tmp = Path(d)
@@ -62,9 +65,9 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT) -
         workers = 4 if die else 2
         base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store_port}", "OMP_NUM_THREADS": "1",
-                "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
+                "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "TENPLEX_DIE_RECORD": str(tmp / "die.jsonl"),
                 "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, str(root / "examples" / "train_native.py"), *COMMON, *extra, "--ckpt", str(tmp / "ckpt"),
+        cmd = [sys.executable, str(root / "examples" / "train_native.py"), *COMMON, "--model", model, *extra, "--ckpt", str(tmp / "ckpt"),
                "--log", str(log), "--in-process", "--dead-after", str(dead_after), *(["--die-at", die] if die else [])]
         if not die:  # the joiner waits for the job before it starts: admitted after the first step
             env = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -87,6 +90,7 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT) -
                 p.kill()
                 codes.append(p.wait())
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        kills = [json.loads(line) for line in (tmp / "die.jsonl").read_text().splitlines()] if die else []
         if sorted(codes) != ([-9, 0, 0, 0] if die else [0, 0, 0]):
             tails = "\n".join((tmp / f"w{r}.log").read_text()[-2000:] for r in range(len(procs)))
             raise RuntimeError(f"{case}: exit codes {codes}\n{tails}")
@@ -103,6 +107,13 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT) -
         "failure_to_state_s": rec["failure_to_state_s"], "first_step_s": first["time_s"],
         # the first step starts after the ring's first state: both count
         "failure_to_first_step_s": rec["failure_to_state_s"] + rec["ring_s"] + first["time_s"],
+        # the kill's own wall time (the dying worker's) to the end of the first step after the recovery
+        **({"kill_to_next_step_s": first["wall"] - kills[0]["wall"]} if kills else {}),
+        "latency": rec.get("latency"), "rank0_parts": rec.get("parts"),
+        # a step's time after the recovery's first, on the same mesh (what the first step costs beyond one)
+        "step_s_after": statistics.median([r["time_s"] for r in records if "time_s" in r and r is not first
+                                           and r.get("world_size") == first.get("world_size")
+                                           and r["step"] > first["step"]] or [float("nan")]), "bytes_full_replica": rec.get("bytes_full_replica"),
         "bytes_live": rec["bytes_live"], "bytes_storage": rec["bytes_storage"], "bytes_local": rec["bytes_local"],
         "plan_bytes_peer": rec["plan_bytes_peer"], "plan_bytes_storage": rec["plan_bytes_storage"],
         "live_equals_plan": rec["bytes_live"] == rec["plan_bytes_peer"],

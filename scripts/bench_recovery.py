@@ -22,6 +22,17 @@ under dp=1,tp=2,pp=2. Reported per repeat: join boundary -> first step under the
 its parts, bytes sent live against the plan's peer bytes, bytes from storage, losses against a
 single-process run; medians with min/max over `--repeats`, the load average, docs/bench/bench_join.json.
 
+`--json` also runs the torch-native job side by side with torchft (issue #31): examples/train_native.py's
+12.1M-parameter Llama (native_llama's "12m"), AdamW, 4 gloo workers as HSDP 2 x 2, one worker SIGKILLed in a
+forward pass. tenplex (`ElasticRuntime`, in process; scripts/bench_native_inprocess.py's run, worker 3 and,
+with the membership store outside the job, worker 0) against torchft 0.2.0 on the same model and optimizer
+(scripts/torchft_job.py: 2 replica groups of 2 workers, FSDP2 inside, each group under its own torchrun,
+its Manager and a Lighthouse on 127.0.0.1 with a 1 s heartbeat timeout and with its default 5 s; one worker
+of group 1 SIGKILLed in a forward pass). Reported per repeat: the kill -> the next step (tenplex: the
+survivors' first step after the recovery; torchft: the surviving group's next committed step), tenplex's
+latency table and bytes moved beside the bytes a full-replica copy would move, and torchft's heal (kill ->
+the restarted group committing again) and the bytes of its full copy. `--native-only`: only this part.
+
 A run whose log shows a recovery that began before the kill (a failure verdict with no failure),
 or whose figures are not all positive, is refused: the script exits with status 3 and says why
 (issue 29 item 7: such a run once reported recovery_s -6.16 and detect_s -103.5 and exited 0).
@@ -30,19 +41,28 @@ or whose figures are not all positive, is refused: the script exits with status 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_native_inprocess as native  # noqa: E402 - the torch-native job's run, shared
 
 from tenplex.cli import human_bytes  # noqa: E402
 from tenplex.train.launch import (  # noqa: E402
@@ -56,6 +76,7 @@ POSITIVE = {
     "in_process": ("recovery_s", "detect_s", "agree_s", "regroup_s", "first_step_s", "first_step_compute_s",
                    "ready_s", "step_s"),
     "stores": ("recovery_s", "restart_s", "startup_s", "first_step_s", "first_step_compute_s", "ready_s", "step_s"),
+    "native": ("recovery_s",),
     "join": ("join_s", "agree_s", "regroup_s", "first_step_s", "first_step_compute_s", "step_s_before",
              "step_s_after"),
 }
@@ -152,6 +173,8 @@ def run(model: str, mode: str, *, steps: int, fail_after: int, snapshot_every: i
             "plan_bytes_moved": rec["plan_bytes_moved"], "bytes_storage": rec["bytes_storage"],
             "bytes_persistent": rec["bytes_storage"] if persistent else 0, "storage_urls": rec.get("storage_urls", []),
             "bytes_local": rec["bytes_local"], "load_at_failure": load_at_failure,
+            # the recovery's latency table (issue #31 item 4) and what a torchft-style full-replica copy would move
+            "latency": rec.get("latency") or {}, "bytes_full_replica": rec.get("bytes_full_replica", 0),
             "losses": {s: final[s]["loss"] for s in sorted(final)},
             "samples": [x for s in sorted(final) for x in final[s]["samples"]],
         }
@@ -220,6 +243,9 @@ def side_by_side(cases: list[tuple[str, dict]], repeats: int, shm: str) -> dict:
             "restart_ready_s": _spread([r["ready_s"] for r in rs]),
             "speedup": statistics.median(r["recovery_s"] for r in rs) / statistics.median(r["recovery_s"] for r in ip),
             "bytes_live": _spread([r["bytes_live"] for r in ip]),
+            "bytes_full_replica": _spread([r["bytes_full_replica"] for r in ip]),
+            "latency": {k: _spread([r["latency"][k] for r in ip]) for k in (ip[0]["latency"] or {})
+                        if all(isinstance(r["latency"].get(k), (int, float)) for r in ip)},
             "plan_bytes_peer": _spread([r["plan_bytes_peer"] for r in ip]),
             "bytes_storage": _spread([r["bytes_storage"] for r in ip]),
             "bytes_persistent": _spread([r["bytes_persistent"] for r in ip]),
@@ -318,6 +344,189 @@ def join_bench(repeats: int) -> dict:
             "samples_once": all(r["samples_once"] for r in runs), "runs": runs}
 
 
+# -- the torch-native job beside torchft (issue #31) --------------------------------------------------
+
+NATIVE_MODEL = "12m"
+TORCHFT_GROUPS, TORCHFT_GROUP_SIZE = 2, 2
+TORCHFT_DIE = "1:1:5"  # group 1's worker 1, in the forward pass of step 5
+HEAL_STEPS = 2  # the restarted group's committed steps the torchft run waits for before it is stopped
+
+
+def torchft_figures(events: list[dict], where: str) -> dict:
+    """The figures of one torchft run from its workers' events (scripts/torchft_job.py): the kill ->
+    the surviving groups' next committed step (the step's end on its slowest worker), the kill ->
+    the restarted group committing again (heal), the restarted group's state bytes (its full copy).
+    Refused when the log lacks the kill, a committed step after it, or the heal."""
+    kills = [e for e in events if e.get("event") == "die"]
+    if len(kills) != 1:
+        raise Refused(f"{where}: {len(kills)} kills in the log, expected 1")
+    kill = kills[0]
+    t_kill, dead = kill["wall"], kill["group"]
+    early = [e for e in events if e.get("event") == "step" and e["group"] != dead and not e["committed"]
+             and e["wall"] < t_kill]
+    if early:
+        raise Refused(f"{where}: group {early[0]['group']} failed to commit step {early[0]['step']} before the kill")
+
+    def committed(group: int, after: float, restarted: bool) -> list[dict]:  # steps at or after the killed one
+        return [e for e in events if e.get("event") == "step" and e["group"] == group and e["committed"]
+                and e["wall"] > after and (e["restart"] > 0) == restarted and e["step"] >= kill["step"]]
+
+    survivors = sorted({e["group"] for e in events if e.get("event") == "start"} - {dead})
+    recovery, first_step = [], {}
+    for g in survivors:
+        after = committed(g, t_kill, False)
+        if not after:
+            raise Refused(f"{where}: group {g} committed no step after the kill")
+        step = min(e["step"] for e in after)
+        first_step[g] = step
+        recovery.append(max(e["wall"] for e in after if e["step"] == step) - t_kill)
+    healed = committed(dead, t_kill, True)
+    if not healed:
+        raise Refused(f"{where}: the restarted group {dead} committed no step")
+    heal_step = min(e["step"] for e in healed)
+    starts = {e["rank"]: e for e in events if e.get("event") == "start" and e["group"] == dead and e["restart"] > 0}
+    full_copy = sum(e["state_bytes"] for e in starts.values())
+    lost = sorted({e["step"] for e in events if e.get("event") == "step" and e["group"] in survivors
+                   and not e["committed"] and e["wall"] > t_kill})
+    out = {"recovery_s": max(recovery), "heal_s": max(e["wall"] for e in healed if e["step"] == heal_step) - t_kill,
+           "killed_at_step": kill["step"], "next_committed_step": max(first_step.values()),
+           "uncommitted_steps": lost, "heal_step": heal_step, "bytes_full_copy": full_copy,
+           "restarts": max(e["restart"] for e in events if e.get("event") == "start")}
+    if not (out["recovery_s"] > 0 and out["heal_s"] > 0 and full_copy > 0):
+        raise Refused(f"{where}: figures that must be positive are not: {out}")
+    return out
+
+
+def _read_events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def torchft_run(heartbeat_ms: int, work: Path, *, steps: int = 400) -> dict:
+    """One torchft run of the native job: a Lighthouse on 127.0.0.1, 2 replica groups of 2 workers
+    each under their own torchrun (restarts allowed), one worker killed; stopped once the restarted
+    group committed ``HEAL_STEPS`` steps (or after ``steps``)."""
+    bindir = Path(sys.executable).parent
+    lh_port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
+           "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lh_port}", "NUM_REPLICA_GROUPS": str(TORCHFT_GROUPS),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    events = work / "events.jsonl"
+    procs = [subprocess.Popen([str(bindir / "torchft_lighthouse"), "--min_replicas", "1", "--bind",
+                               f"127.0.0.1:{lh_port}", "--heartbeat_timeout_ms", str(heartbeat_ms)],
+                              stdout=(work / "lighthouse.log").open("w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)]
+    load = os.getloadavg()[0]
+    try:
+        for g in range(TORCHFT_GROUPS):
+            procs.append(subprocess.Popen(
+                [str(bindir / "torchrun"), "--nnodes", "1", "--nproc-per-node", str(TORCHFT_GROUP_SIZE),
+                 "--max-restarts", "5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                 str(ROOT / "scripts" / "torchft_job.py"), "--events", str(events), "--steps", str(steps),
+                 "--model", NATIVE_MODEL, "--global-batch", native.COMMON[native.COMMON.index("--global-batch") + 1],
+                 "--die-at", TORCHFT_DIE],
+                env={**env, "REPLICA_GROUP_ID": str(g)}, stdout=(work / f"group{g}.log").open("w"),
+                stderr=subprocess.STDOUT, start_new_session=True))
+
+        def healed() -> bool:
+            ev = _read_events(events)
+            return sum(1 for e in ev if e.get("event") == "step" and e["restart"] > 0 and e["committed"]) \
+                >= HEAL_STEPS * TORCHFT_GROUP_SIZE
+
+        ok = wait_for(lambda: healed() or any(p.poll() is not None for p in procs[1:]), 600)
+    finally:
+        for p in procs:  # each torchrun with its workers (its own session)
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    where = f"torchft heartbeat {heartbeat_ms} ms (load {load:.1f}; see {work})"
+    if not ok:
+        raise RuntimeError(f"{where}: timed out")
+    out = torchft_figures(_read_events(events), where)
+    out["load"] = load
+    return out
+
+
+def tenplex_native_run(case: str, store_port: int) -> dict:
+    """One tenplex run of the native job (scripts/bench_native_inprocess.py's, on the 12m model)."""
+    load = os.getloadavg()[0]
+    r = native.run_once(case, store_port, 10.0, model=NATIVE_MODEL)
+    lat = r["latency"] or {}
+    out = {"recovery_s": r["kill_to_next_step_s"], "load": load,
+           "latency": {k: lat.get(k) for k in ("detection_s", "agreement_s", "regroup_s", "rebuild_s",
+                                               "choose_plan_s", "transfer_s", "first_step_s", "total_s")},
+           "bytes_live": r["bytes_live"], "bytes_storage": r["bytes_storage"], "bytes_local": r["bytes_local"],
+           "bytes_full_replica": r["bytes_full_replica"], "steps_redone": r["steps_redone"],
+           "mesh_after": r["mesh_after"], "parts": {k: r[k] for k in ("detect_s", "unwind_s", "release_s", "agree_s",
+                                                                       "regroup_s", "rebuild_s", "rescale_s",
+                                                                       "describe_s", "migrate_s", "ring_s",
+                                                                       "first_step_s")}}
+    return check_positive(out, "native", f"tenplex native {case} (load {load:.1f})")
+
+
+def _spreads(runs: list[dict], keys: Sequence[str]) -> dict:
+    return {k: _spread([r[k] for r in runs]) for k in keys}
+
+
+def native_side_by_side(repeats: int, cases: Sequence[str] = ("hsdp3", "hsdp0"),
+                        heartbeats: Sequence[int] = (1000, 5000)) -> dict:
+    """tenplex and torchft on the native job, alternating, ``repeats`` times each (see the module doc)."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    runs: dict[str, list[dict]] = {**{f"tenplex_{c}": [] for c in cases}, **{f"torchft_{h}ms": [] for h in heartbeats}}
+    for i in range(repeats):
+        for c in cases:
+            print(f"native / tenplex {c} {i + 1}/{repeats} (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr,
+                  flush=True)
+            r = tenplex_native_run(c, store.port)
+            print(f"  kill -> next step {r['recovery_s']:.2f}s", file=sys.stderr, flush=True)
+            runs[f"tenplex_{c}"].append(r)
+        for h in heartbeats:
+            print(f"native / torchft heartbeat {h} ms {i + 1}/{repeats} (load {os.getloadavg()[0]:.2f}) ...",
+                  file=sys.stderr, flush=True)
+            work = Path(tempfile.mkdtemp(prefix="tenplex-torchft-"))
+            r = torchft_run(h, work)
+            shutil.rmtree(work, ignore_errors=True)
+            print(f"  kill -> next committed step {r['recovery_s']:.2f}s, heal {r['heal_s']:.1f}s", file=sys.stderr,
+                  flush=True)
+            runs[f"torchft_{h}ms"].append(r)
+    out: dict[str, Any] = {"model": f"native_llama {NATIVE_MODEL}", "job": " ".join(native.COMMON),
+                           "layout": "HSDP dp_replicate=2 x dp_shard=2, 4 gloo workers"}
+    for c in cases:
+        rs = runs[f"tenplex_{c}"]
+        out[f"tenplex_{c}"] = {
+            "killed": native.CASES[c][1], **_spreads(rs, ("recovery_s", "load", "bytes_live", "bytes_storage",
+                                                          "bytes_full_replica")),
+            "latency": {k: _spread([r["latency"][k] for r in rs]) for k in rs[0]["latency"]
+                        if all(isinstance(r["latency"][k], (int, float)) for r in rs)},
+            "parts": {k: _spread([r["parts"][k] for r in rs]) for k in rs[0]["parts"]}, "runs": rs}
+    for h in heartbeats:
+        rs = runs[f"torchft_{h}ms"]
+        out[f"torchft_{h}ms"] = {"heartbeat_timeout_ms": h, "killed": f"group:rank:step {TORCHFT_DIE}",
+                                 **_spreads(rs, ("recovery_s", "heal_s", "bytes_full_copy", "load")), "runs": rs}
+    best = min(statistics.median(r["recovery_s"] for r in runs[f"torchft_{h}ms"]) for h in heartbeats)
+    out["goal"] = {f"tenplex_{c}_below_torchft_best": statistics.median(r["recovery_s"] for r in runs[f"tenplex_{c}"])
+                   < best for c in cases}
+    out["torchft_best_s"] = best
+    return out
+
+
+def _native_summary(n: dict) -> str:
+    """The side-by-side lines: median [min, max] per system."""
+    def fmt(d: dict) -> str:
+        return f"{d['median']:.2f} s [{d['min']:.2f}, {d['max']:.2f}]"
+
+    lines = [f"native job ({n['model']}, {n['layout']}): kill -> next step"]
+    for k, v in n.items():
+        if k.startswith("tenplex_"):
+            lines.append(f"  {k}: {fmt(v['recovery_s'])}; bytes live {v['bytes_live']['median']:,.0f} vs full replica "
+                         f"{v['bytes_full_replica']['median']:,.0f}; load {v['load']['median']:.1f}")
+        elif k.startswith("torchft_") and isinstance(v, dict):
+            lines.append(f"  {k}: {fmt(v['recovery_s'])}; heal {fmt(v['heal_s'])} copying "
+                         f"{v['bytes_full_copy']['median']:,.0f} B; load {v['load']['median']:.1f}")
+    lines.append(f"  goal (below torchft's best {n['torchft_best_s']:.2f} s): {n['goal']}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     try:
         return _main()
@@ -333,6 +542,8 @@ def _main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     ap.add_argument("--json", action="store_true", help="in-process vs restart path, side by side (issue #18)")
     ap.add_argument("--repeats", type=int, default=3, help="--json, --join: runs of each path per model")
+    ap.add_argument("--native-only", action="store_true",
+                    help="--json: only the torch-native job beside torchft (not the reference trainer)")
     ap.add_argument("--join", action="store_true", help="scale up in-process: 2 workers admit 2 joiners (issue #18)")
     args = ap.parse_args()
     if args.join:
@@ -348,15 +559,18 @@ def _main() -> int:
             cases.append(("llama-100m", dict(steps=11, fail_after=7, snapshot_every=1, ckpt_every=4,
                                              extra=["--global-batch", "4", "--micro-batch", "2", "--lr", "1e-3"])))
         load_before = os.getloadavg()
-        models = side_by_side(cases, args.repeats, args.shm)
+        models = {} if args.native_only else side_by_side(cases, args.repeats, args.shm)
+        native_job = native_side_by_side(args.repeats)
         result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(), "cpus": os.cpu_count(),
-                  "command": "python scripts/bench_recovery.py --json" + (" --quick" if args.quick else ""),
+                  "command": " ".join(["python scripts/bench_recovery.py", *sys.argv[1:]]),
                   "repeats": args.repeats, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                  "models": models}
+                  "models": models, "native": native_job}
+        print(_native_summary(native_job), file=sys.stderr)
         text = json.dumps(result, indent=1)
-        print(text)
         if not args.quick:
-            (Path(args.out) / "bench_inprocess.json").write_text(text + "\n")
+            name = "bench_native_vs_torchft.json" if args.native_only else "bench_inprocess.json"
+            (Path(args.out) / name).write_text(text + "\n")
+        print(json.dumps(result))  # the last line: one JSON object
         return 0
     cases = [("tiny", dict(steps=16, fail_after=9, snapshot_every=1, ckpt_every=5,
                            extra=["--global-batch", "8", "--micro-batch", "2"]))]

@@ -98,3 +98,71 @@ def test_a_users_own_loop_survives_a_kill_in_process(tmp_path: Path) -> None:
     assert 0 < rec["bytes_live"] + rec["bytes_storage"] < whole, rec
     assert "recovery (in-process) latency" in (tmp_path / "worker0.log").read_text()
     json.dumps(rec)  # the record the benchmarks read is plain JSON
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_rebuild_initialises_nothing_and_its_optimizer_state_is_shaped_as_the_old_one() -> None:
+    """A recovery's rebuild (issue #31 goal): ``build(mesh)`` runs on the meta device (the user's
+    ``.to("cpu")`` and weight init touch no data), the model is materialised empty with the optimizer
+    still over its parameters, and the optimizer's state is created empty as the old one's (keys,
+    shapes, dtypes), so that ``get_state_dict`` runs no initialising step. A model with a
+    non-persistent buffer (no state dict restores it) is refused: built for real."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tenplex.elastic.runtime import build_empty, optimizer_template, prime_optimizer
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import native_llama as nl
+
+    cfg = dataclasses.replace(nl.PRESETS["tiny"], vocab_size=259)
+    seen_meta = []
+
+    def build(mesh):  # noqa: ANN001, ANN202 - as a user writes it (examples/train_native.py)
+        model = nl.parallelize(nl.reference_model(cfg, seed=0).to("cpu"), mesh)
+        seen_meta.append(next(model.parameters()).is_meta)
+        return model, nl.make_optimizer(model)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+        model, opt = build(mesh)
+        x, y = nl.batch(0, 2, cfg.seq_len, cfg.vocab_size)
+        nl.train_step(model, opt, x, y)
+        template = optimizer_template(opt)
+        to = torch.nn.Module.to
+        built = build_empty(build, mesh, "cpu")
+        assert built is not None and seen_meta == [False, True] and torch.nn.Module.to is to
+        model2, opt2 = built
+        params = list(model2.parameters())
+        assert not any(p.is_meta for p in params)
+        assert [id(p) for g in opt2.param_groups for p in g["params"]] == [id(p) for p in params]
+        assert prime_optimizer(opt2, template) and not prime_optimizer(opt2, template)  # only an empty state
+        old = [opt.state[p] for g in opt.param_groups for p in g["params"]]
+        new = [opt2.state[p] for g in opt2.param_groups for p in g["params"]]
+        assert [{k: (tuple(v.shape), v.dtype) for k, v in s.items()} for s in old] == \
+            [{k: (tuple(v.shape), v.dtype) for k, v in s.items()} for s in new]
+        def bits(p: torch.Tensor) -> torch.Tensor:  # uninitialised memory may hold NaNs: compare the bits
+            return p.detach().to_local().view(torch.int32).clone()
+
+        before = [bits(p) for p in params]
+        get_state_dict(model2, opt2)  # no initialising step: the state is the primed one, the parameters as they were
+        assert all(opt2.state[p]["exp_avg"] is s["exp_avg"] for p, s in zip(params, new))
+        assert all(torch.equal(a, bits(p)) for a, p in zip(before, params))
+
+        class WithCache(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.w = torch.nn.Linear(4, 4)
+                self.register_buffer("cache", torch.arange(4.0), persistent=False)
+
+        def build_cached(mesh):  # noqa: ANN001, ANN202
+            m = WithCache()
+            return m, torch.optim.AdamW(m.parameters())
+
+        assert build_empty(build_cached, mesh, "cpu") is None
+    finally:
+        dist.destroy_process_group()

@@ -16,6 +16,7 @@ recovery is the caller's to end with :data:`RECOVERY_FAILED` (a joiner not admit
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -54,7 +55,9 @@ DIE_POINTS = ("forward", "backward", "optimizer", "save", "slow-save", "migrate"
 @dataclass(frozen=True)
 class DieAt:
     """Testing: SIGKILL this process at ``point`` of step ``step`` when its first-group rank is ``rank``
-    (``slow-save``: its background write of step ``step`` hangs instead, the rank trains on)."""
+    (``slow-save``: its background write of step ``step`` hangs instead, the rank trains on). With
+    ``TENPLEX_DIE_RECORD`` set, the kill's wall time is appended there first (a JSON line), for
+    benchmarks that time the kill to the next step."""
 
     rank: int
     step: int
@@ -93,6 +96,10 @@ class DieAt:
                 threading.Event().wait()
             if (step, point) in mine:
                 log.error("rank %d: --die-at: SIGKILL at %s of step %d", rank, point, step)
+                if os.environ.get("TENPLEX_DIE_RECORD"):  # the kill's wall time, for benchmarks (kill -> next step)
+                    with open(os.environ["TENPLEX_DIE_RECORD"], "a") as f:
+                        f.write(json.dumps({"event": "die", "rank": rank, "step": step, "point": point,
+                                            "wall": time.time()}) + "\n")
                 logging.shutdown()
                 os.kill(os.getpid(), signal.SIGKILL)
 

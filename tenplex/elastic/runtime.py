@@ -21,7 +21,10 @@ survivors' state, possibly an earlier step and data position). A peer failure in
 iteration of ``steps`` recovers in process before it yields, out of the failed step's frames, and
 the step is redone on the new mesh. Leaving the block without an exception commits the step:
 ``step`` + 1, ``data`` advanced, this rank's state into the ring, the periodic checkpoint, the
-joiners' boundary. Every recovery's latency table (:class:`~tenplex.elastic.latency.RecoveryTimes`)
+joiners' boundary. A recovery builds the new model empty (``build`` on the meta device, then
+``to_empty``; the optimizer's state created empty as the old one's) and the moved state lands in
+its own tensors: nothing is initialised or copied twice (``RuntimeConfig.empty_rebuild``). Every
+recovery's latency table (:class:`~tenplex.elastic.latency.RecoveryTimes`)
 is logged after its first step and given to ``on_event`` with the recovery's record.
 
 A process started with ``join=True`` (no ``RANK``/``WORLD_SIZE``; the job's
@@ -50,6 +53,7 @@ import torch.distributed as dist
 # waited until this process exited (measured: 40 s of a recovery, then the agreement timed out)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from ..checkpoint import default_save_id, list_steps, save
 from ..data.partition import DataState
@@ -89,7 +93,11 @@ class RuntimeConfig:
     and optimizer (their ``state_dict()`` values must be equal on every rank); ``release``: called
     before a recovery frees the broken mesh, model and optimizer, to drop the job's own references to
     them and to what holds their process groups (a trainer's attributes): groups still referenced
-    close their connections later, which the peers would take for a death."""
+    close their connections later, which the peers would take for a death;
+    ``empty_rebuild``: at a recovery, ``build`` runs under ``torch.device("meta")`` and the model is
+    materialised empty (``to_empty``) and the optimizer's state created empty, shaped as the old
+    one's, since the recovery overwrites all of it (a model with non-persistent buffers, which no
+    state dict restores, or one that does not materialise is built for real instead)."""
 
     ckpt: str
     ckpt_every: int = 0
@@ -102,6 +110,7 @@ class RuntimeConfig:
     before_save: Callable[[int], None] | None = None
     extra_state: Callable[[], Mapping[str, Any]] | None = None
     release: Callable[[], None] | None = None
+    empty_rebuild: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, str) or not self.ckpt:
@@ -185,6 +194,8 @@ class ElasticRuntime:
         self._seen: dict[tuple[tuple[str, int], ...], Any] = {}  # the state dict's layout on every mesh run
         self._warmed = False
         self._filled: dict[str, Any] = {}
+        self._parts: dict[str, float] = {}  # seconds of the recovery's parts on this rank (its record's "parts")
+        self._optim_template: list[dict[str, Any] | None] | None = None  # the old optimizer's state, per parameter
         self._done_at = 0.0  # perf_counter when the last recovery's state was in place
         t_start = time.perf_counter()
         if _GROUP_BEFORE_IMPORT:
@@ -295,21 +306,37 @@ class ElasticRuntime:
     def _extra(self) -> Mapping[str, Any]:
         return self.config.extra_state() if self.config.extra_state is not None else {}
 
-    def _restore(self, sd: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    def _restore(self, sd: dict[str, Any], *, in_place: bool = False) -> bool:
+        """Set ``sd`` (a ``state_dict()`` filled by a rescale) into the model and optimizer; ``in_place``:
+        when every tensor of ``sd`` is the model's or the optimizer's own (``get_state_dict`` hands out
+        their tensors, which the rescale filled), only the optimizer's hyperparameters are set and no
+        tensor is copied onto itself. Returns whether it was so."""
+        aliased = in_place and _aliases(sd, self.model, self.optimizer)
+        if aliased:  # the survivors' hyperparameters (an LR schedule's lr, ...), as set_state_dict sets them
+            for group, saved in zip(_param_groups(self.optimizer), sd["optim"].get("param_groups", ())):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         self.step = sd["step"]
         if self.data is not None or "data" in sd:
             self.data = DataState.from_json(sd["data"])
         for name, obj in self._extra().items():  # values of another state dict than the objects': load them
             if sd.get(name) is not None and sd[name] is not obj:
                 obj.load_state_dict(sd[name])
+        return aliased
 
-    def _build(self, world: int, dims: dict[str, int] | None = None) -> None:
-        """The mesh for ``world`` ranks (the rule's dims, in torch's mesh dim order), then the user's model."""
+    def _build(self, world: int, dims: dict[str, int] | None = None, *, empty: bool = False) -> None:
+        """The mesh for ``world`` ranks (the rule's dims, in torch's mesh dim order), then the user's
+        model; ``empty``: built on the meta device and materialised uninitialised (``build_empty``),
+        for a state the recovery overwrites whole."""
         self.dims = dims or choose_mesh(world, choose=self.rule)
         names = tuple(d for d in MESH_DIMS if d in self.dims) + tuple(d for d in self.dims if d not in MESH_DIMS)
+        t0 = time.perf_counter()
         self.mesh = init_device_mesh(self.device, tuple(self.dims[d] for d in names), mesh_dim_names=names)
-        self.model, self.optimizer = self.build_fn(self.mesh)
+        self._parts["mesh"] = time.perf_counter() - t0
+        built = build_empty(self.build_fn, self.mesh, self.device) if empty else None
+        self._parts["empty_build"] = float(built is not None)
+        self.model, self.optimizer = built if built is not None else self.build_fn(self.mesh)
 
     def _resume(self, t0: float) -> None:
         """Fill the freshly built model and optimizer in place from the newest checkpoint, whatever
@@ -339,7 +366,9 @@ class ElasticRuntime:
         sd = self.state_dict()
         ring = self.ring
         if ring.held_as is None:  # collective: while every rank of this mesh is alive
+            t0 = time.perf_counter()
             ptc, layout = describe_state_dict(sd)
+            self._parts["describe"] = time.perf_counter() - t0
             ring.held_as = HeldAs(layout, self.rank, default_save_id(layout, ptc), ptc=ptc)
             self._seen[tuple(self.dims.items())] = layout
             self.membership.order = live_order(ptc, layout, self.rule, self.membership.members, known=self._seen)
@@ -428,10 +457,19 @@ class ElasticRuntime:
     # -- recovery ------------------------------------------------------------------------------
     def _rebuilt(self, nm: Any) -> dict[str, Any]:
         """The mesh, model and optimizer for the new group; the fresh model's state dict, whose
-        values the recovery replaces by the survivors' state."""
+        values the recovery replaces by the survivors' state: nothing in it is initialised (the
+        model built on the meta device and materialised empty, the optimizer's state created empty
+        after the old one's, see ``RuntimeConfig.empty_rebuild``)."""
         self.rank, self.world_size = nm.new_rank, nm.world_size
-        self._build(self.world_size)
+        t0 = time.perf_counter()
+        self._parts = {}
+        self._build(self.world_size, empty=self.config.empty_rebuild)
+        t1 = time.perf_counter()
+        if self._optim_template is not None:
+            prime_optimizer(self.optimizer, self._optim_template)
+        self._optim_template = None
         self._filled = self.state_dict()
+        self._parts.update(build=t1 - t0, state_dict=time.perf_counter() - t1)
         return self._filled
 
     def _recover(self, reason: str) -> None:
@@ -463,6 +501,8 @@ class ElasticRuntime:
         t0, wall0 = time.perf_counter(), time.time()
         old = ring.held_as
         newest = max(ring.states()) if ring.states() else None
+        # what the old optimizer's state looks like: the rebuilt one's is created empty after it
+        self._optim_template = optimizer_template(self.optimizer) if self.config.empty_rebuild else None
         # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
         # freed, their connections close, and a survivor blocked in one of them with this rank fails
         if self.mesh is not None:
@@ -476,7 +516,7 @@ class ElasticRuntime:
         summed_s = time.time() - rec.rescaled_at  # the group-wide sums after rescale: counted in ring_s
         nm, res = rec.membership, rec.result
         t_restore = time.perf_counter()
-        self._restore(self._filled)
+        self._parts["in_place"] = float(self._restore(self._filled, in_place=True))
         self._filled = {}
         t3 = time.perf_counter()  # the state is in place when rescale returned and the optimizer got it
         wall3 = rec.rescaled_at + (t3 - t_restore)
@@ -485,7 +525,9 @@ class ElasticRuntime:
         except LayoutError:
             predicted = False
         ring.clear()
+        t_rem = time.perf_counter()
         self._remember()
+        self._parts.update(restore=t3 - t_restore, remember=time.perf_counter() - t_rem)
         ring.pin(self.step)  # a checkpoint step when pieces came from storage; else the state the survivors held
         t4 = time.perf_counter()
         self._done_at = t4
@@ -512,7 +554,7 @@ class ElasticRuntime:
                 "recover_s": t_released - t0 + rec.recover_s, "rebuild_s": rec.rebuild_s,
                 "rescale_s": rec.rescale_s + (t3 - t_restore), "ring_s": t4 - t3 + summed_s,
                 "failure_to_state_s": wall3 - nm.failed_at + nm.detect_s,
-                "timings": res.timings}
+                "timings": res.timings, "parts": self._parts}
 
     # -- the end -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -529,3 +571,107 @@ class ElasticRuntime:
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# -- an empty rebuild (issue #31: a recovery initialises nothing it overwrites) ---------------------
+def build_empty(build: Build, mesh: Any, device: str) -> tuple[Any, Any] | None:
+    """``build(mesh)`` under ``torch.device("meta")`` (no initialisation runs: the parameters have no
+    data), then the model materialised uninitialised on ``device`` (``to_empty``: FSDP2 keeps its
+    parameters' identity, so the optimizer built over them stays valid). None when the model cannot
+    be used so: it has non-persistent buffers (the state dict does not restore them), or a parameter
+    or buffer stays on meta, or the optimizer's parameters are not the model's."""
+    try:
+        with torch.device("meta"), _to_keeps_meta():
+            model, optimizer = build(mesh)
+    except (NotImplementedError, RuntimeError) as e:  # e.g. data copied out of a meta tensor
+        log.info("empty rebuild: build(mesh) failed on the meta device (%s); built for real", e)
+        return None
+    if any(getattr(m, "_non_persistent_buffers_set", None) for m in model.modules()):
+        log.info("empty rebuild: the model has non-persistent buffers; built for real")
+        return None
+    model.to_empty(device=device)
+    params = {id(p) for p in model.parameters()}
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors) or any(id(p) not in params or p.is_meta
+                                               for g in _param_groups(optimizer) for p in g["params"]):
+        log.info("empty rebuild: the model or its optimizer did not materialise; built for real")
+        return None
+    return model, optimizer
+
+
+def _aliases(sd: Mapping[str, Any], model: Any, optimizer: Any) -> bool:
+    """Whether every tensor of ``sd`` (by its local shard) shares its memory with a parameter, buffer
+    or optimizer state tensor of ``model`` / ``optimizer``."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    own = [*model.parameters(), *model.buffers(),
+           *(v for o in _optimizers(optimizer) for st in o.state.values() for v in st.values()
+             if isinstance(v, torch.Tensor))]
+    ptrs = {local(t).untyped_storage().data_ptr() for t in own}
+    return all(t.untyped_storage().data_ptr() in ptrs for t in local_shard(sd).values()
+               if isinstance(t, torch.Tensor) and t.numel() > 0)
+
+
+@contextlib.contextmanager
+def _to_keeps_meta() -> Iterator[None]:
+    """``Module.to(device)`` of a module on the meta device leaves it there (a build's usual
+    ``model.to("cuda")`` would raise: no data to copy; ``to_empty`` materialises it after the
+    build); a dtype it names still applies."""
+    original = torch.nn.Module.to
+
+    def to(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is None or device.type == "meta" or not any(t.is_meta for t in module.parameters()):
+            return original(module, *args, **kwargs)
+        return original(module, dtype=dtype) if dtype is not None else module
+
+    torch.nn.Module.to = to  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original  # type: ignore[method-assign]
+
+
+def _optimizers(optimizer: Any) -> tuple[Any, ...]:
+    """The optimizers ``build`` returned: one, or several (a list or tuple, as ``get_state_dict`` takes
+    them: a torchtitan ``OptimizersContainer``'s, one per model part)."""
+    return tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
+
+
+def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
+    """Every optimizer's ``param_groups``, in order (``get_state_dict``'s flattened order)."""
+    return [g for o in _optimizers(optimizer) for g in o.param_groups]
+
+
+def optimizer_template(optimizer: Any) -> list[dict[str, Any] | None] | None:
+    """Per parameter (in ``param_groups`` order), what ``optimizer``'s state holds for it: for each key
+    "param" (a tensor shaped as the parameter: ``exp_avg``), a small tensor (``step``: cloned) or a
+    plain value; None for a parameter without state. None when there is no state yet."""
+    if optimizer is None or not any(o.state for o in _optimizers(optimizer)):
+        return None
+    out: list[dict[str, Any] | None] = []
+    for o in _optimizers(optimizer):
+        for p in (p for g in o.param_groups for p in g["params"]):
+            st = o.state.get(p)
+            if not st:
+                out.append(None)
+                continue
+            out.append({k: ("param", v.dtype) if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0
+                        else v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()})
+    return out
+
+
+def prime_optimizer(optimizer: Any, template: list[dict[str, Any] | None]) -> bool:
+    """Create ``optimizer``'s state empty, as ``template`` (``optimizer_template`` of the optimizer it
+    replaces) describes it, instead of DCP's initialising step (a whole optimizer step over zero
+    gradients); the recovery fills it. False, leaving the state alone, when the parameters do not
+    match the template (another number of them)."""
+    params = [(o, p) for o in _optimizers(optimizer) for g in o.param_groups for p in g["params"]]
+    if any(o.state for o in _optimizers(optimizer)) or len(params) != len(template):
+        return False
+    for (o, p), spec in zip(params, template):
+        if spec is not None:
+            o.state[p] = {k: torch.empty_like(p, dtype=v[1]) if isinstance(v, tuple) and v[:1] == ("param",)
+                                  else v.clone() if isinstance(v, torch.Tensor) else v for k, v in spec.items()}
+    return True
