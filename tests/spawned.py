@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing.forkserver
 import os
+import pickle
 import queue
 import resource
 import subprocess
@@ -166,11 +167,26 @@ def reap(procs: Sequence[Any], timeout: float = 10) -> None:
             p.join(timeout=5)
 
 
+class ValueQueue:
+    """A queue whose items travel pickled by value (plain ``pickle``): torch's multiprocessing pickler
+    sends a tensor's storage as a file descriptor the receiver fetches from the sender, which failed
+    (FileNotFoundError in resource_sharer) whenever the worker had exited before the parent read it."""
+
+    def __init__(self, q: Any) -> None:
+        self.q = q
+
+    def put(self, item: Any) -> None:
+        self.q.put(pickle.dumps(item))
+
+    def get(self, timeout: float | None = None) -> Any:
+        return pickle.loads(self.q.get(timeout=timeout))
+
+
 def run_spawned(target: Callable[..., None], args: Sequence[tuple], *, expect: int, timeout: float) -> dict[Any, dict]:
     """Run ``target(*a, queue)`` for every ``a`` in ``args`` in worker processes (``worker_context``,
     ``gloo_env``) until ``expect`` results arrived, one reported an error, or ``timeout`` seconds passed."""
     ctx = worker_context()
-    q = ctx.Queue()
+    q = ValueQueue(ctx.Queue())
     results: dict[Any, dict] = {}
     with gloo_env():
         procs = [ctx.Process(target=in_env, args=(*here(), target, *a, q)) for a in args]
