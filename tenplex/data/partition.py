@@ -84,7 +84,16 @@ class DataState:
             raise DataStateError(f"order must be one of {ORDERS}, got {self.order!r}")
 
     def advance(self, steps: int = 1) -> DataState:
-        return DataState(**{**asdict(self), "consumed": self.consumed + steps * self.global_batch})
+        return self.at(self.consumed + steps * self.global_batch)
+
+    def at(self, consumed: int) -> DataState:
+        """This state at another position: only ``consumed`` is checked, the other fields were (a
+        loader's sampler moves once a batch; a full re-validation was most of its cost per batch)."""
+        new = object.__new__(DataState)
+        for name in DataState.__slots__:
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "consumed", checked_int("consumed", consumed, 0, MAX_POSITION))
+        return new
 
     def to_json(self) -> dict[str, Any]:
         """The fields as JSON; ``order`` only when it is not the default, so a state written before the
