@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spawned import free_port, gloo_env, log_tails, wait_procs
+from spawned import free_port, gloo_env, log_tails, rank_env, wait_procs
 from tenplex.data import ids_at, loader_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,8 +33,7 @@ def test_a_dataloader_with_workers_keeps_its_position_through_an_in_process_reco
     procs = []
     with gloo_env():
         for r in range(4):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "4",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+            env = {**os.environ, **rank_env(r, 4, port), "PYTHONUNBUFFERED": "1",
                    "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store.port}",
                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             procs.append(subprocess.Popen([sys.executable, SCRIPT, "--ckpt", str(tmp_path / "ckpt"), "--steps",

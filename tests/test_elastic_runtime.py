@@ -25,7 +25,7 @@ from tenplex.elastic.latency import full_replica_bytes
 from tenplex.errors import ConfigError
 from tenplex.layout.ptc import PTC, Replicated, Split, TensorSpec
 
-from spawned import free_port, gloo_env, log_tails, wait_procs
+from spawned import free_port, gloo_env, log_tails, rank_env, wait_procs
 from test_native_inprocess import BATCH, check_native_run, native_reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,8 +72,7 @@ def test_a_users_own_loop_survives_a_kill_in_process(tmp_path: Path) -> None:
     procs = []
     with gloo_env():
         for r in range(4):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "4",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+            env = {**os.environ, **rank_env(r, 4, port), "PYTHONUNBUFFERED": "1",
                    "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store.port}",
                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             procs.append(subprocess.Popen([sys.executable, SCRIPT, "--ckpt", str(ckpt), "--steps", str(STEPS),
