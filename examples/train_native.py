@@ -71,7 +71,8 @@ def mesh_rule(world: int, *, hsdp: bool = False) -> dict[str, int]:
 
 
 def held_bytes(obj: Any) -> int:
-    """Bytes of the tensors this process holds in a (nested) state dict: a DTensor's local shard."""
+    """Bytes of the tensors this process holds in nested dicts and lists: a DTensor's local shard
+    (no collective: the joiner alone calls it)."""
     if isinstance(obj, dict):
         return sum(held_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -151,8 +152,8 @@ def main() -> None:
                                 **({"after_recovery": rt.recovered} if rt.recovered is not None else {})})
             if args.join and rt.recovered is not None and rt.recovered.get("joiners"):
                 # benchmarks: what the joiner holds after its admission, all of it received live (it held nothing)
-                emit(args.log, {"event": "joined", "rank": rt.rank, "bytes_held": held_bytes(rt.state_dict()),
-                                "wall": time.time()})
+                held = held_bytes([rt.model.state_dict(), list(rt.optimizer.state.values())])
+                emit(args.log, {"event": "joined", "rank": rt.rank, "bytes_held": held, "wall": time.time()})
 
 
 if __name__ == "__main__":

@@ -509,7 +509,8 @@ def native_side_by_side(repeats: int, cases: Sequence[str] = ("hsdp3_grow", "hsd
     references = {}
     for c in cases:
         if c in native.GROWS:  # the losses a grow-back run must match: the same job, uninterrupted
-            print(f"native / {c}: the uninterrupted run (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
+            print(f"native / {c}: the uninterrupted run (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr,
+                  flush=True)
             references[c] = native.reference_losses(store.port, c, model=NATIVE_MODEL)
     runs: dict[str, list[dict]] = {**{f"tenplex_{c}": [] for c in cases}, **{f"torchft_{h}ms": [] for h in heartbeats}}
     for i in range(repeats):
@@ -542,9 +543,10 @@ def native_side_by_side(repeats: int, cases: Sequence[str] = ("hsdp3_grow", "hsd
                         if all(isinstance(r["latency"][k], (int, float)) for r in rs)},
             "parts": {k: _spread([r["parts"][k] for r in rs]) for k in rs[0]["parts"]}, "runs": rs}
         if c in native.GROWS:
+            lat = {k: _spread([r["join_latency"][k] for r in rs]) for k in GROW_LATENCY
+                   if all(isinstance(r["join_latency"][k], (int, float)) for r in rs)}
             out[f"tenplex_{c}"].update(_spreads(rs, GROW_KEYS), losses_equal=all(r["losses_equal"] for r in rs),
-                                       join_latency={k: _spread([r["join_latency"][k] for r in rs]) for k in GROW_LATENCY
-                                                     if all(isinstance(r["join_latency"][k], (int, float)) for r in rs)})
+                                       join_latency=lat)
     for h in heartbeats:
         rs = runs[f"torchft_{h}ms"]
         out[f"torchft_{h}ms"] = {"heartbeat_timeout_ms": h, "killed": f"group:rank:step {TORCHFT_DIE}",
@@ -595,8 +597,9 @@ def _native_summary(n: dict) -> str:
     for k, v in n.get("grow_back", {}).items():
         if k.startswith("tenplex_"):
             lines.append(f"  {k} back at full size: {fmt(v['kill_to_full_size_s'])} (join {fmt(v['join_s'])}); "
-                         f"{v['bytes_to_joiner']['median']:,.0f} B to the joiner, {v['join_bytes_storage']['median']:,.0f}"
-                         f" B from storage; losses equal {v['losses_equal']} (max rel {v['max_rel_loss_diff']['max']:.1e})"
+                         f"{v['bytes_to_joiner']['median']:,.0f} B to the joiner, "
+                         f"{v['join_bytes_storage']['median']:,.0f} B from storage; losses equal {v['losses_equal']} "
+                         f"(max rel {v['max_rel_loss_diff']['max']:.1e})"
                          f" vs torchft's best heal {n['grow_back']['torchft_best_heal_s']:.2f} s")
     lines.append(f"  goal (below torchft's best {n['torchft_best_s']:.2f} s): {n['goal']}")
     return "\n".join(lines)
