@@ -50,6 +50,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.distributed.tensor import DTensor
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import native_llama as nl  # noqa: E402 - the user's model, next to this script
 
@@ -65,6 +68,19 @@ def mesh_rule(world: int, *, hsdp: bool = False) -> dict[str, int]:
     if world >= 4 and world % 2 == 0:
         return {"dp_replicate": 2, "dp_shard": world // 2} if hsdp else {"dp_shard": world // 2, "tp": 2}
     return {"dp_shard": world}
+
+
+def held_bytes(obj: Any) -> int:
+    """Bytes of the tensors this process holds in nested dicts and lists: a DTensor's local shard
+    (no collective: the joiner alone calls it)."""
+    if isinstance(obj, dict):
+        return sum(held_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(held_bytes(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        t = obj.to_local() if isinstance(obj, DTensor) else obj
+        return t.numel() * t.element_size()
+    return 0
 
 
 def emit(path: str, record: dict[str, Any]) -> None:
@@ -134,6 +150,10 @@ def main() -> None:
                 emit(args.log, {"step": rt.step, "loss": loss, "world_size": rt.world_size, "mesh": rt.dims,
                                 "samples": global_batch_ids(rt.data).tolist(), "time_s": time.perf_counter() - t0, "wall": time.time(),
                                 **({"after_recovery": rt.recovered} if rt.recovered is not None else {})})
+            if args.join and rt.recovered is not None and rt.recovered.get("joiners"):
+                # benchmarks: what the joiner holds after its admission, all of it received live (it held nothing)
+                held = held_bytes([rt.model.state_dict(), list(rt.optimizer.state.values())])
+                emit(args.log, {"event": "joined", "rank": rt.rank, "bytes_held": held, "wall": time.time()})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,15 @@ process) ``--repeats`` times per case and SIGKILLs one worker mid-run:
 - ``join``: scale up with no failure: a process started with ``--join`` waits for a job of 2 workers
   (``dp_shard=2``); they admit it after their first step, rebuild for ``dp_shard=3`` and send it its
   shards live (nothing from the checkpoint). "failure" below is then the moment the workers start the
-  join round, and no step is redone.
+  join round, and no step is redone;
+- ``hsdp3_grow``: ``hsdp3`` with a replacement (issue #31): when worker 3 is killed a fresh process is
+  started with ``--join`` (as torchrun's restart of torchft's replica group starts one); it registers,
+  the 3 survivors (``dp_shard=3`` by then) admit it at their next step boundary and send it its shards
+  live, and 4 workers go on as HSDP 2 x 2. Run for more steps (``GROW_STEPS``) so the replacement's
+  start fits. Also reported: the kill -> the first step back at 4 workers (``kill_to_full_size_s``),
+  the join's own time (its round's start -> that step, ``join_s``), the bytes the replacement holds
+  after it (all received live: it held nothing; ``bytes_to_joiner``), the join's bytes live (every
+  rank) and from storage, and the losses against an uninterrupted 4-worker run (:func:`reference_losses`).
 
 The survivors' order, whether it was computed for the layout the rebuilt model has
 (``layout_predicted``) and the peer bytes of the same move in the old rank order
@@ -53,6 +61,75 @@ CASES: dict[str, tuple[list[str], str | None]] = {
     "hsdp0": (["--hsdp"], "0:5:forward"),
     "join": ([], None)}
 COMMON = ["--steps", "8", "--ckpt-every", "2", "--global-batch", "12"]
+GROW_STEPS = 40  # hsdp3_grow: steps enough for the replacement's start (python, torch, its warm-up) to fit
+CASES["hsdp3_grow"] = (["--hsdp", "--steps", str(GROW_STEPS)], CASES["hsdp3"][1])
+GROWS = {"hsdp3_grow"}  # cases whose killed worker is replaced by a joiner started at the kill
+
+
+def _base_env(store_port: int, root: Path) -> dict[str, str]:
+    """The environment every process of one run shares: a fresh env:// address, the membership store."""
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store_port}", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+            "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+
+
+def _env(base: dict[str, str], rank: int | None, workers: int) -> dict[str, str]:
+    """A worker's environment (env:// rank ``rank`` of ``workers``), or a joiner's (``rank`` None:
+    no RANK / WORLD_SIZE, it finds the job through MASTER_ADDR / MASTER_PORT)."""
+    if rank is None:
+        return {**{k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE")}, "LOCAL_RANK": "0"}
+    return {**base, "RANK": str(rank), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(rank)}
+
+
+def _wait_file(path: Path, procs: list[subprocess.Popen], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text().strip()):
+        if time.monotonic() > deadline or all(p.poll() is not None for p in procs):
+            raise RuntimeError(f"{what}: {path} did not appear within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+def _last_per_step(records: list[dict]) -> dict[int, dict]:
+    """Rank 0's step records, the last one per step (a redone step's second run)."""
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+def grow_figures(records: list[dict], kill: dict, workers: int = 4) -> dict[str, Any]:
+    """The grow back of an ``hsdp3_grow`` run from its log (rank 0's step and recover records and the
+    replacement's ``"joined"`` record; ``kill``: the die record): the kill -> the first step at ``workers``
+    from the killed one on (rank 0 may log the step before it after the kill), the join's
+    own time (its round's start -> that step's end: the failure_to_state, ring and step time of the
+    record, as ``failure_to_first_step_s``), bytes to the joiner, the join's bytes. A figure the log
+    lacks (no join, no step at full size, no joiner record) is None: the caller refuses the run."""
+    full = [r for r in records if "loss" in r and r["step"] >= kill["step"] and r.get("world_size") == workers]
+    joins = [r for r in records if r.get("event") == "recover" and r.get("joiners")]
+    joined = [r for r in records if r.get("event") == "joined"]
+    first = min(full, key=lambda r: r["wall"]) if full else None
+    rec = joins[0] if joins else None
+    return {"kill_to_full_size_s": first["wall"] - kill["wall"] if first else None,
+            "full_size_step": first["step"] if first else None,
+            "join_s": rec["failure_to_state_s"] + rec["ring_s"] + first["time_s"] if rec and first else None,
+            "joined_after_step": rec["step"] if rec else None, "join_latency": rec.get("latency") if rec else None,
+            "bytes_to_joiner": joined[0]["bytes_held"] if joined else None,
+            "join_bytes_live": rec["bytes_live"] if rec else None,
+            "join_bytes_storage": rec["bytes_storage"] if rec else None, "join_mesh": rec["mesh"] if rec else None}
+
+
+def reference_losses(store_port: int, case: str, root: Path = ROOT, model: str = "tiny") -> dict[int, float]:
+    """The losses per step of ``case``'s job run uninterrupted on 4 workers (no kill, no joiner)."""
+    extra, _ = CASES[case]
+    with tempfile.TemporaryDirectory(prefix="bench-native-ref-") as d:
+        tmp = Path(d)
+        base = _base_env(store_port, root)
+        cmd = [sys.executable, str(root / "examples" / "train_native.py"), *COMMON, "--model", model, *extra,
+               "--ckpt", str(tmp / "ckpt"), "--log", str(tmp / "log.jsonl"), "--in-process", "--dead-after", "10"]
+        procs = [subprocess.Popen(cmd, env=_env(base, r, 4), stdout=(tmp / f"w{r}.log").open("w"),
+                                  stderr=subprocess.STDOUT) for r in range(4)]
+        codes = [p.wait(timeout=600) for p in procs]
+        if codes != [0, 0, 0, 0]:
+            raise RuntimeError(f"{case} reference: exit codes {codes}\n{(tmp / 'w0.log').read_text()[-2000:]}")
+        records = [json.loads(line) for line in (tmp / "log.jsonl").read_text().splitlines()]
+    return {s: r["loss"] for s, r in _last_per_step(records).items()}
 
 
 def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, model: str = "tiny") -> dict[str, Any]:
@@ -60,18 +137,13 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, m
     with tempfile.TemporaryDirectory(prefix="bench-native-") as d:
         tmp = Path(d)
         log = tmp / "log.jsonl"
-        port = free_port()
         procs = []
         workers = 4 if die else 2
-        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store_port}", "OMP_NUM_THREADS": "1",
-                "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "TENPLEX_DIE_RECORD": str(tmp / "die.jsonl"),
-                "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        base = {**_base_env(store_port, root), "TENPLEX_DIE_RECORD": str(tmp / "die.jsonl")}
         cmd = [sys.executable, str(root / "examples" / "train_native.py"), *COMMON, "--model", model, *extra, "--ckpt", str(tmp / "ckpt"),
                "--log", str(log), "--in-process", "--dead-after", str(dead_after), *(["--die-at", die] if die else [])]
         if not die:  # the joiner waits for the job before it starts: admitted after the first step
-            env = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE")}
-            procs.append(subprocess.Popen([*cmd, "--join"], env={**env, "LOCAL_RANK": "0"},
+            procs.append(subprocess.Popen([*cmd, "--join"], env=_env(base, None, workers),
                                           stdout=(tmp / "w2.log").open("w"), stderr=subprocess.STDOUT))
             deadline = time.monotonic() + 120
             while "waiting for job" not in (tmp / "w2.log").read_text():
@@ -79,9 +151,12 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, m
                     raise RuntimeError(f"join: the joiner did not start: {(tmp / 'w2.log').read_text()[-2000:]}")
                 time.sleep(0.05)
         for r in range(workers):
-            env = {**base, "RANK": str(r), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(r)}
-            procs.append(subprocess.Popen(cmd, env=env, stdout=(tmp / f"w{r}.log").open("w"),
+            procs.append(subprocess.Popen(cmd, env=_env(base, r, workers), stdout=(tmp / f"w{r}.log").open("w"),
                                           stderr=subprocess.STDOUT))
+        if case in GROWS:  # the replacement, started at the kill (the die record is written just before it)
+            _wait_file(tmp / "die.jsonl", procs, 300, case)
+            procs.append(subprocess.Popen([*cmd, "--join"], env=_env(base, None, workers),
+                                          stdout=(tmp / f"w{len(procs)}.log").open("w"), stderr=subprocess.STDOUT))
         codes = []
         for p in procs:
             try:
@@ -91,7 +166,8 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, m
                 codes.append(p.wait())
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         kills = [json.loads(line) for line in (tmp / "die.jsonl").read_text().splitlines()] if die else []
-        if sorted(codes) != ([-9, 0, 0, 0] if die else [0, 0, 0]):
+        expected = [-9, *[0] * (len(procs) - 1)] if die else [0, 0, 0]
+        if sorted(codes) != expected:
             tails = "\n".join((tmp / f"w{r}.log").read_text()[-2000:] for r in range(len(procs)))
             raise RuntimeError(f"{case}: exit codes {codes}\n{tails}")
     rec = next(r for r in records if r.get("event") == "recover")
@@ -121,6 +197,8 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, m
         "mesh_after": rec["mesh"], "alive": rec["alive"],
         "rank_order_plan_bytes_peer": rec.get("rank_order_plan_bytes_peer"),
         "layout_predicted": rec.get("layout_predicted"),
+        "losses": {s: r["loss"] for s, r in _last_per_step(records).items()},
+        **(grow_figures(records, kills[0]) if case in GROWS else {}),
     }
 
 

@@ -81,3 +81,67 @@ def test_torchft_figures_from_its_events() -> None:
     failed_before = {"event": "step", "group": 0, "rank": 0, "restart": 0, "step": 3, "committed": False, "wall": 999.0}
     with pytest.raises(b.Refused, match="failed to commit step 3 before the kill"):
         b.torchft_figures([*ev, failed_before], "w")
+
+
+def _grow_records(t_kill: float) -> list[dict]:
+    """A grow-back run's log (examples/train_native.py's): 4 workers, worker 3 killed in the forward
+    pass of step 5, 3 survivors run steps 5-9, the replacement is admitted after step 10's boundary
+    and 4 workers run steps 10-11. Rank 0 logs step 4 just after the kill (its step ended first)."""
+    recs = [{"step": s, "loss": 5.0 - 0.1 * s, "world_size": 4, "time_s": 0.4, "wall": t_kill - 2 + 0.3 * s}
+            for s in range(4)]
+    recs.append({"step": 4, "loss": 4.6, "world_size": 4, "time_s": 0.4, "wall": t_kill + 0.02})
+    recs += [{"step": s, "loss": 5.0 - 0.1 * s, "world_size": 3, "time_s": 0.5, "wall": t_kill + 1 + 0.5 * (s - 5)}
+             for s in range(5, 10)]
+    recs.append({"event": "recover", "joiners": [], "step": 5, "failure_to_state_s": 0.4, "ring_s": 0.1,
+                 "bytes_live": 24_200_448, "bytes_storage": 0, "mesh": {"dp_shard": 3}})
+    recs.append({"event": "joined", "rank": 3, "bytes_held": 72_449_412, "wall": t_kill + 6.1})
+    recs += [{"step": s, "loss": 5.0 - 0.1 * s, "world_size": 4, "time_s": 0.45, "wall": t_kill + 6 + 0.4 * (s - 10),
+              **({"after_recovery": {}} if s == 10 else {})} for s in (10, 11)]
+    recs.append({"event": "recover", "joiners": [4], "step": 10, "failure_to_state_s": 0.3, "ring_s": 0.05,
+                 "bytes_live": 96_000_000, "bytes_storage": 0, "mesh": {"dp_replicate": 2, "dp_shard": 2},
+                 "latency": {"agreement_s": 0.02, "transfer_s": 0.1, "first_step_s": 0.45, "total_s": 0.7}})
+    return recs
+
+
+def test_grow_back_figures_from_the_log() -> None:
+    """kill -> the first step back at 4 workers (not rank 0's step-4 record written after the kill),
+    the join's own time (its round's start -> that step: failure_to_state + ring + the step), the bytes
+    the replacement holds; losses against the uninterrupted run; a log without the grow back is refused."""
+    b = _bench()
+    kill = {"event": "die", "rank": 3, "step": 5, "wall": 1000.0}
+    recs = _grow_records(1000.0)
+    g = b.native.grow_figures(recs, kill)
+    assert g["kill_to_full_size_s"] == pytest.approx(6.0) and g["full_size_step"] == 10
+    assert g["join_s"] == pytest.approx(0.3 + 0.05 + 0.45) and g["joined_after_step"] == 10
+    assert g["bytes_to_joiner"] == 72_449_412 and g["join_bytes_live"] == 96_000_000 and g["join_bytes_storage"] == 0
+    losses = {r["step"]: r["loss"] for r in recs if "loss" in r}
+    out = b.grow_back({**g, "losses": losses}, dict(losses), "w")
+    assert out["losses_equal"] and out["max_rel_loss_diff"] == 0.0
+    assert out["join_latency"]["total_s"] == 0.7 and out["join_latency"]["regroup_s"] is None
+    off = {**losses, 11: losses[11] * (1 + 1e-3)}
+    assert not b.grow_back({**g, "losses": losses}, off, "w")["losses_equal"]
+    with pytest.raises(b.Refused, match="are not the uninterrupted run's"):
+        b.grow_back({**g, "losses": losses}, {**losses, 12: 3.0}, "w")
+    no_join = [r for r in recs if not (r.get("joiners") or r.get("event") == "joined" or r.get("world_size") == 4
+                                       and r["step"] >= 5)]
+    with pytest.raises(b.Refused, match=r"kill_to_full_size_s=None, join_s=None, bytes_to_joiner=None"):
+        b.grow_back({**b.native.grow_figures(no_join, kill), "losses": losses}, losses, "w")
+
+
+def test_grow_back_beside_torchft_heal() -> None:
+    """The grow-back block: tenplex's spreads beside torchft's heal per heartbeat, the goal against the
+    fastest heal and the smallest full copy."""
+    b = _bench()
+    sp = b._spread
+    out = {"torchft_1000ms": {"heal_s": sp([5.8, 5.6, 7.1]), "bytes_full_copy": sp([144_898_824] * 3)},
+           "torchft_5000ms": {"heal_s": sp([5.3, 5.2, 5.3]), "bytes_full_copy": sp([144_898_824] * 3)},
+           "tenplex_hsdp3_grow": {**{k: sp([1.0, 2.0, 3.0]) for k in b.GROW_KEYS}, "losses_equal": True}}
+    out["tenplex_hsdp3_grow"]["kill_to_full_size_s"] = sp([5.0, 5.2, 5.4])
+    out["tenplex_hsdp3_grow"]["bytes_to_joiner"] = sp([72_449_412] * 3)
+    g = b.grow_beside_heal(out, ["hsdp3_grow"], (1000, 5000))
+    assert g["torchft_best_heal_s"] == 5.3 and g["torchft_heal_s"]["torchft_1000ms"]["median"] == 5.8
+    assert g["goal"] == {"tenplex_hsdp3_grow_full_size_before_torchft_heal": True,
+                         "tenplex_hsdp3_grow_fewer_bytes_than_full_copy": True, "tenplex_hsdp3_grow_losses_equal": True}
+    out["tenplex_hsdp3_grow"]["kill_to_full_size_s"] = sp([5.3, 5.4, 5.5])
+    assert not b.grow_beside_heal(out, ["hsdp3_grow"], (1000, 5000))["goal"][
+        "tenplex_hsdp3_grow_full_size_before_torchft_heal"]
