@@ -29,8 +29,19 @@ is logged after its first step and given to ``on_event`` with the recovery's rec
 
 A process started with ``join=True`` (no ``RANK``/``WORLD_SIZE``; the job's
 ``TENPLEX_MEMBERSHIP_STORE`` and ``TENPLEX_JOB_ID`` or ``MASTER_ADDR``/``MASTER_PORT``) is admitted
-at the job's next step boundary and receives its state live. Not done yet: ranks beyond the
-rule's mesh as spares (the rule must use every rank, as ``choose_mesh`` requires).
+at the job's next step boundary and receives its state live.
+
+Spares: a rule may give a mesh of fewer ranks than the job has (5 workers, ``{"dp_shard": 4}``):
+ranks ``0 .. n-1`` of the n the mesh holds train, the others wait as spares. A spare is a member
+(heartbeats, the agreement, the join boundaries) but holds no shard and runs no step: ``steps``
+yields nothing on it (``rt.model``, ``rt.optimizer``, ``rt.mesh`` are None), it only follows the
+step count (one small all-reduce per step with the trainers, which also tells it of a failure)
+and learns the state dict's layout once per mesh (for the survivors' order). When a trainer dies,
+the recovery takes the spare into the new group after the survivors; the rule gives it a place and
+it receives its state live, as a joiner does, then ``steps`` yields to it too. Not done yet: a
+recovery or join after which the group still has spares (the rule's mesh smaller than the new
+group: ``fits`` refuses such joins; such a recovery fails to the restart path), and resuming a
+checkpoint with spares (ConfigError: start as many workers as the mesh uses).
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -52,12 +64,12 @@ import torch.distributed as dist
 # kept the first default group alive past its destruction, and the peers blocked on its connections
 # waited until this process exited (measured: 40 s of a recovery, then the agreement timed out)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import default_save_id, list_steps, save
 from ..data.partition import DataState
-from ..errors import ConfigError, LayoutError, PeerFailure
+from ..errors import ConfigError, LayoutError, PeerFailure, TenplexError
 from ..native.dtensor import release_mesh
 from ..native.state_dict import describe_state_dict, local_shard, save_state_dict
 from ..planning.assignment import load_solvers
@@ -197,6 +209,10 @@ class ElasticRuntime:
         self._parts: dict[str, float] = {}  # seconds of the recovery's parts on this rank (its record's "parts")
         self._optim_template: list[dict[str, Any] | None] | None = None  # the old optimizer's state, per parameter
         self._done_at = 0.0  # perf_counter when the last recovery's state was in place
+        self.spare = False  # this rank is beyond the mesh: it holds nothing and runs no step
+        self._placed: Any = None  # with spares: the process group of the mesh's ranks (saves, the layout's description)
+        self._spare_mesh: Any = None  # a spare's handle of the mesh (its groups are released at a recovery)
+        self._told = False  # with spares: the state dict's layout on this mesh went to (or came to) the spares
         t_start = time.perf_counter()
         if _GROUP_BEFORE_IMPORT:
             log.warning("the default process group existed before tenplex.elastic.runtime (and DCP) were imported: "
@@ -272,6 +288,9 @@ class ElasticRuntime:
                 except PeerFailure as e:
                     self.failure = str(e)
                     continue
+            if self.spare:  # no step to run: follow the trainers' step, wait for a place
+                self._follow(total)
+                continue
             yield Step(self, total)
         self.close()
 
@@ -283,7 +302,7 @@ class ElasticRuntime:
         """Whether a group of n can run: the rule gives a mesh, and its data-parallel degree divides
         the global batch (``Membership(fits=)``: joiners that would make the group unusable wait)."""
         try:
-            dims = choose_mesh(n, choose=self.rule)
+            dims = choose_mesh(n, choose=self.rule)  # a join leaving spares: not yet (the module docstring)
         except (ConfigError, LayoutError):
             return False
         dp = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1)
@@ -329,10 +348,22 @@ class ElasticRuntime:
         """The mesh for ``world`` ranks (the rule's dims, in torch's mesh dim order), then the user's
         model; ``empty``: built on the meta device and materialised uninitialised (``build_empty``),
         for a state the recovery overwrites whole."""
-        self.dims = dims or choose_mesh(world, choose=self.rule)
+        self.dims = dims or choose_mesh(world, choose=self.rule, spares=True)
         names = tuple(d for d in MESH_DIMS if d in self.dims) + tuple(d for d in self.dims if d not in MESH_DIMS)
+        shape = tuple(self.dims[d] for d in names)
+        placed = math.prod(shape)
         t0 = time.perf_counter()
-        self.mesh = init_device_mesh(self.device, tuple(self.dims[d] for d in names), mesh_dim_names=names)
+        self._told, self._placed, self.spare = False, None, self.rank >= placed
+        if placed < world:  # ranks placed..world-1 wait as spares; every rank takes part in creating the groups
+            self.mesh = DeviceMesh(self.device, torch.arange(placed).reshape(shape), mesh_dim_names=names)
+            self._placed = dist.new_group(list(range(placed)))
+            if self.spare:
+                log.warning("rank %d of %d: a spare (the mesh %s holds ranks 0-%d)", self.rank, world, self.dims,
+                            placed - 1)
+                self._spare_mesh, self.mesh = self.mesh, None
+                return
+        else:
+            self.mesh = init_device_mesh(self.device, shape, mesh_dim_names=names)
         self._parts["mesh"] = time.perf_counter() - t0
         built = build_empty(self.build_fn, self.mesh, self.device) if empty else None
         self._parts["empty_build"] = float(built is not None)
@@ -344,6 +375,9 @@ class ElasticRuntime:
         start it is not called, the first step's AdamW step count would advance)."""
         self.start.update(world_size=self.world_size, mesh=self.dims)
         if any(s.complete for s in list_steps(self.config.ckpt)):
+            if self._placed is not None:
+                raise ConfigError(f"resuming {self.config.ckpt} with spares ({self.world_size} ranks, the mesh "
+                                  f"{self.dims} uses fewer) is not supported yet: start as many workers as it uses")
             sd = self.state_dict()
             res = rescale(self.config.ckpt, sd)
             self._restore(sd)
@@ -367,15 +401,51 @@ class ElasticRuntime:
         ring = self.ring
         if ring.held_as is None:  # collective: while every rank of this mesh is alive
             t0 = time.perf_counter()
-            ptc, layout = describe_state_dict(sd)
+            ptc, layout = describe_state_dict(sd, process_group=self._placed)
             self._parts["describe"] = time.perf_counter() - t0
             ring.held_as = HeldAs(layout, self.rank, default_save_id(layout, ptc), ptc=ptc)
-            self._seen[tuple(self.dims.items())] = layout
-            self.membership.order = live_order(ptc, layout, self.rule, self.membership.members, known=self._seen)
-            if not self._warmed:  # the scipy import and the assignment once, before any failure needs them
-                warm_up(ptc, layout, self.rule, self.membership.members)
-                self._warmed = True
+            self._order_by(ptc, layout)
         ring.record(self.step, local_shard(sd))
+
+    def _order_by(self, ptc: Any, layout: Any) -> None:
+        """The survivors' order for a failure from the state dict's layout on this mesh (``live_order``:
+        where most of each new rank's state already is); warmed up once."""
+        assert self.membership is not None
+        self._seen[tuple(self.dims.items())] = layout
+        self.membership.order = live_order(ptc, layout, self.rule, self.membership.members, known=self._seen)
+        if not self._warmed:  # the scipy import and the assignment once, before any failure needs them
+            warm_up(ptc, layout, self.rule, self.membership.members)
+            self._warmed = True
+
+    def _with_spares(self) -> None:
+        """A trainer's and a spare's one exchange per step over the whole group (only when the job has
+        spares): at a mesh's first step group rank 0 hands the spares the state dict's layout (they
+        order the survivors as the trainers do); then an all-reduce, which the spare's step waits on
+        (it fails there when a trainer dies)."""
+        if self._placed is None:
+            return
+        if not self._told and self.ring is not None:  # no membership (in_process=False): no order to compute
+            held = self.ring.held_as
+            box = [(held.ptc, held.layout) if held is not None and self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            if self.spare and box[0] is not None:
+                self._order_by(*box[0])
+            self._told = True
+        dist.all_reduce(torch.zeros(1, device=self.device))
+
+    def _follow(self, total: int) -> None:
+        """A spare's step: wait for the trainers to commit it (``_with_spares``), then count it and read
+        the joiners' boundary as they do; a trainer's failure ends it (recovered next)."""
+        try:
+            with self.guard():
+                self._with_spares()
+        except PeerFailure as e:
+            self.failure = str(e)
+            return
+        self.step += 1
+        if self.data is not None:
+            self.data = self.data.advance()
+        self._boundary(total)
 
     def _write(self, held_as: HeldAs, step: int, shard: Mapping[str, Any]) -> None:
         """One of the ring's states into the checkpoint, as this rank's part (its values on rank 0)."""
@@ -397,14 +467,20 @@ class ElasticRuntime:
             with self.guard():
                 if cfg.before_save is not None:
                     cfg.before_save(self.step)
-                save_state_dict(self.state_dict(), cfg.ckpt, step=self.step)
+                save_state_dict(self.state_dict(), cfg.ckpt, step=self.step, process_group=self._placed)
             self.saved.add(self.step)
             if self.ring is not None:
                 self.ring.pin(self.step)  # complete on every rank: pieces only a dead rank holds can come from it
+        if self._placed is not None:
+            with self.guard():
+                self._with_spares()
         if first is not None and self.times is not None:
             self._first_step(first, step_s)
-        # scale up: every worker reads the agreed boundary here (one store read), so all admit the
-        # waiting joiners after the same step; none is proposed with no step left to run
+        self._boundary(total)
+
+    def _boundary(self, total: int) -> None:
+        """Scale up: every member reads the agreed boundary here (one store read), so all admit the
+        waiting joiners after the same step; none is proposed with no step left to run."""
         if self.membership is not None and self.step < total and \
                 self.membership.join_due(self.step, propose=self.step + 1 < total):
             self.failure = "join"
@@ -464,6 +540,9 @@ class ElasticRuntime:
         t0 = time.perf_counter()
         self._parts = {}
         self._build(self.world_size, empty=self.config.empty_rebuild)
+        if self._placed is not None:  # the module docstring's "not done yet"
+            raise TenplexError(f"the new group of {self.world_size} still has spares (the mesh {self.dims} uses "
+                               "fewer ranks): a recovery into spares is not supported yet")
         t1 = time.perf_counter()
         if self._optim_template is not None:
             prime_optimizer(self.optimizer, self._optim_template)
@@ -505,14 +584,16 @@ class ElasticRuntime:
         self._optim_template = optimizer_template(self.optimizer) if self.config.empty_rebuild else None
         # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
         # freed, their connections close, and a survivor blocked in one of them with this rank fails
-        if self.mesh is not None:
-            release_mesh(self.mesh)
-        self.model = self.optimizer = self.mesh = None
+        spare = self.spare
+        for mesh in (self.mesh, self._spare_mesh):
+            if mesh is not None:
+                release_mesh(mesh)
+        self.model = self.optimizer = self.mesh = self._spare_mesh = self._placed = None
         gc.collect()
         t_released = time.perf_counter()
         rec = recover_in_process(m, ring, self._rebuilt, RecoveryConfig(url=self.config.ckpt,
                                                                          join_timeout=self.config.join_timeout),
-                                 join=reason == "join")
+                                 join=reason == "join", spare=spare)
         summed_s = time.time() - rec.rescaled_at  # the group-wide sums after rescale: counted in ring_s
         nm, res = rec.membership, rec.result
         t_restore = time.perf_counter()
@@ -565,9 +646,10 @@ class ElasticRuntime:
         if self.membership is not None:
             self.membership.close()
             self.membership = None
-        if self.mesh is not None:
-            release_mesh(self.mesh)
-        self.model = self.optimizer = self.mesh = None
+        for mesh in (self.mesh, self._spare_mesh):
+            if mesh is not None:
+                release_mesh(mesh)
+        self.model = self.optimizer = self.mesh = self._spare_mesh = self._placed = None
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
