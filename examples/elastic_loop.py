@@ -63,7 +63,7 @@ def main() -> None:
             raw = batches.batch(rt.data, rt.dp_size, rt.dp_rank)
             if kill == (first_rank, rt.step):
                 os.kill(os.getpid(), signal.SIGKILL)
-            loss = nl.train_step(rt.model, rt.optimizer, raw[:, :-1], raw[:, 1:])
+            loss = nl.train_step(rt.model, rt.optimizer, raw[:, :-1], raw[:, 1:], group=rt.group)
             if rt.rank == 0:
                 log({"step": rt.step, "loss": loss, "world_size": rt.world_size,
                      "samples": global_batch_ids(rt.data).tolist()})

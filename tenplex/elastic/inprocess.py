@@ -171,7 +171,9 @@ class RecoveryConfig:
     ``choose``: a ParallelConfig job's layout chooser (a torch-native job chose its mesh when it
     built its state dict: None); ``tiers``: host-store tiers for the fallback load; ``gpus_per_host``:
     of the topology the move is planned on; ``join_timeout``: seconds a joiner waits to be
-    admitted; ``before_migrate``: testing, called on every member after the regroup."""
+    admitted; ``before_migrate``: testing, called on every member after the regroup; ``placed``: a
+    torch-native job with spares: after ``build``, the process group of the mesh's ranks (None: every
+    rank), as ``rescale(process_group=)`` takes it."""
 
     url: str | None
     sources: tuple[str, ...] = ()
@@ -180,6 +182,7 @@ class RecoveryConfig:
     gpus_per_host: int = 8
     join_timeout: float = 60.0
     before_migrate: Callable[[], None] | None = None
+    placed: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sources", tuple(self.sources) or ((self.url,) if self.url else ()))
@@ -227,7 +230,7 @@ def recover_in_process(m: Membership, ring: StateRing, build: Callable[[NewMembe
     live = LiveState(held.layout if held else None, ring.states(), holders, config.sources,
                      ptc=held.ptc if held else None)
     res = rescale(config.url, target, choose=config.choose, gpus_per_host=config.gpus_per_host, tiers=config.tiers,
-                  live=live)
+                  live=live, process_group=config.placed() if config.placed is not None else None)
     t3, rescaled_at = time.perf_counter(), time.time()
     ptc = held.ptc if held is not None and held.ptc is not None else target if isinstance(target, PTC) else None
     rec = _summary(nm, res, ring, recover_s=t1 - t0, rescale_s=t3 - t2,

@@ -13,8 +13,8 @@ through too) and the restart fallback (exit code ``RECOVERY_FAILED``). The loop 
             x = batches.batch(rt.data, rt.dp_size, rt.dp_rank)
             loss = train_step(rt.model, rt.optimizer, x)
 
-Contract: read ``rt.model``, ``rt.optimizer``, ``rt.mesh``, ``rt.data``, ``rt.step``, ``rt.dp_rank``
-and ``rt.dp_size`` inside the ``with`` block of every step and keep no reference across steps:
+Contract: read ``rt.model``, ``rt.optimizer``, ``rt.mesh``, ``rt.data``, ``rt.step``, ``rt.dp_rank``,
+``rt.dp_size`` and ``rt.group`` inside the ``with`` block of every step and keep no reference across steps:
 after a recovery they are the rebuilt ones (a new mesh, a new model and optimizer holding the
 survivors' state, possibly an earlier step and data position). A peer failure inside the block
 (or in the runtime's work after it: the ring copy, the checkpoint) ends that step; the next
@@ -32,16 +32,19 @@ A process started with ``join=True`` (no ``RANK``/``WORLD_SIZE``; the job's
 at the job's next step boundary and receives its state live.
 
 Spares: a rule may give a mesh of fewer ranks than the job has (5 workers, ``{"dp_shard": 4}``):
-ranks ``0 .. n-1`` of the n the mesh holds train, the others wait as spares. A spare is a member
+ranks ``0 .. n-1`` of the n the mesh holds train, the others wait as spares (the job's own
+collectives beyond the mesh's dims go over ``rt.group``, not the default group). A spare is a member
 (heartbeats, the agreement, the join boundaries) but holds no shard and runs no step: ``steps``
 yields nothing on it (``rt.model``, ``rt.optimizer``, ``rt.mesh`` are None), it only follows the
 step count (one small all-reduce per step with the trainers, which also tells it of a failure)
-and learns the state dict's layout once per mesh (for the survivors' order). When a trainer dies,
-the recovery takes the spare into the new group after the survivors; the rule gives it a place and
-it receives its state live, as a joiner does, then ``steps`` yields to it too. Not done yet: a
-recovery or join after which the group still has spares (the rule's mesh smaller than the new
-group: ``fits`` refuses such joins; such a recovery fails to the restart path), and resuming a
-checkpoint with spares (ConfigError: start as many workers as the mesh uses).
+and learns the state dict's layout once per mesh (for the survivors' order). The trainers describe
+and save the state over the mesh's ranks alone. When a trainer dies, the recovery takes the spares
+into the new group after the survivors; those the rule's mesh now holds receive their state live,
+as a joiner does, and ``steps`` yields to them; the others stay spares. Not done yet: joiners that
+would be spares (``fits`` refuses such joins: they wait), resuming a checkpoint with spares
+(ConfigError: start as many workers as the mesh uses), and with spares a recovery that finds no
+step to move live (none held by every survivor and stored where needed) fails to the restart path
+instead of loading.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint import default_save_id, list_steps, save
 from ..data.partition import DataState
-from ..errors import ConfigError, LayoutError, PeerFailure, TenplexError
+from ..errors import ConfigError, LayoutError, PeerFailure
 from ..native.dtensor import release_mesh
 from ..native.state_dict import describe_state_dict, local_shard, save_state_dict
 from ..planning.assignment import load_solvers
@@ -256,6 +259,13 @@ class ElasticRuntime:
             self._emit(self.start)
 
     # -- what the loop reads -------------------------------------------------------------------
+    @property
+    def group(self) -> Any:
+        """The process group of the mesh's ranks for the job's own collectives outside the mesh's dims
+        (a loss all-reduce): None (the default group) unless the job has spares, which the default
+        group includes and which run no step."""
+        return self._placed
+
     @property
     def dp_rank(self) -> int:
         return self._dp()[0]
@@ -540,10 +550,10 @@ class ElasticRuntime:
         t0 = time.perf_counter()
         self._parts = {}
         self._build(self.world_size, empty=self.config.empty_rebuild)
-        if self._placed is not None:  # the module docstring's "not done yet"
-            raise TenplexError(f"the new group of {self.world_size} still has spares (the mesh {self.dims} uses "
-                               "fewer ranks): a recovery into spares is not supported yet")
         t1 = time.perf_counter()
+        if self.spare:  # a spare of the new mesh: nothing to fill (rescale gives it nothing)
+            self._optim_template, self._filled = None, {}
+            return self._filled
         if self._optim_template is not None:
             prime_optimizer(self.optimizer, self._optim_template)
         self._optim_template = None
@@ -591,13 +601,17 @@ class ElasticRuntime:
         self.model = self.optimizer = self.mesh = self._spare_mesh = self._placed = None
         gc.collect()
         t_released = time.perf_counter()
-        rec = recover_in_process(m, ring, self._rebuilt, RecoveryConfig(url=self.config.ckpt,
-                                                                         join_timeout=self.config.join_timeout),
+        rec = recover_in_process(m, ring, self._rebuilt,
+                                 RecoveryConfig(url=self.config.ckpt, join_timeout=self.config.join_timeout,
+                                                placed=lambda: self._placed),
                                  join=reason == "join", spare=spare)
         summed_s = time.time() - rec.rescaled_at  # the group-wide sums after rescale: counted in ring_s
         nm, res = rec.membership, rec.result
         t_restore = time.perf_counter()
-        self._parts["in_place"] = float(self._restore(self._filled, in_place=True))
+        if self.spare:  # still (or now) a spare: no state; the step the others resume
+            self.step = res.step
+        else:
+            self._parts["in_place"] = float(self._restore(self._filled, in_place=True))
         self._filled = {}
         t3 = time.perf_counter()  # the state is in place when rescale returned and the optimizer got it
         wall3 = rec.rescaled_at + (t3 - t_restore)
@@ -607,16 +621,18 @@ class ElasticRuntime:
             predicted = False
         ring.clear()
         t_rem = time.perf_counter()
-        self._remember()
+        if not self.spare:
+            self._remember()
+            ring.pin(self.step)  # a checkpoint step when pieces came from storage; else the state the survivors held
         self._parts.update(restore=t3 - t_restore, remember=time.perf_counter() - t_rem)
-        ring.pin(self.step)  # a checkpoint step when pieces came from storage; else the state the survivors held
         t4 = time.perf_counter()
         self._done_at = t4
         assert rec.times is not None
         self.times = rec.times.with_extra(regroup_s=t_released - t0, transfer_s=t3 - t_restore)
         ps = res.plan_stats
         # not timed: the same move in the survivors' old rank order (what the locality order saved)
-        by_rank = plan(old.ptc, old.layout, res.cfg, alive=sorted(nm.alive)).stats if old else ps
+        by_rank = plan(old.ptc, old.layout, res.cfg,  # the survivors that held state (not the spares)
+                       alive=sorted(a for a in nm.alive if a < old.layout.world_size)).stats if old else ps
         return {"event": "recover", "reason": reason.splitlines()[0][:200], "world_size": self.world_size,
                 "mesh": self.dims, "alive": list(nm.alive), "joiners": list(nm.joiners), "live": res.live,
                 "step": self.step, "newest": newest,
