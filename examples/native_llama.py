@@ -400,16 +400,16 @@ def dp_slice(tokens_targets: tuple[torch.Tensor, torch.Tensor], dp_rank: int, dp
     return tokens[dp_rank * b:(dp_rank + 1) * b], targets[dp_rank * b:(dp_rank + 1) * b]
 
 
-def _global_mean_loss(local: torch.Tensor | None) -> float:
+def _global_mean_loss(local: torch.Tensor | None, group: Any = None) -> float:
     """Average the losses of the ranks that hold one (all of them, or the last PP stage's): the
-    global mean over DP slices, identical on every rank."""
+    global mean over DP slices, identical on every rank (of ``group``: default, every rank)."""
     if not (dist.is_available() and dist.is_initialized()):
         assert local is not None
         return float(local)
     buf = torch.zeros(2, dtype=torch.float64)
     if local is not None:
         buf[0], buf[1] = float(local), 1.0
-    dist.all_reduce(buf)
+    dist.all_reduce(buf, group=group)
     return float(buf[0] / buf[1])
 
 
@@ -443,13 +443,14 @@ def forward_backward(model_or_schedule: Any, tokens: torch.Tensor, targets: torc
 
 
 def train_step(model_or_schedule: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
-               targets: torch.Tensor) -> float:
+               targets: torch.Tensor, group: Any = None) -> float:
     """One step on this rank's slice: ``forward_backward``, ``optimizer.step()``, ``zero_grad()``.
-    Returns the global mean loss, the same float on every rank."""
+    Returns the global mean loss, the same float on every rank of ``group`` (default: every rank;
+    a job with spares passes the mesh's ranks, ``ElasticRuntime.group``)."""
     local = forward_backward(model_or_schedule, tokens, targets)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return _global_mean_loss(local)
+    return _global_mean_loss(local, group)
 
 
 def make_optimizer(model: nn.Module, lr: float = 1e-3) -> torch.optim.AdamW:

@@ -7,6 +7,9 @@
    the forward pass of step 3; the 3 survivors recover in process through the runtime and every
    step's loss and samples match an uninterrupted single-process run; the recovery's record has its
    latency table with every component > 0 and bytes moved below the full-replica copy's.
+3. Spawned, spares: 6 workers under a rule whose mesh holds 4; workers 4, 5 wait as spares (no model,
+   no step); trainer 1 is SIGKILLed mid-step and the recovery promotes spare 4 (spare 5 stays one):
+   the mesh keeps 4 workers, every step's loss within 1e-5 of the uninterrupted run's, every sample once.
 """
 
 from __future__ import annotations
@@ -61,6 +64,32 @@ def test_a_full_replica_copy_is_the_whole_state() -> None:
     assert full_replica_bytes(ptc) == 8 * 4 * 4 + 4 * 2 == ptc.nbytes
 
 
+def test_a_mesh_rule_may_leave_spares_only_when_asked() -> None:
+    """``choose_mesh(spares=True)``: a rule's mesh may hold fewer ranks than the job (the rest wait as
+    spares), never more; without it every rank must be used (a joiner's ``fits`` asks so)."""
+    from tenplex.planning.choose import choose_mesh
+
+    rule = lambda world: {"dp_shard": min(world, 4)}  # noqa: E731
+    assert choose_mesh(5, choose=rule, spares=True) == {"dp_shard": 4} == choose_mesh(4, choose=rule)
+    with pytest.raises(ConfigError, match=r"hold 4 = 4 ranks, but the job has 5: the chooser must use every rank"):
+        choose_mesh(5, choose=rule)
+    with pytest.raises(ConfigError, match=r"hold 6 = 6 ranks, but the job has 5: the chooser must use at most 5 ranks"):
+        choose_mesh(5, choose=lambda world: {"dp_shard": 6}, spares=True)
+
+
+def _loop_workers(tmp: Path, n: int, args: list[str], store_port: int) -> list[subprocess.Popen]:
+    """``n`` workers of ``examples/elastic_loop.py`` on env://, their membership store the TCPStore at ``store_port``."""
+    port, procs = free_port(), []
+    with gloo_env():
+        for r in range(n):
+            env = {**os.environ, **rank_env(r, n, port), "PYTHONUNBUFFERED": "1",
+                   "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store_port}",
+                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+            procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env,
+                                          stdout=(tmp / f"worker{r}.log").open("w"), stderr=subprocess.STDOUT))
+    return procs
+
+
 @pytest.mark.timeout(240)
 def test_a_users_own_loop_survives_a_kill_in_process(tmp_path: Path) -> None:
     import torch.distributed as dist
@@ -68,17 +97,9 @@ def test_a_users_own_loop_survives_a_kill_in_process(tmp_path: Path) -> None:
     from tenplex.checkpoint import read_manifest
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    log, ckpt, port = tmp_path / "log.jsonl", tmp_path / "ckpt", free_port()
-    procs = []
-    with gloo_env():
-        for r in range(4):
-            env = {**os.environ, **rank_env(r, 4, port), "PYTHONUNBUFFERED": "1",
-                   "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store.port}",
-                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-            procs.append(subprocess.Popen([sys.executable, SCRIPT, "--ckpt", str(ckpt), "--steps", str(STEPS),
-                                           "--global-batch", str(BATCH), "--log", str(log), "--kill-at", "3:3"],
-                                          env=env, stdout=(tmp_path / f"worker{r}.log").open("w"),
-                                          stderr=subprocess.STDOUT))
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    procs = _loop_workers(tmp_path, 4, ["--ckpt", str(ckpt), "--steps", str(STEPS), "--global-batch", str(BATCH),
+                                        "--log", str(log), "--kill-at", "3:3"], store.port)
     reference = native_reference(STEPS)
     codes = wait_procs(procs, 200)
     assert codes == [0, 0, 0, -9], (codes, log_tails(tmp_path))
@@ -165,3 +186,36 @@ def test_an_empty_rebuild_initialises_nothing_and_its_optimizer_state_is_shaped_
         assert build_empty(build_cached, mesh, "cpu") is None
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_a_spare_takes_a_dead_trainers_place(tmp_path: Path) -> None:
+    """6 workers, a mesh of at most 4: workers 4 and 5 wait as spares. Trainer 1 is SIGKILLed in the
+    forward pass of step 3; the recovery gives spare 4 its place (the survivors first, then the
+    spares: live_order) and moves it its state live, spare 5 stays a spare of the new group of 5.
+    Every step's loss within 1e-5 of the uninterrupted run's, every sample once."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    procs = _loop_workers(tmp_path, 6, ["--ckpt", str(ckpt), "--steps", str(STEPS), "--global-batch", str(BATCH),
+                                        "--log", str(log), "--kill-at", "1:3", "--mesh", "4"], store.port)
+    reference = native_reference(STEPS)
+    codes = wait_procs(procs, 150)
+    assert codes == [0, -9, 0, 0, 0, 0], (codes, log_tails(tmp_path))
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    start = next(e for e in events if e.get("start"))
+    assert start["world_size"] == 6 and start["mesh"] == {"dp_shard": 4}, start
+    # worker 4 was a spare until the recovery; worker 5 before and after it
+    spare = [(tmp_path / f"worker{r}.log").read_text().count("a spare (the mesh") for r in (4, 5)]
+    assert spare == [1, 2], spare
+    recs = check_native_run(tmp_path, log, reference, steps=STEPS)
+    for e in (e for e in events if "loss" in e):  # within 1e-5 of the uninterrupted run (check_native_run: 1e-4)
+        assert abs(e["loss"] - reference[e["step"]][0]) <= 1e-5 * abs(reference[e["step"]][0]), e
+    assert len(recs) == 1, recs
+    rec = recs[0]
+    # the survivors first, then the spares (first-group ranks 4, 5); the mesh keeps its 4 ranks
+    assert rec["live"] and rec["world_size"] == 5 and rec["mesh"] == {"dp_shard": 4}, rec
+    assert sorted(rec["alive"][:3]) == [0, 2, 3] and rec["alive"][3:] == [4, 5] and rec["joiners"] == [], rec
+    # the spare's shard: what only trainer 1 held comes from the checkpoint of step 2, the rest from survivors
+    assert rec["bytes_live"] > 0 and rec["bytes_storage"] > 0, rec

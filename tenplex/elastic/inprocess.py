@@ -171,7 +171,9 @@ class RecoveryConfig:
     ``choose``: a ParallelConfig job's layout chooser (a torch-native job chose its mesh when it
     built its state dict: None); ``tiers``: host-store tiers for the fallback load; ``gpus_per_host``:
     of the topology the move is planned on; ``join_timeout``: seconds a joiner waits to be
-    admitted; ``before_migrate``: testing, called on every member after the regroup."""
+    admitted; ``before_migrate``: testing, called on every member after the regroup; ``placed``: a
+    torch-native job with spares: after ``build``, the process group of the mesh's ranks (None: every
+    rank), as ``rescale(process_group=)`` takes it."""
 
     url: str | None
     sources: tuple[str, ...] = ()
@@ -180,6 +182,7 @@ class RecoveryConfig:
     gpus_per_host: int = 8
     join_timeout: float = 60.0
     before_migrate: Callable[[], None] | None = None
+    placed: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sources", tuple(self.sources) or ((self.url,) if self.url else ()))
@@ -194,20 +197,22 @@ class RecoveryConfig:
 
 
 def recover_in_process(m: Membership, ring: StateRing, build: Callable[[NewMembership], PTC | MutableMapping[str, Any]],
-                       config: RecoveryConfig, *, join: bool = False) -> LiveRecovery:
+                       config: RecoveryConfig, *, join: bool = False, spare: bool = False) -> LiveRecovery:
     """Agree on the members (the survivors, ordered by ``m.order``, then the live joiners; at the
     boundary ``Membership.join_due`` agreed when ``join``), call ``build(new_membership)`` for what
     ``rescale`` fills (a ParallelConfig job's PTC, or a torch-native job's state dict of the model
     built for the new group), then ``rescale(live=...)`` from the states in ``ring`` (taken as
     ``ring.held_as`` says). A joiner (``m.joining``: an empty ring) waits up to
     ``config.join_timeout`` s to be admitted and receives its state. Every member and joiner of
-    the new group calls it; it raises on any failure (the caller exits with RECOVERY_FAILED)."""
+    the new group calls it; it raises on any failure (the caller exits with RECOVERY_FAILED). A
+    ``spare`` (a member the old layout left out: an empty ring) agrees as a member and receives its
+    state as a joiner does."""
     t0, wall0 = time.perf_counter(), time.time()
     held = ring.held_as
     if m.joining:
         nm = m.admit(config.join_timeout)
     else:
-        if held is None:
+        if held is None and not spare:
             raise TenplexError("no consistent state is held yet (a failure before the first step)")
         nm = m.recover(join=join)
     t1 = time.perf_counter()
@@ -215,8 +220,8 @@ def recover_in_process(m: Membership, ring: StateRing, build: Callable[[NewMembe
         dist.barrier()
         config.before_migrate()
     # the survivors that held state come first (live_order); spares of the layout after them hold nothing,
-    # nor do joiners (a joiner knows neither: rescale gives it the layout and the holders of group rank 0)
-    holders = [a for a in nm.alive if held is None or a < held.layout.world_size]
+    # nor do joiners (a joiner or a spare knows neither: rescale gives it the layout and the holders of group rank 0)
+    holders = [] if held is None else [a for a in nm.alive if a < held.layout.world_size]
     if list(nm.alive[: len(holders)]) != holders:
         raise TenplexError(f"the new group's order {list(nm.alive)} puts a spare of {held.layout if held else None} "
                            "before a rank holding state (order the members with live_order)")
@@ -225,7 +230,7 @@ def recover_in_process(m: Membership, ring: StateRing, build: Callable[[NewMembe
     live = LiveState(held.layout if held else None, ring.states(), holders, config.sources,
                      ptc=held.ptc if held else None)
     res = rescale(config.url, target, choose=config.choose, gpus_per_host=config.gpus_per_host, tiers=config.tiers,
-                  live=live)
+                  live=live, process_group=config.placed() if config.placed is not None else None)
     t3, rescaled_at = time.perf_counter(), time.time()
     ptc = held.ptc if held is not None and held.ptc is not None else target if isinstance(target, PTC) else None
     rec = _summary(nm, res, ring, recover_s=t1 - t0, rescale_s=t3 - t2,

@@ -110,7 +110,7 @@ def live_order(ptc: PTC, cfg: ParallelConfig | StateLayout, choose: Chooser | Me
         holders = sorted(r for r in ranks if r < cfg.world_size)  # ties broken alike whatever the members' order
         spares = [r for r in ranks if r >= cfg.world_size]
         if isinstance(cfg, StateLayout):
-            dims = tuple(choose_mesh(len(members), choose=choose).items())  # type: ignore[arg-type]
+            dims = tuple(choose_mesh(len(members), choose=choose, spares=True).items())  # type: ignore[arg-type]
             try:
                 new: ParallelConfig | StateLayout = predict_layout(cfg, dims, known or {})
             except LayoutError as e:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..checkpoint import check_model
 from ..checkpoint import LoadResult, ShardSink
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, TenplexError
 from ..layout.config import ParallelConfig
 from ..layout.ptc import PTC
 from ..layout.state_layout import StateLayout
@@ -99,13 +99,24 @@ def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], l
     t0 = time.perf_counter()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     # the values of a state dict about to be filled do not matter (a joiner's step counters differ)
-    new_ptc, layout = describe_state_dict(state_dict, values=live is None)
+    if o.process_group is None:
+        new_ptc, layout = describe_state_dict(state_dict, values=live is None)
+    else:  # spares: the mesh's ranks describe, group rank 0 hands the spares the layout
+        if live is None:
+            raise ConfigError("rescale(url, state_dict, process_group=...) moves live only: pass live=")
+        box = [None if dist.get_rank(o.process_group) < 0 else
+               describe_state_dict(state_dict, values=False, process_group=o.process_group)]
+        dist.broadcast_object_list(box, src=0)
+        new_ptc, layout = box[0]
     timings = {"describe": time.perf_counter() - t0}
     if live is not None:
         moved = rescale_state_dict_live(state_dict, live, layout, new_ptc, gpus_per_host=o.gpus_per_host,
                                         timings=timings)
         if moved is not None:
             return moved
+        if o.process_group is not None:
+            raise TenplexError("no step is held by every survivor and stored where needed, and a load with spares "
+                               "is not supported yet")
     found, where = _tiers_of(url, o.tiers, o.storage_options)
     source: StepSource | None = None
     if o.tiers:
@@ -160,7 +171,10 @@ class RescaleOptions:
 
     A torch-native job's state dict takes ``tiers``, ``storage_options``, ``step``, ``gpus_per_host``
     and ``topology``; ``parallel``, ``choose``, ``layout_options``, ``rank`` and ``world_size`` do not
-    apply to it (its mesh is the one it built the state dict for).
+    apply to it (its mesh is the one it built the state dict for). ``process_group``: a torch-native
+    job whose mesh holds only some ranks of the default group (the others spares), in a live move:
+    the group of the mesh's ranks, which describe the state dict (group rank 0 hands the spares its
+    layout); a spare passes an empty state dict and is given nothing.
     """
 
     rank: int | None = None
@@ -174,6 +188,7 @@ class RescaleOptions:
     topology: Topology | None = None
     step: int | None = None
     allow_meta_change: bool = False
+    process_group: Any = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_host < 1:
@@ -225,6 +240,8 @@ def rescale(url: str | None, ptc: PTC | MutableMapping[str, Any], options: Resca
             raise ConfigError("rescale(url, state_dict): the job chose its mesh (choose_mesh) and built the state dict "
                               "for it; parallel=, choose=, layout_options=, rank= and world_size= do not apply")
         return _rescale_state_dict(url, ptc, live, o)
+    if o.process_group is not None:
+        raise ConfigError("rescale(url, ptc): process_group= is a torch-native state dict's (its spares)")
     env_rank, env_size = env_world()
     rank = env_rank if o.rank is None else o.rank
     world = env_size if o.world_size is None else o.world_size

@@ -13,8 +13,8 @@ through too) and the restart fallback (exit code ``RECOVERY_FAILED``). The loop 
             x = batches.batch(rt.data, rt.dp_size, rt.dp_rank)
             loss = train_step(rt.model, rt.optimizer, x)
 
-Contract: read ``rt.model``, ``rt.optimizer``, ``rt.mesh``, ``rt.data``, ``rt.step``, ``rt.dp_rank``
-and ``rt.dp_size`` inside the ``with`` block of every step and keep no reference across steps:
+Contract: read ``rt.model``, ``rt.optimizer``, ``rt.mesh``, ``rt.data``, ``rt.step``, ``rt.dp_rank``,
+``rt.dp_size`` and ``rt.group`` inside the ``with`` block of every step and keep no reference across steps:
 after a recovery they are the rebuilt ones (a new mesh, a new model and optimizer holding the
 survivors' state, possibly an earlier step and data position). A peer failure inside the block
 (or in the runtime's work after it: the ring copy, the checkpoint) ends that step; the next
@@ -29,8 +29,22 @@ is logged after its first step and given to ``on_event`` with the recovery's rec
 
 A process started with ``join=True`` (no ``RANK``/``WORLD_SIZE``; the job's
 ``TENPLEX_MEMBERSHIP_STORE`` and ``TENPLEX_JOB_ID`` or ``MASTER_ADDR``/``MASTER_PORT``) is admitted
-at the job's next step boundary and receives its state live. Not done yet: ranks beyond the
-rule's mesh as spares (the rule must use every rank, as ``choose_mesh`` requires).
+at the job's next step boundary and receives its state live.
+
+Spares: a rule may give a mesh of fewer ranks than the job has (5 workers, ``{"dp_shard": 4}``):
+ranks ``0 .. n-1`` of the n the mesh holds train, the others wait as spares (the job's own
+collectives beyond the mesh's dims go over ``rt.group``, not the default group). A spare is a member
+(heartbeats, the agreement, the join boundaries) but holds no shard and runs no step: ``steps``
+yields nothing on it (``rt.model``, ``rt.optimizer``, ``rt.mesh`` are None), it only follows the
+step count (one small all-reduce per step with the trainers, which also tells it of a failure)
+and learns the state dict's layout once per mesh (for the survivors' order). The trainers describe
+and save the state over the mesh's ranks alone. When a trainer dies, the recovery takes the spares
+into the new group after the survivors; those the rule's mesh now holds receive their state live,
+as a joiner does, and ``steps`` yields to them; the others stay spares. Not done yet: joiners that
+would be spares (``fits`` refuses such joins: they wait), resuming a checkpoint with spares
+(ConfigError: start as many workers as the mesh uses), and with spares a recovery that finds no
+step to move live (none held by every survivor and stored where needed) fails to the restart path
+instead of loading.
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -52,7 +67,7 @@ import torch.distributed as dist
 # kept the first default group alive past its destruction, and the peers blocked on its connections
 # waited until this process exited (measured: 40 s of a recovery, then the agreement timed out)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import default_save_id, list_steps, save
@@ -197,6 +212,10 @@ class ElasticRuntime:
         self._parts: dict[str, float] = {}  # seconds of the recovery's parts on this rank (its record's "parts")
         self._optim_template: list[dict[str, Any] | None] | None = None  # the old optimizer's state, per parameter
         self._done_at = 0.0  # perf_counter when the last recovery's state was in place
+        self.spare = False  # this rank is beyond the mesh: it holds nothing and runs no step
+        self._placed: Any = None  # with spares: the process group of the mesh's ranks (saves, the layout's description)
+        self._spare_mesh: Any = None  # a spare's handle of the mesh (its groups are released at a recovery)
+        self._told = False  # with spares: the state dict's layout on this mesh went to (or came to) the spares
         t_start = time.perf_counter()
         if _GROUP_BEFORE_IMPORT:
             log.warning("the default process group existed before tenplex.elastic.runtime (and DCP) were imported: "
@@ -241,6 +260,13 @@ class ElasticRuntime:
 
     # -- what the loop reads -------------------------------------------------------------------
     @property
+    def group(self) -> Any:
+        """The process group of the mesh's ranks for the job's own collectives outside the mesh's dims
+        (a loss all-reduce): None (the default group) unless the job has spares, which the default
+        group includes and which run no step."""
+        return self._placed
+
+    @property
     def dp_rank(self) -> int:
         return self._dp()[0]
 
@@ -272,6 +298,9 @@ class ElasticRuntime:
                 except PeerFailure as e:
                     self.failure = str(e)
                     continue
+            if self.spare:  # no step to run: follow the trainers' step, wait for a place
+                self._follow(total)
+                continue
             yield Step(self, total)
         self.close()
 
@@ -283,7 +312,7 @@ class ElasticRuntime:
         """Whether a group of n can run: the rule gives a mesh, and its data-parallel degree divides
         the global batch (``Membership(fits=)``: joiners that would make the group unusable wait)."""
         try:
-            dims = choose_mesh(n, choose=self.rule)
+            dims = choose_mesh(n, choose=self.rule)  # a join leaving spares: not yet (the module docstring)
         except (ConfigError, LayoutError):
             return False
         dp = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1)
@@ -329,10 +358,22 @@ class ElasticRuntime:
         """The mesh for ``world`` ranks (the rule's dims, in torch's mesh dim order), then the user's
         model; ``empty``: built on the meta device and materialised uninitialised (``build_empty``),
         for a state the recovery overwrites whole."""
-        self.dims = dims or choose_mesh(world, choose=self.rule)
+        self.dims = dims or choose_mesh(world, choose=self.rule, spares=True)
         names = tuple(d for d in MESH_DIMS if d in self.dims) + tuple(d for d in self.dims if d not in MESH_DIMS)
+        shape = tuple(self.dims[d] for d in names)
+        placed = math.prod(shape)
         t0 = time.perf_counter()
-        self.mesh = init_device_mesh(self.device, tuple(self.dims[d] for d in names), mesh_dim_names=names)
+        self._told, self._placed, self.spare = False, None, self.rank >= placed
+        if placed < world:  # ranks placed..world-1 wait as spares; every rank takes part in creating the groups
+            self.mesh = DeviceMesh(self.device, torch.arange(placed).reshape(shape), mesh_dim_names=names)
+            self._placed = dist.new_group(list(range(placed)))
+            if self.spare:
+                log.warning("rank %d of %d: a spare (the mesh %s holds ranks 0-%d)", self.rank, world, self.dims,
+                            placed - 1)
+                self._spare_mesh, self.mesh = self.mesh, None
+                return
+        else:
+            self.mesh = init_device_mesh(self.device, shape, mesh_dim_names=names)
         self._parts["mesh"] = time.perf_counter() - t0
         built = build_empty(self.build_fn, self.mesh, self.device) if empty else None
         self._parts["empty_build"] = float(built is not None)
@@ -344,6 +385,9 @@ class ElasticRuntime:
         start it is not called, the first step's AdamW step count would advance)."""
         self.start.update(world_size=self.world_size, mesh=self.dims)
         if any(s.complete for s in list_steps(self.config.ckpt)):
+            if self._placed is not None:
+                raise ConfigError(f"resuming {self.config.ckpt} with spares ({self.world_size} ranks, the mesh "
+                                  f"{self.dims} uses fewer) is not supported yet: start as many workers as it uses")
             sd = self.state_dict()
             res = rescale(self.config.ckpt, sd)
             self._restore(sd)
@@ -367,15 +411,51 @@ class ElasticRuntime:
         ring = self.ring
         if ring.held_as is None:  # collective: while every rank of this mesh is alive
             t0 = time.perf_counter()
-            ptc, layout = describe_state_dict(sd)
+            ptc, layout = describe_state_dict(sd, process_group=self._placed)
             self._parts["describe"] = time.perf_counter() - t0
             ring.held_as = HeldAs(layout, self.rank, default_save_id(layout, ptc), ptc=ptc)
-            self._seen[tuple(self.dims.items())] = layout
-            self.membership.order = live_order(ptc, layout, self.rule, self.membership.members, known=self._seen)
-            if not self._warmed:  # the scipy import and the assignment once, before any failure needs them
-                warm_up(ptc, layout, self.rule, self.membership.members)
-                self._warmed = True
+            self._order_by(ptc, layout)
         ring.record(self.step, local_shard(sd))
+
+    def _order_by(self, ptc: Any, layout: Any) -> None:
+        """The survivors' order for a failure from the state dict's layout on this mesh (``live_order``:
+        where most of each new rank's state already is); warmed up once."""
+        assert self.membership is not None
+        self._seen[tuple(self.dims.items())] = layout
+        self.membership.order = live_order(ptc, layout, self.rule, self.membership.members, known=self._seen)
+        if not self._warmed:  # the scipy import and the assignment once, before any failure needs them
+            warm_up(ptc, layout, self.rule, self.membership.members)
+            self._warmed = True
+
+    def _with_spares(self) -> None:
+        """A trainer's and a spare's one exchange per step over the whole group (only when the job has
+        spares): at a mesh's first step group rank 0 hands the spares the state dict's layout (they
+        order the survivors as the trainers do); then an all-reduce, which the spare's step waits on
+        (it fails there when a trainer dies)."""
+        if self._placed is None:
+            return
+        if not self._told and self.ring is not None:  # no membership (in_process=False): no order to compute
+            held = self.ring.held_as
+            box = [(held.ptc, held.layout) if held is not None and self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            if self.spare and box[0] is not None:
+                self._order_by(*box[0])
+            self._told = True
+        dist.all_reduce(torch.zeros(1, device=self.device))
+
+    def _follow(self, total: int) -> None:
+        """A spare's step: wait for the trainers to commit it (``_with_spares``), then count it and read
+        the joiners' boundary as they do; a trainer's failure ends it (recovered next)."""
+        try:
+            with self.guard():
+                self._with_spares()
+        except PeerFailure as e:
+            self.failure = str(e)
+            return
+        self.step += 1
+        if self.data is not None:
+            self.data = self.data.advance()
+        self._boundary(total)
 
     def _write(self, held_as: HeldAs, step: int, shard: Mapping[str, Any]) -> None:
         """One of the ring's states into the checkpoint, as this rank's part (its values on rank 0)."""
@@ -397,14 +477,20 @@ class ElasticRuntime:
             with self.guard():
                 if cfg.before_save is not None:
                     cfg.before_save(self.step)
-                save_state_dict(self.state_dict(), cfg.ckpt, step=self.step)
+                save_state_dict(self.state_dict(), cfg.ckpt, step=self.step, process_group=self._placed)
             self.saved.add(self.step)
             if self.ring is not None:
                 self.ring.pin(self.step)  # complete on every rank: pieces only a dead rank holds can come from it
+        if self._placed is not None:
+            with self.guard():
+                self._with_spares()
         if first is not None and self.times is not None:
             self._first_step(first, step_s)
-        # scale up: every worker reads the agreed boundary here (one store read), so all admit the
-        # waiting joiners after the same step; none is proposed with no step left to run
+        self._boundary(total)
+
+    def _boundary(self, total: int) -> None:
+        """Scale up: every member reads the agreed boundary here (one store read), so all admit the
+        waiting joiners after the same step; none is proposed with no step left to run."""
         if self.membership is not None and self.step < total and \
                 self.membership.join_due(self.step, propose=self.step + 1 < total):
             self.failure = "join"
@@ -465,6 +551,9 @@ class ElasticRuntime:
         self._parts = {}
         self._build(self.world_size, empty=self.config.empty_rebuild)
         t1 = time.perf_counter()
+        if self.spare:  # a spare of the new mesh: nothing to fill (rescale gives it nothing)
+            self._optim_template, self._filled = None, {}
+            return self._filled
         if self._optim_template is not None:
             prime_optimizer(self.optimizer, self._optim_template)
         self._optim_template = None
@@ -505,18 +594,24 @@ class ElasticRuntime:
         self._optim_template = optimizer_template(self.optimizer) if self.config.empty_rebuild else None
         # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
         # freed, their connections close, and a survivor blocked in one of them with this rank fails
-        if self.mesh is not None:
-            release_mesh(self.mesh)
-        self.model = self.optimizer = self.mesh = None
+        spare = self.spare
+        for mesh in (self.mesh, self._spare_mesh):
+            if mesh is not None:
+                release_mesh(mesh)
+        self.model = self.optimizer = self.mesh = self._spare_mesh = self._placed = None
         gc.collect()
         t_released = time.perf_counter()
-        rec = recover_in_process(m, ring, self._rebuilt, RecoveryConfig(url=self.config.ckpt,
-                                                                         join_timeout=self.config.join_timeout),
-                                 join=reason == "join")
+        rec = recover_in_process(m, ring, self._rebuilt,
+                                 RecoveryConfig(url=self.config.ckpt, join_timeout=self.config.join_timeout,
+                                                placed=lambda: self._placed),
+                                 join=reason == "join", spare=spare)
         summed_s = time.time() - rec.rescaled_at  # the group-wide sums after rescale: counted in ring_s
         nm, res = rec.membership, rec.result
         t_restore = time.perf_counter()
-        self._parts["in_place"] = float(self._restore(self._filled, in_place=True))
+        if self.spare:  # still (or now) a spare: no state; the step the others resume
+            self.step = res.step
+        else:
+            self._parts["in_place"] = float(self._restore(self._filled, in_place=True))
         self._filled = {}
         t3 = time.perf_counter()  # the state is in place when rescale returned and the optimizer got it
         wall3 = rec.rescaled_at + (t3 - t_restore)
@@ -526,16 +621,18 @@ class ElasticRuntime:
             predicted = False
         ring.clear()
         t_rem = time.perf_counter()
-        self._remember()
+        if not self.spare:
+            self._remember()
+            ring.pin(self.step)  # a checkpoint step when pieces came from storage; else the state the survivors held
         self._parts.update(restore=t3 - t_restore, remember=time.perf_counter() - t_rem)
-        ring.pin(self.step)  # a checkpoint step when pieces came from storage; else the state the survivors held
         t4 = time.perf_counter()
         self._done_at = t4
         assert rec.times is not None
         self.times = rec.times.with_extra(regroup_s=t_released - t0, transfer_s=t3 - t_restore)
         ps = res.plan_stats
         # not timed: the same move in the survivors' old rank order (what the locality order saved)
-        by_rank = plan(old.ptc, old.layout, res.cfg, alive=sorted(nm.alive)).stats if old else ps
+        by_rank = plan(old.ptc, old.layout, res.cfg,  # the survivors that held state (not the spares)
+                       alive=sorted(a for a in nm.alive if a < old.layout.world_size)).stats if old else ps
         return {"event": "recover", "reason": reason.splitlines()[0][:200], "world_size": self.world_size,
                 "mesh": self.dims, "alive": list(nm.alive), "joiners": list(nm.joiners), "live": res.live,
                 "step": self.step, "newest": newest,
@@ -565,9 +662,10 @@ class ElasticRuntime:
         if self.membership is not None:
             self.membership.close()
             self.membership = None
-        if self.mesh is not None:
-            release_mesh(self.mesh)
-        self.model = self.optimizer = self.mesh = None
+        for mesh in (self.mesh, self._spare_mesh):
+            if mesh is not None:
+                release_mesh(mesh)
+        self.model = self.optimizer = self.mesh = self._spare_mesh = self._placed = None
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

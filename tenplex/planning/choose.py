@@ -113,7 +113,7 @@ def mesh_dims(cfg: ParallelConfig, *, replicate: bool = False) -> dict[str, int]
     return {name: size for name, size in dims.items() if size > 1} or {"dp_shard": 1}
 
 
-def choose_mesh(world_size: int, *, choose: MeshChooser | None = None, model: Any = None,
+def choose_mesh(world_size: int, *, choose: MeshChooser | None = None, model: Any = None, spares: bool = False,
                 **layout_options: Any) -> dict[str, int]:
     """The mesh a torch-native job runs on ``world_size`` ranks, at start-up or after a rescale.
 
@@ -123,7 +123,8 @@ def choose_mesh(world_size: int, *, choose: MeshChooser | None = None, model: An
     (``layout_options``: ``global_batch``, ``micro_batch``, ``gpu_mem``, ...; the estimate models
     ZeRO-1 when ``distributed_optimizer=True``, an upper bound for FSDP2, which also shards the
     parameters) and ``mesh_dims`` names it. Else plain FSDP2 over every rank: ``{"dp_shard": world_size}``.
-    ConfigError when the chosen dims do not multiply to the world size; LayoutError when nothing fits.
+    ConfigError when the chosen dims do not multiply to the world size (``spares``: when they multiply
+    to more; the ranks beyond their product wait as spares); LayoutError when nothing fits.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
@@ -141,9 +142,9 @@ def choose_mesh(world_size: int, *, choose: MeshChooser | None = None, model: An
     product = 1
     for s in sizes:
         product *= s
-    if product != world_size:
+    if product > world_size or (product < world_size and not spares):
         raise ConfigError(f"mesh dims {dims} hold {'*'.join(map(str, sizes))} = {product} ranks, but the job has "
-                          f"{world_size}: the chooser must use every rank")
+                          f"{world_size}: the chooser must use " + (f"at most {world_size} ranks" if spares else "every rank"))
     log.info("mesh for %d ranks: %s", world_size, dims)
     return dims
 
