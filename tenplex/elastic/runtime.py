@@ -513,13 +513,14 @@ class ElasticRuntime:
     def _warm_joiner(self) -> None:
         """A joiner's first mesh, model and state dict pay one-time costs (lazy imports, first
         FSDP2/TP set-up) the workers would wait for in the join: paid now, alone, on a private
-        1-process group, before registering."""
+        1-process group, before registering; built empty as a recovery's rebuild is (its values are
+        never used), so that no initialisation delays the registration."""
         dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
         try:
             names = choose_mesh(4, choose=self.rule)
         except (ConfigError, LayoutError):
             names = {"dp_shard": 4}
-        self._build(1, {d: 1 for d in names})
+        self._build(1, {d: 1 for d in names}, empty=self.config.empty_rebuild)
         self.state_dict()
         release_mesh(self.mesh)
         self.model = self.optimizer = self.mesh = None
