@@ -116,6 +116,18 @@ def stats(xs: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
+def in_process_run(out: Path, extra: list[str], reference: dict[int, float],
+                   timeout: float) -> tuple[float, int, dict[str, Any], bool]:
+    """One in-process run of 4 workers (``extra`` flags), worker 3 killed in step KILL_STEP: kill -> first
+    step on 3, bytes from storage, the recovery's latency table, whether the survivors ended cleanly
+    with the reference's losses."""
+    codes = run_spawned(out, 4, [*extra, "--kill-at", f"3:{KILL_STEP}"], timeout)
+    recs, killed = _records(out), json.loads((out / "killed.json").read_text())["t"]
+    rec = next(r for r in recs if r.get("event") == "recover")
+    return (first_step_after(recs, killed, world_size=3), rec["bytes_storage"], rec["latency"],
+            codes == [0, 0, 0, -9] and losses_equal(recs, reference))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -138,26 +150,22 @@ def main() -> None:
         ip, st = work / f"inprocess{i}", work / f"restart{i}"
         ip.mkdir()
         st.mkdir()
-        codes = run_spawned(ip, 4, ["--kill-at", f"3:{KILL_STEP}"], args.timeout)
-        recs, killed = _records(ip), json.loads((ip / "killed.json").read_text())["t"]
-        rec = next(r for r in recs if r.get("event") == "recover")
-        recovery.append(first_step_after(recs, killed, world_size=3))
-        storage.append(rec["bytes_storage"])
-        tables.append({"run": f"fsdp_tp {i}", **rec["latency"]})
-        equal.append(codes == [0, 0, 0, -9] and losses_equal(recs, reference))
+        rec_s, stored, table, same = in_process_run(ip, [], reference, args.timeout)
+        recovery.append(rec_s)
+        storage.append(stored)
+        tables.append({"run": f"fsdp_tp {i}", **table})
+        equal.append(same)
         codes = run_torchrun(st, args.timeout)
         recs, killed = _records(st), json.loads((st / "killed.json").read_text())["t"]
         restart.append(first_step_after(recs, killed, restart=1))
         equal.append(codes == [0] and losses_equal(recs, reference))
         hs = work / f"hsdp{i}"
         hs.mkdir()
-        codes = run_spawned(hs, 4, [*HSDP, "--kill-at", f"3:{KILL_STEP}"], args.timeout)
-        recs, killed = _records(hs), json.loads((hs / "killed.json").read_text())["t"]
-        rec = next(r for r in recs if r.get("event") == "recover")
-        recovery_hsdp.append(first_step_after(recs, killed, world_size=3))
-        storage_hsdp.append(rec["bytes_storage"])
-        tables.append({"run": f"hsdp {i}", **rec["latency"]})
-        equal.append(codes == [0, 0, 0, -9] and losses_equal(recs, hsdp_reference))
+        rec_s, stored, table, same = in_process_run(hs, HSDP, hsdp_reference, args.timeout)
+        recovery_hsdp.append(rec_s)
+        storage_hsdp.append(stored)
+        tables.append({"run": f"hsdp {i}", **table})
+        equal.append(same)
         print(f"repeat {i}: hsdp recovery {recovery_hsdp[-1]:.3f} s, bytes from storage {storage_hsdp[-1]}", flush=True)
         print(f"repeat {i}: recovery {recovery[-1]:.3f} s, restart {restart[-1]:.3f} s, "
               f"bytes from storage {storage[-1]}, losses equal {equal[-2:]}", flush=True)
