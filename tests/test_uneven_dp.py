@@ -6,7 +6,12 @@ does not divide the global batch runs when the job weighs each rank's loss by it
    scaled per-rank means the global batch's mean (what an averaging DP gradient reduction computes);
    ``dp_refusal`` (``ElasticRuntime.fits`` and every mesh the runtime builds) admits a non-dividing
    DP degree only with ``uneven_dp``.
-2. Spawned: ``examples/elastic_loop.py --uneven`` (FSDP2 over every worker, global batch 8) on 4 gloo
+2. Spawned, one step's gradient: 4 gloo ranks under FSDP2 and under HSDP 2 x 2 split a global batch of
+   6 as 2, 2, 1, 1; with each rank's mean loss times ``loss_scale`` (FSDP2's default averaging), or
+   its summed loss over the global batch with FSDP2's reduction a sum, the gradient is the full
+   batch's on one process within 1e-5; the plain per-rank mean is not (the samples of the smaller
+   shares weigh twice).
+3. Spawned: ``examples/elastic_loop.py --uneven`` (FSDP2 over every worker, global batch 8) on 4 gloo
    workers; worker 3 is SIGKILLed in step 3 and the 3 survivors continue in process as DP 3 reading
    3, 3 and 2 samples: every step's loss within 1e-5 of the uninterrupted run's, every sample of the
    run read exactly once (the ids each rank read), in the uninterrupted run's order.
@@ -14,8 +19,11 @@ does not divide the global batch runs when the job weighs each rank's loss by it
 
 from __future__ import annotations
 
+import datetime
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,11 +34,12 @@ from hypothesis import strategies as st
 from tenplex.data import loss_scale, replica_slice
 from tenplex.elastic.runtime import dp_refusal
 
-from spawned import free_port, log_tails, wait_procs
+from spawned import free_port, log_tails, run_spawned, wait_procs
 from test_elastic_runtime import _loop_workers
 from test_native_inprocess import check_native_run, native_reference
 
 STEPS, BATCH = 6, 8  # 8 over 4 ranks: 2 each; over 3: 3, 3, 2
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @settings(max_examples=examples(300), deadline=None)
@@ -94,3 +103,61 @@ def test_a_job_continues_in_process_as_uneven_dp_3_after_losing_one_of_4(tmp_pat
         shares = [(len(r["ids"]), r["loss_scale"]) for r in final]
         assert shares == ([(2, 1.0)] * 4 if len(final) == 4 else [(3, 9 / 8), (3, 9 / 8), (2, 6 / 8)]), (step, shares)
     assert worlds[0] == 4 and worlds[-1] == 3 and set(worlds) == {4, 3}, worlds  # DP 4 before the kill, uneven DP 3 after
+
+
+def _gradient_worker(rank: int, port: int, out: Any) -> None:
+    """One step's gradient of every (mesh, convention) against the full batch's on one process."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import native_llama as nl
+
+    res: dict[str, Any] = {"error": None}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                                timeout=datetime.timedelta(seconds=60))
+        cfg = dataclasses.replace(nl.PRESETS["tiny"], vocab_size=259)
+        g = 6
+        tokens, targets = nl.batch(0, g, cfg.seq_len, cfg.vocab_size, seed=3)
+        ref = nl.reference_model(cfg, 0)
+        nl.loss_fn(ref(tokens), targets).backward()
+        want = dict(ref.named_parameters())
+        for dims in ({"dp_shard": 4}, {"dp_replicate": 2, "dp_shard": 2}):
+            for convention in ("scale", "sum", "mean"):
+                mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+                model = nl.parallelize(nl.reference_model(cfg, 0), mesh)
+                dp_rank, dp = nl.dp_rank_and_size(mesh)
+                first, count = replica_slice(g, dp, dp_rank, 1)
+                x, y = tokens[first:first + count], targets[first:first + count]
+                if convention == "sum":  # summed over the rank's samples / the global batch, a SUM reduction
+                    for m in model.modules():
+                        if hasattr(m, "set_gradient_divide_factor"):
+                            m.set_gradient_divide_factor(1.0)
+                            m.set_force_sum_reduction_for_comms(True)  # gloo runs no PREMUL_SUM
+                    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1), reduction="sum") / (g * cfg.seq_len)
+                else:
+                    loss = nl.loss_fn(model(x), y) * (loss_scale(g, dp, dp_rank) if convention == "scale" else 1.0)
+                loss.backward()
+                res[f"{'x'.join(dims)}/{convention}"] = max(
+                    float((p.grad.full_tensor() - want[k].grad).abs().max() / want[k].grad.abs().max())
+                    for k, p in model.named_parameters())
+        dist.destroy_process_group()
+    except BaseException as e:  # reported to the parent, which fails the test with it
+        res["error"] = f"{type(e).__name__}: {e}"
+    out.put((rank, res))
+
+
+@pytest.mark.timeout(120)
+def test_weighed_uneven_shares_give_the_full_batchs_gradient_under_fsdp2_and_hsdp() -> None:
+    port = free_port()
+    got = run_spawned(_gradient_worker, [(r, port) for r in range(4)], expect=4, timeout=100)
+    assert all(not r["error"] for r in got.values()), got
+    errs = got[0]
+    for mesh in ("dp_shard", "dp_replicatexdp_shard"):
+        assert errs[f"{mesh}/scale"] < 1e-5 and errs[f"{mesh}/sum"] < 1e-5, errs
+        assert errs[f"{mesh}/mean"] > 1e-2, errs  # the test sees the weighting
