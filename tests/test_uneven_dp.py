@@ -102,7 +102,7 @@ def test_a_job_continues_in_process_as_uneven_dp_3_after_losing_one_of_4(tmp_pat
         assert [i for r in final for i in r["ids"]] == reference[step][1], (step, attempts)
         shares = [(len(r["ids"]), r["loss_scale"]) for r in final]
         assert shares == ([(2, 1.0)] * 4 if len(final) == 4 else [(3, 9 / 8), (3, 9 / 8), (2, 6 / 8)]), (step, shares)
-    assert worlds[0] == 4 and worlds[-1] == 3 and set(worlds) == {4, 3}, worlds  # DP 4 before the kill, uneven DP 3 after
+    assert worlds[0] == 4 and worlds[-1] == 3 and set(worlds) == {4, 3}, worlds  # DP 4, then uneven DP 3
 
 
 def _gradient_worker(rank: int, port: int, out: Any) -> None:

@@ -299,7 +299,8 @@ class ElasticRuntime:
 
     def _global_batch(self) -> int:
         if self.data is None:
-            raise ConfigError("local_batch and loss_scale need the job's data position: ElasticRuntime(data=DataState(...))")
+            raise ConfigError("local_batch and loss_scale need the job's data position: "
+                              "ElasticRuntime(data=DataState(...))")
         return self.data.global_batch
 
     def _dp(self) -> tuple[int, int]:
