@@ -413,15 +413,20 @@ def _global_mean_loss(local: torch.Tensor | None, group: Any = None) -> float:
     return float(buf[0] / buf[1])
 
 
-def forward_backward(model_or_schedule: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+def forward_backward(model_or_schedule: Any, tokens: torch.Tensor, targets: torch.Tensor,
+                     loss_scale: float = 1.0) -> torch.Tensor | None:
     """Forward, mean cross-entropy and backward on this rank's slice (gradients accumulate).
     ``model_or_schedule`` is a (parallelized) ``Llama`` or a pipeline schedule from
     ``pipeline_stage`` (then ``tokens`` are used on the first stage, ``targets`` on the last, and
-    the loss is the mean over microbatches).  Returns this rank's loss (a plain 0-d tensor), or
-    None on pipeline stages other than the last."""
+    the loss is the mean over microbatches).  ``loss_scale``: the mean is multiplied by it before the
+    backward (``ElasticRuntime.loss_scale``: a DP rank's share of an uneven split, weighed so that
+    FSDP2's averaging gives the global batch's gradient; not under PP).  Returns this rank's loss
+    (scaled; a plain 0-d tensor), or None on pipeline stages other than the last."""
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
     if isinstance(model_or_schedule, _PipelineSchedule):
+        if loss_scale != 1.0:
+            raise ValueError(f"loss_scale {loss_scale} under PP: the schedule's loss_fn is fixed at its construction")
         sched = model_or_schedule
         stage = sched._stage
         losses: list[torch.Tensor] = []
@@ -433,21 +438,27 @@ def forward_backward(model_or_schedule: Any, tokens: torch.Tensor, targets: torc
         from torch.distributed.tensor.parallel import loss_parallel
 
         with loss_parallel():
-            loss = loss_fn(model(tokens), targets)
+            loss = _scaled(loss_fn(model(tokens), targets), loss_scale)
             loss.backward()
     else:
-        loss = loss_fn(model(tokens), targets)
+        loss = _scaled(loss_fn(model(tokens), targets), loss_scale)
         loss.backward()
     local = loss.detach()
     return local.full_tensor() if hasattr(local, "full_tensor") else local
 
 
+def _scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    return loss if scale == 1.0 else loss * scale  # an even split's step stays the same ops
+
+
 def train_step(model_or_schedule: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
-               targets: torch.Tensor, group: Any = None) -> float:
+               targets: torch.Tensor, group: Any = None, loss_scale: float = 1.0) -> float:
     """One step on this rank's slice: ``forward_backward``, ``optimizer.step()``, ``zero_grad()``.
     Returns the global mean loss, the same float on every rank of ``group`` (default: every rank;
-    a job with spares passes the mesh's ranks, ``ElasticRuntime.group``)."""
-    local = forward_backward(model_or_schedule, tokens, targets)
+    a job with spares passes the mesh's ranks, ``ElasticRuntime.group``). ``loss_scale``: this rank's
+    weight when the DP ranks read different numbers of samples (``ElasticRuntime.loss_scale``, with
+    ``uneven_dp=True``): the average of the scaled means over the ranks is the global batch's mean."""
+    local = forward_backward(model_or_schedule, tokens, targets, loss_scale)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return _global_mean_loss(local, group)

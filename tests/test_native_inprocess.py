@@ -335,7 +335,7 @@ REL_TOL = 1e-4
 DEAD_AFTER = "2.0"
 
 
-def native_reference(steps: int) -> dict[int, tuple[float, list[int]]]:
+def native_reference(steps: int, global_batch: int = BATCH) -> dict[int, tuple[float, list[int]]]:
     """The uninterrupted run of the example's model on one process, unparallelized: loss and samples by step."""
     import dataclasses
 
@@ -349,7 +349,7 @@ def native_reference(steps: int) -> dict[int, tuple[float, list[int]]]:
     cfg = dataclasses.replace(nl.PRESETS["tiny"], vocab_size=259, seq_len=16)
     corpus = stdlib_corpus(16)
     batches = IndexBatches(corpus)
-    data = DataState(corpus.num_samples, BATCH, seed=1)
+    data = DataState(corpus.num_samples, global_batch, seed=1)
     model = nl.reference_model(cfg, seed=0)
     opt = nl.make_optimizer(model)
     out = {}
@@ -384,7 +384,7 @@ def _workers(tmp: Path, n: int, args: list[str], store_port: int | list[str],
 
 
 def check_native_run(tmp: Path, log: Path, reference: dict[int, tuple[float, list[int]]], *, steps: int = STEPS,
-                     loss_steps: int | None = None) -> list[dict]:
+                     loss_steps: int | None = None, global_batch: int = BATCH) -> list[dict]:
     """Every step's every record (redone steps too) with the reference's samples, and those of the first
     ``loss_steps`` steps (default all: rounding grows with the steps of a long run, other summation orders
     than one process) within REL_TOL of its loss; every sample of the final records once. Returns the
@@ -404,7 +404,7 @@ def check_native_run(tmp: Path, log: Path, reference: dict[int, tuple[float, lis
                 assert rel <= REL_TOL, f"step {step} on {rec['world_size']} workers: loss {rec['loss']} vs {loss}"
             assert rec["samples"] == samples, f"step {step} saw other samples"
     seen = [x for s in range(steps) for x in by_step[s][-1]["samples"]]
-    assert len(seen) == len(set(seen)) == steps * BATCH
+    assert len(seen) == len(set(seen)) == steps * global_batch
     return [e for e in events if e.get("event") == "recover"]
 
 

@@ -29,7 +29,7 @@ from ..errors import DataStateError
 __all__ = [
     "DataState", "DataStateError", "sample_order", "global_batch_ids", "rank_batch_ids", "replica_samples", "stream_end",
     "rank_positions", "ids_at", "remaining_ids", "checked_int", "MAX_POSITION", "MAX_SAMPLES", "MAX_SEED",
-    "ORDERS", "feistel_ids", "replica_slice",
+    "ORDERS", "feistel_ids", "replica_slice", "loss_scale",
 ]
 
 #: Positions (samples consumed globally) stay below 2**62, so ``position + batch`` never overflows
@@ -232,6 +232,16 @@ def _slice_of(global_batch: int, dp: int, dp_rank: int, micro_batch: int | None)
         raise DataStateError(f"dp_rank must be in [0, {dp}), got {dp_rank}")
     q, r = divmod(total, dp)
     return (dp_rank * q + min(dp_rank, r)) * micro_batch, (q + (dp_rank < r)) * micro_batch
+
+
+def loss_scale(global_batch: int, dp: int, dp_rank: int, micro_batch: int = 1) -> float:
+    """The factor DP rank ``dp_rank`` of ``dp`` multiplies its loss by (the mean over its own samples)
+    so that a DP gradient reduction that averages over the ``dp`` ranks (FSDP2's and HSDP's default,
+    DDP) yields the gradient of the mean over the global batch: ``count * dp / global_batch``, its
+    slice's ``count`` (``replica_slice``). Exactly 1.0 when the slices are equal; with uneven slices
+    (``dp`` does not divide the batch) a rank reading one sample more weighs more. Pure."""
+    count = _slice_of(global_batch, dp, dp_rank, micro_batch)[1]
+    return 1.0 if count * dp == global_batch else count * dp / global_batch
 
 
 def rank_batch_ids(state: DataState, dp: int, dp_rank: int, micro_batch: int | None = None) -> np.ndarray:

@@ -14,7 +14,9 @@ through too) and the restart fallback (exit code ``RECOVERY_FAILED``). The loop 
             loss = train_step(rt.model, rt.optimizer, x)
 
 Contract: read ``rt.model``, ``rt.optimizer``, ``rt.mesh``, ``rt.data``, ``rt.step``, ``rt.dp_rank``,
-``rt.dp_size`` and ``rt.group`` inside the ``with`` block of every step and keep no reference across steps:
+``rt.dp_size``, ``rt.group`` (and ``rt.loss_scale`` / ``rt.local_batch``: with ``uneven_dp`` a DP degree
+that does not divide the global batch runs, each rank weighing its loss by its share) inside the
+``with`` block of every step and keep no reference across steps:
 after a recovery they are the rebuilt ones (a new mesh, a new model and optimizer holding the
 survivors' state, possibly an earlier step and data position). A peer failure inside the block
 (or in the runtime's work after it: the ring copy, the checkpoint) ends that step; the next
@@ -71,7 +73,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import default_save_id, list_steps, save
-from ..data.partition import DataState
+from ..data.partition import DataState, loss_scale, replica_slice
 from ..errors import ConfigError, LayoutError, PeerFailure
 from ..native.dtensor import release_mesh
 from ..native.state_dict import describe_state_dict, local_shard, save_state_dict
@@ -85,7 +87,7 @@ from .latency import RESTART, RecoveryTimes
 from .membership_runtime import Membership, join_membership, membership_store, start_membership
 from .ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
 
-__all__ = ["ElasticRuntime", "RuntimeConfig", "Step"]
+__all__ = ["ElasticRuntime", "RuntimeConfig", "Step", "dp_refusal"]
 
 _GROUP_BEFORE_IMPORT = dist.is_initialized()  # see the imports above
 
@@ -112,7 +114,11 @@ class RuntimeConfig:
     ``empty_rebuild``: at a recovery, ``build`` runs under ``torch.device("meta")`` and the model is
     materialised empty (``to_empty``) and the optimizer's state created empty, shaped as the old
     one's, since the recovery overwrites all of it (a model with non-persistent buffers, which no
-    state dict restores, or one that does not materialise is built for real instead)."""
+    state dict restores, or one that does not materialise is built for real instead);
+    ``uneven_dp``: the job's loss weights each DP rank by its share of the global batch (``rt.loss_scale``
+    or ``rt.local_batch``, see ``docs/your_model.md``), so a DP degree that does not divide ``data``'s
+    global batch may run (the first ranks read one sample more); off, every mesh's DP degree must
+    divide it (a rank's mean loss under an averaging reduction is then the global batch's)."""
 
     ckpt: str
     ckpt_every: int = 0
@@ -126,6 +132,7 @@ class RuntimeConfig:
     extra_state: Callable[[], Mapping[str, Any]] | None = None
     release: Callable[[], None] | None = None
     empty_rebuild: bool = True
+    uneven_dp: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, str) or not self.ckpt:
@@ -274,6 +281,28 @@ class ElasticRuntime:
     def dp_size(self) -> int:
         return self._dp()[1]
 
+    @property
+    def local_batch(self) -> int:
+        """Samples this DP rank reads of the step's global batch (``replica_slice``: with ``uneven_dp``
+        the first ranks take one more); needs ``data``."""
+        rank, size = self._dp()
+        return replica_slice(self._global_batch(), size, rank, 1)[1]
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor for this rank's loss, the mean over its ``local_batch`` samples, under a DP gradient
+        reduction that averages (FSDP2, HSDP, DDP): ``local_batch * dp_size / global_batch``, 1.0 when
+        the DP degree divides the batch; the step's gradient and mean loss are then the global batch's.
+        A job that sums instead (per-sample losses summed, divided by the global batch) needs no scale."""
+        rank, size = self._dp()
+        return loss_scale(self._global_batch(), size, rank)
+
+    def _global_batch(self) -> int:
+        if self.data is None:
+            raise ConfigError("local_batch and loss_scale need the job's data position: "
+                              "ElasticRuntime(data=DataState(...))")
+        return self.data.global_batch
+
     def _dp(self) -> tuple[int, int]:
         """This rank's data-parallel index and the DP degree (dp_replicate * dp_shard, replicate major)."""
         rank, size = 0, 1
@@ -310,13 +339,13 @@ class ElasticRuntime:
 
     def fits(self, n: int) -> bool:
         """Whether a group of n can run: the rule gives a mesh, and its data-parallel degree divides
-        the global batch (``Membership(fits=)``: joiners that would make the group unusable wait)."""
+        the global batch (with ``uneven_dp``: does not exceed it; ``dp_refusal``) (``Membership(fits=)``:
+        joiners that would make the group unusable wait)."""
         try:
             dims = choose_mesh(n, choose=self.rule)  # a join leaving spares: not yet (the module docstring)
         except (ConfigError, LayoutError):
             return False
-        dp = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1)
-        return self.data is None or self.data.global_batch % dp == 0
+        return self.data is None or dp_refusal(dims, self.data.global_batch, self.config.uneven_dp) is None
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -359,6 +388,9 @@ class ElasticRuntime:
         model; ``empty``: built on the meta device and materialised uninitialised (``build_empty``),
         for a state the recovery overwrites whole."""
         self.dims = dims or choose_mesh(world, choose=self.rule, spares=True)
+        why = dp_refusal(self.dims, self.data.global_batch, self.config.uneven_dp) if self.data is not None else None
+        if why is not None:  # a loss weighting every rank alike would weigh the samples unevenly: refused
+            raise ConfigError(f"{world} ranks: {why}")
         names = tuple(d for d in MESH_DIMS if d in self.dims) + tuple(d for d in self.dims if d not in MESH_DIMS)
         shape = tuple(self.dims[d] for d in names)
         placed = math.prod(shape)
@@ -670,6 +702,20 @@ class ElasticRuntime:
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def dp_refusal(dims: Mapping[str, int], global_batch: int, uneven: bool) -> str | None:
+    """Why mesh ``dims``' data-parallel degree (``dp_replicate * dp_shard``) cannot split ``global_batch``,
+    or None: it must divide it, or with ``uneven`` (``RuntimeConfig.uneven_dp``) not exceed it (every
+    rank reads at least one sample). Pure."""
+    dp = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1)
+    if dp > global_batch:
+        return f"the mesh {dict(dims)} has DP degree {dp}, more than the global batch of {global_batch} samples"
+    if global_batch % dp and not uneven:
+        return (f"the mesh {dict(dims)} has DP degree {dp}, which does not divide the global batch "
+                f"({global_batch} % {dp} = {global_batch % dp}): weigh each rank's loss by its share "
+                "(rt.loss_scale) and set uneven_dp=True, or give a mesh rule whose DP degree divides it")
+    return None
 
 
 # -- an empty rebuild (issue #31: a recovery initialises nothing it overwrites) ---------------------
