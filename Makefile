@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# two pytest workers (pytest-xdist), each test file on one of them: the multi-process tests spend much of
+# their time waiting (start-up, failure detection), so two overlap on 2 cores (docs/benchmarks.md, "The suite's time")
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -ra tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py
