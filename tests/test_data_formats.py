@@ -372,6 +372,9 @@ def test_hf_index_is_the_rows_bytes_in_the_cache_files(tmp_path) -> None:  # typ
         hf_index(datasets.Dataset.from_dict({"x": [[[1, 2]], [[3]]]}).map(lambda r: r), "x")
     with pytest.raises(DataIndexError, match="no tokens"):
         hf_index(ds.map(lambda r, i: {"input_ids": [] if i == 3 else r["input_ids"]}, with_indices=True))
+    with pytest.raises(DataIndexError, match="not memory-mapped"):
+        hf_index(datasets.concatenate_datasets([ds, datasets.Dataset.from_dict({"input_ids": [[1, 2]], "text": ["a"]},
+                                                                               features=ds.features)]))
     with pytest.raises(DataIndexError, match="no cache files"):
         hf_index(datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}))
 

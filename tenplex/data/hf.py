@@ -209,6 +209,9 @@ def _chunk_ranges(chunk: Any, maps: list[tuple[int, int, int, str]], files: dict
         raise DataIndexError("the token column has null rows or null values: a null has no bytes to serve; fill "
                              "or drop them (ds.filter(...).flatten_indices())")
     values = chunk.values
+    offsets = chunk.offsets.to_numpy().astype(np.int64)
+    if offsets[-1] == offsets[0]:  # only empty rows (refused by the caller): no bytes to place
+        return np.zeros(len(chunk), np.int64), np.zeros(len(chunk), np.int64), np.zeros(len(chunk), np.int64)
     buf = values.buffers()[1]
     addr = buf.address + values.offset * item
     hit = [m for m in maps if m[0] <= addr and addr + max(buf.size - values.offset * item, 1) <= m[1]]
@@ -216,9 +219,13 @@ def _chunk_ranges(chunk: Any, maps: list[tuple[int, int, int, str]], files: dict
         raise DataIndexError("the token column is not memory-mapped from the dataset's cache files (an in-memory "
                              "dataset): save it with ds.save_to_disk(DIR) and index datasets.load_from_disk(DIR)")
     start, _end, file_off, path = hit[0]
-    offsets = chunk.offsets.to_numpy().astype(np.int64)
-    return (np.full(len(chunk), files[path], np.int64), file_off + (addr - start) + offsets[:-1] * item,
-            np.diff(offsets) * item)
+    at = file_off + (addr - start)
+    a, z = int(offsets[0]) * item, min(int(offsets[-1]) * item, int(offsets[0]) * item + 64)
+    with open(path, "rb") as f:  # the file holds what the map shows there (a cheap check of the arithmetic)
+        if os.pread(f.fileno(), z - a, at + a) != buf.slice(values.offset * item + a, z - a).to_pybytes():
+            raise DataIndexError(f"{path} does not hold the token column's bytes at offset {at + a}: the file changed "
+                                 "since the dataset was loaded; load it again")
+    return np.full(len(chunk), files[path], np.int64), at + offsets[:-1] * item, np.diff(offsets) * item
 
 
 def hf_index(ds: Any, column: str = "input_ids") -> DataIndex:
