@@ -26,6 +26,7 @@ from .checkpoint.auto_import import import_checkpoint
 from .checkpoint.dcp_import import DcpNames
 from .checkpoint.hf_export import export_hf
 from .checkpoint.import_source import detect_format
+from .data.hf import hf_dataset, hf_index
 from .data.index import build_index, load_index
 from .data.megatron import megatron_gpt_dataset, megatron_index
 from .errors import (
@@ -845,6 +846,12 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                       help="token files cut into non-overlapping sequences of --seq-len tokens")
     kind.add_argument("--megatron", action="store_true",
                       help="one Megatron PREFIX (.bin/.idx): GPTDataset's samples of --seq-len + 1 tokens")
+    kind.add_argument("--hf", action="store_true",
+                      help="a Hugging Face dataset (Parquet files or one save_to_disk directory): row i's --column "
+                           "token ids, as bytes of its Arrow cache files")
+    q.add_argument("--column", default="input_ids", help="the token-id column (with --hf; default input_ids)")
+    q.add_argument("--cache-dir", default=None,
+                   help="where datasets converts Parquet to Arrow (with --hf; the index reads those files: keep them)")
     q.add_argument("--seq-len", type=int, default=None, help="tokens per sample (with --tokens or --megatron)")
     q.add_argument("--megatron-seed", type=int, default=1234,
                    help="GPTDataset's random seed for its document and sample shuffles (default 1234, Megatron's)")
@@ -895,8 +902,10 @@ def _add_remount_parser(sub: argparse._SubParsersAction) -> None:  # type: ignor
 
 def _cmd_data_index(args: argparse.Namespace) -> int:
     kind = ("records" if args.record_bytes is not None else "jsonl" if args.jsonl
-            else "pieces" if args.megatron else "tokens")
-    if args.megatron:
+            else "pieces" if args.megatron or args.hf else "tokens")
+    if args.hf:
+        index = hf_index(hf_dataset(args.files, cache_dir=args.cache_dir), args.column)
+    elif args.megatron:
         if len(args.files) != 1 or args.seq_len is None or args.seq_len < 1:
             raise DataIndexError("--megatron takes one PREFIX (of PREFIX.bin and PREFIX.idx) and --seq-len >= 1")
         index = megatron_index(megatron_gpt_dataset(args.files[0], args.seq_len, seed=args.megatron_seed))

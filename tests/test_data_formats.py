@@ -1,6 +1,7 @@
 """The formats users have (#32 item 2): Megatron .bin/.idx with GPTDataset's indices, Hugging Face
 datasets (Parquet, Arrow, on disk and S3, streaming), JSONL/text tokenised on the fly with local
-tokenizers, and layout-independent packing; the FUSE mount serves a Megatron index's samples."""
+tokenizers, and layout-independent packing; the FUSE mount serves a Megatron index's and a Hugging Face
+dataset's samples."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from tenplex.data import (
     TextDocuments,
     TokenFile,
     hf_dataset,
+    hf_index,
     load_index,
     megatron_gpt_dataset,
     megatron_index,
@@ -331,6 +333,78 @@ def test_hf_parquet_and_arrow_on_disk(tmp_path) -> None:  # type: ignore[no-unty
                                                                           .doc_lengths(), 7))
     stream = np.concatenate([r["input_ids"] for r in rows])
     assert all(torch.equal(packed[k], torch.from_numpy(stream[k * 7:(k + 1) * 7 + 1])) for k in range(len(packed)))
+
+
+def _index_rows(index: DataIndex, ids: np.ndarray) -> list[np.ndarray]:
+    """The samples ``ids`` of an index read from its sources, in its ``dtype``."""
+    fid, off, ln = index.sample_ranges(ids)
+    with SourceReader(index.files) as r:
+        return [np.frombuffer(r.read(int(f), int(o), int(n)), index.params["dtype"]) for f, o, n in zip(fid, off, ln)]
+
+
+def _same_as_hf(index: DataIndex, ds) -> None:  # type: ignore[no-untyped-def]
+    samples = HFSamples(ds, column="input_ids")
+    got = _index_rows(index, np.arange(len(ds)))
+    assert index.num_samples == len(ds) and all(np.array_equal(g, samples[i].numpy()) for i, g in enumerate(got))
+    assert index.nbytes == int(samples.doc_lengths().sum()) * np.dtype(index.params["dtype"]).itemsize
+
+
+def test_hf_index_is_the_rows_bytes_in_the_cache_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import datasets
+
+    rows = _rows(70)
+    _write_parquet(str(tmp_path / "a.parquet"), rows[:40])
+    _write_parquet(str(tmp_path / "b.parquet"), rows[40:])
+    ds = hf_dataset([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], cache_dir=str(tmp_path / "c"))
+    ds.save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    saved = hf_dataset(str(tmp_path / "saved"))
+    i32 = ds.cast_column("input_ids", datasets.List(datasets.Value("int32")))
+    for view in (ds, saved, ds.select(range(5, 30)), ds.shuffle(seed=3),  # slices, an indices mapping
+                 saved.shuffle(seed=1).select(range(7, 50)).filter(lambda r: len(r["input_ids"]) > 5),
+                 datasets.concatenate_datasets([saved.select(range(10, 30)), ds.select(range(40, 60))]), i32):
+        index = hf_index(view, "input_ids")
+        _same_as_hf(index, view)
+        assert {f.url for f in index.files} <= {os.path.realpath(f["filename"]) for f in view.cache_files}
+    assert hf_index(i32, "input_ids").params["dtype"] == "int32" and len(hf_index(saved, "input_ids").files) == 3
+    with pytest.raises(DataIndexError, match="not a list of token ids"):
+        hf_index(ds, "text")
+    with pytest.raises(DataIndexError, match="nested list"):
+        hf_index(datasets.Dataset.from_dict({"x": [[[1, 2]], [[3]]]}).map(lambda r: r), "x")
+    with pytest.raises(DataIndexError, match="no tokens"):
+        hf_index(ds.map(lambda r, i: {"input_ids": [] if i == 3 else r["input_ids"]}, with_indices=True))
+    with pytest.raises(DataIndexError, match="not memory-mapped"):
+        hf_index(datasets.concatenate_datasets([ds, datasets.Dataset.from_dict({"input_ids": [[1, 2]], "text": ["a"]},
+                                                                               features=ds.features)]))
+    with pytest.raises(DataIndexError, match="no cache files"):
+        hf_index(datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None, reason="no FUSE here")
+def test_mount_serves_hf_samples(tmp_path, runtime) -> None:  # type: ignore[no-untyped-def]
+    rows = _rows(50, seed=5)
+    _write_parquet(str(tmp_path / "a.parquet"), rows)
+    hf_dataset(str(tmp_path / "a.parquet"), cache_dir=str(tmp_path / "c")).shuffle(seed=2).save_to_disk(
+        str(tmp_path / "saved"), num_shards=2)
+    ds = hf_dataset(str(tmp_path / "saved"))
+    samples = HFSamples(ds, column="input_ids")
+    assert main(["data", "index", str(tmp_path / "idx.npz"), str(tmp_path / "saved"), "--hf", "--column",
+                 "input_ids"]) == 0
+    assert load_index(str(tmp_path / "idx.npz")).params == {"format": "hf", "column": "input_ids", "dtype": "int64"}
+    mnt = str(tmp_path / "mnt")
+    with mounted(str(tmp_path / "idx.npz"), mnt, "--dp", "3", "--global-batch", "6", "--seed", "7",
+                 log=str(tmp_path / "mount.log")):
+        state = DataState(len(ds), 6, seed=7)
+        seen = []
+        for r in range(3):
+            ids = np.array(open(f"{mnt}/rank-{r:03d}/ids.txt").read().split(), dtype=np.int64)
+            assert np.array_equal(ids, remaining_ids(state, 3, r))
+            data = open(f"{mnt}/rank-{r:03d}/samples.bin", "rb").read()
+            want = b"".join(samples[int(i)].numpy().tobytes() for i in ids)
+            assert len(data) == int(samples.doc_lengths()[ids].sum()) * 8  # the bytes needed, nothing more
+            assert data == want  # bit for bit, in the global order
+            seen.extend(ids.tolist())
+        assert set(seen) == set(range(len(ds)))  # every row served
 
 
 @pytest.mark.timeout(120)

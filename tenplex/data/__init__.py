@@ -13,7 +13,7 @@ from .index import (
     load_index,
 )
 from .loader import ElasticBatchSampler, ElasticIterable, ElasticLoader, loader_state, rank_step_ids
-from .hf import HFSamples, StreamSlice, hf_dataset
+from .hf import HFSamples, StreamSlice, hf_dataset, hf_index
 from .megatron import MegatronIndexed, megatron_gpt_dataset, megatron_index, megatron_packing, write_megatron
 from .packing import DocumentSource, PackedDataset, Packing, TokenFile, pack_documents
 from .partition import (
@@ -43,5 +43,5 @@ __all__ = [
     "ElasticBatchSampler", "ElasticIterable", "ElasticLoader", "loader_state", "rank_step_ids",
     "DocumentSource", "Packing", "PackedDataset", "TokenFile", "pack_documents", "MegatronIndexed", "write_megatron",
     "megatron_packing", "megatron_gpt_dataset", "megatron_index", "TextDocuments", "encoder", "hf_dataset",
-    "HFSamples", "StreamSlice",
+    "HFSamples", "StreamSlice", "hf_index",
 ]
