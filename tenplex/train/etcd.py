@@ -29,8 +29,7 @@ from typing import Any
 
 from ..elastic.etcd_store import ETCD_SCHEME
 from ..errors import ConfigError
-from .launch import free_port
-from .netns import LOOPBACK, HostNet
+from .netns import LOOPBACK, HostNet, free_port
 
 __all__ = ["EtcdCluster", "EtcdMember", "etcd_binary"]
 
