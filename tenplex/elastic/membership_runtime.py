@@ -777,14 +777,15 @@ class Membership:
 def membership_store(timeout_s: float = 30.0) -> Any:
     """A client of the job's long-lived store named by ``TENPLEX_MEMBERSHIP_STORE``: ``host:port`` (a
     ``TCPStore``), or ``etcd://host:port,host:port,...`` (an :class:`~tenplex.elastic.etcd_store.EtcdStore`
-    over a replicated etcd cluster, this host's member first: no single point of failure)."""
+    over a replicated etcd cluster, this host's member first: no single point of failure; over TLS
+    with the files ``TENPLEX_ETCD_CA_FILE`` / ``_CERT_FILE`` / ``_KEY_FILE`` name)."""
     import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
 
-    from .etcd_store import ETCD_SCHEME, EtcdStore  # lazy: a torch.distributed.Store subclass
+    from .etcd_store import ETCD_SCHEME, EtcdStore, EtcdTLS  # lazy: a torch.distributed.Store subclass
 
     spec = os.environ.get(MEMBERSHIP_STORE_ENV, "")
     if spec.startswith(ETCD_SCHEME):
-        return EtcdStore.from_spec(spec, timeout=datetime.timedelta(seconds=timeout_s))
+        return EtcdStore.from_spec(spec, timeout=datetime.timedelta(seconds=timeout_s), tls=EtcdTLS.from_env())
     host, _, port = spec.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"--in-process needs {MEMBERSHIP_STORE_ENV}=host:port (or etcd://host:port,...), a c10d "
