@@ -39,6 +39,15 @@ beside torchft's heal (`grow_back`): the kill -> the first step back at full siz
 round's start -> that step), the bytes the replacement received live (all it holds) against torchft's full
 copy, the join's bytes from storage, and the losses against the same job uninterrupted (within 1e-5).
 
+The rank-0 kill once more with no single point of failure (`tenplex_hsdp0_etcd`, issue #31 item 3): the
+job's membership on a 3-member etcd cluster (`tenplex.train.etcd.EtcdCluster`, one member per simulated
+host on loopback ports; workers 0, 1, 2-3 on hosts 0, 1, 2, each its own host's member first), member e0
+made the leader, and the moment worker 0 records its death e0 is SIGKILLed too (the leader check and
+the kill take 10-30 ms). Reported per repeat as for the other rows, plus whether e0 was still the leader,
+and the losses against the same job uninterrupted (within 1e-5). `--etcd-only`: this row alone, each
+repeat followed by the TCPStore `hsdp0` run (`tcpstore`) for a comparison at the same load
+(docs/bench/bench_native_etcd.json).
+
 A run whose log shows a recovery that began before the kill (a failure verdict with no failure),
 or whose figures are not all positive, is refused: the script exits with status 3 and says why
 (issue 29 item 7: such a run once reported recovery_s -6.16 and detect_s -103.5 and exited 0).
@@ -620,19 +629,26 @@ def etcd_rank0_run(store_port: int, reference: dict[int, float]) -> dict:
             "losses_equal": rel <= GROW_LOSS_RTOL}
 
 
-def etcd_rank0_row(repeats: int) -> dict:
+def etcd_rank0_row(repeats: int, baseline: bool = False) -> dict:
     """The ``hsdp0`` row with the membership on etcd (:func:`etcd_rank0_run`), ``repeats`` times: per
-    figure {"median","min","max","runs"}, the latency table and the parts likewise, and the runs."""
+    figure {"median","min","max","runs"}, the latency table and the parts likewise, and the runs. With
+    ``baseline`` the same job with its membership in a TCPStore of this process is run after each repeat
+    (``tcpstore``: its kill -> next step, load and bytes), for a comparison at the same load."""
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)  # the reference's
     print(f"native / hsdp0: the uninterrupted run (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
     reference = native.reference_losses(store.port, "hsdp0", model=NATIVE_MODEL)
-    rs = []
+    rs, tcp = [], []
     for i in range(repeats):
         print(f"native / tenplex hsdp0 on etcd {i + 1}/{repeats} (load {os.getloadavg()[0]:.2f}) ...",
               file=sys.stderr, flush=True)
         rs.append(etcd_rank0_run(store.port, reference))
         print(f"  kill -> next step {rs[-1]['recovery_s']:.2f}s (the etcd leader killed: "
               f"{rs[-1]['etcd_leader_killed']}), losses equal {rs[-1]['losses_equal']}", file=sys.stderr, flush=True)
+        if baseline:
+            print(f"native / tenplex hsdp0 on a TCPStore {i + 1}/{repeats} (load {os.getloadavg()[0]:.2f}) ...",
+                  file=sys.stderr, flush=True)
+            tcp.append(tenplex_native_run("hsdp0", store.port))
+            print(f"  kill -> next step {tcp[-1]['recovery_s']:.2f}s", file=sys.stderr, flush=True)
 
     def nested(field: str) -> dict:
         return {k: _spread([r[field][k] for r in rs]) for k in rs[0][field]
@@ -643,10 +659,12 @@ def etcd_rank0_row(repeats: int) -> dict:
                           f"{list(ETCD_HOST_OF_RANK)}, each its own host's member first",
             **_spreads(rs, ETCD_KEYS), "latency": nested("latency"), "parts": nested("parts"),
             "etcd_leader_killed": [r["etcd_leader_killed"] for r in rs],
-            "losses_equal": all(r["losses_equal"] for r in rs), "runs": rs}
+            "losses_equal": all(r["losses_equal"] for r in rs), "runs": rs,
+            **({"tcpstore": {**_spreads(tcp, ("recovery_s", "load", "bytes_live", "bytes_storage")), "runs": tcp}}
+               if tcp else {})}
 
 
-def add_etcd_row(native_job: dict, repeats: int) -> None:
+def add_etcd_row(native_job: dict, repeats: int, baseline: bool = False) -> None:
     """``native_job["tenplex_hsdp0_etcd"]`` and its goal beside torchft's best (when ``native_job`` has it),
     or ``native_job["etcd_skipped"]`` with the reason where etcd is not installed."""
     from tenplex.train.etcd import etcd_binary  # lazy: only this row needs an etcd
@@ -654,7 +672,7 @@ def add_etcd_row(native_job: dict, repeats: int) -> None:
     if etcd_binary() is None:
         native_job["etcd_skipped"] = "etcd is not installed (Debian etcd-server; make setup installs it as root)"
         return
-    row = native_job["tenplex_hsdp0_etcd"] = etcd_rank0_row(repeats)
+    row = native_job["tenplex_hsdp0_etcd"] = etcd_rank0_row(repeats, baseline)
     if "torchft_best_s" in native_job:
         native_job.setdefault("goal", {})["tenplex_hsdp0_etcd_below_torchft_best"] = \
             row["recovery_s"]["median"] < native_job["torchft_best_s"]
@@ -703,7 +721,8 @@ def _main() -> int:
     ap.add_argument("--native-only", action="store_true",
                     help="--json: only the torch-native job beside torchft (not the reference trainer)")
     ap.add_argument("--etcd-only", action="store_true",
-                    help="--json: only the native job's rank-0 row with its membership on etcd (not torchft)")
+                    help="--json: only the native job's rank-0 row with its membership on etcd, each repeat "
+                         "followed by the same job's with it in a TCPStore (not torchft)")
     ap.add_argument("--join", action="store_true", help="scale up in-process: 2 workers admit 2 joiners (issue #18)")
     args = ap.parse_args()
     if args.join:
@@ -723,7 +742,7 @@ def _main() -> int:
         native_job = native_side_by_side(args.repeats) if not args.etcd_only else {
             "model": f"native_llama {NATIVE_MODEL}", "job": " ".join(native.COMMON),
             "layout": "HSDP dp_replicate=2 x dp_shard=2, 4 gloo workers"}
-        add_etcd_row(native_job, args.repeats)
+        add_etcd_row(native_job, args.repeats, baseline=args.etcd_only)
         result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(), "cpus": os.cpu_count(),
                   "command": " ".join(["python scripts/bench_recovery.py", *sys.argv[1:]]),
                   "repeats": args.repeats, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),

@@ -57,9 +57,10 @@ Which store: in tests and simulated nodes the :class:`~tenplex.train.launch.Rend
 process (``TCPStore(host, port, is_master=False)`` in every worker). Under torchrun the store must
 outlive the failed node: the c10d rendezvous store run standalone (``--rdzv-conf is_host=false``,
 the server in a process of its own, as ``RendezvousStore`` does), connected to directly from the
-worker with the ``--rdzv-endpoint`` address. The store torchrun hands workers (``MASTER_ADDR``:
-``MASTER_PORT``) is hosted by the rank-0 agent unless the rendezvous store is shared and standalone,
-so it dies with node 0. Not yet exercised under torchrun (see docs/architecture.md).
+worker with the ``--rdzv-endpoint`` address; or, with no single point of failure, an etcd cluster
+(``etcd://``, one member per host) behind torchrun's ``etcd-v2`` rendezvous. The store torchrun hands
+workers (``MASTER_ADDR``:``MASTER_PORT``) lives on node 0 (its agent's, or with ``etcd-v2`` its rank-0
+worker's) and dies with it; only the first group uses it (docs/inprocess.md, "No single point of failure").
 
 gloo: ``abort()`` / ``shutdown()`` / ``_abort_process_group`` do not interrupt a collective
 already blocked (measured, torch 2.13: the op waits for its timeout). What unblocks it is a peer
