@@ -180,9 +180,11 @@ class EtcdStore(dist.Store):
         conn = self._conns.get(i)
         if conn is None:
             u = urlsplit(self.endpoints[i])
-            conn = self._conns[i] = http.client.HTTPConnection(u.hostname, u.port, timeout=self.request_timeout) \
-                if u.scheme != "https" else http.client.HTTPSConnection(u.hostname, u.port, timeout=self.request_timeout,
-                                                                        context=self._ssl)
+            if u.scheme == "https":
+                conn = http.client.HTTPSConnection(u.hostname, u.port, timeout=self.request_timeout, context=self._ssl)
+            else:
+                conn = http.client.HTTPConnection(u.hostname, u.port, timeout=self.request_timeout)
+            self._conns[i] = conn
         try:
             conn.request("POST", path, body, {"Content-Type": "application/json"})
             resp = conn.getresponse()

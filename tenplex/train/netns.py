@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, NetnsUnavailableError
 
-__all__ = ["free_port", "NetnsPlan", "HostNet", "LOOPBACK", "HostNetwork", "try_create", "unavailable_reason", "reap_stale",
-           "our_namespaces", "NAME_PREFIX"]
+__all__ = ["free_port", "NetnsPlan", "HostNet", "LOOPBACK", "HostNetwork", "try_create", "unavailable_reason",
+           "reap_stale", "our_namespaces", "NAME_PREFIX"]
 
 log = logging.getLogger(__name__)
 
