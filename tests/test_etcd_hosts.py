@@ -11,7 +11,9 @@ etcd or python-etcd is missing.
 
 from __future__ import annotations
 
+import datetime
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -19,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tenplex.errors import ConfigError
+from tenplex.elastic.etcd_store import EtcdStore
+from tenplex.errors import ConfigError, EtcdStoreError
 from tenplex.train.etcd import etcd_binary
 from tenplex.train.launch import HostsConfig, start_hosts, wait_for
 
@@ -43,10 +46,13 @@ def test_restart_fallback_on_etcd_survives_the_rank0_host_and_the_leader(tmp_pat
     """The restart path with nothing on one host alone: ``examples/train_native.py`` (no ``--in-process``)
     on 3 hosts of ``start_hosts(etcd=True)``; the host of rank 0 (agent, worker, the env:// store its worker
     serves, and the etcd leader) is killed after 3 steps. The survivors' agents restart their workers,
-    rendezvous again through the 2 remaining etcd members (torchrun's etcd-v2, after its 10 s keep-alive
-    TTL of the dead agent), the new rank 0 serves a new env:// store, and the job resumes from its
-    checkpoint on 2 workers with the losses and samples of an uninterrupted run."""
+    rendezvous again through the 2 remaining etcd members (torchrun's etcd-v2, once the dead node's
+    rendezvous heartbeats are overdue), the new rank 0 serves a new env:// store, and the job resumes from its
+    checkpoint on 2 workers with the losses and samples of an uninterrupted run. With ``openssl`` the
+    cluster runs over TLS (``etcd_tls``: certificates made as tests/test_hostile_etcd.py makes them), so
+    torchrun's rendezvous goes over https with the job's client certificate, and plain http is refused."""
     pytest.importorskip("etcd", reason="torchrun's etcd-v2 rendezvous needs python-etcd (the test extras)")
+    from test_hostile_etcd import job_certs
     from test_native_inprocess import BATCH, EVERY, SCRIPT, STEPS, check_native_run, native_reference
 
     from tenplex.train.launch import read_train_log
@@ -55,19 +61,29 @@ def test_restart_fallback_on_etcd_survives_the_rank0_host_and_the_leader(tmp_pat
     args = ("--steps", str(STEPS), "--ckpt-every", str(EVERY), "--global-batch", str(BATCH), "--ckpt",
             str(tmp_path / "ckpt"), "--log", str(log))
     env = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    tls = job_certs(tmp_path / "certs")["member"] if shutil.which("openssl") else None
     hosts = start_hosts(HostsConfig(3, str(tmp_path), args, nproc=1, endpoint="unused", run_id=f"r{os.getpid()}",
-                                    env=env, program=(SCRIPT,), etcd=True))
+                                    env=env, program=(SCRIPT,), etcd=True, etcd_tls=tls))
     cluster = hosts[0].etcd_cluster
     try:
+        if tls is not None:  # the job's etcd over TLS: torchrun's rendezvous and the workers' membership
+            assert all(u.startswith("https://") for u in cluster.endpoints)
+            assert all("protocol=https" in " ".join(h.agent.proc.args) for h in hosts)
+            outsider = EtcdStore([u.replace("https://", "http://") for u in cluster.endpoints],
+                                 timeout=datetime.timedelta(seconds=1), request_timeout=0.3)
+            with pytest.raises(EtcdStoreError, match="no etcd endpoint"):
+                outsider.set("intruder", "1")
         reference = native_reference(STEPS)
         assert wait_for(lambda: sum(1 for r in read_train_log(log)[0] if r["world_size"] == 3) >= 3, 150), \
             (tmp_path / "host0.log").read_text()[-3000:]
         assert [h.etcd for h in hosts] == cluster.members and all(m.alive() for m in cluster.members)
         for i, h in enumerate(hosts):  # torchrun's rendezvous on its own member; its worker's store: that first
-            assert f"--rdzv-endpoint={h.etcd.client_url.removeprefix('http://')}" in h.agent.proc.args
+            assert f"--rdzv-endpoint={h.etcd.client_url.split('://', 1)[1]}" in h.agent.proc.args
             assert "--rdzv-backend=etcd-v2" in h.agent.proc.args
             assert [_environ(p).get(b"TENPLEX_MEMBERSHIP_STORE") for p in h.agent.worker_pids()] == \
                 [cluster.spec_for(i).encode()]
+            if tls is not None:
+                assert [_environ(p).get(b"TENPLEX_ETCD_CA_FILE") for p in h.agent.worker_pids()] == [tls.ca.encode()]
         dead = next(i for i, h in enumerate(hosts) if any(_environ(p).get(b"RANK") == b"0"
                                                           for p in h.agent.worker_pids()))
         cluster.move_leader(dead)

@@ -50,9 +50,10 @@ def _signed(d: Path, name: str, ca: str, ext: str) -> None:
              "-days", "1", "-out", f"{name}.pem", "-extfile", f"{name}.ext", cwd=d)
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, EtcdTLS]:
-    d = tmp_path_factory.mktemp("certs")
+def job_certs(d: Path) -> dict[str, EtcdTLS]:
+    """Under ``d``: the job's CA, a member certificate for 127.0.0.1 (server and client use), a worker's
+    client certificate, and another CA with a client certificate of its own."""
+    d.mkdir(parents=True, exist_ok=True)
     _ca(d, "ca")
     _ca(d, "rogue-ca")
     _signed(d, "member", "ca", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
@@ -64,6 +65,11 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, EtcdTLS]:
 
     return {"member": tls("ca", "member"), "worker": tls("ca", "worker"), "rogue": tls("rogue-ca", "rogue"),
             "rogue_trusting_ca": tls("ca", "rogue")}
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, EtcdTLS]:
+    return job_certs(tmp_path_factory.mktemp("certs"))
 
 
 def _raw(url: str, ctx: ssl.SSLContext | None, path: str, payload: bytes) -> Any:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..elastic.etcd_store import EtcdTLS
 from .etcd import EtcdCluster
 from .netns import LOOPBACK, HostNet, HostNetwork, free_port
 
@@ -80,12 +81,17 @@ class Agent:
     def __init__(self, name: str, endpoint: str, train_args: Sequence[str], *, nproc: int, min_nodes: int,
                  max_nodes: int, pid_dir: str, log_path: str, max_restarts: int = 3, run_id: str = "tenplex",
                  env: dict[str, str] | None = None, net: HostNet = LOOPBACK,
-                 program: Sequence[str] = ("-m", "tenplex.train"), rdzv_backend: str = "c10d") -> None:
+                 program: Sequence[str] = ("-m", "tenplex.train"), rdzv_backend: str = "c10d",
+                 rdzv_tls: EtcdTLS | None = None) -> None:
         if rdzv_backend not in ("c10d", "etcd-v2"):
             raise ConfigError(f"rdzv_backend must be c10d or etcd-v2, got {rdzv_backend!r}")
+        if rdzv_tls is not None and rdzv_backend != "etcd-v2":
+            raise ConfigError("rdzv_tls is for torchrun's etcd-v2 rendezvous (rdzv_backend='etcd-v2')")
         self.name, self.pid_dir, self.net = name, Path(pid_dir) / name, net
         self.pid_dir.mkdir(parents=True, exist_ok=True)
         conf = "last_call_timeout=3,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3"
+        if rdzv_tls is not None:  # torchrun's etcd rendezvous over https, with this client certificate
+            conf += f",protocol=https,ca_cert={rdzv_tls.ca},ssl_cert={rdzv_tls.cert},ssl_cert_key={rdzv_tls.key}"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={min_nodes}:{max_nodes}",
                f"--nproc-per-node={nproc}", f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint={endpoint}",
                f"--rdzv-id={run_id}", f"--rdzv-conf={'is_host=false,' if rdzv_backend == 'c10d' else ''}{conf}",
@@ -265,7 +271,10 @@ class HostsConfig:
     its agent rendezvouses through that member (torchrun's ``etcd-v2`` backend, which needs
     ``python-etcd``) and its workers get ``TENPLEX_MEMBERSHIP_STORE=etcd://...`` with their own host's
     member first. ``endpoint`` is then not used, and killing a host kills its member too. Needs
-    ``n >= 3`` for a host's loss to leave a majority (with 2, one loss stops the store)."""
+    ``n >= 3`` for a host's loss to leave a majority (with 2, one loss stops the store). ``etcd_tls``
+    (with ``etcd``): the members serve https with its certificate (which must name every host's
+    address and allow server and client use) and take only clients and peers that its CA signed;
+    agents and workers present the same certificate (``TENPLEX_ETCD_*_FILE``)."""
 
     n: int
     work: str
@@ -280,6 +289,7 @@ class HostsConfig:
     network: HostNetwork | None = None
     program: tuple[str, ...] = ("-m", "tenplex.train")
     etcd: bool = False
+    etcd_tls: EtcdTLS | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "train_args", tuple(self.train_args))
@@ -289,6 +299,8 @@ class HostsConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.etcd_tls is not None and not self.etcd:
+            raise ConfigError("etcd_tls secures the hosts' etcd cluster: set etcd=True too")
         if self.network is not None and len(self.network.hosts) < self.n:
             raise ConfigError(f"{self.n} hosts need a network of at least {self.n} host namespaces, it has "
                               f"{len(self.network.hosts)} ({self.n} > {len(self.network.hosts)})")
@@ -304,7 +316,8 @@ def _start_etcd(config: HostsConfig, nets: Sequence[HostNet]) -> EtcdCluster | N
     except ImportError as e:
         raise ConfigError("HostsConfig(etcd=True) runs torchrun's etcd-v2 rendezvous, which needs python-etcd "
                           "(pip install python-etcd; in the test extras)") from e
-    return EtcdCluster(config.n, nets=nets, work=os.path.join(config.store_dir or config.work, "etcd"), v2=True)
+    return EtcdCluster(config.n, nets=nets, work=os.path.join(config.store_dir or config.work, "etcd"), v2=True,
+                       tls=config.etcd_tls)
 
 
 def start_hosts(config: HostsConfig) -> list[SimulatedHost]:
@@ -340,11 +353,12 @@ def start_hosts(config: HostsConfig) -> list[SimulatedHost]:
     hosts = []
     for i, store in enumerate(f.result() for f in started):
         member = cluster.members[i] if cluster is not None else None
-        endpoint = c.endpoint if member is None else member.client_url.removeprefix("http://")
-        own = {} if cluster is None else {"TENPLEX_MEMBERSHIP_STORE": cluster.spec_for(i)}
+        endpoint = c.endpoint if member is None else member.client_url.split("://", 1)[1]
+        own = {} if cluster is None else {"TENPLEX_MEMBERSHIP_STORE": cluster.spec_for(i),
+                                          **(c.etcd_tls.env() if c.etcd_tls is not None else {})}
         agent = Agent(f"host{i}", endpoint, c.train_args, nproc=c.nproc, min_nodes=1, max_nodes=n,
                       pid_dir=os.path.join(work, "pids"), log_path=os.path.join(work, f"host{i}.log"),
                       run_id=c.run_id, env={**env, **store.env(urls), **own}, net=nets[i], program=c.program,
-                      rdzv_backend="c10d" if member is None else "etcd-v2")
+                      rdzv_backend="c10d" if member is None else "etcd-v2", rdzv_tls=c.etcd_tls)
         hosts.append(SimulatedHost(f"host{i}", store, agent, c.network, cluster, i))
     return hosts
