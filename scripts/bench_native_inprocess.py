@@ -47,7 +47,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +134,26 @@ def reference_losses(store_port: int, case: str, root: Path = ROOT, model: str =
     return {s: r["loss"] for s, r in _last_per_step(records).items()}
 
 
-def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, model: str = "tiny") -> dict[str, Any]:
+def _on_die(record: Path, procs: list[subprocess.Popen], hook: Callable[[], None]) -> threading.Thread:
+    """A thread that calls ``hook`` the moment the die record appears (the killed worker's host takes
+    more with it: its etcd member), polling every millisecond; gives up when every process has ended."""
+    def watch() -> None:
+        while not (record.exists() and record.stat().st_size):
+            if all(p.poll() is not None for p in procs):
+                return
+            time.sleep(0.001)
+        hook()
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, model: str = "tiny", *,
+             membership: Sequence[str] | None = None, on_kill: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One run of ``case``. ``membership``: each rank's ``TENPLEX_MEMBERSHIP_STORE`` (e.g. an etcd cluster's
+    spec with the rank's host's member first) instead of the TCPStore at ``store_port``; ``on_kill``: called
+    the moment the killed worker records its death (what else its host takes down)."""
     extra, die = CASES[case]
     with tempfile.TemporaryDirectory(prefix="bench-native-") as d:
         tmp = Path(d)
@@ -151,8 +172,10 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, m
                     raise RuntimeError(f"join: the joiner did not start: {(tmp / 'w2.log').read_text()[-2000:]}")
                 time.sleep(0.05)
         for r in range(workers):
-            procs.append(subprocess.Popen(cmd, env=_env(base, r, workers), stdout=(tmp / f"w{r}.log").open("w"),
-                                          stderr=subprocess.STDOUT))
+            env = _env(base, r, workers) if membership is None else \
+                {**_env(base, r, workers), "TENPLEX_MEMBERSHIP_STORE": membership[r]}
+            procs.append(subprocess.Popen(cmd, env=env, stdout=(tmp / f"w{r}.log").open("w"), stderr=subprocess.STDOUT))
+        watcher = _on_die(tmp / "die.jsonl", procs, on_kill) if on_kill is not None and die else None
         if case in GROWS:  # the replacement, started at the kill (the die record is written just before it)
             _wait_file(tmp / "die.jsonl", procs, 300, case)
             procs.append(subprocess.Popen([*cmd, "--join"], env=_env(base, None, workers),
@@ -164,6 +187,8 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, m
             except subprocess.TimeoutExpired:
                 p.kill()
                 codes.append(p.wait())
+        if watcher is not None:
+            watcher.join(timeout=10)
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         kills = [json.loads(line) for line in (tmp / "die.jsonl").read_text().splitlines()] if die else []
         expected = [-9, *[0] * (len(procs) - 1)] if die else [0, 0, 0]

@@ -39,6 +39,15 @@ beside torchft's heal (`grow_back`): the kill -> the first step back at full siz
 round's start -> that step), the bytes the replacement received live (all it holds) against torchft's full
 copy, the join's bytes from storage, and the losses against the same job uninterrupted (within 1e-5).
 
+The rank-0 kill once more with no single point of failure (`tenplex_hsdp0_etcd`, issue #31 item 3): the
+job's membership on a 3-member etcd cluster (`tenplex.train.etcd.EtcdCluster`, one member per simulated
+host on loopback ports; workers 0, 1, 2-3 on hosts 0, 1, 2, each its own host's member first), member e0
+made the leader, and the moment worker 0 records its death e0 is SIGKILLed too (the leader check and
+the kill take 10-30 ms). Reported per repeat as for the other rows, plus whether e0 was still the leader,
+and the losses against the same job uninterrupted (within 1e-5). `--etcd-only`: this row alone, each
+repeat followed by the TCPStore `hsdp0` run (`tcpstore`) for a comparison at the same load
+(docs/bench/bench_native_etcd.json).
+
 A run whose log shows a recovery that began before the kill (a failure verdict with no failure),
 or whose figures are not all positive, is refused: the script exits with status 3 and says why
 (issue 29 item 7: such a run once reported recovery_s -6.16 and detect_s -103.5 and exited 0).
@@ -460,14 +469,14 @@ def torchft_run(heartbeat_ms: int, work: Path, *, steps: int = 400) -> dict:
     return out
 
 
-def tenplex_native_run(case: str, store_port: int, reference: dict[int, float] | None = None) -> dict:
-    """One tenplex run of the native job (scripts/bench_native_inprocess.py's, on the 12m model);
-    a case with a replacement (``native.GROWS``) also its grow back and its losses against
+def tenplex_native_run(case: str, store_port: int, reference: dict[int, float] | None = None, **run_kw: Any) -> dict:
+    """One tenplex run of the native job (scripts/bench_native_inprocess.py's, on the 12m model; ``run_kw``
+    to its ``run_once``); a case with a replacement (``native.GROWS``) also its grow back and its losses against
     ``reference`` (the same job uninterrupted), refused when the log lacks the grow back."""
     load = os.getloadavg()[0]
-    r = native.run_once(case, store_port, 10.0, model=NATIVE_MODEL)
+    r = native.run_once(case, store_port, 10.0, model=NATIVE_MODEL, **run_kw)
     lat = r["latency"] or {}
-    out = {"recovery_s": r["kill_to_next_step_s"], "load": load,
+    out = {"recovery_s": r["kill_to_next_step_s"], "load": load, "losses": r["losses"],
            "latency": {k: lat.get(k) for k in ("detection_s", "agreement_s", "regroup_s", "rebuild_s",
                                                "choose_plan_s", "transfer_s", "first_step_s", "total_s")},
            "bytes_live": r["bytes_live"], "bytes_storage": r["bytes_storage"], "bytes_local": r["bytes_local"],
@@ -581,6 +590,95 @@ def grow_beside_heal(out: dict, grows: Sequence[str], heartbeats: Sequence[int])
     return g
 
 
+# -- the rank-0 host killed with its etcd member (issue #31 item 3) -------------------------------------
+
+ETCD_HOST_OF_RANK = (0, 1, 2, 2)  # 4 workers on 3 simulated hosts, one etcd member each: rank 0 beside e0
+ETCD_KEYS = ("recovery_s", "load", "bytes_live", "bytes_storage", "bytes_full_replica", "max_rel_loss_diff",
+             "etcd_kill_s")
+
+
+def etcd_rank0_run(store_port: int, reference: dict[int, float]) -> dict:
+    """One ``hsdp0`` run of the native job with its membership on a fresh 3-member etcd cluster (each worker
+    its own host's member first): the moment worker 0 (rank 0, the env:// store's host) records its death,
+    its host's etcd member, made the leader before the run, is SIGKILLed too. The run's figures
+    (:func:`tenplex_native_run`), whether the member killed was still the leader, how long the leader check
+    and the kill took after the death was recorded, and the losses against ``reference`` (the same job
+    uninterrupted, equal within ``GROW_LOSS_RTOL``). Refused for a run whose steps are not the reference's."""
+    from tenplex.train.etcd import EtcdCluster  # lazy: only this row needs an etcd
+
+    killed: dict[str, Any] = {}
+    with EtcdCluster(3) as cluster:
+        cluster.move_leader(0)
+
+        def host0_fails() -> None:
+            t0 = time.perf_counter()
+            killed["leader"] = cluster.leader() == 0
+            cluster.kill(0)
+            killed["s"] = time.perf_counter() - t0
+
+        r = tenplex_native_run("hsdp0", store_port, membership=[cluster.spec_for(h) for h in ETCD_HOST_OF_RANK],
+                               on_kill=host0_fails)
+    where = f"tenplex native hsdp0 on etcd (load {r['load']:.1f})"
+    if "s" not in killed:
+        raise Refused(f"{where}: etcd member e0 was never killed (no death recorded)")
+    losses = {int(k): v for k, v in r["losses"].items()}
+    if sorted(losses) != sorted(reference):
+        raise Refused(f"{where}: steps logged {sorted(losses)} are not the uninterrupted run's {sorted(reference)}")
+    rel = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+    return {**r, "etcd_leader_killed": killed["leader"], "etcd_kill_s": killed["s"], "max_rel_loss_diff": rel,
+            "losses_equal": rel <= GROW_LOSS_RTOL}
+
+
+def etcd_rank0_row(repeats: int, baseline: bool = False) -> dict:
+    """The ``hsdp0`` row with the membership on etcd (:func:`etcd_rank0_run`), ``repeats`` times: per
+    figure {"median","min","max","runs"}, the latency table and the parts likewise, and the runs. With
+    ``baseline`` the same job with its membership in a TCPStore of this process is run after each repeat
+    (``tcpstore``: its kill -> next step, load and bytes), for a comparison at the same load."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)  # the reference's
+    print(f"native / hsdp0: the uninterrupted run (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
+    reference = native.reference_losses(store.port, "hsdp0", model=NATIVE_MODEL)
+    rs, tcp = [], []
+    for i in range(repeats):
+        print(f"native / tenplex hsdp0 on etcd {i + 1}/{repeats} (load {os.getloadavg()[0]:.2f}) ...",
+              file=sys.stderr, flush=True)
+        rs.append(etcd_rank0_run(store.port, reference))
+        print(f"  kill -> next step {rs[-1]['recovery_s']:.2f}s (the etcd leader killed: "
+              f"{rs[-1]['etcd_leader_killed']}), losses equal {rs[-1]['losses_equal']}", file=sys.stderr, flush=True)
+        if baseline:
+            print(f"native / tenplex hsdp0 on a TCPStore {i + 1}/{repeats} (load {os.getloadavg()[0]:.2f}) ...",
+                  file=sys.stderr, flush=True)
+            tcp.append(tenplex_native_run("hsdp0", store.port))
+            print(f"  kill -> next step {tcp[-1]['recovery_s']:.2f}s", file=sys.stderr, flush=True)
+
+    def nested(field: str) -> dict:
+        return {k: _spread([r[field][k] for r in rs]) for k in rs[0][field]
+                if all(isinstance(r[field][k], (int, float)) for r in rs)}
+
+    return {"killed": f"host 0: worker 0 ({native.CASES['hsdp0'][1]}: rank 0, the env:// store) and etcd member e0",
+            "membership": "etcd, 3 members (one per simulated host, loopback ports), workers on hosts "
+                          f"{list(ETCD_HOST_OF_RANK)}, each its own host's member first",
+            **_spreads(rs, ETCD_KEYS), "latency": nested("latency"), "parts": nested("parts"),
+            "etcd_leader_killed": [r["etcd_leader_killed"] for r in rs],
+            "losses_equal": all(r["losses_equal"] for r in rs), "runs": rs,
+            **({"tcpstore": {**_spreads(tcp, ("recovery_s", "load", "bytes_live", "bytes_storage")), "runs": tcp}}
+               if tcp else {})}
+
+
+def add_etcd_row(native_job: dict, repeats: int, baseline: bool = False) -> None:
+    """``native_job["tenplex_hsdp0_etcd"]`` and its goal beside torchft's best (when ``native_job`` has it),
+    or ``native_job["etcd_skipped"]`` with the reason where etcd is not installed."""
+    from tenplex.train.etcd import etcd_binary  # lazy: only this row needs an etcd
+
+    if etcd_binary() is None:
+        native_job["etcd_skipped"] = "etcd is not installed (Debian etcd-server; make setup installs it as root)"
+        return
+    row = native_job["tenplex_hsdp0_etcd"] = etcd_rank0_row(repeats, baseline)
+    if "torchft_best_s" in native_job:
+        native_job.setdefault("goal", {})["tenplex_hsdp0_etcd_below_torchft_best"] = \
+            row["recovery_s"]["median"] < native_job["torchft_best_s"]
+    native_job.setdefault("goal", {})["tenplex_hsdp0_etcd_losses_equal"] = row["losses_equal"]
+
+
 def _native_summary(n: dict) -> str:
     """The side-by-side lines: median [min, max] per system."""
     def fmt(d: dict) -> str:
@@ -601,7 +699,7 @@ def _native_summary(n: dict) -> str:
                          f"{v['join_bytes_storage']['median']:,.0f} B from storage; losses equal {v['losses_equal']} "
                          f"(max rel {v['max_rel_loss_diff']['max']:.1e})"
                          f" vs torchft's best heal {n['grow_back']['torchft_best_heal_s']:.2f} s")
-    lines.append(f"  goal (below torchft's best {n['torchft_best_s']:.2f} s): {n['goal']}")
+    lines.append(f"  goal (below torchft's best {n.get('torchft_best_s', float('nan')):.2f} s): {n.get('goal')}")
     return "\n".join(lines)
 
 
@@ -622,6 +720,9 @@ def _main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="--json, --join: runs of each path per model")
     ap.add_argument("--native-only", action="store_true",
                     help="--json: only the torch-native job beside torchft (not the reference trainer)")
+    ap.add_argument("--etcd-only", action="store_true",
+                    help="--json: only the native job's rank-0 row with its membership on etcd, each repeat "
+                         "followed by the same job's with it in a TCPStore (not torchft)")
     ap.add_argument("--join", action="store_true", help="scale up in-process: 2 workers admit 2 joiners (issue #18)")
     args = ap.parse_args()
     if args.join:
@@ -637,8 +738,11 @@ def _main() -> int:
             cases.append(("llama-100m", dict(steps=11, fail_after=7, snapshot_every=1, ckpt_every=4,
                                              extra=["--global-batch", "4", "--micro-batch", "2", "--lr", "1e-3"])))
         load_before = os.getloadavg()
-        models = {} if args.native_only else side_by_side(cases, args.repeats, args.shm)
-        native_job = native_side_by_side(args.repeats)
+        models = {} if args.native_only or args.etcd_only else side_by_side(cases, args.repeats, args.shm)
+        native_job = native_side_by_side(args.repeats) if not args.etcd_only else {
+            "model": f"native_llama {NATIVE_MODEL}", "job": " ".join(native.COMMON),
+            "layout": "HSDP dp_replicate=2 x dp_shard=2, 4 gloo workers"}
+        add_etcd_row(native_job, args.repeats, baseline=args.etcd_only)
         result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(), "cpus": os.cpu_count(),
                   "command": " ".join(["python scripts/bench_recovery.py", *sys.argv[1:]]),
                   "repeats": args.repeats, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
@@ -646,7 +750,8 @@ def _main() -> int:
         print(_native_summary(native_job), file=sys.stderr)
         text = json.dumps(result, indent=1)
         if not args.quick:
-            name = "bench_native_vs_torchft.json" if args.native_only else "bench_inprocess.json"
+            name = "bench_native_etcd.json" if args.etcd_only else \
+                "bench_native_vs_torchft.json" if args.native_only else "bench_inprocess.json"
             (Path(args.out) / name).write_text(text + "\n")
         print(json.dumps(result))  # the last line: one JSON object
         return 0

@@ -16,6 +16,13 @@ moves to the next on a refused connection, a request that takes longer than ``re
 the operation's deadline (the store's ``timeout``). Reads are linearizable (etcd's default): a
 value read from any member is the latest the majority agreed on.
 
+TLS (:class:`EtcdTLS`): with a CA, a certificate and its key the client speaks ``https`` to every
+endpoint, checks each member's certificate against the CA (and its address against the
+certificate's) and presents its own; members started with ``--client-cert-auth`` (``EtcdCluster(tls=...)``)
+refuse every client whose certificate the CA did not sign, so a process without the job's
+certificates can neither read nor write membership. :func:`membership_store` takes the files from
+``TENPLEX_ETCD_CA_FILE``, ``TENPLEX_ETCD_CERT_FILE``, ``TENPLEX_ETCD_KEY_FILE`` (:meth:`EtcdTLS.from_env`).
+
 Atomicity: ``add`` and ``append`` are read-modify-write loops closed by a transaction comparing the
 key's ``mod_revision`` (no lost update between concurrent writers). A transaction whose answer was
 lost (the endpoint died, or answered slower than ``request_timeout``, after committing it) is
@@ -31,10 +38,13 @@ import datetime
 import http.client
 import json
 import logging
+import os
+import ssl
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -42,13 +52,56 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, EtcdStoreError
 
-__all__ = ["EtcdStore", "ETCD_SCHEME", "parse_etcd_spec"]
+__all__ = ["EtcdStore", "EtcdTLS", "ETCD_SCHEME", "parse_etcd_spec", "TLS_ENV"]
 
 log = logging.getLogger(__name__)
 
 ETCD_SCHEME = "etcd://"
 _POLL_S = 0.01  # wait / get on a missing key: how often to look again
 _OPS = "\x00tenplex-etcdstore-ops/"  # each client's op record: outside every namespace's key range
+
+
+#: The environment variables naming :class:`EtcdTLS`'s files (CA, certificate, key), in its field order.
+TLS_ENV = ("TENPLEX_ETCD_CA_FILE", "TENPLEX_ETCD_CERT_FILE", "TENPLEX_ETCD_KEY_FILE")
+
+
+@dataclass(frozen=True)
+class EtcdTLS:
+    """PEM files for TLS with etcd: ``ca`` the certificate authority that signs every member's and
+    client's certificate, ``cert`` / ``key`` this party's certificate and private key (a member's
+    serve its client and peer URLs; a client's prove it belongs to the job)."""
+
+    ca: str
+    cert: str
+    key: str
+
+    def __post_init__(self) -> None:
+        missing = [f"{name}={path!r}" for name, path in (("ca", self.ca), ("cert", self.cert), ("key", self.key))
+                   if not path or not os.path.isfile(path)]
+        if missing:
+            raise ConfigError(f"etcd TLS needs a CA, a certificate and a key (PEM files); not found: {missing}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EtcdTLS | None:
+        """The files ``TLS_ENV`` name, None when none is set; ConfigError when only some are."""
+        env = os.environ if env is None else env
+        paths = [env.get(k, "") for k in TLS_ENV]
+        if not any(paths):
+            return None
+        if not all(paths):
+            raise ConfigError(f"etcd TLS needs all of {', '.join(TLS_ENV)}; set: "
+                              f"{[k for k, p in zip(TLS_ENV, paths) if p]}")
+        return cls(*paths)
+
+    def env(self) -> dict[str, str]:
+        """The environment that hands these files to a worker (:meth:`from_env`)."""
+        return dict(zip(TLS_ENV, (self.ca, self.cert, self.key)))
+
+    def client_context(self) -> ssl.SSLContext:
+        """Verify the member against ``ca`` (its address against its certificate), present ``cert``."""
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
+        ctx.load_cert_chain(self.cert, self.key)
+        return ctx
 
 
 def parse_etcd_spec(spec: str) -> tuple[str, ...]:
@@ -91,13 +144,18 @@ class EtcdStore(dist.Store):
     :meth:`clone` gives another connection for another thread."""
 
     def __init__(self, endpoints: Sequence[str], *, namespace: str = "tenplex/",
-                 timeout: datetime.timedelta = datetime.timedelta(seconds=30), request_timeout: float = 0.5) -> None:
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=30), request_timeout: float = 0.5,
+                 tls: EtcdTLS | None = None) -> None:
         super().__init__()
         if not endpoints:
             raise ConfigError("an EtcdStore needs at least one endpoint (http://host:port)")
         if request_timeout <= 0:
             raise ConfigError(f"request_timeout must be > 0 s, got {request_timeout}")
-        self.endpoints = tuple(endpoints)
+        self.tls = tls
+        self._ssl = tls.client_context() if tls is not None else None
+        # with TLS every endpoint is https (an http:// one given is the same member's address)
+        self.endpoints = tuple(endpoints) if tls is None else tuple(
+            "https://" + e.split("://", 1)[-1] for e in endpoints)
         self.namespace = namespace
         self.request_timeout = request_timeout
         self.set_timeout(timeout)
@@ -122,7 +180,11 @@ class EtcdStore(dist.Store):
         conn = self._conns.get(i)
         if conn is None:
             u = urlsplit(self.endpoints[i])
-            conn = self._conns[i] = http.client.HTTPConnection(u.hostname, u.port, timeout=self.request_timeout)
+            if u.scheme == "https":
+                conn = http.client.HTTPSConnection(u.hostname, u.port, timeout=self.request_timeout, context=self._ssl)
+            else:
+                conn = http.client.HTTPConnection(u.hostname, u.port, timeout=self.request_timeout)
+            self._conns[i] = conn
         try:
             conn.request("POST", path, body, {"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -275,7 +337,8 @@ class EtcdStore(dist.Store):
     def clone(self) -> EtcdStore:
         """Another client of the same cluster and namespace (its own connections), current endpoint first."""
         order = self.endpoints[self._current:] + self.endpoints[:self._current]
-        return EtcdStore(order, namespace=self.namespace, timeout=self.timeout, request_timeout=self.request_timeout)
+        return EtcdStore(order, namespace=self.namespace, timeout=self.timeout, request_timeout=self.request_timeout,
+                         tls=self.tls)
 
     def close(self) -> None:
         """Drop this client's op record and its connections."""

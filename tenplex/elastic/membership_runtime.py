@@ -57,9 +57,10 @@ Which store: in tests and simulated nodes the :class:`~tenplex.train.launch.Rend
 process (``TCPStore(host, port, is_master=False)`` in every worker). Under torchrun the store must
 outlive the failed node: the c10d rendezvous store run standalone (``--rdzv-conf is_host=false``,
 the server in a process of its own, as ``RendezvousStore`` does), connected to directly from the
-worker with the ``--rdzv-endpoint`` address. The store torchrun hands workers (``MASTER_ADDR``:
-``MASTER_PORT``) is hosted by the rank-0 agent unless the rendezvous store is shared and standalone,
-so it dies with node 0. Not yet exercised under torchrun (see docs/architecture.md).
+worker with the ``--rdzv-endpoint`` address; or, with no single point of failure, an etcd cluster
+(``etcd://``, one member per host) behind torchrun's ``etcd-v2`` rendezvous. The store torchrun hands
+workers (``MASTER_ADDR``:``MASTER_PORT``) lives on node 0 (its agent's, or with ``etcd-v2`` its rank-0
+worker's) and dies with it; only the first group uses it (docs/inprocess.md, "No single point of failure").
 
 gloo: ``abort()`` / ``shutdown()`` / ``_abort_process_group`` do not interrupt a collective
 already blocked (measured, torch 2.13: the op waits for its timeout). What unblocks it is a peer
@@ -777,14 +778,15 @@ class Membership:
 def membership_store(timeout_s: float = 30.0) -> Any:
     """A client of the job's long-lived store named by ``TENPLEX_MEMBERSHIP_STORE``: ``host:port`` (a
     ``TCPStore``), or ``etcd://host:port,host:port,...`` (an :class:`~tenplex.elastic.etcd_store.EtcdStore`
-    over a replicated etcd cluster, this host's member first: no single point of failure)."""
+    over a replicated etcd cluster, this host's member first: no single point of failure; over TLS
+    with the files ``TENPLEX_ETCD_CA_FILE`` / ``_CERT_FILE`` / ``_KEY_FILE`` name)."""
     import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
 
-    from .etcd_store import ETCD_SCHEME, EtcdStore  # lazy: a torch.distributed.Store subclass
+    from .etcd_store import ETCD_SCHEME, EtcdStore, EtcdTLS  # lazy: a torch.distributed.Store subclass
 
     spec = os.environ.get(MEMBERSHIP_STORE_ENV, "")
     if spec.startswith(ETCD_SCHEME):
-        return EtcdStore.from_spec(spec, timeout=datetime.timedelta(seconds=timeout_s))
+        return EtcdStore.from_spec(spec, timeout=datetime.timedelta(seconds=timeout_s), tls=EtcdTLS.from_env())
     host, _, port = spec.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"--in-process needs {MEMBERSHIP_STORE_ENV}=host:port (or etcd://host:port,...), a c10d "

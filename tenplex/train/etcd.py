@@ -27,10 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..elastic.etcd_store import ETCD_SCHEME
+from ..elastic.etcd_store import ETCD_SCHEME, EtcdTLS
 from ..errors import ConfigError
-from .launch import free_port
-from .netns import LOOPBACK, HostNet
+from .netns import LOOPBACK, HostNet, free_port
 
 __all__ = ["EtcdCluster", "EtcdMember", "etcd_binary"]
 
@@ -45,25 +44,33 @@ def etcd_binary() -> str | None:
     return os.environ.get("TENPLEX_ETCD") or shutil.which("etcd")
 
 
-# one HTTP request from inside a host's namespace (the root namespace has no route to it)
-_FETCH = ("import json, sys, urllib.request as u\n"
+# one HTTP request from inside a host's namespace (the root namespace has no route to it); with TLS
+# files (CA, certificate, key) after the timeout, over https with them
+_FETCH = ("import json, ssl, sys, urllib.request as u\n"
           "d = None if sys.argv[2] == '-' else sys.argv[2].encode()\n"
           "r = u.Request(sys.argv[1], d, {'Content-Type': 'application/json'})\n"
-          "sys.stdout.write(u.urlopen(r, timeout=float(sys.argv[3])).read().decode())\n")
+          "c = None\n"
+          "if len(sys.argv) > 4:\n"
+          "    c = ssl.create_default_context(cafile=sys.argv[4])\n"
+          "    c.load_cert_chain(sys.argv[5], sys.argv[6])\n"
+          "sys.stdout.write(u.urlopen(r, timeout=float(sys.argv[3]), context=c).read().decode())\n")
 
 
-def _call(net: HostNet, url: str, payload: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
-    """GET (``payload`` None) or POST ``url`` as a process of host ``net`` would; its JSON answer.
-    OSError when it does not answer within ``timeout``."""
+def _call(net: HostNet, url: str, payload: dict[str, Any] | None, timeout: float,
+          tls: EtcdTLS | None = None) -> dict[str, Any]:
+    """GET (``payload`` None) or POST ``url`` as a process of host ``net`` would (with ``tls``'s CA,
+    certificate and key for an https URL); its JSON answer. OSError when it does not answer within ``timeout``."""
     if not net.netns:
         data = None if payload is None else json.dumps(payload).encode()
         req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - an http:// URL we built
+        ctx = tls.client_context() if tls is not None else None
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:  # noqa: S310 - a URL we built
             return json.loads(r.read())
     arg = "-" if payload is None else json.dumps(payload)
+    files = [tls.ca, tls.cert, tls.key] if tls is not None else []
     try:
-        res = subprocess.run(net.command([sys.executable, "-c", _FETCH, url, arg, str(timeout)]), capture_output=True,
-                             text=True, timeout=timeout + 10)
+        res = subprocess.run(net.command([sys.executable, "-c", _FETCH, url, arg, str(timeout), *files]),
+                             capture_output=True, text=True, timeout=timeout + 10)
     except subprocess.TimeoutExpired as e:
         raise OSError(f"{url}: no answer within {timeout} s") from e
     if res.returncode != 0:
@@ -72,13 +79,21 @@ def _call(net: HostNet, url: str, payload: dict[str, Any] | None, timeout: float
 
 
 class EtcdMember:
-    """One ``etcd`` process: ``name`` in a cluster of ``initial_cluster`` (``name=peer-url,...``)."""
+    """One ``etcd`` process: ``name`` in a cluster of ``initial_cluster`` (``name=peer-url,...``). With
+    ``tls`` its client and peer URLs are https, served with ``tls``'s certificate, and it accepts only
+    clients and peers whose certificates ``tls``'s CA signed (``--client-cert-auth``)."""
 
     def __init__(self, name: str, data_dir: Path, client_port: int, peer_port: int, initial_cluster: str,
-                 token: str, *, net: HostNet = LOOPBACK, binary: str = "etcd", v2: bool = False) -> None:
-        self.name, self.data_dir, self.net = name, data_dir, net
-        self.client_url = f"http://{net.address}:{client_port}"
-        self.peer_url = f"http://{net.address}:{peer_port}"
+                 token: str, *, net: HostNet = LOOPBACK, binary: str = "etcd", v2: bool = False,
+                 tls: EtcdTLS | None = None) -> None:
+        self.name, self.data_dir, self.net, self.tls = name, data_dir, net, tls
+        scheme = "https" if tls is not None else "http"
+        self.client_url = f"{scheme}://{net.address}:{client_port}"
+        self.peer_url = f"{scheme}://{net.address}:{peer_port}"
+        secure = [] if tls is None else [
+            "--cert-file", tls.cert, "--key-file", tls.key, "--trusted-ca-file", tls.ca, "--client-cert-auth",
+            "--peer-cert-file", tls.cert, "--peer-key-file", tls.key, "--peer-trusted-ca-file", tls.ca,
+            "--peer-client-cert-auth"]
         cmd = [binary, "--name", name, "--data-dir", str(data_dir),
                "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
                "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
@@ -88,7 +103,7 @@ class EtcdMember:
                # every heartbeat is a write: without compaction the history grows by ~100 revisions a
                # second until etcd's space quota stops all writes; keep the last 5 minutes
                "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
-               *(["--enable-v2=true"] if v2 else [])]
+               *(["--enable-v2=true"] if v2 else []), *secure]
         self.log_path = data_dir.parent / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in kill
         self.proc = subprocess.Popen(net.command(cmd), stdout=self._log, stderr=subprocess.STDOUT,
@@ -106,7 +121,7 @@ class EtcdMember:
 
     def call(self, path: str, payload: dict[str, Any] | None, timeout: float = 5.0) -> dict[str, Any]:
         """GET (``payload`` None) or POST ``path`` of this member's client URL, from its own host."""
-        return _call(self.net, self.client_url + path, payload, timeout)
+        return _call(self.net, self.client_url + path, payload, timeout, self.tls)
 
     def status(self, timeout: float = 1.0) -> dict[str, Any]:
         """etcd's maintenance status of this member (``header.member_id``, ``leader``: ids as strings)."""
@@ -128,10 +143,12 @@ class EtcdCluster:
     context manager that kills them and removes ``work`` (default a fresh directory under /dev/shm,
     where etcd's fsyncs cost nothing) on exit. Raises ConfigError when etcd is not installed and
     RuntimeError when the cluster is not healthy within ``start_timeout`` seconds. ``v2``: also serve
-    etcd's v2 API, which torchrun's ``--rdzv-backend=etcd-v2`` (through ``python-etcd``) needs."""
+    etcd's v2 API, which torchrun's ``--rdzv-backend=etcd-v2`` (through ``python-etcd``) needs. ``tls``:
+    every member serves https with its certificate (one that names every member's address) and takes
+    only clients and peers whose certificates its CA signed (:class:`EtcdMember`)."""
 
     def __init__(self, n: int = 3, *, nets: Sequence[HostNet] | None = None, work: str | Path | None = None,
-                 start_timeout: float = 30.0, v2: bool = False) -> None:
+                 start_timeout: float = 30.0, v2: bool = False, tls: EtcdTLS | None = None) -> None:
         binary = etcd_binary()
         if binary is None:
             raise ConfigError("etcd is not installed: install Debian's etcd-server (make setup does, as root) "
@@ -150,14 +167,15 @@ class EtcdCluster:
             if (p := free_port()) not in free:
                 free.append(p)
         ports = list(zip(free[0::2], free[1::2]))
-        initial = ",".join(f"e{i}=http://{net.address}:{pp}" for i, (net, (_, pp)) in enumerate(zip(nets, ports)))
+        scheme = "https" if tls is not None else "http"
+        initial = ",".join(f"e{i}={scheme}://{net.address}:{pp}" for i, (net, (_, pp)) in enumerate(zip(nets, ports)))
         self.members: list[EtcdMember] = []
         try:
             for i, (net, (cp, pp)) in enumerate(zip(nets, ports)):
                 d = self.work / f"e{i}"
                 d.mkdir(parents=True, exist_ok=True)
                 self.members.append(EtcdMember(f"e{i}", d / "data", cp, pp, initial, token, net=net, binary=binary,
-                                               v2=v2))
+                                               v2=v2, tls=tls))
             self.wait_healthy(start_timeout)
         except BaseException:
             self.stop()
@@ -171,7 +189,7 @@ class EtcdCluster:
     def spec_for(self, first: int = 0) -> str:
         """``etcd://host:port,...`` with member ``first`` (the caller's own host's) first."""
         order = self.members[first:] + self.members[:first]
-        return ETCD_SCHEME + ",".join(m.client_url.removeprefix("http://") for m in order)
+        return ETCD_SCHEME + ",".join(m.client_url.split("://", 1)[1] for m in order)
 
     @property
     def spec(self) -> str:

@@ -18,7 +18,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,18 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
-from .netns import LOOPBACK, HostNet, HostNetwork
+from ..elastic.etcd_store import EtcdTLS
+from .etcd import EtcdCluster
+from .netns import LOOPBACK, HostNet, HostNetwork, free_port
 
 __all__ = ["free_port", "RendezvousStore", "Agent", "StoreProcess", "SimulatedHost", "HostsConfig", "start_hosts", "read_train_log",
            "wait_for", "kill_alive"]
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RendezvousStore:
@@ -86,12 +81,17 @@ class Agent:
     def __init__(self, name: str, endpoint: str, train_args: Sequence[str], *, nproc: int, min_nodes: int,
                  max_nodes: int, pid_dir: str, log_path: str, max_restarts: int = 3, run_id: str = "tenplex",
                  env: dict[str, str] | None = None, net: HostNet = LOOPBACK,
-                 program: Sequence[str] = ("-m", "tenplex.train"), rdzv_backend: str = "c10d") -> None:
+                 program: Sequence[str] = ("-m", "tenplex.train"), rdzv_backend: str = "c10d",
+                 rdzv_tls: EtcdTLS | None = None) -> None:
         if rdzv_backend not in ("c10d", "etcd-v2"):
             raise ConfigError(f"rdzv_backend must be c10d or etcd-v2, got {rdzv_backend!r}")
+        if rdzv_tls is not None and rdzv_backend != "etcd-v2":
+            raise ConfigError("rdzv_tls is for torchrun's etcd-v2 rendezvous (rdzv_backend='etcd-v2')")
         self.name, self.pid_dir, self.net = name, Path(pid_dir) / name, net
         self.pid_dir.mkdir(parents=True, exist_ok=True)
         conf = "last_call_timeout=3,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3"
+        if rdzv_tls is not None:  # torchrun's etcd rendezvous over https, with this client certificate
+            conf += f",protocol=https,ca_cert={rdzv_tls.ca},ssl_cert={rdzv_tls.cert},ssl_cert_key={rdzv_tls.key}"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={min_nodes}:{max_nodes}",
                f"--nproc-per-node={nproc}", f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint={endpoint}",
                f"--rdzv-id={run_id}", f"--rdzv-conf={'is_host=false,' if rdzv_backend == 'c10d' else ''}{conf}",
@@ -218,14 +218,20 @@ class StoreProcess:
 
 
 class SimulatedHost:
-    """A host: its store process and a torchrun agent whose workers snapshot into that store."""
+    """A host: its store process, a torchrun agent whose workers snapshot into that store and, with
+    ``HostsConfig(etcd=True)``, its member ``etcd`` (an ``EtcdMember``) of the job's ``etcd_cluster``."""
 
-    def __init__(self, name: str, store: StoreProcess, agent: Agent, network: HostNetwork | None = None) -> None:
+    def __init__(self, name: str, store: StoreProcess, agent: Agent, network: HostNetwork | None = None,
+                 etcd_cluster: EtcdCluster | None = None, etcd_index: int = 0) -> None:
         self.name, self.store, self.agent, self.network = name, store, agent, network
+        self.etcd_cluster = etcd_cluster
+        self.etcd = etcd_cluster.members[etcd_index] if etcd_cluster is not None else None
 
     def kill(self) -> None:
-        """A host failure: its workers, its agent and its store die at once."""
+        """A host failure: its workers, its agent, its store and its etcd member die at once."""
         self.agent.kill()
+        if self.etcd is not None:
+            self.etcd.kill()
         self.store.stop()
 
     def fail(self, how: str = "kill") -> None:
@@ -245,6 +251,8 @@ class SimulatedHost:
     def stop(self) -> None:
         self.agent.stop()
         self.store.stop()
+        if self.etcd is not None:
+            self.etcd.kill()
 
 
 @dataclass(frozen=True)
@@ -255,7 +263,18 @@ class HostsConfig:
     tmpfs such as /dev/shm), default ``work``; each store keeps ``keep_last`` steps and ``replicas``
     copies of each snapshot. With ``network`` host ``i`` runs in ``network.hosts[i]`` (its store
     beyond loopback, so with a generated token unless ``env`` has one); ``endpoint`` must then be
-    reachable from the namespaces (a ``RendezvousStore(net=network.switch)``)."""
+    reachable from the namespaces (a ``RendezvousStore(net=network.switch)``). ``program``: what each
+    worker runs (default ``-m tenplex.train``; a script path and its options run a user's own loop).
+
+    ``etcd``: no single point of failure. Host ``i`` also runs member ``i`` of an etcd cluster of ``n``
+    (``tenplex.train.etcd.EtcdCluster``, on the host's address; data under ``store_dir`` or ``work``);
+    its agent rendezvouses through that member (torchrun's ``etcd-v2`` backend, which needs
+    ``python-etcd``) and its workers get ``TENPLEX_MEMBERSHIP_STORE=etcd://...`` with their own host's
+    member first. ``endpoint`` is then not used, and killing a host kills its member too. Needs
+    ``n >= 3`` for a host's loss to leave a majority (with 2, one loss stops the store). ``etcd_tls``
+    (with ``etcd``): the members serve https with its certificate (which must name every host's
+    address and allow server and client use) and take only clients and peers that its CA signed;
+    agents and workers present the same certificate (``TENPLEX_ETCD_*_FILE``)."""
 
     n: int
     work: str
@@ -268,22 +287,42 @@ class HostsConfig:
     store_dir: str | None = None
     keep_last: int = 2
     network: HostNetwork | None = None
+    program: tuple[str, ...] = ("-m", "tenplex.train")
+    etcd: bool = False
+    etcd_tls: EtcdTLS | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "train_args", tuple(self.train_args))
+        object.__setattr__(self, "program", tuple(self.program))
         object.__setattr__(self, "env", dict(self.env))
         for name in ("n", "nproc", "replicas", "keep_last"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.etcd_tls is not None and not self.etcd:
+            raise ConfigError("etcd_tls secures the hosts' etcd cluster: set etcd=True too")
         if self.network is not None and len(self.network.hosts) < self.n:
             raise ConfigError(f"{self.n} hosts need a network of at least {self.n} host namespaces, it has "
                               f"{len(self.network.hosts)} ({self.n} > {len(self.network.hosts)})")
 
 
+def _start_etcd(config: HostsConfig, nets: Sequence[HostNet]) -> EtcdCluster | None:
+    """``config.etcd``'s cluster, one member per host on its address (None without ``etcd``);
+    ConfigError when etcd or python-etcd (torchrun's etcd-v2 rendezvous) is missing."""
+    if not config.etcd:
+        return None
+    try:
+        import etcd  # noqa: F401  # lazy: python-etcd is optional (torchrun's etcd-v2 rendezvous imports it)
+    except ImportError as e:
+        raise ConfigError("HostsConfig(etcd=True) runs torchrun's etcd-v2 rendezvous, which needs python-etcd "
+                          "(pip install python-etcd; in the test extras)") from e
+    return EtcdCluster(config.n, nets=nets, work=os.path.join(config.store_dir or config.work, "etcd"), v2=True,
+                       tls=config.etcd_tls)
+
+
 def start_hosts(config: HostsConfig) -> list[SimulatedHost]:
-    """The hosts ``config`` describes, sharing one rendezvous: stores first (they know each other;
-    started concurrently), then agents."""
+    """The hosts ``config`` describes, sharing one rendezvous: with ``etcd`` the cluster first, then
+    stores (they know each other; started concurrently), then agents."""
     c = config
     n, work = c.n, c.work
     nets = c.network.hosts[:n] if c.network is not None else [LOOPBACK] * n
@@ -298,6 +337,7 @@ def start_hosts(config: HostsConfig) -> list[SimulatedHost]:
         return StoreProcess(root, ports[i], urls, replicas=c.replicas, keep_last=c.keep_last,
                             log_path=os.path.join(work, f"store{i}.log"), net=nets[i], token=token, env=env)
 
+    cluster = _start_etcd(c, nets)
     # the stores start at once (each takes a second or two to import and listen), then the agents one
     # right after the other, so they reach the rendezvous together
     with ThreadPoolExecutor(max_workers=n) as pool:
@@ -307,11 +347,18 @@ def start_hosts(config: HostsConfig) -> list[SimulatedHost]:
         for f in started:
             if f.exception() is None:
                 f.result().stop()
+        if cluster is not None:
+            cluster.stop()
         raise failed[0]
     hosts = []
     for i, store in enumerate(f.result() for f in started):
-        agent = Agent(f"host{i}", c.endpoint, c.train_args, nproc=c.nproc, min_nodes=1, max_nodes=n,
+        member = cluster.members[i] if cluster is not None else None
+        endpoint = c.endpoint if member is None else member.client_url.split("://", 1)[1]
+        own = {} if cluster is None else {"TENPLEX_MEMBERSHIP_STORE": cluster.spec_for(i),
+                                          **(c.etcd_tls.env() if c.etcd_tls is not None else {})}
+        agent = Agent(f"host{i}", endpoint, c.train_args, nproc=c.nproc, min_nodes=1, max_nodes=n,
                       pid_dir=os.path.join(work, "pids"), log_path=os.path.join(work, f"host{i}.log"),
-                      run_id=c.run_id, env={**env, **store.env(urls)}, net=nets[i])
-        hosts.append(SimulatedHost(f"host{i}", store, agent, c.network))
+                      run_id=c.run_id, env={**env, **store.env(urls), **own}, net=nets[i], program=c.program,
+                      rdzv_backend="c10d" if member is None else "etcd-v2", rdzv_tls=c.etcd_tls)
+        hosts.append(SimulatedHost(f"host{i}", store, agent, c.network, cluster, i))
     return hosts

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -30,10 +31,17 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, NetnsUnavailableError
 
-__all__ = ["NetnsPlan", "HostNet", "LOOPBACK", "HostNetwork", "try_create", "unavailable_reason", "reap_stale",
-           "our_namespaces", "NAME_PREFIX"]
+__all__ = ["free_port", "NetnsPlan", "HostNet", "LOOPBACK", "HostNetwork", "try_create", "unavailable_reason",
+           "reap_stale", "our_namespaces", "NAME_PREFIX"]
 
 log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the kernel's pick; another process may take it before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 NAME_PREFIX = "tenplex-"
 SUBNETS = ipaddress.IPv4Network("10.231.0.0/16")  # one /24 of it per network
