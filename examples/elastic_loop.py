@@ -5,7 +5,9 @@ every worker. Under torchrun (or any env:// launcher) with ``TENPLEX_MEMBERSHIP_
 c10d store that outlives the workers), a worker's death makes the others rebuild the model for
 their number and continue in process from the newest state they hold. ``--kill-at RANK:STEP``
 (testing) SIGKILLs that rank in the forward pass of that step. ``--mesh N``: the mesh holds at most N
-workers; the others wait as spares and take a dead worker's place.
+workers; the others wait as spares and take a dead worker's place; ``--spares K``: K of the workers
+there are wait as spares (after a restart with fewer workers too). Without ``TENPLEX_MEMBERSHIP_STORE``
+the job only checkpoints and resumes: the launcher's restart is its recovery.
 
     TENPLEX_MEMBERSHIP_STORE=127.0.0.1:29400 torchrun --nproc-per-node=4 examples/elastic_loop.py --ckpt /tmp/c
 """
@@ -37,6 +39,7 @@ def main() -> None:
     p.add_argument("--log", default="", help="JSON lines: rank 0's steps and the runtime's events")
     p.add_argument("--kill-at", default="", help="testing: RANK:STEP, SIGKILL in that step's forward pass")
     p.add_argument("--mesh", type=int, default=0, help="at most this many workers train, the others are spares")
+    p.add_argument("--spares", type=int, default=0, help="this many workers wait as spares")
     args = p.parse_args()
     kill = tuple(map(int, args.kill_at.split(":"))) if args.kill_at else None
     first_rank = int(os.environ.get("RANK", "0"))
@@ -54,10 +57,10 @@ def main() -> None:
         model = nl.parallelize(nl.reference_model(cfg, seed=0), mesh)
         return model, nl.make_optimizer(model)
 
-    rt = tenplex.ElasticRuntime(build, lambda world: {"dp_shard": min(world, args.mesh or world)}, ckpt=args.ckpt,
-                                ckpt_every=2,
+    rt = tenplex.ElasticRuntime(build, lambda world: {"dp_shard": min(world - args.spares, args.mesh or world)},
+                                ckpt=args.ckpt, ckpt_every=2,
                                 data=DataState(corpus.num_samples, args.global_batch, seed=1),
-                                dead_after=2.0, on_event=log)
+                                in_process="TENPLEX_MEMBERSHIP_STORE" in os.environ, dead_after=2.0, on_event=log)
     for step in rt.steps(args.steps):
         with step:
             raw = batches.batch(rt.data, rt.dp_size, rt.dp_rank)

@@ -40,11 +40,12 @@ step count (one small all-reduce per step with the trainers, which also tells it
 and learns the state dict's layout once per mesh (for the survivors' order). The trainers describe
 and save the state over the mesh's ranks alone. When a trainer dies, the recovery takes the spares
 into the new group after the survivors; those the rule's mesh now holds receive their state live,
-as a joiner does, and ``steps`` yields to them; the others stay spares. Not done yet: joiners that
-would be spares (``fits`` refuses such joins: they wait), resuming a checkpoint with spares
-(ConfigError: start as many workers as the mesh uses), and with spares a recovery that finds no
-step to move live (none held by every survivor and stored where needed) fails to the restart path
-instead of loading.
+as a joiner does, and ``steps`` yields to them; the others stay spares. A restart (the launcher's
+fallback) with spares picks its mesh by the same rule: the mesh's ranks load the newest checkpoint
+under it (``rescale(process_group=)``, collective over them alone), the spares load nothing and take
+the step and data position from rank 0. Not done yet: joiners that would be spares (``fits``
+refuses such joins: they wait), and with spares a recovery that finds no step to move live (none
+held by every survivor and stored where needed) fails to the restart path instead of loading.
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ class ElasticRuntime:
             # checkpoint lacks go there first (each rank its own part: no message), then exit
             exit_on_sigterm(lambda: flush_ring(self.ring, self._write, where=f"the checkpoint {cfg.ckpt}",
                                                skip=self.saved))
-            if self.start.get("fresh") is False:  # fresh: the ring starts after the first step
+            if self.start.get("fresh") is False and not self.spare:  # fresh: the ring starts after the first step
                 with self.guard():
                     self._remember()
                 self.ring.pin(self.step)
@@ -384,13 +385,15 @@ class ElasticRuntime:
         mesh wrote it (``get_state_dict`` creates the optimizer state the load fills: on a fresh
         start it is not called, the first step's AdamW step count would advance)."""
         self.start.update(world_size=self.world_size, mesh=self.dims)
-        if any(s.complete for s in list_steps(self.config.ckpt)):
-            if self._placed is not None:
-                raise ConfigError(f"resuming {self.config.ckpt} with spares ({self.world_size} ranks, the mesh "
-                                  f"{self.dims} uses fewer) is not supported yet: start as many workers as it uses")
+        resume = any(s.complete for s in list_steps(self.config.ckpt))
+        if resume and self.spare:  # holds nothing: learns the step and data position the mesh's ranks loaded
+            self._resumed_by_spare()
+        elif resume:
             sd = self.state_dict()
-            res = rescale(self.config.ckpt, sd)
+            res = rescale(self.config.ckpt, sd, process_group=self._placed)  # with spares: the mesh's ranks alone
             self._restore(sd)
+            if self._placed is not None:  # the spares wait for the step
+                self._resumed_by_spare()
             assert res.load_stats is not None
             self.start.update(step=self.step, fresh=False, bytes_read=res.load_stats.bytes_read,
                               bytes_needed=res.load_stats.bytes_needed, load_s=res.timings["load"])
@@ -402,6 +405,17 @@ class ElasticRuntime:
             self.start["latency"] = self.times.to_json()
         self.start["startup_s"] = time.perf_counter() - t0
         self._done_at = time.perf_counter()
+
+    def _resumed_by_spare(self) -> None:
+        """With spares, after a resume: rank 0 hands every rank the step and data position the mesh's
+        ranks loaded (one broadcast over the whole group); a spare takes them (it loads nothing)."""
+        box = [(self.step, None if self.data is None else self.data.to_json()) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if self.spare:
+            self.step, data = box[0]
+            self.data = None if data is None else DataState.from_json(data)
+            self.start.update(step=self.step, fresh=False, spare=True)
+            self.saved.add(self.step)
 
     def _remember(self) -> None:
         """The state after ``step`` into the ring, and (at a mesh's first step) the layout it has,
