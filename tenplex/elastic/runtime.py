@@ -43,7 +43,9 @@ into the new group after the survivors; those the rule's mesh now holds receive 
 as a joiner does, and ``steps`` yields to them; the others stay spares. A restart (the launcher's
 fallback) with spares picks its mesh by the same rule: the mesh's ranks load the newest checkpoint
 under it (``rescale(process_group=)``, collective over them alone), the spares load nothing and take
-the step and data position from rank 0. Not done yet: joiners that would be spares (``fits``
+the step and data position from rank 0. A spare's death moves nothing (the trainers keep their
+places on the same mesh and the step they finished), but is recovered as any death is: the groups
+are formed again and the model rebuilt (the mesh's groups die with the default group). Not done yet: joiners that would be spares (``fits``
 refuses such joins: they wait), and with spares a recovery that finds no step to move live (none
 held by every survivor and stored where needed) fails to the restart path instead of loading.
 """
@@ -485,7 +487,9 @@ class ElasticRuntime:
         if self.data is not None:
             self.data = self.data.advance()
         if self.ring is not None:
-            with self.guard():
+            # the step's collectives all returned here: its state is this rank's whatever death is known by
+            # now (a spare's: its step is not redone); a new mesh's first state is described collectively
+            with self.guard() if self.ring.held_as is None else contextlib.nullcontext():
                 self._remember()
         if (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or self.step == total:
             with self.guard():
