@@ -5,7 +5,9 @@ decoder layer, then the root) in the user's ``build(mesh)``, AdamW, one ``with s
 Under torchrun (or any env:// launcher) with ``TENPLEX_MEMBERSHIP_STORE=host:port`` (a c10d store
 that outlives the workers), a worker's death makes the others rebuild the model for their number
 and go on in process from the newest state they hold. ``--kill-at RANK:STEP`` (testing) SIGKILLs
-that rank inside its model's forward pass of that step (a forward hook on decoder layer 1).
+that rank as its forward pass of that step starts; ``RANK:STEP:layer`` inside it (a forward hook on
+decoder layer 1, after FSDP2's all-gathers of the layers before: see docs/your_model.md, the
+survivors then wait for the agreement's timeout and fall back to the restart).
 
     TENPLEX_MEMBERSHIP_STORE=127.0.0.1:29400 torchrun --nproc-per-node=4 examples/hf_elastic.py --ckpt /tmp/c
 
@@ -81,9 +83,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--log", default="", help="JSON lines: rank 0's steps and the runtime's events")
-    p.add_argument("--kill-at", default="", help="testing: RANK:STEP, SIGKILL in that step's forward pass")
+    p.add_argument("--kill-at", default="", help="testing: RANK:STEP[:layer], SIGKILL as that step's forward pass "
+                                                 "starts (:layer: inside it, in decoder layer 1)")
     args = p.parse_args()
-    kill = tuple(map(int, args.kill_at.split(":"))) if args.kill_at else None
+    kill = tuple(map(int, args.kill_at.split(":")[:2])) if args.kill_at else None
+    in_layer = args.kill_at.endswith(":layer")
     first_rank = int(os.environ.get("RANK", "0"))
     corpus = stdlib_corpus(SEQ_LEN)
     batches = IndexBatches(corpus)
@@ -107,8 +111,10 @@ def main() -> None:
     for step in rt.steps(args.steps):
         with step:
             raw = batches.batch(rt.data, rt.dp_size, rt.dp_rank)
-            if kill == (first_rank, rt.step):  # testing: die inside the forward pass
+            if kill == (first_rank, rt.step) and in_layer:  # testing: die inside the forward pass
                 rt.model.model.layers[1].register_forward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+            elif kill == (first_rank, rt.step):  # testing: die as the forward pass starts
+                os.kill(os.getpid(), signal.SIGKILL)
             loss = train_step(rt.model, rt.optimizer, raw, group=rt.group)
             if rt.rank == 0:
                 log({"step": rt.step, "loss": loss, "world_size": rt.world_size,

@@ -1,7 +1,7 @@
 """``ElasticRuntime`` with a Hugging Face ``transformers`` model (issue #31: a real client beyond the
 repo's own Llama and torchtitan's): ``examples/hf_elastic.py``, a small ``LlamaForCausalLM`` built
 from a config (no hub) under FSDP2 per decoder layer, on 4 gloo workers; worker 2 is SIGKILLed
-inside the forward pass of step 2 and the 3 survivors go on in process on ``dp_shard=3`` from step
+as its forward pass of step 2 starts and the 3 survivors go on in process on ``dp_shard=3`` from step
 2 (checkpointed: FSDP keeps no replica, the dead rank's shards come from there; killed at step 3,
 the job redoes step 2, each step counted once in the final run): every step logged once, each loss within 1e-5 (relative) of the uninterrupted one-process run's, every
 sample once.
