@@ -4,7 +4,8 @@ The loop of docs/your_model.md, runnable: a plain-torch Llama (``native_llama.py
 every worker. Under torchrun (or any env:// launcher) with ``TENPLEX_MEMBERSHIP_STORE=host:port`` (a
 c10d store that outlives the workers), a worker's death makes the others rebuild the model for
 their number and continue in process from the newest state they hold. ``--kill-at RANK:STEP``
-(testing) SIGKILLs that rank in the forward pass of that step. ``--mesh N``: the mesh holds at most N
+(testing) SIGKILLs that rank in the forward pass of that step (in its second layer, the first one's
+all-gather done). ``--mesh N``: the mesh holds at most N
 workers; the others wait as spares and take a dead worker's place; ``--spares K``: K of the workers
 there are wait as spares (after a restart with fewer workers too). Without ``TENPLEX_MEMBERSHIP_STORE``
 the job only checkpoints and resumes: the launcher's restart is its recovery.
@@ -64,8 +65,8 @@ def main() -> None:
     for step in rt.steps(args.steps):
         with step:
             raw = batches.batch(rt.data, rt.dp_size, rt.dp_rank)
-            if kill == (first_rank, rt.step):
-                os.kill(os.getpid(), signal.SIGKILL)
+            if kill == (first_rank, rt.step):  # testing: die inside the forward pass, in its second layer
+                rt.model.layers["1"].register_forward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
             loss = nl.train_step(rt.model, rt.optimizer, raw[:, :-1], raw[:, 1:], group=rt.group)
             if rt.rank == 0:
                 log({"step": rt.step, "loss": loss, "world_size": rt.world_size,

@@ -6,8 +6,7 @@ Under torchrun (or any env:// launcher) with ``TENPLEX_MEMBERSHIP_STORE=host:por
 that outlives the workers), a worker's death makes the others rebuild the model for their number
 and go on in process from the newest state they hold. ``--kill-at RANK:STEP`` (testing) SIGKILLs
 that rank as its forward pass of that step starts; ``RANK:STEP:layer`` inside it (a forward hook on
-decoder layer 1, after FSDP2's all-gathers of the layers before: see docs/your_model.md, the
-survivors then wait for the agreement's timeout and fall back to the restart).
+decoder layer 1, after FSDP2's all-gathers of the layers before).
 
     TENPLEX_MEMBERSHIP_STORE=127.0.0.1:29400 torchrun --nproc-per-node=4 examples/hf_elastic.py --ckpt /tmp/c
 

@@ -47,7 +47,7 @@ def test_a_transformers_llama_under_fsdp2_survives_a_kill_in_process(tmp_path: P
                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             procs.append(subprocess.Popen([sys.executable, SCRIPT, "--ckpt", str(tmp_path / "ckpt"), "--steps",
                                            str(STEPS), "--global-batch", str(BATCH), "--log", str(log),
-                                           "--kill-at", "2:2"], env=env,
+                                           "--kill-at", "2:2:layer"], env=env,
                                           stdout=(tmp_path / f"worker{r}.log").open("w"), stderr=subprocess.STDOUT))
     reference = hf_elastic.reference(STEPS, BATCH)
     codes = wait_procs(procs, 280)

@@ -76,7 +76,7 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint import default_save_id, list_steps, save
 from ..data.partition import DataState
 from ..errors import ConfigError, LayoutError, PeerFailure
-from ..native.dtensor import release_mesh
+from ..native.dtensor import release_fsdp_groups, release_mesh
 from ..native.state_dict import describe_state_dict, local_shard, save_state_dict
 from ..planning.assignment import load_solvers
 from ..planning.choose import MESH_DIMS, MeshChooser, choose_mesh, predict_layout
@@ -614,6 +614,8 @@ class ElasticRuntime:
         # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
         # freed, their connections close, and a survivor blocked in one of them with this rank fails
         spare = self.spare
+        if self.model is not None:  # a model that failed in its forward pass outlives gc.collect(): not its groups
+            release_fsdp_groups(self.model)
         for mesh in (self.mesh, self._spare_mesh):
             if mesh is not None:
                 release_mesh(mesh)
