@@ -4,12 +4,16 @@
    and a torchft-style heal's bytes are one whole replica of the state.
 2. Spawned: ``examples/elastic_loop.py`` (a user's minimal loop: ``build(mesh)``, a mesh rule, one
    ``with step:`` per step; not the reference trainer) on 4 gloo workers; worker 3 is SIGKILLed in
-   the forward pass of step 3; the 3 survivors recover in process through the runtime and every
+   the forward pass of step 3, inside its second layer (the survivors fail mid-forward: their old
+   model's FSDP2 groups must still close); the 3 survivors recover in process through the runtime and every
    step's loss and samples match an uninterrupted single-process run; the recovery's record has its
    latency table with every component > 0 and bytes moved below the full-replica copy's.
 3. Spawned, spares: 6 workers under a rule whose mesh holds 4; workers 4, 5 wait as spares (no model,
    no step); trainer 1 is SIGKILLed mid-step and the recovery promotes spare 4 (spare 5 stays one):
    the mesh keeps 4 workers, every step's loss within 1e-5 of the uninterrupted run's, every sample once.
+4. Spawned, a restart with spares: a job of 5 (2 spares) killed, restarted on 4 under the same rule;
+   the trainers load the checkpoint under the new mesh, the spares load nothing; every step once.
+5. Spawned, a spare's death: nothing moves, the trainers keep their places and their step.
 """
 
 from __future__ import annotations
