@@ -4,11 +4,14 @@ The loop of docs/your_model.md, runnable: a plain-torch Llama (``native_llama.py
 every worker. Under torchrun (or any env:// launcher) with ``TENPLEX_MEMBERSHIP_STORE=host:port`` (a
 c10d store that outlives the workers), a worker's death makes the others rebuild the model for
 their number and continue in process from the newest state they hold. ``--kill-at RANK:STEP``
-(testing) SIGKILLs that rank in the forward pass of that step. ``--mesh N``: the mesh holds at most N
-workers; the others wait as spares and take a dead worker's place. ``--uneven``: a DP degree that does
-not divide the global batch runs too (4 workers, global batch 8, one dies: DP 3 reads 3, 3 and 2
-samples), each rank's loss weighed by its share (``rt.loss_scale``). ``--ids DIR`` (testing): every
-rank writes the sample ids it read at each step to ``DIR/rank<R>.jsonl``.
+(testing) SIGKILLs that rank in the forward pass of that step (in its second layer, the first one's
+all-gather done). ``--mesh N``: the mesh holds at most N workers; the others wait as spares and take a
+dead worker's place; ``--spares K``: K of the workers there are wait as spares (after a restart with fewer
+workers too). Without ``TENPLEX_MEMBERSHIP_STORE`` the job only checkpoints and resumes: the launcher's
+restart is its recovery. ``--uneven``: a DP degree that does not divide the global batch runs too (4
+workers, global batch 8, one dies: DP 3 reads 3, 3 and 2 samples), each rank's loss weighed by its share
+(``rt.loss_scale``). ``--ids DIR`` (testing): every rank writes the sample ids it read at each step to
+``DIR/rank<R>.jsonl``.
 
     TENPLEX_MEMBERSHIP_STORE=127.0.0.1:29400 torchrun --nproc-per-node=4 examples/elastic_loop.py --ckpt /tmp/c
 """
@@ -43,6 +46,7 @@ def main() -> None:
     p.add_argument("--mesh", type=int, default=0, help="at most this many workers train, the others are spares")
     p.add_argument("--uneven", action="store_true", help="allow DP degrees that do not divide the global batch")
     p.add_argument("--ids", default="", help="testing: a directory; each rank's sample ids per step go there")
+    p.add_argument("--spares", type=int, default=0, help="this many workers wait as spares")
     args = p.parse_args()
     kill = tuple(map(int, args.kill_at.split(":"))) if args.kill_at else None
     first_rank = int(os.environ.get("RANK", "0"))
@@ -60,16 +64,17 @@ def main() -> None:
         model = nl.parallelize(nl.reference_model(cfg, seed=0), mesh)
         return model, nl.make_optimizer(model)
 
-    rt = tenplex.ElasticRuntime(build, lambda world: {"dp_shard": min(world, args.mesh or world)}, ckpt=args.ckpt,
-                                ckpt_every=2,
+    rt = tenplex.ElasticRuntime(build, lambda world: {"dp_shard": min(world - args.spares, args.mesh or world)},
+                                ckpt=args.ckpt, ckpt_every=2,
                                 data=DataState(corpus.num_samples, args.global_batch, seed=1),
-                                dead_after=2.0, on_event=log, uneven_dp=args.uneven)
+                                in_process="TENPLEX_MEMBERSHIP_STORE" in os.environ, dead_after=2.0, on_event=log,
+                                uneven_dp=args.uneven)
     for step in rt.steps(args.steps):
         with step:
             # this rank's samples: an equal slice, or with --uneven its share (the first ranks one more)
             raw = batches.batch(rt.data, rt.dp_size, rt.dp_rank, micro_batch=1)
-            if kill == (first_rank, rt.step):
-                os.kill(os.getpid(), signal.SIGKILL)
+            if kill == (first_rank, rt.step):  # testing: die inside the forward pass, in its second layer
+                rt.model.layers["1"].register_forward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
             loss = nl.train_step(rt.model, rt.optimizer, raw[:, :-1], raw[:, 1:], group=rt.group,
                                  loss_scale=rt.loss_scale)  # 1.0 unless the split is uneven
             if args.ids:  # the ids of the rows read (the reader's: rank_batch_ids)

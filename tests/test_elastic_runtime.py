@@ -4,12 +4,16 @@
    and a torchft-style heal's bytes are one whole replica of the state.
 2. Spawned: ``examples/elastic_loop.py`` (a user's minimal loop: ``build(mesh)``, a mesh rule, one
    ``with step:`` per step; not the reference trainer) on 4 gloo workers; worker 3 is SIGKILLed in
-   the forward pass of step 3; the 3 survivors recover in process through the runtime and every
+   the forward pass of step 3, inside its second layer (the survivors fail mid-forward: their old
+   model's FSDP2 groups must still close); the 3 survivors recover in process through the runtime and every
    step's loss and samples match an uninterrupted single-process run; the recovery's record has its
    latency table with every component > 0 and bytes moved below the full-replica copy's.
 3. Spawned, spares: 6 workers under a rule whose mesh holds 4; workers 4, 5 wait as spares (no model,
    no step); trainer 1 is SIGKILLed mid-step and the recovery promotes spare 4 (spare 5 stays one):
    the mesh keeps 4 workers, every step's loss within 1e-5 of the uninterrupted run's, every sample once.
+4. Spawned, a restart with spares: a job of 5 (2 spares) killed, restarted on 4 under the same rule;
+   the trainers load the checkpoint under the new mesh, the spares load nothing; every step once.
+5. Spawned, a spare's death: nothing moves, the trainers keep their places and their step.
 """
 
 from __future__ import annotations
@@ -77,16 +81,20 @@ def test_a_mesh_rule_may_leave_spares_only_when_asked() -> None:
         choose_mesh(5, choose=lambda world: {"dp_shard": 6}, spares=True)
 
 
-def _loop_workers(tmp: Path, n: int, args: list[str], store_port: int) -> list[subprocess.Popen]:
-    """``n`` workers of ``examples/elastic_loop.py`` on env://, their membership store the TCPStore at ``store_port``."""
+def _loop_workers(tmp: Path, n: int, args: list[str], store_port: int | None,
+                  name: str = "worker") -> list[subprocess.Popen]:
+    """``n`` workers of ``examples/elastic_loop.py`` on env://, their membership store the TCPStore at
+    ``store_port`` (None: none, the job only checkpoints and resumes); their logs ``{name}{rank}.log``."""
     port, procs = free_port(), []
     with gloo_env():
         for r in range(n):
-            env = {**os.environ, **rank_env(r, n, port), "PYTHONUNBUFFERED": "1",
-                   "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store_port}",
-                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+            env = {k: v for k, v in os.environ.items() if k != "TENPLEX_MEMBERSHIP_STORE"}
+            env.update(rank_env(r, n, port), PYTHONUNBUFFERED="1",
+                       PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+            if store_port is not None:
+                env["TENPLEX_MEMBERSHIP_STORE"] = f"127.0.0.1:{store_port}"
             procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env,
-                                          stdout=(tmp / f"worker{r}.log").open("w"), stderr=subprocess.STDOUT))
+                                          stdout=(tmp / f"{name}{r}.log").open("w"), stderr=subprocess.STDOUT))
     return procs
 
 
@@ -219,3 +227,87 @@ def test_a_spare_takes_a_dead_trainers_place(tmp_path: Path) -> None:
     assert sorted(rec["alive"][:3]) == [0, 2, 3] and rec["alive"][3:] == [4, 5] and rec["joiners"] == [], rec
     # the spare's shard: what only trainer 1 held comes from the checkpoint of step 2, the rest from survivors
     assert rec["bytes_live"] > 0 and rec["bytes_storage"] > 0, rec
+
+
+def _within(events: list[dict], reference: dict[int, tuple[float, list[int]]], steps: int) -> None:
+    """Every step logged exactly once, its loss within 1e-5 (relative) of the uninterrupted run's, its
+    samples the run's (so every sample once)."""
+    logged = [e for e in events if "loss" in e]
+    assert sorted(e["step"] for e in logged) == list(range(steps)), [e["step"] for e in logged]
+    for e in logged:
+        loss, samples = reference[e["step"]]
+        assert abs(e["loss"] - loss) <= 1e-5 * abs(loss) and e["samples"] == samples, (e, loss)
+
+
+@pytest.mark.timeout(240)
+def test_a_job_with_spares_restarts_from_its_checkpoint_under_a_new_mesh(tmp_path: Path) -> None:
+    """The restart fallback with spares. Run 1: 5 workers, no membership store (the launcher's restart
+    is the recovery), the rule leaving 2 spares: dp_shard=3. Trainer 1 is SIGKILLed in the forward
+    pass of step 4 (step 4's checkpoint complete: every 2 steps); the others are stopped as torchrun's
+    agent stops them (SIGTERM). Run 2, the workers restarted: 4, with a membership store, the same
+    rule: 2 trainers load step 4 under dp_shard=2, the 2 spares load nothing and learn the step;
+    steps 4-5 run. Every step logged once over both runs, each loss within 1e-5 of the uninterrupted run's."""
+    import torch.distributed as dist
+
+    from tenplex.checkpoint import list_steps
+
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    args = ["--ckpt", str(ckpt), "--steps", str(STEPS), "--global-batch", str(BATCH), "--log", str(log), "--spares", "2"]
+    procs = _loop_workers(tmp_path, 5, [*args, "--kill-at", "1:4"], None, name="first")
+    reference = native_reference(STEPS)
+    assert wait_procs(procs[1:2], 120) == [-9], log_tails(tmp_path)
+    for p in procs:  # torchrun's agent: a worker failed, the others are stopped
+        if p.poll() is None:
+            p.terminate()
+    codes = wait_procs(procs, 30)
+    assert codes[1] == -9 and all(c not in (0, None) for c in codes), (codes, log_tails(tmp_path))
+    assert max(s.step for s in list_steps(str(ckpt)) if s.complete) == 4
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    procs = _loop_workers(tmp_path, 4, args, store.port, name="second")
+    codes = wait_procs(procs, 150)
+    assert codes == [0] * 4, (codes, log_tails(tmp_path))
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    starts = [e for e in events if e.get("start")]
+    assert [(s["world_size"], s["mesh"], s["step"]) for s in starts] == [(5, {"dp_shard": 3}, 0),
+                                                                        (4, {"dp_shard": 2}, 4)], starts
+    assert starts[1]["fresh"] is False and 0 < starts[1]["bytes_needed"] <= starts[1]["bytes_read"], starts[1]
+    spares = [(tmp_path / f"second{r}.log").read_text().count("a spare (the mesh") for r in range(4)]
+    assert spares == [0, 0, 1, 1], spares
+    _within(events, reference, STEPS)
+    assert not [e for e in events if e.get("event") == "recover"]
+
+
+@pytest.mark.timeout(180)
+def test_a_spares_death_moves_no_state(tmp_path: Path) -> None:
+    """6 workers, a mesh of 4: workers 4 and 5 wait as spares. Spare 5 is SIGKILLed while the
+    trainers are in step 2 or later. A spare holds no state: the recovery (a membership change,
+    then the model rebuilt on the same mesh, today's one path) keeps the mesh of 4 trainers in their
+    places, moves 0 bytes between ranks and reads 0 from storage; every step logged once, its loss
+    within 1e-5 of the uninterrupted run's."""
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    procs = _loop_workers(tmp_path, 6, ["--ckpt", str(ckpt), "--steps", str(STEPS), "--global-batch", str(BATCH),
+                                        "--log", str(log), "--mesh", "4"], store.port)
+    reference = native_reference(STEPS)
+    deadline = time.monotonic() + 120
+    while not (log.exists() and any(json.loads(line).get("step", -1) >= 2 and "loss" in line
+                                     for line in log.read_text().splitlines())):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), log_tails(tmp_path)
+        time.sleep(0.05)
+    procs[5].kill()
+    codes = wait_procs(procs, 120)
+    assert codes == [0, 0, 0, 0, 0, -9], (codes, log_tails(tmp_path))
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    _within(events, reference, STEPS)
+    recs = [e for e in events if e.get("event") == "recover"]
+    assert len(recs) == 1, recs
+    rec = recs[0]
+    # the trainers keep their ranks and the mesh; spare 4 stays a spare
+    assert rec["live"] and rec["world_size"] == 5 and rec["mesh"] == {"dp_shard": 4}, rec
+    assert rec["alive"] == [0, 1, 2, 3, 4] and rec["joiners"] == [], rec
+    assert rec["bytes_live"] == rec["bytes_storage"] == 0 and rec["plan_bytes_moved"] == 0, rec
+    assert (tmp_path / "worker4.log").read_text().count("a spare (the mesh") == 2

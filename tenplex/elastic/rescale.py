@@ -97,13 +97,15 @@ def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], l
     default group together): moved live from the survivors' states, or loaded in place from ``tiers``
     (host stores, peers, persistent storage) or ``url``."""
     t0 = time.perf_counter()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    group = o.process_group if live is None else None  # a load: over the mesh's ranks alone (spares call nothing)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    if rank < 0:
+        raise ConfigError("rescale(url, state_dict, process_group=...) without live=: a load by the mesh's ranks, "
+                          "and this rank is not one of them (a spare holds no state: it loads nothing)")
     # the values of a state dict about to be filled do not matter (a joiner's step counters differ)
-    if o.process_group is None:
-        new_ptc, layout = describe_state_dict(state_dict, values=live is None)
-    else:  # spares: the mesh's ranks describe, group rank 0 hands the spares the layout
-        if live is None:
-            raise ConfigError("rescale(url, state_dict, process_group=...) moves live only: pass live=")
+    if o.process_group is None or live is None:
+        new_ptc, layout = describe_state_dict(state_dict, values=live is None, process_group=group)
+    else:  # spares in a live move: the mesh's ranks describe, group rank 0 hands the spares the layout
         box = [None if dist.get_rank(o.process_group) < 0 else
                describe_state_dict(state_dict, values=False, process_group=o.process_group)]
         dist.broadcast_object_list(box, src=0)
@@ -127,7 +129,7 @@ def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], l
         log.info("no checkpoint under %s: fresh start under %s", where, layout)
         return RescaleResult(layout, rank, world, 0, True, timings=timings)
     t1 = time.perf_counter()
-    loaded = load_state_dict_from(state_dict, source, step=o.step)
+    loaded = load_state_dict_from(state_dict, source, step=o.step, process_group=group)
     timings["load"] = time.perf_counter() - t1
     by_tier = source.bytes_by_kind if isinstance(source, _TierSource) else {"storage": loaded.bytes_read}
     result = RescaleResult(layout, rank, world, loaded.step, False, None, loaded.extra, None, None, loaded.stats,
@@ -174,7 +176,8 @@ class RescaleOptions:
     apply to it (its mesh is the one it built the state dict for). ``process_group``: a torch-native
     job whose mesh holds only some ranks of the default group (the others spares), in a live move:
     the group of the mesh's ranks, which describe the state dict (group rank 0 hands the spares its
-    layout); a spare passes an empty state dict and is given nothing.
+    layout); a spare passes an empty state dict and is given nothing. In a load (no ``live``: a
+    restart) only the mesh's ranks call ``rescale``, collective over that group; the spares load nothing.
     """
 
     rank: int | None = None

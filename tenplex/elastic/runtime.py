@@ -42,11 +42,14 @@ step count (one small all-reduce per step with the trainers, which also tells it
 and learns the state dict's layout once per mesh (for the survivors' order). The trainers describe
 and save the state over the mesh's ranks alone. When a trainer dies, the recovery takes the spares
 into the new group after the survivors; those the rule's mesh now holds receive their state live,
-as a joiner does, and ``steps`` yields to them; the others stay spares. Not done yet: joiners that
-would be spares (``fits`` refuses such joins: they wait), resuming a checkpoint with spares
-(ConfigError: start as many workers as the mesh uses), and with spares a recovery that finds no
-step to move live (none held by every survivor and stored where needed) fails to the restart path
-instead of loading.
+as a joiner does, and ``steps`` yields to them; the others stay spares. A restart (the launcher's
+fallback) with spares picks its mesh by the same rule: the mesh's ranks load the newest checkpoint
+under it (``rescale(process_group=)``, collective over them alone), the spares load nothing and take
+the step and data position from rank 0. A spare's death moves nothing (the trainers keep their
+places on the same mesh and the step they finished), but is recovered as any death is: the groups
+are formed again and the model rebuilt (the mesh's groups die with the default group). Not done yet: joiners that would be spares (``fits``
+refuses such joins: they wait), and with spares a recovery that finds no step to move live (none
+held by every survivor and stored where needed) fails to the restart path instead of loading.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint import default_save_id, list_steps, save
 from ..data.partition import DataState, loss_scale, replica_slice
 from ..errors import ConfigError, LayoutError, PeerFailure
-from ..native.dtensor import release_mesh
+from ..native.dtensor import release_fsdp_groups, release_mesh
 from ..native.state_dict import describe_state_dict, local_shard, save_state_dict
 from ..planning.assignment import load_solvers
 from ..planning.choose import MESH_DIMS, MeshChooser, choose_mesh, predict_layout
@@ -258,7 +261,7 @@ class ElasticRuntime:
             # checkpoint lacks go there first (each rank its own part: no message), then exit
             exit_on_sigterm(lambda: flush_ring(self.ring, self._write, where=f"the checkpoint {cfg.ckpt}",
                                                skip=self.saved))
-            if self.start.get("fresh") is False:  # fresh: the ring starts after the first step
+            if self.start.get("fresh") is False and not self.spare:  # fresh: the ring starts after the first step
                 with self.guard():
                     self._remember()
                 self.ring.pin(self.step)
@@ -416,13 +419,15 @@ class ElasticRuntime:
         mesh wrote it (``get_state_dict`` creates the optimizer state the load fills: on a fresh
         start it is not called, the first step's AdamW step count would advance)."""
         self.start.update(world_size=self.world_size, mesh=self.dims)
-        if any(s.complete for s in list_steps(self.config.ckpt)):
-            if self._placed is not None:
-                raise ConfigError(f"resuming {self.config.ckpt} with spares ({self.world_size} ranks, the mesh "
-                                  f"{self.dims} uses fewer) is not supported yet: start as many workers as it uses")
+        resume = any(s.complete for s in list_steps(self.config.ckpt))
+        if resume and self.spare:  # holds nothing: learns the step and data position the mesh's ranks loaded
+            self._resumed_by_spare()
+        elif resume:
             sd = self.state_dict()
-            res = rescale(self.config.ckpt, sd)
+            res = rescale(self.config.ckpt, sd, process_group=self._placed)  # with spares: the mesh's ranks alone
             self._restore(sd)
+            if self._placed is not None:  # the spares wait for the step
+                self._resumed_by_spare()
             assert res.load_stats is not None
             self.start.update(step=self.step, fresh=False, bytes_read=res.load_stats.bytes_read,
                               bytes_needed=res.load_stats.bytes_needed, load_s=res.timings["load"])
@@ -434,6 +439,17 @@ class ElasticRuntime:
             self.start["latency"] = self.times.to_json()
         self.start["startup_s"] = time.perf_counter() - t0
         self._done_at = time.perf_counter()
+
+    def _resumed_by_spare(self) -> None:
+        """With spares, after a resume: rank 0 hands every rank the step and data position the mesh's
+        ranks loaded (one broadcast over the whole group); a spare takes them (it loads nothing)."""
+        box = [(self.step, None if self.data is None else self.data.to_json()) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if self.spare:
+            self.step, data = box[0]
+            self.data = None if data is None else DataState.from_json(data)
+            self.start.update(step=self.step, fresh=False, spare=True)
+            self.saved.add(self.step)
 
     def _remember(self) -> None:
         """The state after ``step`` into the ring, and (at a mesh's first step) the layout it has,
@@ -503,7 +519,9 @@ class ElasticRuntime:
         if self.data is not None:
             self.data = self.data.advance()
         if self.ring is not None:
-            with self.guard():
+            # the step's collectives all returned here: its state is this rank's whatever death is known by
+            # now (a spare's: its step is not redone); a new mesh's first state is described collectively
+            with self.guard() if self.ring.held_as is None else contextlib.nullcontext():
                 self._remember()
         if (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or self.step == total:
             with self.guard():
@@ -628,6 +646,8 @@ class ElasticRuntime:
         # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
         # freed, their connections close, and a survivor blocked in one of them with this rank fails
         spare = self.spare
+        if self.model is not None:  # a model that failed in its forward pass outlives gc.collect(): not its groups
+            release_fsdp_groups(self.model)
         for mesh in (self.mesh, self._spare_mesh):
             if mesh is not None:
                 release_mesh(mesh)

@@ -603,22 +603,24 @@ class UrlSource:
 
 
 def load_state_dict_from(state_dict: MutableMapping[str, Any], source: StepSource, *, step: int | None = None,
-                         strict: bool = False) -> StateDictLoad:
+                         strict: bool = False, process_group: Any = None) -> StateDictLoad:
     """``load_state_dict`` from any ``StepSource`` (a URL, the recovery tiers): the same checks,
-    in-place reads and agreement of the ranks on one step (``tenplex.native.agree.agree_step``)."""
+    in-place reads and agreement of the ranks on one step (``tenplex.native.agree.agree_step``).
+    ``process_group``: the ranks that hold the state (a job's mesh, its spares left out), collective
+    over them alone; ranks are its ranks (default: the default group)."""
     t0 = time.perf_counter()
     collecting = gc.isenabled()
     gc.disable()  # a load allocates many small objects and frees them: no collector passes over the job's heap
     try:
-        return _load_state_dict(state_dict, source, step, strict, t0)
+        return _load_state_dict(state_dict, source, step, strict, t0, process_group)
     finally:
         if collecting:
             gc.enable()
 
 
 def _load_state_dict(state_dict: MutableMapping[str, Any], source: StepSource, step: int | None, strict: bool,
-                     t0: float) -> StateDictLoad:
-    rank, world = _world(None)
+                     t0: float, group: Any) -> StateDictLoad:
+    rank, world = _world(group)
     url = source.where
     where = f"loading {url}"
     mine: list[str] = []
@@ -628,7 +630,7 @@ def _load_state_dict(state_dict: MutableMapping[str, Any], source: StepSource, s
         leaves = flatten_state_dict(view)
         tensors = {k: v for k, (_, _, v) in leaves.items() if isinstance(v, torch.Tensor)}
         meshes: dict[int, tuple[Any, ...]] = {}
-        descs = {k: _describe(v, None, meshes) for k, v in tensors.items()}
+        descs = {k: _describe(v, group, meshes) for k, v in tensors.items()}
         placements: dict[Any, Placed] = {}  # one Placed per distinct placement (a few among hundreds of tensors)
 
         def placed(desc: tuple[Any, ...]) -> Placed:
@@ -644,7 +646,7 @@ def _load_state_dict(state_dict: MutableMapping[str, Any], source: StepSource, s
         mine = sorted(leaves)
     except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each
         failure = e
-    wanted = set().union(*_gather_or_raise(mine, failure, world, None, where))
+    wanted = set().union(*_gather_or_raise(mine, failure, world, group, where))
 
     sink = _InPlace(locals_, layout, rank)
 
@@ -657,7 +659,7 @@ def _load_state_dict(state_dict: MutableMapping[str, Any], source: StepSource, s
         result = source.load(layout, rank, step=step, sink=sink, check=check)
     except Exception as e:  # noqa: BLE001 - reported to every rank, then raised on each
         failure = e
-    steps = _gather_or_raise(None if result is None else result.step, failure, world, None, where)
+    steps = _gather_or_raise(None if result is None else result.step, failure, world, group, where)
     assert result is not None
     if len(set(steps)) > 1:  # ranks saw different damage: the rule rescale's agree_on_step applies too
 
@@ -673,7 +675,7 @@ def _load_state_dict(state_dict: MutableMapping[str, Any], source: StepSource, s
             return None
 
         log.warning("ranks loaded steps %s of %s; agreeing on the oldest", sorted(set(steps)), url)
-        agree_step(result.step, reload, where=url, gathered=steps)
+        agree_step(result.step, reload, where=url, group=group, gathered=steps)
     for k, (container, key, _) in leaves.items():
         if k not in tensors and k in result.shard:
             container[key] = result.shard[k]
