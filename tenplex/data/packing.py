@@ -211,33 +211,58 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, ids: Sequence[int]) -> list[torch.Tensor]:
         """The samples ``ids`` (what a ``DataLoader`` asks for a batch): their rows of the packing index are
-        looked up at once, then each sample is one slice per document piece."""
+        looked up at once (a few numpy calls a batch, not a sample), then each sample's pieces are copied
+        into its row of one int64 array; the samples are that array's rows."""
         idx = np.asarray(ids, dtype=np.int64)
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self._n):
-            raise IndexError(f"samples {idx.min()}..{idx.max()} of {self._n}")
+        if not idx.size:
+            return []
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= self._n:
+            raise IndexError(f"samples {lo}..{hi} of {self._n}")
         if self._flat is None:
             return [torch.from_numpy(self.packing.sample(self.source, i)) for i in idx.tolist()]
         p = self.packing
-        k = p.shuffle[idx].astype(np.int64) if p.shuffle is not None else idx
         if self._tokens is None:  # mapped once; a forked loader worker inherits the read-only map
             tokens, starts = self._flat()
             self._tokens = (tokens, starts[p.doc_order], np.asarray(self.source.doc_lengths())[p.doc_order])
         tokens, ostart, olen = self._tokens  # per position of the document order: token offset, length
-        si = p.sample_index
+        k = p.shuffle[idx] if p.shuffle is not None else idx
+        first, last = p.sample_index[k], p.sample_index[k + 1]  # (document position, token offset)
+        b, e = first[:, 0], last[:, 0]
+        sb = ostart[b]
+        # per sample: first and last document position, token offsets of its start, of its first document's
+        # end and of its end
+        rows = np.stack([b, e, sb + first[:, 1], sb + olen[b], ostart[e] + last[:, 1] + p.extra], 1).tolist()
         width = p.seq_len + p.extra
-        out = []
-        for b, bo, e, eo, s in zip(si[k, 0].tolist(), si[k, 1].tolist(), si[k + 1, 0].tolist(),
-                                   si[k + 1, 1].tolist(), ostart[si[k, 0]].tolist()):
-            if b == e:  # one document: one slice
-                t = tokens[s + bo : s + eo + p.extra].astype(np.int64)
-            else:
-                st, ln = ostart[b : e + 1].tolist(), olen[b : e + 1].tolist()
-                parts = [tokens[s + bo : s + ln[0]]]
-                parts.extend(tokens[a : a + n] for a, n in zip(st[1:-1], ln[1:-1]))
-                parts.append(tokens[st[-1] : st[-1] + eo + p.extra])
-                t = np.concatenate(parts, dtype=np.int64)
-            if len(t) != width:
-                raise DataIndexError(f"a sample read {len(t)} tokens, expected {width}: the documents differ from "
-                                     "the lengths the packing was built from")
-            out.append(torch.from_numpy(t))
-        return out
+        out = np.empty((len(rows), width), dtype=np.int64)
+        for row, piece in enumerate(rows):
+            if piece[0] == piece[1] and piece[4] - piece[2] == width:  # one document: one slice
+                out[row] = tokens[piece[2] : piece[4]]
+                continue
+            try:
+                at = self._copy_pieces(out[row], piece)
+            except ValueError:  # a piece longer than the row has room for
+                at = -1
+            if at != width:
+                raise DataIndexError(f"a sample read {at if at >= 0 else 'more'} tokens, expected {width}: the "
+                                     "documents differ from the lengths the packing was built from")
+        return list(torch.from_numpy(out).unbind(0))
+
+    def _copy_pieces(self, row: np.ndarray, piece: list[int]) -> int:
+        """Copy one sample's pieces into ``row``: ``piece`` is (first and last document position, token offsets
+        of its start, of its first document's end, of its end); returns the tokens it spans."""
+        tokens, ostart, olen = self._tokens  # type: ignore[misc]
+        b, e, start, first_end, stop = piece
+        if b == e:  # one document: one slice
+            if stop - start == row.size:
+                row[:] = tokens[start:stop]
+            return stop - start
+        at = first_end - start
+        row[:at] = tokens[start:first_end]
+        for j in range(b + 1, e):
+            a, n = int(ostart[j]), int(olen[j])
+            row[at : at + n] = tokens[a : a + n]
+            at += n
+        tail = stop - int(ostart[e])
+        row[at:] = tokens[stop - tail : stop]
+        return at + tail
