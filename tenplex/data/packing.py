@@ -227,16 +227,17 @@ class PackedDataset(torch.utils.data.Dataset):
             k = 2 * (shuffle[self._check(i)] if shuffle is not None else self._check(i))
             b, e = rows[k], rows[k + 2]  # first and last document position; token offsets in them next
             start = ostart[b] + rows[k + 1]
-            if b == e and rows[k + 3] - rows[k + 1] + extra == width:  # one document: one slice
-                out[row] = tokens[start : start + width]
+            if b == e and rows[k + 3] - rows[k + 1] + extra == width and rows[k + 3] + extra <= olen[b]:
+                out[row] = tokens[start : start + width]  # one document: one slice
                 continue
             try:
                 at = self._copy_pieces(out[row], b, e, start, ostart[e] + rows[k + 3] + extra)
             except ValueError:  # a piece longer than the row has room for
                 at = -1
             if at != width:
-                raise DataIndexError(f"sample {i} read {at if at >= 0 else 'more'} tokens, expected {width}: the "
-                                     "documents differ from the lengths the packing was built from")
+                held = f"{at} of its {width}" if at >= 0 else f"more than its {width}"
+                raise DataIndexError(f"sample {i}: its documents hold {held} tokens: the documents differ from the "
+                                     "lengths the packing was built from")
         return list(torch.from_numpy(out).unbind(0))
 
     def _check(self, i: int) -> int:
@@ -260,18 +261,20 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def _copy_pieces(self, row: np.ndarray, b: int, e: int, start: int, stop: int) -> int:
         """Copy the sample from document position ``b`` to ``e`` (token offsets ``start`` to ``stop`` in the
-        flat tokens) into ``row``; returns the tokens it spans."""
+        flat tokens) into ``row``; returns the tokens its documents hold of it (the row's size if they match
+        the packing)."""
         tokens, ostart, olen, _, _ = self._index()
         if b == e:
-            if stop - start == row.size:
+            at = min(stop, ostart[b] + olen[b]) - start
+            if at == row.size:
                 row[:] = tokens[start:stop]
-            return stop - start
+            return at
         at = ostart[b] + olen[b] - start
         row[:at] = tokens[start : start + at]
         for j in range(b + 1, e):
             a, n = ostart[j], olen[j]
             row[at : at + n] = tokens[a : a + n]
             at += n
-        tail = stop - ostart[e]
-        row[at:] = tokens[stop - tail : stop]
+        tail = min(stop - ostart[e], olen[e])  # not past the document's end
+        row[at:] = tokens[ostart[e] : ostart[e] + tail]
         return at + tail
