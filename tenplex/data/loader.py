@@ -23,7 +23,6 @@ default here) an id at any position is computed without the epoch's permutation,
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 from collections.abc import Iterator, Sized
@@ -94,7 +93,7 @@ def _loaded(current: DataState, sd: dict[str, Any]) -> DataState:
 class _Cursor:
     """An iteration of an :class:`ElasticBatchSampler`: stateful (``StatefulDataLoader`` snapshots it).
 
-    A batch costs a position compare, a pop and an int store (about a plain ``BatchSampler``'s cost: the
+    A batch costs a position compare, a slice and an int store (about a plain ``BatchSampler``'s cost: the
     main process of a loader with workers shares the cores with them); the sampler's ``DataState`` is
     made from that int only when read. A move of the sampler (``data`` set, ``load_state_dict``,
     ``reshard``) or a position other than the one computed next drops the ids computed ahead."""
@@ -102,8 +101,10 @@ class _Cursor:
     def __init__(self, sampler: ElasticBatchSampler) -> None:
         self.sampler = sampler
         self.end = _end(sampler.data, sampler.num_epochs)
-        self._ahead: collections.deque[list[int]] = collections.deque()
-        self._next = -1  # the position of the batch _ahead[0]
+        self._ids: list[int] = []  # the ids of the steps computed ahead, back to back ...
+        self._cuts: list[int] = [0]  # ... step j's at [_cuts[j], _cuts[j + 1])
+        self._step = 0  # the next step's j
+        self._next = -1  # the next step's position
         self._moves = sampler.moves
         self._span = 1  # steps the next fill computes: 1 after a (re)start, doubling up to AHEAD (AHEAD_IDS)
 
@@ -113,13 +114,16 @@ class _Cursor:
     def __next__(self) -> list[int]:
         s = self.sampler
         pos = s.position
-        if pos != self._next or s.moves != self._moves or not self._ahead:
+        j = self._step
+        if pos != self._next or s.moves != self._moves or j + 1 >= len(self._cuts):
             if pos >= self.end:
                 raise StopIteration
-            if self._ahead or s.moves != self._moves:  # a jump (a restore, a reshard): the first batch comes first
-                self._span = 1
+            if j + 1 < len(self._cuts) or s.moves != self._moves:  # a jump (a restore, a reshard): the first
+                self._span = 1  # batch comes first
             self._fill(pos)
-        ids = self._ahead.popleft()
+            j = 0
+        ids = self._ids[self._cuts[j] : self._cuts[j + 1]]  # made now, one list a batch (as BatchSampler)
+        self._step = j + 1
         s.position = self._next = _next_position(pos, s.global_batch, self.end)
         if not ids:  # this rank's share of a final partial batch is empty
             raise StopIteration
@@ -139,10 +143,9 @@ class _Cursor:
                      d.order).tolist()
         full, tail = divmod(stop - pos, g)
         per = replica_slice(g, size, rank, micro)[1]  # a whole step's; a cut-short last one takes the rest
-        self._ahead.clear()
-        self._ahead.extend(ids[i * per : (i + 1) * per] for i in range(full))
+        self._ids, self._cuts, self._step = ids, list(range(0, full * per + 1, per)), 0
         if tail:
-            self._ahead.append(ids[full * per :])
+            self._cuts.append(len(ids))
         self._moves = s.moves
         self._span = min(AHEAD, max(1, AHEAD_IDS // per), 2 * self._span)
 
@@ -152,7 +155,7 @@ class _Cursor:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.sampler.load_state_dict(sd)
         self.end = _end(self.sampler.data, self.sampler.num_epochs)
-        self._ahead.clear()
+        self._cuts, self._step = [0], 0
 
 
 class ElasticBatchSampler(Sampler[list[int]]):
