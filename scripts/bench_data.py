@@ -15,12 +15,20 @@ Three formats over the same files, both sides in ``DataLoader(batch_size, num_wo
   :class:`tenplex.data.HFSamples` over the same ``datasets.Dataset``.
 
 The plain side shuffles with ``shuffle=True``; the tenplex side reads through the resharding sampler a
-job uses, :class:`tenplex.data.ElasticBatchSampler` (rank 0 of DP 1, the "feistel" order). A pass times ``--samples`` samples after the first batch (worker
-start-up excluded on both sides); a run is ``--pairs`` adjacent (plain, tenplex) passes in alternating
+job uses, :class:`tenplex.data.ElasticBatchSampler` (rank 0 of DP 1, the "feistel" order). A pass times ``--samples`` samples
+(default 6000, about half the Megatron file) after every worker's first batch is in: worker start-up, which
+a job pays once an epoch (never with ``persistent_workers``), is excluded on both sides. (Before: 1500
+samples after worker 0's first batch only; worker 1's first batch came 4-8 ms later and the first ~16
+batches ran 1.2-2x slower than the steady state on both sides, a large share of a 55 ms window.) A run
+is ``--pairs`` adjacent (plain, tenplex) passes in alternating
 order and its figures are the medians over its pairs. ``ratio`` is tenplex's samples/s over plain's.
 ``fetch_us_*``: microseconds a sample to fetch and collate a batch in-process (what a worker does), the
-minimum of ``--fetch-rounds`` alternating rounds per run, and ``fetch_ratio`` plain's over tenplex's:
-on a loaded machine, where loader rates swing with the scheduler, this is the stable comparison.
+minimum of ``--fetch-rounds`` alternating rounds per run, and ``fetch_ratio`` plain's over tenplex's.
+``cpu_us_*``: CPU microseconds a sample of a whole pass, the main process and its workers together (their
+start-up, their batches' hand-off to the main process, the sampler), the median over a run's pairs, and
+``cpu_ratio`` plain's over tenplex's: on a loaded machine, where loader rates swing with the scheduler,
+these two are the stable comparisons (the in-process fetch alone missed a worker's cost: in a worker each
+batch starts with cold caches, where a dozen numpy calls a batch cost ~4 us a sample).
 ``restore_ms_per_rank``: a run over 10^9 samples (global batch 1024, "feistel" order) stops in its fourth
 epoch under DP 8; every rank of DP 6 (uneven: 6 does not divide 1024) decodes the saved JSON, loads it
 (``ElasticBatchSampler.load_state_dict``) and computes its first batch's ids: ms per rank, over
@@ -34,6 +42,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -159,6 +168,10 @@ class PlainBin(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.n
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a worker maps the file itself (a memmap pickles as its whole array under spawn or forkserver)
+        return {**self.__dict__, "tokens": None}
+
     def __getitem__(self, i: int) -> torch.Tensor:
         if self.tokens is None:
             self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
@@ -199,16 +212,28 @@ def build_formats(d: str, scale: float, seq_len: int) -> dict[str, tuple[Any, An
 # ------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------
-def samples_per_second(loader: Iterable[Any], batch: int, samples: int) -> float:
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its reaped children (a loader's workers, once shut down)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def samples_per_second(loader: Iterable[Any], batch: int, samples: int, workers: int) -> tuple[float, float]:
+    """(samples/s over ``samples`` samples after every worker's first batch, CPU us a sample of the whole
+    pass: the main process and the workers from their start to their shutdown, over the samples received)."""
+    c0 = _cpu_s()
     it = iter(loader)
-    next(it)  # workers started, first batch in
+    for _ in range(max(1, workers)):  # every worker started and its first batch in (the loader's round robin)
+        next(it)
     t0 = time.perf_counter()
     got = 0
     for _ in it:
         got += batch
         if got >= samples:
             break
-    return got / (time.perf_counter() - t0)
+    rate = got / (time.perf_counter() - t0)
+    del it  # the workers shut down and reaped: their CPU time is in RUSAGE_CHILDREN
+    return rate, (_cpu_s() - c0) / (got + batch * max(1, workers)) * 1e6
 
 
 def fetch_us(plain: Any, tplx: Any, collate: Callable | None, batch: int, rounds: int, seed: int) -> dict[str, float]:
@@ -231,15 +256,15 @@ def run_format(plain: Any, tplx: Any, collate: Callable | None, args: argparse.N
     """``args.runs`` runs; a run is ``args.pairs`` adjacent (plain, tenplex) passes in alternating order, its
     figures the medians over its pairs (adjacent passes see the same machine load, so the ratio is stable
     on a shared machine where absolute rates are not)."""
-    n = min(len(plain), len(tplx), args.samples + args.batch)
+    n = min(len(plain), len(tplx), args.samples + args.batch * max(1, args.workers))
     kw = dict(batch_size=args.batch, num_workers=args.workers, collate_fn=collate,
               prefetch_factor=4 if args.workers else None)
-    ratios, t_sps, p_sps, t_us, p_us = [], [], [], [], []
+    ratios, t_sps, p_sps, t_us, p_us, t_cpu, p_cpu = [], [], [], [], [], [], []
     for r in range(args.runs):
         us = fetch_us(plain, tplx, collate, args.batch, args.fetch_rounds, r)
         t_us.append(us["tenplex"])
         p_us.append(us["plain"])
-        pr, pt, pp = [], [], []
+        pr, pt, pp, ct, cp = [], [], [], [], []
         for k in range(args.pairs):
             sampler = tenplex_sampler(len(tplx), args.batch, seed=r * args.pairs + k)
             tkw = {k: v for k, v in kw.items() if k != "batch_size"}
@@ -247,16 +272,22 @@ def run_format(plain: Any, tplx: Any, collate: Callable | None, args: argparse.N
                      ("tenplex", lambda: torch.utils.data.DataLoader(tplx, batch_sampler=sampler, **tkw))]
             if (r + k) % 2:
                 sides.reverse()
-            got = {name: samples_per_second(make(), args.batch, n - args.batch) for name, make in sides}
-            pt.append(got["tenplex"])
-            pp.append(got["plain"])
-            pr.append(got["tenplex"] / got["plain"])
+            got = {name: samples_per_second(make(), args.batch, n - args.batch * max(1, args.workers), args.workers)
+                   for name, make in sides}
+            pt.append(got["tenplex"][0])
+            pp.append(got["plain"][0])
+            pr.append(got["tenplex"][0] / got["plain"][0])
+            ct.append(got["tenplex"][1])
+            cp.append(got["plain"][1])
         ratios.append(statistics.median(pr))
+        t_cpu.append(statistics.median(ct))
+        p_cpu.append(statistics.median(cp))
         t_sps.append(statistics.median(pt))
         p_sps.append(statistics.median(pp))
     return {"ratio": spread(ratios), "tenplex_sps": spread(t_sps), "plain_sps": spread(p_sps), "samples": n,
             "pairs_per_run": args.pairs, "fetch_us_tenplex": spread(t_us), "fetch_us_plain": spread(p_us),
-            "fetch_ratio": spread([b / a for a, b in zip(t_us, p_us)])}
+            "fetch_ratio": spread([b / a for a, b in zip(t_us, p_us)]), "cpu_us_tenplex": spread(t_cpu),
+            "cpu_us_plain": spread(p_cpu), "cpu_ratio": spread([b / a for a, b in zip(t_cpu, p_cpu)])}
 
 
 def main() -> None:
@@ -267,7 +298,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--fetch-rounds", type=int, default=100, help="alternating in-process fetches per run")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--samples", type=int, default=1500, help="samples timed per pass")
+    ap.add_argument("--samples", type=int, default=6000, help="samples timed per pass")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--scale", type=float, default=1.0, help="size of the generated files")
     ap.add_argument("--only", nargs="*", help="formats to run")
@@ -286,7 +317,8 @@ def main() -> None:
             print(f"{name:>16}: ratio {r['ratio']['median']:.3f} [{r['ratio']['min']:.3f}, {r['ratio']['max']:.3f}]"
                   f"  tenplex {r['tenplex_sps']['median']:.0f}/s  plain {r['plain_sps']['median']:.0f}/s"
                   f"  fetch ratio {r['fetch_ratio']['median']:.3f} ({r['fetch_us_tenplex']['median']:.2f} vs "
-                  f"{r['fetch_us_plain']['median']:.2f} us)"
+                  f"{r['fetch_us_plain']['median']:.2f} us)  cpu ratio {r['cpu_ratio']['median']:.3f} "
+                  f"({r['cpu_us_tenplex']['median']:.1f} vs {r['cpu_us_plain']['median']:.1f} us)"
                   f"  (load {load:.2f})", flush=True)
     restore = restore_ms_per_rank(args.restore_repeats)
     print(f"restore at 1e9 samples, DP 8 -> 6: {restore['median']:.3f} ms/rank [{restore['min']:.3f}, "

@@ -177,6 +177,26 @@ def test_megatron_gpt_samples_bit_exact(tmp_path_factory: pytest.TempPathFactory
         assert torch.equal(ds[i], torch.from_numpy(stream[k * seq_len:(k + 1) * seq_len + 1]))
 
 
+def test_a_batch_is_its_samples_and_a_bad_packing_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``__getitems__`` (a loader's batch: samples spanning 1 to many documents, short ones in the middle)
+    equals the pieces read one by one; an id out of range is an IndexError, and a packing built from
+    other document lengths a DataIndexError, not a wrong or short sample."""
+    docs = make_docs(np.random.default_rng(3), 300, hi=40)
+    write_megatron(str(tmp_path / "x"), docs)
+    ds = megatron_gpt_dataset(str(tmp_path / "x"), 24)
+    ids = np.random.default_rng(4).permutation(len(ds)).tolist()
+    got = ds.__getitems__(ids)
+    assert all(torch.equal(t, torch.from_numpy(ds.packing.sample(ds.source, i))) for t, i in zip(got, ids))
+    assert len({ds.packing.sample_index[k + 1, 0] - ds.packing.sample_index[k, 0] for k in range(len(ds))}) > 2
+    for bad in (-1, len(ds)):
+        with pytest.raises(IndexError):
+            ds.__getitems__([0, bad])
+    lengths = np.array([len(d) for d in docs]) + 1  # one token more a document than the .bin holds
+    other = PackedDataset(ds.source, megatron_packing(lengths, 24))
+    with pytest.raises(DataIndexError, match="differ from the lengths"):
+        other.__getitems__(list(range(len(other))))
+
+
 def test_megatron_reads_only_its_bytes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     docs = make_docs(np.random.default_rng(1), 2000, hi=200)
     write_megatron(str(tmp_path / "x"), docs)

@@ -25,6 +25,7 @@ from tenplex.data import (
     feistel_ids,
     ids_at,
     loader_state,
+    rank_step_ids,
     remaining_ids,
     sample_order,
 )
@@ -179,6 +180,27 @@ def test_a_finite_run_ends_with_its_last_partial_batch_split_across_the_ranks() 
             seen += [i for b in batches for i in b]
         expected = ids_at(np.arange(end), n, 1, True, "feistel").tolist()
         assert sorted(seen) == sorted(expected) and len(seen) == end
+
+
+@pytest.mark.parametrize("dp", [1, 5])
+def test_batches_computed_ahead_are_the_positions_ids_and_a_move_drops_them(dp: int) -> None:
+    """An iteration longer than a fill (AHEAD steps), ending in a partial batch, gives every rank its
+    ``rank_step_ids`` at every position; a load or a reshard during the iteration continues from there."""
+    n, g = 3001, 10  # 2 epochs: 6002 positions, the last global batch 2 samples
+    data = loader_state(n, g, seed=7)
+    for r in range(dp):
+        sampler = ElasticBatchSampler(data, dp, r, num_epochs=2)
+        batches = list(sampler)
+        expected = [rank_step_ids(data, p, 2 * n, (dp, r, 1)).tolist() for p in range(0, 2 * n, g)]
+        assert batches == [b for b in expected if b] and sampler.data.consumed == 2 * n
+    sampler = ElasticBatchSampler(data, dp, 0, num_epochs=2)
+    it = iter(sampler)
+    for _ in range(300):
+        next(it)
+    sampler.load_state_dict({"data": {**data.to_json(), "consumed": 40}})
+    assert next(it) == rank_step_ids(data, 40, 2 * n, (dp, 0, 1)).tolist()
+    sampler.reshard(2, 1)
+    assert next(it) == rank_step_ids(data, 50, 2 * n, (2, 1, 1)).tolist() and sampler.data.consumed == 60
 
 
 def test_epochs_continue_where_the_last_iteration_ended() -> None:

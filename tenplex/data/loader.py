@@ -23,7 +23,6 @@ default here) an id at any position is computed without the epoch's permutation,
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 from collections.abc import Iterator, Sized
@@ -33,10 +32,12 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
 from ..errors import DataStateError
-from .partition import DataState, checked_int, ids_at, replica_slice, stream_end
+from .partition import DataState, checked_int, ids_at, rank_positions, replica_slice, stream_end
 
-#: Steps whose ids a sampler's iteration computes in one call (see ``_Cursor._fill``).
-AHEAD = 64
+#: Steps whose ids a sampler's iteration computes in one call, at most (see ``_Cursor._fill``) ...
+AHEAD = 256
+#: ... and ids (a rank's large batches: a fill stays a few milliseconds).
+AHEAD_IDS = 1 << 14
 
 __all__ = ["ElasticBatchSampler", "ElasticIterable", "ElasticLoader", "loader_state", "rank_step_ids"]
 
@@ -90,55 +91,63 @@ def _loaded(current: DataState, sd: dict[str, Any]) -> DataState:
 
 
 class _Cursor:
-    """An iteration of an :class:`ElasticBatchSampler`: stateful (``StatefulDataLoader`` snapshots it)."""
+    """An iteration of an :class:`ElasticBatchSampler`: stateful (``StatefulDataLoader`` snapshots it).
+
+    A batch costs a position compare, a slice and an int store (about a plain ``BatchSampler``'s cost: the
+    main process of a loader with workers shares the cores with them); the sampler's ``DataState`` is
+    made from that int only when read. A move of the sampler (``data`` set, ``load_state_dict``,
+    ``reshard``) or a position other than the one computed next drops the ids computed ahead."""
 
     def __init__(self, sampler: ElasticBatchSampler) -> None:
         self.sampler = sampler
         self.end = _end(sampler.data, sampler.num_epochs)
-        self._ahead: collections.deque[tuple[int, list[int]]] = collections.deque()
-        self._key: tuple[Any, ...] = ()
-        self._span = 1  # steps the next fill computes: 1 after a (re)start, doubling up to AHEAD
+        self._ids: list[int] = []  # the ids of the steps computed ahead, back to back ...
+        self._cuts: list[int] = [0]  # ... step j's at [_cuts[j], _cuts[j + 1])
+        self._step = 0  # the next step's j
+        self._next = -1  # the next step's position
+        self._moves = sampler.moves
+        self._span = 1  # steps the next fill computes: 1 after a (re)start, doubling up to AHEAD (AHEAD_IDS)
 
     def __iter__(self) -> _Cursor:
         return self
 
     def __next__(self) -> list[int]:
         s = self.sampler
-        pos = s.data.consumed
-        if pos >= self.end:
-            raise StopIteration
-        d = s.data
-        key = (s.layout, d.num_samples, d.global_batch, d.seed, d.shuffle, d.order, self.end)
-        if not self._ahead or self._ahead[0][0] != pos or self._key != key:
-            if self._ahead or self._key != key:  # a jump (a restore, a reshard): the first batch comes first
-                self._span = 1
-            self._fill(pos, key)
-            self._span = min(AHEAD, 2 * self._span)
-        _, ids = self._ahead.popleft()
-        s.data = d.at(_next_position(pos, d.global_batch, self.end))
+        pos = s.position
+        j = self._step
+        if pos != self._next or s.moves != self._moves or j + 1 >= len(self._cuts):
+            if pos >= self.end:
+                raise StopIteration
+            if j + 1 < len(self._cuts) or s.moves != self._moves:  # a jump (a restore, a reshard): the first
+                self._span = 1  # batch comes first
+            self._fill(pos)
+            j = 0
+        ids = self._ids[self._cuts[j] : self._cuts[j + 1]]  # made now, one list a batch (as BatchSampler)
+        self._step = j + 1
+        s.position = self._next = _next_position(pos, s.global_batch, self.end)
         if not ids:  # this rank's share of a final partial batch is empty
             raise StopIteration
         return ids
 
-    def _fill(self, pos: int, key: tuple[Any, ...]) -> None:
+    def _fill(self, pos: int) -> None:
         """The ids of the next ``_span`` steps from ``pos`` in one ``ids_at`` call (the order's cost per
         call, not per id, dominates at loader batch sizes: 300 us a batch of 16 one at a time; a restore
         computes its first batch alone). A pure function of the position: handing them out later
         changes nothing."""
-        s, d = self.sampler, self.sampler.data
-        starts, parts = [], []
-        p = pos
-        while p < self.end and len(starts) < self._span:
-            starts.append(p)
-            parts.append(_step_positions(d, p, self.end, s.layout))
-            p = _next_position(p, d.global_batch, self.end)
-        ids = ids_at(np.concatenate(parts), d.num_samples, d.seed, d.shuffle, d.order).tolist()
-        self._ahead.clear()
-        at = 0
-        for start, part in zip(starts, parts):
-            self._ahead.append((start, ids[at:at + part.size]))
-            at += part.size
-        self._key = key
+        s = self.sampler
+        d = s.data
+        g = d.global_batch
+        stop = min(pos + self._span * g, self.end)
+        size, rank, micro = s.layout
+        ids = ids_at(rank_positions(pos, stop, g, size, rank, micro), d.num_samples, d.seed, d.shuffle,
+                     d.order).tolist()
+        full, tail = divmod(stop - pos, g)
+        per = replica_slice(g, size, rank, micro)[1]  # a whole step's; a cut-short last one takes the rest
+        self._ids, self._cuts, self._step = ids, list(range(0, full * per + 1, per)), 0
+        if tail:
+            self._cuts.append(len(ids))
+        self._moves = s.moves
+        self._span = min(AHEAD, max(1, AHEAD_IDS // per), 2 * self._span)
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
@@ -146,7 +155,7 @@ class _Cursor:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.sampler.load_state_dict(sd)
         self.end = _end(self.sampler.data, self.sampler.num_epochs)
-        self._ahead.clear()
+        self._cuts, self._step = [0], 0
 
 
 class ElasticBatchSampler(Sampler[list[int]]):
@@ -163,9 +172,22 @@ class ElasticBatchSampler(Sampler[list[int]]):
     def __init__(self, data: DataState, dp_size: int = 1, dp_rank: int = 0, *, micro_batch: int | None = None,
                  num_epochs: int | None = None) -> None:
         super().__init__()
+        self.moves = 0  # counts the sampler's moves (data set, reshard): an iteration's ids ahead are stale
         self.data, self.num_epochs = data, num_epochs
         self.micro_batch = micro_batch
         self.reshard(dp_size, dp_rank)
+
+    @property
+    def data(self) -> DataState:
+        """The position after the batches handed out (``position`` as a ``DataState``, made when read)."""
+        if self._data.consumed != self.position:
+            self._data = self._data.at(self.position)
+        return self._data
+
+    @data.setter
+    def data(self, value: DataState) -> None:
+        self._data, self.position, self.global_batch = value, value.consumed, value.global_batch
+        self.moves += 1
 
     def reshard(self, dp_size: int, dp_rank: int, data: DataState | None = None) -> None:
         """Read as rank ``dp_rank`` of ``dp_size`` from now on (from ``data``'s position when given)."""
@@ -173,6 +195,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
             self.data = _loaded(self.data, {"data": data.to_json()})
         replica_slice(self.data.global_batch, dp_size, dp_rank, self.micro_batch or 1)  # checks the split
         self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.moves += 1
 
     @property
     def layout(self) -> tuple[int, int, int]:

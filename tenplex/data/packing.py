@@ -195,7 +195,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self.packing = packing
         self._n = len(packing)
         self._flat = getattr(source, "flat_tokens", None)
-        self._tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._tokens: tuple[np.ndarray, memoryview, memoryview, memoryview, memoryview | None] | None = None
 
     def __getstate__(self) -> dict[str, object]:
         return {"source": self.source, "packing": self.packing}
@@ -210,34 +210,71 @@ class PackedDataset(torch.utils.data.Dataset):
         return self.__getitems__([i])[0]
 
     def __getitems__(self, ids: Sequence[int]) -> list[torch.Tensor]:
-        """The samples ``ids`` (what a ``DataLoader`` asks for a batch): their rows of the packing index are
-        looked up at once, then each sample is one slice per document piece."""
-        idx = np.asarray(ids, dtype=np.int64)
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self._n):
-            raise IndexError(f"samples {idx.min()}..{idx.max()} of {self._n}")
+        """The samples ``ids`` (what a ``DataLoader`` asks for a batch), each copied into its row of one int64
+        array: a sample's packing rows are read as Python ints through memoryviews and its pieces sliced
+        from the flat tokens, so a batch makes no numpy call but its copies (a loader worker comes to each
+        batch with cold caches after the batch before was shared with the main process: there a dozen
+        distinct numpy calls a batch cost more than the copies, ~4 us a sample on 2 loaded cores)."""
         if self._flat is None:
-            return [torch.from_numpy(self.packing.sample(self.source, i)) for i in idx.tolist()]
+            for i in ids:
+                self._check(i)
+            return [torch.from_numpy(self.packing.sample(self.source, int(i))) for i in ids]
+        tokens, ostart, olen, rows, shuffle = self._index()
         p = self.packing
-        k = p.shuffle[idx].astype(np.int64) if p.shuffle is not None else idx
-        if self._tokens is None:  # mapped once; a forked loader worker inherits the read-only map
-            tokens, starts = self._flat()
-            self._tokens = (tokens, starts[p.doc_order], np.asarray(self.source.doc_lengths())[p.doc_order])
-        tokens, ostart, olen = self._tokens  # per position of the document order: token offset, length
-        si = p.sample_index
-        width = p.seq_len + p.extra
-        out = []
-        for b, bo, e, eo, s in zip(si[k, 0].tolist(), si[k, 1].tolist(), si[k + 1, 0].tolist(),
-                                   si[k + 1, 1].tolist(), ostart[si[k, 0]].tolist()):
-            if b == e:  # one document: one slice
-                t = tokens[s + bo : s + eo + p.extra].astype(np.int64)
-            else:
-                st, ln = ostart[b : e + 1].tolist(), olen[b : e + 1].tolist()
-                parts = [tokens[s + bo : s + ln[0]]]
-                parts.extend(tokens[a : a + n] for a, n in zip(st[1:-1], ln[1:-1]))
-                parts.append(tokens[st[-1] : st[-1] + eo + p.extra])
-                t = np.concatenate(parts, dtype=np.int64)
-            if len(t) != width:
-                raise DataIndexError(f"a sample read {len(t)} tokens, expected {width}: the documents differ from "
-                                     "the lengths the packing was built from")
-            out.append(torch.from_numpy(t))
-        return out
+        width, extra = p.seq_len + p.extra, p.extra
+        out = np.empty((len(ids), width), dtype=np.int64)
+        for row, i in enumerate(ids):
+            k = 2 * (shuffle[self._check(i)] if shuffle is not None else self._check(i))
+            b, e = rows[k], rows[k + 2]  # first and last document position; token offsets in them next
+            start = ostart[b] + rows[k + 1]
+            if b == e and rows[k + 3] - rows[k + 1] + extra == width and rows[k + 3] + extra <= olen[b]:
+                out[row] = tokens[start : start + width]  # one document: one slice
+                continue
+            try:
+                at = self._copy_pieces(out[row], b, e, start, ostart[e] + rows[k + 3] + extra)
+            except ValueError:  # a piece longer than the row has room for
+                at = -1
+            if at != width:
+                held = f"{at} of its {width}" if at >= 0 else f"more than its {width}"
+                raise DataIndexError(f"sample {i}: its documents hold {held} tokens: the documents differ from the "
+                                     "lengths the packing was built from")
+        return list(torch.from_numpy(out).unbind(0))
+
+    def _check(self, i: int) -> int:
+        if not 0 <= i < self._n:
+            raise IndexError(f"sample {i} of {self._n}")
+        return i
+
+    def _index(self) -> tuple[np.ndarray, memoryview, memoryview, memoryview, memoryview | None]:
+        """The flat tokens (mapped once; a forked loader worker inherits the read-only map), per position of
+        the document order its token offset and length, the sample index's rows flat and the shuffle index,
+        the last four as memoryviews (an item is a Python int)."""
+        if self._tokens is None:
+            p = self.packing
+            tokens, starts = self._flat()  # type: ignore[misc]
+            lengths = np.asarray(self.source.doc_lengths())
+            shuffle = None if p.shuffle is None else memoryview(np.ascontiguousarray(p.shuffle))
+            self._tokens = (tokens, memoryview(np.ascontiguousarray(starts[p.doc_order])),
+                            memoryview(np.ascontiguousarray(lengths[p.doc_order])),
+                            memoryview(np.ascontiguousarray(p.sample_index).reshape(-1)), shuffle)
+        return self._tokens
+
+    def _copy_pieces(self, row: np.ndarray, b: int, e: int, start: int, stop: int) -> int:
+        """Copy the sample from document position ``b`` to ``e`` (token offsets ``start`` to ``stop`` in the
+        flat tokens) into ``row``; returns the tokens its documents hold of it (the row's size if they match
+        the packing)."""
+        tokens, ostart, olen, _, _ = self._index()
+        if b == e:
+            at = min(stop, ostart[b] + olen[b]) - start
+            if at == row.size:
+                row[:] = tokens[start:stop]
+            return at
+        at = ostart[b] + olen[b] - start
+        row[:at] = tokens[start : start + at]
+        for j in range(b + 1, e):
+            a, n = ostart[j], olen[j]
+            row[at : at + n] = tokens[a : a + n]
+            at += n
+        tail = min(stop - ostart[e], olen[e])  # not past the document's end
+        row[at:] = tokens[ostart[e] : ostart[e] + tail]
+        return at + tail

@@ -137,19 +137,35 @@ def _round_keys(seed: int, epoch: int) -> np.ndarray:
     return np.array([_mix64(base + i * 0x9E3779B97F4A7C15 & _M64) for i in range(_ROUNDS)], dtype=np.uint64)
 
 
+_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
+_MULS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
 def _feistel(x: np.ndarray, half: int, keys: np.ndarray) -> np.ndarray:
-    """One pass of the balanced Feistel network on ``2*half``-bit values (uint64 arrays wrap on overflow)."""
+    """One pass of the balanced Feistel network on ``2*half``-bit values (uint64 arrays wrap on overflow).
+    In place on three buffers (a loader's sampler calls it on a few thousand ids: numpy's per-call cost,
+    not the arithmetic, is what counts there)."""
     mask, h = np.uint64((1 << half) - 1), np.uint64(half)
     left, right = x >> h, x & mask
+    f, t = np.empty_like(left), np.empty_like(left)
+    s30, s27, s31 = _SHIFTS
+    m1, m2 = _MULS
     for k in keys:
-        f = right + k
-        f ^= f >> np.uint64(30)
-        f *= np.uint64(0xBF58476D1CE4E5B9)
-        f ^= f >> np.uint64(27)
-        f *= np.uint64(0x94D049BB133111EB)
-        f ^= f >> np.uint64(31)
-        left, right = right, left ^ (f & mask)
-    return (left << h) | right
+        np.add(right, k, out=f)
+        np.right_shift(f, s30, out=t)
+        f ^= t
+        f *= m1
+        np.right_shift(f, s27, out=t)
+        f ^= t
+        f *= m2
+        np.right_shift(f, s31, out=t)
+        f ^= t
+        f &= mask
+        f ^= left
+        left, right, f = right, f, left  # the old left's buffer takes the next round function
+    left <<= h
+    left |= right
+    return left
 
 
 def feistel_ids(positions: np.ndarray, num_samples: int, seed: int, epoch: int) -> np.ndarray:
