@@ -128,40 +128,36 @@ def in_process_run(out: Path, extra: list[str], reference: dict[int, float],
             codes == [0, 0, 0, -9] and losses_equal(recs, reference))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--save", default=str(ROOT / "docs" / "bench" / "titan_elastic.json"))
-    p.add_argument("--timeout", type=float, default=400)
-    args = p.parse_args()
+def measure(repeats: int = 3, timeout: float = 400.0) -> dict[str, Any]:
+    """The torchtitan job's figures over ``repeats`` (in process vs torchtitan's own restart, HSDP too);
+    ``scripts/bench_recovery.py --json`` puts them beside the reference trainer's and the native job's."""
     work = Path(tempfile.mkdtemp(prefix="titan_elastic_"))
     ref = work / "reference"
     ref.mkdir()
-    run_spawned(ref, 4, [], args.timeout)  # torchtitan's initialisation depends on the mesh: the same 4 workers
+    run_spawned(ref, 4, [], timeout)  # torchtitan's initialisation depends on the mesh: the same 4 workers
     reference = {r["step"]: r["loss"] for r in _records(ref) if "loss" in r}
     hsdp_ref = work / "reference_hsdp"
     hsdp_ref.mkdir()
-    run_spawned(hsdp_ref, 4, HSDP, args.timeout)
+    run_spawned(hsdp_ref, 4, HSDP, timeout)
     hsdp_reference = {r["step"]: r["loss"] for r in _records(hsdp_ref) if "loss" in r}
     recovery, restart, storage, equal, tables = [], [], [], [], []
     recovery_hsdp, storage_hsdp = [], []
-    for i in range(args.repeats):
+    for i in range(repeats):
         ip, st = work / f"inprocess{i}", work / f"restart{i}"
         ip.mkdir()
         st.mkdir()
-        rec_s, stored, table, same = in_process_run(ip, [], reference, args.timeout)
+        rec_s, stored, table, same = in_process_run(ip, [], reference, timeout)
         recovery.append(rec_s)
         storage.append(stored)
         tables.append({"run": f"fsdp_tp {i}", **table})
         equal.append(same)
-        codes = run_torchrun(st, args.timeout)
+        codes = run_torchrun(st, timeout)
         recs, killed = _records(st), json.loads((st / "killed.json").read_text())["t"]
         restart.append(first_step_after(recs, killed, restart=1))
         equal.append(codes == [0] and losses_equal(recs, reference))
         hs = work / f"hsdp{i}"
         hs.mkdir()
-        rec_s, stored, table, same = in_process_run(hs, HSDP, hsdp_reference, args.timeout)
+        rec_s, stored, table, same = in_process_run(hs, HSDP, hsdp_reference, timeout)
         recovery_hsdp.append(rec_s)
         storage_hsdp.append(stored)
         tables.append({"run": f"hsdp {i}", **table})
@@ -169,15 +165,27 @@ def main() -> None:
         print(f"repeat {i}: hsdp recovery {recovery_hsdp[-1]:.3f} s, bytes from storage {storage_hsdp[-1]}", flush=True)
         print(f"repeat {i}: recovery {recovery[-1]:.3f} s, restart {restart[-1]:.3f} s, "
               f"bytes from storage {storage[-1]}, losses equal {equal[-2:]}", flush=True)
-    result = {"recovery_s": stats(recovery), "restart_s": stats(restart), "losses_equal": all(equal),
-              "bytes_storage": stats(storage), "recovery_s_hsdp": stats(recovery_hsdp),
-              "bytes_storage_hsdp": stats(storage_hsdp), "speedup": statistics.median(restart) / statistics.median(recovery),
-              "goal": {"recovery_s_max": 1.5, "speedup_min": 5.0},
-              "goal_met": statistics.median(recovery) <= 1.5 and statistics.median(restart) >= 5 * statistics.median(recovery),
-              "latency_tables": tables, "loadavg": list(os.getloadavg()), "repeats": args.repeats,
-              "job": {"model": "torchtitan Llama 3, dim 64, 2 layers, vocab 256, seq 16", "workers": 4,
-                      "mesh": "dp_shard 2 x tp 2 -> dp_shard 3 (hsdp: dp_replicate 2 x dp_shard 2 -> dp_shard 3)", "kill": f"worker 3, forward pass of step {KILL_STEP}",
-                      "checkpoint_every": 2, "steps": STEPS}, "work": str(work)}
+    return {"recovery_s": stats(recovery), "restart_s": stats(restart), "losses_equal": all(equal),
+            "bytes_storage": stats(storage), "recovery_s_hsdp": stats(recovery_hsdp),
+            "bytes_storage_hsdp": stats(storage_hsdp),
+            "speedup": statistics.median(restart) / statistics.median(recovery),
+            "goal": {"recovery_s_max": 1.5, "speedup_min": 5.0},
+            "goal_met": statistics.median(recovery) <= 1.5 and statistics.median(restart) >= 5 * statistics.median(recovery),
+            "latency_tables": tables, "loadavg": list(os.getloadavg()), "repeats": repeats,
+            "job": {"model": "torchtitan Llama 3, dim 64, 2 layers, vocab 256, seq 16", "workers": 4,
+                    "mesh": "dp_shard 2 x tp 2 -> dp_shard 3 (hsdp: dp_replicate 2 x dp_shard 2 -> dp_shard 3)",
+                    "kill": f"worker 3, forward pass of step {KILL_STEP}", "checkpoint_every": 2, "steps": STEPS},
+            "work": str(work)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--save", default=str(ROOT / "docs" / "bench" / "titan_elastic.json"))
+    p.add_argument("--timeout", type=float, default=400)
+    args = p.parse_args()
+    result = measure(args.repeats, args.timeout)
     if args.save:
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)
         Path(args.save).write_text(json.dumps(result, indent=1) + "\n")
