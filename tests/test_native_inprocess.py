@@ -335,7 +335,7 @@ REL_TOL = 1e-4
 DEAD_AFTER = "2.0"
 
 
-def native_reference(steps: int) -> dict[int, tuple[float, list[int]]]:
+def native_reference(steps: int, batch: int = BATCH) -> dict[int, tuple[float, list[int]]]:
     """The uninterrupted run of the example's model on one process, unparallelized: loss and samples by step."""
     import dataclasses
 
@@ -349,7 +349,7 @@ def native_reference(steps: int) -> dict[int, tuple[float, list[int]]]:
     cfg = dataclasses.replace(nl.PRESETS["tiny"], vocab_size=259, seq_len=16)
     corpus = stdlib_corpus(16)
     batches = IndexBatches(corpus)
-    data = DataState(corpus.num_samples, BATCH, seed=1)
+    data = DataState(corpus.num_samples, batch, seed=1)
     model = nl.reference_model(cfg, seed=0)
     opt = nl.make_optimizer(model)
     out = {}
@@ -384,7 +384,7 @@ def _workers(tmp: Path, n: int, args: list[str], store_port: int | list[str],
 
 
 def check_native_run(tmp: Path, log: Path, reference: dict[int, tuple[float, list[int]]], *, steps: int = STEPS,
-                     loss_steps: int | None = None) -> list[dict]:
+                     loss_steps: int | None = None, batch: int = BATCH) -> list[dict]:
     """Every step's every record (redone steps too) with the reference's samples, and those of the first
     ``loss_steps`` steps (default all: rounding grows with the steps of a long run, other summation orders
     than one process) within REL_TOL of its loss; every sample of the final records once. Returns the
@@ -404,7 +404,7 @@ def check_native_run(tmp: Path, log: Path, reference: dict[int, tuple[float, lis
                 assert rel <= REL_TOL, f"step {step} on {rec['world_size']} workers: loss {rec['loss']} vs {loss}"
             assert rec["samples"] == samples, f"step {step} saw other samples"
     seen = [x for s in range(steps) for x in by_step[s][-1]["samples"]]
-    assert len(seen) == len(set(seen)) == steps * BATCH
+    assert len(seen) == len(set(seen)) == steps * batch
     return [e for e in events if e.get("event") == "recover"]
 
 
@@ -502,26 +502,27 @@ def test_a_joiner_receives_its_shards_live_from_a_native_job(tmp_path: Path) -> 
 @EXTRA
 @pytest.mark.timeout(180)
 def test_a_failure_while_a_joiner_waits_takes_the_joiner_into_the_recovery(tmp_path: Path) -> None:
-    """A join and a failure at once: a joiner waits when worker 1 of 2 (dp_shard=2) dies in step 1's
-    forward pass, before the boundary the workers agreed to admit it at. The survivor's recovery round
-    takes the joiner in: the 2 go on under dp_shard=2, the joiner gets the survivor's half live and the
-    dead worker's half from the checkpoint of step 1 (bytes == the plan's); the reference losses."""
+    """A join and a failure at once: a joiner waits (a global batch of 8 does not split over 3: no
+    boundary admits it into the 2 workers' dp_shard=2) when worker 1 of 2 dies in step 1's forward
+    pass. The survivor's recovery round takes the joiner in: the 2 go on under dp_shard=2, the joiner
+    gets the survivor's half live and the dead worker's half from the checkpoint of step 1 (bytes ==
+    the plan's); the reference losses."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     log, ckpt, master = tmp_path / "log.jsonl", tmp_path / "ckpt", free_port()
-    args = ["--ckpt", str(ckpt), "--steps", str(STEPS), "--ckpt-every", "1", "--global-batch", str(BATCH),
+    args = ["--ckpt", str(ckpt), "--steps", str(STEPS), "--ckpt-every", "1", "--global-batch", "8",
             "--in-process", "--dead-after", DEAD_AFTER]
     joiner = _joiner(tmp_path, args, store.port, master)
     procs: list[subprocess.Popen] = []
     try:
         procs = _workers(tmp_path, 2, [*args, "--log", str(log), "--die-at", "1:1:forward"], store.port, port=master)
-        reference = native_reference(STEPS)
+        reference = native_reference(STEPS, batch=8)
         codes = wait_procs([*procs, joiner], 150)
     finally:
         wait_procs([*procs, joiner], 0)
     assert codes == [0, -9, 0], (codes, log_tails(tmp_path))
-    recs = check_native_run(tmp_path, log, reference)
+    recs = check_native_run(tmp_path, log, reference, batch=8)
     assert len(recs) == 1, recs
     rec = recs[0]
     assert rec["reason"] != "join" and rec["joiners"] == [2] and rec["live"] and rec["world_size"] == 2, rec
