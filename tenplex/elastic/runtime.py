@@ -28,8 +28,10 @@ recovery's latency table (:class:`~tenplex.elastic.latency.RecoveryTimes`)
 is logged after its first step and given to ``on_event`` with the recovery's record.
 
 A process started with ``join=True`` (no ``RANK``/``WORLD_SIZE``; the job's
-``TENPLEX_MEMBERSHIP_STORE`` and ``TENPLEX_JOB_ID`` or ``MASTER_ADDR``/``MASTER_PORT``) is admitted
-at the job's next step boundary and receives its state live.
+``TENPLEX_MEMBERSHIP_STORE`` and ``TENPLEX_JOB_ID`` or ``MASTER_ADDR``/``MASTER_PORT``) registers
+first, then warms up (its first mesh and model, built empty) while the members reach their next step
+boundary, is admitted there and receives its state live; its scipy import (the survivors' order at
+a later failure) waits until after its first step. ``timeline`` holds the wall times of its start.
 
 Spares: a rule may give a mesh of fewer ranks than the job has (5 workers, ``{"dp_shard": 4}``):
 ranks ``0 .. n-1`` of the n the mesh holds train, the others wait as spares (the job's own
