@@ -61,10 +61,14 @@ from tenplex.data import DataState, global_batch_ids, stdlib_corpus  # noqa: E40
 from tenplex.data.batches import IndexBatches  # noqa: E402
 from tenplex.elastic.inprocess import JOIN_FAILED, DieAt  # noqa: E402
 
+IMPORTED = time.time()  # benchmarks: a joiner's imports done (its timeline, see "joined" below)
 
-def mesh_rule(world: int, *, hsdp: bool = False) -> dict[str, int]:
+
+def mesh_rule(world: int, *, hsdp: bool = False, most: int = 0) -> dict[str, int]:
     """This job's own rule: FSDP2 x TP2 (``hsdp``: 2 replicas of FSDP2, HSDP) when there are at least 4
-    workers and an even number, else FSDP2 alone."""
+    workers and an even number, else FSDP2 alone; ``most``: a mesh of at most that many ranks (the
+    workers beyond it wait as spares)."""
+    world = min(world, most) if most else world
     if world >= 4 and world % 2 == 0:
         return {"dp_replicate": 2, "dp_shard": world // 2} if hsdp else {"dp_shard": world // 2, "tp": 2}
     return {"dp_shard": world}
@@ -107,6 +111,8 @@ def main() -> None:
                    help=f"--join: seconds to wait for the job and for admission (then exit code {JOIN_FAILED})")
     p.add_argument("--model", default="tiny", choices=("tiny", "12m"), help="a preset of native_llama.py")
     p.add_argument("--hsdp", action="store_true", help="HSDP (2 replicas) instead of TP on 4 or more workers")
+    p.add_argument("--mesh-most", type=int, default=0,
+                   help="--in-process: a mesh of at most this many ranks; the other workers wait as spares")
     p.add_argument("--die-at", default="", help="testing: RANK:STEP:POINT, POINT forward, optimizer or save")
     args = p.parse_args()
     if args.join and not args.in_process:
@@ -132,28 +138,33 @@ def main() -> None:
         return model, optimizer
 
     rt = tenplex.ElasticRuntime(
-        build, lambda w: mesh_rule(w, hsdp=args.hsdp), ckpt=args.ckpt, data=DataState(corpus.num_samples,
+        build, lambda w: mesh_rule(w, hsdp=args.hsdp, most=args.mesh_most), ckpt=args.ckpt, data=DataState(corpus.num_samples,
                                                                                        args.global_batch, seed=1),
         ckpt_every=args.ckpt_every, in_process=args.in_process, join=args.join, dead_after=args.dead_after,
         join_timeout=args.join_timeout, on_event=lambda r: emit(args.log, r),
         before_save=(lambda s: die("save", s)) if die is not None else None)
 
     # train: the loop is the job's; the runtime recovers inside ``steps`` and commits each step at ``with`` exit
+    trained = False  # benchmarks: whether this process ran a step before (a joiner or a spare: not before its place)
     for step in rt.steps(args.steps):
         with step:
             t0 = time.perf_counter()
             raw = batches.batch(rt.data, rt.dp_size, rt.dp_rank).to(rt.device)
             if die is not None:
                 die("forward", rt.step)
-            loss = nl.train_step(rt.model, rt.optimizer, raw[:, :-1], raw[:, 1:])
+            loss = nl.train_step(rt.model, rt.optimizer, raw[:, :-1], raw[:, 1:], group=rt.group)
             if rt.rank == 0:
                 emit(args.log, {"step": rt.step, "loss": loss, "world_size": rt.world_size, "mesh": rt.dims,
                                 "samples": global_batch_ids(rt.data).tolist(), "time_s": time.perf_counter() - t0, "wall": time.time(),
                                 **({"after_recovery": rt.recovered} if rt.recovered is not None else {})})
-            if args.join and rt.recovered is not None and rt.recovered.get("joiners"):
-                # benchmarks: what the joiner holds after its admission, all of it received live (it held nothing)
+            if not trained and rt.recovered is not None:
+                # benchmarks: what a joiner (or a spare given a place) holds after its admission, all of it
+                # received (it held nothing)
                 held = held_bytes([rt.model.state_dict(), list(rt.optimizer.state.values())])
-                emit(args.log, {"event": "joined", "rank": rt.rank, "bytes_held": held, "wall": time.time()})
+                emit(args.log, {"event": "joined", "rank": rt.rank, "bytes_held": held, "wall": time.time(),
+                                "was": "joiner" if args.join else "spare",
+                                "timeline": {"imports_done": IMPORTED, **rt.timeline}})
+            trained = True
 
 
 if __name__ == "__main__":

@@ -23,7 +23,14 @@ process) ``--repeats`` times per case and SIGKILLs one worker mid-run:
   start fits. Also reported: the kill -> the first step back at 4 workers (``kill_to_full_size_s``),
   the join's own time (its round's start -> that step, ``join_s``), the bytes the replacement holds
   after it (all received live: it held nothing; ``bytes_to_joiner``), the join's bytes live (every
-  rank) and from storage, and the losses against an uninterrupted 4-worker run (:func:`reference_losses`).
+  rank) and from storage, and the losses against an uninterrupted 4-worker run (:func:`reference_losses`),
+  and the replacement's timeline (:func:`joiner_timeline`: process start, imports, registered, warmed
+  up, the survivors' join round, admitted, state in place, the first step at 4, as seconds since the kill);
+- ``hsdp3_spare``: ``hsdp3`` on 5 workers with a mesh of at most 4 (``--mesh-most 4``): the 5th waits as
+  a spare, running at the kill; the failure's own recovery gives it worker 3's place and its shards, and
+  the job runs on 4 trainers (HSDP 2 x 2) from the recovery's first step. Also reported: the kill -> that
+  step (``spare_back_full_s``), the bytes the spare holds after it (``bytes_to_spare``), the recovery's
+  bytes (:func:`spare_figures`).
 
 The survivors' order, whether it was computed for the layout the rebuilt model has
 (``layout_predicted``) and the peer bytes of the same move in the old rank order
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -66,6 +74,9 @@ COMMON = ["--steps", "8", "--ckpt-every", "2", "--global-batch", "12"]
 GROW_STEPS = 40  # hsdp3_grow: steps enough for the replacement's start (python, torch, its warm-up) to fit
 CASES["hsdp3_grow"] = (["--hsdp", "--steps", str(GROW_STEPS)], CASES["hsdp3"][1])
 GROWS = {"hsdp3_grow"}  # cases whose killed worker is replaced by a joiner started at the kill
+# hsdp3_spare: hsdp3 with a 5th worker, a spare (the mesh holds at most 4), running at the kill
+CASES["hsdp3_spare"] = (["--hsdp", "--mesh-most", "4"], CASES["hsdp3"][1])
+SPARES = {"hsdp3_spare": 5}  # cases with spares: their workers (the mesh's 4 and the spares)
 
 
 def _base_env(store_port: int, root: Path) -> dict[str, str]:
@@ -96,6 +107,30 @@ def _last_per_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records if "loss" in r}
 
 
+#: The replacement's timeline, in the order of a run (``joiner_timeline``: seconds since the kill): started by
+#: the benchmark, its process, its imports, the runtime created, registered, warmed up, the survivors' join
+#: round started, its group formed, its state in place, the first step at full size ended (rank 0's), its
+#: deferred scipy import and order warm-up done (after that step).
+JOINER_MARKS = ("spawned", "process_start", "imports_done", "runtime_init", "registered", "warmed",
+                "boundary", "admitted", "in_place", "full_size", "solvers")
+
+
+def joiner_timeline(records: list[dict], kill: dict, spawned: float | None) -> dict[str, float] | None:
+    """The replacement's marks (``JOINER_MARKS``) as seconds since the kill, on the one wall clock the
+    workers share (one machine): from its ``"joined"`` record's timeline, the join's recover record
+    (``failed_at``: the survivors' round start) and the first step at full size. None without them."""
+    joined = [r for r in records if r.get("event") == "joined" and r.get("timeline")]
+    joins = [r for r in records if r.get("event") == "recover" and r.get("joiners") and "failed_at" in r]
+    full = [r for r in records if "loss" in r and r["step"] >= kill["step"] and r.get("world_size") == 4]
+    if not (joined and joins and full):
+        return None
+    walls = {**joined[0]["timeline"], "boundary": joins[0]["failed_at"],
+             "full_size": min(r["wall"] for r in full)}
+    if spawned is not None:
+        walls["spawned"] = spawned
+    return {k: walls[k] - kill["wall"] for k in JOINER_MARKS if k in walls}
+
+
 def grow_figures(records: list[dict], kill: dict, workers: int = 4) -> dict[str, Any]:
     """The grow back of an ``hsdp3_grow`` run from its log (rank 0's step and recover records and the
     replacement's ``"joined"`` record; ``kill``: the die record): the kill -> the first step at ``workers``
@@ -115,6 +150,23 @@ def grow_figures(records: list[dict], kill: dict, workers: int = 4) -> dict[str,
             "bytes_to_joiner": joined[0]["bytes_held"] if joined else None,
             "join_bytes_live": rec["bytes_live"] if rec else None,
             "join_bytes_storage": rec["bytes_storage"] if rec else None, "join_mesh": rec["mesh"] if rec else None}
+
+
+def spare_figures(records: list[dict], kill: dict, trainers: int = 4) -> dict[str, Any]:
+    """A spare run's figures from its log (``kill``: the die record): the kill -> the end of the first
+    step with ``trainers`` again, the spare promoted in the failure's own recovery (``spare_back_full_s``),
+    the bytes the spare holds after it (all received: it held nothing; ``bytes_to_spare``), that
+    recovery's bytes live and from storage. A figure the log lacks is None: the caller refuses the run."""
+    full = [r for r in records if "loss" in r and r["step"] >= kill["step"] and r.get("wall", 0) > kill["wall"]
+            and math.prod(r.get("mesh", {}).values()) == trainers]
+    spare = [r for r in records if r.get("event") == "joined" and r.get("was") == "spare"]
+    recs = [r for r in records if r.get("event") == "recover"]
+    first = min(full, key=lambda r: r["wall"]) if full else None
+    return {"spare_back_full_s": first["wall"] - kill["wall"] if first else None,
+            "bytes_to_spare": spare[0]["bytes_held"] if spare else None,
+            "spare_bytes_live": recs[0]["bytes_live"] if recs else None,
+            "spare_bytes_storage": recs[0]["bytes_storage"] if recs else None,
+            "spare_world_after": recs[0]["world_size"] if recs else None}
 
 
 def reference_losses(store_port: int, case: str, root: Path = ROOT, model: str = "tiny") -> dict[int, float]:
@@ -159,7 +211,8 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, m
         tmp = Path(d)
         log = tmp / "log.jsonl"
         procs = []
-        workers = 4 if die else 2
+        spawned = None  # when the replacement was started (GROWS)
+        workers = SPARES.get(case, 4 if die else 2)
         base = {**_base_env(store_port, root), "TENPLEX_DIE_RECORD": str(tmp / "die.jsonl")}
         cmd = [sys.executable, str(root / "examples" / "train_native.py"), *COMMON, "--model", model, *extra, "--ckpt", str(tmp / "ckpt"),
                "--log", str(log), "--in-process", "--dead-after", str(dead_after), *(["--die-at", die] if die else [])]
@@ -178,6 +231,7 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, m
         watcher = _on_die(tmp / "die.jsonl", procs, on_kill) if on_kill is not None and die else None
         if case in GROWS:  # the replacement, started at the kill (the die record is written just before it)
             _wait_file(tmp / "die.jsonl", procs, 300, case)
+            spawned = time.time()
             procs.append(subprocess.Popen([*cmd, "--join"], env=_env(base, None, workers),
                                           stdout=(tmp / f"w{len(procs)}.log").open("w"), stderr=subprocess.STDOUT))
         codes = []
@@ -223,7 +277,9 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, m
         "rank_order_plan_bytes_peer": rec.get("rank_order_plan_bytes_peer"),
         "layout_predicted": rec.get("layout_predicted"),
         "losses": {s: r["loss"] for s, r in _last_per_step(records).items()},
-        **(grow_figures(records, kills[0]) if case in GROWS else {}),
+        **({**grow_figures(records, kills[0]), "joiner_timeline": joiner_timeline(records, kills[0], spawned)}
+           if case in GROWS else {}),
+        **(spare_figures(records, kills[0]) if case in SPARES else {}),
     }
 
 

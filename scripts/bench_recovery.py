@@ -37,7 +37,12 @@ The worker-3 run (`hsdp3_grow`) also grows back, as torchft's heal does: a repla
 admit it at their next step boundary and send it its shards live, and 4 workers go on. Reported per repeat
 beside torchft's heal (`grow_back`): the kill -> the first step back at full size, the join's own time (its
 round's start -> that step), the bytes the replacement received live (all it holds) against torchft's full
-copy, the join's bytes from storage, and the losses against the same job uninterrupted (within 1e-5).
+copy, the join's bytes from storage, and the losses against the same job uninterrupted (within 1e-5); and
+the replacement's timeline (`joiner_timeline`: each mark of its start, from the benchmark's spawn to the first
+step at full size, as seconds since the kill on the one clock the workers share). A third run (`hsdp3_spare`,
+its own row `spare`) is a different set-up: 5 workers, a mesh of 4, the 5th a spare running at the kill, which
+the failure's own recovery promotes: the kill -> the first step on 4 trainers again (`spare_back_full_s`), the
+bytes sent to the spare, the losses; torchft has no spare (its heal restarts the dead group).
 
 The rank-0 kill once more with no single point of failure (`tenplex_hsdp0_etcd`, issue #31 item 3): the
 job's membership on a 3-member etcd cluster (`tenplex.train.etcd.EtcdCluster`, one member per simulated
@@ -94,6 +99,8 @@ POSITIVE = {
     "native": ("recovery_s",),
     # the grow back of the native job (its kill, a replacement started at it, admitted live)
     "grow": ("kill_to_full_size_s", "join_s", "bytes_to_joiner"),
+    # a spare running at the kill, promoted in the failure's own recovery
+    "spare": ("spare_back_full_s", "bytes_to_spare"),
     "join": ("join_s", "agree_s", "regroup_s", "first_step_s", "first_step_compute_s", "step_s_before",
              "step_s_after"),
 }
@@ -372,6 +379,10 @@ GROW_LOSS_RTOL = 1e-5  # a grow-back run's losses against the uninterrupted run 
 GROW_LATENCY = ("agreement_s", "regroup_s", "rebuild_s", "choose_plan_s", "transfer_s", "first_step_s", "total_s")
 GROW_KEYS = ("kill_to_full_size_s", "join_s", "bytes_to_joiner", "join_bytes_live", "join_bytes_storage",
              "max_rel_loss_diff")
+SPARE_KEYS = ("spare_back_full_s", "bytes_to_spare", "spare_bytes_live", "spare_bytes_storage", "max_rel_loss_diff")
+SPARE_SETUP = ("a different set-up from the replacement started at the kill: 5 workers, the mesh holds 4 (HSDP 2 x 2), "
+               "the 5th waits as a spare and takes the killed worker's place in the failure's own recovery; torchft "
+               "has no spare (its heal restarts the dead replica group)")
 
 
 def torchft_figures(events: list[dict], where: str) -> dict:
@@ -488,6 +499,8 @@ def tenplex_native_run(case: str, store_port: int, reference: dict[int, float] |
     where = f"tenplex native {case} (load {load:.1f})"
     if case in native.GROWS:
         out.update(grow_back(r, reference or {}, where))
+    if case in native.SPARES:
+        out.update(spare_back(r, reference or {}, where))
     return check_positive(out, "native", where)
 
 
@@ -499,25 +512,42 @@ def grow_back(r: dict, reference: dict[int, float], where: str) -> dict:
                              "join_bytes_storage", "full_size_step", "joined_after_step", "join_mesh")}
     out["join_latency"] = {k: (r.get("join_latency") or {}).get(k) for k in GROW_LATENCY}
     check_positive(out, "grow", where)
+    if not r.get("joiner_timeline"):
+        raise Refused(f"{where}: no timeline of the replacement (its joined record, the join's round start)")
+    out["joiner_timeline"] = r["joiner_timeline"]
+    return {**out, **_losses_against(r, reference, where)}
+
+
+def spare_back(r: dict, reference: dict[int, float], where: str) -> dict:
+    """A spare run's figures (``native.spare_figures``'s, in ``r``) and its losses against the same job
+    uninterrupted; Refused as ``grow_back``."""
+    out = {k: r[k] for k in ("spare_back_full_s", "bytes_to_spare", "spare_bytes_live", "spare_bytes_storage",
+                             "spare_world_after")}
+    check_positive(out, "spare", where)
+    return {**out, **_losses_against(r, reference, where)}
+
+
+def _losses_against(r: dict, reference: dict[int, float], where: str) -> dict:
+    """The run's losses (``r["losses"]``, the last record per step) against ``reference``: the largest
+    relative difference and whether it is within ``GROW_LOSS_RTOL``; Refused for other steps."""
     losses = {int(s): v for s, v in r["losses"].items()}
     if sorted(losses) != sorted(reference):
         raise Refused(f"{where}: steps logged {sorted(losses)} are not the uninterrupted run's {sorted(reference)}")
-    out["max_rel_loss_diff"] = max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in reference)
-    out["losses_equal"] = out["max_rel_loss_diff"] <= GROW_LOSS_RTOL
-    return out
+    rel = max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in reference)
+    return {"max_rel_loss_diff": rel, "losses_equal": rel <= GROW_LOSS_RTOL}
 
 
 def _spreads(runs: list[dict], keys: Sequence[str]) -> dict:
     return {k: _spread([r[k] for r in runs]) for k in keys}
 
 
-def native_side_by_side(repeats: int, cases: Sequence[str] = ("hsdp3_grow", "hsdp0"),
+def native_side_by_side(repeats: int, cases: Sequence[str] = ("hsdp3_grow", "hsdp0", "hsdp3_spare"),
                         heartbeats: Sequence[int] = (1000, 5000)) -> dict:
     """tenplex and torchft on the native job, alternating, ``repeats`` times each (see the module doc)."""
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     references = {}
     for c in cases:
-        if c in native.GROWS:  # the losses a grow-back run must match: the same job, uninterrupted
+        if c in native.GROWS or c in native.SPARES:  # the losses a run must match: the same job, uninterrupted
             print(f"native / {c}: the uninterrupted run (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr,
                   flush=True)
             references[c] = native.reference_losses(store.port, c, model=NATIVE_MODEL)
@@ -529,7 +559,9 @@ def native_side_by_side(repeats: int, cases: Sequence[str] = ("hsdp3_grow", "hsd
             r = tenplex_native_run(c, store.port, references.get(c))
             print(f"  kill -> next step {r['recovery_s']:.2f}s"
                   + (f", -> full size {r['kill_to_full_size_s']:.2f}s (join {r['join_s']:.2f}s, "
-                     f"{r['bytes_to_joiner']:,} B to the joiner)" if c in native.GROWS else ""),
+                     f"{r['bytes_to_joiner']:,} B to the joiner)" if c in native.GROWS else "")
+                  + (f", spare promoted: 4 trainers after {r['spare_back_full_s']:.2f}s, {r['bytes_to_spare']:,} B "
+                     f"to it" if c in native.SPARES else ""),
                   file=sys.stderr, flush=True)
             runs[f"tenplex_{c}"].append(r)
         for h in heartbeats:
@@ -554,8 +586,13 @@ def native_side_by_side(repeats: int, cases: Sequence[str] = ("hsdp3_grow", "hsd
         if c in native.GROWS:
             lat = {k: _spread([r["join_latency"][k] for r in rs]) for k in GROW_LATENCY
                    if all(isinstance(r["join_latency"][k], (int, float)) for r in rs)}
+            marks = {k: _spread([r["joiner_timeline"][k] for r in rs]) for k in native.JOINER_MARKS
+                     if all(k in r["joiner_timeline"] for r in rs)}
             out[f"tenplex_{c}"].update(_spreads(rs, GROW_KEYS), losses_equal=all(r["losses_equal"] for r in rs),
-                                       join_latency=lat)
+                                       join_latency=lat, joiner_timeline=marks)
+        if c in native.SPARES:
+            out[f"tenplex_{c}"].update(_spreads(rs, SPARE_KEYS), losses_equal=all(r["losses_equal"] for r in rs),
+                                       setup=SPARE_SETUP)
     for h in heartbeats:
         rs = runs[f"torchft_{h}ms"]
         out[f"torchft_{h}ms"] = {"heartbeat_timeout_ms": h, "killed": f"group:rank:step {TORCHFT_DIE}",
@@ -568,6 +605,12 @@ def native_side_by_side(repeats: int, cases: Sequence[str] = ("hsdp3_grow", "hsd
     if grows:
         out["grow_back"] = grow_beside_heal(out, grows, heartbeats)
         out["goal"].update(out["grow_back"]["goal"])
+    for c in (c for c in cases if c in native.SPARES):  # its own row: not the goal's set-up
+        t = out[f"tenplex_{c}"]
+        out.setdefault("spare", {"setup": SPARE_SETUP})[f"tenplex_{c}"] = {
+            **{k: t[k] for k in (*SPARE_KEYS, "losses_equal")},
+            "before_torchft_best_heal": t["spare_back_full_s"]["median"] < min(
+                out[f"torchft_{h}ms"]["heal_s"]["median"] for h in heartbeats)}
     return out
 
 
@@ -699,6 +742,11 @@ def _native_summary(n: dict) -> str:
                          f"{v['join_bytes_storage']['median']:,.0f} B from storage; losses equal {v['losses_equal']} "
                          f"(max rel {v['max_rel_loss_diff']['max']:.1e})"
                          f" vs torchft's best heal {n['grow_back']['torchft_best_heal_s']:.2f} s")
+    for k, v in n.get("spare", {}).items():
+        if k.startswith("tenplex_"):
+            lines.append(f"  {k} (a spare running at the kill; torchft has no spare): 4 trainers again after "
+                         f"{fmt(v['spare_back_full_s'])}, {v['bytes_to_spare']['median']:,.0f} B to the spare, "
+                         f"{v['spare_bytes_storage']['median']:,.0f} B from storage; losses equal {v['losses_equal']}")
     lines.append(f"  goal (below torchft's best {n.get('torchft_best_s', float('nan')):.2f} s): {n.get('goal')}")
     return "\n".join(lines)
 

@@ -94,10 +94,14 @@ def _grow_records(t_kill: float) -> list[dict]:
              for s in range(5, 10)]
     recs.append({"event": "recover", "joiners": [], "step": 5, "failure_to_state_s": 0.4, "ring_s": 0.1,
                  "bytes_live": 24_200_448, "bytes_storage": 0, "mesh": {"dp_shard": 3}})
-    recs.append({"event": "joined", "rank": 3, "bytes_held": 72_449_412, "wall": t_kill + 6.1})
+    recs.append({"event": "joined", "rank": 3, "bytes_held": 72_449_412, "wall": t_kill + 6.1, "was": "joiner",
+                 "timeline": {"process_start": t_kill + 0.03, "imports_done": t_kill + 2.3, "runtime_init": t_kill + 2.8,
+                              "registered": t_kill + 2.9, "warmed": t_kill + 3.5, "admitted": t_kill + 5.7,
+                              "in_place": t_kill + 5.9}})
     recs += [{"step": s, "loss": 5.0 - 0.1 * s, "world_size": 4, "time_s": 0.45, "wall": t_kill + 6 + 0.4 * (s - 10),
               **({"after_recovery": {}} if s == 10 else {})} for s in (10, 11)]
     recs.append({"event": "recover", "joiners": [4], "step": 10, "failure_to_state_s": 0.3, "ring_s": 0.05,
+                 "failed_at": t_kill + 5.6,
                  "bytes_live": 96_000_000, "bytes_storage": 0, "mesh": {"dp_replicate": 2, "dp_shard": 2},
                  "latency": {"agreement_s": 0.02, "transfer_s": 0.1, "first_step_s": 0.45, "total_s": 0.7}})
     return recs
@@ -110,7 +114,7 @@ def test_grow_back_figures_from_the_log() -> None:
     b = _bench()
     kill = {"event": "die", "rank": 3, "step": 5, "wall": 1000.0}
     recs = _grow_records(1000.0)
-    g = b.native.grow_figures(recs, kill)
+    g = {**b.native.grow_figures(recs, kill), "joiner_timeline": b.native.joiner_timeline(recs, kill, 1000.01)}
     assert g["kill_to_full_size_s"] == pytest.approx(6.0) and g["full_size_step"] == 10
     assert g["join_s"] == pytest.approx(0.3 + 0.05 + 0.45) and g["joined_after_step"] == 10
     assert g["bytes_to_joiner"] == 72_449_412 and g["join_bytes_live"] == 96_000_000 and g["join_bytes_storage"] == 0
@@ -126,6 +130,48 @@ def test_grow_back_figures_from_the_log() -> None:
                                        and r["step"] >= 5)]
     with pytest.raises(b.Refused, match=r"kill_to_full_size_s=None, join_s=None, bytes_to_joiner=None"):
         b.grow_back({**b.native.grow_figures(no_join, kill), "losses": losses}, losses, "w")
+    with pytest.raises(b.Refused, match="no timeline of the replacement"):
+        b.grow_back({**g, "joiner_timeline": None, "losses": losses}, losses, "w")
+
+
+def test_the_replacements_timeline_is_seconds_since_the_kill_on_one_clock() -> None:
+    """Each mark of the replacement's start (its own, the survivors' round start, rank 0's first step at
+    4 workers, the benchmark's spawn) as seconds since the kill, in the order of the run; None without
+    the joined record or the join."""
+    b = _bench()
+    kill = {"event": "die", "rank": 3, "step": 5, "wall": 1000.0}
+    recs = _grow_records(1000.0)
+    t = b.native.joiner_timeline(recs, kill, 1000.01)
+    assert list(t) == ["spawned", "process_start", "imports_done", "runtime_init", "registered", "warmed",
+                       "boundary", "admitted", "in_place", "full_size"]
+    assert t["spawned"] == pytest.approx(0.01) and t["imports_done"] == pytest.approx(2.3)
+    assert t["boundary"] == pytest.approx(5.6) and t["full_size"] == pytest.approx(6.0)
+    assert list(t.values()) == sorted(t.values())
+    assert "spawned" not in b.native.joiner_timeline(recs, kill, None)
+    assert b.native.joiner_timeline([r for r in recs if r.get("event") != "joined"], kill, 1000.01) is None
+    assert b.native.joiner_timeline([r for r in recs if not r.get("joiners")], kill, 1000.01) is None
+
+
+def test_a_spare_promoted_in_the_failures_own_round() -> None:
+    """The spare row: the kill -> the first step on a mesh of 4 trainers again after it (not rank 0's
+    step-4 record written just after the kill, nor steps before it), the bytes the spare holds after
+    its promotion; None where the log lacks them."""
+    b = _bench()
+    t_kill = 1000.0
+    hsdp = {"dp_replicate": 2, "dp_shard": 2}
+    recs = [{"step": s, "loss": 5.0, "world_size": 5, "mesh": hsdp, "wall": t_kill - 2 + 0.3 * s} for s in range(5)]
+    recs.append({"step": 4, "loss": 4.6, "world_size": 5, "mesh": hsdp, "wall": t_kill + 0.02})
+    recs.append({"event": "recover", "joiners": [], "step": 5, "world_size": 4, "mesh": hsdp, "alive": [0, 1, 2, 4],
+                 "bytes_live": 48_000_000, "bytes_storage": 0})
+    recs.append({"event": "joined", "rank": 3, "bytes_held": 72_449_412, "wall": t_kill + 1.0, "was": "spare"})
+    recs += [{"step": s, "loss": 4.5, "world_size": 4, "mesh": hsdp, "wall": t_kill + 1.1 + 0.4 * (s - 5),
+              **({"after_recovery": {}} if s == 5 else {})} for s in (5, 6)]
+    f = b.native.spare_figures(recs, {"event": "die", "rank": 3, "step": 5, "wall": t_kill})
+    assert f["spare_back_full_s"] == pytest.approx(1.1) and f["bytes_to_spare"] == 72_449_412
+    assert (f["spare_bytes_live"], f["spare_bytes_storage"], f["spare_world_after"]) == (48_000_000, 0, 4)
+    bare = b.native.spare_figures([r for r in recs if r.get("event") != "joined"],
+                                  {"event": "die", "rank": 3, "step": 5, "wall": t_kill})
+    assert bare["bytes_to_spare"] is None
 
 
 def test_grow_back_beside_torchft_heal() -> None:

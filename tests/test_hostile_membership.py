@@ -201,8 +201,8 @@ def test_outsider_store_writes_neither_join_nor_fail_nor_kill(job: tuple[Job, An
         ("failure flag (forged HMAC)", [("append", k("round0/failures"), f",m1:{_fake_mac()}:1,")]),
         ("death by broken link (gone list)", [("append", k("gone"), "2,"),
                                               ("append", k("gone"), f",m1:{_fake_mac()}:1,")]),
-        ("join boundary", [("set", k("round0/join_at"), "5"),
-                           ("set", k("round0/join_at"), f"m1:{_fake_mac()}:5")]),
+        ("join boundary", [("set", k("round0/join_at/5"), "1"),
+                           ("set", k("round0/join_at/5"), f"m1:{_fake_mac()}:1")]),
         ("heartbeat deleted", [("delete_key", k("hb/1"), "")]),
         ("failure flags deleted", [("delete_key", k("round0/failures"), "")]),
         ("joiners list deleted", [("delete_key", k("joiners"), "")]),
@@ -292,11 +292,11 @@ def test_replayed_records_change_nothing_and_a_real_kill_is_still_known(job: tup
     time.sleep(0.3)  # member 1 beat since: its captured record is an old one
     previous = JobSecret.resolve(token).scoped("hostile/previous-launch")  # what that launch signed
     prev = {name: previous.sign(f"hostile/previous-launch/{name}", payload) for name, payload in
-            [("hb/1", encode_beat(10**9, [0, 2])), ("round0/join_at", "5"),
+            [("hb/1", encode_beat(10**9, [0, 2])), ("round0/join_at/5", "1"),
              ("round1/decision", encode_decision(Decision(1, (0,), (0, 1, 2))))]}
     entry = {name: previous.entry(f"hostile/previous-launch/{name}", payload) for name, payload in
              [("joiners", "9"), ("round0/failures", "0"), ("gone", "1")]}
-    assert previous.open("hostile/previous-launch/round0/join_at", prev["round0/join_at"]) == "5"  # genuine records
+    assert previous.open("hostile/previous-launch/round0/join_at/5", prev["round0/join_at/5"]) == "1"  # genuine records
     replays: list[tuple[str, list[tuple[str, str, Any]]]] = [
         ("member 1's older heartbeat", [("set", k("hb/1"), old_hb1)]),
         ("member 0's heartbeat under member 2's key", [("set", k("hb/2"), hb0)]),
@@ -305,7 +305,7 @@ def test_replayed_records_change_nothing_and_a_real_kill_is_still_known(job: tup
         ("a previous launch's joiner", [("append", k("joiners"), entry["joiners"])]),
         ("a previous launch's failure flag", [("append", k("round0/failures"), entry["round0/failures"])]),
         ("a previous launch's death of member 1", [("append", k("gone"), entry["gone"])]),
-        ("a previous launch's join boundary", [("set", k("round0/join_at"), prev["round0/join_at"])]),
+        ("a previous launch's join boundary", [("set", k("round0/join_at/5"), prev["round0/join_at/5"])]),
         ("a previous launch's decision for round 1", [("set", k("round1/decision"), prev["round1/decision"])]),
     ]
     for what, ops in replays:

@@ -27,7 +27,7 @@ from spawned import gloo_env, here, in_env, reap, worker_context
 import tenplex
 from tenplex import ParallelConfig
 from tenplex.elastic.membership import (Decision, HeartbeatMonitor, decode_decision, encode_decision, is_peer_error,
-                                join_step, old_ranks, parse_joined, propose)
+                                join_boundary, old_ranks, parse_joined, propose)
 from tenplex.errors import ConfigError, MembershipError, PeerFailure
 from tenplex.train.launch import RendezvousStore
 
@@ -88,14 +88,13 @@ def test_propose_with_joiners() -> None:
         Decision(4, (0, 0))
 
 
-def test_join_step() -> None:
-    """A member at step k proposes k + 1 when it knows of joiners; everybody admits them at the
-    stored boundary; a stored boundary already passed is an error, not a silent skip."""
-    assert join_step(3, None, False) == (None, None)
-    assert join_step(3, None, True) == (None, 4)
-    assert join_step(3, 4, True) == (4, None) and join_step(4, 4, False) == (4, None)
-    with pytest.raises(MembershipError, match="more than one step apart"):
-        join_step(5, 4, False)
+def test_join_boundary() -> None:
+    """Each boundary has its own record (the members vote there, the first vote decides); the one two
+    boundaries back is no member's any more; a step that is no boundary is refused."""
+    assert join_boundary(0) == ("join_at/0", None) and join_boundary(1) == ("join_at/1", None)
+    assert join_boundary(7) == ("join_at/7", "join_at/5")
+    with pytest.raises(MembershipError, match="integer >= 0"):
+        join_boundary(-1)
 
 
 def test_decision_round_trip() -> None:

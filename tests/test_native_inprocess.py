@@ -502,26 +502,27 @@ def test_a_joiner_receives_its_shards_live_from_a_native_job(tmp_path: Path) -> 
 @EXTRA
 @pytest.mark.timeout(180)
 def test_a_failure_while_a_joiner_waits_takes_the_joiner_into_the_recovery(tmp_path: Path) -> None:
-    """A join and a failure at once: a joiner waits when worker 1 of 2 (dp_shard=2) dies in step 1's
-    forward pass, before the boundary the workers agreed to admit it at. The survivor's recovery round
-    takes the joiner in: the 2 go on under dp_shard=2, the joiner gets the survivor's half live and the
-    dead worker's half from the checkpoint of step 1 (bytes == the plan's); the reference losses."""
+    """A join and a failure at once: a joiner waits (a global batch of 8 does not split over 3: no
+    boundary admits it into the 2 workers' dp_shard=2) when worker 1 of 2 dies in step 1's forward
+    pass. The survivor's recovery round takes the joiner in: the 2 go on under dp_shard=2, the joiner
+    gets the survivor's half live and the dead worker's half from the checkpoint of step 1 (bytes ==
+    the plan's); the reference losses."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     log, ckpt, master = tmp_path / "log.jsonl", tmp_path / "ckpt", free_port()
-    args = ["--ckpt", str(ckpt), "--steps", str(STEPS), "--ckpt-every", "1", "--global-batch", str(BATCH),
+    args = ["--ckpt", str(ckpt), "--steps", str(STEPS), "--ckpt-every", "1", "--global-batch", "8",
             "--in-process", "--dead-after", DEAD_AFTER]
     joiner = _joiner(tmp_path, args, store.port, master)
     procs: list[subprocess.Popen] = []
     try:
         procs = _workers(tmp_path, 2, [*args, "--log", str(log), "--die-at", "1:1:forward"], store.port, port=master)
-        reference = native_reference(STEPS)
+        reference = native_reference(STEPS, global_batch=8)
         codes = wait_procs([*procs, joiner], 150)
     finally:
         wait_procs([*procs, joiner], 0)
     assert codes == [0, -9, 0], (codes, log_tails(tmp_path))
-    recs = check_native_run(tmp_path, log, reference)
+    recs = check_native_run(tmp_path, log, reference, global_batch=8)
     assert len(recs) == 1, recs
     rec = recs[0]
     assert rec["reason"] != "join" and rec["joiners"] == [2] and rec["live"] and rec["world_size"] == 2, rec

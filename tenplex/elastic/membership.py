@@ -3,7 +3,7 @@
 What every member decides from what it observed: which members are dead (:class:`HeartbeatMonitor`,
 the caller passes the clock), who is in the next group (:func:`propose`, :class:`Decision` and its
 store encoding), the old ranks of the new group's members (:func:`old_ranks`), the step boundary
-joiners are admitted after (:func:`join_step`) and whether a collective's error is a peer's death
+joiners are admitted at (:func:`join_boundary`) and whether a collective's error is a peer's death
 (:func:`is_peer_error`). The store, heartbeat thread and process groups that act on it are
 :class:`tenplex.elastic.membership_runtime.Membership` (its docstring describes the whole mechanism).
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError, MembershipError
 
 __all__ = ["NewMembership", "Decision", "HeartbeatMonitor", "propose", "encode_decision", "decode_decision",
-           "old_ranks", "join_step", "parse_joined", "is_peer_error", "PEER_ERROR_MARKERS"]
+           "old_ranks", "join_boundary", "parse_joined", "is_peer_error", "PEER_ERROR_MARKERS"]
 
 #: Substrings of collective errors that mean a peer died or a connection broke (gloo, nccl).
 PEER_ERROR_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
@@ -156,19 +156,15 @@ def parse_joined(raw: bytes | str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def join_step(step: int, stored: int | None, pending: bool) -> tuple[int | None, int | None]:
-    """(the step boundary at which the members admit joiners, the value to propose) at ``step``'s
-    boundary (pure). ``stored``: the round's join step read from the store (None: none yet);
-    ``pending``: this member knows of joiners waiting. A member proposes the next boundary,
-    ``step + 1``: every member reads the store at every boundary and they are at most one step
-    apart (each step ends with an all-reduce over the whole group), so none has passed it.
-    MembershipError for a stored step already passed (members more than one step apart)."""
-    if stored is None:
-        return (None, step + 1) if pending else (None, None)
-    if stored < step:
-        raise MembershipError(f"the members agreed to admit joiners after step {stored}, but this member is at step "
-                              f"{step}: members are more than one step apart")
-    return stored, None
+def join_boundary(step: int) -> tuple[str, str | None]:
+    """(the record of ``step``'s boundary, the record no member reads any more) (pure). Every member
+    ``compare_set`` s its vote on the boundary's own record ("1": admit the waiting joiners now) and
+    obeys the first vote stored, so all admit them at the same boundary, the first one after a member
+    that reaches it knows of them. The record two boundaries back can go: the members are at most one
+    step apart (each step ends with a collective over the whole group), so every one voted there."""
+    if type(step) is not int or step < 0:
+        raise MembershipError(f"a step boundary is an integer >= 0, got {step!r}")
+    return f"join_at/{step}", (f"join_at/{step - 2}" if step >= 2 else None)
 
 
 def is_peer_error(e: BaseException) -> bool:

@@ -48,7 +48,8 @@ Scale up: a fresh process creates ``Membership(store, prefix, backend=..., joine
 takes the next id, beats and registers under ``{prefix}/joiners``. The members' heartbeat threads
 see the registration (the join counter travels in the heartbeats' ``multi_get``); at every step
 boundary each member calls :meth:`Membership.join_due`, which agrees through the store on the
-boundary after which all of them admit the joiners (:func:`join_step`); there
+boundary after which all of them admit the joiners (:func:`join_boundary`: the first one a member
+reaches knowing of them); there
 ``recover(join=True)`` runs the rounds above with the live joiners after the survivors
 (:func:`propose`, ``fits``: as many as a layout allows), and the joiner's :meth:`Membership.admit`
 waits for the decision that names it and regroups with them.
@@ -103,7 +104,7 @@ from ..errors import ConfigError, MembershipError, PeerFailure
 from .job_secret import JobSecret, decode_beat, encode_beat
 from .liveness import PeerLinks, link_host
 from .membership import (Decision, HeartbeatMonitor, NewMembership, decode_decision, encode_decision, is_peer_error,
-                         join_step, old_ranks, propose)
+                         join_boundary, old_ranks, propose)
 
 __all__ = ["Membership", "MEMBERSHIP_STORE_ENV", "JOB_ENV", "membership_store", "job_key",
            "start_membership", "join_membership"]
@@ -413,22 +414,22 @@ class Membership:
 
     def join_due(self, step: int, *, propose: bool = True) -> bool:
         """At the boundary after ``step`` (every member, every step): whether the members admit the
-        waiting joiners now (then call ``recover(join=True)``). One store read per call; when this
-        member knows of joiners (``propose``: and wants them in) and no boundary is agreed yet, it
-        proposes the next one with ``compare_set`` (:func:`join_step`): every member ends up
-        admitting them at the same boundary."""
-        key = self._key(f"round{self.round}", "join_at")
-        raw = self._get(self.store, key)
-        stored = int(raw) if raw is not None and raw.isdigit() else None
+        waiting joiners now (then call ``recover(join=True)``). One store call per member and step:
+        its vote, ``compare_set`` on the boundary's own record (:func:`join_boundary`); the first vote
+        stored decides for all. It is "admit" when that member knows of joiners a layout fits (and
+        ``propose``: it wants them in, i.e. a step is left to run), so the joiners come in at the first
+        boundary after a member learned of them."""
+        record, done = join_boundary(step)
         pending = self.pending()
-        admissible = bool(pending) and (self.fits is None or any(self.fits(len(self.members) + k)
-                                                                 for k in range(1, len(pending) + 1)))
-        at, proposal = join_step(step, stored, propose and admissible)
-        if proposal is not None:
-            at, _ = join_step(step, int(self._claim(self.store, key, str(proposal))), False)
-            log.info("member %d (round %d): joiners %s to be admitted after step %d", self.id, self.round,
-                     list(self.pending()), at)
-        return at == step
+        admissible = propose and bool(pending) and (self.fits is None or any(
+            self.fits(len(self.members) + k) for k in range(1, len(pending) + 1)))
+        due = self._claim(self.store, self._key(f"round{self.round}", record), "1" if admissible else "0") == "1"
+        if done is not None and self.members.index(self.id) == 0:  # no member reads it any more
+            self.store.delete_key(self._key(f"round{self.round}", done))
+        if due:
+            log.info("member %d (round %d): joiners %s admitted after step %d", self.id, self.round, list(pending),
+                     step)
+        return due
 
     # -- failure state -------------------------------------------------------------------------
     @property

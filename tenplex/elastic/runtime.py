@@ -30,8 +30,10 @@ recovery's latency table (:class:`~tenplex.elastic.latency.RecoveryTimes`)
 is logged after its first step and given to ``on_event`` with the recovery's record.
 
 A process started with ``join=True`` (no ``RANK``/``WORLD_SIZE``; the job's
-``TENPLEX_MEMBERSHIP_STORE`` and ``TENPLEX_JOB_ID`` or ``MASTER_ADDR``/``MASTER_PORT``) is admitted
-at the job's next step boundary and receives its state live.
+``TENPLEX_MEMBERSHIP_STORE`` and ``TENPLEX_JOB_ID`` or ``MASTER_ADDR``/``MASTER_PORT``) registers
+first, then warms up (its first mesh and model, built empty) while the members reach their next step
+boundary, is admitted there and receives its state live; its scipy import (the survivors' order at
+a later failure) waits until after its first step. ``timeline`` holds the wall times of its start.
 
 Spares: a rule may give a mesh of fewer ranks than the job has (5 workers, ``{"dp_shard": 4}``):
 ranks ``0 .. n-1`` of the n the mesh holds train, the others wait as spares (the job's own
@@ -226,6 +228,8 @@ class ElasticRuntime:
         self._placed: Any = None  # with spares: the process group of the mesh's ranks (saves, the layout's description)
         self._spare_mesh: Any = None  # a spare's handle of the mesh (its groups are released at a recovery)
         self._told = False  # with spares: the state dict's layout on this mesh went to (or came to) the spares
+        # a joiner's start, as wall times (time.time(): the job's records and the kill are on the same clock)
+        self.timeline: dict[str, float] = {"runtime_init": time.time()}
         t_start = time.perf_counter()
         if _GROUP_BEFORE_IMPORT:
             log.warning("the default process group existed before tenplex.elastic.runtime (and DCP) were imported: "
@@ -239,11 +243,19 @@ class ElasticRuntime:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if cfg.in_process:  # the survivors' locality order's scipy modules: imported now, not by a recovery
+        if cfg.join:  # registered first: the members start admitting it while it warms up (see _warm_joiner)
+            if (started := process_started_at()) is not None:
+                self.timeline["process_start"] = started
+            self.membership = self._joined()
+            self.timeline["registered"] = time.time()
+        # the survivors' locality order's scipy modules: imported now, not by a recovery (a joiner: after its
+        # first step, off its admission's path; see _commit)
+        self._warm_later = cfg.join
+        if cfg.in_process and not cfg.join:
             load_solvers()
         if cfg.join:
             self._warm_joiner()
-            self.membership = self._joined()
+            self.timeline["warmed"] = time.time()
             self.failure = "joining"
         # the objects made so far never die: out of the collector's way, so that the gc.collect() of a
         # recovery (FSDP2's modules are reference cycles) only walks what was made since
@@ -471,8 +483,8 @@ class ElasticRuntime:
         assert self.membership is not None
         self._seen[tuple(self.dims.items())] = layout
         self.membership.order = live_order(ptc, layout, self.rule, self.membership.members, known=self._seen)
-        if not self._warmed:  # the scipy import and the assignment once, before any failure needs them
-            warm_up(ptc, layout, self.rule, self.membership.members)
+        if not self._warmed and not self._warm_later:  # the scipy import and the assignment once, before any
+            warm_up(ptc, layout, self.rule, self.membership.members)  # failure needs them
             self._warmed = True
 
     def _with_spares(self) -> None:
@@ -536,6 +548,8 @@ class ElasticRuntime:
                 self._with_spares()
         if first is not None and self.times is not None:
             self._first_step(first, step_s)
+        if self._warm_later and self.ring is not None and self.ring.held_as is not None:
+            self._warm_joined()
         self._boundary(total)
 
     def _boundary(self, total: int) -> None:
@@ -562,9 +576,10 @@ class ElasticRuntime:
     # -- joiners -------------------------------------------------------------------------------------
     def _warm_joiner(self) -> None:
         """A joiner's first mesh, model and state dict pay one-time costs (lazy imports, first
-        FSDP2/TP set-up) the workers would wait for in the join: paid now, alone, on a private
-        1-process group, before registering; built empty as a recovery's rebuild is (its values are
-        never used), so that no initialisation delays the registration."""
+        FSDP2/TP set-up) the join would otherwise pay: paid now, alone, on a private 1-process group,
+        after registering, while the members reach their next step boundary and agree on the round
+        (they wait for it only at the round's group, if it is still warming up then); built empty as
+        a recovery's rebuild is (its values are never used)."""
         dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
         try:
             names = choose_mesh(4, choose=self.rule)
@@ -575,6 +590,18 @@ class ElasticRuntime:
         release_mesh(self.mesh)
         self.model = self.optimizer = self.mesh = None
         dist.destroy_process_group()
+
+    def _warm_joined(self) -> None:
+        """A joiner after its first step: the scipy import and the survivors' order's assignment the
+        workers ran at their start, paid now (not on its admission's path, which the workers wait on;
+        not by the first recovery it takes part in)."""
+        assert self.ring is not None and self.ring.held_as is not None and self.membership is not None
+        self._warm_later = False
+        load_solvers()
+        warm_up(self.ring.held_as.ptc, self.ring.held_as.layout, self.rule, self.membership.members)
+        self._warmed = True
+        gc.freeze()  # as at a start: the modules just imported never die
+        self.timeline["solvers"] = time.time()
 
     def _joined(self) -> Membership:
         """Register with the running job (found through the membership store) as a joiner."""
@@ -598,6 +625,8 @@ class ElasticRuntime:
         model built on the meta device and materialised empty, the optimizer's state created empty
         after the old one's, see ``RuntimeConfig.empty_rebuild``)."""
         self.rank, self.world_size = nm.new_rank, nm.world_size
+        if "admitted" not in self.timeline and self.timeline.get("registered"):
+            self.timeline["admitted"] = time.time()  # a joiner: its round's group formed
         t0 = time.perf_counter()
         self._parts = {}
         self._build(self.world_size, empty=self.config.empty_rebuild)
@@ -634,6 +663,8 @@ class ElasticRuntime:
             logging.shutdown()
             os._exit(code)  # no clean-up that could wait on a dead peer
         self.recovered = self._latency_due = record
+        if joining:
+            self.timeline["in_place"] = time.time()
         if self.rank == 0:
             log.warning("recovered in-process: %s", {k: v for k, v in record.items() if k != "timings"})
 
@@ -697,6 +728,7 @@ class ElasticRuntime:
                 "rank_order_plan_bytes_peer": by_rank.bytes_same_host + by_rank.bytes_cross_host if by_rank else None,
                 "layout_predicted": predicted,
                 "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,
+                "failed_at": nm.failed_at,  # wall: the failure (a join: this member's round start)
                 # unwind: from learning of the failure to this recovery's start (the blocked collective
                 # failing, leaving the step); ring: the bytes summed over the group, the new mesh's layout
                 # described and its first state kept
@@ -736,6 +768,19 @@ def dp_refusal(dims: Mapping[str, int], global_batch: int, uneven: bool) -> str 
                 f"({global_batch} % {dp} = {global_batch % dp}): weigh each rank's loss by its share "
                 "(rt.loss_scale) and set uneven_dp=True, or give a mesh rule whose DP degree divides it")
     return None
+
+
+def process_started_at() -> float | None:
+    """This process's start as a wall time (``time.time()``), from Linux's /proc (10 ms ticks); None
+    elsewhere. A joiner's timeline starts there: the interpreter and the job's imports come first."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime: ticks since boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 # -- an empty rebuild (issue #31: a recovery initialises nothing it overwrites) ---------------------

@@ -620,9 +620,12 @@ class _Loop:
                 self.writer.wait()  # deterministic for tests: the pending checkpoint lands first
                 log.error("rank %d: simulated failure after step %d", self.rank, self.trainer.step)
                 os._exit(17)
-            # scale up: every member reads the agreed boundary here (one store read), so all admit
-            # the waiting joiners after the same step; none is proposed with no step left to run
-            if membership is not None and not done and membership.join_due(step, propose=step + 1 < tc.steps):
+            # scale up: every member votes on this boundary (one store call), so all admit the waiting
+            # joiners after the same step; none with no step left to run, nor at a launch's first
+            # boundary (the ring's state of that step is recorded in the next step's bubbles: the join
+            # would move the launch's first state and redo the step)
+            if membership is not None and not done and membership.join_due(
+                    step, propose=step + 1 < tc.steps and step > self.first_step + 1):
                 self.regroup = "join"
                 return True
         return False
