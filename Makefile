@@ -37,9 +37,8 @@ bench: $(STAMP)
 	$(PY) scripts/bench_remote.py --json   # needs moto[server] and s3fs (the test extras)
 	$(PY) scripts/bench_recovery.py
 	PYTHONPATH=. $(PY) scripts/bench_recovery.py --join   # in-process scale up: 2 workers admit 2 joiners (docs/bench/bench_join.json)
-	PYTHONPATH=. $(PY) scripts/bench_recovery.py --json   # in-process vs restart on the same job, tiny and llama-100m; the native 12.1M Llama beside torchft 0.2.0: kill -> next step, and back at full size with a replacement vs its heal (the replacement's timeline), and with a spare promoted at the failure; the rank-0 kill again with the membership on a 3-member etcd cluster, its host's member (the leader) killed too (docs/bench/bench_inprocess.json)
+	PYTHONPATH=. $(PY) scripts/bench_recovery.py --json   # in-process vs restart on the same job, tiny and llama-100m; the native 12.1M Llama beside torchft 0.2.0: kill -> next step, and back at full size with a replacement vs its heal (the replacement's timeline), and with a spare promoted at the failure; the rank-0 kill again with the membership on a 3-member etcd cluster, its host's member (the leader) killed too; torchtitan's trainer, 1 of 4 killed, in process vs its own restart (docs/bench/bench_inprocess.json, titan_elastic.json)
 	PYTHONPATH=. $(PY) scripts/bench_native_inprocess.py --repeats 3   # the torch-native job's in-process recovery (docs/bench/bench_native_inprocess.json)
-	PYTHONPATH=. $(PY) scripts/titan_elastic.py --json   # torchtitan's trainer, 1 of 4 killed: in-process recovery vs torchtitan's restart (docs/bench/titan_elastic.json)
 	PYTHONPATH=. $(PY) scripts/bench_locality.py --repeats 5   # the survivors' locality order for torch-native state dicts, 8-512 ranks (docs/bench/bench_locality.json)
 	$(PY) scripts/bench_schedule.py
 	$(PY) scripts/bench_schedule_scale.py --json   # the scheduler at 1,024-16,384 GPUs

@@ -53,6 +53,11 @@ and the losses against the same job uninterrupted (within 1e-5). `--etcd-only`: 
 repeat followed by the TCPStore `hsdp0` run (`tcpstore`) for a comparison at the same load
 (docs/bench/bench_native_etcd.json).
 
+The torchtitan job (`torchtitan`, scripts/titan_elastic.py's `measure`; `--no-titan` leaves it out): its
+own `Trainer` on 4 workers as FSDP2 2 x TP 2, worker 3 killed in a forward pass, the survivors in process as
+FSDP2 3 against torchtitan's restart from its DCP checkpoint, and HSDP 2 x 2 -> FSDP2 3; each recovery's
+latency table with the bytes moved live and those a full-replica copy would move (docs/bench/titan_elastic.json).
+
 A run whose log shows a recovery that began before the kill (a failure verdict with no failure),
 or whose figures are not all positive, is refused: the script exits with status 3 and says why
 (issue 29 item 7: such a run once reported recovery_s -6.16 and detect_s -103.5 and exited 0).
@@ -83,6 +88,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_native_inprocess as native  # noqa: E402 - the torch-native job's run, shared
+import titan_elastic  # noqa: E402 - the torchtitan job's figures (--json)
 
 from tenplex.cli import human_bytes  # noqa: E402
 from tenplex.train.launch import (  # noqa: E402
@@ -772,6 +778,8 @@ def _main() -> int:
                     help="--json: only the native job's rank-0 row with its membership on etcd, each repeat "
                          "followed by the same job's with it in a TCPStore (not torchft)")
     ap.add_argument("--join", action="store_true", help="scale up in-process: 2 workers admit 2 joiners (issue #18)")
+    ap.add_argument("--no-titan", action="store_true",
+                    help="--json: leave out the torchtitan job (scripts/titan_elastic.py's figures)")
     args = ap.parse_args()
     if args.join:
         result = join_bench(args.repeats)
@@ -791,11 +799,19 @@ def _main() -> int:
             "model": f"native_llama {NATIVE_MODEL}", "job": " ".join(native.COMMON),
             "layout": "HSDP dp_replicate=2 x dp_shard=2, 4 gloo workers"}
         add_etcd_row(native_job, args.repeats, baseline=args.etcd_only)
+        titan = None if args.native_only or args.etcd_only or args.no_titan or args.quick else \
+            titan_elastic.measure(args.repeats)
         result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(), "cpus": os.cpu_count(),
                   "command": " ".join(["python scripts/bench_recovery.py", *sys.argv[1:]]),
                   "repeats": args.repeats, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                  "models": models, "native": native_job}
+                  "models": models, "native": native_job, "torchtitan": titan}
         print(_native_summary(native_job), file=sys.stderr)
+        if titan is not None:
+            (Path(args.out) / "titan_elastic.json").write_text(json.dumps(titan, indent=1) + "\n")
+            print(f"torchtitan, FSDP2 2 x TP 2 -> FSDP2 3: {titan['recovery_s']['median']:.2f} s in process vs "
+                  f"{titan['restart_s']['median']:.2f} s torchtitan's restart ({titan['speedup']:.1f}x), "
+                  f"{titan['bytes_storage']['median']:,.0f} B from storage, losses equal {titan['losses_equal']}",
+                  file=sys.stderr)
         text = json.dumps(result, indent=1)
         if not args.quick:
             name = "bench_native_etcd.json" if args.etcd_only else \

@@ -119,12 +119,14 @@ def stats(xs: list[float]) -> dict[str, Any]:
 def in_process_run(out: Path, extra: list[str], reference: dict[int, float],
                    timeout: float) -> tuple[float, int, dict[str, Any], bool]:
     """One in-process run of 4 workers (``extra`` flags), worker 3 killed in step KILL_STEP: kill -> first
-    step on 3, bytes from storage, the recovery's latency table, whether the survivors ended cleanly
-    with the reference's losses."""
+    step on 3, bytes from storage, the recovery's latency table (with the bytes it moved live and those a
+    torchft-style full-replica copy would move), whether the survivors ended cleanly with the reference's
+    losses."""
     codes = run_spawned(out, 4, [*extra, "--kill-at", f"3:{KILL_STEP}"], timeout)
     recs, killed = _records(out), json.loads((out / "killed.json").read_text())["t"]
     rec = next(r for r in recs if r.get("event") == "recover")
-    return (first_step_after(recs, killed, world_size=3), rec["bytes_storage"], rec["latency"],
+    table = {**rec["latency"], "bytes_live": rec.get("bytes_live"), "bytes_full_replica": rec.get("bytes_full_replica")}
+    return (first_step_after(recs, killed, world_size=3), rec["bytes_storage"], table,
             codes == [0, 0, 0, -9] and losses_equal(recs, reference))
 
 
