@@ -20,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from tenplex.elastic.etcd_store import EtcdStore
 from tenplex.errors import ConfigError, EtcdStoreError
 from tenplex.train.etcd import etcd_binary
 from tenplex.train.launch import HostsConfig, start_hosts, wait_for
+from tenplex.train.torchrun import BACKEND, RetryingBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +82,7 @@ def test_restart_fallback_on_etcd_survives_the_rank0_host_and_the_leader(tmp_pat
         assert [h.etcd for h in hosts] == cluster.members and all(m.alive() for m in cluster.members)
         for i, h in enumerate(hosts):  # torchrun's rendezvous on its own member; its worker's store: that first
             assert f"--rdzv-endpoint={h.etcd.client_url.split('://', 1)[1]}" in h.agent.proc.args
-            assert "--rdzv-backend=etcd-v2" in h.agent.proc.args
+            assert f"--rdzv-backend={BACKEND}" in h.agent.proc.args  # torchrun's etcd-v2, retried through elections
             assert [_environ(p).get(b"TENPLEX_MEMBERSHIP_STORE") for p in h.agent.worker_pids()] == \
                 [cluster.spec_for(i).encode()]
             if tls is not None:
@@ -110,3 +113,37 @@ def _environ(pid: int) -> dict[bytes, bytes]:
     except OSError:
         return {}
     return dict(kv.split(b"=", 1) for kv in raw.split(b"\0") if b"=" in kv)
+
+
+class _Flaky(RendezvousBackend):
+    """A backend whose first ``fails`` calls fail as etcd does during a leader election."""
+
+    def __init__(self, fails: int) -> None:
+        self.fails, self.calls = fails, 0
+
+    @property
+    def name(self) -> str:
+        return "flaky"
+
+    def _call(self, value: Any) -> Any:
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise RendezvousConnectionError("The connection to etcd has failed.")
+        return value
+
+    def get_state(self) -> Any:
+        return self._call((b"state", 7))
+
+    def set_state(self, state: bytes, token: Any = None) -> Any:
+        return self._call((state, token, True))
+
+
+def test_rendezvous_requests_ride_out_an_election_and_then_give_up() -> None:
+    """``tenplex.train.torchrun``'s backend retries a read or compare-and-set that failed with a connection
+    error (the agent would exit on it) and gives the error up once ``retry_s`` has passed."""
+    flaky = _Flaky(fails=3)
+    assert RetryingBackend(flaky, retry_s=5).set_state(b"s", 3) == (b"s", 3, True) and flaky.calls == 4
+    flaky = _Flaky(fails=2)
+    assert RetryingBackend(flaky, retry_s=5).get_state() == (b"state", 7) and flaky.calls == 3
+    with pytest.raises(RendezvousConnectionError, match="unreachable"):
+        RetryingBackend(_Flaky(fails=10**6), retry_s=0.3).get_state()

@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from ..elastic.etcd_store import EtcdTLS
 from .etcd import EtcdCluster
 from .netns import LOOPBACK, HostNet, HostNetwork, free_port
+from .torchrun import BACKEND
 
 __all__ = ["free_port", "RendezvousStore", "Agent", "StoreProcess", "SimulatedHost", "HostsConfig", "start_hosts", "read_train_log",
            "wait_for", "kill_alive"]
@@ -92,8 +93,11 @@ class Agent:
         conf = "last_call_timeout=3,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3"
         if rdzv_tls is not None:  # torchrun's etcd rendezvous over https, with this client certificate
             conf += f",protocol=https,ca_cert={rdzv_tls.ca},ssl_cert={rdzv_tls.cert},ssl_cert_key={rdzv_tls.key}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={min_nodes}:{max_nodes}",
-               f"--nproc-per-node={nproc}", f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint={endpoint}",
+        # etcd-v2: torchrun's own backend with its requests retried through an etcd leader election
+        # (tenplex.train.torchrun: torchrun's agent exits on the first failed request otherwise)
+        runner, backend = ("torch.distributed.run", "c10d") if rdzv_backend == "c10d" else ("tenplex.train.torchrun", BACKEND)
+        cmd = [sys.executable, "-m", runner, f"--nnodes={min_nodes}:{max_nodes}",
+               f"--nproc-per-node={nproc}", f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}",
                f"--rdzv-id={run_id}", f"--rdzv-conf={'is_host=false,' if rdzv_backend == 'c10d' else ''}{conf}",
                f"--max-restarts={max_restarts}", "--monitor-interval=0.5",
                # in a namespace the hostname resolves to no address of this host: name the node by
