@@ -212,16 +212,18 @@ def build_formats(d: str, scale: float, seq_len: int) -> dict[str, tuple[Any, An
 # ------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------
-def _cpu_s() -> float:
-    """CPU seconds of this process and of its reaped children (a loader's workers, once shut down)."""
+def _cpu_s() -> tuple[float, float]:
+    """CPU seconds of this process, and of its reaped children (a loader's workers, once shut down)."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
-def samples_per_second(loader: Iterable[Any], batch: int, samples: int, workers: int) -> tuple[float, float]:
+def samples_per_second(loader: Iterable[Any], batch: int, samples: int,
+                       workers: int) -> tuple[float, float, float]:
     """(samples/s over ``samples`` samples after every worker's first batch, CPU us a sample of the whole
-    pass: the main process and the workers from their start to their shutdown, over the samples received)."""
-    c0 = _cpu_s()
+    pass: the main process and the workers from their start to their shutdown, over the samples received;
+    of it the main process's, which receives every batch from the workers)."""
+    m0, c0 = _cpu_s()
     it = iter(loader)
     for _ in range(max(1, workers)):  # every worker started and its first batch in (the loader's round robin)
         next(it)
@@ -232,8 +234,11 @@ def samples_per_second(loader: Iterable[Any], batch: int, samples: int, workers:
         if got >= samples:
             break
     rate = got / (time.perf_counter() - t0)
+    m1 = _cpu_s()[0]
     del it  # the workers shut down and reaped: their CPU time is in RUSAGE_CHILDREN
-    return rate, (_cpu_s() - c0) / (got + batch * max(1, workers)) * 1e6
+    m2, c2 = _cpu_s()
+    per = 1e6 / (got + batch * max(1, workers))
+    return rate, (m2 - m0 + c2 - c0) * per, (m1 - m0) * per
 
 
 def fetch_us(plain: Any, tplx: Any, collate: Callable | None, batch: int, rounds: int, seed: int) -> dict[str, float]:
@@ -259,12 +264,12 @@ def run_format(plain: Any, tplx: Any, collate: Callable | None, args: argparse.N
     n = min(len(plain), len(tplx), args.samples + args.batch * max(1, args.workers))
     kw = dict(batch_size=args.batch, num_workers=args.workers, collate_fn=collate,
               prefetch_factor=4 if args.workers else None)
-    ratios, t_sps, p_sps, t_us, p_us, t_cpu, p_cpu = [], [], [], [], [], [], []
+    ratios, t_sps, p_sps, t_us, p_us, t_cpu, p_cpu, t_main, p_main = [], [], [], [], [], [], [], [], []
     for r in range(args.runs):
         us = fetch_us(plain, tplx, collate, args.batch, args.fetch_rounds, r)
         t_us.append(us["tenplex"])
         p_us.append(us["plain"])
-        pr, pt, pp, ct, cp = [], [], [], [], []
+        pr, pt, pp, ct, cp, mt, mp = [], [], [], [], [], [], []
         for k in range(args.pairs):
             sampler = tenplex_sampler(len(tplx), args.batch, seed=r * args.pairs + k)
             tkw = {k: v for k, v in kw.items() if k != "batch_size"}
@@ -279,15 +284,20 @@ def run_format(plain: Any, tplx: Any, collate: Callable | None, args: argparse.N
             pr.append(got["tenplex"][0] / got["plain"][0])
             ct.append(got["tenplex"][1])
             cp.append(got["plain"][1])
+            mt.append(got["tenplex"][2])
+            mp.append(got["plain"][2])
         ratios.append(statistics.median(pr))
         t_cpu.append(statistics.median(ct))
         p_cpu.append(statistics.median(cp))
+        t_main.append(statistics.median(mt))
+        p_main.append(statistics.median(mp))
         t_sps.append(statistics.median(pt))
         p_sps.append(statistics.median(pp))
     return {"ratio": spread(ratios), "tenplex_sps": spread(t_sps), "plain_sps": spread(p_sps), "samples": n,
             "pairs_per_run": args.pairs, "fetch_us_tenplex": spread(t_us), "fetch_us_plain": spread(p_us),
             "fetch_ratio": spread([b / a for a, b in zip(t_us, p_us)]), "cpu_us_tenplex": spread(t_cpu),
-            "cpu_us_plain": spread(p_cpu), "cpu_ratio": spread([b / a for a, b in zip(t_cpu, p_cpu)])}
+            "cpu_us_plain": spread(p_cpu), "cpu_ratio": spread([b / a for a, b in zip(t_cpu, p_cpu)]),
+            "cpu_main_us_tenplex": spread(t_main), "cpu_main_us_plain": spread(p_main)}
 
 
 def main() -> None:
@@ -318,7 +328,8 @@ def main() -> None:
                   f"  tenplex {r['tenplex_sps']['median']:.0f}/s  plain {r['plain_sps']['median']:.0f}/s"
                   f"  fetch ratio {r['fetch_ratio']['median']:.3f} ({r['fetch_us_tenplex']['median']:.2f} vs "
                   f"{r['fetch_us_plain']['median']:.2f} us)  cpu ratio {r['cpu_ratio']['median']:.3f} "
-                  f"({r['cpu_us_tenplex']['median']:.1f} vs {r['cpu_us_plain']['median']:.1f} us)"
+                  f"({r['cpu_us_tenplex']['median']:.1f} vs {r['cpu_us_plain']['median']:.1f} us; main process "
+                  f"{r['cpu_main_us_tenplex']['median']:.1f} vs {r['cpu_main_us_plain']['median']:.1f})"
                   f"  (load {load:.2f})", flush=True)
     restore = restore_ms_per_rank(args.restore_repeats)
     print(f"restore at 1e9 samples, DP 8 -> 6: {restore['median']:.3f} ms/rank [{restore['min']:.3f}, "
