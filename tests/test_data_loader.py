@@ -273,3 +273,59 @@ def test_a_state_of_another_dataset_is_refused() -> None:
         loader.load_state_dict({"data": loader_state(40, 5).to_json()})
     with pytest.raises(DataStateError, match="not a tenplex loader state"):
         loader.load_state_dict({"consumed": 3})
+
+
+_OWNER = """
+import os, sys, time
+import torch
+from tenplex.data import ElasticBatchSampler, ElasticLoader, loader_state
+
+class Pids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return os.getpid()
+
+if __name__ == "__main__":
+    loader = ElasticLoader(Pids(), ElasticBatchSampler(loader_state(64, 8)), num_workers=2, persistent_workers=True,
+                           multiprocessing_context="forkserver")
+    pids = set()
+    for batch in loader:
+        pids |= set(batch.tolist())
+        if len(pids) == 2:
+            break
+    print(" ".join(map(str, sorted(pids))), flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_loader_workers_end_with_a_killed_trainer(tmp_path: Path) -> None:
+    """A trainer's loader workers started from a forkserver (as examples/elastic_loader.py must) have the
+    forkserver as parent, so torch's parent check never fires: SIGKILL the trainer and its workers must
+    still end (ElasticLoader's worker init watches the trainer's pid), not live on with their dataset."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "owner.py"
+    script.write_text(_OWNER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2 and proc.pid not in workers, workers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in workers if Path(f"/proc/{p}").exists()
+                     and Path(f"/proc/{p}/status").read_text().find("State:\tZ") < 0]
+        assert not alive, f"loader workers {alive} outlived their killed trainer"
+    finally:
+        proc.kill()

@@ -24,8 +24,12 @@ default here) an id at any position is computed without the epoch's permutation,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Iterator, Sized
+import os
+import select
+import threading
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import numpy as np
@@ -315,6 +319,9 @@ class ElasticLoader:
             raise DataStateError("a map-style dataset needs its ElasticBatchSampler: ElasticLoader(dataset, sampler)")
         else:
             self.sampler = sampler
+        if loader_kwargs.get("num_workers"):  # the workers end with this process, however it ends
+            loader_kwargs = {**loader_kwargs, "worker_init_fn": functools.partial(
+                _die_with, os.getpid(), loader_kwargs.get("worker_init_fn"))}
         self.dataset, self.kwargs = dataset, loader_kwargs
         self.data = self.sampler.data  # the loop's position
         self._live: Iterator[Any] | None = None  # batch_for's iteration
@@ -371,3 +378,26 @@ class ElasticLoader:
         except StopIteration:
             self._live = iter(self)  # the next epoch
             return next(self._live)
+
+
+def _die_with(owner: int, user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    """A loader worker's ``worker_init_fn``: end the worker when process ``owner`` (the loader's) is gone.
+    torch's own check compares the worker's parent pid with the one it started under, and a worker
+    started from a forkserver (as one must be, not forked from a process holding the job's sockets)
+    has the forkserver as its parent: a SIGKILLed trainer's workers lived on, each holding a copy of
+    the dataset, until the machine stopped (tests/test_data_loader_runtime.py). Then the user's own."""
+    try:
+        fd = os.pidfd_open(owner)
+    except ProcessLookupError:  # gone before this worker started
+        os._exit(0)
+    except (AttributeError, OSError):  # no pidfd (not Linux >= 5.3): torch's own check only
+        fd = None
+    if fd is not None:
+        def watch() -> None:
+            select.select([fd], [], [])  # readable once the owner has exited
+            log.warning("loader worker %d: its loader's process %d is gone; exiting", worker_id, owner)
+            os._exit(0)
+
+        threading.Thread(target=watch, name="tenplex-loader-owner", daemon=True).start()
+    if user_init is not None:
+        user_init(worker_id)
