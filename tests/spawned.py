@@ -32,7 +32,7 @@ import pytest
 from tenplex.train.launch import free_port  # a port on 127.0.0.1 nobody listens on: the launcher's
 
 __all__ = ["free_port", "gloo_env", "reap", "run_spawned", "wait_procs", "log_tails", "worker_context", "here", "in_env",
-           "Forked", "start_trainer", "rank_env"]
+           "Forked", "start_trainer", "rank_env", "script_workers"]
 
 # imported once by the forkserver: what the workers of tests import (torch.distributed.tensor alone
 # takes 3.5 s: dynamo, sympy); a module that cannot be imported is skipped by multiprocessing
@@ -143,6 +143,25 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """What torchrun gives worker ``rank`` of a one-host world of ``world`` (env:// on ``port``)."""
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def script_workers(script: str, tmp: Path, n: int, args: Sequence[str], store_port: int | None,
+                   name: str = "worker") -> list[subprocess.Popen]:
+    """``n`` workers of ``script`` (an example under examples/) on env:// as torchrun would start them, their
+    membership store the TCPStore at ``store_port`` (None: none, the job only checkpoints and resumes);
+    their output to ``tmp/{name}{rank}.log``."""
+    root = str(Path(__file__).resolve().parent.parent)
+    port, procs = free_port(), []
+    with gloo_env():
+        for r in range(n):
+            env = {k: v for k, v in os.environ.items() if k != "TENPLEX_MEMBERSHIP_STORE"}
+            env.update(rank_env(r, n, port), PYTHONUNBUFFERED="1",
+                       PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+            if store_port is not None:
+                env["TENPLEX_MEMBERSHIP_STORE"] = f"127.0.0.1:{store_port}"
+            procs.append(subprocess.Popen([sys.executable, script, *args], env=env,
+                                          stdout=(tmp / f"{name}{r}.log").open("w"), stderr=subprocess.STDOUT))
+    return procs
 
 
 def _train(main: str, argv: list[str], log: str, env: dict[str, str], fsize_limit: int | None) -> None:

@@ -6,15 +6,12 @@ the run is the uninterrupted run's, read exactly once by the ranks of the final 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from spawned import free_port, gloo_env, log_tails, rank_env, wait_procs
+from spawned import free_port, log_tails, script_workers, wait_procs
 from tenplex.data import ids_at, loader_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,19 +25,11 @@ def test_a_dataloader_with_workers_keeps_its_position_through_an_in_process_reco
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    port, logs = free_port(), tmp_path / "logs"
+    logs = tmp_path / "logs"
     logs.mkdir()
-    procs = []
-    with gloo_env():
-        for r in range(4):
-            env = {**os.environ, **rank_env(r, 4, port), "PYTHONUNBUFFERED": "1",
-                   "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store.port}",
-                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-            procs.append(subprocess.Popen([sys.executable, SCRIPT, "--ckpt", str(tmp_path / "ckpt"), "--steps",
-                                           str(STEPS), "--samples", str(N), "--global-batch", str(BATCH),
-                                           "--log", str(logs), "--kill-at", "3:3"],
-                                          env=env, stdout=(tmp_path / f"worker{r}.log").open("w"),
-                                          stderr=subprocess.STDOUT))
+    procs = script_workers(SCRIPT, tmp_path, 4, ["--ckpt", str(tmp_path / "ckpt"), "--steps", str(STEPS),
+                                                 "--samples", str(N), "--global-batch", str(BATCH),
+                                                 "--log", str(logs), "--kill-at", "3:3"], store.port)
     codes = wait_procs(procs, 220)
     assert codes == [0, 0, 0, -9], (codes, log_tails(tmp_path))
     recs = [json.loads(line) for f in sorted(logs.iterdir()) for line in f.read_text().splitlines()]

@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from tenplex.elastic.latency import full_replica_bytes
 from tenplex.errors import ConfigError
 from tenplex.layout.ptc import PTC, Replicated, Split, TensorSpec
 
-from spawned import free_port, gloo_env, log_tails, rank_env, wait_procs
+from spawned import free_port, log_tails, script_workers, wait_procs
 from test_native_inprocess import BATCH, check_native_run, native_reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,19 +82,8 @@ def test_a_mesh_rule_may_leave_spares_only_when_asked() -> None:
 
 def _loop_workers(tmp: Path, n: int, args: list[str], store_port: int | None,
                   name: str = "worker") -> list[subprocess.Popen]:
-    """``n`` workers of ``examples/elastic_loop.py`` on env://, their membership store the TCPStore at
-    ``store_port`` (None: none, the job only checkpoints and resumes); their logs ``{name}{rank}.log``."""
-    port, procs = free_port(), []
-    with gloo_env():
-        for r in range(n):
-            env = {k: v for k, v in os.environ.items() if k != "TENPLEX_MEMBERSHIP_STORE"}
-            env.update(rank_env(r, n, port), PYTHONUNBUFFERED="1",
-                       PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-            if store_port is not None:
-                env["TENPLEX_MEMBERSHIP_STORE"] = f"127.0.0.1:{store_port}"
-            procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env,
-                                          stdout=(tmp / f"{name}{r}.log").open("w"), stderr=subprocess.STDOUT))
-    return procs
+    """``n`` workers of ``examples/elastic_loop.py`` (``script_workers``)."""
+    return script_workers(SCRIPT, tmp, n, args, store_port, name)
 
 
 @pytest.mark.timeout(240)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from spawned import free_port, gloo_env, log_tails, rank_env, wait_procs
+from spawned import free_port, log_tails, script_workers, wait_procs
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "examples" / "hf_elastic.py")
@@ -39,16 +38,10 @@ def test_a_transformers_llama_under_fsdp2_survives_a_kill_in_process(tmp_path: P
     import hf_elastic
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    log, port, procs = tmp_path / "log.jsonl", free_port(), []
-    with gloo_env():
-        for r in range(4):
-            env = {**os.environ, **rank_env(r, 4, port), "PYTHONUNBUFFERED": "1",
-                   "TENPLEX_MEMBERSHIP_STORE": f"127.0.0.1:{store.port}",
-                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-            procs.append(subprocess.Popen([sys.executable, SCRIPT, "--ckpt", str(tmp_path / "ckpt"), "--steps",
-                                           str(STEPS), "--global-batch", str(BATCH), "--log", str(log),
-                                           "--kill-at", "2:2:layer"], env=env,
-                                          stdout=(tmp_path / f"worker{r}.log").open("w"), stderr=subprocess.STDOUT))
+    log = tmp_path / "log.jsonl"
+    procs = script_workers(SCRIPT, tmp_path, 4, ["--ckpt", str(tmp_path / "ckpt"), "--steps", str(STEPS),
+                                                 "--global-batch", str(BATCH), "--log", str(log),
+                                                 "--kill-at", "2:2:layer"], store.port)
     reference = hf_elastic.reference(STEPS, BATCH)
     codes = wait_procs(procs, 280)
     assert codes == [0, 0, -9, 0], (codes, log_tails(tmp_path))
