@@ -679,11 +679,7 @@ class ElasticRuntime:
         spare = self.spare
         if self.model is not None:  # a model that failed in its forward pass outlives gc.collect(): not its groups
             release_fsdp_groups(self.model)
-        for mesh in (self.mesh, self._spare_mesh):
-            if mesh is not None:
-                release_mesh(mesh)
-        self.model = self.optimizer = self.mesh = self._spare_mesh = self._placed = None
-        gc.collect()
+        self._drop_meshes()
         t_released = time.perf_counter()
         rec = recover_in_process(m, ring, self._rebuilt,
                                  RecoveryConfig(url=self.config.ckpt, join_timeout=self.config.join_timeout,
@@ -747,13 +743,19 @@ class ElasticRuntime:
         if self.membership is not None:
             self.membership.close()
             self.membership = None
+        self._drop_meshes()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+    def _drop_meshes(self) -> None:
+        """Free the mesh's groups (a trainer's, or a spare's handle of it) and drop the model, optimizer
+        and mesh, collected now: groups still referenced close their connections later."""
         for mesh in (self.mesh, self._spare_mesh):
             if mesh is not None:
                 release_mesh(mesh)
         self.model = self.optimizer = self.mesh = self._spare_mesh = self._placed = None
         gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def dp_refusal(dims: Mapping[str, int], global_batch: int, uneven: bool) -> str | None:
