@@ -183,6 +183,26 @@ def test_an_add_whose_answer_was_lost_applies_once(cluster: EtcdCluster) -> None
         proxy.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_member_without_a_leader_says_so_at_once(cluster: EtcdCluster) -> None:
+    """With a majority gone the last member has no leader: every request to it fails with etcd's own
+    "no leader" answer (the client asks for a leader on every request), not by running into the
+    client's time-out on a request the member would hold for seconds. Then the store's error names
+    the cause."""
+    from tenplex.elastic.etcd_store import EtcdStore
+
+    cluster.kill(0)
+    cluster.kill(2)
+    s = EtcdStore([cluster.endpoints[1]], namespace="nl/", timeout=datetime.timedelta(seconds=3), request_timeout=2.0)
+    deadline = time.monotonic() + 20
+    while True:  # the member notices after its election time-out; until then a write hangs and times out
+        with pytest.raises(EtcdStoreError) as err:
+            s.set("k", "v")
+        if "no leader" in str(err.value) or time.monotonic() > deadline:
+            break
+    assert "no leader" in str(err.value) and "timed out" not in str(err.value), err.value
+
+
 CUT_OFF_CLIENT = """
 import datetime, json, sys, time
 from tenplex.elastic.etcd_store import EtcdStore

@@ -406,6 +406,78 @@ def test_agreement_timeouts_and_exclusion_in_one_process() -> None:
             dist.destroy_process_group()
 
 
+class _HeldNews:
+    """A real TCPStore client whose ``append`` to the keys that spread a death (``failures``,
+    ``gone``) waits until ``release`` is set: a store that cannot write for a while, as an etcd
+    cluster electing a new leader after its leader's host died."""
+
+    def __init__(self, inner: Any, release: Any) -> None:
+        self.inner, self.release = inner, release
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def clone(self) -> Any:
+        return _HeldNews(self.inner.clone(), self.release)
+
+    def append(self, key: str, value: Any) -> None:
+        if key.endswith(("/failures", "/gone")) and value:  # (not Membership's start creating them empty)
+            assert self.release.wait(30), "the test never released the store"
+        self.inner.append(key, value)
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_is_acted_on_while_the_store_cannot_record_it() -> None:
+    """A collective's peer error becomes PeerFailure at once, and the member's failure is known to
+    it, while the store cannot take the failure flag (before, the guard wrote the flag first: the
+    rank-0-and-etcd-leader kill cost every survivor the election, twice over). The flag is written
+    once the store takes writes again, signed, for the members that learn a death from it."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from tenplex.elastic.job_secret import JobSecret, encode_beat
+    from tenplex.elastic.membership_runtime import Membership
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    plain = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    release = threading.Event()
+    secret = JobSecret.resolve("held news test")
+    signer = secret.scoped("h")
+    plain.set("h/hb/1", signer.sign("h/hb/1", encode_beat(1, ())))  # member 1: started
+    m = Membership(_HeldNews(plain, release), "h", rank=0, world_size=2, backend="gloo", interval=0.05,
+                   dead_after=5.0, secret=secret)
+    try:
+        raised: list[BaseException] = []
+
+        def step() -> None:
+            try:
+                with m.guard():
+                    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+            except PeerFailure as e:
+                raised.append(e)
+
+        t = threading.Thread(target=step, daemon=True)
+        t.start()
+        t.join(10)  # the held append waits 30 s: returning at all means the guard did not wait on it
+        assert not t.is_alive() and len(raised) == 1 and m.failed
+        def flags() -> list[str]:
+            good, bad = signer.entries("h/round0/failures", plain.get("h/round0/failures"))
+            assert bad == 0
+            return good
+
+        assert flags() == []  # not written yet: the store holds it
+        release.set()
+        deadline = time.monotonic() + 10
+        while not flags() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert flags() == ["0"]
+    finally:
+        release.set()
+        m.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # a live member is not dead: stopped or starved, its links stay open (issue 29 item 7)
 # ---------------------------------------------------------------------------------------------

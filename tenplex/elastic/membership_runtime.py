@@ -90,6 +90,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
@@ -123,6 +124,37 @@ def _store_host(store: Any) -> str | None:
     while store is not None and not hasattr(store, "host"):
         store = getattr(store, "underlying_store", None)
     return getattr(store, "host", None)
+
+
+class _Publisher:
+    """Writes the records that tell the other members of a death (a broken link's ``gone`` entry, a
+    round's failure flag) in order, from a thread of its own on a connection of its own: a store slow
+    to answer (an etcd cluster electing a new leader after its leader's host died) then delays the
+    news, not this member's recovery (the heartbeat thread and the main thread's guard never wait on
+    it; before, each waited for the election twice over). The members learn a death from their own
+    links and collectives too; these records are for the ones that would not."""
+
+    def __init__(self, store: Any, write: Callable[[Any, str, object], None], name: str) -> None:
+        self._store, self._write = store, write
+        self._queue: queue.SimpleQueue[tuple[str, object] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, key: str, payload: object) -> None:
+        self._queue.put((key, payload))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, payload = item
+            try:
+                self._write(self._store, key, payload)
+            except RuntimeError as e:  # the store itself gone: nothing left to tell
+                log.error("could not record %s=%s in the membership store: %s", key, payload, e)
+
+    def close(self, timeout: float) -> None:
+        """Write what is queued (up to ``timeout`` seconds), then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout=timeout)
 
 
 @dataclass(slots=True)
@@ -219,6 +251,7 @@ class Membership:
         self._put_beat(self._hb_store, ())
         self._hb_store.append(self._key("joiners"), "")  # exist before any heartbeat reads them
         self._failures_seen = self._flags(self._hb_store, self.round)
+        self._news = _Publisher(store.clone(), self._add_entry, f"tenplex-news-{self.id}")
         if not joiner:
             if self.rank == 0:  # before any joiner can find this prefix (start_membership publishes it after)
                 store.add(self._key("next_id"), self.world_size)
@@ -388,10 +421,7 @@ class Membership:
         if not news:
             return
         for p in news:
-            try:
-                self._add_entry(self._hb_store, self._key("gone"), p)
-            except RuntimeError as e:
-                log.error("member %d could not record member %d's death in the store: %s", self.id, p, e)
+            self._news.put(self._key("gone"), p)
         if members & set(news):
             self._fail(f"members {[p for p in news if p in members]} exited or their hosts vanished (their links "
                        f"to member {self.id} ended without a goodbye)", publish=True, round=rnd)
@@ -461,10 +491,7 @@ class Membership:
         if first:
             log.warning("member %d (round %d): failure: %s", self.id, self.round, reason)
             if publish:
-                try:
-                    self._add_entry(self._hb_store, self._failures_key(round), self.id)
-                except RuntimeError as e:  # the store itself gone: nothing left to tell
-                    log.error("member %d could not flag the failure in the store: %s", self.id, e)
+                self._news.put(self._failures_key(round), self.id)
             if self.on_failure is not None:
                 try:
                     self.on_failure(reason)
@@ -573,6 +600,7 @@ class Membership:
         find this member dead after ``dead_after``; its goodbyes are no death)."""
         self._stop.set()
         self._thread.join(timeout=5 * self.interval + 1)
+        self._news.close(timeout=5 * self.interval + 1)
         self._links.close()  # goodbyes: the others do not take this member's exit for a death
 
     # -- recovery ------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ __all__ = ["EtcdCluster", "EtcdMember", "etcd_binary"]
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_MS = 50
-ELECTION_MS = 500
+HEARTBEAT_MS = 25
+ELECTION_MS = 250
 
 
 def etcd_binary() -> str | None:
