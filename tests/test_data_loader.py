@@ -87,6 +87,59 @@ def test_the_feistel_order_is_a_permutation_of_every_size(n: int, seed: int, epo
     assert np.array_equal(sample_order(n, seed, epoch, True, "feistel"), ids)
 
 
+_M64, _GOLDEN = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+
+def _splitmix(x: int) -> int:
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+    return x ^ (x >> 31)
+
+
+def feistel_reference(position: int, n: int, seed: int, epoch: int) -> int:
+    """The "feistel" order's definition one id at a time in Python ints (checkpoints name the order, so
+    every way the library computes it must give these ids): round keys from splitmix64 of (seed, epoch),
+    6 rounds on two ``half``-bit halves, cycle-walking back into ``[0, n)``."""
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = (1 << half) - 1
+    base = _splitmix((seed & _M64) ^ _splitmix(epoch + _GOLDEN & _M64))
+    keys = [_splitmix(base + i * _GOLDEN & _M64) for i in range(6)]
+    x = position
+    while True:
+        left, right = x >> half, x & mask
+        for k in keys:
+            left, right = right, (_splitmix(right + k & _M64) & mask) ^ left
+        x = left << half | right
+        if x < n:
+            return x
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(n=st.one_of(st.integers(2, 1 << 24), st.integers(2, 1 << 40)), seed=st.integers(0, 2**64 - 1),
+       epoch=st.integers(0, 10**6), data=st.data())
+def test_every_way_the_feistel_order_is_computed_gives_its_definition(n: int, seed: int, epoch: int,
+                                                                     data: st.DataObject) -> None:
+    """A few ids (round functions computed per call) and a few thousand (the round functions looked up in
+    a table when 2**half is small next to them) match the definition."""
+    few = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=5))
+    assert feistel_ids(np.array(few), n, seed, epoch).tolist() == [feistel_reference(p, n, seed, epoch) for p in few]
+    start = data.draw(st.integers(0, max(0, n - 5000)))
+    many = np.arange(start, min(n, start + 5000))
+    got = feistel_ids(many, n, seed, epoch)
+    check = data.draw(st.lists(st.integers(0, many.size - 1), min_size=1, max_size=20))
+    assert [int(got[i]) for i in check] == [feistel_reference(int(many[i]), n, seed, epoch) for i in check]
+
+
+@pytest.mark.parametrize("n", [(1 << 26) + 3, (1 << 32) - 1])
+def test_the_feistel_order_of_a_large_dataset_asked_many_ids_at_once_gives_its_definition(n: int) -> None:
+    """2**half round-table entries (8192 and 65536) are built when at least as many ids are asked."""
+    many = np.arange(n - 70_000, n)
+    got = feistel_ids(many, n, 11, 4)
+    assert len(set(got.tolist())) == many.size and 0 <= got.min() and got.max() < n
+    assert [int(got[i]) for i in range(0, many.size, 997)] == \
+        [feistel_reference(int(many[i]), n, 11, 4) for i in range(0, many.size, 997)]
+
+
 def test_the_feistel_order_at_a_billion_samples_is_computed_where_asked() -> None:
     n = 10**9
     window = feistel_ids(np.arange(5 * 10**8, 5 * 10**8 + 100_000), n, 7, 2)
