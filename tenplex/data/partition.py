@@ -18,10 +18,9 @@ continues the same order from the same progress.
 from __future__ import annotations
 
 import numbers
-from dataclasses import asdict, dataclass
-import functools
 from collections.abc import Callable
-from functools import lru_cache
+from dataclasses import asdict, dataclass
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -224,10 +223,10 @@ def feistel_ids(positions: np.ndarray, num_samples: int, seed: int, epoch: int) 
     half = max(1, ((num_samples - 1).bit_length() + 1) // 2)
     step: Callable[[np.ndarray], np.ndarray]
     if half <= _TABLE_HALF_MAX and 1 << half <= max(_TABLE_ENTRIES, pos.size):
-        step = functools.partial(_feistel_table, half=half, table=_round_table(seed, epoch, half))
+        step = partial(_feistel_table, half=half, table=_round_table(seed, epoch, half))
         x, limit = pos, num_samples
     else:
-        step = functools.partial(_feistel, half=half, keys=_round_keys(seed, epoch))
+        step = partial(_feistel, half=half, keys=_round_keys(seed, epoch))
         x, limit = pos.astype(np.uint64), np.uint64(num_samples)
     out = step(x)
     out_of_range = np.flatnonzero(out >= limit)
