@@ -202,10 +202,13 @@ def _on_die(record: Path, procs: list[subprocess.Popen], hook: Callable[[], None
 
 
 def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, model: str = "tiny", *,
-             membership: Sequence[str] | None = None, on_kill: Callable[[], None] | None = None) -> dict[str, Any]:
+             membership: Sequence[str] | None = None, on_kill: Callable[[], None] | None = None,
+             join_delay: float = 0.0) -> dict[str, Any]:
     """One run of ``case``. ``membership``: each rank's ``TENPLEX_MEMBERSHIP_STORE`` (e.g. an etcd cluster's
     spec with the rank's host's member first) instead of the TCPStore at ``store_port``; ``on_kill``: called
-    the moment the killed worker records its death (what else its host takes down)."""
+    the moment the killed worker records its death (what else its host takes down); ``join_delay``: a grow
+    case's replacement is started that many seconds after the kill (diagnosis: the survivors' recovery
+    without the replacement's start beside it)."""
     extra, die = CASES[case]
     with tempfile.TemporaryDirectory(prefix="bench-native-") as d:
         tmp = Path(d)
@@ -231,6 +234,7 @@ def run_once(case: str, store_port: int, dead_after: float, root: Path = ROOT, m
         watcher = _on_die(tmp / "die.jsonl", procs, on_kill) if on_kill is not None and die else None
         if case in GROWS:  # the replacement, started at the kill (the die record is written just before it)
             _wait_file(tmp / "die.jsonl", procs, 300, case)
+            time.sleep(join_delay)
             spawned = time.time()
             procs.append(subprocess.Popen([*cmd, "--join"], env=_env(base, None, workers),
                                           stdout=(tmp / f"w{len(procs)}.log").open("w"), stderr=subprocess.STDOUT))

@@ -547,9 +547,14 @@ def _spreads(runs: list[dict], keys: Sequence[str]) -> dict:
     return {k: _spread([r[k] for r in runs]) for k in keys}
 
 
-def native_side_by_side(repeats: int, cases: Sequence[str] = ("hsdp3_grow", "hsdp0", "hsdp3_spare"),
-                        heartbeats: Sequence[int] = (1000, 5000)) -> dict:
-    """tenplex and torchft on the native job, alternating, ``repeats`` times each (see the module doc)."""
+NATIVE_CASES = ("hsdp3_grow", "hsdp0", "hsdp3_spare")
+HEARTBEATS = (1000, 5000)
+
+
+def native_side_by_side(repeats: int, cases: Sequence[str] = NATIVE_CASES, heartbeats: Sequence[int] = HEARTBEATS,
+                        join_delay: float = 0.0) -> dict:
+    """tenplex and torchft on the native job, alternating, ``repeats`` times each (see the module doc);
+    ``join_delay``: a grow case's replacement started that many seconds after the kill (diagnosis)."""
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     references = {}
     for c in cases:
@@ -562,7 +567,8 @@ def native_side_by_side(repeats: int, cases: Sequence[str] = ("hsdp3_grow", "hsd
         for c in cases:
             print(f"native / tenplex {c} {i + 1}/{repeats} (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr,
                   flush=True)
-            r = tenplex_native_run(c, store.port, references.get(c))
+            r = tenplex_native_run(c, store.port, references.get(c),
+                                   **({"join_delay": join_delay} if c in native.GROWS else {}))
             print(f"  kill -> next step {r['recovery_s']:.2f}s"
                   + (f", -> full size {r['kill_to_full_size_s']:.2f}s (join {r['join_s']:.2f}s, "
                      f"{r['bytes_to_joiner']:,} B to the joiner)" if c in native.GROWS else "")
@@ -603,6 +609,8 @@ def native_side_by_side(repeats: int, cases: Sequence[str] = ("hsdp3_grow", "hsd
         rs = runs[f"torchft_{h}ms"]
         out[f"torchft_{h}ms"] = {"heartbeat_timeout_ms": h, "killed": f"group:rank:step {TORCHFT_DIE}",
                                  **_spreads(rs, ("recovery_s", "heal_s", "bytes_full_copy", "load")), "runs": rs}
+    if not heartbeats:  # tenplex alone (a narrowed run while developing): no goal to compare with
+        return out
     best = min(statistics.median(r["recovery_s"] for r in runs[f"torchft_{h}ms"]) for h in heartbeats)
     out["goal"] = {f"tenplex_{c}_below_torchft_best": statistics.median(r["recovery_s"] for r in runs[f"tenplex_{c}"])
                    < best for c in cases}
@@ -777,6 +785,13 @@ def _main() -> int:
     ap.add_argument("--etcd-only", action="store_true",
                     help="--json: only the native job's rank-0 row with its membership on etcd, each repeat "
                          "followed by the same job's with it in a TCPStore (not torchft)")
+    ap.add_argument("--cases", default=",".join((*NATIVE_CASES, "hsdp0_etcd")),
+                    help="--json: the native job's tenplex rows to run (hsdp0_etcd: the etcd row); a narrowed run "
+                         "(any of --cases, --heartbeats, --join-delay changed) writes no file under --out")
+    ap.add_argument("--heartbeats", default=",".join(map(str, HEARTBEATS)),
+                    help="--json: torchft's heartbeat timeouts (ms) to run the native job with (empty: no torchft)")
+    ap.add_argument("--join-delay", type=float, default=0.0,
+                    help="--json: start hsdp3_grow's replacement this many seconds after the kill (diagnosis)")
     ap.add_argument("--join", action="store_true", help="scale up in-process: 2 workers admit 2 joiners (issue #18)")
     ap.add_argument("--no-titan", action="store_true",
                     help="--json: leave out the torchtitan job (scripts/titan_elastic.py's figures)")
@@ -795,10 +810,20 @@ def _main() -> int:
                                              extra=["--global-batch", "4", "--micro-batch", "2", "--lr", "1e-3"])))
         load_before = os.getloadavg()
         models = {} if args.native_only or args.etcd_only else side_by_side(cases, args.repeats, args.shm)
-        native_job = native_side_by_side(args.repeats) if not args.etcd_only else {
-            "model": f"native_llama {NATIVE_MODEL}", "job": " ".join(native.COMMON),
-            "layout": "HSDP dp_replicate=2 x dp_shard=2, 4 gloo workers"}
-        add_etcd_row(native_job, args.repeats, baseline=args.etcd_only)
+        chosen = args.cases.split(",")
+        unknown = set(chosen) - {*NATIVE_CASES, "hsdp0_etcd"}
+        if unknown:
+            ap.error(f"--cases: unknown {sorted(unknown)}; choose from {[*NATIVE_CASES, 'hsdp0_etcd']}")
+        heartbeats = tuple(int(h) for h in args.heartbeats.split(",") if h)
+        narrowed = (set(chosen) != {*NATIVE_CASES, "hsdp0_etcd"} or heartbeats != HEARTBEATS
+                    or args.join_delay != 0.0)
+        native_cases = [c for c in NATIVE_CASES if c in chosen]
+        native_job = native_side_by_side(args.repeats, native_cases, heartbeats, args.join_delay) \
+            if not args.etcd_only and native_cases else {
+                "model": f"native_llama {NATIVE_MODEL}", "job": " ".join(native.COMMON),
+                "layout": "HSDP dp_replicate=2 x dp_shard=2, 4 gloo workers"}
+        if args.etcd_only or "hsdp0_etcd" in chosen:
+            add_etcd_row(native_job, args.repeats, baseline=args.etcd_only)
         titan = None if args.native_only or args.etcd_only or args.no_titan or args.quick else \
             titan_elastic.measure(args.repeats)
         result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(), "cpus": os.cpu_count(),
@@ -813,7 +838,7 @@ def _main() -> int:
                   f"{titan['bytes_storage']['median']:,.0f} B from storage, losses equal {titan['losses_equal']}",
                   file=sys.stderr)
         text = json.dumps(result, indent=1)
-        if not args.quick:
+        if not args.quick and not narrowed:
             name = "bench_native_etcd.json" if args.etcd_only else \
                 "bench_native_vs_torchft.json" if args.native_only else "bench_inprocess.json"
             (Path(args.out) / name).write_text(text + "\n")
