@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_recovery.py
 	PYTHONPATH=. $(PY) scripts/bench_recovery.py --join   # in-process scale up: 2 workers admit 2 joiners (docs/bench/bench_join.json)
 	PYTHONPATH=. $(PY) scripts/bench_recovery.py --json   # in-process vs restart on the same job, tiny and llama-100m; the native 12.1M Llama beside torchft 0.2.0: kill -> next step, and back at full size with a replacement vs its heal (the replacement's timeline), and with a spare promoted at the failure; the rank-0 kill again with the membership on a 3-member etcd cluster, its host's member (the leader) killed too; torchtitan's trainer, 1 of 4 killed, in process vs its own restart (docs/bench/bench_inprocess.json, titan_elastic.json)
+	PYTHONPATH=. $(PY) scripts/bench_etcd.py --json   # the membership store's etcd: its leader killed -> the next write, at the cluster's raft timings and two slower ones (docs/bench/bench_etcd.json)
 	PYTHONPATH=. $(PY) scripts/bench_native_inprocess.py --repeats 3   # the torch-native job's in-process recovery (docs/bench/bench_native_inprocess.json)
 	PYTHONPATH=. $(PY) scripts/bench_locality.py --repeats 5   # the survivors' locality order for torch-native state dicts, 8-512 ranks (docs/bench/bench_locality.json)
 	$(PY) scripts/bench_schedule.py

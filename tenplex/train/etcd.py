@@ -5,11 +5,12 @@ item 3).
 installs it) that form one Raft cluster: member ``i`` on host ``i``'s address (loopback ports, or
 host ``i``'s network namespace with ``nets``), waits until every member reports healthy, and kills
 them and removes their data on exit. Raft timings follow etcd's tuning rule for a round trip of
-microseconds (heartbeat 25 ms, election time-out 10x that, 250 ms; etcd's defaults are 100 / 1000 ms
-for data-centre links): the death of the leader stops store writes for 0.23-0.49 s (a new leader
-elected) instead of 0.5-0.7 s at 50 / 500 ms. In 60 s beside 4 CPU burners (load about 10) no
-election happened that no death caused; in the benchmark's rank-0 runs at load 11-16, one of nine
-found its leader replaced before the kill (a stall of one election, which the store's retries ride out).
+microseconds (heartbeat 15 ms, election time-out 10x that, 150 ms; etcd's defaults, 100 / 1000 ms,
+are for data-centre links and disks): a client on a follower writes again 0.22 s after the leader's
+death (5 of 5 trials; a new leader elected after 0.14-0.19 s), against 0.42-0.53 s at 25 / 250 ms and
+0.65-1.05 s at 50 / 500 ms (``scripts/bench_etcd.py``, load 2). In 60 s beside 4 CPU burners
+(load about 10) no election happened that no death caused, the worst write took 25 ms; a spurious
+election would stall writes for one election, which the store's retries ride out.
 Workers reach it through :class:`~tenplex.elastic.etcd_store.EtcdStore` (``TENPLEX_MEMBERSHIP_STORE``
 = :attr:`EtcdCluster.spec`, ``etcd://host:port,...``), their own host's member first.
 """
@@ -39,8 +40,8 @@ __all__ = ["EtcdCluster", "EtcdMember", "etcd_binary"]
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_MS = 25
-ELECTION_MS = 250
+HEARTBEAT_MS = 15
+ELECTION_MS = 150
 
 
 def etcd_binary() -> str | None:
@@ -89,7 +90,7 @@ class EtcdMember:
 
     def __init__(self, name: str, data_dir: Path, client_port: int, peer_port: int, initial_cluster: str,
                  token: str, *, net: HostNet = LOOPBACK, binary: str = "etcd", v2: bool = False,
-                 tls: EtcdTLS | None = None) -> None:
+                 tls: EtcdTLS | None = None, raft_ms: tuple[int, int] = (HEARTBEAT_MS, ELECTION_MS)) -> None:
         self.name, self.data_dir, self.net, self.tls = name, data_dir, net, tls
         scheme = "https" if tls is not None else "http"
         self.client_url = f"{scheme}://{net.address}:{client_port}"
@@ -102,8 +103,8 @@ class EtcdMember:
                "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
                "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
                "--initial-cluster", initial_cluster, "--initial-cluster-state", "new",
-               "--initial-cluster-token", token, "--heartbeat-interval", str(HEARTBEAT_MS),
-               "--election-timeout", str(ELECTION_MS), "--logger", "zap", "--log-level", "warn",
+               "--initial-cluster-token", token, "--heartbeat-interval", str(raft_ms[0]),
+               "--election-timeout", str(raft_ms[1]), "--logger", "zap", "--log-level", "warn",
                # every heartbeat is a write: without compaction the history grows by ~100 revisions a
                # second until etcd's space quota stops all writes; keep the last 5 minutes
                "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
@@ -149,16 +150,21 @@ class EtcdCluster:
     RuntimeError when the cluster is not healthy within ``start_timeout`` seconds. ``v2``: also serve
     etcd's v2 API, which torchrun's ``--rdzv-backend=etcd-v2`` (through ``python-etcd``) needs. ``tls``:
     every member serves https with its certificate (one that names every member's address) and takes
-    only clients and peers whose certificates its CA signed (:class:`EtcdMember`)."""
+    only clients and peers whose certificates its CA signed (:class:`EtcdMember`). ``raft_ms``: the
+    members' heartbeat interval and election time-out in ms (the module docstring)."""
 
     def __init__(self, n: int = 3, *, nets: Sequence[HostNet] | None = None, work: str | Path | None = None,
-                 start_timeout: float = 30.0, v2: bool = False, tls: EtcdTLS | None = None) -> None:
+                 start_timeout: float = 30.0, v2: bool = False, tls: EtcdTLS | None = None,
+                 raft_ms: tuple[int, int] = (HEARTBEAT_MS, ELECTION_MS)) -> None:
         binary = etcd_binary()
         if binary is None:
             raise ConfigError("etcd is not installed: install Debian's etcd-server (make setup does, as root) "
                               "or set TENPLEX_ETCD to the etcd binary")
         if n < 1:
             raise ConfigError(f"an etcd cluster needs n >= 1 members, got {n}")
+        if not 0 < 5 * raft_ms[0] <= raft_ms[1]:
+            raise ConfigError(f"raft_ms (heartbeat, election) = {raft_ms}: etcd needs 0 < heartbeat and an election "
+                              f"time-out of at least 5 heartbeats ({5 * raft_ms[0]} ms)")
         nets = list(nets) if nets is not None else [LOOPBACK] * n
         if len(nets) != n:
             raise ConfigError(f"{n} etcd members need {n} host networks, got {len(nets)}")
@@ -179,7 +185,7 @@ class EtcdCluster:
                 d = self.work / f"e{i}"
                 d.mkdir(parents=True, exist_ok=True)
                 self.members.append(EtcdMember(f"e{i}", d / "data", cp, pp, initial, token, net=net, binary=binary,
-                                               v2=v2, tls=tls))
+                                               v2=v2, tls=tls, raft_ms=raft_ms))
             self.wait_healthy(start_timeout)
         except BaseException:
             self.stop()
