@@ -6,11 +6,12 @@ installs it) that form one Raft cluster: member ``i`` on host ``i``'s address (l
 host ``i``'s network namespace with ``nets``), waits until every member reports healthy, and kills
 them and removes their data on exit. Raft timings follow etcd's tuning rule for a round trip of
 microseconds (heartbeat 15 ms, election time-out 10x that, 150 ms; etcd's defaults, 100 / 1000 ms,
-are for data-centre links and disks): a client on a follower writes again 0.22 s after the leader's
-death (5 of 5 trials; a new leader elected after 0.14-0.19 s), against 0.42-0.53 s at 25 / 250 ms and
-0.65-1.05 s at 50 / 500 ms (``scripts/bench_etcd.py``, load 2). In 60 s beside 4 CPU burners
-(load about 10) no election happened that no death caused, the worst write took 25 ms; a spurious
-election would stall writes for one election, which the store's retries ride out.
+are for data-centre links and disks): a client on a follower writes again 0.227 s [0.226, 0.429]
+after the leader's SIGKILL (a new leader after 0.182 s [0.149, 0.253]), against 0.428 s at 25 / 250 ms
+and 1.048 s [0.649, 1.050] at 50 / 500 ms (``scripts/bench_etcd.py --json``: 5 trials each, median
+[min, max], load 3.5-4.6). Beside 4 CPU burners (``--burn 4 --idle-s 60``) no election happened in 60 s
+that no death caused; a spurious one would stall writes for one election, which the store's retries
+ride out.
 Workers reach it through :class:`~tenplex.elastic.etcd_store.EtcdStore` (``TENPLEX_MEMBERSHIP_STORE``
 = :attr:`EtcdCluster.spec`, ``etcd://host:port,...``), their own host's member first.
 """
