@@ -251,7 +251,9 @@ class Membership:
         self._put_beat(self._hb_store, ())
         self._hb_store.append(self._key("joiners"), "")  # exist before any heartbeat reads them
         self._failures_seen = self._flags(self._hb_store, self.round)
-        self._news = _Publisher(store.clone(), self._add_entry, f"tenplex-news-{self.id}")
+        news_store = store.clone()  # a record the store cannot take gives up as a heartbeat does, not after 30 s
+        news_store.set_timeout(self._hb_store.timeout)
+        self._news = _Publisher(news_store, self._add_entry, f"tenplex-news-{self.id}")
         if not joiner:
             if self.rank == 0:  # before any joiner can find this prefix (start_membership publishes it after)
                 store.add(self._key("next_id"), self.world_size)
