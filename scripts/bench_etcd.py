@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -26,14 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from figures import spread
+
 from tenplex.elastic.etcd_store import EtcdStore, parse_etcd_spec
 from tenplex.train.etcd import ELECTION_MS, HEARTBEAT_MS, EtcdCluster
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
 def _term(cluster: EtcdCluster, i: int) -> int:

@@ -89,6 +89,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_native_inprocess as native  # noqa: E402 - the torch-native job's run, shared
 import titan_elastic  # noqa: E402 - the torchtitan job's figures (--json)
+from figures import spread as _spread  # noqa: E402 - a figure over repeats
 
 from tenplex.cli import human_bytes  # noqa: E402
 from tenplex.train.launch import (  # noqa: E402
@@ -241,10 +242,6 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has exited
     except (OSError, IndexError):
         return False
-
-
-def _spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
 def side_by_side(cases: list[tuple[str, dict]], repeats: int, shm: str) -> dict:
@@ -678,12 +675,8 @@ def etcd_rank0_run(store_port: int, reference: dict[int, float]) -> dict:
     where = f"tenplex native hsdp0 on etcd (load {r['load']:.1f})"
     if "s" not in killed:
         raise Refused(f"{where}: etcd member e0 was never killed (no death recorded)")
-    losses = {int(k): v for k, v in r["losses"].items()}
-    if sorted(losses) != sorted(reference):
-        raise Refused(f"{where}: steps logged {sorted(losses)} are not the uninterrupted run's {sorted(reference)}")
-    rel = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
-    return {**r, "etcd_leader_killed": killed["leader"], "etcd_kill_s": killed["s"], "max_rel_loss_diff": rel,
-            "losses_equal": rel <= GROW_LOSS_RTOL}
+    return {**r, "etcd_leader_killed": killed["leader"], "etcd_kill_s": killed["s"],
+            **_losses_against(r, reference, where)}
 
 
 def etcd_rank0_row(repeats: int, baseline: bool = False) -> dict:

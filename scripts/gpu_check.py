@@ -54,6 +54,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+from figures import spread  # noqa: E402 - the benchmarks' figure over repeats
 
 GiB = 1 << 30
 MIN_FREE_GPU = 24 * GiB  # the largest part (memory: llama-100m, seq 2048, micro-batch 8) peaked at 16 GiB on an H100
@@ -78,11 +79,6 @@ def sync(dev: torch.device) -> None:
     """Wait for ``dev``'s queued work before reading a clock (nothing to wait for on CPU)."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    """A figure over repeats: {"median", "min", "max", "runs"} (the project's benchmark convention)."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
