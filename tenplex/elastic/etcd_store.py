@@ -227,8 +227,9 @@ class EtcdStore(dist.Store):
             while True:
                 for _ in range(len(self.endpoints)):
                     i = self._current
+                    wait = min(self.request_timeout, _FIRST_TRY_S * 2 ** (timeouts // 2))
                     try:
-                        return self._post_once(i, path, body, min(self.request_timeout, _FIRST_TRY_S * 2 ** (timeouts // 2)))
+                        return self._post_once(i, path, body, wait)
                     except _Retry as e:
                         timeouts += e.timed_out
                         errors = [*errors, str(e)][-len(self.endpoints):]  # the last cycle's

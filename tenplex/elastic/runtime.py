@@ -747,7 +747,6 @@ class ElasticRuntime:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
     def _drop_meshes(self) -> None:
         """Free the mesh's groups (a trainer's, or a spare's handle of it) and drop the model, optimizer
         and mesh, collected now: groups still referenced close their connections later."""

@@ -2,7 +2,7 @@
 
 torchrun's ``etcd-v2`` backend turns any failed etcd request into ``RendezvousConnectionError``, and the
 agent exits on it. When the host of the etcd leader dies, the remaining members elect a new leader
-(the cluster's election timeout, 500 ms in ``tenplex.train.etcd``); a surviving agent that restarts its
+(the cluster's election timeout, ``ELECTION_MS`` in ``tenplex.train.etcd``); a surviving agent that restarts its
 workers at that moment (the dead host's workers took the others' collectives with them) writes the
 rendezvous state during the election, fails, and exits, which closes the rendezvous for the other
 survivors too (seen in ``tests/test_etcd_hosts.py``: both survivors exited 1). The backend registered
