@@ -16,8 +16,11 @@ Three formats over the same files, both sides in ``DataLoader(batch_size, num_wo
 
 The plain side shuffles with ``shuffle=True``; the tenplex side reads through the resharding sampler a
 job uses, :class:`tenplex.data.ElasticBatchSampler` (rank 0 of DP 1, the "feistel" order). A pass times ``--samples`` samples
-(default 6000, about half the Megatron file) after every worker's first batch is in: worker start-up, which
-a job pays once an epoch (never with ``persistent_workers``), is excluded on both sides. (Before: 1500
+(default ``PASS_SAMPLES``: 24,000 of the ``.bin``, half its file, 6,000 of the others; about 0.6 s a pass on
+2 cores each) after every worker's first batch is in: worker start-up, which
+a job pays once an epoch (never with ``persistent_workers``), is excluded on both sides. (The ``.bin``'s
+pass was 6,000 samples, 0.17 s: its runs' ratios spread 0.84-1.07 within one invocation on a shared
+machine, wider than the goal's margin; with 24,000 samples, 0.94-1.05.) (Before: 1500
 samples after worker 0's first batch only; worker 1's first batch came 4-8 ms later and the first ~16
 batches ran 1.2-2x slower than the steady state on both sides, a large share of a 55 ms window.) A run
 is ``--pairs`` adjacent (plain, tenplex) passes in alternating
@@ -179,6 +182,9 @@ class PlainBin(torch.utils.data.Dataset):
         return torch.from_numpy(self.tokens[i * s : (i + 1) * s + 1].astype(np.int64))
 
 
+PASS_SAMPLES = {"jsonl_tokenized": 6000, "megatron_bin": 24000, "parquet": 6000}
+
+
 def build_formats(d: str, scale: float, seq_len: int) -> dict[str, tuple[Any, Any, Callable | None]]:
     """name -> (plain dataset, tenplex dataset, collate)."""
     rng = random.Random(0)
@@ -192,7 +198,7 @@ def build_formats(d: str, scale: float, seq_len: int) -> dict[str, tuple[Any, An
         "jsonl_tokenized": (PlainJsonl(jl, tok), TextDocuments([jl], tok), pad_collate)}
 
     nrng = np.random.default_rng(0)
-    lengths = nrng.integers(50, 3000, size=int(8000 * scale))
+    lengths = nrng.integers(50, 3000, size=int(32000 * scale))  # ~48,000 samples
     docs = [nrng.integers(0, 50000, size=int(k), dtype=np.int64).astype(np.uint16) for k in lengths]
     write_megatron(os.path.join(d, "meg"), docs)
     out["megatron_bin"] = (PlainBin(os.path.join(d, "meg.bin"), seq_len),
@@ -257,11 +263,12 @@ def fetch_us(plain: Any, tplx: Any, collate: Callable | None, batch: int, rounds
     return best
 
 
-def run_format(plain: Any, tplx: Any, collate: Callable | None, args: argparse.Namespace) -> dict[str, Any]:
+def run_format(plain: Any, tplx: Any, collate: Callable | None, args: argparse.Namespace,
+               samples: int) -> dict[str, Any]:
     """``args.runs`` runs; a run is ``args.pairs`` adjacent (plain, tenplex) passes in alternating order, its
     figures the medians over its pairs (adjacent passes see the same machine load, so the ratio is stable
     on a shared machine where absolute rates are not)."""
-    n = min(len(plain), len(tplx), args.samples + args.batch * max(1, args.workers))
+    n = min(len(plain), len(tplx), samples + args.batch * max(1, args.workers))
     kw = dict(batch_size=args.batch, num_workers=args.workers, collate_fn=collate,
               prefetch_factor=4 if args.workers else None)
     ratios, t_sps, p_sps, t_us, p_us, t_cpu, p_cpu, t_main, p_main = [], [], [], [], [], [], [], [], []
@@ -308,7 +315,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--fetch-rounds", type=int, default=100, help="alternating in-process fetches per run")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--samples", type=int, default=6000, help="samples timed per pass")
+    ap.add_argument("--samples", type=int, help="samples timed per pass (default: PASS_SAMPLES, per format)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--scale", type=float, default=1.0, help="size of the generated files")
     ap.add_argument("--only", nargs="*", help="formats to run")
@@ -322,7 +329,7 @@ def main() -> None:
             if args.only and name not in args.only:
                 continue
             load = os.getloadavg()[0]
-            res[name] = {**run_format(plain, tplx, collate, args), "load_avg_1min": round(load, 2)}
+            res[name] = {**run_format(plain, tplx, collate, args, args.samples or PASS_SAMPLES[name]), "load_avg_1min": round(load, 2)}
             r = res[name]
             print(f"{name:>16}: ratio {r['ratio']['median']:.3f} [{r['ratio']['min']:.3f}, {r['ratio']['max']:.3f}]"
                   f"  tenplex {r['tenplex_sps']['median']:.0f}/s  plain {r['plain_sps']['median']:.0f}/s"
