@@ -346,3 +346,44 @@ def test_a_spare_pays_its_first_build_at_its_start(tmp_path: Path) -> None:
     assert got[0]["spare"] is False and got[0]["builds"] == [[0]] and got[0]["holds"], got[0]
     assert got[1]["spare"] is True and got[1]["builds"] == [[1]] and not got[1]["holds"], got[1]
     assert got[0]["hooks"] == got[1]["hooks"] == [], got
+
+
+def test_sharding_caches_are_cleared_only_for_a_mesh_of_released_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DTensor's sharding propagation caches compare meshes by value: a mesh numbering the ranks of a
+    released one would get entries naming the released mesh's dead groups, so ``admit_mesh`` clears
+    them then (and only then: a recovery to other ranks keeps its first step's shardings). Counted by
+    the propagations computed (not cached) for the same op."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from tenplex.native.dtensor import admit_mesh, release_mesh
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    computed: list[str] = []
+    slow = propagator.propagate_op_sharding_non_cached
+
+    def counted(schema: Any) -> Any:
+        computed.append(str(schema.op))
+        return slow(schema)
+
+    monkeypatch.setattr(propagator, "propagate_op_sharding_non_cached", counted)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def op(mesh: Any) -> int:
+            before = len(computed)
+            x = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+            assert float((x * 3).full_tensor().sum()) == 24.0
+            return len(computed) - before
+
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+        assert not admit_mesh(mesh)  # nothing released
+        op(mesh)
+        assert op(mesh) == 0  # cached
+        release_mesh(mesh)
+        again = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))  # the same ranks: equal meshes
+        assert again == mesh and admit_mesh(again)
+        assert op(again) > 0  # computed again for the new mesh
+        assert not admit_mesh(again) and op(again) == 0  # cleared once; nothing released since
+    finally:
+        dist.destroy_process_group()
