@@ -82,7 +82,7 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint import default_save_id, list_steps, save
 from ..data.partition import DataState, loss_scale, replica_slice
 from ..errors import ConfigError, LayoutError, PeerFailure
-from ..native.dtensor import admit_mesh, release_fsdp_groups, release_mesh
+from ..native.dtensor import release_fsdp_groups, release_mesh
 from ..native.state_dict import describe_state_dict, local_shard, save_state_dict
 from ..planning.assignment import load_solvers
 from ..planning.choose import MESH_DIMS, MeshChooser, choose_mesh, predict_layout
@@ -416,7 +416,6 @@ class ElasticRuntime:
         self._told, self._placed, self.spare = False, None, self.rank >= placed
         if placed < world:  # ranks placed..world-1 wait as spares; every rank takes part in creating the groups
             self.mesh = DeviceMesh(self.device, torch.arange(placed).reshape(shape), mesh_dim_names=names)
-            admit_mesh(self.mesh)
             self._placed = dist.new_group(list(range(placed)))
             if self.spare:
                 log.warning("rank %d of %d: a spare (the mesh %s holds ranks 0-%d)", self.rank, world, self.dims,
@@ -427,7 +426,6 @@ class ElasticRuntime:
                 return
         else:
             self.mesh = init_device_mesh(self.device, shape, mesh_dim_names=names)
-        admit_mesh(self.mesh)
         self._parts["mesh"] = time.perf_counter() - t0
         built = build_empty(self.build_fn, self.mesh, self.device) if empty else None
         self._parts["empty_build"] = float(built is not None)
@@ -612,7 +610,6 @@ class ElasticRuntime:
         optimizer's state (``get_state_dict`` creates it by a step at learning rate 0) no arithmetic:
         0.11 s against 0.28 s materialised (a model that cannot be built on meta: built for real). The
         job's optimizer step hooks do not run for that step: the model is not the job's."""
-        admit_mesh(mesh)
         try:
             with torch.device("meta"), _to_keeps_meta():
                 self.model, self.optimizer = self.build_fn(mesh)

@@ -18,7 +18,7 @@ from ..layout.mesh import NamedMesh, MeshPlacement, Replicate, Shard, StridedSha
 from ..layout.ptc import dtype_to_str
 
 __all__ = ["mesh_of", "mesh_ranks", "root_mesh", "placement_of", "from_dtensor_spec", "tensor_placement",
-           "release_mesh", "admit_mesh", "release_fsdp_groups"]
+           "release_mesh", "release_fsdp_groups"]
 
 
 def mesh_of(device_mesh: DeviceMesh) -> NamedMesh:
@@ -94,26 +94,16 @@ def _clear_sharding_caches() -> None:
         fast()
 
 
-#: (device type, ranks) of the root meshes released since DTensor's sharding caches were last cleared
-_RELEASED: set[tuple[str, tuple[int, ...]]] = set()
-
-
-def _ranks_key(device_mesh: DeviceMesh) -> tuple[str, tuple[int, ...]]:
-    root = getattr(device_mesh, "_root_mesh", None) or device_mesh
-    return root.device_type, tuple(root.mesh.flatten().tolist())
-
-
 def release_mesh(device_mesh: DeviceMesh) -> int:
     """Drop the process groups a broken ``device_mesh`` keeps (its root mesh's group registry), so that
     gloo closes their connections once the modules holding them are freed too (``gc.collect()``: FSDP2's
     hooks make reference cycles). DTensor's sharding cache keeps meshes alive after their groups were
     destroyed; a survivor blocked in one of their collectives with this rank would wait for the group
-    timeout. Its sharding propagation caches still name the mesh: they compare meshes by value, so a
-    later mesh equal to it (the 4-worker mesh again after a join) would get cached results naming its
-    dead groups ("Could not resolve the process group registered under the name ..."); ``admit_mesh``
-    clears them before such a mesh is used. Returns how many groups were dropped (0 when this torch
-    keeps none there)."""
-    _RELEASED.add(_ranks_key(device_mesh))
+    timeout. Its sharding propagation caches are cleared too: they compare meshes by value, so a later
+    mesh equal to a dead one (the 4-worker mesh again after a join) got cached results naming the dead
+    one's groups ("Could not resolve the process group registered under the name ..."). Returns how
+    many groups were dropped (0 when this torch keeps none there)."""
+    _clear_sharding_caches()
     root = getattr(device_mesh, "_root_mesh", None) or device_mesh
     registry = getattr(root, "_pg_registry", None)
     if not isinstance(registry, dict):
@@ -121,21 +111,6 @@ def release_mesh(device_mesh: DeviceMesh) -> int:
     n = len(registry)
     registry.clear()
     return n
-
-
-def admit_mesh(device_mesh: DeviceMesh) -> bool:
-    """Before a new mesh is used: DTensor's sharding caches cleared when a released mesh had its ranks.
-
-    Meshes (and their slices) compare equal only when their roots number the same ranks, so a mesh of
-    other ranks cannot hit a released one's entries and keeps the caches: a recovery to fewer ranks
-    does not recompute its first step's shardings (12m Llama, 3 survivors: 60 propagations, 0.1 s of
-    the first step on an idle CPU core); the join back to the first ranks clears them. Returns whether
-    it cleared."""
-    if _ranks_key(device_mesh) not in _RELEASED:
-        return False
-    _clear_sharding_caches()
-    _RELEASED.clear()
-    return True
 
 
 def release_fsdp_groups(model: Any) -> int:
