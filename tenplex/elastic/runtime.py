@@ -226,6 +226,7 @@ class ElasticRuntime:
         self._filled: dict[str, Any] = {}
         self._parts: dict[str, float] = {}  # seconds of the recovery's parts on this rank (its record's "parts")
         self._optim_template: list[dict[str, Any] | None] | None = None  # the old optimizer's state, per parameter
+        self._warm_template: list[dict[str, Any] | None] | None = None  # the warm-up optimizer's (no old one)
         self._done_at = 0.0  # perf_counter when the last recovery's state was in place
         self.spare = False  # this rank is beyond the mesh: it holds nothing and runs no step
         self._placed: Any = None  # with spares: the process group of the mesh's ranks (saves, the layout's description)
@@ -625,6 +626,13 @@ class ElasticRuntime:
                 o._optimizer_step_pre_hooks, o._optimizer_step_post_hooks = type(o._optimizer_step_pre_hooks)(), \
                     type(o._optimizer_step_post_hooks)()
             self.state_dict()
+            # a rebuild without an old optimizer (a joiner's, a spare's place) primes its state from this
+            # one's, as a survivor's from its old one's (``prime_optimizer``): no initialising step
+            template = optimizer_template(self.optimizer)
+            self._warm_template = None if template is None else [
+                None if spec is None else {k: torch.zeros(v.shape, dtype=v.dtype, device=self.device)
+                                           if isinstance(v, torch.Tensor) else v for k, v in spec.items()}
+                for spec in template]
         except (NotImplementedError, RuntimeError) as e:
             if not on_meta:
                 raise
@@ -718,7 +726,8 @@ class ElasticRuntime:
         old = ring.held_as
         newest = max(ring.states()) if ring.states() else None
         # what the old optimizer's state looks like: the rebuilt one's is created empty after it
-        self._optim_template = optimizer_template(self.optimizer) if self.config.empty_rebuild else None
+        self._optim_template = (optimizer_template(self.optimizer) or self._warm_template) \
+            if self.config.empty_rebuild else None
         # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
         # freed, their connections close, and a survivor blocked in one of them with this rank fails
         spare = self.spare
