@@ -324,7 +324,11 @@ def _spare_start(rank: int, port: int, ckpt: str, q: Any) -> None:
             return model, optimizer
 
         rt = tenplex.ElasticRuntime(build, lambda world: {"dp_shard": 1}, ckpt=ckpt, in_process=False)
-        out.update(spare=rt.spare, builds=builds, hooks=hooks, holds=rt.model is not None)
+        out.update(spare=rt.spare, builds=builds, hooks=hooks, holds=rt.model is not None,
+                   # what a rebuild without an old optimizer primes its state from: per parameter, the
+                   # parameter-shaped entries by dtype, the small ones as real tensors (not the meta warm-up's)
+                   template=[{k: v if isinstance(v, tuple) else (str(v.device), v.shape) for k, v in spec.items()}
+                             for spec in rt._warm_template or []])
         rt.close()
     except Exception as e:  # noqa: BLE001 - reported to the test
         out["error"] = f"{type(e).__name__}: {e}"
@@ -337,7 +341,8 @@ def test_a_spare_pays_its_first_build_at_its_start(tmp_path: Path) -> None:
     rank takes part in), and drops it: the first build's one-time costs (torch._dynamo's import, FSDP2's
     first set-up: 0.43 s of a 1.9 s recovery in scripts/bench_recovery.py's spare row) are not paid at
     the recovery that gives it a place, where the trainers wait for it. The optimizer step that
-    ``get_state_dict`` runs on that model to create its state runs none of the job's step hooks."""
+    ``get_state_dict`` runs on that model to create its state runs none of the job's step hooks; the
+    state's structure is kept to prime the optimizer of the spare's place (no initialising step then)."""
     from spawned import run_spawned
 
     port = free_port()
@@ -346,4 +351,6 @@ def test_a_spare_pays_its_first_build_at_its_start(tmp_path: Path) -> None:
     assert got[0]["spare"] is False and got[0]["builds"] == [[0]] and got[0]["holds"], got[0]
     assert got[1]["spare"] is True and got[1]["builds"] == [[1]] and not got[1]["holds"], got[1]
     assert got[0]["hooks"] == got[1]["hooks"] == [], got
+    assert got[1]["template"] == [{"step": ("cpu", torch.Size([])), "exp_avg": ("param", torch.float32),
+                                   "exp_avg_sq": ("param", torch.float32)}] * 4, got[1]["template"]
 
