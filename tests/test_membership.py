@@ -12,6 +12,7 @@ the agreement sends the survivors to a later round (or a clean MembershipError),
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import queue
 import signal
@@ -21,13 +22,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same, random_global
+from conftest import assert_same, examples, random_global
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from spawned import gloo_env, here, in_env, reap, worker_context
 
 import tenplex
 from tenplex import ParallelConfig
 from tenplex.elastic.membership import (Decision, HeartbeatMonitor, decode_decision, encode_decision, is_peer_error,
-                                join_boundary, old_ranks, parse_joined, propose)
+                                join_boundary, link_targets, old_ranks, parse_joined, propose)
 from tenplex.errors import ConfigError, MembershipError, PeerFailure
 from tenplex.train.launch import RendezvousStore
 
@@ -54,6 +57,26 @@ def test_propose_every_small_case() -> None:
                     assert got is None, (cand, states)
                 else:
                     assert got == want and propose(list(cand), sorted(joined), sorted(dead)) == got
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.lists(st.integers(0, 10**6), min_size=1, max_size=300, unique=True), st.data())
+def test_links_reach_every_member_of_small_groups_and_few_of_large_ones(members: list[int], data: Any) -> None:
+    """``link_targets``: successors at ring distance 1, 2, 4, ...: distinct, never the member itself,
+    at most ceil(log2 n) a member; every pair of a group of up to 4 is linked (a death is known by a
+    link to every survivor, not from the store's news), and in any group of 3 or more every member is
+    linked with at least 2 others, as the plain ring gave."""
+    n = len(members)
+    links = {m: link_targets(members, m) for m in members}
+    for m, out in links.items():
+        assert m not in out and len(set(out)) == len(out) <= max(0, math.ceil(math.log2(n)) if n > 1 else 0)
+        assert all(t in members for t in out)
+    linked = {m: set(links[m]) | {o for o in members if m in links[o]} for m in members}
+    if n <= 4:
+        assert all(linked[m] == set(members) - {m} for m in members), linked
+    if n >= 3:
+        assert min(len(v) for v in linked.values()) >= 2
+    assert link_targets(members, data.draw(st.integers(10**6 + 1, 10**7))) == ()  # not a member
 
 
 def test_propose_order_and_old_ranks() -> None:

@@ -8,7 +8,7 @@ GPU error that takes the process down, a SIGKILL), known in milliseconds, and th
 for what no connection reports (a host that lost power or its network: no FIN is ever sent).
 
 Each member listens on one port and links to a few others (:class:`tenplex.elastic.membership_runtime.Membership`
-uses a ring: every member links to its successor, so each is watched by two). A connection opens
+uses a ring with chords: every member links to its successors at distance 1, 2, 4, ...). A connection opens
 with a challenge-response in both directions, keyed by the job secret
 (:class:`tenplex.elastic.job_secret.JobSecret`): the connector sends its id and a fresh nonce, the
 acceptor answers with its id, its own nonce and an HMAC over both ids and both nonces, the connector

@@ -10,7 +10,8 @@ outlives the workers (the job's rendezvous store) and a job prefix. Then:
   reads the others'. Every record in the store is signed with the job secret
   (:mod:`tenplex.elastic.job_secret`); one that does not verify is ignored. A death, or a failure
   flagged by another member, sets :meth:`Membership.failed` and calls ``on_failure``;
-* the same thread watches TCP links to this member's ring neighbours (:mod:`tenplex.elastic.liveness`):
+* the same thread watches TCP links to this member's ring neighbours at distance 1, 2, 4, ...
+  (:func:`~tenplex.elastic.membership.link_targets`; :mod:`tenplex.elastic.liveness`):
   a process that dies while its host lives (killed, crashed) has its connections closed by its
   kernel, so its neighbours know within milliseconds, append its id to ``{prefix}/gone`` and flag
   the failure; the others read the list at their next heartbeat and in the agreement. A host that
@@ -105,7 +106,7 @@ from ..errors import ConfigError, MembershipError, PeerFailure
 from .job_secret import JobSecret, decode_beat, encode_beat
 from .liveness import PeerLinks, link_host
 from .membership import (Decision, HeartbeatMonitor, NewMembership, decode_decision, encode_decision, is_peer_error,
-                         join_boundary, old_ranks, propose)
+                         join_boundary, link_targets, old_ranks, propose)
 
 __all__ = ["Membership", "MEMBERSHIP_STORE_ENV", "JOB_ENV", "membership_store", "job_key",
            "start_membership", "join_membership"]
@@ -394,18 +395,18 @@ class Membership:
                 for m in watched}
 
     def _relink(self, members: Sequence[int]) -> None:
-        """Link to this member's successor in ``members`` (a ring: each member watched by two)."""
-        if self.id not in members or len(members) < 2:
-            self._links.want({})
-            return
-        nxt = members[(list(members).index(self.id) + 1) % len(members)]
-        key = self._key("link", nxt)
-        try:  # (get would wait for a key never set: check first)
-            addr = self._get(self.store, key)
-        except RuntimeError as e:
-            log.info("member %d: no link address of member %d (%s)", self.id, nxt, e)
-            addr = None
-        self._links.want({nxt: addr} if addr else {})  # without one, its heartbeats watch it alone
+        """Link to this member's ``link_targets`` in ``members`` (successors at ring distance 1, 2, 4, ...)."""
+        peers: dict[int, str] = {}
+        for nxt in link_targets(members, self.id):
+            key = self._key("link", nxt)
+            try:  # (get would wait for a key never set: check first)
+                addr = self._get(self.store, key)
+            except RuntimeError as e:
+                log.info("member %d: no link address of member %d (%s)", self.id, nxt, e)
+                addr = None
+            if addr:  # without one, its heartbeats (and the other members' links) watch it
+                peers[nxt] = addr
+        self._links.want(peers)
 
     def _gone(self, store: Any) -> list[int]:
         """Ids the members found dead by a broken link (every round: ids are never reused)."""
