@@ -335,8 +335,9 @@ def test_kill_a_worker_mid_collective_survivors_regroup_and_migrate(tmp_path: Pa
 @pytest.mark.timeout(120)
 def test_a_killed_member_is_known_by_its_links_long_before_its_heartbeats(tmp_path: Path) -> None:
     """Heartbeats that would need 60 s of silence, no collective running: the survivors still
-    learn of the SIGKILL at once (its links to its two ring neighbours close; they record it in the
-    store, the third reads it there), agree without waiting for the heartbeats and regroup."""
+    learn of the SIGKILL at once (its links to the others close: in a group of 4 every member is
+    linked with every other; they record it in the store), agree without waiting for the heartbeats
+    and regroup."""
     t_kill, res = _run_world(tmp_path, "links")
     nms = {r: v["nm"] for r, v in res.items()}
     for r, v in res.items():
@@ -505,10 +506,11 @@ def test_a_failure_is_acted_on_while_the_store_cannot_record_it() -> None:
 # a live member is not dead: stopped or starved, its links stay open (issue 29 item 7)
 # ---------------------------------------------------------------------------------------------
 STOP_DEAD_AFTER = 0.5  # the silence a heartbeat verdict needs here; the stopped member is silent 4x as long
+STOP_WORLD, STOPPED = 6, 5  # link_targets: member 5 of 6 is linked with 0, 1, 3 and 4, not with 2
 
 
 def _stopped_member(port: int, out: Any) -> None:
-    """Member 3 of 4: reports its pid, runs its heartbeat ``run_s`` seconds (stopped meanwhile by the
+    """Member STOPPED of STOP_WORLD: reports its pid, runs its heartbeat (stopped meanwhile by the
     test), then reports what it saw: whether it found anyone dead after its own stop."""
     import datetime
 
@@ -519,7 +521,7 @@ def _stopped_member(port: int, out: Any) -> None:
     res: dict[str, Any] = {"error": None}
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
-        m = Membership(store, "stop", rank=3, world_size=4, backend="gloo", interval=0.05,
+        m = Membership(store, "stop", rank=STOPPED, world_size=STOP_WORLD, backend="gloo", interval=0.05,
                        dead_after=STOP_DEAD_AFTER)
         out.put(("ready", os.getpid()))
         store.wait(["stop/test/report"], datetime.timedelta(seconds=60))
@@ -534,12 +536,12 @@ def _stopped_member(port: int, out: Any) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_stopped_member_whose_links_are_open_is_not_dead_and_a_killed_one_still_is() -> None:
-    """Members 0-2 in this process, member 3 in a child; heartbeats would call a member dead after
+    """Members 0-4 in this process, member 5 in a child; heartbeats would call a member dead after
     0.5 s of silence. The child is SIGSTOPped for 2 s (what a process starved of the CPU or the GIL
     by a loaded machine looks like to the others, to the extreme): its kernel keeps its links to
-    its ring neighbours 0 and 2 open, so nobody, not even member 1 that has no link to it, finds it
-    dead, and the child itself, an observer stalled for 2 s, finds nobody dead when it resumes.
-    Then the child is SIGKILLed: all three know within a second. (Before issue 29 item 7 the
+    members 0, 1, 3 and 4 open, so nobody, not even member 2 that has no link to it, finds it dead,
+    and the child itself, an observer stalled for 2 s, finds nobody dead when it resumes.
+    Then the child is SIGKILLed: all five know within a second. (Before issue 29 item 7 the
     stop was a death: the others left a live member out of the group.)"""
     import datetime
 
@@ -555,24 +557,27 @@ def test_a_stopped_member_whose_links_are_open_is_not_dead_and_a_killed_one_stil
     members: list[Any] = []
     try:
         child.start()
+        here_ = range(STOPPED)
         stores = [dist.TCPStore("127.0.0.1", rdzv.port, is_master=False, timeout=datetime.timedelta(seconds=30))
-                  for _ in range(3)]
+                  for _ in here_]
         import concurrent.futures as cf
 
-        with cf.ThreadPoolExecutor(3) as pool:  # each waits for the others' first heartbeat
-            members = list(pool.map(lambda r: Membership(stores[r], "stop", rank=r, world_size=4, backend="gloo",
-                                                         interval=0.05, dead_after=STOP_DEAD_AFTER), range(3)))
+        with cf.ThreadPoolExecutor(STOPPED) as pool:  # each waits for the others' first heartbeat
+            members = list(pool.map(lambda r: Membership(stores[r], "stop", rank=r, world_size=STOP_WORLD,
+                                                         backend="gloo", interval=0.05, dead_after=STOP_DEAD_AFTER),
+                                    here_))
         kind, pid = q.get(timeout=30)
         assert kind == "ready", pid
+        linked = [r for r in here_ if r != 2]
         deadline = time.monotonic() + 10
-        while not (3 in members[0].linked() and 3 in members[2].linked()) and time.monotonic() < deadline:
+        while not all(STOPPED in members[r].linked() for r in linked) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert 3 in members[0].linked() and 3 in members[2].linked() and 3 not in members[1].linked()
+        assert all(STOPPED in members[r].linked() for r in linked) and STOPPED not in members[2].linked()
         os.kill(pid, signal.SIGSTOP)
         time.sleep(4 * STOP_DEAD_AFTER)
         os.kill(pid, signal.SIGCONT)
         time.sleep(4 * STOP_DEAD_AFTER)  # the child's observer runs again for as long as it was stopped
-        assert [(m.failed, sorted(m.dead())) for m in members] == [(False, [])] * 3
+        assert [(m.failed, sorted(m.dead())) for m in members] == [(False, [])] * STOPPED
         stores[0].set("stop/test/report", "1")
         kind, res = q.get(timeout=30)
         assert res["error"] is None and (res["failed"], res["dead"]) == (False, []), res
@@ -582,7 +587,7 @@ def test_a_stopped_member_whose_links_are_open_is_not_dead_and_a_killed_one_stil
             time.sleep(0.01)
         took = time.monotonic() - t_kill
         assert all(m.failed for m in members) and took < 1.0, took
-        assert [sorted(m.dead()) for m in members] == [[3]] * 3
+        assert [sorted(m.dead()) for m in members] == [[STOPPED]] * STOPPED
     finally:
         for m in members:
             m.close()

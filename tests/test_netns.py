@@ -389,9 +389,10 @@ MEMBER = textwrap.dedent("""
 def test_a_silently_vanished_host_is_dead_within_the_link_timeout(netns_ok: None) -> None:
     """Four members in four host namespaces, the membership store on the bridge; heartbeats would
     need 60 s of silence. Host 3's cable is cut (its process runs on, cut off: no FIN, no reset
-    reaches anyone): its ring neighbours 2 and 0 find it dead when their links' keepalive gets no
-    answer for ``link_timeout`` (3 s), and member 1, not linked to it, reads that in the store at
-    its next heartbeat. The bound docs/inprocess.md states: ``link_timeout`` + 1 s."""
+    reaches anyone): the members linked with it (all three in a group of 4: ``link_targets``) find
+    it dead when their links' keepalive gets no answer for ``link_timeout`` (3 s); a member not
+    linked to it would read that in the store at its next heartbeat. The bound docs/inprocess.md
+    states: ``link_timeout`` + 1 s."""
     with HostNetwork.create(4) as net:
         rdzv = RendezvousStore(net=net.switch)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
