@@ -61,7 +61,8 @@ def test_restart_fallback_on_etcd_survives_the_rank0_host_and_the_leader(tmp_pat
     from tenplex.train.launch import read_train_log
 
     log = tmp_path / "log.jsonl"
-    args = ("--steps", str(STEPS), "--ckpt-every", str(EVERY), "--global-batch", str(BATCH), "--ckpt",
+    n_steps = 2 * STEPS  # the kill comes after 3 steps and a leader move: at 8 steps a loaded run had finished by then
+    args = ("--steps", str(n_steps), "--ckpt-every", str(EVERY), "--global-batch", str(BATCH), "--ckpt",
             str(tmp_path / "ckpt"), "--log", str(log))
     env = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     tls = job_certs(tmp_path / "certs")["member"] if shutil.which("openssl") else None
@@ -76,7 +77,7 @@ def test_restart_fallback_on_etcd_survives_the_rank0_host_and_the_leader(tmp_pat
                                  timeout=datetime.timedelta(seconds=1), request_timeout=0.3)
             with pytest.raises(EtcdStoreError, match="no etcd endpoint"):
                 outsider.set("intruder", "1")
-        reference = native_reference(STEPS)
+        reference = native_reference(n_steps)
         assert wait_for(lambda: sum(1 for r in read_train_log(log)[0] if r["world_size"] == 3) >= 3, 150), \
             (tmp_path / "host0.log").read_text()[-3000:]
         assert [h.etcd for h in hosts] == cluster.members and all(m.alive() for m in cluster.members)
@@ -101,7 +102,7 @@ def test_restart_fallback_on_etcd_survives_the_rank0_host_and_the_leader(tmp_pat
     assert codes == [0, 0], [(tmp_path / f"host{i}.log").read_text()[-3000:] for i in range(3)]
     steps, starts = read_train_log(log)
     assert [(s["world_size"], s["fresh"]) for s in starts if s.get("start")] == [(3, True), (2, False)], starts
-    assert check_native_run(tmp_path, log, reference) == []  # every step's losses and samples; no in-process recovery
+    assert check_native_run(tmp_path, log, reference, steps=n_steps) == []  # every step's losses and samples; no in-process recovery
     first = min(r["wall"] for r in steps if r["wall"] > t_kill)
     print(f"\nkill -> first step after the restart: {first - t_kill:.1f} s")
 
