@@ -329,7 +329,8 @@ def main() -> None:
             if args.only and name not in args.only:
                 continue
             load = os.getloadavg()[0]
-            res[name] = {**run_format(plain, tplx, collate, args, args.samples or PASS_SAMPLES[name]), "load_avg_1min": round(load, 2)}
+            samples = args.samples or PASS_SAMPLES[name]
+            res[name] = {**run_format(plain, tplx, collate, args, samples), "load_avg_1min": round(load, 2)}
             r = res[name]
             print(f"{name:>16}: ratio {r['ratio']['median']:.3f} [{r['ratio']['min']:.3f}, {r['ratio']['max']:.3f}]"
                   f"  tenplex {r['tenplex_sps']['median']:.0f}/s  plain {r['plain_sps']['median']:.0f}/s"

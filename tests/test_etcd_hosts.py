@@ -102,7 +102,8 @@ def test_restart_fallback_on_etcd_survives_the_rank0_host_and_the_leader(tmp_pat
     assert codes == [0, 0], [(tmp_path / f"host{i}.log").read_text()[-3000:] for i in range(3)]
     steps, starts = read_train_log(log)
     assert [(s["world_size"], s["fresh"]) for s in starts if s.get("start")] == [(3, True), (2, False)], starts
-    assert check_native_run(tmp_path, log, reference, steps=n_steps) == []  # every step's losses and samples; no in-process recovery
+    # every step's losses and samples; no in-process recovery
+    assert check_native_run(tmp_path, log, reference, steps=n_steps) == []
     first = min(r["wall"] for r in steps if r["wall"] > t_kill)
     print(f"\nkill -> first step after the restart: {first - t_kill:.1f} s")
 

@@ -69,7 +69,7 @@ def test_links_reach_every_member_of_small_groups_and_few_of_large_ones(members:
     n = len(members)
     links = {m: link_targets(members, m) for m in members}
     for m, out in links.items():
-        assert m not in out and len(set(out)) == len(out) <= max(0, math.ceil(math.log2(n)) if n > 1 else 0)
+        assert m not in out and len(set(out)) == len(out) <= math.ceil(math.log2(n))
         assert all(t in members for t in out)
     linked = {m: set(links[m]) | {o for o in members if m in links[o]} for m in members}
     if n <= 4:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, MembershipError
 
-__all__ = ["NewMembership", "Decision", "HeartbeatMonitor", "propose", "link_targets", "encode_decision", "decode_decision",
-           "old_ranks", "join_boundary", "parse_joined", "is_peer_error", "PEER_ERROR_MARKERS"]
+__all__ = ["NewMembership", "Decision", "HeartbeatMonitor", "propose", "link_targets", "encode_decision",
+           "decode_decision", "old_ranks", "join_boundary", "parse_joined", "is_peer_error", "PEER_ERROR_MARKERS"]
 
 #: Substrings of collective errors that mean a peer died or a connection broke (gloo, nccl).
 PEER_ERROR_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
