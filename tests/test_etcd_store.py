@@ -71,6 +71,10 @@ def _contract(s: Any) -> None:
     with pytest.raises(EtcdStoreError, match="did not appear"):
         s.wait(["never"], datetime.timedelta(seconds=0.3))
     assert 0.3 <= time.monotonic() - t0 < 3
+    if hasattr(s, "peek"):  # values or None in one read, no wait (Membership's polls)
+        t0 = time.monotonic()
+        assert s.peek(["a", "never", "l"]) == [b"x", None, b"1,2,"] and s.peek([]) == []
+        assert time.monotonic() - t0 < 1
     assert s.delete_key("a") and not s.delete_key("a") and not s.check(["a"])
     assert s.num_keys() == 6  # b n l c m1 m2: a fresh namespace, only its own keys
 

@@ -151,6 +151,16 @@ def test_heartbeat_monitor() -> None:
     assert [m2.observe(t, {1: 0}) for t in (3.4, 3.6, 3.8, 4.05)] == [frozenset()] * 3 + [{1}]
     with pytest.raises(ConfigError):
         HeartbeatMonitor(0)
+    # a member known alive by an open link (alive()) between its beats: its silence counts from there,
+    # and a death is dated from there, not from its last beat; a dead one stays dead
+    m3 = HeartbeatMonitor(dead_after=0.9)
+    m3.observe(0.0, {1: 0, 2: 0})
+    for t in (0.4, 0.8, 1.2, 1.6):
+        m3.alive([1, 5], t)  # 5: never observed, nothing to date
+        assert m3.observe(t + 0.05, {1: 0, 2: 0}) == ({2} if t == 1.2 else frozenset())
+    assert m3.last_alive(1) == pytest.approx(1.6) and m3.last_alive(5) is None and 1 not in m3.dead
+    m3.alive([2], 2.0)
+    assert m3.last_alive(2) == 0.0 and 2 in m3.dead
 
 
 def test_is_peer_error() -> None:
@@ -593,3 +603,34 @@ def test_a_stopped_member_whose_links_are_open_is_not_dead_and_a_killed_one_stil
             m.close()
         reap([child], timeout=5)
         rdzv.stop()
+
+
+@pytest.mark.timeout(30)
+def test_heartbeats_are_written_every_beat_every_and_read_every_interval() -> None:
+    """A member writes its heartbeat every ``beat_every`` seconds (default a tenth of ``dead_after``:
+    each write is a consensus round on etcd) while it reads the others' and the news every
+    ``interval``: a failure flagged by another member is news within about ``interval``, not
+    ``beat_every``. ``beat_every`` outside [interval, dead_after) is refused."""
+    import torch.distributed as dist
+
+    from tenplex.elastic.job_secret import JobSecret
+    from tenplex.elastic.membership_runtime import Membership
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    secret = JobSecret.resolve("beat test")
+    with pytest.raises(ConfigError, match="beat_every"):
+        Membership(store, "b0", rank=0, world_size=1, backend="gloo", interval=0.05, dead_after=1.0, beat_every=1.0,
+                   secret=secret)
+    m = Membership(store, "b", rank=0, world_size=1, backend="gloo", interval=0.05, dead_after=30.0, secret=secret)
+    try:
+        assert m.beat_every == pytest.approx(3.0)
+        time.sleep(1.0)
+        assert m._seq == 1, m._seq  # the start's; every 0.05 s it would be about 20
+        flagged = time.monotonic()
+        store.append("b/round0/failures", secret.scoped("b").entry("b/round0/failures", "7"))
+        while not m.failed and time.monotonic() - flagged < 10:
+            time.sleep(0.005)
+        assert m.failed and time.monotonic() - flagged < 1.5, time.monotonic() - flagged  # not at the next write
+    finally:
+        m.close()

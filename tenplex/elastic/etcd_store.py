@@ -6,9 +6,9 @@ on a majority of its members (Raft), so with three members, one per host, any on
 :class:`EtcdStore` speaks etcd's v3 JSON API (the gRPC gateway every ``etcd`` 3.4+ serves on its
 client URL; no client library) and implements the c10d operations tenplex uses: ``set``, ``get``,
 ``add``, ``append``, ``compare_set``, ``check``, ``wait``, ``multi_get``, ``multi_set``,
-``delete_key``, ``num_keys``, ``clone``. It subclasses ``torch.distributed.Store``, so
-``PrefixStore`` and ``init_process_group(store=...)`` (gloo's rendezvous) take it as they take a
-``TCPStore``.
+``delete_key``, ``num_keys``, ``clone``; and ``peek`` (values or None in one request: the
+membership's polls). It subclasses ``torch.distributed.Store``, so ``PrefixStore`` and
+``init_process_group(store=...)`` (gloo's rendezvous) take it as they take a ``TCPStore``.
 
 Fail-over: the client talks to one endpoint (the first given: put the co-located member first) and
 moves to the next on a refused connection, a request that takes too long (a member cut off, or a
@@ -331,6 +331,11 @@ class EtcdStore(dist.Store):
 
     def check(self, keys: list[str]) -> bool:
         return all(g is not None for g in self._range(keys, keys_only=True))
+
+    def peek(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values of ``keys``, None where missing, at once (no wait): one read, where c10d's
+        ``check`` and ``get`` take a request each."""
+        return [g[0] if g is not None else None for g in self._range(keys)]
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         self._wait_for(keys, timeout, "wait")

@@ -39,12 +39,12 @@ class RecoveryTimes:
     """One recovery's latency per component, in seconds (the slowest rank's where the group waits
     for it), and its bytes.
 
-    ``path`` ``"in-process"``: ``detection`` (the dead peer's last heartbeat seen moving, or the
-    first failed collective, to the start of the recovery), ``agreement`` (the members' decision
-    and the step every survivor holds), ``regroup`` (the broken groups released, the new one
-    formed), ``rebuild`` (the job's ``build`` for the new mesh), ``choose_plan`` (the layout and
-    the move's plan), ``transfer`` (the move and filling the state in), ``first_step`` (the first
-    training step after it; None until it ran). ``path`` ``"restart"``: ``teardown`` (the worker's
+    ``path`` ``"in-process"``: ``detection`` (the dead peer last seen alive, its heartbeat moving
+    or a link to it open, or the first failed collective, to the start of the recovery),
+    ``agreement`` (the members' decision and the step every survivor holds), ``regroup`` (the
+    broken groups released, the new one formed), ``rebuild`` (the job's ``build`` for the new
+    mesh), ``choose_plan`` (the layout and the move's plan), ``transfer`` (the move and filling
+    the state in), ``first_step`` (the first training step after it; None until it ran). ``path`` ``"restart"``: ``teardown`` (the worker's
     exit and the launcher's restart, when the launcher reports it; else 0), ``restart`` (process
     start to the job's state built), ``load`` (the checkpoint read). ``bytes_live``: sent between
     survivors; ``bytes_storage``: read from storage; ``bytes_full_replica``: a full-replica

@@ -158,7 +158,8 @@ class PeerLinks:
 
     def linked(self) -> frozenset[int]:
         """Peers with an established, authenticated link (either direction)."""
-        return frozenset(ln.peer for ln in self._links if ln.peer is not None and ln.authed)
+        return frozenset(ln.peer for ln in list(self._links) if ln.peer is not None and ln.authed)  # another
+        # thread's poll may change the list meanwhile
 
     def poll(self, timeout: float) -> frozenset[int]:
         """Wait up to ``timeout`` seconds for link events; the peers whose link ended without a goodbye."""

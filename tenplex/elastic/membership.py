@@ -37,9 +37,10 @@ class NewMembership:
     ``joiners``: ids of the fresh members admitted in this round (they hold no state; they follow
     the survivors, so group rank ``len(alive) + j`` is ``joiners[j]``); ``failed_at``:
     ``time.time()`` when this process first learned of the failure (or of the join); timings in
-    seconds: ``detect_s`` (from the dead peer's last heartbeat seen moving to that moment; 0 when
-    no peer was found dead by heartbeat), ``agree_s`` (recovery start to decision), ``regroup_s``
-    (decision to a group that answered an all_reduce); ``rounds_tried``: rounds this recovery used.
+    seconds: ``detect_s`` (from the dead peer last seen alive, its heartbeat moving or a link to it
+    open, to that moment; 0 when no peer was found dead), ``agree_s`` (recovery start to decision),
+    ``regroup_s`` (decision to a group that answered an all_reduce); ``rounds_tried``: rounds this
+    recovery used.
     """
 
     round: int
@@ -235,6 +236,13 @@ class HeartbeatMonitor:
                 newly.add(k)
         return frozenset(newly)
 
+    def alive(self, members: Iterable[int], now: float) -> None:
+        """Record ``members`` alive at ``now`` by other evidence than their counters (an open link to
+        them): their silence counts from ``now`` and :meth:`last_alive` says ``now``."""
+        for k in members:
+            if k not in self.dead and k in self.last_change:
+                self.last_change[k] = max(self.last_change[k], now)
+
     def mark_dead(self, member: int, now: float) -> bool:
         """Record ``member`` dead by other evidence (its link broke); whether that is news."""
         if member in self.dead:
@@ -243,5 +251,5 @@ class HeartbeatMonitor:
         return True
 
     def last_alive(self, member: int) -> float | None:
-        """When ``member``'s counter was last seen moving (observer clock)."""
+        """When ``member`` was last seen alive: its counter moving, or :meth:`alive` (observer clock)."""
         return self.last_change.get(member)

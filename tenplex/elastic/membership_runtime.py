@@ -6,11 +6,15 @@ Each worker creates a :class:`Membership` after ``init_process_group``, given a 
 outlives the workers (the job's rendezvous store) and a job prefix. Then:
 
 * a heartbeat thread (its own store connection, so a blocking wait of the main thread never
-  delays it) writes this member's heartbeat (a sequence number) every ``interval`` seconds and
-  reads the others'. Every record in the store is signed with the job secret
+  delays it) reads the others' heartbeats and the job's news (failures flagged, joiners) every
+  ``interval`` seconds, in one read where the store has :func:`peek`, and writes this member's
+  heartbeat (a sequence number) every ``beat_every`` seconds (default a tenth of ``dead_after``:
+  each write is a consensus round on a replicated store, and silence is judged over
+  ``dead_after``). Every record in the store is signed with the job secret
   (:mod:`tenplex.elastic.job_secret`); one that does not verify is ignored. A death, or a failure
   flagged by another member, sets :meth:`Membership.failed` and calls ``on_failure``;
-* the same thread watches TCP links to this member's ring neighbours at distance 1, 2, 4, ...
+* a thread of its own (so that a store call waiting out an etcd election never delays it) watches
+  TCP links to this member's ring neighbours at distance 1, 2, 4, ...
   (:func:`~tenplex.elastic.membership.link_targets`; :mod:`tenplex.elastic.liveness`):
   a process that dies while its host lives (killed, crashed) has its connections closed by its
   kernel, so its neighbours know within milliseconds, append its id to ``{prefix}/gone`` and flag
@@ -120,6 +124,21 @@ JOBS_KEY = "tenplex/inproc/jobs"  # job key -> the membership prefix of the job'
 # ---------------------------------------------------------------------------------------------
 # the store and thread adapter
 # ---------------------------------------------------------------------------------------------
+def peek(store: Any, keys: Sequence[str]) -> list[bytes | None]:
+    """The values of ``keys``, None where missing, without waiting: one request on a store that has
+    ``peek`` (:class:`~tenplex.elastic.etcd_store.EtcdStore`, where every request is an HTTP round
+    trip and a read through the consensus); else c10d's ``check`` and ``get`` (a ``TCPStore``
+    answers those in microseconds). A key deleted between a ``check`` and its ``get`` makes the
+    ``get`` wait for it (RuntimeError after the store's timeout)."""
+    own = getattr(store, "peek", None)
+    if own is not None:
+        return list(own(keys))
+    keys = list(keys)
+    if store.check(keys):
+        return list(store.multi_get(keys))
+    return [store.get(k) if store.check([k]) else None for k in keys]
+
+
 def _store_host(store: Any) -> str | None:
     """The host of a ``TCPStore`` (through ``PrefixStore`` wrappers); None for other stores."""
     while store is not None and not hasattr(store, "host"):
@@ -180,8 +199,10 @@ class Membership:
     ``store``: a ``TCPStore`` (or a ``PrefixStore`` over one) that outlives workers; ``prefix``:
     the job's key prefix (one per job, or per restart of a job); ``rank`` / ``world_size``: this
     process in the current default group (default: from it); ``backend``: of the groups
-    re-formed (default: the current group's). ``interval`` / ``dead_after``: heartbeat period and
-    silence that means death for a member no open link vouches for; ``link_timeout``: seconds
+    re-formed (default: the current group's). ``interval``: how often the news and the others'
+    heartbeats are read; ``dead_after``: silence that means death for a member no open link vouches
+    for; ``beat_every``: how often this member's heartbeat is written (default ``max(interval,
+    dead_after / 10)``); ``link_timeout``: seconds
     after which a link whose peer's kernel answers nothing ends (a vanished host: its death is
     known that long after it vanished, plus one heartbeat for the members not linked to it);
     ``agree_timeout``: bound of one round's agreement and of the group
@@ -202,6 +223,7 @@ class Membership:
 
     def __init__(self, store: Any, prefix: str, *, rank: int | None = None, world_size: int | None = None,
                  backend: str | None = None, interval: float = 0.2, dead_after: float = 10.0,
+                 beat_every: float | None = None,
                  link_timeout: float = 3.0, agree_timeout: float = 20.0, max_rounds: int = 4,
                  start_timeout: float = 30.0, on_failure: Callable[[str], None] | None = None,
                  order: Callable[[Sequence[int]], Sequence[int]] | None = None,
@@ -211,6 +233,10 @@ class Membership:
 
         if interval <= 0 or dead_after <= interval:
             raise ConfigError(f"need 0 < interval < dead_after, got interval={interval}, dead_after={dead_after}")
+        beat_every = max(interval, dead_after / 10) if beat_every is None else beat_every
+        if not interval <= beat_every < dead_after:
+            raise ConfigError(f"need interval <= beat_every < dead_after, got interval={interval}, "
+                              f"beat_every={beat_every}, dead_after={dead_after}")
         if joiner:
             if backend is None:
                 raise ConfigError("a joiner has no process group yet: pass backend= (gloo or nccl)")
@@ -229,7 +255,7 @@ class Membership:
         self._seq = 0  # this member's heartbeat sequence number
         self._beats: dict[int, tuple[int, frozenset[int]]] = {}  # newest verified heartbeat per member
         self._warned: set[str] = set()  # keys whose bad records were logged
-        self.interval, self.dead_after = interval, dead_after
+        self.interval, self.dead_after, self.beat_every = interval, dead_after, beat_every
         self.agree_timeout, self.max_rounds = agree_timeout, max_rounds
         self.on_failure, self.order, self.pg_timeout, self.fits = on_failure, order, pg_timeout, fits
         self.id, nonce = -1, uuid.uuid4().hex
@@ -250,7 +276,8 @@ class Membership:
         self._links = PeerLinks(self.id, link_host(_store_host(store)), timeout=link_timeout, secret=self.secret)
         self._put(self._hb_store, self._key("link", self.id), self._links.address)  # before the first heartbeat
         self._put_beat(self._hb_store, ())
-        self._hb_store.append(self._key("joiners"), "")  # exist before any heartbeat reads them
+        for k in ("joiners", "gone"):  # exist before any heartbeat reads them
+            self._hb_store.append(self._key(k), "")
         self._failures_seen = self._flags(self._hb_store, self.round)
         news_store = store.clone()  # a record the store cannot take gives up as a heartbeat does, not after 30 s
         news_store.set_timeout(self._hb_store.timeout)
@@ -268,6 +295,10 @@ class Membership:
             self._relink(self.members)
         self._thread = threading.Thread(target=self._beat, name=f"tenplex-heartbeat-{self.id}", daemon=True)
         self._thread.start()
+        # the links' own thread: a death is news the moment a link ends, even while a store call of the
+        # heartbeat thread waits (an etcd write waits out the election after its leader's death)
+        self._link_thread = threading.Thread(target=self._watch_links, name=f"tenplex-links-{self.id}", daemon=True)
+        self._link_thread.start()
         if joiner:  # heartbeat first: the members watch it from the moment they read the registration
             self._add_entry(store, self._key("joiners"), self.id)
             log.info("joiner %d registered under %s", self.id, self.prefix)
@@ -303,16 +334,17 @@ class Membership:
             self._bad(key, "a record")
         return payload
 
-    def _get(self, store: Any, key: str) -> str | None:
-        """The verified payload under ``key``; None when there is none or it does not verify."""
-        return self._open(key, store.get(key)) if store.check([key]) else None
+    def _get(self, store: Any, key: str, raw: bytes | None = None) -> str | None:
+        """The verified payload under ``key`` (``raw``: its value, already read); None when there is
+        none or it does not verify."""
+        raw = peek(store, [key])[0] if raw is None else raw
+        return None if raw is None else self._open(key, raw)
 
     def _ids(self, store: Any, key: str, raw: bytes | None = None) -> list[int]:
         """The ids in the signed list at ``key`` (each once, in order of arrival); bad entries logged."""
+        raw = peek(store, [key])[0] if raw is None else raw
         if raw is None:
-            if not store.check([key]):
-                return []
-            raw = store.get(key)
+            return []
         good, bad = self.secret.entries(key, raw)
         if bad:
             self._bad(key, f"{bad} list entries")
@@ -345,24 +377,22 @@ class Membership:
         raise MembershipError(f"a joiner of {self.prefix} found no free member id in 64 tries")
 
     def _read(self, store: Any, keys: Sequence[str]) -> list[bytes]:
-        """The values of ``keys`` (one ``multi_get``), ``b""`` for keys that are missing: a key deleted
+        """The values of ``keys`` (:func:`peek`), ``b""`` for keys that are missing: a key deleted
         (by a process that is not part of the job) is no news, not a store failure; RuntimeError only
         when the store itself does not answer."""
         try:
-            if store.check(keys):
-                return list(store.multi_get(keys))
-        except RuntimeError:
-            store.check([self._hb_key(self.id)])  # raises when the store is gone; else a key went missing
-        out, missing = [], []
-        for k in keys:
-            try:
-                out.append(store.get(k) if store.check([k]) else None)
-            except RuntimeError:
-                store.check([self._hb_key(self.id)])
-                out.append(None)
-            if out[-1] is None:
-                out[-1] = b""
-                missing.append(k)
+            got = peek(store, keys)
+        except RuntimeError:  # c10d's get waits for a key deleted after its check: key by key
+            store.check([self._hb_key(self.id)])  # raises when the store is gone
+            got = []
+            for k in keys:
+                try:
+                    got.append(peek(store, [k])[0])
+                except RuntimeError:
+                    store.check([self._hb_key(self.id)])
+                    got.append(None)
+        missing = [k for k, v in zip(keys, got) if v is None]
+        out = [b"" if v is None else v for v in got]
         if missing and "deleted" not in self._warned:
             self._warned.add("deleted")
             log.warning("member %d: keys of the job were deleted (%s): read as empty, no news", self.id, missing)
@@ -408,10 +438,6 @@ class Membership:
                 peers[nxt] = addr
         self._links.want(peers)
 
-    def _gone(self, store: Any) -> list[int]:
-        """Ids the members found dead by a broken link (every round: ids are never reused)."""
-        return self._ids(store, self._key("gone"))
-
     def _links_broke(self, peers: frozenset[int]) -> None:
         """Heartbeat thread: ``peers``' links ended without a goodbye, so their processes are gone."""
         now = time.monotonic()
@@ -430,10 +456,6 @@ class Membership:
                        f"to member {self.id} ended without a goodbye)", publish=True, round=rnd)
             if self.backend == "nccl":
                 self._abort()
-
-    def _registered(self, store: Any) -> list[int]:
-        """Ids of every joiner that ever registered, in order of arrival."""
-        return self._ids(store, self._key("joiners"))
 
     @property
     def joining(self) -> bool:
@@ -527,23 +549,24 @@ class Membership:
     def _beat(self) -> None:
         store = self._hb_store
         st = self._state
-        next_beat = time.monotonic() + self.interval
+        next_tick = time.monotonic() + self.interval
+        write_at = time.monotonic() + self.beat_every  # the first heartbeat was written at the start
         while True:
-            while not self._stop.is_set() and (left := next_beat - time.monotonic()) > 0:
-                broken = self._links.poll(left)  # returns at once when a link breaks
-                if broken:
-                    self._links_broke(broken)
-            if self._stop.is_set():
+            if self._stop.wait(max(0.0, next_tick - time.monotonic())):
                 return
-            next_beat = max(next_beat + self.interval, time.monotonic())
+            now = time.monotonic()
+            next_tick = max(next_tick + self.interval, now)
             try:
                 with st.lock:
                     watched, rnd, baseline = st.watched, st.round, self._failures_seen
-                self._put_beat(store, self._links.linked() & set(watched))  # open links: those processes exist
-                jkey, fkey = self._key("joiners"), self._failures_key(rnd)
-                vals = self._read(store, [*(self._hb_key(m) for m in watched), jkey, fkey])
+                if now >= write_at - self.interval / 2:  # the tick nearest to the write's time
+                    write_at = max(write_at + self.beat_every, now)
+                    self._put_beat(store, self._links.linked() & set(watched))  # open links: those processes exist
+                gkey, jkey, fkey = self._key("gone"), self._key("joiners"), self._failures_key(rnd)
+                vals = self._read(store, [*(self._hb_key(m) for m in watched), gkey, jkey, fkey])
                 failures = len(self._ids(store, fkey, vals[-1]))
-                link_deaths = self._gone(store) if failures > baseline else []  # deaths others' links saw
+                # deaths others' links saw
+                link_deaths = self._ids(store, gkey, vals[-3]) if failures > baseline else []
                 registered = self._ids(store, jkey, vals[-2]) if vals[-2] != st.joiners_raw else None
             except RuntimeError as e:
                 if self._stop.is_set():
@@ -588,6 +611,19 @@ class Membership:
                 if self.backend == "nccl":
                     self._abort()
 
+    def _watch_links(self) -> None:
+        """Link thread: poll the links (connect the wanted ones, answer handshakes) until stopped."""
+        st = self._state
+        while not self._stop.is_set():
+            broken = self._links.poll(self.interval)  # returns at once when a link breaks
+            if self._stop.is_set():
+                return
+            if broken:
+                self._links_broke(broken)
+            now = time.monotonic()
+            with st.lock:  # linked peers live now: a death is dated from here, not from their last beat
+                self.monitor.alive(self._links.linked() & set(st.watched), now)
+
     def _abort(self) -> None:
         """nccl: abort the communicators so that a blocked collective returns (not gloo: no effect)."""
         import torch.distributed as dist  # lazy: torch.distributed loads its backends at import
@@ -603,6 +639,7 @@ class Membership:
         find this member dead after ``dead_after``; its goodbyes are no death)."""
         self._stop.set()
         self._thread.join(timeout=5 * self.interval + 1)
+        self._link_thread.join(timeout=5 * self.interval + 1)  # PeerLinks: one thread polls, then this one closes
         self._news.close(timeout=5 * self.interval + 1)
         self._links.close()  # goodbyes: the others do not take this member's exit for a death
 
@@ -635,14 +672,17 @@ class Membership:
         self._add_entry(store, f"{base}/joined", self.id)
         deadline = time.monotonic() + self.agree_timeout
         dkey = f"{base}/decision"
+        jkey, rkey, gkey = f"{base}/joined", self._key("joiners"), self._key("gone")
         while True:
-            stored = self._get(store, dkey)
+            raw = peek(store, [dkey, jkey, rkey, gkey])  # one read where the store can
+            stored = self._get(store, dkey, raw[0]) if raw[0] is not None else None
             if stored is not None:
                 d = decode_decision(stored)
                 break
-            joined = self._ids(store, f"{base}/joined")
-            joiners = [j for j in self._registered(store) if j not in previous]
-            dead = self.dead() | set(self._gone(store))  # a broken link's news before the heartbeat thread reads it
+            joined = self._ids(store, jkey, raw[1] or b"")
+            joiners = [j for j in self._ids(store, rkey, raw[2] or b"") if j not in previous]
+            dead = self.dead() | set(self._ids(store, gkey, raw[3] or b""))  # a broken link's news before the
+            # heartbeat thread reads it
             members = propose(candidates, joined, dead, self.order, joiners=joiners, fits=self.fits)
             if members is not None:
                 d = decode_decision(self._claim(store, dkey, encode_decision(Decision(round, members, previous))))
@@ -686,7 +726,7 @@ class Membership:
         self._put(store, f"{base}/ready/{self.id}", "1")
         deadline = time.monotonic() + self.agree_timeout
         keys = [f"{base}/ready/{m}" for m in d.members]
-        while not (store.check(keys) and all(self._open(k, v) == "1" for k, v in zip(keys, store.multi_get(keys)))):
+        while not all(v is not None and self._open(k, v) == "1" for k, v in zip(keys, peek(store, keys))):
             # every member ready (signed: an outsider's key is not), or one of them dead: never a blind wait
             gone = self.dead() & set(d.members)
             if gone:

@@ -167,6 +167,7 @@ class Step:
         self._t0 = time.perf_counter()
         self._guard = contextlib.ExitStack()
         self._failed = False
+        self.rt._in_step = True
         try:
             self._guard.enter_context(self.rt.guard())  # PeerFailure: a death the heartbeats found just now
         except PeerFailure as e:  # the block runs on a broken group: its result is not committed
@@ -177,6 +178,7 @@ class Step:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         rt = self.rt
+        rt._in_step = False
         assert self._guard is not None
         if self._failed:  # the step is redone after the recovery; a collective's error on the broken group is expected
             return kind is None or issubclass(kind, Exception)  # a bug of the job's comes back in the redone step
@@ -185,6 +187,9 @@ class Step:
                 return True
         except PeerFailure as e:  # a collective of the step failed: recover before the next one
             rt.failure = str(e)
+            return True
+        if isinstance(exc, PeerFailure):  # raised in the block itself (a block's _interrupt): the same
+            rt.failure = str(exc)
             return True
         if kind is not None:
             return False  # the job's own error: not the runtime's to hide
@@ -229,6 +234,7 @@ class ElasticRuntime:
         self._warm_template: list[dict[str, Any] | None] | None = None  # the warm-up optimizer's (no old one)
         self._done_at = 0.0  # perf_counter when the last recovery's state was in place
         self.spare = False  # this rank is beyond the mesh: it holds nothing and runs no step
+        self._in_step = False  # inside a Step's block: a known death ends the step at the next module (_interrupt)
         self._placed: Any = None  # with spares: the process group of the mesh's ranks (saves, the layout's description)
         self._spare_mesh: Any = None  # a spare's handle of the mesh (its groups are released at a recovery)
         self._told = False  # with spares: the state dict's layout on this mesh went to (or came to) the spares
@@ -431,6 +437,17 @@ class ElasticRuntime:
         built = build_empty(self.build_fn, self.mesh, self.device) if empty else None
         self._parts["empty_build"] = float(built is not None)
         self.model, self.optimizer = built if built is not None else self.build_fn(self.mesh)
+        for part in self.model if isinstance(self.model, (list, tuple)) else (self.model,):
+            for module in part.modules() if isinstance(part, torch.nn.Module) else ():
+                if module is part or next(module.children(), None) is not None:  # blocks, not every leaf op
+                    module.register_forward_pre_hook(self._interrupt)
+
+    def _interrupt(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook of the model's blocks: inside a step, a death the membership knows of ends
+        the step at the next block (PeerFailure), not at the next collective with the dead rank. In
+        HSDP the other replica's forward has none: it computed on for up to 0.17 s after learning."""
+        if self._in_step and self.membership is not None and self.membership.failed:
+            self.membership.check()
 
     def _resume(self, t0: float) -> None:
         """Fill the freshly built model and optimizer in place from the newest checkpoint, whatever
