@@ -5,13 +5,17 @@ item 3).
 installs it) that form one Raft cluster: member ``i`` on host ``i``'s address (loopback ports, or
 host ``i``'s network namespace with ``nets``), waits until every member reports healthy, and kills
 them and removes their data on exit. Raft timings follow etcd's tuning rule for a round trip of
-microseconds (heartbeat 15 ms, election time-out 10x that, 150 ms; etcd's defaults, 100 / 1000 ms,
-are for data-centre links and disks): a client on a follower writes again 0.227 s [0.226, 0.429]
-after the leader's SIGKILL (a new leader after 0.182 s [0.149, 0.253]), against 0.428 s at 25 / 250 ms
-and 1.048 s [0.649, 1.050] at 50 / 500 ms (``scripts/bench_etcd.py --json``: 5 trials each, median
-[min, max], load 3.5-4.6). Beside 4 CPU burners (``--burn 4 --idle-s 60``) no election happened in 60 s
-that no death caused; a spurious one would stall writes for one election, which the store's retries
-ride out.
+microseconds (heartbeat 10 ms, election time-out 10x that, 100 ms; etcd's defaults, 100 / 1000 ms,
+are for data-centre links and disks), with pre-vote. After the leader's SIGKILL a new one is
+elected after 0.147 s [0.091, 0.181] (15 / 150 ms: 0.189 s [0.159, 0.253]); a client that wrote
+at the kill, on a follower, writes again after 0.230 s [0.109, 0.233] (its request hung on the dead
+leader times out; 15 / 150 ms: 0.234 s [0.231, 0.440]). ``scripts/bench_etcd.py --raft
+10/100,15/150 --trials 7 --burn 4 --idle-s 45``: 7 trials each, median [min, max], load 2.0-4.0.
+A job's agreement writes after its survivors left their step, about 0.2 s after the death, by when
+the new leader is mostly there. The price: an idle cluster of 3 uses 17% of a core against 9-12%
+at 15 / 150 ms. Beside 4 CPU burners no election happened in 45 s that no death caused (pre-vote: a
+starved member that missed heartbeats asks first, and the others, who hear the leader, say no); a
+spurious one would stall writes for one election, which the store's retries ride out.
 Workers reach it through :class:`~tenplex.elastic.etcd_store.EtcdStore` (``TENPLEX_MEMBERSHIP_STORE``
 = :attr:`EtcdCluster.spec`, ``etcd://host:port,...``), their own host's member first.
 """
@@ -41,8 +45,8 @@ __all__ = ["EtcdCluster", "EtcdMember", "etcd_binary"]
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_MS = 15
-ELECTION_MS = 150
+HEARTBEAT_MS = 10
+ELECTION_MS = 100
 
 
 def etcd_binary() -> str | None:
@@ -106,6 +110,9 @@ class EtcdMember:
                "--initial-cluster", initial_cluster, "--initial-cluster-state", "new",
                "--initial-cluster-token", token, "--heartbeat-interval", str(raft_ms[0]),
                "--election-timeout", str(raft_ms[1]), "--logger", "zap", "--log-level", "warn",
+               # a member that missed heartbeats (starved on a loaded host) asks first whether it could
+               # win: while the leader lives the others say no, and no spurious election stalls writes
+               "--pre-vote",
                # every heartbeat is a write: without compaction the history grows by ~100 revisions a
                # second until etcd's space quota stops all writes; keep the last 5 minutes
                "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
