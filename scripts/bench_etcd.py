@@ -11,6 +11,8 @@ for); ``elected_s``: the kill -> e1 first reporting a leader other than e0 (``/v
 polled every 5 ms from another thread). Each figure over the trials: {"median", "min", "max", "runs"}.
 ``--burn N`` runs N CPU-bound processes beside every trial (a loaded host) and reports the elections
 that no death caused (``spurious_terms``: raft terms gained by an idle cluster over ``--idle-s`` s).
+Per setting also ``request_ms``: how long a write and a 3-key read take on the healthy cluster (300
+each; with ``--burn``, beside the burners), against the store's first request time-out.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from figures import spread
 
-from tenplex.elastic.etcd_store import EtcdStore, parse_etcd_spec
+from tenplex.elastic.etcd_store import _FIRST_TRY_S, EtcdStore, parse_etcd_spec
 from tenplex.train.etcd import ELECTION_MS, HEARTBEAT_MS, EtcdCluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,6 +82,30 @@ def idle_terms(raft_ms: tuple[int, int], seconds: float) -> int:
         return _term(c, 1) - first
 
 
+def request_ms(raft_ms: tuple[int, int], n: int = 300) -> dict[str, float]:
+    """Milliseconds one write and one 3-key ``peek`` take on a healthy cluster (a client on a follower,
+    ``n`` of each 10 ms apart): p50, p90, p99 and the worst, beside the store's first request
+    time-out (``_FIRST_TRY_S``: a request slower than it is retried on another member)."""
+    with EtcdCluster(3, raft_ms=raft_ms) as c:
+        store = EtcdStore(parse_etcd_spec(c.spec_for(1)), namespace="lat/")
+        writes, reads = [], []
+        for i in range(n):
+            t = time.perf_counter()
+            store.set("k", str(i))
+            writes.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            store.peek(["k", "a", "b"])
+            reads.append(time.perf_counter() - t)
+            time.sleep(0.01)
+
+    def q(xs: list[float], p: float) -> float:
+        return round(1e3 * sorted(xs)[max(0, int(p * len(xs)) - 1)], 2)
+
+    return {**{f"write_p{int(p * 100)}": q(writes, p) for p in (0.5, 0.9, 0.99)}, "write_max": q(writes, 1.0),
+            **{f"peek_p{int(p * 100)}": q(reads, p) for p in (0.5, 0.9, 0.99)}, "peek_max": q(reads, 1.0),
+            "first_try_ms": 1e3 * _FIRST_TRY_S, "failovers": store.failovers}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=5)
@@ -104,6 +130,7 @@ def main() -> int:
                       f"after the kill, leader elected after {runs[-1]['elected_s']:.3f} s "
                       f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
             row: dict[str, Any] = {k: spread([r[k] for r in runs]) for k in runs[0]}
+            row["request_ms"] = request_ms((hb, el))
             if args.burn:
                 row["spurious_terms"] = idle_terms((hb, el), args.idle_s)
             result["settings"][f"{hb}/{el}"] = row
@@ -116,6 +143,10 @@ def main() -> int:
         print(f"raft {name} ms: write after the leader's kill {w['median']:.3f} s [{w['min']:.3f}, {w['max']:.3f}], "
               f"new leader {e['median']:.3f} s [{e['min']:.3f}, {e['max']:.3f}]"
               + (f", {row['spurious_terms']} spurious elections" if "spurious_terms" in row else ""))
+        ms = row["request_ms"]
+        print(f"  requests on the healthy cluster (ms): write p50 {ms['write_p50']} p99 {ms['write_p99']} max "
+              f"{ms['write_max']}, peek p50 {ms['peek_p50']} p99 {ms['peek_p99']} max {ms['peek_max']}; "
+              f"first try {ms['first_try_ms']:.0f} ms, {ms['failovers']} time-outs")
     if args.json:
         text = json.dumps(result)
         if not args.burn:

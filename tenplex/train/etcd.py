@@ -7,15 +7,15 @@ host ``i``'s network namespace with ``nets``), waits until every member reports 
 them and removes their data on exit. Raft timings follow etcd's tuning rule for a round trip of
 microseconds (heartbeat 10 ms, election time-out 10x that, 100 ms; etcd's defaults, 100 / 1000 ms,
 are for data-centre links and disks), with pre-vote. After the leader's SIGKILL a new one is
-elected after 0.147 s [0.091, 0.181] (15 / 150 ms: 0.189 s [0.159, 0.253]); a client that wrote
-at the kill, on a follower, writes again after 0.230 s [0.109, 0.233] (its request hung on the dead
-leader times out; 15 / 150 ms: 0.234 s [0.231, 0.440]). ``scripts/bench_etcd.py --raft
-10/100,15/150 --trials 7 --burn 4 --idle-s 45``: 7 trials each, median [min, max], load 2.0-4.0.
-A job's agreement writes after its survivors left their step, about 0.2 s after the death, by when
-the new leader is mostly there. The price: an idle cluster of 3 uses 17% of a core against 9-12%
-at 15 / 150 ms. Beside 4 CPU burners no election happened in 45 s that no death caused (pre-vote: a
+elected after 0.125 s [0.104, 0.136] (15 / 150 ms: 0.196 s [0.185, 0.244]), and a client that wrote
+at the kill, on a follower, writes again after 0.132 s [0.129, 0.140] (its request hung on the dead
+leader times out after 0.05 s; 15 / 150 ms: 0.238 s [0.232, 0.364]). ``scripts/bench_etcd.py --raft
+10/100,15/150 --trials 7 --burn 8 --idle-s 30``: 7 trials each beside 8 CPU burners on 2 cores,
+median [min, max]. Beside them no election happened in 30 s that no death caused (pre-vote: a
 starved member that missed heartbeats asks first, and the others, who hear the leader, say no); a
-spurious one would stall writes for one election, which the store's retries ride out.
+spurious one would stall writes for one election, which the store's retries ride out. A job's
+agreement writes once its survivors left their step, 0.12-0.2 s after the death. The price: an
+idle cluster of 3 uses about 17% of a core against 9-12% at 15 / 150 ms.
 Workers reach it through :class:`~tenplex.elastic.etcd_store.EtcdStore` (``TENPLEX_MEMBERSHIP_STORE``
 = :attr:`EtcdCluster.spec`, ``etcd://host:port,...``), their own host's member first.
 """
