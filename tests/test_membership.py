@@ -634,3 +634,21 @@ def test_heartbeats_are_written_every_beat_every_and_read_every_interval() -> No
         assert m.failed and time.monotonic() - flagged < 1.5, time.monotonic() - flagged  # not at the next write
     finally:
         m.close()
+
+
+def test_peek_reads_values_or_none_from_any_c10d_store() -> None:
+    """``membership_runtime.peek``: the values of keys, None where missing, without waiting, on a
+    store without a ``peek`` of its own (a TCPStore: ``check`` + ``multi_get``, key by key when one is
+    missing)."""
+    import torch.distributed as dist
+
+    from tenplex.elastic.membership_runtime import peek
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    store.set("a", "1")
+    store.set("b", b"\x00two")
+    t0 = time.monotonic()
+    assert peek(store, ["a", "b"]) == [b"1", b"\x00two"]
+    assert peek(store, ["a", "missing", "b"]) == [b"1", None, b"\x00two"] and peek(store, []) == []
+    assert time.monotonic() - t0 < 5  # no wait for the missing key (the store's timeout is 300 s)
