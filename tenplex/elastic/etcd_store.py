@@ -23,8 +23,8 @@ the first to know its winner: it is asked again after 20 ms (up to 3 times, then
 member cut off from the majority says it for good), where the next member, still holding the dead
 leader, would hang the request. Healthy answers take far less: beside 8 CPU burners on 2 cores a
 write's p99 7.6-9.3 ms, a read's worst 13.4 ms, no time-out in 600 requests
-(``scripts/bench_etcd.py --burn 8``, ``request_ms``). Reads are linearizable (etcd's default): a value read from any member is the latest the majority
-agreed on.
+(``scripts/bench_etcd.py --burn 8``, ``request_ms``). Reads are linearizable (etcd's default): a
+value read from any member is the latest the majority agreed on.
 
 TLS (:class:`EtcdTLS`): with a CA, a certificate and its key the client speaks ``https`` to every
 endpoint, checks each member's certificate against the CA (and its address against the
@@ -67,7 +67,7 @@ __all__ = ["EtcdStore", "EtcdTLS", "ETCD_SCHEME", "parse_etcd_spec", "TLS_ENV"]
 log = logging.getLogger(__name__)
 
 ETCD_SCHEME = "etcd://"
-_FIRST_TRY_S = 0.05  # an operation's first two requests may take this long; twice as long after every two time-outs
+_FIRST_TRY_S = 0.05  # a request may take this long until every member had its try; then twice as long, and so on
 _AGAIN_S = 0.02  # every endpoint failed once (no leader yet): pause before the next cycle
 _STAY = 3  # "no leader" answers in a row from one member before the next is asked (a minority member keeps saying it)
 # gRPC metadata through etcd's gateway: fail at once ("no leader", 503) where the member knows of no leader
