@@ -426,14 +426,16 @@ class Membership:
 
     def _relink(self, members: Sequence[int]) -> None:
         """Link to this member's ``link_targets`` in ``members`` (successors at ring distance 1, 2, 4, ...)."""
+        targets = link_targets(members, self.id)
+        keys = [self._key("link", t) for t in targets]
+        try:  # one read (peek: no wait for a key never set)
+            raws = peek(self.store, keys)
+        except RuntimeError as e:
+            log.info("member %d: no link addresses of members %s (%s)", self.id, list(targets), e)
+            raws = [None] * len(keys)
         peers: dict[int, str] = {}
-        for nxt in link_targets(members, self.id):
-            key = self._key("link", nxt)
-            try:  # (get would wait for a key never set: check first)
-                addr = self._get(self.store, key)
-            except RuntimeError as e:
-                log.info("member %d: no link address of member %d (%s)", self.id, nxt, e)
-                addr = None
+        for nxt, key, raw in zip(targets, keys, raws):
+            addr = self._get(self.store, key, raw) if raw is not None else None
             if addr:  # without one, its heartbeats (and the other members' links) watch it
                 peers[nxt] = addr
         self._links.want(peers)
