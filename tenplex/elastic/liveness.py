@@ -157,9 +157,9 @@ class PeerLinks:
             self._changed = True
 
     def linked(self) -> frozenset[int]:
-        """Peers with an established, authenticated link (either direction)."""
-        return frozenset(ln.peer for ln in list(self._links) if ln.peer is not None and ln.authed)  # another
-        # thread's poll may change the list meanwhile
+        """Peers with an established, authenticated link (either direction). Any thread: a copy of the
+        list is read, which the polling thread may change meanwhile."""
+        return frozenset(ln.peer for ln in list(self._links) if ln.peer is not None and ln.authed)
 
     def poll(self, timeout: float) -> frozenset[int]:
         """Wait up to ``timeout`` seconds for link events; the peers whose link ended without a goodbye."""

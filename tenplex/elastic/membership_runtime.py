@@ -334,11 +334,9 @@ class Membership:
             self._bad(key, "a record")
         return payload
 
-    def _get(self, store: Any, key: str, raw: bytes | None = None) -> str | None:
-        """The verified payload under ``key`` (``raw``: its value, already read); None when there is
-        none or it does not verify."""
-        raw = peek(store, [key])[0] if raw is None else raw
-        return None if raw is None else self._open(key, raw)
+    def _get(self, store: Any, key: str) -> str | None:
+        """The verified payload under ``key``; None when there is none or it does not verify."""
+        return self._open(key, peek(store, [key])[0])
 
     def _ids(self, store: Any, key: str, raw: bytes | None = None) -> list[int]:
         """The ids in the signed list at ``key`` (each once, in order of arrival); bad entries logged."""
@@ -435,7 +433,7 @@ class Membership:
             raws = [None] * len(keys)
         peers: dict[int, str] = {}
         for nxt, key, raw in zip(targets, keys, raws):
-            addr = self._get(self.store, key, raw) if raw is not None else None
+            addr = self._open(key, raw)
             if addr:  # without one, its heartbeats (and the other members' links) watch it
                 peers[nxt] = addr
         self._links.want(peers)
@@ -677,7 +675,7 @@ class Membership:
         jkey, rkey, gkey = f"{base}/joined", self._key("joiners"), self._key("gone")
         while True:
             raw = peek(store, [dkey, jkey, rkey, gkey])  # one read where the store can
-            stored = self._get(store, dkey, raw[0]) if raw[0] is not None else None
+            stored = self._open(dkey, raw[0])
             if stored is not None:
                 d = decode_decision(stored)
                 break
