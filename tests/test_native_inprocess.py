@@ -295,6 +295,78 @@ def test_survivors_in_locality_order_move_fewer_bytes_live_bit_identical() -> No
     assert sum(v["storage"] for v in got.values()) == by_locality.bytes_storage == 0
 
 
+def _state_dict_of(model: Any, optimizer: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def _live_describe_worker(rank: int, port: int, url: str, q: Any) -> None:
+    """FSDP2 over 2 ranks trains a step, checkpoints it and keeps its shard; rank 1 leaves and rank 0,
+    alone in a new group, rescales live into a model built for 1 rank (rank 1's pieces from the
+    checkpoint). Reports whether the result's collection and layout are the filled state dict's as
+    ``describe_state_dict`` gives them, and whether every value is bit-identical to the one trained."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import tenplex
+    from tenplex.elastic import LiveState
+    from tenplex.native.state_dict import describe_state_dict, local_shard, save_state_dict
+
+    def build(n: int) -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Linear(20, 7))
+        for layer in model:
+            fully_shard(layer, mesh=init_device_mesh("cpu", (n,)))
+        fully_shard(model, mesh=init_device_mesh("cpu", (n,)))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        model, opt = build(2)
+        model(torch.randn(4, 12, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        opt.step()
+        sd = _state_dict_of(model, opt)
+        ptc, layout = describe_state_dict(sd)
+        shard = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in local_shard(sd).items()}
+        full = {k: v.full_tensor() for k, v in sd["model"].items()}
+        save_state_dict(sd, url, step=1)
+        store = dist.distributed_c10d._get_default_store()
+        dist.destroy_process_group()
+        if rank == 1:
+            return q.put((rank, {"error": ""}))
+        dist.init_process_group("gloo", store=dist.PrefixStore("after", store), rank=0, world_size=1)
+        model, opt = build(1)
+        new = _state_dict_of(model, opt)
+        for v in new["model"].values():
+            v.to_local().zero_()
+        res = tenplex.rescale(url, new, live=LiveState(layout, {1: shard}, [0], sources=[url], ptc=ptc))
+        got_ptc, got_layout = describe_state_dict(new)
+        q.put((rank, {"error": "", "live": res.live, "storage": res.bytes_by_tier.get("storage", 0),
+                      "same_layout": res.cfg == got_layout and res.cfg != layout,
+                      "same_ptc": res.ptc is not None and (dict(res.ptc.tensors), res.ptc.objects, res.ptc.meta)
+                      == (dict(got_ptc.tensors), got_ptc.objects, got_ptc.meta),
+                      "bit_identical": all(torch.equal(new["model"][k].full_tensor(), v) for k, v in full.items())}))
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        import traceback
+        q.put((rank, {"error": f"{e}\n{traceback.format_exc()}"}))
+
+
+@pytest.mark.timeout(90)
+def test_a_live_rescale_returns_the_collection_and_layout_of_the_state_dict_it_filled(tmp_path: Path) -> None:
+    """``rescale(url, state_dict, live=...)`` gives ``ptc`` and ``cfg`` equal to ``describe_state_dict`` of
+    the state dict it filled (the runtime keeps its ring's first state under them without describing it
+    again); 2 FSDP2 ranks -> 1, the dead rank's pieces from the checkpoint, every value bit-identical."""
+    port = free_port()
+    got = run_spawned(_live_describe_worker, [(r, port, str(tmp_path / "ckpt")) for r in range(2)], expect=2,
+                      timeout=80)
+    errors = {r: v["error"] for r, v in got.items() if v.get("error")}
+    assert not errors, errors
+    r = got[0]
+    assert r["live"] and r["storage"] > 0 and r["same_layout"] and r["same_ptc"] and r["bit_identical"], r
+
+
 EXTRA = pytest.mark.skipif(os.environ.get("TENPLEX_NATIVE_INPROC_EXTRA") != "1",
                            reason="TENPLEX_NATIVE_INPROC_EXTRA=1: more spawned worlds (10-60 s each on 2 CPUs)")
 

@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, TenplexError
@@ -246,14 +245,12 @@ def _summary(nm: NewMembership, res: RescaleResult, ring: StateRing, *, recover_
     """The recovery as the whole new group saw it (collectives over it): bytes summed, the newest
     step any survivor held, the slowest rank's timings, the storage URLs read."""
     b = res.bytes_by_tier
-    sums = torch.tensor([b.get("live", 0), b.get("storage", 0), b.get("local", 0)], dtype=torch.float64)
-    dist.all_reduce(sums)
-    newest = torch.tensor([max(ring.states(), default=-1)], dtype=torch.int64)
-    dist.all_reduce(newest, op=dist.ReduceOp.MAX)
-    views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (res.storage_url, res.timings, full_replica))
+    views: list[Any] = [None] * dist.get_world_size()  # one collective: it runs before the first step
+    dist.all_gather_object(views, (res.storage_url, res.timings, full_replica, max(ring.states(), default=-1),
+                                   [b.get(k, 0) for k in ("live", "storage", "local")]))
     urls = [v[0] for v in views]
     slowest = {k: max(v[1].get(k, 0.0) for v in views) for k in res.timings}  # the recovery waits for the slowest
+    sums = [sum(v[4][i] for v in views) for i in range(3)]
     return LiveRecovery(nm, res, recover_s, rescale_s, slowest,
-                        {"live": int(sums[0]), "storage": int(sums[1]), "local": int(sums[2])}, int(newest.item()),
+                        {"live": sums[0], "storage": sums[1], "local": sums[2]}, max(v[3] for v in views),
                         tuple(sorted({u for u in urls if u})), full_replica=max(v[2] for v in views))

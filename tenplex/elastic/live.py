@@ -235,7 +235,7 @@ def rescale_state_dict_live(state_dict: MutableMapping[str, Any], live: LiveStat
     t0 = time.perf_counter()
     fill_state_dict(state_dict, moved.shard or {})
     timings["fill"] = time.perf_counter() - t0
-    result = dataclasses.replace(moved, shard=None)
+    result = dataclasses.replace(moved, shard=None, ptc=described)
     log.info("%s", result.summary())
     return result
 

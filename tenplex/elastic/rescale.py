@@ -127,13 +127,13 @@ def _rescale_state_dict(url: str | None, state_dict: MutableMapping[str, Any], l
         source = UrlSource(url, o.storage_options)
     if source is None or not source.steps():
         log.info("no checkpoint under %s: fresh start under %s", where, layout)
-        return RescaleResult(layout, rank, world, 0, True, timings=timings)
+        return RescaleResult(layout, rank, world, 0, True, timings=timings, ptc=new_ptc)
     t1 = time.perf_counter()
     loaded = load_state_dict_from(state_dict, source, step=o.step, process_group=group)
     timings["load"] = time.perf_counter() - t1
     by_tier = source.bytes_by_kind if isinstance(source, _TierSource) else {"storage": loaded.bytes_read}
     result = RescaleResult(layout, rank, world, loaded.step, False, None, loaded.extra, None, None, loaded.stats,
-                           timings, by_tier, loaded.skipped)
+                           timings, by_tier, loaded.skipped, ptc=new_ptc)
     log.info("%s", result.summary())
     return result
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..checkpoint import LoadStats
 from ..layout.config import ParallelConfig
+from ..layout.ptc import PTC
 from ..layout.state_layout import StateLayout
 from ..planning.planner import PlanStats
 
@@ -16,7 +17,8 @@ __all__ = ["RescaleResult"]
 @dataclass(frozen=True)
 class RescaleResult:
     """Outcome of ``rescale``: the layout to run, the step reached and this rank's state (for a
-    torch-native state dict: ``cfg`` its ``StateLayout``, the state filled into the caller's dict)."""
+    torch-native state dict: ``cfg`` its ``StateLayout`` and ``ptc`` its collection, as
+    ``describe_state_dict`` gives them, the state filled into the caller's dict)."""
 
     cfg: ParallelConfig | StateLayout
     rank: int
@@ -33,6 +35,7 @@ class RescaleResult:
     skipped: tuple[tuple[int, str, str], ...] = ()  # (step, save id, reason) of newer attempts passed over
     live: bool = False  # True: moved live between survivors (``bytes_by_tier``: "local", "live", "storage")
     storage_url: str | None = None  # live: where this rank read the pieces no survivor holds (None: nothing read)
+    ptc: PTC | None = None  # a torch-native state dict's collection under ``cfg`` (None for a ParallelConfig job)
 
     @property
     def idle(self) -> bool:

@@ -486,15 +486,17 @@ class ElasticRuntime:
             self.start.update(step=self.step, fresh=False, spare=True)
             self.saved.add(self.step)
 
-    def _remember(self) -> None:
+    def _remember(self, described: tuple[Any, Any] | None = None) -> None:
         """The state after ``step`` into the ring, and (at a mesh's first step) the layout it has,
-        with the survivors' order for a failure: where most of each new rank's state already is."""
+        with the survivors' order for a failure: where most of each new rank's state already is.
+        ``described``: the state dict's (collection, layout) when known (a live rescale described
+        the state dict it filled); else described here, collectively."""
         assert self.ring is not None and self.membership is not None
         sd = self.state_dict()
         ring = self.ring
-        if ring.held_as is None:  # collective: while every rank of this mesh is alive
-            t0 = time.perf_counter()
-            ptc, layout = describe_state_dict(sd, process_group=self._placed)
+        if ring.held_as is None:
+            t0 = time.perf_counter()  # collective: while every rank of this mesh is alive
+            ptc, layout = described if described is not None else describe_state_dict(sd, process_group=self._placed)
             self._parts["describe"] = time.perf_counter() - t0
             ring.held_as = HeldAs(layout, self.rank, default_save_id(layout, ptc), ptc=ptc)
             self._order_by(ptc, layout)
@@ -773,7 +775,7 @@ class ElasticRuntime:
         ring.clear()
         t_rem = time.perf_counter()
         if not self.spare:
-            self._remember()
+            self._remember((res.ptc, res.cfg) if res.ptc is not None else None)
             ring.pin(self.step)  # a checkpoint step when pieces came from storage; else the state the survivors held
         self._parts.update(restore=t3 - t_restore, remember=time.perf_counter() - t_rem)
         t4 = time.perf_counter()
