@@ -28,6 +28,7 @@ __all__ = [
     "PeerFailure",
     "MembershipError",
     "EtcdStoreError",
+    "StoreInterrupted",
 ]
 
 
@@ -135,3 +136,9 @@ class EtcdStoreError(TenplexError, RuntimeError):
     the store's timeout (a majority of its members is down), a key did not appear in time
     (``get`` / ``wait``), or etcd refused the request. A ``RuntimeError`` as c10d's store errors
     are, so :class:`~tenplex.elastic.membership_runtime.Membership` treats it as theirs."""
+
+
+class StoreInterrupted(EtcdStoreError):
+    """A store call was given up because its caller no longer needs the answer (the store's
+    ``interrupt`` said so between two tries): a member that learned of a failure leaves a write
+    that an election of the store holds up and recovers (``Membership.join_due``)."""

@@ -26,7 +26,7 @@ import pytest
 import torch
 from spawned import gloo_env, here, in_env, log_tails, reap, worker_context
 
-from tenplex.errors import ConfigError, EtcdStoreError, PeerFailure
+from tenplex.errors import ConfigError, EtcdStoreError, PeerFailure, StoreInterrupted
 from tenplex.train.etcd import EtcdCluster, etcd_binary
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None,
@@ -205,6 +205,41 @@ def test_a_member_without_a_leader_says_so_at_once(cluster: EtcdCluster) -> None
         if "no leader" in str(err.value) or time.monotonic() > deadline:
             break
     assert "no leader" in str(err.value) and "timed out" not in str(err.value), err.value
+
+
+@pytest.mark.timeout(90)
+def test_a_call_held_up_by_an_election_gives_up_when_its_caller_learns_of_a_failure(cluster: EtcdCluster) -> None:
+    """No leader (a majority killed): a write waits out the store's timeout, unless its ``interrupt`` turns
+    True meanwhile (StoreInterrupted soon after). ``Membership.join_due`` votes that way: a member that
+    learns of a failure during its boundary vote gives the vote up (no admission) and recovers, not after
+    the election."""
+    import threading
+
+    from tenplex.elastic.etcd_store import EtcdStore
+    from tenplex.elastic.membership_runtime import Membership
+
+    m = Membership(_store(cluster, 1, "iv/"), "iv", rank=0, world_size=1, backend="gloo", interval=0.05,
+                   dead_after=5.0)
+    try:
+        cluster.kill(0)
+        cluster.kill(2)
+        s = EtcdStore([cluster.endpoints[1]], namespace="iv2/", timeout=datetime.timedelta(seconds=3),
+                      request_timeout=2.0)
+        t0 = time.monotonic()
+        with pytest.raises(EtcdStoreError) as plain:
+            s.set("k", "v")
+        assert not isinstance(plain.value, StoreInterrupted) and time.monotonic() - t0 >= 2.5
+        s.interrupt = lambda: time.monotonic() > t1 + 0.3
+        t1 = time.monotonic()
+        with pytest.raises(StoreInterrupted):
+            s.set("k", "v")
+        assert time.monotonic() - t1 < 1.5
+        threading.Timer(0.3, lambda: m._fail("a peer died", publish=False)).start()
+        t2 = time.monotonic()
+        assert m.join_due(1) is False  # the vote given up: no admission at this boundary
+        assert m.failed and time.monotonic() - t2 < 1.5 and m.store.interrupt is None
+    finally:
+        m._stop.set()  # no goodbyes through a store without a leader
 
 
 CUT_OFF_CLIENT = """

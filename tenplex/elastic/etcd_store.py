@@ -53,14 +53,14 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
-from ..errors import ConfigError, EtcdStoreError
+from ..errors import ConfigError, EtcdStoreError, StoreInterrupted
 
 __all__ = ["EtcdStore", "EtcdTLS", "ETCD_SCHEME", "parse_etcd_spec", "TLS_ENV"]
 
@@ -162,7 +162,9 @@ class EtcdStore(dist.Store):
     co-located member first), keys under ``namespace``. ``timeout``: the deadline of one operation,
     fail-overs and waits for missing keys included; ``request_timeout``: how long one HTTP request
     may take before the client moves to the next endpoint. Thread-safe (one lock per instance);
-    :meth:`clone` gives another connection for another thread."""
+    :meth:`clone` gives another connection for another thread. ``interrupt``: when set, asked between
+    a call's tries; True gives the call up (StoreInterrupted): a caller that no longer needs the answer
+    does not wait out an election."""
 
     def __init__(self, endpoints: Sequence[str], *, namespace: str = "tenplex/",
                  timeout: datetime.timedelta = datetime.timedelta(seconds=30), request_timeout: float = 0.5,
@@ -187,6 +189,7 @@ class EtcdStore(dist.Store):
         self._op_key = _b64(f"{_OPS}{uuid.uuid4().hex}")  # this client's last add / append (outside namespace)
         self._seq = 0
         self.failovers = 0  # how often a request moved to another endpoint (for tests and logs)
+        self.interrupt: Callable[[], bool] | None = None
 
     @classmethod
     def from_spec(cls, spec: str, **kwargs: Any) -> EtcdStore:
@@ -241,6 +244,8 @@ class EtcdStore(dist.Store):
                     try:
                         return self._post_once(i, path, body, wait)
                     except _Retry as e:
+                        if self.interrupt is not None and self.interrupt():
+                            raise StoreInterrupted(f"{path} given up after {e}: its caller no longer needs it") from e
                         timeouts += e.timed_out
                         errors = [*errors, str(e)][-n:]  # the last cycle's
                         waited = waited + 1 if e.no_leader else 0

@@ -106,7 +106,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, MembershipError, PeerFailure
+from ..errors import ConfigError, MembershipError, PeerFailure, StoreInterrupted
 from .job_secret import JobSecret, decode_beat, encode_beat
 from .liveness import PeerLinks, link_host
 from .membership import (Decision, HeartbeatMonitor, NewMembership, decode_decision, encode_decision, is_peer_error,
@@ -137,6 +137,21 @@ def peek(store: Any, keys: Sequence[str]) -> list[bytes | None]:
     if store.check(keys):
         return list(store.multi_get(keys))
     return [store.get(k) if store.check([k]) else None for k in keys]
+
+
+@contextmanager
+def _interruptible(store: Any, stop: Callable[[], bool]) -> Iterator[None]:
+    """Calls to ``store`` inside the block give up (StoreInterrupted) once ``stop()`` is True, on a
+    store that can (``EtcdStore.interrupt``: between a call's tries, e.g. while its cluster elects a
+    leader); other stores' calls run to their end."""
+    if not hasattr(store, "interrupt"):
+        yield
+        return
+    before, store.interrupt = store.interrupt, stop
+    try:
+        yield
+    finally:
+        store.interrupt = before
 
 
 def _store_host(store: Any) -> str | None:
@@ -478,9 +493,15 @@ class Membership:
         pending = self.pending()
         admissible = propose and bool(pending) and (self.fits is None or any(
             self.fits(len(self.members) + k) for k in range(1, len(pending) + 1)))
-        due = self._claim(self.store, self._key(f"round{self.round}", record), "1" if admissible else "0") == "1"
-        if done is not None and self.members.index(self.id) == 0:  # no member reads it any more
-            self.store.delete_key(self._key(f"round{self.round}", done))
+        try:  # a failure learned meanwhile: the vote is given up (the recovery takes the joiners in)
+            with _interruptible(self.store, lambda: self.failed):
+                due = self._claim(self.store, self._key(f"round{self.round}", record),
+                                  "1" if admissible else "0") == "1"
+                if done is not None and self.members.index(self.id) == 0:  # no member reads it any more
+                    self.store.delete_key(self._key(f"round{self.round}", done))
+        except StoreInterrupted as e:
+            log.info("member %d (round %d): the boundary after step %d: %s", self.id, self.round, step, e)
+            return False
         if due:
             log.info("member %d (round %d): joiners %s admitted after step %d", self.id, self.round, list(pending),
                      step)

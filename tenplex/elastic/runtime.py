@@ -748,11 +748,13 @@ class ElasticRuntime:
         self._optim_template = (optimizer_template(self.optimizer) or self._warm_template) \
             if self.config.empty_rebuild else None
         # the last references to the broken mesh groups (FSDP2's modules hold them in reference cycles):
-        # freed, their connections close, and a survivor blocked in one of them with this rank fails
+        # freed, their connections close, and a survivor blocked in one of them with this rank fails (its
+        # next block's all-gather, issued ahead): the mesh's groups first, then the default group, then
+        # the collection
         spare = self.spare
         if self.model is not None:  # a model that failed in its forward pass outlives gc.collect(): not its groups
             release_fsdp_groups(self.model)
-        self._drop_meshes()
+        self._drop_meshes(then=m.destroy_group)
         t_released = time.perf_counter()
         rec = recover_in_process(m, ring, self._rebuilt,
                                  RecoveryConfig(url=self.config.ckpt, join_timeout=self.config.join_timeout,
@@ -820,12 +822,16 @@ class ElasticRuntime:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _drop_meshes(self) -> None:
-        """Free the mesh's groups (a trainer's, or a spare's handle of it) and drop the model, optimizer
-        and mesh, collected now: groups still referenced close their connections later."""
+    def _drop_meshes(self, then: Callable[[], None] | None = None) -> None:
+        """Free the mesh's groups (a trainer's, or a spare's handle of it; gloo: destroyed, see
+        ``release_mesh``) and drop the model, optimizer and mesh, collected now: groups still referenced
+        close their connections later. ``then``: called after the groups' release, before the
+        collection (a recovery destroys the default group there)."""
         for mesh in (self.mesh, self._spare_mesh):
             if mesh is not None:
-                release_mesh(mesh)
+                release_mesh(mesh, destroy=self.backend == "gloo")
+        if then is not None:
+            then()
         self.model = self.optimizer = self.mesh = self._spare_mesh = self._placed = None
         gc.collect()
 

@@ -6,9 +6,11 @@ Imports torch.distributed.tensor at module top (this module is for code that has
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import placement_types as pt
@@ -94,21 +96,30 @@ def _clear_sharding_caches() -> None:
         fast()
 
 
-def release_mesh(device_mesh: DeviceMesh) -> int:
+def release_mesh(device_mesh: DeviceMesh, *, destroy: bool = False) -> int:
     """Drop the process groups a broken ``device_mesh`` keeps (its root mesh's group registry), so that
     gloo closes their connections once the modules holding them are freed too (``gc.collect()``: FSDP2's
     hooks make reference cycles). DTensor's sharding cache keeps meshes alive after their groups were
     destroyed; a survivor blocked in one of their collectives with this rank would wait for the group
     timeout. Its sharding propagation caches are cleared too: they compare meshes by value, so a later
     mesh equal to a dead one (the 4-worker mesh again after a join) got cached results naming the dead
-    one's groups ("Could not resolve the process group registered under the name ..."). Returns how
-    many groups were dropped (0 when this torch keeps none there)."""
+    one's groups ("Could not resolve the process group registered under the name ..."). ``destroy``:
+    torch.distributed's own references to them go too (``destroy_process_group(group)``, never the
+    default group's): once the modules' are dropped (``release_fsdp_groups``), a gloo group closes its
+    connections here, not at the collection (gloo only: an nccl group with a dead peer is aborted, a
+    destroy could wait on it). Returns how many groups were dropped (0 when this torch keeps none there)."""
     _clear_sharding_caches()
     root = getattr(device_mesh, "_root_mesh", None) or device_mesh
     registry = getattr(root, "_pg_registry", None)
     if not isinstance(registry, dict):
         return 0
     n = len(registry)
+    if destroy and dist.is_initialized():
+        world = dist.group.WORLD
+        for pg in registry.values():
+            if pg is not world and pg is not dist.GroupMember.NON_GROUP_MEMBER:
+                with contextlib.suppress(ValueError, RuntimeError):  # not (or no longer) registered
+                    dist.destroy_process_group(pg)
     registry.clear()
     return n
 
