@@ -420,3 +420,60 @@ def test_a_known_death_ends_the_step_at_the_next_block(tmp_path: Path) -> None:
     assert r["world"] == 1 and r["step"] == 3, r
     assert r["after"] <= 1, r  # without the blocks' hook: the rest of the forward, about 25 blocks
     assert r["blocks"] >= 90, r  # steps 0 and 2 and the redone step 1 whole
+
+
+def _blocked_on_a_release(rank: int, port: int, destroy: bool, q: Any) -> None:
+    """3 gloo ranks, a (1, 2) mesh over ranks 0 and 1 (its dp_shard group a group of its own, not the
+    default one; rank 2 a spare): rank 0 waits in an all_reduce over the dp_shard group that rank 1
+    never joins; rank 1 releases the mesh (``release_mesh``), holds no other reference to it and stays
+    alive 3 s. Rank 0 reports how long it waited."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tenplex.native.dtensor import release_mesh
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
+                                timeout=datetime.timedelta(seconds=8))
+        mesh = DeviceMesh("cpu", torch.arange(2).reshape(1, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        x = torch.ones(4)
+        if rank < 2:
+            dist.all_reduce(x, group=mesh.get_group("dp_shard"))  # connected
+        dist.barrier()
+        if rank == 2:
+            time.sleep(3.5)
+            q.put((rank, {"error": None}))
+        elif rank == 0:
+            t0 = time.monotonic()
+            try:
+                dist.all_reduce(x, group=mesh.get_group("dp_shard"))
+                q.put((rank, {"error": "the all_reduce returned"}))
+            except RuntimeError:
+                q.put((rank, {"error": None, "waited": time.monotonic() - t0}))
+        else:
+            time.sleep(0.3)
+            release_mesh(mesh, destroy=destroy)
+            del mesh
+            time.sleep(3.0)
+            q.put((rank, {"error": None}))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        q.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+
+
+@pytest.mark.timeout(90)
+def test_a_released_mesh_closes_its_groups_at_once_when_destroyed() -> None:
+    """``release_mesh(mesh, destroy=True)`` drops torch.distributed's references to the mesh's groups
+    too: a peer blocked on this rank in one of them fails at once (a recovery's release, before the
+    collection and the default group's destroy). Without ``destroy`` torch.distributed still holds
+    the group: the peer waits until this process exits."""
+    from spawned import run_spawned
+
+    waited = {}
+    for destroy in (True, False):
+        port = free_port()
+        got = run_spawned(_blocked_on_a_release, [(r, port, destroy) for r in range(3)], expect=3, timeout=40)
+        assert all(v["error"] is None for v in got.values()), got
+        waited[destroy] = got[0]["waited"]
+    assert waited[True] < 1.5 and waited[False] > 2.5, waited
