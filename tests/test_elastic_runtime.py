@@ -303,8 +303,10 @@ def test_a_spares_death_moves_no_state(tmp_path: Path) -> None:
     assert (tmp_path / "worker4.log").read_text().count("a spare (the mesh") == 2
 
 
-def _spare_start(rank: int, port: int, ckpt: str, q: Any) -> None:
-    """Rank ``rank`` of 2 under a mesh rule that places 1 rank: what its ``build`` saw and ran."""
+def _spare_start(rank: int, port: int, ckpt: str, store_port: int | None, q: Any) -> None:
+    """Rank ``rank`` of 2 under a mesh rule that places 1 rank (in process with the membership store at
+    ``store_port``, else not): what its ``build`` saw and ran; every optimizer step hook, the
+    optimizer's own and torch's global ones, counted."""
     import os
 
     import torch.distributed as dist
@@ -313,6 +315,8 @@ def _spare_start(rank: int, port: int, ckpt: str, q: Any) -> None:
     import tenplex
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    if store_port is not None:
+        os.environ["TENPLEX_MEMBERSHIP_STORE"] = f"127.0.0.1:{store_port}"
     builds: list[list[int]] = []
     hooks: list[int] = []
     out: dict[str, Any] = {"error": None}
@@ -324,7 +328,12 @@ def _spare_start(rank: int, port: int, ckpt: str, q: Any) -> None:
             optimizer.register_step_pre_hook(lambda *_: hooks.append(rank))
             return model, optimizer
 
-        rt = tenplex.ElasticRuntime(build, lambda world: {"dp_shard": 1}, ckpt=ckpt, in_process=False)
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(lambda *_: hooks.append(100 + rank))
+        register_optimizer_step_post_hook(lambda *_: hooks.append(200 + rank))
+        rt = tenplex.ElasticRuntime(build, lambda world: {"dp_shard": 1}, ckpt=ckpt,
+                                    in_process=store_port is not None)
         out.update(spare=rt.spare, builds=builds, hooks=hooks, holds=rt.model is not None,
                    # what a rebuild without an old optimizer primes its state from: per parameter, the
                    # parameter-shaped entries by dtype, the small ones as real tensors (not the meta warm-up's)
@@ -342,18 +351,30 @@ def test_a_spare_pays_its_first_build_at_its_start(tmp_path: Path) -> None:
     rank takes part in), and drops it: the first build's one-time costs (torch._dynamo's import, FSDP2's
     first set-up: 0.43 s of a 1.9 s recovery in scripts/bench_recovery.py's spare row) are not paid at
     the recovery that gives it a place, where the trainers wait for it. The optimizer step that
-    ``get_state_dict`` runs on that model to create its state runs none of the job's step hooks; the
-    state's structure is kept to prime the optimizer of the spare's place (no initialising step then)."""
+    ``get_state_dict`` runs on that model to create its state runs none of the job's step hooks (the
+    optimizer's own, torch's global ones); the state's structure is kept to prime the optimizer of the
+    spare's place (no initialising step then). In process, a member builds so at its start too."""
     from spawned import run_spawned
 
     port = free_port()
-    got = run_spawned(_spare_start, [(r, port, str(tmp_path / "ckpt")) for r in range(2)], expect=2, timeout=100)
+    got = run_spawned(_spare_start, [(r, port, str(tmp_path / "ckpt"), None) for r in range(2)], expect=2,
+                      timeout=100)
     assert all(got[r]["error"] is None for r in range(2)), got
     assert got[0]["spare"] is False and got[0]["builds"] == [[0]] and got[0]["holds"], got[0]
     assert got[1]["spare"] is True and got[1]["builds"] == [[1]] and not got[1]["holds"], got[1]
     assert got[0]["hooks"] == got[1]["hooks"] == [], got
     assert got[1]["template"] == [{"step": ("cpu", torch.Size([])), "exp_avg": ("param", torch.float32),
                                    "exp_avg_sq": ("param", torch.float32)}] * 4, got[1]["template"]
+    # in process: the member builds once more at its start, on its own rank (its first build's imports
+    # before the runtime's gc.freeze()), and runs no hook either
+    store = torch.distributed.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    port = free_port()
+    got = run_spawned(_spare_start, [(r, port, str(tmp_path / "ckpt2"), store.port) for r in range(2)], expect=2,
+                      timeout=100)
+    assert all(got[r]["error"] is None for r in range(2)), got
+    assert got[0]["spare"] is False and got[0]["builds"] == [[0], [0]] and got[0]["holds"], got[0]
+    assert got[1]["spare"] is True and got[1]["builds"] == [[1]] and not got[1]["holds"], got[1]
+    assert got[0]["hooks"] == got[1]["hooks"] == [], got
 
 
 

@@ -78,6 +78,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.optim import optimizer as torch_optimizer
 
 from ..checkpoint import default_save_id, list_steps, save
 from ..data.partition import DataState, loss_scale, replica_slice
@@ -273,7 +274,7 @@ class ElasticRuntime:
             except (ConfigError, LayoutError):
                 names = ()  # the build below says why
             if names:
-                self._warm_alone(names)
+                self._warm_alone(names, real=False)
         # the objects made so far never die: out of the collector's way, so that the gc.collect() of a
         # recovery (FSDP2's modules are reference cycles) only walks what was made since
         gc.freeze()
@@ -619,7 +620,7 @@ class ElasticRuntime:
         self._warm_on(init_device_mesh(self.device, (1,) * len(names), mesh_dim_names=names))
         dist.destroy_process_group()
 
-    def _warm_alone(self, names: tuple[str, ...]) -> None:
+    def _warm_alone(self, names: tuple[str, ...], *, real: bool = True) -> None:
         """A first build on a group of this rank's own (``use_local_synchronization``: no other rank
         takes part) and a mesh of ``names``, each of size 1 (see ``_warm_on``). A spare pays its first
         build so at its start, as a joiner does (``_warm_joiner``), not at the recovery that gives it a
@@ -627,34 +628,48 @@ class ElasticRuntime:
         2 CPU cores: 0.43 s of a 1.9 s recovery); a member of an in-process job before ``gc.freeze()``,
         so that the modules a first build and state dict import (FSDP2's and DCP's first use import
         torch._dynamo: some 200 modules) are frozen with the others, not walked by every recovery's
-        collection (12m Llama, 4 workers on 2 CPU cores: 25-58 ms of it)."""
+        collection (12m Llama, 4 workers on 2 CPU cores: 25-58 ms of it); ``real`` False (a member): a
+        model that cannot be built on the meta device is not warmed (the whole model on one rank could
+        exceed its memory)."""
         group = dist.new_group([self.rank], use_local_synchronization=True)
         self._warm_on(DeviceMesh.from_group([group] * len(names), self.device,
-                                            torch.full((1,) * len(names), self.rank), mesh_dim_names=names))
+                                            torch.full((1,) * len(names), self.rank), mesh_dim_names=names),
+                      real=real)
         dist.destroy_process_group(group)
 
-    def _warm_on(self, mesh: DeviceMesh) -> None:
+    def _warm_on(self, mesh: DeviceMesh, *, real: bool = True) -> None:
         """Build the model on ``mesh`` (every dim of size 1), make its state dict, drop both: a first
         build's one-time costs (``torch._dynamo``'s import, which the meta device's first use makes, and
         FSDP2's and TP's first set-up: 0.5 s of the 12m Llama's on an idle CPU core). Built on the meta
         device and never materialised, so that the whole model on one rank costs no memory and its
         optimizer's state (``get_state_dict`` creates it by a step at learning rate 0) no arithmetic:
-        0.11 s against 0.28 s materialised (a model that cannot be built on meta: built for real). The
-        job's optimizer step hooks do not run for that step: the model is not the job's."""
+        0.11 s against 0.28 s materialised (a model that cannot be built on meta: built for real, or,
+        ``real`` False, not warmed). The job's optimizer step hooks do not run for that step, its
+        optimizers' own nor torch's global ones: the model is not the job's."""
         try:
             with torch.device("meta"), _to_keeps_meta():
                 self.model, self.optimizer = self.build_fn(mesh)
             on_meta = True
         except (NotImplementedError, RuntimeError) as e:  # e.g. data copied out of a meta tensor
+            if not real:
+                log.info("warm-up: build(mesh) failed on the meta device (%s); not warmed", e)
+                self.model = self.optimizer = None
+                return
             log.info("warm-up: build(mesh) failed on the meta device (%s); built for real", e)
             self.model, self.optimizer = self.build_fn(mesh)
             on_meta = False
         hooks = [(o, o._optimizer_step_pre_hooks, o._optimizer_step_post_hooks)
                  for o in _optimizers(self.optimizer) if hasattr(o, "_optimizer_step_pre_hooks")]
+        # torch's global step hooks (torch.optim.optimizer.register_optimizer_step_pre_hook / _post_hook)
+        global_hooks = [(d, dict(d)) for d in (getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+                                               getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
+                        if isinstance(d, dict)]
         try:
             for o, _, _ in hooks:
                 o._optimizer_step_pre_hooks, o._optimizer_step_post_hooks = type(o._optimizer_step_pre_hooks)(), \
                     type(o._optimizer_step_post_hooks)()
+            for d, _ in global_hooks:
+                d.clear()
             self.state_dict()
             # a rebuild without an old optimizer (a joiner's, a spare's place) primes its state from this
             # one's, as a survivor's from its old one's (``prime_optimizer``): no initialising step
@@ -670,6 +685,8 @@ class ElasticRuntime:
         finally:
             for o, pre, post in hooks:
                 o._optimizer_step_pre_hooks, o._optimizer_step_post_hooks = pre, post
+            for d, kept in global_hooks:
+                d.update(kept)
             release_mesh(mesh)
             self.model = self.optimizer = None
         self._warmed_build = True
