@@ -270,7 +270,7 @@ class ElasticRuntime:
             self.failure = "joining"
         if cfg.in_process and not cfg.join:  # a first build's imports before the freeze (see _warm_alone)
             try:
-                names = mesh_dim_names(choose_mesh(self.world_size, choose=self.rule, spares=True))
+                names = _mesh_dim_names(choose_mesh(self.world_size, choose=self.rule, spares=True))
             except (ConfigError, LayoutError):
                 names = ()  # the build below says why
             if names:
@@ -424,7 +424,7 @@ class ElasticRuntime:
         why = dp_refusal(self.dims, self.data.global_batch, self.config.uneven_dp) if self.data is not None else None
         if why is not None:  # a loss weighting every rank alike would weigh the samples unevenly: refused
             raise ConfigError(f"{world} ranks: {why}")
-        names = mesh_dim_names(self.dims)
+        names = _mesh_dim_names(self.dims)
         shape = tuple(self.dims[d] for d in names)
         placed = math.prod(shape)
         t0 = time.perf_counter()
@@ -864,7 +864,7 @@ class ElasticRuntime:
         gc.collect()
 
 
-def mesh_dim_names(dims: Mapping[str, int]) -> tuple[str, ...]:
+def _mesh_dim_names(dims: Mapping[str, int]) -> tuple[str, ...]:
     """``dims``' names in torch's mesh dim order (``MESH_DIMS`` first, in its order, then the others). Pure."""
     return tuple(d for d in MESH_DIMS if d in dims) + tuple(d for d in dims if d not in MESH_DIMS)
 
