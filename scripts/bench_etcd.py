@@ -97,6 +97,7 @@ def request_ms(raft_ms: tuple[int, int], n: int = 300) -> dict[str, float]:
             store.peek(["k", "a", "b"])
             reads.append(time.perf_counter() - t)
             time.sleep(0.01)
+        store.close()
 
     def q(xs: list[float], p: float) -> float:
         return round(1e3 * sorted(xs)[max(0, int(p * len(xs)) - 1)], 2)

@@ -44,11 +44,12 @@ class RecoveryTimes:
     ``agreement`` (the members' decision and the step every survivor holds), ``regroup`` (the
     broken groups released, the new one formed), ``rebuild`` (the job's ``build`` for the new
     mesh), ``choose_plan`` (the layout and the move's plan), ``transfer`` (the move and filling
-    the state in), ``first_step`` (the first training step after it; None until it ran). ``path`` ``"restart"``: ``teardown`` (the worker's
-    exit and the launcher's restart, when the launcher reports it; else 0), ``restart`` (process
-    start to the job's state built), ``load`` (the checkpoint read). ``bytes_live``: sent between
-    survivors; ``bytes_storage``: read from storage; ``bytes_full_replica``: a full-replica
-    copy's bytes for the same failure (:func:`full_replica_bytes`)."""
+    the state in), ``first_step`` (the first training step after it; None until it ran).
+    ``path`` ``"restart"``: ``teardown`` (the worker's exit and the launcher's restart, when the
+    launcher reports it; else 0), ``restart`` (process start to the job's state built), ``load``
+    (the checkpoint read). ``bytes_live``: sent between survivors; ``bytes_storage``: read from
+    storage; ``bytes_full_replica``: a full-replica copy's bytes for the same failure
+    (:func:`full_replica_bytes`)."""
 
     path: str
     detection_s: float = 0.0

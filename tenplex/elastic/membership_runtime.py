@@ -454,7 +454,7 @@ class Membership:
         self._links.want(peers)
 
     def _links_broke(self, peers: frozenset[int]) -> None:
-        """Heartbeat thread: ``peers``' links ended without a goodbye, so their processes are gone."""
+        """Link thread: ``peers``' links ended without a goodbye, so their processes are gone."""
         now = time.monotonic()
         with self._state.lock:
             rnd = self._state.round
