@@ -114,6 +114,9 @@ def test_a_users_own_loop_survives_a_kill_in_process(tmp_path: Path) -> None:
     assert lat["bytes_full_replica"] == rec["bytes_full_replica"] == whole, (lat, whole)
     assert (lat["bytes_live"], lat["bytes_storage"]) == (rec["bytes_live"], rec["bytes_storage"])
     assert 0 < rec["bytes_live"] + rec["bytes_storage"] < whole, rec
+    # summed over the group after the first step (not on its path): the plan's bytes, not rank 0's share
+    assert (rec["bytes_live"], rec["bytes_storage"]) == (rec["plan_bytes_peer"], rec["plan_bytes_storage"]), rec
+    assert rec["rank_order_plan_bytes_peer"] is not None, rec
     assert "recovery (in-process) latency" in (tmp_path / "worker0.log").read_text()
     json.dumps(rec)  # the record the benchmarks read is plain JSON
 

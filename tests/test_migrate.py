@@ -315,7 +315,8 @@ def test_live_migration_in_a_gloo_world(tmp_path: Path) -> None:
 
 def test_one_process_group_local_storage_and_refusals(tmp_path: Path) -> None:
     """A world of one: the survivor of tp=2 keeps its half and reads the dead rank's half from the
-    checkpoint; a wrong group size, a missing storage URL and a shard on a fresh joiner are refused."""
+    checkpoint (again into given tensors, filled in place); a wrong group size, a missing storage URL
+    and a shard on a fresh joiner are refused."""
     import torch.distributed as dist
 
     from tenplex.errors import PlanError
@@ -340,6 +341,21 @@ def test_one_process_group_local_storage_and_refusals(tmp_path: Path) -> None:
         assert (res.bytes_local, res.bytes_storage) == (s.bytes_local, s.bytes_storage) and s.bytes_storage > 0
         assert res.storage_read is not None and res.storage_read.bytes_needed == s.bytes_storage
         assert res.storage_read.step == 2
+        # into: the new shard's own tensors receive the move in place (natural-order ones straight into
+        # their memory, the others copied once from the flat buffer); a destination of another shape
+        # or dtype is not used
+        into = {n: torch.full_like(t, -1.0) for n, t in want.items() if isinstance(t, torch.Tensor)}
+        odd = next(n for n, t in into.items() if t.dim() == 2)
+        into[odd] = torch.empty(3, dtype=into[odd].dtype)
+        kinds = {ptc.tensors[n].natural for n in into if n != odd}
+        assert kinds == {True, False}, "both paths: a natural-order tensor and a relaid one"
+        res = migrate(ptc, old, new, mine, alive=[1], storage=url, into=into)
+        assert (res.bytes_local, res.bytes_storage) == (s.bytes_local, s.bytes_storage)
+        for n, t in want.items():
+            if isinstance(t, torch.Tensor):
+                assert_same(res.shard[n], t, n)
+                assert (res.shard[n] is into[n]) == (n != odd), n
+        assert into[odd].shape == (3,)
         with pytest.raises(PlanError, match="pass storage="):
             migrate(ptc, old, new, mine, alive=[1])
         with pytest.raises(PlanError, match="group has 1 ranks"):

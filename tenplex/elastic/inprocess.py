@@ -42,7 +42,7 @@ from .membership_runtime import Membership
 from .ring import StateRing
 
 __all__ = ["RECOVERY_FAILED", "JOIN_FAILED", "DIE_POINTS", "DieAt", "layout_fits", "warm_up", "LiveRecovery",
-           "RecoveryConfig", "recover_in_process"]
+           "RecoveryConfig", "recover_in_process", "summarized"]
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,8 @@ class LiveRecovery:
     full_replica: int = 0  # bytes a full-replica copy (torchft's heal) would move for this failure
     rescaled_at: float = 0.0  # time.time() when rescale returned, before the group-wide sums above
     times: RecoveryTimes | None = None  # the latency table (its first step: the caller's to add)
+    unwind_s: float = 0.0  # learning of the failure to the recovery's start (the latency table's detection)
+    summed: bool = True  # False: ``bytes``, ``slowest``, ``newest``, ``storage_urls`` are this rank's (``summarized``)
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,8 @@ class RecoveryConfig:
 
 
 def recover_in_process(m: Membership, ring: StateRing, build: Callable[[NewMembership], PTC | MutableMapping[str, Any]],
-                       config: RecoveryConfig, *, join: bool = False, spare: bool = False) -> LiveRecovery:
+                       config: RecoveryConfig, *, join: bool = False, spare: bool = False,
+                       summarize: bool = True) -> LiveRecovery:
     """Agree on the members (the survivors, ordered by ``m.order``, then the live joiners; at the
     boundary ``Membership.join_due`` agreed when ``join``), call ``build(new_membership)`` for what
     ``rescale`` fills (a ParallelConfig job's PTC, or a torch-native job's state dict of the model
@@ -205,7 +208,9 @@ def recover_in_process(m: Membership, ring: StateRing, build: Callable[[NewMembe
     ``config.join_timeout`` s to be admitted and receives its state. Every member and joiner of
     the new group calls it; it raises on any failure (the caller exits with RECOVERY_FAILED). A
     ``spare`` (a member the old layout left out: an empty ring) agrees as a member and receives its
-    state as a joiner does."""
+    state as a joiner does. ``summarize`` False: the result holds this rank's figures and no collective
+    sums them here (the caller runs :func:`summarized` on every rank of the group later, e.g. after the
+    first step, whose start the sums would otherwise hold up)."""
     t0, wall0 = time.perf_counter(), time.time()
     held = ring.held_as
     if m.joining:
@@ -232,25 +237,40 @@ def recover_in_process(m: Membership, ring: StateRing, build: Callable[[NewMembe
                   live=live, process_group=config.placed() if config.placed is not None else None)
     t3, rescaled_at = time.perf_counter(), time.time()
     ptc = held.ptc if held is not None and held.ptc is not None else target if isinstance(target, PTC) else None
-    rec = _summary(nm, res, ring, recover_s=t1 - t0, rescale_s=t3 - t2,
-                   full_replica=full_replica_bytes(ptc) if ptc is not None else 0)
-    times = RecoveryTimes.in_process(detect_s=nm.detect_s, unwind_s=wall0 - nm.failed_at, agree_s=nm.agree_s,
-                                     regroup_s=nm.regroup_s, rebuild_s=t2 - t1, timings=rec.slowest,
-                                     bytes_moved=rec.bytes, full_replica=rec.full_replica)
-    return dataclasses.replace(rec, rebuild_s=t2 - t1, rescaled_at=rescaled_at, times=times)
-
-
-def _summary(nm: NewMembership, res: RescaleResult, ring: StateRing, *, recover_s: float,
-             rescale_s: float, full_replica: int) -> LiveRecovery:
-    """The recovery as the whole new group saw it (collectives over it): bytes summed, the newest
-    step any survivor held, the slowest rank's timings, the storage URLs read."""
     b = res.bytes_by_tier
-    views: list[Any] = [None] * dist.get_world_size()  # one collective: it runs before the first step
-    dist.all_gather_object(views, (res.storage_url, res.timings, full_replica, max(ring.states(), default=-1),
-                                   [b.get(k, 0) for k in ("live", "storage", "local")]))
-    urls = [v[0] for v in views]
-    slowest = {k: max(v[1].get(k, 0.0) for v in views) for k in res.timings}  # the recovery waits for the slowest
-    sums = [sum(v[4][i] for v in views) for i in range(3)]
-    return LiveRecovery(nm, res, recover_s, rescale_s, slowest,
-                        {"live": sums[0], "storage": sums[1], "local": sums[2]}, max(v[3] for v in views),
-                        tuple(sorted({u for u in urls if u})), full_replica=max(v[2] for v in views))
+    own = LiveRecovery(nm, res, t1 - t0, t3 - t2, dict(res.timings), {k: int(b.get(k, 0)) for k in _BYTES},
+                       max(ring.states(), default=-1), (res.storage_url,) if res.storage_url else (), rebuild_s=t2 - t1,
+                       full_replica=full_replica_bytes(ptc) if ptc is not None else 0, rescaled_at=rescaled_at,
+                       unwind_s=wall0 - nm.failed_at, summed=False)
+    own = dataclasses.replace(own, times=_times(own))
+    return summarized(own) if summarize else own
+
+
+_BYTES = ("live", "storage", "local")
+
+
+def _times(rec: LiveRecovery) -> RecoveryTimes:
+    nm = rec.membership
+    return RecoveryTimes.in_process(detect_s=nm.detect_s, unwind_s=rec.unwind_s, agree_s=nm.agree_s,
+                                    regroup_s=nm.regroup_s, rebuild_s=rec.rebuild_s, timings=rec.slowest,
+                                    bytes_moved=rec.bytes, full_replica=rec.full_replica)
+
+
+def summarized(rec: LiveRecovery) -> LiveRecovery:
+    """The recovery as the whole new group saw it (one ``all_gather_object`` over the default group,
+    which every rank of it calls): bytes summed, the newest step any survivor held, the slowest
+    rank's timings (the recovery waits for the slowest), the storage URLs read, and the latency
+    table of those. ``rec``: this rank's (``recover_in_process(summarize=False)``); returned as it
+    is when summed already."""
+    if rec.summed:
+        return rec
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (rec.storage_urls, rec.slowest, rec.full_replica, rec.newest,
+                                   [rec.bytes[k] for k in _BYTES]))
+    slowest = {k: max(v[1].get(k, 0.0) for v in views) for k in rec.slowest}
+    summed = dataclasses.replace(rec, slowest=slowest,
+                                 bytes={k: sum(v[4][i] for v in views) for i, k in enumerate(_BYTES)},
+                                 newest=max(v[3] for v in views),
+                                 storage_urls=tuple(sorted({u for v in views for u in v[0]})),
+                                 full_replica=max(v[2] for v in views), summed=True)
+    return dataclasses.replace(summed, times=_times(summed))

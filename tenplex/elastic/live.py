@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..checkpoint import list_steps
@@ -24,7 +25,7 @@ from ..errors import CheckpointMismatchError, ConfigError, LayoutError
 from ..layout.config import ParallelConfig
 from ..layout.ptc import PTC
 from ..layout.state_layout import StateLayout
-from ..native.state_dict import fill_state_dict
+from ..native.state_dict import fill_state_dict, local_shard
 from ..planning.choose import Chooser, MeshChooser, check_fits, choose_mesh, predict_layout
 from ..planning.planner import STORAGE, Plan, locality_order, plan
 from .membership import old_ranks
@@ -159,7 +160,7 @@ def agree_live(moves: Plan, live: LiveState, rank: int, world: int,
 
 
 def move_live(ptc: PTC, live: LiveState, new: ParallelConfig | StateLayout, *, gpus_per_host: int,
-              timings: dict[str, float]) -> RescaleResult | None:
+              timings: dict[str, float], into: Mapping[str, Any] | None = None) -> RescaleResult | None:
     """The live move of both kinds of job, once the group's view is complete (``live_for_group``) and
     the new layout is chosen (a ``ParallelConfig``) or described (a state dict's ``StateLayout``):
     plan with the survivors as ``alive``, agree on the step (``agree_live``), ``migrate``. The
@@ -170,7 +171,7 @@ def move_live(ptc: PTC, live: LiveState, new: ParallelConfig | StateLayout, *, g
     Group ranks ``< len(live.alive)`` hold state under ``live.cfg``; those after them (spares of
     ``live.cfg``, and processes that joined) join ``migrate`` as fresh joiners. Ranks beyond both
     the holders and the new layout are spares that take no part in the move (a subgroup moves the
-    state)."""
+    state). ``into``: this rank's new local tensors by flat key, written in place (``MigrationInputs.into``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     old, holders = live.cfg, len(live.alive)
     assert old is not None
@@ -188,7 +189,7 @@ def move_live(ptc: PTC, live: LiveState, new: ParallelConfig | StateLayout, *, g
         return RescaleResult(new, rank, world, step, False, None, None, old, moves.stats, None, timings, {},
                              live=True)
     res = migrate(ptc, old, new, live.states[step] if rank < holders else None, alive=list(live.alive),
-                  group=group, storage=url, step=step, plan=moves, gpus_per_host=gpus_per_host)
+                  group=group, storage=url, step=step, plan=moves, gpus_per_host=gpus_per_host, into=into)
     timings.update({"migrate": res.seconds, **{f"migrate_{k}": v for k, v in res.timings.items()}})
     return RescaleResult(new, rank, world, step, False, dict(res.shard) if rank < new.world_size else None, None,
                          old, moves.stats, None, timings,
@@ -229,7 +230,10 @@ def rescale_state_dict_live(state_dict: MutableMapping[str, Any], live: LiveStat
     assert isinstance(live.cfg, StateLayout) and ptc is not None
     same_model(ptc, described)
     layout.check(ptc, complete=True)
-    moved = move_live(ptc, live, layout, gpus_per_host=gpus_per_host, timings=timings)
+    # the rebuilt state dict's own local tensors receive the move (its Stateful values' tensors are
+    # copies: those are filled as before)
+    into = {k: v for k, v in local_shard(state_dict).items() if isinstance(v, torch.Tensor)}
+    moved = move_live(ptc, live, layout, gpus_per_host=gpus_per_host, timings=timings, into=into)
     if moved is None:
         return None
     t0 = time.perf_counter()

@@ -350,6 +350,11 @@ class MigrationInputs:
     process's ranks, checked against the group's; ``storage``: a checkpoint URL for pieces no
     survivor holds (``step``: which one, default the newest complete; ``storage_options``);
     ``device``: where buffers live (default: the current CUDA device under nccl, else the CPU).
+    ``into``: this rank's new local tensors by name (a state dict built for the new layout: its local
+    shards), which the move writes in place where shape, dtype and device match; the result's shard
+    then holds those tensors (a natural-order one receives its pieces straight into its memory, a
+    panel-ordered one gets one copy from the flat buffer: no tensor allocated for it and no second copy
+    into the state dict).
 
     What to send, three alternatives: ``exchange`` (an ``exchange_plan`` computed before, with its
     rounds; ``plan``, if given too, must be the one it was computed from), or ``plan`` (computed
@@ -367,6 +372,7 @@ class MigrationInputs:
     plan: Plan | None = None
     exchange: ExchangePlan | None = None
     device: torch.device | str | None = None
+    into: Mapping[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_host < 1:
@@ -402,15 +408,27 @@ class _Buffers:
     local copies between them."""
 
     def __init__(self, ptc: PTC, old_cfg: Layout, new_cfg: Layout, ex: ExchangePlan, rank: int, mine: int | None,
-                 held: Mapping[str, Any], device: torch.device) -> None:
+                 held: Mapping[str, Any], device: torch.device, into: Mapping[str, torch.Tensor]) -> None:
         self.ptc, self.old_cfg, self.ex, self.mine, self.held, self.device = ptc, old_cfg, ex, mine, held, device
+        self.new_cfg, self.rank = new_cfg, rank
         self.is_new = rank < new_cfg.world_size
         self.flats: dict[str, torch.Tensor] = {}
+        self.into: dict[str, torch.Tensor] = {}  # destinations that fit: filled in place (``finish``)
         if self.is_new:
             for name in ptc.rank_tensors(new_cfg, rank):
                 segs = ptc.segments(name, new_cfg, rank)
-                self.flats[name] = flat = torch.empty(sum(ln for _, _, ln in segs), dtype=ptc.tensors[name].dtype,
-                                                      device=device)
+                spec, size = ptc.tensors[name], sum(ln for _, _, ln in segs)
+                dst = into.get(name)
+                if dst is not None and (tuple(dst.shape) != ptc.local_shape(name, new_cfg, rank) or dst.dtype != spec.dtype
+                                        or dst.device != device):
+                    dst = None
+                if dst is not None:
+                    self.into[name] = dst
+                if dst is not None and spec.natural and dst.is_contiguous() and size == dst.numel():
+                    flat = dst.view(-1)  # its own flat buffer: the pieces go straight into it
+                else:
+                    flat = torch.empty(size, dtype=spec.dtype, device=device)
+                self.flats[name] = flat
                 for lo, g, ln in segs:
                     if g == PAD:
                         flat[lo : lo + ln] = 0
@@ -444,6 +462,16 @@ class _Buffers:
     def destination(self, i: int) -> torch.Tensor:
         x, y = self.byte_range(i, "dst_offset")
         return self.dst[self.name(i)][x:y]
+
+    def finish(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` of the new shard, in its natural local shape: its ``into`` destination,
+        filled (unless its pieces went straight into it), or a new tensor."""
+        flat, dst = self.flats[name], self.into.get(name)
+        if dst is None:
+            return self.ptc.from_local_flat(name, self.new_cfg, flat, self.rank)
+        if flat.data_ptr() != dst.data_ptr():
+            self.ptc.from_local_flat(name, self.new_cfg, flat, self.rank, out=dst)
+        return dst
 
     def copy_local(self) -> None:
         t = time.perf_counter()
@@ -551,7 +579,7 @@ def migrate(ptc: PTC, old_cfg: Layout, new_cfg: Layout, shard: Mapping[str, Any]
         raise MigrationError(f"live migration {old_cfg} -> {new_cfg} failed on group rank {rank} before any "
                              f"transfer: {e}") from e
     objects: dict[str, Any] = dict(box[0] or {})
-    buffers = _Buffers(ptc, old_cfg, new_cfg, ex, rank, mine, held, device)
+    buffers = _Buffers(ptc, old_cfg, new_cfg, ex, rank, mine, held, device, o.into or {})
 
     # storage pieces, read while the rounds run
     t_rounds = time.perf_counter()
@@ -575,7 +603,7 @@ def migrate(ptc: PTC, old_cfg: Layout, new_cfg: Layout, shard: Mapping[str, Any]
     storage_read = st_future.result() if st_future is not None else None
     out: dict[str, Any] = {}
     if buffers.is_new:
-        out = {name: ptc.from_local_flat(name, new_cfg, f, rank) for name, f in buffers.flats.items()}
+        out = {name: buffers.finish(name) for name in buffers.flats}
         out.update(objects)
     t_end = time.perf_counter()
     timings = {"plan": t_plan - t0, "local": buffers.local_s, "transfer": t_transfer - t_rounds - buffers.local_s,

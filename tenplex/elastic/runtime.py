@@ -90,7 +90,8 @@ from ..planning.choose import MESH_DIMS, MeshChooser, choose_mesh, predict_layou
 from ..planning.planner import plan
 from .live import live_order
 from .rescale import rescale
-from .inprocess import JOIN_FAILED, RECOVERY_FAILED, RecoveryConfig, recover_in_process, warm_up
+from .inprocess import JOIN_FAILED, RECOVERY_FAILED, LiveRecovery, RecoveryConfig, recover_in_process, summarized, \
+    warm_up
 from .latency import RESTART, RecoveryTimes
 from .membership_runtime import Membership, join_membership, membership_store, start_membership
 from .ring import HeldAs, StateRing, exit_on_sigterm, flush_ring
@@ -230,6 +231,8 @@ class ElasticRuntime:
         self._warmed = False
         self._warmed_build = False  # a first build paid (a joiner's or a spare's warm-up)
         self._filled: dict[str, Any] = {}
+        # a recovery's figures this rank holds, summed over the group after its first step (``_summarize``)
+        self._pending: tuple[LiveRecovery, dict[str, float], Any] | None = None
         self._parts: dict[str, float] = {}  # seconds of the recovery's parts on this rank (its record's "parts")
         self._optim_template: list[dict[str, Any] | None] | None = None  # the old optimizer's state, per parameter
         self._warm_template: list[dict[str, Any] | None] | None = None  # the warm-up optimizer's (no old one)
@@ -494,13 +497,15 @@ class ElasticRuntime:
             self.start.update(step=self.step, fresh=False, spare=True)
             self.saved.add(self.step)
 
-    def _remember(self, described: tuple[Any, Any] | None = None) -> None:
+    def _remember(self, described: tuple[Any, Any] | None = None, state: dict[str, Any] | None = None) -> None:
         """The state after ``step`` into the ring, and (at a mesh's first step) the layout it has,
         with the survivors' order for a failure: where most of each new rank's state already is.
         ``described``: the state dict's (collection, layout) when known (a live rescale described
-        the state dict it filled); else described here, collectively."""
+        the state dict it filled); else described here, collectively. ``state``: a ``state_dict()``
+        whose tensors are the model's and the optimizer's own and whose values are current (the one a
+        recovery filled in place): not made again."""
         assert self.ring is not None and self.membership is not None
-        sd = self.state_dict()
+        sd = self.state_dict() if state is None else state
         ring = self.ring
         if ring.held_as is None:
             t0 = time.perf_counter()  # collective: while every rank of this mesh is alive
@@ -542,6 +547,8 @@ class ElasticRuntime:
         try:
             with self.guard():
                 self._with_spares()
+            if self._pending is not None:  # the trainers sum the recovery's figures at this step's end too
+                self._summarize(None)
         except PeerFailure as e:
             self.failure = str(e)
             return
@@ -579,6 +586,8 @@ class ElasticRuntime:
         if self._placed is not None:
             with self.guard():
                 self._with_spares()
+        if self._pending is not None:
+            self._summarize(first)
         if first is not None and self.times is not None:
             self._first_step(first, step_s)
         if self._warm_later and self.ring is not None and self.ring.held_as is not None:
@@ -601,6 +610,32 @@ class ElasticRuntime:
             log.warning("%s", self.times.table())
             if record.get("event") == "recover":  # the start record went out at the start
                 self._emit(record)
+
+    def _summarize(self, record: dict[str, Any] | None) -> None:
+        """After a recovery's first step (every rank of the new group, a spare in its ``_follow``): the
+        recovery's figures summed over the group (one collective, off the first step's path) into its
+        record and latency table, and, not timed, the same move planned in the survivors' old rank order
+        (what the locality order saved)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        rec, extra, old = pending
+        with self.guard():
+            rec = summarized(rec)
+        assert rec.times is not None
+        self.times = rec.times.with_extra(**extra)
+        if record is None:
+            return
+        record.update({"bytes_live": rec.bytes["live"], "bytes_storage": rec.bytes["storage"],
+                       "bytes_local": rec.bytes["local"], "bytes_full_replica": rec.full_replica})
+        if self.rank == 0:  # the rank that emits the record
+            res = rec.result
+            ps = res.plan_stats
+            by_rank = plan(old.ptc, old.layout, res.cfg,  # the survivors that held state (not the spares)
+                           alive=sorted(a for a in rec.membership.alive if a < old.layout.world_size)).stats \
+                if old else ps
+            record["rank_order_plan_bytes_peer"] = by_rank.bytes_same_host + by_rank.bytes_cross_host if by_rank \
+                else None
 
     def _emit(self, record: dict[str, Any]) -> None:
         if self.on_event is not None:
@@ -751,7 +786,7 @@ class ElasticRuntime:
         if self._latency_due is not None and self._latency_due.get("event") == "recover" and self.rank == 0:
             # the previous recovery's first step never ran: its record without it
             self._emit(self._latency_due)
-        self._latency_due = None
+        self._latency_due = self._pending = None
         try:
             if self.config.release is not None:
                 self.config.release()
@@ -784,18 +819,18 @@ class ElasticRuntime:
             release_fsdp_groups(self.model)
         self._drop_meshes(then=m.destroy_group)
         t_released = time.perf_counter()
+        # the group-wide sums of the record wait for the first step's end (``_summarize``): not on its path
         rec = recover_in_process(m, ring, self._rebuilt,
                                  RecoveryConfig(url=self.config.ckpt, join_timeout=self.config.join_timeout,
                                                 placed=lambda: self._placed),
-                                 join=reason == "join", spare=spare)
-        summed_s = time.time() - rec.rescaled_at  # the group-wide sums after rescale: counted in ring_s
+                                 join=reason == "join", spare=spare, summarize=False)
         nm, res = rec.membership, rec.result
         t_restore = time.perf_counter()
         if self.spare:  # still (or now) a spare: no state; the step the others resume
             self.step = res.step
         else:
             self._parts["in_place"] = float(self._restore(self._filled, in_place=True))
-        self._filled = {}
+        filled, self._filled = self._filled, {}
         t3 = time.perf_counter()  # the state is in place when rescale returned and the optimizer got it
         wall3 = rec.rescaled_at + (t3 - t_restore)
         try:  # not timed: whether the order was computed for the layout the rebuilt model has
@@ -805,26 +840,27 @@ class ElasticRuntime:
         ring.clear()
         t_rem = time.perf_counter()
         if not self.spare:
-            self._remember((res.ptc, res.cfg) if res.ptc is not None else None)
+            # the state dict the rescale filled is the model's and optimizer's own (in place): the ring's copy from it
+            self._remember((res.ptc, res.cfg) if res.ptc is not None else None,
+                           state=filled if self._parts.get("in_place") else None)
             ring.pin(self.step)  # a checkpoint step when pieces came from storage; else the state the survivors held
         self._parts.update(restore=t3 - t_restore, remember=time.perf_counter() - t_rem)
         t4 = time.perf_counter()
         self._done_at = t4
         assert rec.times is not None
-        self.times = rec.times.with_extra(regroup_s=t_released - t0, transfer_s=t3 - t_restore)
+        extra = {"regroup_s": t_released - t0, "transfer_s": t3 - t_restore}
+        self.times = rec.times.with_extra(**extra)
+        self._pending = (rec, extra, old)
         ps = res.plan_stats
-        # not timed: the same move in the survivors' old rank order (what the locality order saved)
-        by_rank = plan(old.ptc, old.layout, res.cfg,  # the survivors that held state (not the spares)
-                       alive=sorted(a for a in nm.alive if a < old.layout.world_size)).stats if old else ps
         return {"event": "recover", "reason": reason.splitlines()[0][:200], "world_size": self.world_size,
                 "mesh": self.dims, "alive": list(nm.alive), "joiners": list(nm.joiners), "live": res.live,
                 "step": self.step, "newest": newest,
-                "bytes_live": rec.bytes["live"], "bytes_storage": rec.bytes["storage"],
-                "bytes_local": rec.bytes["local"], "bytes_full_replica": rec.full_replica,
+                # the group's, summed after the first step (``_summarize``): None until then
+                "bytes_live": None, "bytes_storage": None, "bytes_local": None, "bytes_full_replica": None,
                 "plan_bytes_peer": ps.bytes_same_host + ps.bytes_cross_host if ps else None,
                 "plan_bytes_storage": ps.bytes_storage if ps else None,
                 "plan_bytes_moved": ps.bytes_moved if ps else None,
-                "rank_order_plan_bytes_peer": by_rank.bytes_same_host + by_rank.bytes_cross_host if by_rank else None,
+                "rank_order_plan_bytes_peer": None,
                 "layout_predicted": predicted,
                 "detect_s": nm.detect_s, "agree_s": nm.agree_s, "regroup_s": nm.regroup_s,
                 "failed_at": nm.failed_at,  # wall: the failure (a join: this member's round start)
@@ -833,7 +869,7 @@ class ElasticRuntime:
                 # described and its first state kept
                 "unwind_s": max(0.0, wall0 - nm.failed_at), "release_s": t_released - t0,
                 "recover_s": t_released - t0 + rec.recover_s, "rebuild_s": rec.rebuild_s,
-                "rescale_s": rec.rescale_s + (t3 - t_restore), "ring_s": t4 - t3 + summed_s,
+                "rescale_s": rec.rescale_s + (t3 - t_restore), "ring_s": t4 - t3,
                 "failure_to_state_s": wall3 - nm.failed_at + nm.detect_s,
                 "timings": res.timings, "parts": self._parts}
 

@@ -163,8 +163,10 @@ class ParallelConfig:
     def to_local_flat(self, spec: TensorSpec, rank: int, local: torch.Tensor) -> torch.Tensor:
         return spec.local_to_flat(local)
 
-    def from_local_flat(self, spec: TensorSpec, rank: int, flat: torch.Tensor) -> torch.Tensor:
-        return spec.local_from_flat(flat, spec.local_shape(self))
+    def from_local_flat(self, spec: TensorSpec, rank: int, flat: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        local = spec.local_from_flat(flat, spec.local_shape(self))
+        return local if out is None else out.copy_(local)
 
     # -- text form --------------------------------------------------------------------------
     def __str__(self) -> str:

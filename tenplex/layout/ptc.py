@@ -530,8 +530,10 @@ class Layout(Protocol):
     def to_local_flat(self, spec: TensorSpec, rank: int, local: torch.Tensor) -> torch.Tensor:
         """``rank``'s natural local tensor of ``spec`` in canonical flat order."""
 
-    def from_local_flat(self, spec: TensorSpec, rank: int, flat: torch.Tensor) -> torch.Tensor:
-        """Inverse of ``to_local_flat``: a new tensor of ``local_shape(spec, rank)``."""
+    def from_local_flat(self, spec: TensorSpec, rank: int, flat: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """Inverse of ``to_local_flat``: a tensor of ``local_shape(spec, rank)`` (a new one, or ``out``
+        filled)."""
 
 
 class ParallelGrid(Protocol):
@@ -661,10 +663,12 @@ class PTC:
                 local[lo : lo + ln] = flat[g : g + ln]
         return self.from_local_flat(name, cfg, local, rank)
 
-    def from_local_flat(self, name: str, cfg: Layout, local: torch.Tensor, rank: int = 0) -> torch.Tensor:
+    def from_local_flat(self, name: str, cfg: Layout, local: torch.Tensor, rank: int = 0,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         """Reshape a canonical flat local shard into its natural local shape (``rank``'s, under a
-        state-dict layout, where local shapes differ between ranks)."""
-        return cfg.from_local_flat(self.tensors[name], rank, local)
+        state-dict layout, where local shapes differ between ranks); ``out``: copied into it."""
+        spec = self.tensors[name]  # a layout of the user's need not take ``out`` unless it is asked for
+        return cfg.from_local_flat(spec, rank, local) if out is None else cfg.from_local_flat(spec, rank, local, out=out)
 
     def relaid(self, name: str) -> bool:
         """Whether a local shard's canonical (split dim first, or panel) order may differ from its

@@ -367,7 +367,8 @@ def local_shard(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 def fill_state_dict(state_dict: MutableMapping[str, Any], shard: Mapping[str, Any]) -> None:
     """Write ``shard`` (flat key -> local tensor or value, as ``local_shard`` gives it) into ``state_dict``
-    in place: tensors copied into the local tensors the state dict holds (shapes must match), other
+    in place: tensors copied into the local tensors the state dict holds (shapes must match; a shard
+    tensor that is that local tensor's memory already, as a move ``into`` them gives it, is not copied), other
     values replaced in their dicts; ``Stateful`` values then get theirs through ``load_state_dict``.
     CheckpointMismatchError names keys the shard lacks."""
     view, statefuls = stateful_view(state_dict)
@@ -383,7 +384,8 @@ def fill_state_dict(state_dict: MutableMapping[str, Any], shard: Mapping[str, An
             if tuple(src.shape) != tuple(loc.shape):
                 raise CheckpointMismatchError(f"{k}: the state to fill in has shape {list(src.shape)}, this rank's "
                                               f"local tensor {list(loc.shape)}")
-            loc.copy_(src)
+            if src.data_ptr() != loc.data_ptr() or src.stride() != loc.stride():  # else written in place already
+                loc.copy_(src)
         else:
             container[key] = shard[k]
     _hand_back(state_dict, view, statefuls)
