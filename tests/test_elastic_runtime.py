@@ -124,7 +124,7 @@ def test_a_users_own_loop_survives_a_kill_in_process(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_an_empty_rebuild_initialises_nothing_and_its_optimizer_state_is_shaped_as_the_old_one() -> None:
     """A recovery's rebuild (issue #31 goal): ``build(mesh)`` runs on the meta device (the user's
-    ``.to("cpu")`` and weight init touch no data), the model is materialised empty with the optimizer
+    ``.to("cpu")`` and weight init touch no data, and the init's ops are not even run there), the model is materialised empty with the optimizer
     still over its parameters, and the optimizer's state is created empty as the old one's (keys,
     shapes, dtypes), so that ``get_state_dict`` runs no initialising step. A model with a
     non-persistent buffer (no state dict restores it) is refused: built for real."""
@@ -142,9 +142,19 @@ def test_an_empty_rebuild_initialises_nothing_and_its_optimizer_state_is_shaped_
     cfg = dataclasses.replace(nl.PRESETS["tiny"], vocab_size=259)
     seen_meta = []
 
+    seen_random: list[tuple[bool, tuple[int, ...], torch.dtype, bool]] = []
+
     def build(mesh):  # noqa: ANN001, ANN202 - as a user writes it (examples/train_native.py)
         model = nl.parallelize(nl.reference_model(cfg, seed=0).to("cpu"), mesh)
         seen_meta.append(next(model.parameters()).is_meta)
+        if seen_meta[-1]:  # on meta the init's ops are not run: a random tensor is an empty one of its shape,
+            # an in-place fill the tensor as it is; one asked for on another device is made as usual
+            w = next(model.parameters())
+            r = torch.randn(2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+            c = torch.randn(2, device="cpu", generator=torch.Generator().manual_seed(0))
+            seen_random.append((r.is_meta, tuple(r.shape), r.dtype, w.normal_() is w and w.copy_(w) is w))
+            assert not c.is_meta and torch.equal(c, torch.randn(2, generator=torch.Generator().manual_seed(0),
+                                                                device="cpu"))
         return model, nl.make_optimizer(model)
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -157,6 +167,7 @@ def test_an_empty_rebuild_initialises_nothing_and_its_optimizer_state_is_shaped_
         to = torch.nn.Module.to
         built = build_empty(build, mesh, "cpu")
         assert built is not None and seen_meta == [False, True] and torch.nn.Module.to is to
+        assert seen_random == [(True, (2, 3), torch.float64, True)], seen_random
         model2, opt2 = built
         params = list(model2.parameters())
         assert not any(p.is_meta for p in params)
