@@ -124,9 +124,10 @@ def test_a_users_own_loop_survives_a_kill_in_process(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_an_empty_rebuild_initialises_nothing_and_its_optimizer_state_is_shaped_as_the_old_one() -> None:
     """A recovery's rebuild (issue #31 goal): ``build(mesh)`` runs on the meta device (the user's
-    ``.to("cpu")`` and weight init touch no data, and the init's ops are not even run there), the model is materialised empty with the optimizer
-    still over its parameters, and the optimizer's state is created empty as the old one's (keys,
-    shapes, dtypes), so that ``get_state_dict`` runs no initialising step. A model with a
+    ``.to("cpu")`` and weight init touch no data, and the init's ops are not even run there), the
+    model is materialised empty with the optimizer still over its parameters, and the optimizer's
+    state is created empty as the old one's (keys, shapes, dtypes), so that ``get_state_dict`` runs
+    no initialising step. A model with a
     non-persistent buffer (no state dict restores it) is refused: built for real."""
     import dataclasses
 

@@ -404,8 +404,8 @@ def _exchange_for(ptc: PTC, old_cfg: Layout, new_cfg: Layout, alive: list[int], 
 
 class _Buffers:
     """One rank's side of an exchange: its old shard's bytes (flattened on first use, on
-    ``device``), its new shard's flat buffers (padding zeroed; pieces fill the rest) and the
-    local copies between them."""
+    ``device``), its new shard's flat buffers (padding zeroed; pieces fill the rest; a natural-order
+    ``into`` destination's own memory where it is one) and the local copies between them."""
 
     def __init__(self, ptc: PTC, old_cfg: Layout, new_cfg: Layout, ex: ExchangePlan, rank: int, mine: int | None,
                  held: Mapping[str, Any], device: torch.device, into: Mapping[str, torch.Tensor]) -> None:
@@ -419,8 +419,8 @@ class _Buffers:
                 segs = ptc.segments(name, new_cfg, rank)
                 spec, size = ptc.tensors[name], sum(ln for _, _, ln in segs)
                 dst = into.get(name)
-                if dst is not None and (tuple(dst.shape) != ptc.local_shape(name, new_cfg, rank) or dst.dtype != spec.dtype
-                                        or dst.device != device):
+                if dst is not None and (tuple(dst.shape) != ptc.local_shape(name, new_cfg, rank)
+                                        or dst.dtype != spec.dtype or dst.device != device):
                     dst = None
                 if dst is not None:
                     self.into[name] = dst

@@ -668,7 +668,9 @@ class PTC:
         """Reshape a canonical flat local shard into its natural local shape (``rank``'s, under a
         state-dict layout, where local shapes differ between ranks); ``out``: copied into it."""
         spec = self.tensors[name]  # a layout of the user's need not take ``out`` unless it is asked for
-        return cfg.from_local_flat(spec, rank, local) if out is None else cfg.from_local_flat(spec, rank, local, out=out)
+        if out is None:
+            return cfg.from_local_flat(spec, rank, local)
+        return cfg.from_local_flat(spec, rank, local, out=out)
 
     def relaid(self, name: str) -> bool:
         """Whether a local shard's canonical (split dim first, or panel) order may differ from its
