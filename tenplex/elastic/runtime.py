@@ -1002,7 +1002,7 @@ _FILLS = frozenset(getattr(torch.Tensor, n) for n in (
     "cauchy_", "geometric_", "erfinv_", "mul_", "div_", "add_", "sub_", "clamp_", "clamp_min_", "clamp_max_",
     "fill_diagonal_", "addcmul_", "addcdiv_", "sqrt_", "abs_", "neg_", "exp_"))
 _RANDOM = frozenset((torch.randn, torch.rand))  # (*size, generator=, dtype=, device=, requires_grad=)
-_RANDOM_KW = frozenset(("generator", "dtype", "device", "requires_grad", "layout", "pin_memory"))
+_RANDOM_KW = frozenset(("generator", "dtype", "device", "requires_grad"))  # others (layout=, out=, ...): run as asked
 
 
 @contextlib.contextmanager
