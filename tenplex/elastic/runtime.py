@@ -685,7 +685,7 @@ class ElasticRuntime:
         ``real`` False, not warmed). The job's optimizer step hooks do not run for that step, its
         optimizers' own nor torch's global ones: the model is not the job's."""
         try:
-            with torch.device("meta"), _to_keeps_meta():
+            with _on_meta():  # as a recovery's rebuild runs it (``build_empty``)
                 self.model, self.optimizer = self.build_fn(mesh)
             on_meta = True
         except (NotImplementedError, RuntimeError) as e:  # e.g. data copied out of a meta tensor
@@ -943,7 +943,7 @@ def build_empty(build: Build, mesh: Any, device: str) -> tuple[Any, Any] | None:
     be used so: it has non-persistent buffers (the state dict does not restore them), or a parameter
     or buffer stays on meta, or the optimizer's parameters are not the model's."""
     try:
-        with torch.device("meta"), _to_keeps_meta(), _NoDataOnMeta():
+        with _on_meta():
             model, optimizer = build(mesh)
     except (NotImplementedError, RuntimeError) as e:  # e.g. data copied out of a meta tensor
         log.info("empty rebuild: build(mesh) failed on the meta device (%s); built for real", e)
@@ -973,6 +973,14 @@ def _aliases(sd: Mapping[str, Any], model: Any, optimizer: Any) -> bool:
     ptrs = {local(t).untyped_storage().data_ptr() for t in own}
     return all(t.untyped_storage().data_ptr() in ptrs for t in local_shard(sd).values()
                if isinstance(t, torch.Tensor) and t.numel() > 0)
+
+
+@contextlib.contextmanager
+def _on_meta() -> Iterator[None]:
+    """A ``build`` on the meta device, as an empty rebuild and a warm-up run it: ``torch.device("meta")``,
+    a ``Module.to`` that keeps the model there (``_to_keeps_meta``) and no weight init (``_NoDataOnMeta``)."""
+    with torch.device("meta"), _to_keeps_meta(), _NoDataOnMeta():
+        yield
 
 
 class _NoDataOnMeta(TorchFunctionMode):
