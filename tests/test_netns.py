@@ -246,7 +246,8 @@ def test_teardown_leaves_nothing_and_kills_what_ran_inside(netns_ok: None) -> No
 
 
 CHILD = textwrap.dedent("""
-    import sys, time
+    import faulthandler, signal, sys, time
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's diagnosis if it does not exit
     from tenplex.train.netns import HostNetwork
     net = HostNetwork.create(2)   # no `with`: SIGINT must still tear down (atexit)
     print(" ".join(net.plan.namespaces), flush=True)
@@ -261,15 +262,25 @@ def test_interrupted_or_killed_owner_leaves_nothing(netns_ok: None, sig: int) ->
     run's ``reap_stale`` removes what is left."""
     links = _root_links()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
     try:
         names = set(child.stdout.readline().split())
         assert len(names) == 3 and names == _owned_by(child.pid)
         child.send_signal(sig)
-        child.wait(timeout=30)
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # where it is stuck: its threads' stacks (faulthandler), then fail
+            child.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            child.kill()
+            pytest.fail(f"the owner did not exit 30 s after {sig.name}; its stacks:\n{child.communicate()[1]}")
     finally:
         if child.poll() is None:
             child.kill()
+        child.wait()
+        for pipe in (child.stdout, child.stderr):
+            pipe.close()
     if sig == signal.SIGKILL:
         assert names <= set(our_namespaces()), "SIGKILL cannot tear down; reap_stale's job"
         assert set(reap_stale()) >= names
