@@ -247,6 +247,9 @@ def test_teardown_leaves_nothing_and_kills_what_ran_inside(netns_ok: None) -> No
 
 CHILD = textwrap.dedent("""
     import faulthandler, signal, sys, time
+    # Ctrl-C as an interactive owner takes it: a suite started in the background (`make test &`, nohup)
+    # hands its children SIGINT ignored, and Python keeps it so
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's diagnosis if it does not exit
     from tenplex.train.netns import HostNetwork
     net = HostNetwork.create(2)   # no `with`: SIGINT must still tear down (atexit)
