@@ -550,8 +550,7 @@ class ElasticRuntime:
         try:
             with self.guard():
                 self._with_spares()
-            if self._pending is not None:  # the trainers sum the recovery's figures at this step's end too
-                self._summarize(None)
+            self._summarize(None)  # a recovery's figures, as the trainers sum them at this step's end
         except PeerFailure as e:
             self.failure = str(e)
             return
@@ -589,8 +588,7 @@ class ElasticRuntime:
         if self._placed is not None:
             with self.guard():
                 self._with_spares()
-        if self._pending is not None:
-            self._summarize(first)
+        self._summarize(first)
         if first is not None and self.times is not None:
             self._first_step(first, step_s)
         if self._warm_later and self.ring is not None and self.ring.held_as is not None:
@@ -618,7 +616,7 @@ class ElasticRuntime:
         """After a recovery's first step (every rank of the new group, a spare in its ``_follow``): the
         recovery's figures summed over the group (one collective, off the first step's path) into its
         record and latency table, and, not timed, the same move planned in the survivors' old rank order
-        (what the locality order saved)."""
+        (what the locality order saved). Nothing at the other steps (no recovery pending)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
